@@ -1,0 +1,232 @@
+"""The Backend interface (the seed design's DataChannel) and the request objects.
+
+A backend works on :class:`collectives.tensors.Buffer` objects and group ranks
+(0..size-1); it never sees a torch tensor or a global rank. The front end
+validates every argument before calling it, so a backend may assume:
+
+* all buffers of one call share a dtype and are host memory (or CUDA memory
+  for a CUDA backend);
+* ``op`` is one of SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR and is valid for the
+  dtype (the front end turns AVG and PREMUL_SUM into SUM plus a scale);
+* ranks, roots and counts are in range and consistent on this rank.
+
+Collectives are blocking and are called in issue order. ``submit`` runs one on
+the backend's progress thread (``async_op=True``); the base class provides a
+progress thread that runs submitted calls in issue order, and a backend with
+native non-blocking operations may override ``submit``. Point-to-point
+``isend``/``irecv`` return a :class:`Request` and must not deadlock against a
+matching operation issued later on this rank (post them, don't run them).
+
+Every wait is bounded by ``timeout``; a failure raises a DistError naming the
+operation and the peer.
+"""
+import collections
+import threading
+
+from ..errors import DistBackendError, DistError
+
+
+class Request:
+    """An operation in flight. ``wait`` raises the operation's DistError, if any."""
+
+    def wait(self, timeout=None):
+        raise NotImplementedError
+
+    def test(self):
+        """True when the operation has finished (successfully or not)."""
+        raise NotImplementedError
+
+    def exception(self):
+        """The exception the operation failed with, or None."""
+        return None
+
+    @property
+    def source(self):
+        """For a receive: the group rank of the sender; -1 otherwise."""
+        return -1
+
+
+class DoneRequest(Request):
+    """A request that finished at creation."""
+
+    def __init__(self, source=-1, exc=None):
+        self._source = source
+        self._exc = exc
+
+    def wait(self, timeout=None):
+        if self._exc is not None:
+            raise self._exc
+
+    def test(self):
+        return True
+
+    def exception(self):
+        return self._exc
+
+    @property
+    def source(self):
+        return self._source
+
+
+class FutureRequest(Request):
+    """A request completed by another thread with ``set_result``/``set_exception``."""
+
+    def __init__(self, describe="operation", default_timeout=None):
+        self._event = threading.Event()
+        self._exc = None
+        self._source = -1
+        self._describe = describe
+        self._default_timeout = default_timeout
+
+    def set_result(self, source=-1):
+        self._source = source
+        self._event.set()
+
+    def set_exception(self, exc):
+        self._exc = exc
+        self._event.set()
+
+    def wait(self, timeout=None):
+        if timeout is None:
+            timeout = self._default_timeout
+        if not self._event.wait(timeout):
+            raise DistBackendError(f"{self._describe} did not finish within {timeout} s")
+        if self._exc is not None:
+            raise self._exc
+
+    def test(self):
+        return self._event.is_set()
+
+    def exception(self):
+        return self._exc
+
+    @property
+    def source(self):
+        return self._source
+
+
+class Backend:
+    """Base class of every backend. Subclasses implement the collectives below.
+
+    Args:
+        store: a Store shared by the group's ranks (already prefixed for this group).
+        rank: this process's rank in the group.
+        size: the group's size.
+        timeout: seconds any single wait may take before raising DistBackendError.
+        options: backend-specific options (``pg_options``), or None.
+
+    Example:
+        >>> class MyBackend(Backend):
+        ...     def all_reduce(self, buf, op): ...
+        >>> collectives.backends.register_backend("mine", MyBackend)
+    """
+
+    name = "base"
+
+    def __init__(self, store, rank, size, timeout, options=None):
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self.options = options
+        self._queue = collections.deque()
+        self._cv = threading.Condition()
+        self._thread = None
+        self._closed = False
+        self._busy = 0  # submitted and not yet finished
+
+    # ---- collectives (blocking) --------------------------------------------
+    def broadcast(self, buf, root):
+        raise NotImplementedError(f"{self.name} does not implement broadcast")
+
+    def all_reduce(self, buf, op):
+        raise NotImplementedError(f"{self.name} does not implement all_reduce")
+
+    def reduce(self, buf, op, root):
+        """Reduce into ``buf`` on ``root``; the other ranks' ``buf`` stays unchanged."""
+        raise NotImplementedError(f"{self.name} does not implement reduce")
+
+    def all_gather(self, out, inp):
+        """``out`` holds size * inp.count elements, rank r's at [r*n, (r+1)*n)."""
+        raise NotImplementedError(f"{self.name} does not implement all_gather")
+
+    def gather(self, out, inp, root):
+        """Like all_gather, into ``out`` on root only (``out`` is None elsewhere)."""
+        raise NotImplementedError(f"{self.name} does not implement gather")
+
+    def scatter(self, out, inp, root):
+        """Root's ``inp`` holds size * out.count elements; rank r gets slice r (``inp`` None elsewhere)."""
+        raise NotImplementedError(f"{self.name} does not implement scatter")
+
+    def reduce_scatter(self, out, inp, op):
+        """``inp`` holds size * out.count elements; rank r gets the reduction of slice r."""
+        raise NotImplementedError(f"{self.name} does not implement reduce_scatter")
+
+    def all_to_all(self, out, inp, out_counts, in_counts):
+        """Send inp's consecutive slices of in_counts[r] elements to rank r; receive
+        out_counts[r] elements from rank r into out's consecutive slices."""
+        raise NotImplementedError(f"{self.name} does not implement all_to_all")
+
+    def barrier(self):
+        raise NotImplementedError(f"{self.name} does not implement barrier")
+
+    # ---- point to point (non-blocking, return a Request) ----------------------
+    def isend(self, buf, dst, tag=0):
+        raise NotImplementedError(f"{self.name} does not implement isend")
+
+    def irecv(self, buf, src, tag=0):
+        """``src`` None receives from any rank; the Request's ``source`` names the sender."""
+        raise NotImplementedError(f"{self.name} does not implement irecv")
+
+    # ---- ordering and async ------------------------------------------------------
+    def submit(self, fn, *args):
+        """Run ``fn(*args)`` on the progress thread after every earlier submission."""
+        req = FutureRequest(f"{self.name} {getattr(fn, '__name__', 'operation')}", self.timeout)
+        with self._cv:
+            if self._closed:
+                raise DistBackendError(f"{self.name} backend is shut down")
+            self._queue.append((fn, args, req))
+            self._busy += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._progress, daemon=True,
+                                                name=f"collectives-{self.name}-progress")
+                self._thread.start()
+            self._cv.notify()
+        return req
+
+    def run(self, fn, *args):
+        """Run a blocking collective in issue order: in this thread when nothing is
+        queued (the fast path), else behind the queued work on the progress thread."""
+        if self._busy:
+            self.submit(fn, *args).wait()
+            return None
+        return fn(*args)
+
+    def _progress(self):
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                fn, args, req = self._queue.popleft()
+            try:
+                fn(*args)
+            except DistError as e:
+                req.set_exception(e)
+            except Exception as e:  # a bug or misuse inside a backend: still report it on wait
+                req.set_exception(DistBackendError(f"{self.name} {fn.__name__} failed: {e!r}"))
+            else:
+                req.set_result()
+            finally:
+                with self._cv:
+                    self._busy -= 1
+
+    def shutdown(self):
+        """Finish queued work, stop the progress thread and release resources."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(self.timeout)

@@ -1,0 +1,44 @@
+/* Elementwise reduction and copy kernels: the C ABI shared by _core, _tcp and _shm.
+ *
+ * Dtype and op codes equal those in collectives/dtypes.py. Every function is
+ * thread-safe, never touches Python and is called with the GIL released.
+ */
+#ifndef COLLECTIVES_REDUCE_KERNELS_H
+#define COLLECTIVES_REDUCE_KERNELS_H
+#include <stddef.h>
+#include <stdint.h>
+
+enum coll_dtype {
+    COLL_FLOAT16 = 0, COLL_BFLOAT16 = 1, COLL_FLOAT32 = 2, COLL_FLOAT64 = 3,
+    COLL_COMPLEX64 = 4, COLL_COMPLEX128 = 5, COLL_INT8 = 6, COLL_UINT8 = 7,
+    COLL_INT16 = 8, COLL_INT32 = 9, COLL_INT64 = 10, COLL_BOOL = 11,
+    COLL_NUM_DTYPES = 12
+};
+
+enum coll_op {
+    COLL_SUM = 0, COLL_AVG = 1, COLL_PRODUCT = 2, COLL_MIN = 3, COLL_MAX = 4,
+    COLL_BAND = 5, COLL_BOR = 6, COLL_BXOR = 7, COLL_PREMUL_SUM = 8
+};
+
+/* Bytes processed per step by the chunked entry points; a transport can
+ * receive chunk k+1 while reducing chunk k. */
+#define COLL_CHUNK_BYTES (64 * 1024)
+
+/* error codes */
+#define COLL_OK 0
+#define COLL_EDTYPE (-1)   /* unknown dtype */
+#define COLL_EOP (-2)      /* op not defined for dtype (e.g. BAND on float, MAX on complex) */
+
+size_t coll_itemsize(int dtype);          /* 0 for an unknown dtype */
+int coll_op_valid(int dtype, int op);     /* 1 if reduce kernels implement op (SUM..BXOR) on dtype */
+
+/* dst[i] = op(dst[i], src[i]) for i < count. dst and src may be equal, not partially overlapping. */
+int coll_reduce(void *dst, const void *src, size_t count, int dtype, int op);
+
+/* dst[i] = op(srcs[0][i], ..., srcs[nsrc-1][i]); nsrc >= 1; dst may equal srcs[0]. */
+int coll_reduce_many(void *dst, const void *const *srcs, int nsrc, size_t count, int dtype, int op);
+
+/* dst[i] *= factor for floating and complex dtypes (AVG, PREMUL_SUM); half types round to nearest-even. */
+int coll_scale(void *dst, size_t count, int dtype, double factor);
+
+#endif
