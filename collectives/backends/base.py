@@ -19,6 +19,10 @@ matching operation issued later on this rank (post them, don't run them).
 
 Every wait is bounded by ``timeout``; a failure raises a DistError naming the
 operation and the peer.
+
+A factory that finds its own rank and size (mpi under mpiexec) carries a
+``world_rank_size()`` attribute returning ``(rank, size)``; the front end then
+needs no init_method and passes ``store=None`` for the world group.
 """
 import collections
 import threading
@@ -177,6 +181,18 @@ class Backend:
     def irecv(self, buf, src, tag=0):
         """``src`` None receives from any rank; the Request's ``source`` names the sender."""
         raise NotImplementedError(f"{self.name} does not implement irecv")
+
+    # ---- groups ---------------------------------------------------------------------
+    def split(self, ranks, timeout, options=None):
+        """Make the backend of a subgroup from this (parent) backend.
+
+        Called on *every* rank of this group, members of ``ranks`` or not, in the same
+        order, when the front end's ``new_group`` asks for this backend's kind.
+        ``ranks`` are ranks of this group, sorted. Returns the subgroup's Backend on
+        members and None elsewhere, or NotImplemented to let the front end call the
+        factory with a prefixed store instead (the default).
+        """
+        return NotImplemented
 
     # ---- ordering and async ------------------------------------------------------
     def submit(self, fn, *args):
