@@ -1,0 +1,231 @@
+"""init_method URLs to a store: env://, tcp://host:port, file:///path, or a given store.
+
+``rendezvous(...)`` returns ``(store, rank, world_size)`` for ``init_process_group``.
+Rank 0 serves the TCPStore and, as torch's does, waits until every rank has
+connected. Rank and world size come from the arguments, then the URL's query
+string (``?rank=0&world_size=4``), then the environment: RANK/WORLD_SIZE
+(torchrun, collectives-run), else mpiexec's (PMI_RANK/PMI_SIZE for MPICH,
+OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE for Open MPI), else Slurm's
+(SLURM_PROCID/SLURM_NTASKS).
+
+Example:
+    >>> store, rank, world = rendezvous("tcp://127.0.0.1:29500", rank=0, world_size=1)
+"""
+import os
+from datetime import timedelta
+from urllib.parse import parse_qs, urlparse
+
+from .store import DEFAULT_TIMEOUT, FileStore, Store, TCPStore, to_seconds
+
+# (rank variable, world-size variable, who sets them), in order of preference
+RANK_SOURCES = (
+    ("RANK", "WORLD_SIZE", "torchrun/collectives-run"),
+    ("PMI_RANK", "PMI_SIZE", "mpiexec (MPICH/hydra)"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpiexec (Open MPI)"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "Slurm"),
+)
+LOCAL_SOURCES = (
+    ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+def _env_int(environ, var, minimum):
+    raw = environ.get(var)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {var} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"environment variable {var} must be >= {minimum}, got {value}")
+    return value
+
+
+def _first(environ, sources, index, minimum):
+    for src in sources:
+        value = _env_int(environ, src[index], minimum)
+        if value is not None:
+            return value
+    return None
+
+
+def env_rank_world(environ=None):
+    """``(rank, world_size)`` from the environment a launcher set, None for each one unset.
+
+    RANK/WORLD_SIZE first, then mpiexec's (MPICH PMI_RANK/PMI_SIZE, Open MPI
+    OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE), then Slurm's (SLURM_PROCID/SLURM_NTASKS).
+    A variable that is set but not a non-negative integer raises ValueError naming it.
+    """
+    environ = os.environ if environ is None else environ
+    return _first(environ, RANK_SOURCES, 0, 0), _first(environ, RANK_SOURCES, 1, 1)
+
+
+def env_local_rank(environ=None):
+    """``(local_rank, local_world_size)`` on this host, from LOCAL_RANK/LOCAL_WORLD_SIZE,
+    MPICH, Open MPI or Slurm; None for each one unset."""
+    environ = os.environ if environ is None else environ
+    return _first(environ, LOCAL_SOURCES, 0, 0), _first(environ, LOCAL_SOURCES, 1, 1)
+
+
+def _check_int(value, name):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def _query_int(query, name, scheme):
+    vals = query.get(name)
+    if not vals:
+        return None
+    try:
+        value = int(vals[-1])
+    except ValueError:
+        raise ValueError(f"{scheme}:// rendezvous: {name} in the URL must be an integer, "
+                         f"got {vals[-1]!r}") from None
+    return value
+
+
+def _resolve(name, arg, query, scheme, env_index, environ):
+    """One of rank/world_size: argument, then URL query, then launcher environment."""
+    from_query = _query_int(query, name, scheme)
+    if arg is not None and from_query is not None and arg != from_query:
+        raise ValueError(f"{scheme}:// rendezvous: {name}={arg} was passed but the URL says "
+                         f"{name}={from_query}")
+    if arg is not None:
+        return arg
+    if from_query is not None:
+        return from_query
+    value = _first(environ, RANK_SOURCES, env_index, 0 if env_index == 0 else 1)
+    if value is None:
+        var = "RANK" if name == "rank" else "WORLD_SIZE"
+        if scheme == "env":
+            raise ValueError(f"Error initializing collectives using env:// rendezvous: environment "
+                             f"variable {var} expected, but not set (nor mpiexec's or Slurm's "
+                             f"equivalent), and no {name}= argument was given")
+        raise ValueError(f"Error initializing collectives using {scheme}:// rendezvous: {name} "
+                         f"parameter missing (pass {name}=, add ?{name}= to the URL, or set {var})")
+    return value
+
+
+def _master_env(environ):
+    addr = environ.get("MASTER_ADDR")
+    if not addr:
+        raise ValueError("Error initializing collectives using env:// rendezvous: environment "
+                         "variable MASTER_ADDR expected, but not set (mpiexec and Slurm give the "
+                         "rank and world size, but the TCP store still needs MASTER_ADDR and "
+                         "MASTER_PORT)")
+    raw = environ.get("MASTER_PORT")
+    if not raw:
+        raise ValueError("Error initializing collectives using env:// rendezvous: environment "
+                         "variable MASTER_PORT expected, but not set")
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable MASTER_PORT must be an integer, got {raw!r}") from None
+    return addr, port
+
+
+def _check_port(port, world_size, where):
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{where} must be in [0, 65535], got {port}")
+    if port == 0 and world_size > 1:
+        raise ValueError(f"{where} is 0, which only a single process can use "
+                         f"(world_size={world_size}); give the master's port")
+
+
+def rendezvous(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, store=None,
+               environ=None):
+    """Meet the other ranks: ``(store, rank, world_size)``.
+
+    Args:
+        init_method: "env://" (the default when neither it nor ``store`` is given),
+            "tcp://host:port", or "file:///path"; query parameters ``rank`` and
+            ``world_size`` are accepted.
+        rank: this process's rank, or -1 to take it from the URL or the environment.
+        world_size: the number of processes, or -1 likewise.
+        timeout: timedelta or seconds, for connecting and for every store wait.
+        store: an existing Store shared by all ranks (then ``rank`` and ``world_size``
+            are required and ``init_method`` must be None).
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        (store, rank, world_size). With env:// and tcp://, rank 0 is the TCPStore master
+        and returns only once every rank has connected.
+
+    Raises:
+        ValueError / TypeError: a missing or invalid argument or environment variable,
+            named, before any connection is tried.
+        DistNetworkError / DistStoreError: the other ranks did not arrive within ``timeout``.
+    """
+    environ = os.environ if environ is None else environ
+    secs = to_seconds(timeout)
+    rank_arg = _check_int(rank, "rank")
+    world_arg = _check_int(world_size, "world_size")
+    if rank_arg < -1:
+        raise ValueError(f"rank must be >= 0 (or -1 for the environment's), got {rank_arg}")
+    if world_arg < -1 or world_arg == 0:
+        raise ValueError(f"world_size must be >= 1 (or -1 for the environment's), got {world_arg}")
+    rank_arg = None if rank_arg == -1 else rank_arg
+    world_arg = None if world_arg == -1 else world_arg
+
+    if store is not None:
+        if init_method is not None:
+            raise ValueError("init_method and store are mutually exclusive; pass only one")
+        if not isinstance(store, Store):
+            raise TypeError(f"store must be a collectives Store, got {type(store).__name__}")
+        if rank_arg is None:
+            raise ValueError("rank must be given (>= 0) when store is given")
+        if world_arg is None:
+            raise ValueError("world_size must be given (>= 1) when store is given")
+        _check_rank(rank_arg, world_arg)
+        return store, rank_arg, world_arg
+
+    if init_method is None:
+        init_method = "env://"
+    if not isinstance(init_method, str):
+        raise TypeError(f"init_method must be a str URL, got {type(init_method).__name__}")
+    url = urlparse(init_method)
+    scheme = url.scheme
+    if scheme not in ("env", "tcp", "file"):
+        raise ValueError(f"init_method must start with env://, tcp:// or file://, got {init_method!r}")
+    query = parse_qs(url.query)
+    rank = _resolve("rank", rank_arg, query, scheme, 0, environ)
+    world = _resolve("world_size", world_arg, query, scheme, 1, environ)
+    _check_rank(rank, world)
+
+    if scheme == "file":
+        path = url.path if not url.netloc else url.netloc + url.path
+        if not path:
+            raise ValueError(f"file:// rendezvous needs a path, got {init_method!r}")
+        store = FileStore(path, world)
+        store.set_timeout(timedelta(seconds=secs))
+        return store, rank, world
+
+    if scheme == "env":
+        host, port = _master_env(environ)
+        _check_port(port, world, "MASTER_PORT")
+    else:
+        host = url.hostname
+        try:
+            port = url.port
+        except ValueError:
+            raise ValueError(f"tcp:// rendezvous: invalid port in {init_method!r}") from None
+        if not host or port is None:
+            raise ValueError(f"tcp:// rendezvous needs tcp://host:port, got {init_method!r}")
+        _check_port(port, world, "the tcp:// URL's port")
+    store = TCPStore(host, port, world, rank == 0, timedelta(seconds=secs), wait_for_workers=True)
+    return store, rank, world
+
+
+def _check_rank(rank, world):
+    if world < 1:
+        raise ValueError(f"world_size must be >= 1, got {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, world_size={world}), got {rank}")
+
+
+__all__ = ["rendezvous", "env_rank_world", "env_local_rank", "RANK_SOURCES"]
