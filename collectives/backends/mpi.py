@@ -1,0 +1,450 @@
+"""The 'mpi' backend: every operation is the native MPI call, through mpi4py.
+
+Launch with ``mpiexec -n 4 python prog.py`` and ``init_process_group('mpi')``: the
+rank and world size come from MPI, no MASTER_ADDR or store is needed. Buffers go
+to MPI as ``[MPI.buffer.fromaddress(ptr, nbytes), datatype]`` (no copy).
+
+* Reductions use MPI's predefined ops; bool maps SUM/MAX/BOR to LOR, PRODUCT/MIN/BAND
+  to LAND and BXOR to LXOR (torch's gloo treats bool SUM as OR). float16 and
+  bfloat16 have no portable MPI datatype: they travel as 16-bit words and reduce
+  through a user-defined MPI op that calls our kernels (``collectives._core``, or
+  ``collectives._fallback``), so results match the other backends bit for bit.
+* ``async_op`` collectives, ``isend`` and ``irecv`` are MPI's non-blocking calls
+  (Iallreduce, Ibcast, ..., Isend, Irecv) behind :class:`MpiRequest`.
+* ``new_group`` splits the communicator collectively (``Comm.Split``).
+* Blocking collectives are MPI's blocking calls and, like MPI itself, are not
+  bounded by the group timeout; waits on requests are.
+"""
+import importlib.util
+import os
+import time
+
+from .. import dtypes as D
+from ..errors import DistBackendError
+from .base import Backend, Request
+
+INSTALL_HINT = 'pip install "collectives[mpi]"'
+
+_MPI = None          # the mpi4py.MPI module once loaded
+_DATATYPE = None     # dtype code -> MPI.Datatype
+_OPS = None          # dtype code * 16 + op code -> MPI.Op (None: not made yet)
+_IN_PLACE = None
+_fromaddress = None
+
+
+def is_available():
+    """Whether mpi4py is installed; never initialises MPI."""
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def _load_mpi():
+    """Import mpi4py.MPI (initialising MPI) and build the lookup tables, once."""
+    global _MPI, _DATATYPE, _OPS, _IN_PLACE, _fromaddress
+    if _MPI is not None:
+        return _MPI
+    if not is_available():
+        raise DistBackendError(
+            f"the 'mpi' backend needs mpi4py and an MPI library; install them with {INSTALL_HINT}")
+    try:
+        import mpi4py
+        # ops may run on the progress thread while the main thread does p2p
+        mpi4py.rc.thread_level = "multiple"
+        from mpi4py import MPI
+    except (ImportError, RuntimeError, OSError) as e:
+        raise DistBackendError(
+            f"the 'mpi' backend could not load mpi4py/MPI ({e}); install them with {INSTALL_HINT}") from None
+    _DATATYPE = {
+        D.FLOAT16: MPI.UINT16_T, D.BFLOAT16: MPI.UINT16_T, D.FLOAT32: MPI.FLOAT,
+        D.FLOAT64: MPI.DOUBLE, D.COMPLEX64: MPI.C_FLOAT_COMPLEX, D.COMPLEX128: MPI.C_DOUBLE_COMPLEX,
+        D.INT8: MPI.INT8_T, D.UINT8: MPI.UINT8_T, D.INT16: MPI.INT16_T, D.INT32: MPI.INT32_T,
+        D.INT64: MPI.INT64_T, D.BOOL: MPI.C_BOOL,
+    }
+    native = {D.SUM: MPI.SUM, D.PRODUCT: MPI.PROD, D.MIN: MPI.MIN, D.MAX: MPI.MAX,
+              D.BAND: MPI.BAND, D.BOR: MPI.BOR, D.BXOR: MPI.BXOR}
+    logical = {D.SUM: MPI.LOR, D.PRODUCT: MPI.LAND, D.MIN: MPI.LAND, D.MAX: MPI.LOR,
+               D.BAND: MPI.LAND, D.BOR: MPI.LOR, D.BXOR: MPI.LXOR}
+    ops = [None] * (16 * 16)
+    for dtype in D.DTYPE_NAMES:
+        for op in native:
+            if not D.op_valid(dtype, op) or dtype in (D.FLOAT16, D.BFLOAT16):
+                continue
+            ops[dtype * 16 + op] = logical[op] if dtype == D.BOOL else native[op]
+    _OPS = ops
+    _IN_PLACE = MPI.IN_PLACE
+    _fromaddress = MPI.buffer.fromaddress
+    _MPI = MPI
+    return MPI
+
+
+def _reduce_kernel():
+    """``reduce_ptr(dst, src, count, dtype, op)`` from _core, else the pure-Python fallback."""
+    for name in ("collectives._core", "collectives._fallback"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        fn = getattr(mod, "reduce_ptr", None)
+        if fn is not None:
+            return fn
+    raise DistBackendError("float16/bfloat16 reductions need collectives._core (build it with "
+                           "setup.py build_ext) or collectives._fallback; neither provides reduce_ptr")
+
+
+def _half_op(dtype, op):
+    """The user-defined MPI op reducing float16/bfloat16 words with our kernels."""
+    key = dtype * 16 + op
+    mpi_op = _OPS[key]
+    if mpi_op is not None:
+        return mpi_op
+    if dtype not in (D.FLOAT16, D.BFLOAT16) or not D.op_valid(dtype, op):
+        raise ValueError(f"op {D.OP_NAMES.get(op, op)} is not supported for dtype "
+                         f"{D.DTYPE_NAMES.get(dtype, dtype)} by the mpi backend")
+    kernel = _reduce_kernel()
+
+    def reduce_half(inbuf, inoutbuf, datatype):
+        # MPI: inout = in (op) inout; our ops are commutative, so dst=inout, src=in
+        kernel(inoutbuf.address, inbuf.address, len(inoutbuf) // 2, dtype, op)
+
+    mpi_op = _MPI.Op.Create(reduce_half, commute=True)
+    _OPS[key] = mpi_op
+    return mpi_op
+
+
+def _mpi_op(dtype, op):
+    mpi_op = _OPS[dtype * 16 + op]
+    return mpi_op if mpi_op is not None else _half_op(dtype, op)
+
+
+def _spec(buf):
+    """The mpi4py buffer spec over a Buffer's memory (zero-copy)."""
+    return [_fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[buf.dtype]]
+
+
+def _overlap(a, b):
+    return (a.count and b.count and a.ptr < b.ptr + b.count * b.itemsize
+            and b.ptr < a.ptr + a.count * a.itemsize)
+
+
+def _private_copy(buf):
+    """(spec, keepalive) over a copy of ``buf``: MPI forbids aliased send and receive buffers."""
+    arr = buf.numpy().copy()
+    return [arr, _DATATYPE[buf.dtype]], arr
+
+
+def _displs(counts):
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+def world_rank_size():
+    """(rank, size) of this process in MPI_COMM_WORLD; initialises MPI."""
+    world = _load_mpi().COMM_WORLD
+    return world.Get_rank(), world.Get_size()
+
+
+class MpiRequest(Request):
+    """A non-blocking MPI operation. ``wait`` polls ``MPI_Test``: a short spin, then
+    yields and short sleeps, bounded by the timeout. Keeps its buffers alive."""
+
+    __slots__ = ("_req", "_status", "_keep", "_describe", "_timeout", "_done", "_source", "_exc")
+
+    SPIN_S = 50e-6
+    YIELD_S = 5e-3
+
+    def __init__(self, req, keep, describe, timeout, want_source=False):
+        self._req = req
+        self._status = _MPI.Status() if want_source else None
+        self._keep = keep
+        self._describe = describe
+        self._timeout = timeout
+        self._done = False
+        self._source = -1
+        self._exc = None
+
+    def _finish(self):
+        self._done = True
+        self._keep = None
+        if self._status is not None:
+            self._source = self._status.Get_source()
+
+    def test(self):
+        if not self._done:
+            try:
+                if self._req.Test(self._status):
+                    self._finish()
+            except _MPI.Exception as e:
+                self._done = True
+                self._exc = DistBackendError(f"{self._describe} failed: {e}")
+        return self._done
+
+    def wait(self, timeout=None):
+        if not self._done:
+            if timeout is None:
+                timeout = self._timeout
+            self._poll(timeout)
+        if self._exc is not None:
+            raise self._exc
+
+    def _poll(self, timeout):
+        test = self.test
+        now = time.monotonic
+        start = now()
+        deadline = None if timeout is None else start + timeout
+        pause = 20e-6
+        while not test():
+            elapsed = now() - start
+            if elapsed < self.SPIN_S:
+                continue
+            if deadline is not None and now() > deadline:
+                raise DistBackendError(f"{self._describe} did not finish within {timeout} s")
+            if elapsed < self.YIELD_S:
+                os.sched_yield()
+            else:  # a long wait: give the cores to the other ranks
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+
+    def exception(self):
+        return self._exc
+
+    @property
+    def source(self):
+        return self._source
+
+
+class MpiBackend(Backend):
+    """A group's backend over one MPI communicator (owned: freed at shutdown).
+
+    Args:
+        comm: the communicator; the group's rank and size are its own.
+        timeout: seconds a wait on a request may take.
+        options: unused (kept for the factory signature).
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm, timeout, options=None):
+        super().__init__(None, comm.Get_rank(), comm.Get_size(), timeout, options)
+        self.comm = comm
+        self._native = {
+            MpiBackend.all_reduce: MpiBackend._iall_reduce,
+            MpiBackend.broadcast: MpiBackend._ibroadcast,
+            MpiBackend.reduce: MpiBackend._ireduce,
+            MpiBackend.all_gather: MpiBackend._iall_gather,
+            MpiBackend.gather: MpiBackend._igather,
+            MpiBackend.scatter: MpiBackend._iscatter,
+            MpiBackend.reduce_scatter: MpiBackend._ireduce_scatter,
+            MpiBackend.all_to_all: MpiBackend._iall_to_all,
+            MpiBackend.barrier: MpiBackend._ibarrier,
+        }
+
+    # ---- blocking collectives: one MPI call each ------------------------------------
+    def all_reduce(self, buf, op):
+        self.comm.Allreduce(_IN_PLACE, [_fromaddress(buf.ptr, buf.count * buf.itemsize),
+                                        _DATATYPE[buf.dtype]], _mpi_op(buf.dtype, op))
+
+    def broadcast(self, buf, root):
+        self.comm.Bcast([_fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[buf.dtype]], root)
+
+    def reduce(self, buf, op, root):
+        # root reduces in place; the others' buf is MPI's send buffer, which MPI never writes
+        if self.rank == root:
+            self.comm.Reduce(_IN_PLACE, _spec(buf), _mpi_op(buf.dtype, op), root)
+        else:
+            self.comm.Reduce(_spec(buf), None, _mpi_op(buf.dtype, op), root)
+
+    def all_gather(self, out, inp):
+        send, _keep = self._gather_send(out, inp)
+        self.comm.Allgather(send, _spec(out))
+
+    def gather(self, out, inp, root):
+        if self.rank == root:
+            send, _keep = self._gather_send(out, inp)
+            self.comm.Gather(send, _spec(out), root)
+        else:
+            self.comm.Gather(_spec(inp), None, root)
+
+    def scatter(self, out, inp, root):
+        if self.rank == root:
+            send, _keep = self._send_spec(out, inp)
+            self.comm.Scatter(send, _spec(out), root)
+        else:
+            self.comm.Scatter(None, _spec(out), root)
+
+    def reduce_scatter(self, out, inp, op):
+        send, _keep = self._send_spec(out, inp)
+        self.comm.Reduce_scatter_block(send, _spec(out), _mpi_op(out.dtype, op))
+
+    def all_to_all(self, out, inp, out_counts, in_counts):
+        send, recv, _keep = self._alltoall_specs(out, inp, out_counts, in_counts)
+        if recv[1] is None:
+            self.comm.Alltoall(send, recv[0])
+        else:
+            self.comm.Alltoallv(send, recv)
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    # ---- point to point ----------------------------------------------------------
+    def isend(self, buf, dst, tag=0):
+        req = self.comm.Isend(_spec(buf), dst, tag)
+        return MpiRequest(req, buf, f"mpi isend to rank {dst} (tag {tag})", self.timeout)
+
+    def irecv(self, buf, src, tag=0):
+        source = _MPI.ANY_SOURCE if src is None else src
+        req = self.comm.Irecv(_spec(buf), source, tag)
+        peer = "any rank" if src is None else f"rank {src}"
+        return MpiRequest(req, buf, f"mpi irecv from {peer} (tag {tag})", self.timeout,
+                          want_source=True)
+
+    # ---- async: MPI's non-blocking collectives -------------------------------------
+    def submit(self, fn, *args):
+        """Post ``fn`` as MPI's non-blocking form when it has one and nothing is queued
+        on the progress thread (MPI needs the same issue order on every rank)."""
+        start = None
+        if getattr(fn, "__self__", None) is self:
+            start = self._native.get(getattr(fn, "__func__", None))
+        if start is None or self._busy:
+            return super().submit(fn, *args)
+        return start(self, *args)
+
+    def _request(self, req, keep, what):
+        return MpiRequest(req, keep, f"mpi {what}", self.timeout)
+
+    def _iall_reduce(self, buf, op):
+        return self._request(self.comm.Iallreduce(_IN_PLACE, _spec(buf), _mpi_op(buf.dtype, op)),
+                             buf, "all_reduce")
+
+    def _ibroadcast(self, buf, root):
+        return self._request(self.comm.Ibcast(_spec(buf), root), buf, "broadcast")
+
+    def _ireduce(self, buf, op, root):
+        if self.rank == root:
+            req = self.comm.Ireduce(_IN_PLACE, _spec(buf), _mpi_op(buf.dtype, op), root)
+        else:
+            req = self.comm.Ireduce(_spec(buf), None, _mpi_op(buf.dtype, op), root)
+        return self._request(req, buf, "reduce")
+
+    def _iall_gather(self, out, inp):
+        send, keep = self._gather_send(out, inp)
+        return self._request(self.comm.Iallgather(send, _spec(out)), (out, inp, keep), "all_gather")
+
+    def _igather(self, out, inp, root):
+        if self.rank == root:
+            send, keep = self._gather_send(out, inp)
+            req = self.comm.Igather(send, _spec(out), root)
+        else:
+            keep = None
+            req = self.comm.Igather(_spec(inp), None, root)
+        return self._request(req, (out, inp, keep), "gather")
+
+    def _iscatter(self, out, inp, root):
+        if self.rank == root:
+            send, keep = self._send_spec(out, inp)
+            req = self.comm.Iscatter(send, _spec(out), root)
+        else:
+            keep = None
+            req = self.comm.Iscatter(None, _spec(out), root)
+        return self._request(req, (out, inp, keep), "scatter")
+
+    def _ireduce_scatter(self, out, inp, op):
+        send, keep = self._send_spec(out, inp)
+        req = self.comm.Ireduce_scatter_block(send, _spec(out), _mpi_op(out.dtype, op))
+        return self._request(req, (out, inp, keep), "reduce_scatter")
+
+    def _iall_to_all(self, out, inp, out_counts, in_counts):
+        send, recv, keep = self._alltoall_specs(out, inp, out_counts, in_counts)
+        if recv[1] is None:
+            req = self.comm.Ialltoall(send, recv[0])
+        else:
+            req = self.comm.Ialltoallv(send, recv)
+        return self._request(req, (out, inp, keep), "all_to_all")
+
+    def _ibarrier(self):
+        return self._request(self.comm.Ibarrier(), None, "barrier")
+
+    # ---- buffer specs for ops with separate input and output -------------------------
+    def _gather_send(self, out, inp):
+        """Send spec for (all_)gather: IN_PLACE when inp is this rank's slot of out."""
+        if inp.count and inp.ptr == out.ptr + self.rank * inp.count * inp.itemsize:
+            return _IN_PLACE, None
+        return self._send_spec(out, inp)
+
+    @staticmethod
+    def _send_spec(out, inp):
+        if _overlap(out, inp):
+            return _private_copy(inp)
+        return _spec(inp), None
+
+    def _alltoall_specs(self, out, inp, out_counts, in_counts):
+        send, keep = self._send_spec(out, inp)
+        even = (len(set(in_counts)) <= 1 and len(set(out_counts)) <= 1
+                and list(in_counts) == list(out_counts))
+        if even:
+            return send, (_spec(out), None), keep
+        in_counts, out_counts = list(in_counts), list(out_counts)
+        send = [send[0], (in_counts, _displs(in_counts)), _DATATYPE[inp.dtype]]
+        out_mem = _fromaddress(out.ptr, out.count * out.itemsize)
+        recv = [out_mem, (out_counts, _displs(out_counts)), _DATATYPE[out.dtype]]
+        return send, recv, keep
+
+    # ---- groups --------------------------------------------------------------------
+    def split(self, ranks, timeout, options=None):
+        """The subgroup of ``ranks`` (this group's ranks, sorted) by ``MPI_Comm_split``,
+        called on every rank of this group; None on non-members."""
+        result = []
+
+        def do_split():
+            member = self.rank in ranks
+            color = 0 if member else _MPI.UNDEFINED
+            key = list(ranks).index(self.rank) if member else 0
+            comm = self.comm.Split(color, key)
+            result.append(MpiBackend(comm, timeout, options) if member else None)
+
+        # after anything queued on the progress thread, as every collective
+        self.run(do_split)
+        return result[0]
+
+    def shutdown(self):
+        super().shutdown()
+        comm, self.comm = self.comm, None
+        if comm is not None and _MPI is not None and not _MPI.Is_finalized():
+            try:
+                comm.Free()
+            except _MPI.Exception:
+                pass
+
+
+def _comm_for(store, rank, size):
+    """The communicator of a group of ``size`` ranks where this process is ``rank``."""
+    MPI = _load_mpi()
+    world = MPI.COMM_WORLD
+    wrank, wsize = world.Get_rank(), world.Get_size()
+    if (rank, size) == (wrank, wsize):
+        return world.Dup()
+    if wsize == 1 and size > 1:
+        raise DistBackendError(
+            f"the 'mpi' backend found a one-process MPI world but world_size={size}: start the "
+            f"program with mpiexec (mpiexec -n {size} python prog.py)")
+    if store is None or size > wsize:
+        raise DistBackendError(
+            f"the 'mpi' backend got rank={rank}, world_size={size}, but MPI_COMM_WORLD has rank "
+            f"{wrank} of {wsize}; under mpiexec let init_process_group('mpi') take both from MPI")
+    # a subgroup made by a non-MPI parent: members tell each other their world ranks
+    store.set(f"mpi_world_rank/{rank}", str(wrank).encode())
+    members = [int(store.get(f"mpi_world_rank/{r}")) for r in range(size)]
+    group = world.Get_group().Incl(members)
+    try:
+        return world.Create_group(group)
+    finally:
+        group.Free()
+
+
+def create_mpi_backend(store, rank, size, timeout, options=None):
+    """The backend for ``init_process_group('mpi')``; ``store`` may be None under mpiexec."""
+    return MpiBackend(_comm_for(store, rank, size), timeout, options)
+
+
+create_mpi_backend.world_rank_size = world_rank_size
