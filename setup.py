@@ -11,7 +11,9 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CFLAGS = ["-O3", "-fno-strict-aliasing", "-Wno-unused-function"]
+CFLAGS = ["-O3", "-fno-strict-aliasing", "-Wno-unused-function",
+          # no FMA contraction: results must equal torch/NumPy bit for bit (complex products)
+          "-ffp-contract=off"]
 if os.environ.get("COLLECTIVES_MARCH_NATIVE") == "1":
     CFLAGS.append("-march=native")
 
@@ -19,7 +21,7 @@ if os.environ.get("COLLECTIVES_MARCH_NATIVE") == "1":
 MODULES = {
     "_core": [],
     "_tcp": [],
-    "_shm": [],
+    "_shm": ["collectives/src/shm_coll.c"],
 }
 KERNEL_SOURCES = ["collectives/src/reduce_kernels.c"]
 

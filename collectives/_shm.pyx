@@ -1,0 +1,276 @@
+# cython: language_level=3
+"""Same-host shared-memory transport: one segment per group, collectives in C.
+
+Every collective runs in C with the GIL released (src/shm_coll.c); this module
+only converts arguments and turns error codes into DistBackendError.
+"""
+from libc.stdint cimport uint32_t
+from libc.stdlib cimport free, malloc
+
+from .errors import DistBackendError
+
+
+cdef extern from "shm_coll.h" nogil:
+    ctypedef struct shm_comm:
+        pass
+    int SHM_OK, SHM_ETIMEDOUT, SHM_EPEERDEAD, SHM_EBROKEN, SHM_ESYS, SHM_EINVAL, SHM_ECLOSED
+    int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int size,
+                      size_t half_bytes, size_t ring_bytes, double timeout_s, int *sys_errno)
+    void shm_comm_close(shm_comm *c)
+    int shm_comm_unlink(const char *name)
+    void shm_comm_set_timeout(shm_comm *c, double timeout_s)
+    void shm_comm_set_thresholds(shm_comm *c, size_t oneshot_max, size_t chunk_bytes)
+    int shm_comm_error_peer(const shm_comm *c)
+    uint32_t shm_comm_seq(const shm_comm *c)
+    size_t shm_comm_half_bytes(const shm_comm *c)
+    void shm_comm_abort(shm_comm *c)
+    int shm_barrier(shm_comm *c)
+    int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root)
+    int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op)
+    int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root)
+    int shm_all_gather(shm_comm *c, void *out, const void *inp, size_t nbytes)
+    int shm_gather(shm_comm *c, void *out, const void *inp, size_t nbytes, int root)
+    int shm_scatter(shm_comm *c, void *out, const void *inp, size_t nbytes, int root)
+    int shm_reduce_scatter(shm_comm *c, void *out, const void *inp, size_t count, int dtype, int op)
+    int shm_all_to_all(shm_comm *c, void *out, const void *inp, const size_t *out_bytes,
+                       const size_t *in_bytes)
+    int shm_p2p_try_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const void *buf,
+                         size_t nbytes)
+    int shm_p2p_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const void *buf,
+                     size_t nbytes)
+    int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int *src)
+    int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
+    void shm_p2p_kick(shm_comm *c)
+
+
+_REASONS = {
+    SHM_ETIMEDOUT: "timed out waiting for",
+    SHM_EPEERDEAD: "lost (process died)",
+    SHM_EBROKEN: "group unusable after an earlier failure",
+    SHM_EINVAL: "segment layout mismatch or bad argument",
+    SHM_ECLOSED: "communicator shut down",
+    -1: "unknown dtype",
+    -2: "op not defined for dtype",
+}
+
+
+def unlink(name):
+    """Remove a segment name from /dev/shm (mapped ranks keep their mapping)."""
+    return shm_comm_unlink(name.encode()) == SHM_OK
+
+
+cdef class ShmComm:
+    """One rank's view of a group's shared segment.
+
+    Args:
+        name: the shm_open name (``/collectives-...``).
+        create: True on the rank that creates the segment.
+        rank, size: this rank and the number of ranks mapping the segment.
+        half_bytes: bytes per half data slot (each rank has two).
+        ring_bytes: bytes per point-to-point ring (a power of two).
+        timeout: seconds any single wait may take.
+        label: names the group in error messages.
+    """
+
+    cdef shm_comm *c
+    cdef readonly int rank, size
+    cdef readonly str label
+
+    def __cinit__(self, str name, bint create, int rank, int size, size_t half_bytes,
+                  size_t ring_bytes, double timeout, str label="shm"):
+        cdef int err = 0, rc
+        cdef bytes bname = name.encode()
+        cdef const char *cname = bname
+        self.c = NULL
+        self.rank = rank
+        self.size = size
+        self.label = label
+        with nogil:
+            rc = shm_comm_open(&self.c, cname, create, rank, size, half_bytes, ring_bytes,
+                               timeout, &err)
+        if rc != SHM_OK:
+            import os
+            detail = os.strerror(err) if rc == SHM_ESYS else _REASONS.get(rc, str(rc))
+            raise DistBackendError(f"{label}: cannot map shared segment {name}: {detail}")
+
+    def __dealloc__(self):
+        if self.c != NULL:
+            shm_comm_close(self.c)
+            self.c = NULL
+
+    cdef int _check(self, int rc, str op, int peer=-1) except -1:
+        if rc == SHM_OK:
+            return 0
+        if self.c == NULL:
+            raise DistBackendError(f"{self.label} {op}: communicator is closed")
+        if peer < 0:
+            peer = shm_comm_error_peer(self.c)
+        reason = _REASONS.get(rc, f"error {rc}")
+        who = f"peer rank {peer}" if peer >= 0 else "peers"
+        if rc == SHM_ETIMEDOUT:
+            msg = f"{reason} {who}"
+        elif rc == SHM_EPEERDEAD:
+            msg = f"{who} {reason}"
+        else:
+            msg = f"{reason}"
+        raise DistBackendError(
+            f"{self.label} {op} failed at sequence {shm_comm_seq(self.c)} on rank {self.rank}: {msg}")
+
+    cdef inline shm_comm *_live(self, str op) except NULL:
+        if self.c == NULL:
+            raise DistBackendError(f"{self.label} {op}: communicator is closed")
+        return self.c
+
+    def close(self):
+        """Unmap the segment (idempotent)."""
+        if self.c != NULL:
+            shm_comm_close(self.c)
+            self.c = NULL
+
+    def abort(self):
+        """Make current and later waits fail (used at shutdown to stop helper threads)."""
+        if self.c != NULL:
+            shm_comm_abort(self.c)
+
+    def set_timeout(self, double timeout):
+        shm_comm_set_timeout(self._live("set_timeout"), timeout)
+
+    def set_thresholds(self, size_t oneshot_max, size_t chunk_bytes):
+        shm_comm_set_thresholds(self._live("set_thresholds"), oneshot_max, chunk_bytes)
+
+    @property
+    def half_bytes(self):
+        return shm_comm_half_bytes(self._live("half_bytes"))
+
+    @property
+    def seq(self):
+        return shm_comm_seq(self._live("seq"))
+
+    # ---- collectives on raw pointers ------------------------------------------
+    def barrier(self):
+        cdef shm_comm *c = self._live("barrier")
+        cdef int rc
+        with nogil:
+            rc = shm_barrier(c)
+        self._check(rc, "barrier")
+
+    def broadcast(self, size_t ptr, size_t nbytes, int root):
+        cdef shm_comm *c = self._live("broadcast")
+        cdef int rc
+        with nogil:
+            rc = shm_broadcast(c, <void *>ptr, nbytes, root)
+        self._check(rc, "broadcast")
+
+    def all_reduce(self, size_t ptr, size_t count, int dtype, int op):
+        cdef shm_comm *c = self._live("all_reduce")
+        cdef int rc
+        with nogil:
+            rc = shm_all_reduce(c, <void *>ptr, count, dtype, op)
+        self._check(rc, "all_reduce")
+
+    def reduce(self, size_t ptr, size_t count, int dtype, int op, int root):
+        cdef shm_comm *c = self._live("reduce")
+        cdef int rc
+        with nogil:
+            rc = shm_reduce(c, <void *>ptr, count, dtype, op, root)
+        self._check(rc, "reduce")
+
+    def all_gather(self, size_t out, size_t inp, size_t nbytes):
+        cdef shm_comm *c = self._live("all_gather")
+        cdef int rc
+        with nogil:
+            rc = shm_all_gather(c, <void *>out, <const void *>inp, nbytes)
+        self._check(rc, "all_gather")
+
+    def gather(self, size_t out, size_t inp, size_t nbytes, int root):
+        cdef shm_comm *c = self._live("gather")
+        cdef int rc
+        with nogil:
+            rc = shm_gather(c, <void *>out, <const void *>inp, nbytes, root)
+        self._check(rc, "gather")
+
+    def scatter(self, size_t out, size_t inp, size_t nbytes, int root):
+        cdef shm_comm *c = self._live("scatter")
+        cdef int rc
+        with nogil:
+            rc = shm_scatter(c, <void *>out, <const void *>inp, nbytes, root)
+        self._check(rc, "scatter")
+
+    def reduce_scatter(self, size_t out, size_t inp, size_t count, int dtype, int op):
+        cdef shm_comm *c = self._live("reduce_scatter")
+        cdef int rc
+        with nogil:
+            rc = shm_reduce_scatter(c, <void *>out, <const void *>inp, count, dtype, op)
+        self._check(rc, "reduce_scatter")
+
+    def all_to_all(self, size_t out, size_t inp, out_bytes, in_bytes):
+        cdef shm_comm *c = self._live("all_to_all")
+        cdef int rc, i, n = self.size
+        if len(out_bytes) != n or len(in_bytes) != n:
+            raise ValueError(f"all_to_all: out_bytes and in_bytes must have {n} entries")
+        cdef size_t *ob = <size_t *>malloc(2 * n * sizeof(size_t))
+        if ob == NULL:
+            raise MemoryError()
+        cdef size_t *ib = ob + n
+        try:
+            for i in range(n):
+                ob[i] = out_bytes[i]
+                ib[i] = in_bytes[i]
+            with nogil:
+                rc = shm_all_to_all(c, <void *>out, <const void *>inp, ob, ib)
+        finally:
+            free(ob)
+        self._check(rc, "all_to_all")
+
+    # ---- point to point: byte streams per ordered pair ------------------------------
+    def p2p_try_send(self, int dst, bytes hdr, size_t ptr, size_t nbytes):
+        """Write hdr + payload to dst's ring if it fits now; True if written."""
+        cdef shm_comm *c = self._live("send")
+        cdef const char *h = hdr
+        cdef size_t hl = len(hdr)
+        cdef int rc
+        with nogil:
+            rc = shm_p2p_try_send(c, dst, h, hl, <const void *>ptr, nbytes)
+        if rc < 0:
+            self._check(rc, "send", dst)
+        return rc == 1
+
+    def p2p_send(self, int dst, bytes hdr, size_t ptr, size_t nbytes):
+        cdef shm_comm *c = self._live("send")
+        cdef const char *h = hdr
+        cdef size_t hl = len(hdr)
+        cdef int rc
+        with nogil:
+            rc = shm_p2p_send(c, dst, h, hl, <const void *>ptr, nbytes)
+        self._check(rc, "send", dst)
+
+    def p2p_poll(self, size_t need, double wait_s):
+        """A source with >= need readable bytes, or -1 after wait_s seconds."""
+        cdef shm_comm *c = self._live("recv")
+        cdef int rc, src = -1
+        with nogil:
+            rc = shm_p2p_poll(c, need, wait_s, &src)
+        self._check(rc, "recv")
+        return src
+
+    def p2p_read(self, int src, size_t ptr, size_t nbytes):
+        """Read exactly nbytes from src's stream into ptr (0 discards them)."""
+        cdef shm_comm *c = self._live("recv")
+        cdef int rc
+        with nogil:
+            rc = shm_p2p_read(c, src, <void *>ptr, nbytes)
+        self._check(rc, "recv", src)
+
+    def p2p_read_bytes(self, int src, size_t nbytes):
+        cdef bytearray b = bytearray(nbytes)
+        cdef char *p = b
+        cdef shm_comm *c = self._live("recv")
+        cdef int rc
+        with nogil:
+            rc = shm_p2p_read(c, src, p, nbytes)
+        self._check(rc, "recv", src)
+        return bytes(b)
+
+    def p2p_kick(self):
+        if self.c != NULL:
+            shm_p2p_kick(self.c)

@@ -1,0 +1,835 @@
+/* Same-host collectives over one shared-memory segment; see shm_coll.h. */
+#define _GNU_SOURCE
+#include "shm_coll.h"
+#include "reduce_kernels.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CL 64
+#define PAGE 4096
+#define SHM_MAGIC 0x636f6c6c73686d31ULL /* "collshm1" */
+#define MAX_STACK_SRCS 64
+
+typedef struct {
+    _Atomic uint32_t v;
+    _Atomic uint32_t waiters;
+    char pad[CL - 8];
+} ctr_t;
+
+typedef struct {
+    ctr_t post;   /* last step whose data this rank published */
+    ctr_t ack;    /* last step whose data this rank finished reading */
+    ctr_t bell;   /* bumped whenever a p2p ring to or from this rank moves */
+    struct {
+        _Atomic int32_t pid;
+        char pad[CL - 4];
+    } info;
+} rank_ctl_t;
+
+typedef struct {
+    _Atomic uint64_t head; /* bytes written by the sender */
+    char pad1[CL - 8];
+    _Atomic uint64_t tail; /* bytes consumed by the receiver */
+    char pad2[CL - 8];
+} ring_ctl_t;
+
+typedef struct {
+    uint64_t magic;
+    uint64_t size;
+    uint64_t half_bytes;
+    uint64_t ring_bytes;
+    uint64_t total;
+} seg_hdr_t;
+
+struct shm_comm {
+    char *base;
+    size_t total;
+    int n, me;
+    size_t half;          /* bytes per half slot */
+    size_t ring;          /* bytes per p2p ring (power of two) */
+    size_t oneshot_max;   /* all_reduce bytes up to which one-shot is used */
+    size_t chunk;         /* two-shot chunk bytes (<= half) */
+    rank_ctl_t *ctl;
+    char *slots;
+    ring_ctl_t *rctl;
+    char *rdata;
+    uint32_t seq;         /* last step number used */
+    uint32_t blk;         /* blocks written so far (selects the half) */
+    uint32_t free_after[2];
+    int64_t timeout_ns;
+    int spin;             /* polls before yielding */
+    int yields;           /* yields before sleeping */
+    int err_peer;
+    _Atomic int broken;
+    _Atomic int aborted;
+};
+
+static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline int ge(uint32_t v, uint32_t t) { return (int32_t)(v - t) >= 0; }
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void futex_wait(_Atomic uint32_t *addr, uint32_t val, int64_t ns)
+{
+    struct timespec ts = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, val, &ts, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *addr)
+{
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static inline void ctr_set(ctr_t *c, uint32_t v)
+{
+    atomic_store_explicit(&c->v, v, memory_order_seq_cst);
+    if (atomic_load_explicit(&c->waiters, memory_order_seq_cst))
+        futex_wake(&c->v);
+}
+
+static inline void ctr_bump(ctr_t *c)
+{
+    atomic_fetch_add_explicit(&c->v, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(&c->waiters, memory_order_seq_cst))
+        futex_wake(&c->v);
+}
+
+/* 1 if pid is a live process (not a zombie). */
+static int pid_alive(int pid)
+{
+    if (pid <= 0)
+        return 1; /* not mapped yet: only the timeout can tell */
+    if (kill(pid, 0) != 0 && errno == ESRCH)
+        return 0;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return errno == ENOENT ? 0 : 1;
+    ssize_t k = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (k <= 0)
+        return 1;
+    buf[k] = 0;
+    char *p = strrchr(buf, ')');
+    if (p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X'))
+        return 0;
+    return 1;
+}
+
+/* Wait until ctr->v >= target (wrapping compare). peer < 0: nobody to watch.
+ * deadline_ns < 0 means now + the group timeout. */
+static int wait_ctr(shm_comm *c, ctr_t *ctr, uint32_t target, int peer, int64_t deadline_ns)
+{
+    if (ge(atomic_load_explicit(&ctr->v, memory_order_acquire), target))
+        return SHM_OK;
+    for (int i = 0; i < c->spin; i++) {
+        cpu_relax();
+        if (ge(atomic_load_explicit(&ctr->v, memory_order_acquire), target))
+            return SHM_OK;
+    }
+    int64_t t = now_ns();
+    if (deadline_ns < 0)
+        deadline_ns = t + c->timeout_ns;
+    int64_t next_check = t + 20000000LL;
+    int yields = 0;
+    for (;;) {
+        if (atomic_load_explicit(&c->aborted, memory_order_relaxed))
+            return SHM_ECLOSED;
+        if (yields < c->yields) {
+            sched_yield();
+            yields++;
+        } else {
+            atomic_fetch_add_explicit(&ctr->waiters, 1, memory_order_seq_cst);
+            uint32_t v = atomic_load_explicit(&ctr->v, memory_order_seq_cst);
+            if (!ge(v, target))
+                futex_wait(&ctr->v, v, 10000000LL);
+            atomic_fetch_sub_explicit(&ctr->waiters, 1, memory_order_seq_cst);
+        }
+        if (ge(atomic_load_explicit(&ctr->v, memory_order_acquire), target))
+            return SHM_OK;
+        t = now_ns();
+        if (t >= next_check) {
+            next_check = t + 50000000LL;
+            if (peer >= 0 && !pid_alive(atomic_load(&c->ctl[peer].info.pid))) {
+                c->err_peer = peer;
+                return SHM_EPEERDEAD;
+            }
+        }
+        if (t >= deadline_ns) {
+            c->err_peer = peer;
+            return SHM_ETIMEDOUT;
+        }
+    }
+}
+
+/* ---- segment ------------------------------------------------------------- */
+
+static void layout(int n, size_t half, size_t ring, size_t *ctl_off, size_t *slot_off,
+                   size_t *rctl_off, size_t *rdata_off, size_t *total)
+{
+    *ctl_off = PAGE;
+    *slot_off = round_up(*ctl_off + (size_t)n * sizeof(rank_ctl_t), PAGE);
+    *rctl_off = *slot_off + (size_t)n * 2 * half;
+    *rdata_off = round_up(*rctl_off + (size_t)n * n * sizeof(ring_ctl_t), PAGE);
+    *total = *rdata_off + (size_t)n * n * ring;
+}
+
+int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int size,
+                  size_t half_bytes, size_t ring_bytes, double timeout_s, int *sys_errno)
+{
+    *out = NULL;
+    *sys_errno = 0;
+    if (size < 1 || rank < 0 || rank >= size || half_bytes < PAGE ||
+        half_bytes < CL + (size_t)size * 128)
+        return SHM_EINVAL;
+    if (ring_bytes & (ring_bytes - 1) || ring_bytes < 4096)
+        return SHM_EINVAL;
+    half_bytes = round_up(half_bytes, PAGE);
+    size_t ctl_off, slot_off, rctl_off, rdata_off, total;
+    layout(size, half_bytes, ring_bytes, &ctl_off, &slot_off, &rctl_off, &rdata_off, &total);
+    int fd = shm_open(name, create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
+    if (fd < 0) {
+        *sys_errno = errno;
+        return SHM_ESYS;
+    }
+    if (create && ftruncate(fd, (off_t)total) != 0) {
+        *sys_errno = errno;
+        close(fd);
+        shm_unlink(name);
+        return SHM_ESYS;
+    }
+    if (!create) {
+        struct stat st;
+        if (fstat(fd, &st) != 0 || (size_t)st.st_size != total) {
+            close(fd);
+            return SHM_EINVAL;
+        }
+    }
+    void *p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    *sys_errno = errno;
+    close(fd);
+    if (p == MAP_FAILED) {
+        if (create)
+            shm_unlink(name);
+        return SHM_ESYS;
+    }
+    seg_hdr_t *h = (seg_hdr_t *)p;
+    if (create) {
+        h->size = (uint64_t)size;
+        h->half_bytes = half_bytes;
+        h->ring_bytes = ring_bytes;
+        h->total = total;
+        atomic_thread_fence(memory_order_release);
+        h->magic = SHM_MAGIC;
+    } else if (h->magic != SHM_MAGIC || h->size != (uint64_t)size || h->half_bytes != half_bytes ||
+               h->ring_bytes != ring_bytes || h->total != total) {
+        munmap(p, total);
+        return SHM_EINVAL;
+    }
+    shm_comm *c = calloc(1, sizeof *c);
+    if (!c) {
+        munmap(p, total);
+        return SHM_ESYS;
+    }
+    c->base = p;
+    c->total = total;
+    c->n = size;
+    c->me = rank;
+    c->half = half_bytes;
+    c->ring = ring_bytes;
+    c->chunk = half_bytes;
+    c->oneshot_max = half_bytes;
+    c->ctl = (rank_ctl_t *)(c->base + ctl_off);
+    c->slots = c->base + slot_off;
+    c->rctl = (ring_ctl_t *)(c->base + rctl_off);
+    c->rdata = c->base + rdata_off;
+    c->err_peer = -1;
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    if (ncpu < 1)
+        ncpu = 1;
+    /* oversubscribed: spin briefly so the rank we wait for gets the core */
+    c->spin = size <= ncpu ? 20000 : 100;
+    c->yields = size <= ncpu ? 50 : 200;
+    const char *e = getenv("COLLECTIVES_SHM_SPIN");
+    if (e && *e)
+        c->spin = atoi(e);
+    e = getenv("COLLECTIVES_SHM_YIELDS");
+    if (e && *e)
+        c->yields = atoi(e);
+    shm_comm_set_timeout(c, timeout_s);
+    atomic_store(&c->ctl[rank].info.pid, (int32_t)getpid());
+    *out = c;
+    return SHM_OK;
+}
+
+void shm_comm_close(shm_comm *c)
+{
+    if (!c)
+        return;
+    munmap(c->base, c->total);
+    free(c);
+}
+
+int shm_comm_unlink(const char *name) { return shm_unlink(name) == 0 ? SHM_OK : SHM_ESYS; }
+
+void shm_comm_set_timeout(shm_comm *c, double timeout_s)
+{
+    if (timeout_s <= 0 || timeout_s > 1e8)
+        timeout_s = 1e8;
+    c->timeout_ns = (int64_t)(timeout_s * 1e9);
+}
+
+void shm_comm_set_thresholds(shm_comm *c, size_t oneshot_max, size_t chunk_bytes)
+{
+    c->oneshot_max = oneshot_max < c->half ? oneshot_max : c->half;
+    if (chunk_bytes < 4096)
+        chunk_bytes = 4096;
+    c->chunk = chunk_bytes < c->half ? chunk_bytes : c->half;
+}
+
+int shm_comm_error_peer(const shm_comm *c) { return c->err_peer; }
+uint32_t shm_comm_seq(const shm_comm *c) { return c->seq; }
+size_t shm_comm_half_bytes(const shm_comm *c) { return c->half; }
+
+void shm_comm_abort(shm_comm *c)
+{
+    atomic_store(&c->aborted, 1);
+    ctr_bump(&c->ctl[c->me].bell);
+}
+
+/* ---- steps ----------------------------------------------------------------- */
+
+#define HALF(c, q, h) ((c)->slots + ((size_t)(q) * 2 + (h)) * (c)->half)
+
+static inline int fail(shm_comm *c, int rc)
+{
+    if (rc != SHM_OK)
+        atomic_store(&c->broken, 1);
+    return rc;
+}
+
+#define CHECK(c)                                                  \
+    do {                                                          \
+        if (atomic_load_explicit(&(c)->broken, memory_order_relaxed)) \
+            return SHM_EBROKEN;                                   \
+    } while (0)
+
+#define TRY(c, expr)                      \
+    do {                                  \
+        int rc_ = (expr);                 \
+        if (rc_ != SHM_OK)                \
+            return fail((c), rc_);        \
+    } while (0)
+
+/* Next block's half of my slot, once every rank has read what it last held. */
+static int half_acquire(shm_comm *c, int *h)
+{
+    *h = (int)(c->blk++ & 1);
+    uint32_t need = c->free_after[*h];
+    for (int q = 0; q < c->n; q++)
+        if (q != c->me) {
+            int rc = wait_ctr(c, &c->ctl[q].ack, need, q, -1);
+            if (rc)
+                return rc;
+        }
+    return SHM_OK;
+}
+
+static int wait_post(shm_comm *c, int q, uint32_t s) { return wait_ctr(c, &c->ctl[q].post, s, q, -1); }
+
+static int wait_posts(shm_comm *c, uint32_t s)
+{
+    for (int q = 0; q < c->n; q++)
+        if (q != c->me) {
+            int rc = wait_post(c, q, s);
+            if (rc)
+                return rc;
+        }
+    return SHM_OK;
+}
+
+static inline void post(shm_comm *c, uint32_t s) { ctr_set(&c->ctl[c->me].post, s); }
+static inline void ack(shm_comm *c, uint32_t s) { ctr_set(&c->ctl[c->me].ack, s); }
+
+static inline void copy(void *dst, const void *src, size_t n)
+{
+    if (dst != src && n)
+        memmove(dst, src, n);
+}
+
+/* ---- collectives ------------------------------------------------------------- */
+
+int shm_barrier(shm_comm *c)
+{
+    CHECK(c);
+    if (c->n == 1)
+        return SHM_OK;
+    uint32_t s = ++c->seq;
+    post(c, s);
+    TRY(c, wait_posts(c, s));
+    return SHM_OK;
+}
+
+int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root)
+{
+    CHECK(c);
+    if (c->n == 1 || nbytes == 0)
+        return SHM_OK;
+    for (size_t off = 0; off < nbytes;) {
+        size_t len = nbytes - off < c->chunk ? nbytes - off : c->chunk;
+        int h = (int)(c->blk & 1);
+        uint32_t s;
+        if (c->me == root) {
+            TRY(c, half_acquire(c, &h));
+            memcpy(HALF(c, root, h), (char *)buf + off, len);
+            s = ++c->seq;
+            post(c, s);
+            c->free_after[h] = s;
+            ack(c, s);
+        } else {
+            c->blk++;
+            s = ++c->seq;
+            TRY(c, wait_post(c, root, s));
+            memcpy((char *)buf + off, HALF(c, root, h), len);
+            ack(c, s);
+        }
+        off += len;
+    }
+    return SHM_OK;
+}
+
+static void slice_of(size_t cnt, int n, int q, size_t *st, size_t *len)
+{
+    size_t b = cnt / (size_t)n, r = cnt % (size_t)n;
+    *st = (size_t)q * b + ((size_t)q < r ? (size_t)q : r);
+    *len = b + ((size_t)q < r ? 1 : 0);
+}
+
+/* Reduce to every rank (root < 0) or to root only. */
+static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, int root)
+{
+    CHECK(c);
+    size_t isz = coll_itemsize(dtype);
+    if (!isz)
+        return COLL_EDTYPE;
+    if (!coll_op_valid(dtype, op))
+        return COLL_EOP;
+    if (c->n == 1 || count == 0)
+        return SHM_OK;
+    int n = c->n, me = c->me;
+    const void *stack_srcs[MAX_STACK_SRCS];
+    const void **srcs = n <= MAX_STACK_SRCS ? stack_srcs : malloc(sizeof(void *) * (size_t)n);
+    if (!srcs)
+        return SHM_ESYS;
+    int rc = SHM_OK;
+    size_t nbytes = count * isz;
+    if (nbytes <= c->oneshot_max) {
+        /* one-shot: every reader reduces all inputs in rank order: bitwise identical */
+        int h;
+        if ((rc = half_acquire(c, &h)))
+            goto out;
+        memcpy(HALF(c, me, h), buf, nbytes);
+        uint32_t s = ++c->seq;
+        post(c, s);
+        c->free_after[h] = s;
+        if (root < 0 || root == me) {
+            if ((rc = wait_posts(c, s)))
+                goto out;
+            for (int q = 0; q < n; q++)
+                srcs[q] = HALF(c, q, h);
+            rc = coll_reduce_many(buf, srcs, n, count, dtype, op);
+        }
+        ack(c, s);
+        goto out;
+    }
+    /* two-shot: each rank reduces its slice of the chunk in place, then copy out */
+    size_t ce = c->chunk / isz;
+    for (size_t off = 0; off < count; off += ce) {
+        size_t cnt = count - off < ce ? count - off : ce;
+        char *ubuf = (char *)buf + off * isz;
+        int h;
+        if ((rc = half_acquire(c, &h)))
+            goto out;
+        memcpy(HALF(c, me, h), ubuf, cnt * isz);
+        uint32_t s1 = ++c->seq;
+        post(c, s1);
+        if ((rc = wait_posts(c, s1)))
+            goto out;
+        size_t st, len;
+        slice_of(cnt, n, me, &st, &len);
+        if (len) {
+            srcs[0] = HALF(c, me, h) + st * isz;
+            for (int q = 0, k = 1; q < n; q++)
+                if (q != me)
+                    srcs[k++] = HALF(c, q, h) + st * isz;
+            if ((rc = coll_reduce_many(HALF(c, me, h) + st * isz, srcs, n, len, dtype, op)))
+                goto out;
+        }
+        uint32_t s2 = ++c->seq;
+        post(c, s2);
+        c->free_after[h] = s2;
+        if (root < 0 || root == me) {
+            if ((rc = wait_posts(c, s2)))
+                goto out;
+            for (int q = 0; q < n; q++) {
+                slice_of(cnt, n, q, &st, &len);
+                memcpy(ubuf + st * isz, HALF(c, q, h) + st * isz, len * isz);
+            }
+        }
+        ack(c, s2);
+    }
+out:
+    if (srcs != stack_srcs)
+        free((void *)srcs);
+    return fail(c, rc);
+}
+
+int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op)
+{
+    return reduce_impl(c, buf, count, dtype, op, -1);
+}
+
+int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root)
+{
+    return reduce_impl(c, buf, count, dtype, op, root);
+}
+
+/* Everyone publishes in; readers (all, or root only) copy every rank's block. */
+static int gather_impl(shm_comm *c, void *out, const void *in, size_t nbytes, int root)
+{
+    CHECK(c);
+    int n = c->n, me = c->me;
+    int reader = root < 0 || root == me;
+    if (n == 1) {
+        if (reader)
+            copy(out, in, nbytes);
+        return SHM_OK;
+    }
+    for (size_t off = 0; off < nbytes;) {
+        size_t len = nbytes - off < c->half ? nbytes - off : c->half;
+        int h;
+        TRY(c, half_acquire(c, &h));
+        memcpy(HALF(c, me, h), (const char *)in + off, len);
+        uint32_t s = ++c->seq;
+        post(c, s);
+        c->free_after[h] = s;
+        if (reader) {
+            TRY(c, wait_posts(c, s));
+            for (int q = 0; q < n; q++)
+                copy((char *)out + (size_t)q * nbytes + off, HALF(c, q, h), len);
+        }
+        ack(c, s);
+        off += len;
+    }
+    return SHM_OK;
+}
+
+int shm_all_gather(shm_comm *c, void *out, const void *in, size_t nbytes)
+{
+    return gather_impl(c, out, in, nbytes, -1);
+}
+
+int shm_gather(shm_comm *c, void *out, const void *in, size_t nbytes, int root)
+{
+    return gather_impl(c, out, in, nbytes, root);
+}
+
+int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root)
+{
+    CHECK(c);
+    int n = c->n, me = c->me;
+    if (me == root)
+        copy(out, (const char *)in + (size_t)me * nbytes, nbytes);
+    if (n == 1)
+        return SHM_OK;
+    size_t p = (c->half / (size_t)n) & ~(size_t)63;
+    for (size_t off = 0; off < nbytes; off += p) {
+        size_t len = nbytes - off < p ? nbytes - off : p;
+        int h = (int)(c->blk & 1);
+        uint32_t s;
+        if (me == root) {
+            TRY(c, half_acquire(c, &h));
+            for (int q = 0; q < n; q++)
+                if (q != me)
+                    memcpy(HALF(c, me, h) + (size_t)q * p, (const char *)in + (size_t)q * nbytes + off, len);
+            s = ++c->seq;
+            post(c, s);
+            c->free_after[h] = s;
+        } else {
+            c->blk++;
+            s = ++c->seq;
+            TRY(c, wait_post(c, root, s));
+            memcpy((char *)out + off, HALF(c, root, h) + (size_t)me * p, len);
+        }
+        ack(c, s);
+    }
+    return SHM_OK;
+}
+
+int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int dtype, int op)
+{
+    CHECK(c);
+    size_t isz = coll_itemsize(dtype);
+    if (!isz)
+        return COLL_EDTYPE;
+    if (!coll_op_valid(dtype, op))
+        return COLL_EOP;
+    int n = c->n, me = c->me;
+    if (n == 1) {
+        copy(out, in, count * isz);
+        return SHM_OK;
+    }
+    const void *stack_srcs[MAX_STACK_SRCS];
+    const void **srcs = n <= MAX_STACK_SRCS ? stack_srcs : malloc(sizeof(void *) * (size_t)n);
+    if (!srcs)
+        return SHM_ESYS;
+    int rc = SHM_OK;
+    size_t ce = c->half / ((size_t)n * isz);
+    for (size_t off = 0; off < count; off += ce) {
+        size_t cnt = count - off < ce ? count - off : ce;
+        int h;
+        if ((rc = half_acquire(c, &h)))
+            goto out;
+        for (int q = 0; q < n; q++)
+            memcpy(HALF(c, me, h) + (size_t)q * cnt * isz,
+                   (const char *)in + ((size_t)q * count + off) * isz, cnt * isz);
+        uint32_t s = ++c->seq;
+        post(c, s);
+        c->free_after[h] = s;
+        if ((rc = wait_posts(c, s)))
+            goto out;
+        for (int q = 0; q < n; q++)
+            srcs[q] = HALF(c, q, h) + (size_t)me * cnt * isz;
+        if ((rc = coll_reduce_many((char *)out + off * isz, srcs, n, cnt, dtype, op)))
+            goto out;
+        ack(c, s);
+    }
+out:
+    if (srcs != stack_srcs)
+        free((void *)srcs);
+    return fail(c, rc);
+}
+
+int shm_all_to_all(shm_comm *c, void *out, const void *in, const size_t *out_bytes,
+                   const size_t *in_bytes)
+{
+    CHECK(c);
+    int n = c->n, me = c->me;
+    if (n == 1) {
+        copy(out, in, in_bytes[0]);
+        return SHM_OK;
+    }
+    size_t p = ((c->half - CL) / (size_t)n) & ~(size_t)63;
+    size_t *in_off = malloc(sizeof(size_t) * 2 * (size_t)n);
+    if (!in_off)
+        return SHM_ESYS;
+    size_t *out_off = in_off + n;
+    size_t mx = 0, a = 0, b = 0;
+    for (int q = 0; q < n; q++) {
+        in_off[q] = a;
+        out_off[q] = b;
+        a += in_bytes[q];
+        b += out_bytes[q];
+        if (in_bytes[q] > mx)
+            mx = in_bytes[q];
+    }
+    uint64_t my_rounds = (mx + p - 1) / p, rounds = 1;
+    int rc = SHM_OK;
+    for (uint64_t t = 0; t < rounds; t++) {
+        int h;
+        if ((rc = half_acquire(c, &h)))
+            break;
+        char *mine = HALF(c, me, h);
+        *(uint64_t *)mine = my_rounds; /* round 0 also agrees on the number of rounds */
+        size_t o = (size_t)t * p;
+        for (int q = 0; q < n; q++)
+            if (in_bytes[q] > o)
+                memcpy(mine + CL + (size_t)q * p, (const char *)in + in_off[q] + o,
+                       in_bytes[q] - o < p ? in_bytes[q] - o : p);
+        uint32_t s = ++c->seq;
+        post(c, s);
+        c->free_after[h] = s;
+        if ((rc = wait_posts(c, s)))
+            break;
+        for (int q = 0; q < n; q++) {
+            const char *theirs = HALF(c, q, h);
+            if (t == 0 && *(const uint64_t *)theirs > rounds)
+                rounds = *(const uint64_t *)theirs;
+            if (out_bytes[q] > o)
+                memcpy((char *)out + out_off[q] + o, theirs + CL + (size_t)me * p,
+                       out_bytes[q] - o < p ? out_bytes[q] - o : p);
+        }
+        ack(c, s);
+    }
+    free(in_off);
+    return fail(c, rc);
+}
+
+/* ---- point to point ------------------------------------------------------------ */
+
+static void ring_write(shm_comm *c, int dst, uint64_t pos, const void *src, size_t len)
+{
+    char *data = c->rdata + ((size_t)c->me * c->n + dst) * c->ring;
+    size_t at = (size_t)(pos & (c->ring - 1));
+    size_t first = c->ring - at < len ? c->ring - at : len;
+    memcpy(data + at, src, first);
+    if (len > first)
+        memcpy(data, (const char *)src + first, len - first);
+}
+
+static void ring_read(shm_comm *c, int src, uint64_t pos, void *dst, size_t len)
+{
+    char *data = c->rdata + ((size_t)src * c->n + c->me) * c->ring;
+    size_t at = (size_t)(pos & (c->ring - 1));
+    size_t first = c->ring - at < len ? c->ring - at : len;
+    if (dst) {
+        memcpy(dst, data + at, first);
+        if (len > first)
+            memcpy((char *)dst + first, data, len - first);
+    }
+}
+
+int shm_p2p_try_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const void *buf,
+                     size_t nbytes)
+{
+    CHECK(c);
+    ring_ctl_t *r = &c->rctl[(size_t)c->me * c->n + dst];
+    uint64_t head = atomic_load_explicit(&r->head, memory_order_relaxed);
+    uint64_t tail = atomic_load_explicit(&r->tail, memory_order_acquire);
+    if (c->ring - (size_t)(head - tail) < hdr_len + nbytes)
+        return 0;
+    ring_write(c, dst, head, hdr, hdr_len);
+    ring_write(c, dst, head + hdr_len, buf, nbytes);
+    atomic_store_explicit(&r->head, head + hdr_len + nbytes, memory_order_release);
+    ctr_bump(&c->ctl[dst].bell);
+    return 1;
+}
+
+static int stream_send(shm_comm *c, int dst, const char *p, size_t len)
+{
+    ring_ctl_t *r = &c->rctl[(size_t)c->me * c->n + dst];
+    ctr_t *bell = &c->ctl[c->me].bell;
+    while (len) {
+        uint32_t b = atomic_load_explicit(&bell->v, memory_order_acquire);
+        uint64_t head = atomic_load_explicit(&r->head, memory_order_relaxed);
+        uint64_t tail = atomic_load_explicit(&r->tail, memory_order_acquire);
+        size_t room = c->ring - (size_t)(head - tail);
+        if (room == 0) {
+            int rc = wait_ctr(c, bell, b + 1, dst, -1);
+            if (rc)
+                return rc;
+            continue;
+        }
+        size_t k = room < len ? room : len;
+        ring_write(c, dst, head, p, k);
+        atomic_store_explicit(&r->head, head + k, memory_order_release);
+        ctr_bump(&c->ctl[dst].bell);
+        p += k;
+        len -= k;
+    }
+    return SHM_OK;
+}
+
+int shm_p2p_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const void *buf,
+                 size_t nbytes)
+{
+    CHECK(c);
+    int rc = stream_send(c, dst, hdr, hdr_len);
+    if (!rc)
+        rc = stream_send(c, dst, buf, nbytes);
+    return rc;
+}
+
+int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int *src)
+{
+    *src = -1;
+    CHECK(c);
+    ctr_t *bell = &c->ctl[c->me].bell;
+    int64_t deadline = now_ns() + (int64_t)(wait_s * 1e9);
+    static __thread int start = 0;
+    for (;;) {
+        if (atomic_load(&c->aborted))
+            return SHM_ECLOSED;
+        uint32_t b = atomic_load_explicit(&bell->v, memory_order_acquire);
+        for (int i = 0; i < c->n; i++) {
+            int q = (start + i) % c->n;
+            if (q == c->me)
+                continue;
+            ring_ctl_t *r = &c->rctl[(size_t)q * c->n + c->me];
+            uint64_t head = atomic_load_explicit(&r->head, memory_order_acquire);
+            uint64_t tail = atomic_load_explicit(&r->tail, memory_order_relaxed);
+            if (head - tail >= need) {
+                *src = q;
+                start = q + 1;
+                return SHM_OK;
+            }
+        }
+        if (now_ns() >= deadline)
+            return SHM_OK;
+        int rc = wait_ctr(c, bell, b + 1, -1, deadline);
+        if (rc == SHM_ETIMEDOUT)
+            return SHM_OK;
+        if (rc)
+            return rc;
+    }
+}
+
+int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
+{
+    CHECK(c);
+    ring_ctl_t *r = &c->rctl[(size_t)src * c->n + c->me];
+    ctr_t *bell = &c->ctl[c->me].bell;
+    char *p = buf;
+    while (nbytes) {
+        uint32_t b = atomic_load_explicit(&bell->v, memory_order_acquire);
+        uint64_t head = atomic_load_explicit(&r->head, memory_order_acquire);
+        uint64_t tail = atomic_load_explicit(&r->tail, memory_order_relaxed);
+        size_t avail = (size_t)(head - tail);
+        if (avail == 0) {
+            int rc = wait_ctr(c, bell, b + 1, src, -1);
+            if (rc)
+                return rc;
+            continue;
+        }
+        size_t k = avail < nbytes ? avail : nbytes;
+        ring_read(c, src, tail, p, k);
+        atomic_store_explicit(&r->tail, tail + k, memory_order_release);
+        ctr_bump(&c->ctl[src].bell);
+        if (p)
+            p += k;
+        nbytes -= k;
+    }
+    return SHM_OK;
+}
+
+void shm_p2p_kick(shm_comm *c) { ctr_bump(&c->ctl[c->me].bell); }

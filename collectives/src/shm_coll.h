@@ -1,0 +1,67 @@
+/* Same-host collectives over one POSIX shared-memory segment per group.
+ *
+ * Layout: a header page, one control block per rank (each counter on its own
+ * cache line), one data slot per rank (two halves, used alternately so that
+ * writing block k+1 overlaps others reading block k) and one byte ring per
+ * ordered pair of ranks for point-to-point messages.
+ *
+ * Synchronisation uses monotonic 32-bit sequence counters (never reset): a rank
+ * publishes step s by storing post = s and, after reading the step's data,
+ * ack = s. A half is rewritten only after every rank acked the last step that
+ * read it. Waits spin a bounded number of polls, yield, then sleep on a futex,
+ * checking the peer's pid so a dead peer is an error, not a hang. Every
+ * function is called with the GIL released and never touches Python.
+ */
+#ifndef COLLECTIVES_SHM_COLL_H
+#define COLLECTIVES_SHM_COLL_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* error codes (the reduce kernels' codes -1/-2 pass through) */
+#define SHM_OK 0
+#define SHM_ETIMEDOUT (-10)   /* a wait ran past the timeout */
+#define SHM_EPEERDEAD (-11)   /* the peer process is gone */
+#define SHM_EBROKEN (-12)     /* an earlier failure left the group unusable */
+#define SHM_ESYS (-13)        /* a system call failed; errno kept in sys_errno */
+#define SHM_EINVAL (-14)      /* bad argument or a segment of another layout */
+#define SHM_ECLOSED (-15)     /* the communicator is closed */
+
+typedef struct shm_comm shm_comm;
+
+/* Create (create=1) or map an existing segment called `name` (a shm_open name). */
+int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int size,
+                  size_t half_bytes, size_t ring_bytes, double timeout_s, int *sys_errno);
+void shm_comm_close(shm_comm *c);
+int shm_comm_unlink(const char *name);
+void shm_comm_set_timeout(shm_comm *c, double timeout_s);
+void shm_comm_set_thresholds(shm_comm *c, size_t oneshot_max, size_t chunk_bytes);
+int shm_comm_error_peer(const shm_comm *c);    /* the peer of the last failure, or -1 */
+uint32_t shm_comm_seq(const shm_comm *c);      /* steps completed so far */
+size_t shm_comm_half_bytes(const shm_comm *c);
+void shm_comm_abort(shm_comm *c);              /* make every later and current wait fail */
+
+int shm_barrier(shm_comm *c);
+int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root);
+int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op);
+int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root);
+int shm_all_gather(shm_comm *c, void *out, const void *in, size_t nbytes);
+int shm_gather(shm_comm *c, void *out, const void *in, size_t nbytes, int root);
+int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root);
+int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int dtype, int op);
+int shm_all_to_all(shm_comm *c, void *out, const void *in, const size_t *out_bytes,
+                   const size_t *in_bytes);
+
+/* Point to point: a byte stream per ordered pair. */
+/* Write hdr then buf to dst's ring; returns 1 if written, 0 if it did not fit (nothing written). */
+int shm_p2p_try_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const void *buf,
+                     size_t nbytes);
+/* Write hdr then buf, waiting for room as needed. */
+int shm_p2p_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const void *buf,
+                 size_t nbytes);
+/* Wait up to wait_s for a source with at least `need` readable bytes; returns it, or -1. */
+int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int *src);
+/* Read exactly nbytes from src's stream (buf NULL discards), waiting as needed. */
+int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes);
+void shm_p2p_kick(shm_comm *c);  /* wake this rank's own p2p waiters (shutdown) */
+
+#endif
