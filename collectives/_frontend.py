@@ -1,0 +1,216 @@
+"""Helpers shared by the front-end modules: tensor conversion, op plans, staging buffers.
+
+Kept lean: the blocking path of a small collective spends most of its front-end
+time here, so the common case (a contiguous CPU torch tensor or NumPy array)
+takes one dict lookup and a handful of attribute reads.
+"""
+import numpy as np
+
+from . import dtypes as D
+from .errors import DistError
+from .reduce_op import PremulSum, op_code
+from .tensors import Buffer, empty_like_buffer, is_torch_tensor, to_buffer
+
+_torch_tensor = None      # torch.Tensor once seen (torch is never imported here)
+_torch_codes = {}
+_strided = None
+
+
+def _learn_torch():
+    global _torch_tensor, _torch_codes, _strided
+    import torch
+
+    from .tensors import _torch_table
+    _torch_codes = dict(_torch_table())
+    _strided = torch.strided
+    _torch_tensor = torch.Tensor
+
+
+def buffer(t, name="tensor"):
+    """``to_buffer(t, name)``, with a short path for plain contiguous CPU torch tensors."""
+    if type(t) is _torch_tensor:
+        code = _torch_codes.get(t.dtype)
+        if code is not None and t.is_cpu and t.layout is _strided and t.is_contiguous():
+            return Buffer(t.data_ptr(), t.numel(), code, -1, t)
+    elif _torch_tensor is None and is_torch_tensor(t):
+        _learn_torch()
+    return to_buffer(t, name)
+
+
+def buffers(tensors, name, dtype=None, count=None, length=None):
+    """Buffers of a list of tensors that share a dtype (and ``count`` elements, if given)."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
+    if length is not None and len(tensors) != length:
+        raise ValueError(f"{name} must hold {length} tensors (one per rank of the group), "
+                         f"got {len(tensors)}")
+    out = []
+    for i, t in enumerate(tensors):
+        b = buffer(t, f"{name}[{i}]")
+        if dtype is None:
+            dtype = b.dtype
+        elif b.dtype != dtype:
+            raise ValueError(f"{name}[{i}] has dtype {D.DTYPE_NAMES[b.dtype]}; expected "
+                             f"{D.DTYPE_NAMES[dtype]} like the others")
+        if count is not None and b.count != count:
+            raise ValueError(f"{name}[{i}] has {b.count} elements; expected {count}")
+        out.append(b)
+    return out
+
+
+def check_like(b, ref, name, refname, count=None):
+    if b.dtype != ref.dtype:
+        raise ValueError(f"{name} has dtype {D.DTYPE_NAMES[b.dtype]}; expected "
+                         f"{D.DTYPE_NAMES[ref.dtype]} like {refname}")
+    if count is not None and b.count != count:
+        raise ValueError(f"{name} has {b.count} elements; expected {count}")
+
+
+def check_device(b, name):
+    if b.device != -1:
+        raise ValueError(f"{name} is a CUDA tensor; this group's backend takes CPU tensors "
+                         f"(use backend='nccl' for CUDA)")
+
+
+# ---- reduction plans ---------------------------------------------------------------------
+
+_VALID = frozenset((d, o) for d in D.DTYPE_NAMES for o in range(D.PREMUL_SUM) if D.op_valid(d, o))
+_SCALABLE = D.FLOATING | D.COMPLEX
+
+
+def reduce_plan(op, dtype):
+    """``(backend op code, factor to pre-scale by or None, post-scale by 1/size?)``.
+
+    AVG is SUM then a scale by 1/size; PREMUL_SUM(f) is a scale by f then SUM.
+    ValueError (before any communication) for an op the dtype does not support.
+    """
+    code = op_code(op)
+    if code == D.AVG or code == D.PREMUL_SUM:
+        if dtype not in _SCALABLE:
+            raise ValueError(f"op={D.OP_NAMES[code]} needs a floating or complex tensor, got "
+                             f"{D.DTYPE_NAMES[dtype]} (integer averages would be truncated)")
+        if code == D.AVG:
+            return D.SUM, None, True
+        return D.SUM, premul_factor(op), False
+    if (dtype, code) not in _VALID:
+        raise ValueError(f"op={D.OP_NAMES[code]} is not defined for {D.DTYPE_NAMES[dtype]} tensors")
+    return code, None, False
+
+
+def premul_factor(op):
+    f = op.factor if isinstance(op, PremulSum) else op
+    if hasattr(f, "item"):
+        if getattr(f, "numel", lambda: getattr(f, "size", 1))() != 1:
+            raise ValueError("ReduceOp.PREMUL_SUM factor must be a number or a one-element tensor")
+        f = f.item()
+    if not isinstance(f, (int, float)) or isinstance(f, bool):
+        raise ValueError(f"ReduceOp.PREMUL_SUM factor must be a real number, got {f!r}")
+    return float(f)
+
+
+# ---- scaling (AVG, PREMUL_SUM) -----------------------------------------------------------
+
+def _np_scale(buf, factor):
+    a = buf.numpy()
+    if buf.dtype == D.BFLOAT16:  # bits in uint16: widen, scale, round to nearest even
+        x = (a.astype(np.uint32) << 16).view(np.float32) * np.float32(factor)
+        u = x.view(np.uint32)
+        a[...] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    else:
+        np.multiply(a, a.dtype.type(factor), out=a)
+
+
+def _load_scale():
+    for mod in ("_core", "_fallback"):
+        try:
+            m = __import__(f"collectives.{mod}", fromlist=["scale_ptr"])
+            fn = m.scale_ptr
+        except (ImportError, AttributeError):
+            continue
+        return lambda buf, factor: fn(buf.ptr, buf.count, buf.dtype, factor)
+    return _np_scale
+
+
+_scale_impl = None
+
+
+def scale(buf, factor):
+    """``buf *= factor`` in place (floating and complex dtypes)."""
+    global _scale_impl
+    if _scale_impl is None:
+        _scale_impl = _load_scale()
+    if buf.count:
+        _scale_impl(buf, factor)
+
+
+# ---- staging: several tensors seen by the backend as one Buffer ------------------------------
+
+def contiguous_span(bufs):
+    """One Buffer over ``bufs`` if they lie back to back in memory, else None."""
+    if not bufs:
+        return None
+    first = bufs[0]
+    ptr = first.ptr
+    for b in bufs:
+        if b.ptr != ptr and b.count:
+            return None
+        ptr += b.nbytes
+    return Buffer(first.ptr, sum(b.count for b in bufs), first.dtype, first.device, bufs)
+
+
+def overlaps(a, b):
+    return a.count and b.count and a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
+
+
+def stage(bufs, dtype, copy_in):
+    """A new Buffer holding all of ``bufs`` back to back (their data copied if ``copy_in``)."""
+    total = sum(b.count for b in bufs)
+    st = empty_like_buffer(total, dtype)
+    if copy_in and total:
+        flat = st.numpy()
+        off = 0
+        for b in bufs:
+            flat[off:off + b.count] = b.numpy()
+            off += b.count
+    return st
+
+
+def unstage(st, bufs):
+    """Copy consecutive slices of ``st`` back into ``bufs``."""
+    if not st.count:
+        return
+    flat = st.numpy()
+    off = 0
+    for b in bufs:
+        if b.count:
+            b.numpy()[...] = flat[off:off + b.count]
+        off += b.count
+
+
+def copy_into(dst, src):
+    if dst.count:
+        dst.numpy()[...] = src.numpy()
+
+
+def copy_of(buf):
+    st = empty_like_buffer(buf.count, buf.dtype)
+    copy_into(st, buf)
+    return st
+
+
+class Steps:
+    """Several calls run as one queued operation (so async work keeps its copy-out steps)."""
+
+    __slots__ = ("__name__", "steps")
+
+    def __init__(self, name, steps):
+        self.__name__ = name
+        self.steps = steps
+
+    def __call__(self):
+        for fn, args in self.steps:
+            fn(*args)
+
+
+__all__ = ["buffer", "buffers", "reduce_plan", "scale", "stage", "unstage", "contiguous_span",
+           "overlaps", "copy_of", "copy_into", "Steps", "DistError"]

@@ -1,0 +1,392 @@
+"""Collectives: broadcast, all_reduce, reduce, all_gather, gather, scatter, reduce_scatter,
+all_to_all, barrier (torch.distributed signatures).
+
+Each function has the same five steps: resolve the group (return None if this rank
+is not a member), check and convert the tensors, plan the op, call the backend
+(``run`` blocking, ``submit`` for ``async_op``), and return a Work when async.
+Lists of tensors reach the backend as one Buffer (a staging buffer, or the tensors'
+own memory when they already lie back to back).
+"""
+import time
+
+import numpy as np
+
+from . import dtypes as D
+from ._frontend import (Steps, buffer, buffers, check_like, contiguous_span, copy_into,
+                        copy_of, overlaps, reduce_plan, scale, stage, unstage)
+from .errors import DistBackendError, DistError
+from .group import NOT_INITIALIZED, resolve, world
+from .reduce_op import ReduceOp
+from .tensors import Buffer
+from .work import Work, timeout_seconds
+
+_SUM = ReduceOp.SUM
+
+
+def _group(group):
+    """The group, or None when this rank is not a member (raises if not initialised)."""
+    pg = world.default if group is None else resolve(group)
+    if pg is None and group is None:
+        raise ValueError(NOT_INITIALIZED)
+    return pg
+
+
+def _launch(pg, async_op, outputs, name, steps):
+    fn = Steps(name, steps) if len(steps) > 1 else steps[0][0]
+    args = () if len(steps) > 1 else steps[0][1]
+    if async_op:
+        return Work(pg.submit(fn, *args), outputs, pg)
+    pg.run(fn, *args)
+    return None
+
+
+# ---- all_reduce / reduce / broadcast ------------------------------------------------------
+
+def all_reduce(tensor, op=_SUM, group=None, async_op=False):
+    """Reduce ``tensor`` across the group, in place, on every rank.
+
+    Args:
+        tensor: a contiguous torch CPU tensor or NumPy array (any shape).
+        op: a ReduceOp (AVG and PREMUL_SUM need floating or complex tensors).
+        group: the group (default: the world).
+        async_op: return a Work instead of waiting.
+
+    Example:
+        >>> t = torch.ones(2); dist.all_reduce(t)   # t == world_size
+    """
+    pg = world.default if group is None else resolve(group)
+    if pg is None:
+        if group is None:
+            raise ValueError(NOT_INITIALIZED)
+        return None
+    buf = buffer(tensor)
+    be = pg.backend
+    if op is _SUM:
+        if not async_op:
+            pg.run(be.all_reduce, buf, D.SUM)
+            return None
+        return Work(pg.submit(be.all_reduce, buf, D.SUM), [tensor], pg)
+    code, pre, avg = reduce_plan(op, buf.dtype)
+    steps = [(be.all_reduce, (buf, code))]
+    if pre is not None:
+        steps.insert(0, (scale, (buf, pre)))
+    elif avg:
+        steps.append((scale, (buf, 1.0 / pg._size)))
+    return _launch(pg, async_op, [tensor], "all_reduce", steps)
+
+
+def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
+    """all_reduce of several tensors of one dtype in one backend call."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    bufs = buffers(tensors, "tensors")
+    if not bufs:
+        raise ValueError("tensors must hold at least one tensor")
+    code, pre, avg = reduce_plan(op, bufs[0].dtype)
+    flat = contiguous_span(bufs)
+    steps = []
+    if flat is None:
+        flat = stage(bufs, bufs[0].dtype, copy_in=True)
+    if pre is not None:
+        steps.append((scale, (flat, pre)))
+    steps.append((pg.backend.all_reduce, (flat, code)))
+    if avg:
+        steps.append((scale, (flat, 1.0 / pg._size)))
+    if flat.obj is not bufs:
+        steps.append((unstage, (flat, bufs)))
+    return _launch(pg, async_op, list(tensors), "all_reduce_coalesced", steps)
+
+
+def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None):
+    """Reduce ``tensor`` across the group into ``dst``'s tensor; the others keep theirs."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    root = pg.peer(dst, group_dst, "dst", default=0)
+    buf = buffer(tensor)
+    code, pre, avg = reduce_plan(op, buf.dtype)
+    be = pg.backend
+    if pre is not None:  # scale a copy: non-root inputs must not change
+        tmp = copy_of(buf)
+        steps = [(scale, (tmp, pre)), (be.reduce, (tmp, code, root))]
+        if pg._rank == root:
+            steps.append((copy_into, (buf, tmp)))
+    else:
+        steps = [(be.reduce, (buf, code, root))]
+        if avg and pg._rank == root:
+            steps.append((scale, (buf, 1.0 / pg._size)))
+    return _launch(pg, async_op, [tensor], "reduce", steps)
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    """Copy ``src``'s tensor into every rank's ``tensor``."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    root = pg.peer(src, group_src, "src", default=0)
+    buf = buffer(tensor)
+    return _launch(pg, async_op, [tensor], "broadcast", [(pg.backend.broadcast, (buf, root))])
+
+
+# ---- gathers ----------------------------------------------------------------------------
+
+def _output_span(bufs, dtype, inp):
+    """A Buffer the backend can write all of ``bufs`` into, and whether it must be copied out."""
+    span = contiguous_span(bufs)
+    if span is not None and (inp is None or not overlaps(span, inp)):
+        return span, False
+    return stage(bufs, dtype, copy_in=False), True
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    """Gather every rank's ``tensor`` into ``tensor_list`` (one tensor per rank) on every rank."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    inp = buffer(tensor)
+    outs = buffers(tensor_list, "tensor_list", inp.dtype, inp.count, pg._size)
+    out, copy_out = _output_span(outs, inp.dtype, inp)
+    steps = [(pg.backend.all_gather, (out, inp))]
+    if copy_out:
+        steps.append((unstage, (out, outs)))
+    return _launch(pg, async_op, list(tensor_list), "all_gather", steps)
+
+
+def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+    """Gather every rank's ``input_tensor`` into ``output_tensor`` (size * numel elements)."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    inp = buffer(input_tensor, "input_tensor")
+    out = buffer(output_tensor, "output_tensor")
+    check_like(out, inp, "output_tensor", "input_tensor", inp.count * pg._size)
+    if overlaps(out, inp):  # e.g. input is output.chunk(size)[rank]
+        inp = copy_of(inp)
+    return _launch(pg, async_op, [output_tensor], "all_gather", [(pg.backend.all_gather, (out, inp))])
+
+
+all_gather_into_tensor = all_gather_single
+_all_gather_base = all_gather_single
+
+
+def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+    """Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (None elsewhere)."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    root = pg.peer(dst, group_dst, "dst", default=0)
+    inp = buffer(tensor)
+    if pg._rank == root:
+        if gather_list is None:
+            raise ValueError("gather_list must be given on the destination rank")
+        outs = buffers(gather_list, "gather_list", inp.dtype, inp.count, pg._size)
+        out, copy_out = _output_span(outs, inp.dtype, inp)
+        steps = [(pg.backend.gather, (out, inp, root))]
+        if copy_out:
+            steps.append((unstage, (out, outs)))
+        outputs = list(gather_list)
+    else:
+        if gather_list:
+            raise ValueError("Argument ``gather_list`` must NOT be specified on non-destination ranks.")
+        steps = [(pg.backend.gather, (None, inp, root))]
+        outputs = []
+    return _launch(pg, async_op, outputs, "gather", steps)
+
+
+def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+    """Rank r receives ``scatter_list[r]`` of ``src`` into ``tensor``."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    root = pg.peer(src, group_src, "src", default=0)
+    out = buffer(tensor)
+    if pg._rank == root:
+        if scatter_list is None:
+            raise ValueError("scatter_list must be given on the source rank")
+        ins = buffers(scatter_list, "scatter_list", out.dtype, out.count, pg._size)
+        inp = contiguous_span(ins)
+        if inp is None or overlaps(inp, out):
+            inp = stage(ins, out.dtype, copy_in=True)
+    else:
+        if scatter_list:
+            raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
+        inp = None
+    return _launch(pg, async_op, [tensor], "scatter", [(pg.backend.scatter, (out, inp, root))])
+
+
+# ---- reduce_scatter ------------------------------------------------------------------------
+
+def _reduce_scatter(pg, out, inp, op, async_op, outputs, staged_from=None):
+    code, pre, avg = reduce_plan(op, out.dtype)
+    steps = []
+    if pre is not None:
+        if staged_from is None:  # the caller's input must not change
+            inp = copy_of(inp)
+        steps.append((scale, (inp, pre)))
+    steps.append((pg.backend.reduce_scatter, (out, inp, code)))
+    if avg:
+        steps.append((scale, (out, 1.0 / pg._size)))
+    return _launch(pg, async_op, outputs, "reduce_scatter", steps)
+
+
+def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
+    """Rank r's ``output`` gets the reduction over ranks of their ``input_list[r]``."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    out = buffer(output, "output")
+    ins = buffers(input_list, "input_list", out.dtype, out.count, pg._size)
+    inp = contiguous_span(ins)
+    staged = None
+    if inp is None or overlaps(inp, out):
+        inp = staged = stage(ins, out.dtype, copy_in=True)
+    return _reduce_scatter(pg, out, inp, op, async_op, [output], staged)
+
+
+def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  # noqa: A002
+    """Rank r's ``output`` gets the reduction of slice r of every rank's ``input``."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    out = buffer(output, "output")
+    inp = buffer(input, "input")
+    check_like(inp, out, "input", "output", out.count * pg._size)
+    staged = None
+    if overlaps(inp, out):
+        inp = staged = copy_of(inp)
+    return _reduce_scatter(pg, out, inp, op, async_op, [output], staged)
+
+
+reduce_scatter_tensor = reduce_scatter_single
+_reduce_scatter_base = reduce_scatter_single
+
+
+# ---- all_to_all ----------------------------------------------------------------------------
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    """Rank r sends ``input_tensor_list[q]`` to rank q, which receives it in ``output_tensor_list[r]``."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    n = pg._size
+    ins = buffers(input_tensor_list, "input_tensor_list", length=n)
+    outs = buffers(output_tensor_list, "output_tensor_list", ins[0].dtype if ins else None, length=n)
+    in_counts = [b.count for b in ins]
+    out_counts = [b.count for b in outs]
+    inp = contiguous_span(ins)
+    out = contiguous_span(outs)
+    copy_out = out is None
+    if copy_out:
+        out = stage(outs, ins[0].dtype, copy_in=False)
+    if inp is None or overlaps(inp, out):
+        inp = stage(ins, ins[0].dtype, copy_in=True)
+    steps = [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))]
+    if copy_out:
+        steps.append((unstage, (out, outs)))
+    return _launch(pg, async_op, list(output_tensor_list), "all_to_all", steps)
+
+
+def _rows(t):
+    shape = tuple(t.shape)
+    return (shape[0] if shape else 1), shape
+
+
+def _split_counts(sizes, rows, row_elems, n, name):
+    if sizes is None or (hasattr(sizes, "__len__") and len(sizes) == 0):
+        if rows % n:
+            raise ValueError(f"{name} is None, so dim 0 ({rows}) must divide evenly by the group size {n}")
+        return [rows // n * row_elems] * n
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != n or any(s < 0 for s in sizes):
+        raise ValueError(f"{name} must hold {n} non-negative sizes (one per rank), got {sizes}")
+    if sum(sizes) != rows:
+        raise ValueError(f"{name} sums to {sum(sizes)}; expected dim 0 of the tensor, {rows}")
+    return [s * row_elems for s in sizes]
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,  # noqa: A002
+                      group=None, async_op=False):
+    """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``), send part q to rank q;
+    receive rank r's part into ``output``'s r-th slice (``output_split_sizes``)."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    n = pg._size
+    inp = buffer(input, "input")
+    out = buffer(output, "output")
+    check_like(out, inp, "output", "input")
+    in_rows, in_shape = _rows(input)
+    out_rows, out_shape = _rows(output)
+    in_row = inp.count // in_rows if in_rows else int(np.prod(in_shape[1:], dtype=np.int64))
+    out_row = out.count // out_rows if out_rows else int(np.prod(out_shape[1:], dtype=np.int64))
+    in_counts = _split_counts(input_split_sizes, in_rows, in_row, n, "input_split_sizes")
+    out_counts = _split_counts(output_split_sizes, out_rows, out_row, n, "output_split_sizes")
+    if overlaps(inp, out):
+        inp = copy_of(inp)
+    return _launch(pg, async_op, [output], "all_to_all",
+                   [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))])
+
+
+# ---- barriers ------------------------------------------------------------------------------
+
+def barrier(group=None, async_op=False, device_ids=None):
+    """Block until every rank of the group has reached this barrier."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    return _launch(pg, async_op, [], "barrier", [(pg.backend.barrier, ())])
+
+
+_MONITOR_TAG = 0x3FFFFFF0
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+    """A barrier in which rank 0 names the ranks that did not arrive within ``timeout``.
+
+    Raises DistError on rank 0 naming the missing rank (all of them with
+    ``wait_all_ranks``), and on the others when rank 0 does not answer.
+    """
+    pg = _group(group)
+    if pg is None:
+        return None
+    tmo = timeout_seconds(timeout)
+    tmo = pg.timeout if tmo is None else tmo
+    n, me, be = pg._size, pg._rank, pg.backend
+    if n == 1:
+        return None
+    token = np.zeros(1, np.int64)
+    buf = Buffer(token.ctypes.data, 1, D.INT64, -1, token)
+    if me != 0:
+        try:
+            be.isend(buf, 0, _MONITOR_TAG).wait(tmo)
+            be.irecv(buf, 0, _MONITOR_TAG).wait(tmo)
+        except DistError as e:
+            raise DistBackendError(f"monitored_barrier: rank {pg.ranks[me]} got no answer from "
+                                   f"rank {pg.ranks[0]} within {tmo} s: {e}") from e
+        return None
+    tokens = [np.zeros(1, np.int64) for _ in range(n)]
+    reqs = [(r, be.irecv(Buffer(tokens[r].ctypes.data, 1, D.INT64, -1, tokens[r]), r, _MONITOR_TAG))
+            for r in range(1, n)]
+    deadline = time.monotonic() + tmo
+    missing = []
+    for r, req in reqs:
+        try:
+            req.wait(max(0.0, deadline - time.monotonic()))
+        except DistError:
+            missing.append(pg.ranks[r])
+            if not wait_all_ranks:
+                break
+    if missing:
+        which = f"Rank {missing[0]}" if len(missing) == 1 else f"Ranks {', '.join(map(str, missing))}"
+        raise DistBackendError(f"{which} failed to pass monitoredBarrier in {int(tmo * 1000)} ms")
+    for r in range(1, n):
+        be.isend(buf, r, _MONITOR_TAG).wait(tmo)
+    return None
+
+
+__all__ = ["all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
+           "all_gather_single", "all_gather_into_tensor", "_all_gather_base", "gather", "scatter",
+           "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
+           "_reduce_scatter_base", "all_to_all", "all_to_all_single", "barrier",
+           "monitored_barrier"]

@@ -1,0 +1,448 @@
+"""Process groups: the world state, init/destroy, new_group, rank queries, availability.
+
+Every rank of the world calls ``new_group`` in the same order (as torch requires);
+group state (ranks, this rank's group rank, the backend's bound methods) is
+computed once here so the per-call path in collective_ops does no lookups.
+"""
+import importlib.util
+import os
+
+from . import backends as _backends
+from .work import timeout_seconds
+
+DEFAULT_TIMEOUT = 1800.0  # torch's default for CPU backends (30 minutes)
+NOT_INITIALIZED = ("Default process group has not been initialized, "
+                   "please make sure to call init_process_group.")
+
+
+class Backend(str):
+    """Backend names (``dist.Backend.GLOO``...); ``Backend("GLOO") == "gloo"``."""
+
+    UNDEFINED = "undefined"
+    GLOO = "gloo"
+    NCCL = "nccl"
+    UCC = "ucc"
+    MPI = "mpi"
+    TCP = "tcp"
+
+    def __new__(cls, name):
+        if not isinstance(name, str):
+            raise TypeError(f"Backend name must be a string, got {type(name).__name__}")
+        return str.__new__(cls, name.lower())
+
+    @staticmethod
+    def register_backend(name, func, extended_api=False, devices=None):
+        """Register a backend factory ``func(store, rank, size, timeout, options)``."""
+        _backends.register_backend(name, func, extended_api, devices)
+        setattr(Backend, name.upper(), name.lower())
+
+
+class ProcessGroup:
+    """A group of ranks sharing one backend instance.
+
+    ``rank()``/``size()`` as in torch; ``ranks`` lists the members' global ranks in
+    group-rank order.
+    """
+
+    def __init__(self, backend, ranks, rank, name, backend_name, timeout, store):
+        self.backend = backend
+        self.ranks = list(ranks)
+        self._rank = rank
+        self._size = len(self.ranks)
+        self.name = name
+        self.backend_name = backend_name
+        self.timeout = timeout
+        self.store = store
+        self.group_of_global = {g: i for i, g in enumerate(self.ranks)}
+        # bound once: the blocking path calls these directly
+        self.run = backend.run
+        self.submit = backend.submit
+        self.destroyed = False
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+    def group_rank(self, global_rank, name):
+        """The group rank of ``global_rank``; ValueError naming ``name`` if not a member."""
+        r = self.group_of_global.get(global_rank)
+        if r is None:
+            raise ValueError(f"{name}={global_rank!r} is not a rank of group {self.name!r} "
+                             f"(its global ranks are {self.ranks})")
+        return r
+
+    def check_group_rank(self, group_rank, name):
+        if not isinstance(group_rank, int) or not 0 <= group_rank < self._size:
+            raise ValueError(f"{name} must be a group rank in [0, {self._size}), got {group_rank!r}")
+        return group_rank
+
+    def peer(self, global_rank, group_rank, name, default=None):
+        """Resolve a (global, group) pair of peer arguments to a group rank; one may be given."""
+        if group_rank is not None:
+            if global_rank is not None:
+                raise ValueError(f"give either {name} or group_{name}, not both")
+            return self.check_group_rank(group_rank, f"group_{name}")
+        if global_rank is None:
+            if default is None:
+                raise ValueError(f"{name} must be given (a global rank)")
+            global_rank = default
+        if not isinstance(global_rank, int) or isinstance(global_rank, bool):
+            raise TypeError(f"{name} must be an int rank, got {type(global_rank).__name__}")
+        return self.group_rank(global_rank, name)
+
+    def __repr__(self):
+        return (f"ProcessGroup(name={self.name!r}, backend={self.backend_name!r}, "
+                f"ranks={self.ranks}, rank={self._rank})")
+
+
+class GroupMember:
+    """``GroupMember.WORLD`` (the default group, None before init) and ``NON_GROUP_MEMBER``."""
+
+    WORLD = None
+    NON_GROUP_MEMBER = -100
+
+
+class group:  # noqa: N801  (torch spells it dist.group.WORLD)
+    WORLD = None
+
+
+class _World:
+    """The default group and everything new_group needs (one instance: ``world``)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.default = None
+        self.store = None
+        self.groups = []
+        self.group_count = 0
+        self.local_counts = {}
+
+
+world = _World()
+
+
+def _set_world(pg):
+    world.default = pg
+    GroupMember.WORLD = pg
+    group.WORLD = pg
+
+
+def default_group():
+    pg = world.default
+    if pg is None:
+        raise ValueError(NOT_INITIALIZED)
+    return pg
+
+
+def resolve(grp):
+    """The ProcessGroup for a user's ``group`` argument; None if this rank is not a member."""
+    if grp is None:
+        pg = world.default
+        if pg is None:
+            raise ValueError(NOT_INITIALIZED)
+        return pg
+    if isinstance(grp, ProcessGroup):
+        if grp.destroyed:
+            raise ValueError(f"group {grp.name!r} has been destroyed")
+        return grp
+    if grp is GroupMember.NON_GROUP_MEMBER or grp == GroupMember.NON_GROUP_MEMBER:
+        return None
+    raise TypeError(f"group must be a ProcessGroup, None or GroupMember.WORLD, got {type(grp).__name__}")
+
+
+# ---- initialisation ------------------------------------------------------------------
+
+def _backend_name(backend):
+    """'gloo' for None; the cpu entry of torch's 'cpu:gloo,cuda:nccl' form."""
+    if backend is None:
+        return Backend.GLOO
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string such as 'gloo', got {type(backend).__name__}")
+    if ":" in backend:
+        pairs = {}
+        for entry in backend.split(","):
+            dev, sep, name = entry.strip().partition(":")
+            if not sep or not name:
+                raise ValueError(f"backend {backend!r}: expected entries of the form 'device:name', "
+                                 f"e.g. 'cpu:gloo,cuda:nccl'")
+            pairs.setdefault(dev.strip().lower(), name.strip())
+        backend = pairs.get("cpu") or next(iter(pairs.values()))
+    return Backend(_backends.canonical_name(backend.strip()))
+
+
+def _prefix(prefix, store):
+    from .store import PrefixStore
+    return PrefixStore(prefix, store)
+
+
+def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
+                       store=None, group_name="", pg_options=None, device_id=None):
+    """Initialise the default process group (as torch.distributed).
+
+    Args:
+        backend: 'gloo' (default), 'mpi', 'nccl', a registered name, or torch's
+            'cpu:gloo,cuda:nccl' form (the cpu entry is used).
+        init_method: 'env://' (default), 'tcp://host:port' or 'file:///path'.
+        timeout: timedelta or seconds any single wait may take (default 30 minutes).
+        world_size, rank: required with ``store`` or a tcp:// / file:// init_method.
+        store: a Store all ranks share (excludes init_method).
+
+    Example:
+        >>> dist.init_process_group("gloo", rank=r, world_size=n)
+    """
+    if world.default is not None:
+        raise ValueError("trying to initialize the default process group twice!")
+    name = _backend_name(backend)
+    factory = _backends.get_backend_factory(name)
+    tmo = timeout_seconds(timeout)
+    tmo = DEFAULT_TIMEOUT if tmo is None else tmo
+    if store is not None and init_method is not None:
+        raise ValueError("Cannot specify both init_method and store.")
+    for arg, val in (("world_size", world_size), ("rank", rank)):
+        if not isinstance(val, int) or isinstance(val, bool):
+            raise TypeError(f"{arg} must be an int, got {type(val).__name__}")
+    if store is not None:
+        if world_size <= 0:
+            raise ValueError(f"world_size must be positive when store is given, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}) when store is given, got {rank}")
+    world_rank_size = getattr(factory, "world_rank_size", None)
+    if world_rank_size is not None and store is None and init_method is None:
+        r, n = world_rank_size()
+        if (rank >= 0 and rank != r) or (world_size > 0 and world_size != n):
+            raise ValueError(f"rank={rank}, world_size={world_size} disagree with the {name} "
+                             f"launcher's rank {r} of {n}")
+        rank, world_size, store, pg_store = r, n, None, None
+    else:
+        from .rendezvous import rendezvous
+        store, rank, world_size = rendezvous(init_method, rank, world_size, timeout=tmo, store=store)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        pg_store = _prefix("default_pg/", store)
+    be = factory(pg_store, rank, world_size, tmo, pg_options)
+    pg = ProcessGroup(be, range(world_size), rank, group_name or "default_pg", name, tmo, pg_store)
+    world.store = store
+    world.groups.append(pg)
+    _set_world(pg)
+
+
+def destroy_process_group(group=None):
+    """Shut down ``group``'s backend, or every group (and the default one) when None."""
+    if group is None or group is GroupMember.WORLD:
+        pgs, world.groups = world.groups, []
+        for pg in reversed(pgs):
+            pg.destroyed = True
+            pg.backend.shutdown()
+        world.reset()
+        _set_world(None)
+        return
+    pg = resolve(group)
+    if pg is None:
+        return
+    pg.destroyed = True
+    pg.backend.shutdown()
+    if pg in world.groups:
+        world.groups.remove(pg)
+
+
+def is_initialized():
+    return world.default is not None
+
+
+# ---- subgroups --------------------------------------------------------------------------
+
+def _check_ranks(ranks, size):
+    try:
+        ranks = list(ranks)
+    except TypeError:
+        raise TypeError(f"ranks must be a list of ints, got {type(ranks).__name__}") from None
+    for r in ranks:
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < size:
+            raise ValueError(f"ranks must hold global ranks in [0, {size}), got {r!r}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks must not repeat a rank, got {ranks}")
+    return ranks
+
+
+def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
+              use_local_synchronization=False, group_desc=None, device_id=None, sort_ranks=True):
+    """A new group of ``ranks`` (global ranks; all ranks when None).
+
+    Every rank of the world must call it, in the same order, unless
+    ``use_local_synchronization`` is set (then members only). Non-members get
+    ``GroupMember.NON_GROUP_MEMBER``.
+
+    Example:
+        >>> g = dist.new_group([0, 1]); dist.all_reduce(t, group=g)
+    """
+    wpg = default_group()
+    ranks = _check_ranks(range(wpg._size) if ranks is None else ranks, wpg._size)
+    if not ranks:
+        raise ValueError("ranks must name at least one rank")
+    if sort_ranks:
+        ranks = sorted(ranks)
+    tmo = timeout_seconds(timeout)
+    tmo = wpg.timeout if tmo is None else tmo
+    name = wpg.backend_name if backend is None else _backend_name(backend)
+    me = wpg._rank
+    if use_local_synchronization:
+        if me not in ranks:
+            return GroupMember.NON_GROUP_MEMBER
+        key = tuple(ranks)
+        k = world.local_counts.get(key, 0)
+        world.local_counts[key] = k + 1
+        tag = f"local/{'-'.join(map(str, ranks))}/{k}"
+    else:
+        tag = str(world.group_count)
+        world.group_count += 1
+        if name == wpg.backend_name and ranks == sorted(ranks):
+            be = wpg.backend.split(ranks, tmo, pg_options)
+            if be is not NotImplemented:
+                if be is None:
+                    return GroupMember.NON_GROUP_MEMBER
+                return _add_group(be, ranks, me, tag, name, tmo, None)
+        if me not in ranks:
+            return GroupMember.NON_GROUP_MEMBER
+    if world.store is None:
+        raise ValueError(f"new_group: the {wpg.backend_name} world group has no store and its "
+                         f"backend cannot split; use backend={wpg.backend_name!r} ranks sorted")
+    factory = _backends.get_backend_factory(name)
+    store = _prefix(f"group/{tag}/", world.store)
+    be = factory(store, ranks.index(me), len(ranks), tmo, pg_options)
+    return _add_group(be, ranks, me, tag, name, tmo, store)
+
+
+def _add_group(be, ranks, me, tag, name, tmo, store):
+    pg = ProcessGroup(be, ranks, ranks.index(me), f"group/{tag}", name, tmo, store)
+    world.groups.append(pg)
+    return pg
+
+
+def new_subgroups(group_size=None, group=None, timeout=None, backend=None, pg_options=None,
+                  group_desc=None):
+    """Split the world into consecutive groups of ``group_size`` ranks.
+
+    Returns ``(this rank's subgroup, all subgroups)``. ``group_size`` defaults to
+    the world size (there is no per-machine device count on CPU).
+    """
+    wpg = default_group()
+    if group is not None and group is not GroupMember.WORLD:
+        raise ValueError("new_subgroups splits the default group only; pass group=None")
+    n = wpg._size
+    if group_size is None:
+        group_size = n
+    if not isinstance(group_size, int) or not 0 < group_size <= n or n % group_size:
+        raise ValueError(f"group_size must divide the world size {n} and be positive, got {group_size!r}")
+    return new_subgroups_by_enumeration(
+        [list(range(s, s + group_size)) for s in range(0, n, group_size)], timeout, backend, pg_options)
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=None,
+                                 pg_options=None, group_desc=None):
+    """One new group per list of ranks; returns ``(this rank's subgroup or None, all subgroups)``."""
+    wpg = default_group()
+    seen = set()
+    for ranks in ranks_per_subgroup_list:
+        for r in _check_ranks(ranks, wpg._size):
+            if r in seen:
+                raise ValueError(f"rank {r} appears in more than one subgroup")
+            seen.add(r)
+    mine, groups = None, []
+    for ranks in ranks_per_subgroup_list:
+        g = new_group(ranks, timeout, backend, pg_options)
+        groups.append(g)
+        if wpg._rank in ranks:
+            mine = g
+    return mine, groups
+
+
+# ---- rank queries ---------------------------------------------------------------------
+
+def get_rank(group=None):
+    """This process's rank in ``group`` (-1 if not a member)."""
+    pg = resolve(group)
+    return -1 if pg is None else pg._rank
+
+
+def get_world_size(group=None):
+    """The number of ranks in ``group`` (-1 if this rank is not a member)."""
+    pg = resolve(group)
+    return -1 if pg is None else pg._size
+
+
+def get_backend(group=None):
+    """The backend name of ``group``, e.g. 'gloo'."""
+    pg = resolve(group)
+    if pg is None:
+        raise ValueError("Invalid process group specified")
+    return pg.backend_name
+
+
+def get_global_rank(group, group_rank):
+    pg = resolve(group)
+    if pg is None:
+        raise ValueError("Group is not registered, please create group with new_group")
+    return pg.ranks[pg.check_group_rank(group_rank, "group_rank")]
+
+
+def get_group_rank(group, global_rank):
+    pg = resolve(group)
+    if pg is None:
+        raise ValueError("Group is not registered, please create group with new_group")
+    return pg.group_rank(global_rank, "global_rank")
+
+
+def get_process_group_ranks(group):
+    pg = resolve(group)
+    if pg is None:
+        raise ValueError("Group is not registered, please create group with new_group")
+    return list(pg.ranks)
+
+
+# ---- availability -----------------------------------------------------------------------
+
+def is_available():
+    return True
+
+
+def _found(module):
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def is_gloo_available():
+    return _found("collectives.backends.tcp")
+
+
+def is_mpi_available():
+    return _found("mpi4py") and _found("collectives.backends.mpi")
+
+
+def is_nccl_available():
+    if not (_found("collectives.backends.nccl") and _found("torch")):
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+_BUILTIN_CHECK = {"gloo": is_gloo_available, "tcp": is_gloo_available,
+                  "mpi": is_mpi_available, "nccl": is_nccl_available}
+
+
+def is_backend_available(backend):
+    """Whether ``init_process_group(backend)`` can work here."""
+    key = str(backend).lower()
+    if key not in _backends.registered_backends():
+        return False
+    check = _BUILTIN_CHECK.get(key)
+    return True if check is None else check()
+
+
+def is_torchelastic_launched():
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None

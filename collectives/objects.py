@@ -1,0 +1,196 @@
+"""Python objects over the wire: all_gather_object, gather_object, broadcast_object_list,
+scatter_object_list, send_object_list, recv_object_list.
+
+Objects travel as pickles. Unpickling runs code chosen by the sender: use these
+only between trusted peers, exactly as with torch.distributed.
+"""
+import pickle
+
+import numpy as np
+
+from . import dtypes as D
+from .group import NOT_INITIALIZED, resolve, world
+from .tensors import Buffer
+
+
+def _group(group):
+    pg = world.default if group is None else resolve(group)
+    if pg is None and group is None:
+        raise ValueError(NOT_INITIALIZED)
+    return pg
+
+
+_CODES = {np.dtype(np.uint8): D.UINT8, np.dtype(np.int64): D.INT64}
+
+
+def _buf(a):
+    return Buffer(a.ctypes.data, a.size, _CODES[a.dtype], -1, a)
+
+
+def _pickle(obj):
+    return np.frombuffer(pickle.dumps(obj), np.uint8)
+
+
+def _unpickle(a):
+    return pickle.loads(a.tobytes())
+
+
+def _output_list(lst, n, name):
+    if not isinstance(lst, list):
+        raise TypeError(f"{name} must be a list, got {type(lst).__name__}")
+    if len(lst) != n:
+        raise ValueError(f"{name} must hold {n} entries (one per rank of the group), got {len(lst)}")
+
+
+def _all_gather_sizes(pg, nbytes):
+    sizes = np.zeros(pg._size, np.int64)
+    pg.run(pg.backend.all_gather, _buf(sizes), _buf(np.array([nbytes], np.int64)))
+    return sizes
+
+
+def _padded(data, length):
+    out = np.zeros(length, np.uint8)
+    out[:data.size] = data
+    return out
+
+
+def all_gather_object(object_list, obj, group=None):
+    """``object_list[r]`` becomes rank r's ``obj``, on every rank (pickled: trusted peers only)."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    n = pg._size
+    _output_list(object_list, n, "object_list")
+    data = _pickle(obj)
+    sizes = _all_gather_sizes(pg, data.size)
+    width = int(sizes.max())
+    out = np.empty(n * width, np.uint8)
+    pg.run(pg.backend.all_gather, _buf(out), _buf(_padded(data, width)))
+    for r in range(n):
+        object_list[r] = _unpickle(out[r * width:r * width + sizes[r]])
+    return None
+
+
+def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+    """``object_gather_list[r]`` on ``dst`` becomes rank r's ``obj`` (pickled: trusted peers only)."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    root = pg.peer(dst, group_dst, "dst", default=0)
+    n = pg._size
+    if pg._rank == root:
+        if object_gather_list is None:
+            raise ValueError("object_gather_list must be given on the destination rank")
+        _output_list(object_gather_list, n, "object_gather_list")
+    elif object_gather_list:
+        raise ValueError("Argument ``object_gather_list`` must NOT be specified on non-destination ranks.")
+    data = _pickle(obj)
+    sizes = _all_gather_sizes(pg, data.size)
+    width = int(sizes.max())
+    out = np.empty(n * width, np.uint8) if pg._rank == root else None
+    pg.run(pg.backend.gather, None if out is None else _buf(out), _buf(_padded(data, width)), root)
+    if out is not None:
+        for r in range(n):
+            object_gather_list[r] = _unpickle(out[r * width:r * width + sizes[r]])
+    return None
+
+
+def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+    """Every rank's ``object_list`` entries become ``src``'s (same length on every rank)."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    root = pg.peer(src, group_src, "src", default=0)
+    if not isinstance(object_list, list):
+        raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
+    k = len(object_list)
+    be = pg.backend
+    sizes = np.zeros(k, np.int64)
+    if pg._rank == root:
+        parts = [_pickle(o) for o in object_list]
+        sizes[:] = [p.size for p in parts]
+        data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    pg.run(be.broadcast, _buf(sizes), root)
+    if pg._rank != root:
+        data = np.empty(int(sizes.sum()), np.uint8)
+    pg.run(be.broadcast, _buf(data), root)
+    if pg._rank != root:
+        off = 0
+        for i in range(k):
+            object_list[i] = _unpickle(data[off:off + sizes[i]])
+            off += int(sizes[i])
+    return None
+
+
+def scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=None,
+                        group=None, group_src=None):
+    """``scatter_object_output_list[0]`` on rank r becomes ``src``'s ``scatter_object_input_list[r]``."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    root = pg.peer(src, group_src, "src", default=0)
+    n = pg._size
+    if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
+        raise ValueError("Expected argument scatter_object_output_list to be a list of size at least 1.")
+    be = pg.backend
+    sizes = np.zeros(n, np.int64)
+    if pg._rank == root:
+        _output_list(scatter_object_input_list, n, "scatter_object_input_list")
+        parts = [_pickle(o) for o in scatter_object_input_list]
+        sizes[:] = [p.size for p in parts]
+    pg.run(be.broadcast, _buf(sizes), root)
+    width = int(sizes.max())
+    inp = None
+    if pg._rank == root:
+        inp = _buf(np.concatenate([_padded(p, width) for p in parts]))
+    out = np.empty(width, np.uint8)
+    pg.run(be.scatter, _buf(out), inp, root)
+    scatter_object_output_list[0] = _unpickle(out[:sizes[pg._rank]])
+    return None
+
+
+def send_object_list(object_list, dst=None, group=None, device=None, group_dst=None):
+    """Send the objects of ``object_list`` to ``dst`` (pickled: trusted peers only)."""
+    from .p2p import _dst
+    pg = _group(group)
+    if pg is None:
+        return None
+    peer = _dst(pg, dst, group_dst)
+    if not isinstance(object_list, list):
+        raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
+    parts = [_pickle(o) for o in object_list]
+    sizes = np.array([p.size for p in parts], np.int64)
+    data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    be = pg.backend
+    be.isend(_buf(sizes), peer, 0).wait()
+    be.isend(_buf(data), peer, 0).wait()
+    return None
+
+
+def recv_object_list(object_list, src=None, group=None, device=None, group_src=None):
+    """Fill ``object_list`` with objects sent by ``src`` (None: any rank). Returns the sender's
+    global rank."""
+    from .p2p import _src
+    pg = _group(group)
+    if pg is None:
+        return -1
+    peer = _src(pg, src, group_src)
+    if not isinstance(object_list, list):
+        raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
+    be = pg.backend
+    sizes = np.zeros(len(object_list), np.int64)
+    req = be.irecv(_buf(sizes), peer, 0)
+    req.wait()
+    if peer is None:
+        peer = req.source
+    data = np.empty(int(sizes.sum()), np.uint8)
+    be.irecv(_buf(data), peer, 0).wait()
+    off = 0
+    for i in range(len(object_list)):
+        object_list[i] = _unpickle(data[off:off + sizes[i]])
+        off += int(sizes[i])
+    return pg.ranks[peer]
+
+
+__all__ = ["all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+           "send_object_list", "recv_object_list"]

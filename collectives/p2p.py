@@ -1,0 +1,140 @@
+"""Point to point: send, recv, isend, irecv, P2POp, batch_isend_irecv (torch signatures).
+
+Ranks given as ``dst``/``src`` are global ranks; ``group_dst``/``group_src`` are ranks
+of ``group``. A blocking send is ``isend(...).wait()``.
+"""
+from ._frontend import buffer
+from .group import NOT_INITIALIZED, resolve, world
+from .work import Work
+
+
+def _group(group):
+    pg = world.default if group is None else resolve(group)
+    if pg is None and group is None:
+        raise ValueError(NOT_INITIALIZED)
+    return pg
+
+
+def _check_tag(tag):
+    if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
+        raise ValueError(f"tag must be a non-negative int, got {tag!r}")
+
+
+def _dst(pg, dst, group_dst):
+    peer = pg.peer(dst, group_dst, "dst")
+    if peer == pg._rank:
+        raise ValueError("Invalid destination rank: destination rank should not be the same as "
+                         "the rank of the current process.")
+    return peer
+
+
+def _src(pg, src, group_src):
+    if src is None and group_src is None:
+        return None  # any source
+    peer = pg.peer(src, group_src, "src")
+    if peer == pg._rank:
+        raise ValueError("Invalid source rank: source rank should not be the same as "
+                         "the rank of the current process.")
+    return peer
+
+
+def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    """Start sending ``tensor`` to ``dst``; returns a Work (don't modify the tensor until it's done)."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    peer = _dst(pg, dst, group_dst)
+    _check_tag(tag)
+    buf = buffer(tensor)
+    return Work(pg.backend.isend(buf, peer, tag), [tensor], pg)
+
+
+def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    """Start receiving into ``tensor`` from ``src`` (None: any rank; ``Work.source_rank()`` names it)."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    peer = _src(pg, src, group_src)
+    _check_tag(tag)
+    buf = buffer(tensor)
+    return Work(pg.backend.irecv(buf, peer, tag), [tensor], pg)
+
+
+def send(tensor, dst=None, group=None, tag=0, group_dst=None):
+    """Send ``tensor`` to global rank ``dst``; returns when the tensor may be reused."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    peer = _dst(pg, dst, group_dst)
+    _check_tag(tag)
+    pg.backend.isend(buffer(tensor), peer, tag).wait()
+    return None
+
+
+def recv(tensor, src=None, group=None, tag=0, group_src=None):
+    """Receive into ``tensor`` from ``src`` (None: any rank). Returns the sender's global rank
+    (-1 if this rank is not in ``group``)."""
+    pg = _group(group)
+    if pg is None:
+        return -1
+    peer = _src(pg, src, group_src)
+    _check_tag(tag)
+    req = pg.backend.irecv(buffer(tensor), peer, tag)
+    req.wait()
+    got = req.source if peer is None else peer
+    if got < 0:
+        raise RuntimeError(f"{pg.backend_name} backend did not report the sender of an any-source recv")
+    return pg.ranks[got]
+
+
+class P2POp:
+    """One isend/irecv for :func:`batch_isend_irecv`.
+
+    Example:
+        >>> ops = [dist.P2POp(dist.isend, t, peer=1), dist.P2POp(dist.irecv, r, peer=1)]
+        >>> for w in dist.batch_isend_irecv(ops): w.wait()
+    """
+
+    __slots__ = ("op", "tensor", "peer", "group", "tag", "group_peer")
+
+    def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        if op not in (isend, irecv):
+            raise ValueError("Invalid ``op``. Expected ``op`` to be of type ``torch.distributed.isend`` "
+                             "or ``torch.distributed.irecv``.")
+        if peer is None and group_peer is None:
+            raise ValueError("P2POp needs peer (a global rank) or group_peer")
+        _check_tag(tag)
+        self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
+        self.tag, self.group_peer = tag, group_peer
+
+    def __repr__(self):
+        return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list):
+    """Post every op of ``p2p_op_list`` in order; returns their Works."""
+    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+        raise ValueError("p2p_op_list must be a non-empty list of P2POp")
+    for i, p in enumerate(p2p_op_list):
+        if not isinstance(p, P2POp):
+            raise TypeError(f"p2p_op_list[{i}] must be a P2POp, got {type(p).__name__}")
+    # check everything before posting anything
+    for p in p2p_op_list:
+        pg = _group(p.group)
+        if pg is not None:
+            (_dst if p.op is isend else _src)(pg, p.peer if p.group_peer is None else None, p.group_peer)
+            buffer(p.tensor)
+    works = []
+    for p in p2p_op_list:
+        if p.group_peer is None:
+            w = p.op(p.tensor, p.peer, p.group, p.tag)
+        elif p.op is isend:
+            w = isend(p.tensor, group=p.group, tag=p.tag, group_dst=p.group_peer)
+        else:
+            w = irecv(p.tensor, group=p.group, tag=p.tag, group_src=p.group_peer)
+        if w is not None:
+            works.append(w)
+    return works
+
+
+__all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]

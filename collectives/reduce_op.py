@@ -1,0 +1,104 @@
+"""Reduction operators, spelled as torch.distributed spells them.
+
+``ReduceOp.SUM`` and friends are int-like (their int value is the op code in
+:mod:`collectives.dtypes`); ``ReduceOp.PREMUL_SUM(factor)`` carries a factor.
+"""
+import enum
+import warnings
+
+from . import dtypes as D
+
+
+class RedOpType(enum.IntEnum):
+    """The op codes, as torch's ``ReduceOp.RedOpType``."""
+
+    SUM = D.SUM
+    AVG = D.AVG
+    PRODUCT = D.PRODUCT
+    MIN = D.MIN
+    MAX = D.MAX
+    BAND = D.BAND
+    BOR = D.BOR
+    BXOR = D.BXOR
+    PREMUL_SUM = D.PREMUL_SUM
+
+
+class PremulSum(int):
+    """``ReduceOp.PREMUL_SUM(factor)``: multiply every input by ``factor``, then sum.
+
+    ``factor`` is a number or a one-element tensor/array.
+    """
+
+    def __new__(cls, factor):
+        self = int.__new__(cls, D.PREMUL_SUM)
+        self.factor = factor
+        return self
+
+    def __repr__(self):
+        return f"ReduceOp.PREMUL_SUM({self.factor!r})"
+
+
+class _PremulSumMember(int):
+    """``ReduceOp.PREMUL_SUM``: equals the code; call it with a factor to use it."""
+
+    def __new__(cls):
+        return int.__new__(cls, D.PREMUL_SUM)
+
+    def __call__(self, factor):
+        return PremulSum(factor)
+
+    def __repr__(self):
+        return "<RedOpType.PREMUL_SUM: 8>"
+
+
+class ReduceOp:
+    """Reduction operators for all_reduce, reduce, reduce_scatter.
+
+    Example:
+        >>> dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        >>> dist.all_reduce(t, op=dist.ReduceOp.PREMUL_SUM(0.5))
+    """
+
+    RedOpType = RedOpType
+    SUM = RedOpType.SUM
+    AVG = RedOpType.AVG
+    PRODUCT = RedOpType.PRODUCT
+    MIN = RedOpType.MIN
+    MAX = RedOpType.MAX
+    BAND = RedOpType.BAND
+    BOR = RedOpType.BOR
+    BXOR = RedOpType.BXOR
+    PREMUL_SUM = _PremulSumMember()
+
+    def __new__(cls, op=RedOpType.SUM):
+        # ReduceOp(ReduceOp.MAX) is accepted by torch; the member itself is our value
+        return op_code(op) if not isinstance(op, PremulSum) else op
+
+
+def op_code(op, name="op"):
+    """The int code of ``op`` (a ReduceOp member, PREMUL_SUM(factor) or a plain int code).
+
+    Raises ValueError for anything else, and for PREMUL_SUM without a factor.
+    """
+    if isinstance(op, PremulSum):
+        return D.PREMUL_SUM
+    if type(op) is _PremulSumMember:
+        raise ValueError(f"{name}=ReduceOp.PREMUL_SUM needs a factor: use ReduceOp.PREMUL_SUM(factor)")
+    if isinstance(op, int) and not isinstance(op, bool) and 0 <= op < D.PREMUL_SUM:
+        return RedOpType(int(op))
+    raise ValueError(f"{name} must be a ReduceOp (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, "
+                     f"PREMUL_SUM(factor)), got {op!r}")
+
+
+class _DeprecatedReduceOp:
+    """The deprecated ``reduce_op`` alias: works, and warns as torch does."""
+
+    def __getattr__(self, key):
+        warnings.warn("torch.distributed.reduce_op is deprecated, please use "
+                      "torch.distributed.ReduceOp instead", FutureWarning, stacklevel=2)
+        return getattr(ReduceOp, key)
+
+
+reduce_op = _DeprecatedReduceOp()
+
+__all__ = ["ReduceOp", "RedOpType", "PremulSum", "reduce_op", "op_code"]
