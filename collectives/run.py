@@ -1,0 +1,468 @@
+"""The launcher: ``collectives-run`` / ``python -m collectives.run``, torchrun's flags.
+
+Starts ``--nproc-per-node`` copies of a script (or ``-m module``, or with
+``--no-python`` any program) with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK/NODE_RANK, MASTER_ADDR and MASTER_PORT set, prefixes each whole line a
+rank prints with ``[rank] ``, and supervises them: when one rank fails the others
+get SIGTERM, then SIGKILL after ``--term-timeout`` seconds, and the launcher exits
+non-zero with a summary (the rank, its exit code or signal, its last stderr lines).
+SIGINT/SIGTERM/SIGHUP sent to the launcher are forwarded to every rank. Each rank
+runs in its own session, and its whole process group is signalled, so no
+grandchild outlives the launcher.
+
+Example:
+    collectives-run --nproc-per-node 4 train.py --epochs 3
+    python -m collectives.run --standalone --nproc_per_node=2 -m mypkg.main
+"""
+import argparse
+import collections
+import os
+import selectors
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+TAIL_LINES = 20
+MAX_LINE = 1 << 16  # a longer run of bytes without a newline is written as it is
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# ---- command line ------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def add(self, *names, **kw):
+        """Add an option under its dash spelling and its underscore spelling, as torchrun."""
+        spellings = []
+        for n in names:
+            spellings.append(n)
+            if n.startswith("--") and "-" in n[2:]:
+                spellings.append("--" + n[2:].replace("-", "_"))
+        return self.add_argument(*spellings, **kw)
+
+
+def build_parser():
+    p = _Parser(prog="collectives-run", allow_abbrev=False,
+                description="Start a distributed job: N processes per node, torchrun's flags.")
+    p.add("--nnodes", default="1", help="number of nodes, N or N:N (default 1)")
+    p.add("--nproc-per-node", default="1",
+          help="processes per node: an int, 'cpu'/'auto' (one per core) or 'gpu' (default 1)")
+    p.add("--node-rank", type=int, default=0, help="this node's rank among the nodes (default 0)")
+    p.add("--master-addr", default=None, help="address of rank 0's node (default 127.0.0.1)")
+    p.add("--master-port", type=int, default=None,
+          help="port of rank 0's store; 0 picks a free one (default: free port on one node, "
+               "29500 on several)")
+    p.add("--standalone", action="store_true",
+          help="single node, local master on a free port")
+    p.add("--rdzv-backend", default="static", help="static or c10d (endpoint = master)")
+    p.add("--rdzv-endpoint", default="", help="host:port of the master (as --master-addr/port)")
+    p.add("--rdzv-id", default="none", help="accepted for torchrun compatibility")
+    p.add("--rdzv-conf", default="", help="accepted for torchrun compatibility")
+    p.add("--max-restarts", type=int, default=0, help="restart every rank up to N times on failure")
+    p.add("--monitor-interval", type=float, default=0.1, help="seconds between checks of the ranks")
+    p.add("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
+          help="accepted for torchrun compatibility (ranks are always new processes)")
+    p.add("--role", default="default", help="ROLE_NAME of the ranks")
+    p.add("-m", "--module", action="store_true", help="run the script as a module (python -m)")
+    p.add("--no-python", action="store_true", help="run the script as a program, without python")
+    p.add("--run-path", action="store_true", help="accepted for torchrun compatibility")
+    p.add("-r", "--redirects", default="0", help="accepted for torchrun compatibility")
+    p.add("-t", "--tee", default="0", help="accepted for torchrun compatibility")
+    p.add("--log-dir", default=None, help="also write each rank's output to DIR/rank<r>.{out,err}")
+    p.add("--local-ranks-filter", default="",
+          help="show output of these local ranks only (comma-separated)")
+    p.add("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
+    p.add("--term-timeout", type=float, default=3.0,
+          help="seconds between SIGTERM and SIGKILL when stopping ranks (default 3)")
+    p.add_argument("training_script", help="script, module (with -m) or program (with --no-python)")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _nproc(value):
+    v = value.strip().lower()
+    if v in ("cpu", "auto"):
+        return os.cpu_count() or 1
+    if v == "gpu":
+        try:
+            import torch
+            n = torch.cuda.device_count()
+        except ImportError:
+            n = 0
+        if n < 1:
+            raise ValueError("--nproc-per-node=gpu but no GPU is visible")
+        return n
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"--nproc-per-node must be an int, 'cpu', 'auto' or 'gpu', got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {n}")
+    return n
+
+
+def _nnodes(value):
+    lo, _, hi = value.partition(":")
+    try:
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--nnodes must be N or N:N, got {value!r}") from None
+    if lo != hi:
+        raise ValueError(f"--nnodes={value}: elastic node ranges are not supported; give one number")
+    if lo < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {lo}")
+    return lo
+
+
+class Config:
+    """The launch, resolved from the command line."""
+
+    def __init__(self, args):
+        self.nnodes = _nnodes(args.nnodes)
+        self.nproc = _nproc(args.nproc_per_node)
+        self.node_rank = args.node_rank
+        if args.standalone:
+            if self.nnodes != 1:
+                raise ValueError(f"--standalone runs one node, got --nnodes={self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        addr, port = args.master_addr, args.master_port
+        if args.rdzv_endpoint and not args.standalone:
+            host, _, p = args.rdzv_endpoint.rpartition(":")
+            if not host:
+                host, p = args.rdzv_endpoint, ""
+            addr = addr or host.strip("[]")
+            if port is None and p:
+                try:
+                    port = int(p)
+                except ValueError:
+                    raise ValueError("--rdzv-endpoint must be host:port, "
+                                     f"got {args.rdzv_endpoint!r}") from None
+        if args.standalone:
+            addr, port = "127.0.0.1", 0
+        self.master_addr = addr or "127.0.0.1"
+        if port is None:
+            port = 0 if self.nnodes == 1 else 29500
+        if not 0 <= port <= 65535:
+            raise ValueError(f"--master-port must be in [0, 65535], got {port}")
+        if port == 0 and self.nnodes > 1:
+            raise ValueError("--master-port 0 (a free port) works on one node only; "
+                             "give the same port to every node")
+        self.auto_port = port == 0
+        self.master_port = port
+        if args.module and args.no_python:
+            raise ValueError("--module and --no-python cannot be used together")
+        if args.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+        if args.term_timeout < 0:
+            raise ValueError(f"--term-timeout must be >= 0, got {args.term_timeout}")
+        self.max_restarts = args.max_restarts
+        self.term_timeout = args.term_timeout
+        self.monitor_interval = max(0.01, args.monitor_interval)
+        self.prefix = not args.no_prefix
+        self.role = args.role
+        self.log_dir = args.log_dir
+        self.show = None
+        if args.local_ranks_filter:
+            try:
+                self.show = {int(x) for x in args.local_ranks_filter.split(",") if x.strip()}
+            except ValueError:
+                raise ValueError("--local-ranks-filter must be comma-separated ints, "
+                                 f"got {args.local_ranks_filter!r}") from None
+        if args.no_python:
+            self.cmd = [args.training_script]
+        elif args.module:
+            self.cmd = [sys.executable, "-u", "-m", args.training_script]
+        else:
+            self.cmd = [sys.executable, "-u", args.training_script]
+        self.cmd += args.training_script_args
+        self.world_size = self.nnodes * self.nproc
+
+    def env(self, local_rank, restart):
+        rank = self.node_rank * self.nproc + local_rank
+        env = dict(os.environ)
+        env.update({
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.nproc),
+            "GROUP_RANK": str(self.node_rank), "NODE_RANK": str(self.node_rank),
+            "GROUP_WORLD_SIZE": str(self.nnodes), "ROLE_NAME": self.role,
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+        })
+        env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the launcher as they are printed
+        if self.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = "1"
+        return env
+
+
+# ---- output ------------------------------------------------------------------------
+
+class _Sink:
+    """Writes whole lines to one of the launcher's fds (never a partial line)."""
+
+    def __init__(self, fd):
+        self.fd = fd
+        self.broken = False
+
+    def write(self, data):
+        if self.broken:
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self.fd, view)
+            except InterruptedError:
+                continue
+            except BlockingIOError:
+                time.sleep(0.001)
+                continue
+            except OSError:  # a closed pipe (| head): keep supervising, drop output
+                self.broken = True
+                return
+            view = view[n:]
+
+
+class _Stream:
+    """One rank's stdout or stderr: splits into lines, prefixes, keeps a tail."""
+
+    def __init__(self, rank, sink, prefix, show, log, keep_tail):
+        self.prefix = (b"[%d] " % rank) if prefix else b""
+        self.sink = sink
+        self.show = show
+        self.log = log
+        self.buf = bytearray()
+        self.tail = collections.deque(maxlen=TAIL_LINES) if keep_tail else None
+
+    def feed(self, data):
+        if self.log is not None:
+            self.log.write(data)
+        self.buf += data
+        end = self.buf.rfind(b"\n")
+        if end < 0:
+            if len(self.buf) >= MAX_LINE:
+                end = len(self.buf) - 1
+            else:
+                return
+        chunk = bytes(self.buf[:end + 1])
+        del self.buf[:end + 1]
+        self._emit(chunk.split(b"\n")[:-1] if chunk.endswith(b"\n") else [chunk])
+
+    def close(self):
+        if self.buf:
+            self._emit([bytes(self.buf)])
+            self.buf.clear()
+        if self.log is not None:
+            self.log.close()
+
+    def _emit(self, lines):
+        if self.tail is not None:
+            self.tail.extend(line.decode(errors="replace") for line in lines)
+        if self.show:
+            self.sink.write(b"".join(self.prefix + line + b"\n" for line in lines))
+
+
+# ---- supervision -------------------------------------------------------------------------
+
+class Rank:
+    def __init__(self, rank, local_rank, proc, out, err):
+        self.rank = rank
+        self.local_rank = local_rank
+        self.proc = proc
+        self.out = out
+        self.err = err
+        self.returncode = None
+        self.ended = None
+        self.killed_by_us = False
+
+    def describe(self):
+        rc = self.returncode
+        if rc is None:
+            return "still running"
+        if rc < 0:
+            try:
+                name = signal.Signals(-rc).name
+            except ValueError:
+                name = f"signal {-rc}"
+            return f"killed by {name}"
+        return f"exit code {rc}"
+
+
+def _signal_group(rank, sig):
+    try:
+        os.killpg(rank.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Launcher:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.out = _Sink(sys.stdout.fileno())
+        self.err = _Sink(sys.stderr.fileno())
+        self.signal_received = None
+        self.signal_count = 0
+
+    def _on_signal(self, signum, frame):
+        self.signal_received = signum
+        self.signal_count += 1
+
+    def note(self, msg):
+        self.err.write(f"collectives-run: {msg}\n".encode())
+
+    def start(self, restart):
+        cfg = self.cfg
+        if cfg.auto_port:
+            cfg.master_port = _free_port()
+        ranks = []
+        for local in range(cfg.nproc):
+            rank = cfg.node_rank * cfg.nproc + local
+            show = cfg.show is None or local in cfg.show
+            logs = [None, None]
+            if cfg.log_dir:
+                os.makedirs(cfg.log_dir, exist_ok=True)
+                logs = [open(os.path.join(cfg.log_dir, f"rank{rank}.{s}"), "ab") for s in ("out", "err")]
+            try:
+                proc = subprocess.Popen(cfg.cmd, env=cfg.env(local, restart), stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True)
+            except OSError as e:
+                for r in ranks:
+                    _signal_group(r, signal.SIGKILL)
+                raise ValueError(f"cannot start {shlex.join(cfg.cmd)}: {e}") from e
+            ranks.append(Rank(rank, local, proc,
+                              _Stream(rank, self.out, cfg.prefix, show, logs[0], False),
+                              _Stream(rank, self.err, cfg.prefix, show, logs[1], True)))
+        return ranks
+
+    def supervise(self, ranks):
+        """Run until every rank has ended; returns the ranks that failed on their own."""
+        cfg = self.cfg
+        sel = selectors.DefaultSelector()
+        for r in ranks:
+            for pipe, stream in ((r.proc.stdout, r.out), (r.proc.stderr, r.err)):
+                os.set_blocking(pipe.fileno(), False)
+                sel.register(pipe, selectors.EVENT_READ, stream)
+        failed = []
+        stopping_since = None
+        killed = False
+        forwarded = 0
+        all_ended_at = None
+        while True:
+            for key, _ in sel.select(cfg.monitor_interval):
+                try:
+                    data = os.read(key.fileobj.fileno(), 1 << 16)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                if data:
+                    key.data.feed(data)
+                else:
+                    sel.unregister(key.fileobj)
+                    key.fileobj.close()
+                    key.data.close()
+            now = time.monotonic()
+            for r in ranks:
+                if r.returncode is None and r.proc.poll() is not None:
+                    r.returncode = r.proc.returncode
+                    r.ended = now
+                    if r.returncode != 0 and not r.killed_by_us and self.signal_received is None:
+                        failed.append(r)
+            if self.signal_count > forwarded:  # forward every signal the launcher got
+                forwarded = self.signal_count
+                sig = signal.SIGKILL if forwarded > 1 else self.signal_received
+                for r in ranks:
+                    if r.returncode is None:
+                        r.killed_by_us = True
+                        _signal_group(r, sig)
+                stopping_since = stopping_since or now
+            if failed and stopping_since is None:
+                stopping_since = now
+                for r in ranks:
+                    if r.returncode is None:
+                        r.killed_by_us = True
+                        _signal_group(r, signal.SIGTERM)
+            running = [r for r in ranks if r.returncode is None]
+            if running and stopping_since is not None and not killed \
+                    and now - stopping_since >= cfg.term_timeout:
+                killed = True
+                for r in running:
+                    _signal_group(r, signal.SIGKILL)
+            if not running:
+                # the ranks are gone: drain their pipes, unless a grandchild keeps one open
+                all_ended_at = all_ended_at or now
+                if not sel.get_map() or now - all_ended_at > 1.0:
+                    break
+        for key in list(sel.get_map().values()):
+            sel.unregister(key.fileobj)
+            key.fileobj.close()
+            key.data.close()
+        sel.close()
+        for r in ranks:  # leave no grandchild behind
+            _signal_group(r, signal.SIGKILL)
+        return failed
+
+    def summary(self, failed, elapsed):
+        first = failed[0]
+        lines = [f"rank {first.rank} (local rank {first.local_rank}, pid {first.proc.pid}) failed "
+                 f"with {first.describe()} after {elapsed:.2f} s; the other ranks were stopped"]
+        for r in failed[1:]:
+            lines.append(f"rank {r.rank} also failed with {r.describe()}")
+        tail = list(first.err.tail)
+        if tail:
+            lines.append(f"last {len(tail)} lines of rank {first.rank}'s stderr:")
+            lines += ["  " + t for t in tail]
+        else:
+            lines.append(f"rank {first.rank} wrote nothing to stderr")
+        self.note("\n".join(lines))
+
+    def run(self):
+        handlers = {}
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            for attempt in range(self.cfg.max_restarts + 1):
+                t0 = time.monotonic()
+                ranks = self.start(attempt)
+                failed = self.supervise(ranks)
+                if self.signal_received is not None:
+                    self.note(f"received {signal.Signals(self.signal_received).name}; "
+                              f"stopped {len(ranks)} ranks")
+                    return 128 + self.signal_received
+                if not failed:
+                    return 0
+                self.summary(failed, time.monotonic() - t0)
+                if attempt < self.cfg.max_restarts:
+                    self.note(f"restarting every rank ({attempt + 1} of {self.cfg.max_restarts})")
+            rc = failed[0].returncode
+            return rc if 0 < rc < 256 else 128 + (-rc if rc < 0 else 1)
+        finally:
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+
+
+def main(argv=None):
+    """Entry point of ``collectives-run``; returns through sys.exit with the job's status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = Config(args)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        code = Launcher(cfg).run()
+    except ValueError as e:
+        print(f"collectives-run: {e}", file=sys.stderr)
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
