@@ -8,6 +8,7 @@ from .errors import DistBackendError, DistError, DistNetworkError, DistStoreErro
 __version__ = "0.1.0"
 
 # ---- stores and rendezvous (lead's section: exports of store.py / rendezvous.py go here) ----
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore  # noqa: E402
 # ---- end of the lead's section ----------------------------------------------------------------
 
 # ---- the torch.distributed front end ---------------------------------------------------------
