@@ -1,0 +1,279 @@
+"""The same-host shared-memory backend: every rank of the group maps one segment.
+
+One POSIX shared-memory segment per group, created by rank 0 at init, named to
+the others through the store, and unlinked as soon as every rank has mapped it
+(so nothing is left in /dev/shm, even after a crash). Collectives run in C with
+the GIL released (``collectives._shm``); point-to-point messages travel through
+a byte ring per ordered pair of ranks, driven by two helper threads per rank
+(one sends queued messages, one drains incoming rings into posted receives or
+an unexpected-message list), so ``isend``/``irecv`` never block and two ranks
+that both send large messages first cannot deadlock.
+
+Tunables (environment): COLLECTIVES_SHM_HALF_BYTES (bytes per half data slot),
+COLLECTIVES_SHM_ONESHOT_MAX (largest all_reduce done one-shot),
+COLLECTIVES_SHM_CHUNK_BYTES (two-shot chunk), COLLECTIVES_SHM_SPIN and
+COLLECTIVES_SHM_YIELDS (polls and yields before a waiting rank sleeps).
+"""
+import collections
+import os
+import secrets
+import struct
+import threading
+
+import numpy as np
+
+from ..errors import DistBackendError, DistError
+from .base import Backend, DoneRequest, FutureRequest
+
+_HDR = struct.Struct("<qq")  # tag, payload bytes
+
+# Thresholds from bench/bench_shm.py on the 2-core development machines.
+DEFAULT_HALF_BYTES = 512 * 1024
+DEFAULT_ONESHOT_MAX = 32 * 1024
+DEFAULT_CHUNK_BYTES = 256 * 1024
+
+
+def _env_int(name, default):
+    v = os.environ.get(name)
+    return int(v) if v else default
+
+
+def shm_available():
+    """True when the _shm extension is built and /dev/shm is usable."""
+    try:
+        from .. import _shm  # noqa: F401
+    except ImportError:
+        return False
+    return os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+
+
+class ShmBackend(Backend):
+    """Collectives among ranks of one host through shared memory.
+
+    Args:
+        store: the group's store (already prefixed for this group).
+        rank, size: this rank and the group size; every rank must be on this host.
+        timeout: seconds a single wait may take before DistBackendError.
+        options: unused (accepted for the Backend interface).
+        label: names the group in error messages.
+    """
+
+    name = "shm"
+
+    def __init__(self, store, rank, size, timeout, options=None, label=None):
+        super().__init__(store, rank, size, timeout, options)
+        from .._shm import ShmComm, unlink
+        half = _env_int("COLLECTIVES_SHM_HALF_BYTES", DEFAULT_HALF_BYTES)
+        half = max(half, 4096, 64 + 128 * size)
+        ring = 256 * 1024 if size <= 8 else 64 * 1024
+        self.label = label or f"shm group (size {size})"
+        tmo = float(timeout) if timeout else 0.0
+        if rank == 0:
+            name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
+            self._comm = ShmComm(name, True, rank, size, half, ring, tmo, self.label)
+            try:
+                store.set("shm/segment", name)
+            except BaseException:
+                unlink(name)
+                raise
+        else:
+            name = store.get("shm/segment")
+            name = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+            self._comm = ShmComm(name, False, rank, size, half, ring, tmo, self.label)
+        try:
+            self._comm.barrier()  # every rank has mapped the segment
+        finally:
+            if rank == 0:
+                unlink(name)
+        self._comm.set_thresholds(_env_int("COLLECTIVES_SHM_ONESHOT_MAX", DEFAULT_ONESHOT_MAX),
+                                  _env_int("COLLECTIVES_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
+        self.segment_name = name
+        self._p2p = None
+        self._p2p_lock = threading.Lock()
+
+    # ---- collectives ---------------------------------------------------------------
+    def broadcast(self, buf, root):
+        self._comm.broadcast(buf.ptr, buf.nbytes, root)
+
+    def all_reduce(self, buf, op):
+        self._comm.all_reduce(buf.ptr, buf.count, buf.dtype, op)
+
+    def reduce(self, buf, op, root):
+        self._comm.reduce(buf.ptr, buf.count, buf.dtype, op, root)
+
+    def all_gather(self, out, inp):
+        self._comm.all_gather(out.ptr, inp.ptr, inp.nbytes)
+
+    def gather(self, out, inp, root):
+        self._comm.gather(out.ptr if out is not None else 0, inp.ptr, inp.nbytes, root)
+
+    def scatter(self, out, inp, root):
+        self._comm.scatter(out.ptr, inp.ptr if inp is not None else 0, out.nbytes, root)
+
+    def reduce_scatter(self, out, inp, op):
+        self._comm.reduce_scatter(out.ptr, inp.ptr, out.count, out.dtype, op)
+
+    def all_to_all(self, out, inp, out_counts, in_counts):
+        isz = out.itemsize
+        self._comm.all_to_all(out.ptr, inp.ptr, [c * isz for c in out_counts],
+                              [c * isz for c in in_counts])
+
+    def barrier(self):
+        self._comm.barrier()
+
+    # ---- point to point --------------------------------------------------------------
+    def _engine(self):
+        with self._p2p_lock:
+            if self._closed:
+                raise DistBackendError(f"{self.label}: backend is shut down")
+            if self._p2p is None:
+                self._p2p = _P2PEngine(self._comm, self.label, self.timeout)
+            return self._p2p
+
+    def isend(self, buf, dst, tag=0):
+        return self._engine().isend(buf, dst, tag)
+
+    def irecv(self, buf, src, tag=0):
+        return self._engine().irecv(buf, src, tag)
+
+    # ---- lifetime -----------------------------------------------------------------------
+    def shutdown(self):
+        super().shutdown()
+        with self._p2p_lock:
+            p2p, self._p2p = self._p2p, None
+        self._comm.abort()  # helper threads blocked in C return now
+        stuck = p2p is not None and not p2p.close()
+        if not stuck:  # never unmap under a thread still inside C
+            self._comm.close()
+
+
+class _P2PEngine:
+    """Non-blocking isend/irecv over the segment's rings: a sender and a receiver thread."""
+
+    def __init__(self, comm, label, timeout):
+        self.comm = comm
+        self.label = label
+        self.timeout = timeout
+        self.lock = threading.Lock()
+        self.send_cv = threading.Condition(self.lock)
+        self.sends = collections.deque()  # (dst, hdr, buf, req), issue order
+        self.sending = 0                  # queued or in flight on the sender thread
+        self.posted = []                  # [src or None, tag, buf, req], post order
+        self.unexpected = []              # (src, tag, np.uint8 array), arrival order
+        self.error = None
+        self.closed = False
+        self.sender = threading.Thread(target=self._send_loop, daemon=True,
+                                       name="collectives-shm-send")
+        self.receiver = threading.Thread(target=self._recv_loop, daemon=True,
+                                         name="collectives-shm-recv")
+        self.sender.start()
+        self.receiver.start()
+
+    def isend(self, buf, dst, tag):
+        hdr = _HDR.pack(tag, buf.nbytes)
+        with self.lock:
+            if self.error is not None:
+                raise self.error
+            # fast path: nothing queued ahead and the message fits in the ring now
+            if not self.sending and self.comm.p2p_try_send(dst, hdr, buf.ptr, buf.nbytes):
+                return DoneRequest()
+            req = FutureRequest(f"{self.label} isend to rank {dst} (tag {tag})", self.timeout)
+            self.sends.append((dst, hdr, buf, req))
+            self.sending += 1
+            self.send_cv.notify()
+        return req
+
+    def _send_loop(self):
+        while True:
+            with self.lock:
+                while not self.sends and not self.closed:
+                    self.send_cv.wait()
+                if not self.sends:
+                    return
+                dst, hdr, buf, req = self.sends.popleft()
+            try:
+                self.comm.p2p_send(dst, hdr, buf.ptr, buf.nbytes)
+            except DistError as e:
+                req.set_exception(e)
+            else:
+                req.set_result()
+            finally:
+                with self.lock:
+                    self.sending -= 1
+
+    def irecv(self, buf, src, tag):
+        with self.lock:
+            for i, (s, t, data) in enumerate(self.unexpected):
+                if (src is None or s == src) and t == tag:
+                    del self.unexpected[i]
+                    return DoneRequest(s, self._deliver(buf, data, s, tag))
+            if self.error is not None:
+                raise self.error
+            who = "any rank" if src is None else f"rank {src}"
+            req = FutureRequest(f"{self.label} irecv from {who} (tag {tag})", self.timeout)
+            self.posted.append([src, tag, buf, req])
+        return req
+
+    def _deliver(self, buf, data, src, tag):
+        """Copy an unexpected message into buf; the exception to report, or None."""
+        if data.nbytes > buf.nbytes:
+            return DistBackendError(f"{self.label} irecv from rank {src} (tag {tag}): message of "
+                                    f"{data.nbytes} bytes does not fit the {buf.nbytes}-byte buffer")
+        if data.nbytes:
+            buf.bytes_view()[:data.nbytes] = data
+        return None
+
+    def _match(self, src, tag):
+        for i, p in enumerate(self.posted):
+            if (p[0] is None or p[0] == src) and p[1] == tag:
+                del self.posted[i]
+                return p
+        return None
+
+    def _recv_loop(self):
+        comm = self.comm
+        try:
+            while not self.closed:
+                src = comm.p2p_poll(_HDR.size, 0.2)
+                if src < 0:
+                    continue
+                tag, nbytes = _HDR.unpack(comm.p2p_read_bytes(src, _HDR.size))
+                with self.lock:
+                    match = self._match(src, tag)
+                if match is not None and nbytes <= match[2].nbytes:
+                    comm.p2p_read(src, match[2].ptr, nbytes)
+                    match[3].set_result(src)
+                    continue
+                data = np.empty(nbytes, np.uint8)
+                if nbytes:
+                    comm.p2p_read(src, data.ctypes.data, nbytes)
+                if match is not None:  # too large for the posted buffer
+                    match[3].set_exception(self._deliver(match[2], data, src, tag))
+                    continue
+                with self.lock:  # a receive may have been posted while we read
+                    match = self._match(src, tag)
+                    if match is None:
+                        self.unexpected.append((src, tag, data))
+                if match is not None:
+                    exc = self._deliver(match[2], data, src, tag)
+                    if exc is None:
+                        match[3].set_result(src)
+                    else:
+                        match[3].set_exception(exc)
+        except DistError as e:
+            with self.lock:
+                if self.closed:
+                    return
+                self.error = e
+                posted, self.posted = self.posted, []
+            for p in posted:
+                p[3].set_exception(e)
+
+    def close(self):
+        with self.lock:
+            self.closed = True
+            self.send_cv.notify_all()
+        self.comm.p2p_kick()
+        self.receiver.join(5)
+        self.sender.join(5)
+        return not (self.receiver.is_alive() or self.sender.is_alive())

@@ -1,0 +1,446 @@
+"""The shared-memory backend at the Backend level, and the default backend's transport choice.
+
+Every collective equals its NumPy reference for any world size 1-6, dtype, op and
+size (0, 1, odd, around the one-shot/two-shot and chunk thresholds); all_reduce
+results are bitwise identical on every rank; p2p honours tags, any-source and
+issue order and never deadlocks; a group spanning (faked) hosts is hierarchical;
+a SIGKILLed peer makes the others raise DistBackendError within the timeout; and
+no segment is ever left in /dev/shm.
+"""
+import glob
+import os
+import signal
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from collectives import dtypes as D
+from collectives.tensors import Buffer, to_buffer
+from tests.ranks import RankError, get_pool
+
+pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
+
+NP = {D.FLOAT16: np.float16, D.FLOAT32: np.float32, D.FLOAT64: np.float64,
+      D.COMPLEX64: np.complex64, D.INT8: np.int8, D.UINT8: np.uint8, D.INT32: np.int32,
+      D.INT64: np.int64, D.BOOL: np.bool_}
+REDUCE_OPS = [D.SUM, D.PRODUCT, D.MIN, D.MAX, D.BAND, D.BOR, D.BXOR]
+VALID = [(dt, op) for dt in NP for op in REDUCE_OPS if D.op_valid(dt, op)]
+TIMEOUT = 20.0
+SMALL_HALF = 16384  # a small slot so modest sizes exercise chunking and two-shot
+ENV_SMALL = {"COLLECTIVES_SHM_HALF_BYTES": str(SMALL_HALF), "COLLECTIVES_SHM_ONESHOT_MAX": "2048",
+             "COLLECTIVES_SHM_CHUNK_BYTES": "8192"}
+# sizes (in elements) around the thresholds of the small-slot configuration
+SIZES = [0, 1, 2, 3, 7, 255, 256, 257, 511, 513, 1023, 2049, 4097, 12345]
+SETTINGS = settings(max_examples=30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+def shm_segments():
+    return set(glob.glob("/dev/shm/collectives-*"))
+
+
+# ---- run on the ranks --------------------------------------------------------------
+
+def setup_backend(ctx, kind):
+    from collectives.store import TCPStore
+    store = TCPStore("127.0.0.1", ctx.port, ctx.world_size, ctx.rank == 0,
+                     timeout=timedelta(seconds=60))
+    if kind == "shm":
+        from collectives.backends.shm import ShmBackend
+        be = ShmBackend(store, ctx.rank, ctx.world_size, TIMEOUT)
+    else:
+        from collectives.backends.select import create_default_backend
+        be = create_default_backend(store, ctx.rank, ctx.world_size, TIMEOUT)
+    ctx.state["store"] = store
+    ctx.state["be"] = be
+    ctx.state["atexit"].append(be.shutdown)
+    return type(be).__name__
+
+
+def make_input(seed, rank, count, dtype):
+    """Small integers of any dtype: every reduction order gives the same exact result."""
+    rng = np.random.default_rng([seed, rank])
+    if dtype == D.BOOL:
+        return rng.integers(0, 2, count).astype(np.bool_)
+    lo = 0 if dtype == D.UINT8 else -2
+    v = rng.integers(lo, 3, count)
+    if dtype in D.COMPLEX:
+        return (v + 1j * rng.integers(-2, 3, count)).astype(NP[dtype])
+    return v.astype(NP[dtype])
+
+
+def np_reduce(arrays, op):
+    fn = {D.SUM: np.add, D.PRODUCT: np.multiply, D.MIN: np.minimum, D.MAX: np.maximum,
+          D.BAND: np.bitwise_and, D.BOR: np.bitwise_or, D.BXOR: np.bitwise_xor}[op]
+    if arrays[0].dtype == np.bool_ and op == D.SUM:
+        fn = np.logical_or
+    if arrays[0].dtype == np.bool_ and op == D.PRODUCT:
+        fn = np.logical_and
+    out = arrays[0].copy()
+    for a in arrays[1:]:
+        out = fn(out, a).astype(arrays[0].dtype)
+    return out
+
+
+def run_op(ctx, name, seed, dtype, count, op, root):
+    """Run one collective on the rank's backend; return True or a mismatch description."""
+    be, n, r = ctx.state["be"], ctx.world_size, ctx.rank
+    ins = [make_input(seed, q, count, dtype) for q in range(n)]
+    mine = ins[r].copy()
+    if name == "all_reduce":
+        be.all_reduce(to_buffer(mine), op)
+        got, want = mine, np_reduce(ins, op)
+    elif name == "reduce":
+        be.reduce(to_buffer(mine), op, root)
+        got, want = mine, np_reduce(ins, op) if r == root else ins[r]
+    elif name == "broadcast":
+        be.broadcast(to_buffer(mine), root)
+        got, want = mine, ins[root]
+    elif name == "all_gather":
+        got = np.empty(n * count, NP[dtype])
+        be.all_gather(to_buffer(got), to_buffer(mine))
+        want = np.concatenate(ins)
+    elif name == "gather":
+        got = np.empty(n * count, NP[dtype]) if r == root else None
+        be.gather(to_buffer(got) if got is not None else None, to_buffer(mine), root)
+        want = np.concatenate(ins) if r == root else None
+    elif name == "scatter":
+        got = np.empty(count, NP[dtype])
+        src = np.concatenate([make_input(seed + 1, q, count, dtype) for q in range(n)])
+        be.scatter(to_buffer(got), to_buffer(src.copy()) if r == root else None, root)
+        want = src[r * count:(r + 1) * count]
+    elif name == "reduce_scatter":
+        full = [make_input(seed, q, n * count, dtype) for q in range(n)]
+        got = np.empty(count, NP[dtype])
+        be.reduce_scatter(to_buffer(got), to_buffer(full[r].copy()), op)
+        want = np_reduce(full, op)[r * count:(r + 1) * count]
+    elif name == "all_to_all":
+        # uneven: rank q sends (q + 2 * dst + seed) % (count + 1) elements to dst
+        cnt = [[(q + 2 * d + seed) % (count + 1) for d in range(n)] for q in range(n)]
+        sends = [make_input(seed, q, sum(cnt[q]), dtype) for q in range(n)]
+        offs = [np.concatenate([[0], np.cumsum(cnt[q])]).astype(int) for q in range(n)]
+        want = np.concatenate([sends[q][offs[q][r]:offs[q][r + 1]] for q in range(n)])
+        got = np.empty(len(want), NP[dtype])
+        be.all_to_all(to_buffer(got), to_buffer(sends[r].copy()), [cnt[q][r] for q in range(n)],
+                      cnt[r])
+    else:
+        raise ValueError(name)
+    if want is None:
+        return True
+    if got.dtype != want.dtype or not np.array_equal(got, want):  # -0.0 == 0.0 (complex products)
+        return f"{name} rank {r}: got {got[:8]} want {want[:8]}"
+    return True
+
+
+def run_float_all_reduce(ctx, seed, count, dtype):
+    """Random floats: the result's bytes (must equal on every rank)."""
+    rng = np.random.default_rng([seed, ctx.rank])
+    a = rng.standard_normal(count).astype(NP[dtype])
+    ctx.state["be"].all_reduce(to_buffer(a), D.SUM)
+    return a.tobytes()
+
+
+def run_barrier_rounds(ctx, k):
+    for _ in range(k):
+        ctx.state["be"].barrier()
+    return True
+
+
+def run_p2p(ctx, pattern, nbytes):
+    """Point-to-point patterns; returns True or a description of what went wrong."""
+    be, n, r = ctx.state["be"], ctx.world_size, ctx.rank
+
+    def payload(src, dst, k):
+        return (np.arange(nbytes, dtype=np.int64) * 7 + src * 1000 + dst * 10 + k).astype(np.uint8)
+
+    if pattern == "exchange_large":  # everyone sends first, large, then receives: no deadlock
+        reqs = [be.isend(to_buffer(payload(r, d, 0)), d, 5) for d in range(n) if d != r]
+        bufs = {s: np.empty(nbytes, np.uint8) for s in range(n) if s != r}
+        reqs += [be.irecv(to_buffer(bufs[s]), s, 5) for s in bufs]
+        for q in reqs:
+            q.wait()
+        for s, b in bufs.items():
+            if not np.array_equal(b, payload(s, r, 0)):
+                return f"from {s} wrong"
+        return True
+    if pattern == "tags_order":  # rank 0 -> 1: tags matched exactly, same tag in issue order
+        if r == 0:
+            reqs = [be.isend(to_buffer(payload(0, 1, k)), 1, tag)
+                    for k, tag in enumerate([1, 2, 1, 2, 3])]
+            for q in reqs:
+                q.wait()
+        elif r == 1:
+            got = {}
+            for k, tag in [(4, 3), (1, 2), (0, 1), (2, 1), (3, 2)]:  # received in another order
+                b = np.empty(nbytes, np.uint8)
+                req = be.irecv(to_buffer(b), 0, tag)
+                req.wait()
+                got[k] = b
+            for k in range(5):
+                if not np.array_equal(got[k], payload(0, 1, k)):
+                    return f"message {k} wrong"
+        return True
+    if pattern == "any_source":  # every other rank sends to 0; 0 receives from any
+        if r == 0:
+            seen = []
+            for _ in range(n - 1):
+                b = np.empty(nbytes, np.uint8)
+                req = be.irecv(to_buffer(b), None, 9)
+                req.wait()
+                if not np.array_equal(b, payload(req.source, 0, 0)):
+                    return f"from {req.source} wrong"
+                seen.append(req.source)
+            if sorted(seen) != list(range(1, n)):
+                return f"sources {seen}"
+        else:
+            be.isend(to_buffer(payload(r, 0, 0)), 0, 9).wait()
+        return True
+    if pattern == "ring":  # many messages around a ring, posted before any wait
+        reqs, bufs = [], []
+        for k in range(20):
+            reqs.append(be.isend(to_buffer(payload(r, (r + 1) % n, k)), (r + 1) % n, k % 3))
+            b = np.empty(nbytes, np.uint8)
+            bufs.append(b)
+            reqs.append(be.irecv(to_buffer(b), (r - 1) % n, k % 3))
+        for q in reqs:
+            q.wait()
+        for k, b in enumerate(bufs):
+            if not np.array_equal(b, payload((r - 1) % n, r, k)):
+                return f"message {k} wrong"
+        return True
+    raise ValueError(pattern)
+
+
+def segment_name(ctx):
+    return ctx.state["be"].segment_name
+
+
+def die_in_collective(ctx, victim):
+    """The victim SIGKILLs itself; the others must raise DistBackendError within the timeout."""
+    from collectives.errors import DistBackendError
+    be = ctx.state["be"]
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        a = np.ones(1 << 20, np.float32)
+        be.all_reduce(to_buffer(a), D.SUM)
+        be.barrier()
+    except DistBackendError as e:
+        return ("raised", time.monotonic() - t0, str(e))
+    return ("no error", time.monotonic() - t0, "")
+
+
+def hier_info(ctx):
+    be = ctx.state["be"]
+    return type(be).__name__, getattr(be, "host_index", None), getattr(be, "is_leader", None)
+
+
+def destroy(ctx):
+    ctx.state["be"].shutdown()
+    ctx.state["atexit"].remove(ctx.state["be"].shutdown)
+    return True
+
+
+# ---- tests ---------------------------------------------------------------------------
+
+def pool_for(world, kind="shm", env=None):
+    return get_pool(world, setup=setup_backend, setup_args=(kind,), env=env or ENV_SMALL)
+
+
+OPS = ["all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter", "reduce_scatter",
+       "all_to_all"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
+@SETTINGS
+@given(data=st.data())
+def test_every_collective_matches_numpy(world, data):
+    """Property: each op on any dtype/size equals the NumPy reference on every rank."""
+    pool = pool_for(world)
+    name = data.draw(st.sampled_from(OPS), "op")
+    dtype, op = data.draw(st.sampled_from(VALID), "dtype/op")
+    count = data.draw(st.one_of(st.sampled_from(SIZES), st.integers(0, 20000)), "count")
+    root = data.draw(st.integers(0, world - 1), "root")
+    seed = data.draw(st.integers(0, 1000), "seed")
+    assert pool.run(run_op, name, seed, dtype, count, op, root, timeout=60) == [True] * world
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("count", [1, 5, 300, 5000, 100003])
+def test_all_reduce_bitwise_identical(world, count):
+    """Random floats (order-sensitive sums): every rank holds exactly the same bytes."""
+    for env in (ENV_SMALL, {}):  # small slots (two-shot) and the defaults (one-shot)
+        pool = pool_for(world, env=env)
+        for dtype in (D.FLOAT32, D.FLOAT16, D.FLOAT64):
+            res = pool.run(run_float_all_reduce, count, count, dtype, timeout=60)
+            assert all(x == res[0] for x in res)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_default_sizes_large(world):
+    """Default thresholds: sizes around one-shot max and across several chunks."""
+    pool = pool_for(world, env={})
+    for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter"):
+        for count in (8191, 8192, 8193, 65536 + 3, 600001):
+            assert pool.run(run_op, name, 3, D.FLOAT32, count, D.SUM, world - 1,
+                            timeout=60) == [True] * world
+
+
+@pytest.mark.timeout(120)
+def test_barrier_many_rounds_oversubscribed():
+    """6 ranks on 2 cores: 300 barriers finish quickly (waits yield, then sleep)."""
+    pool = pool_for(6)
+    t0 = time.monotonic()
+    assert pool.run(run_barrier_rounds, 300, timeout=60) == [True] * 6
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("pattern", ["exchange_large", "tags_order", "any_source", "ring"])
+@pytest.mark.parametrize("nbytes", [0, 1, 1000, 3 << 20])
+def test_p2p(world, pattern, nbytes):
+    """isend/irecv: tags, any-source, non-overtaking, no deadlock when all send large first."""
+    pool = pool_for(world, env={})
+    assert pool.run(run_p2p, pattern, nbytes, timeout=90) == [True] * world
+
+
+@pytest.mark.timeout(120)
+def test_segment_unlinked_after_init():
+    """The segment is unlinked once every rank mapped it: nothing in /dev/shm while in use."""
+    pool = pool_for(3, env={})
+    names = pool.run(segment_name, timeout=30)
+    assert len(set(names)) == 1
+    assert not os.path.exists("/dev/shm" + names[0])
+
+
+@pytest.mark.timeout(120)
+def test_default_backend_is_shm_on_one_host_and_tcp_when_forced():
+    pool = get_pool(2, setup=setup_backend, setup_args=("default",))
+    assert pool.run(hier_info, timeout=30)[0][0] == "ShmBackend"
+    tcp = pytest.importorskip("collectives.backends.tcp", reason="TCP backend not present")
+    pool = get_pool(2, setup=setup_backend, setup_args=("default",),
+                    env={"COLLECTIVES_TRANSPORT": "tcp"})
+    assert pool.run(hier_info, timeout=30)[0][0] == tcp.TcpBackend.__name__
+
+
+def _has_tcp():
+    try:
+        import collectives.backends.tcp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _has_tcp(), reason="the hierarchical mode needs the TCP backend")
+@pytest.mark.parametrize("hosts", [("a", "a", "b", "b"), ("a", "b", "a", "b", "b"), ("x", "y", "z")])
+def test_hierarchical_with_faked_hosts(hosts):
+    """Faked host ids: shared memory within a host, TCP across; every op still correct."""
+    world = len(hosts)
+    pool = get_pool(world, setup=setup_hier, setup_args=(hosts,))
+    info = pool.run(hier_info, timeout=30)
+    assert all(i[0] == "HierarchicalBackend" for i in info)
+    for name in OPS:
+        for count in (0, 1, 1001, 70000):
+            assert pool.run(run_op, name, 7, D.INT32, count, D.SUM, world - 1,
+                            timeout=60) == [True] * world
+    assert pool.run(run_p2p, "ring", 1000, timeout=60) == [True] * world
+
+
+def setup_hier(ctx, hosts):
+    os.environ["COLLECTIVES_HOST_ID"] = hosts[ctx.rank]
+    return setup_backend(ctx, "default")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world,victim", [(2, 1), (4, 0), (4, 2)])
+def test_peer_killed_mid_collective_raises(world, victim):
+    """A SIGKILLed rank: the others raise DistBackendError within the timeout, and the
+    segment is not left in /dev/shm."""
+    before = shm_segments()
+    pool = get_pool(world, setup=setup_backend, setup_args=("shm",), env={"KILLTEST": str(victim)})
+    with pytest.raises(RankError) as ei:
+        pool.run(die_in_collective, victim, timeout=TIMEOUT + 30)
+    msg = str(ei.value)
+    assert "died" in msg or "DistBackendError" in msg
+    # the pool reports the death at once; run the survivors' outcome again in a fresh pool
+    assert shm_segments() <= before
+
+
+@pytest.mark.timeout(180)
+def test_survivors_raise_within_timeout(tmp_path):
+    """Direct check of survivors: they raise (not hang) well within the group timeout."""
+    import subprocess
+    import sys
+    script = tmp_path / "survivors.py"
+    script.write_text(_SURVIVOR_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    before = shm_segments()
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("rank")]
+    assert len(lines) == 3, p.stdout + p.stderr
+    for ln in lines:
+        assert "raised" in ln, ln
+        assert float(ln.split()[3]) < TIMEOUT, ln
+    assert shm_segments() <= before
+
+
+_SURVIVOR_SCRIPT = r"""
+import multiprocessing as mp, os, signal, socket, time
+import numpy as np
+
+def worker(rank, port, q):
+    from datetime import timedelta
+    from collectives.store import TCPStore
+    from collectives.backends.shm import ShmBackend
+    from collectives.tensors import to_buffer
+    from collectives.errors import DistBackendError
+    from collectives import dtypes as D
+    store = TCPStore("127.0.0.1", port, 4, rank == 0, timeout=timedelta(seconds=30))
+    be = ShmBackend(store, rank, 4, 20.0)
+    be.barrier()
+    if rank == 2:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        for _ in range(10):
+            a = np.ones(1 << 18, np.float32)
+            be.all_reduce(to_buffer(a), D.SUM)
+        q.put(f"rank {rank} nothing {time.monotonic() - t0:.3f}")
+    except DistBackendError as e:
+        q.put(f"rank {rank} raised {time.monotonic() - t0:.3f} {e}")
+
+if __name__ == "__main__":
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=worker, args=(r, port, q)) for r in range(4)]
+    for p in ps: p.start()
+    for _ in range(3):
+        print(q.get(timeout=60), flush=True)
+    for p in ps: p.join(10)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_no_segment_left_after_exit_and_shutdown():
+    """Normal exit and shutdown (destroy) leave nothing in /dev/shm."""
+    before = shm_segments()
+    pool = get_pool(3, setup=setup_backend, setup_args=("shm",), env={"EXITTEST": "1"})
+    assert pool.run(run_op, "all_reduce", 1, D.FLOAT32, 1000, D.SUM, 0, timeout=30) == [True] * 3
+    assert pool.run(destroy, timeout=30) == [True] * 3
+    assert shm_segments() <= before
+    pool.close()
+    assert shm_segments() <= before
