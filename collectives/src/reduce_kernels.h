@@ -41,4 +41,22 @@ int coll_reduce_many(void *dst, const void *const *srcs, int nsrc, size_t count,
 /* dst[i] *= factor for floating and complex dtypes (AVG, PREMUL_SUM); half types round to nearest-even. */
 int coll_scale(void *dst, size_t count, int dtype, double factor);
 
+/* ---- additions (after the first ABI; existing codes and signatures unchanged) ---- */
+
+/* dst[i] = op(a[i], b[i]); dst may equal a or b, not partially overlap them. */
+int coll_reduce3(void *dst, const void *a, const void *b, size_t count, int dtype, int op);
+
+/* Elements of dtype in one COLL_CHUNK_BYTES chunk (0 for an unknown dtype). */
+size_t coll_chunk_elems(int dtype);
+
+/* memmove, skipped when nbytes == 0 or dst == src. */
+void coll_copy(void *dst, const void *src, size_t nbytes);
+
+/* The instruction set the kernels were dispatched to: "avx512", "avx2" or "baseline". */
+const char *coll_kernel_isa(void);
+
+/* For tests and benchmarks: switch every kernel to "avx512", "avx2" or "baseline";
+ * COLL_EOP if this CPU lacks it. Not thread-safe against running kernels. */
+int coll_force_isa(const char *name);
+
 #endif

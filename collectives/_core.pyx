@@ -1,0 +1,46 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Cython kernels: elementwise reductions and flatten/unflatten, GIL released.
+
+Every entry point validates its arguments with the GIL held (ValueError/TypeError
+naming the argument), then runs one C call in a ``with nogil:`` block. Inputs
+are NumPy arrays or torch CPU tensors, used in place (zero-copy).
+"""
+cimport numpy as cnp
+from libc.stdint cimport uintptr_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+import operator
+
+import numpy as np
+
+from . import dtypes as _D
+from .tensors import Buffer, to_buffer
+
+cnp.import_array()
+
+cdef extern from "numpy/ndarraytypes.h":
+    int NPY_HALF  # absent from numpy's __init__.pxd
+
+cdef extern from "reduce_kernels.h" nogil:
+    size_t COLL_CHUNK_BYTES_C "COLL_CHUNK_BYTES"
+    int COLL_OK
+    int COLL_EDTYPE
+    int COLL_EOP
+    size_t coll_itemsize(int dtype)
+    int coll_op_valid(int dtype, int op)
+    int coll_reduce(void *dst, const void *src, size_t count, int dtype, int op)
+    int coll_reduce3(void *dst, const void *a, const void *b, size_t count, int dtype, int op)
+    int coll_reduce_many(void *dst, const void *const *srcs, int nsrc, size_t count, int dtype, int op)
+    int coll_scale(void *dst, size_t count, int dtype, double factor)
+    size_t coll_chunk_elems(int dtype)
+    void coll_copy(void *dst, const void *src, size_t nbytes)
+    const char *coll_kernel_isa()
+    int coll_force_isa(const char *name)
+
+#: Bytes per chunk of the chunked kernels (reduce_many works chunk by chunk; a
+#: transport can receive chunk k+1 while reducing chunk k).
+CHUNK_BYTES = COLL_CHUNK_BYTES_C
+
+include "_reduce.pxi"
+include "_flatten.pxi"
