@@ -1,0 +1,265 @@
+# cython: language_level=3
+"""The TCP transport engine (collectives/src/tcp_engine.c) for the 'gloo' backend.
+
+Thin wrappers: arguments are prepared with the GIL held, then each call runs in
+one ``with nogil:`` block; a failure comes back as DistBackendError.
+"""
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+
+from .errors import DistBackendError
+
+include "_tcp_decl.pxi"
+
+DEF ERRLEN = 1024
+
+TUNE_SPIN_US = TCP_TUNE_SPIN_US
+TUNE_ALLREDUCE_RD_MAX = TCP_TUNE_ALLREDUCE_RD_MAX
+TUNE_BCAST_TREE_MAX = TCP_TUNE_BCAST_TREE_MAX
+TUNE_SEGMENT = TCP_TUNE_SEGMENT
+TUNE_GATHER_DIRECT_MAX = TCP_TUNE_GATHER_DIRECT_MAX
+
+
+cdef int _check(int rc, char *err) except -1:
+    if rc != 0:
+        raise DistBackendError(err.decode("utf-8", "replace"))
+    return 0
+
+
+cdef class Engine:
+    """The connections of one group and the collectives over them.
+
+    Args:
+        rank: this process's rank in the group.
+        size: the group's size.
+        fds: connected non-blocking socket fds, one per rank (ignored at ``rank``); owned from now on.
+        group: a 32-bit id every rank of the group agrees on (checked in every frame).
+        timeout: seconds any operation may wait.
+    """
+    cdef tcp_engine *e
+    cdef readonly int rank
+    cdef readonly int size
+
+    def __cinit__(self, int rank, int size, fds, uint32_t group, double timeout):
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"rank must be in [0, {size}), got {rank}")
+        if len(fds) != size:
+            raise ValueError(f"fds must have {size} entries, got {len(fds)}")
+        cdef int *cfds = <int *>malloc(sizeof(int) * size)
+        if cfds == NULL:
+            raise MemoryError()
+        for i in range(size):
+            cfds[i] = -1 if i == rank else int(fds[i])
+        self.e = tcp_engine_new(rank, size, cfds, group, timeout)
+        free(cfds)
+        if self.e == NULL:
+            raise MemoryError("could not allocate the tcp engine")
+        self.rank = rank
+        self.size = size
+
+    def __dealloc__(self):
+        if self.e != NULL:
+            with nogil:
+                tcp_engine_free(self.e)
+            self.e = NULL
+
+    cdef tcp_engine *_eng(self) except NULL:
+        if self.e == NULL:
+            raise DistBackendError("the tcp backend is shut down")
+        return self.e
+
+    def close(self):
+        """Flush queued sends, tell the peers, close the sockets. Idempotent."""
+        cdef tcp_engine *e = self.e
+        if e != NULL:
+            with nogil:
+                tcp_engine_close(e)
+
+    def set_tuning(self, int key, int64_t value):
+        tcp_set_tuning(self._eng(), key, value)
+
+    def get_tuning(self, int key):
+        return tcp_get_tuning(self._eng(), key)
+
+    def set_timeout(self, double timeout):
+        tcp_set_timeout(self._eng(), timeout)
+
+    @property
+    def seq(self):
+        """Sequence number of the last collective started."""
+        return tcp_engine_seq(self._eng())
+
+    # ---- collectives ---------------------------------------------------------
+    def barrier(self):
+        cdef tcp_engine *e = self._eng()
+        cdef char err[ERRLEN]
+        cdef int rc
+        with nogil:
+            rc = tcp_barrier(e, err, ERRLEN)
+        _check(rc, err)
+
+    def broadcast(self, uintptr_t ptr, size_t nbytes, int root):
+        cdef tcp_engine *e = self._eng()
+        cdef char err[ERRLEN]
+        cdef int rc
+        with nogil:
+            rc = tcp_broadcast(e, <void *>ptr, nbytes, root, err, ERRLEN)
+        _check(rc, err)
+
+    def all_reduce(self, uintptr_t ptr, size_t count, int dtype, int op):
+        cdef tcp_engine *e = self._eng()
+        cdef char err[ERRLEN]
+        cdef int rc
+        with nogil:
+            rc = tcp_allreduce(e, <void *>ptr, count, dtype, op, err, ERRLEN)
+        _check(rc, err)
+
+    def reduce(self, uintptr_t ptr, size_t count, int dtype, int op, int root):
+        cdef tcp_engine *e = self._eng()
+        cdef char err[ERRLEN]
+        cdef int rc
+        with nogil:
+            rc = tcp_reduce(e, <void *>ptr, count, dtype, op, root, err, ERRLEN)
+        _check(rc, err)
+
+    def all_gather(self, uintptr_t out, uintptr_t inp, size_t nbytes):
+        cdef tcp_engine *e = self._eng()
+        cdef char err[ERRLEN]
+        cdef int rc
+        with nogil:
+            rc = tcp_allgather(e, <void *>out, <const void *>inp, nbytes, err, ERRLEN)
+        _check(rc, err)
+
+    def gather(self, uintptr_t out, uintptr_t inp, size_t nbytes, int root):
+        cdef tcp_engine *e = self._eng()
+        cdef char err[ERRLEN]
+        cdef int rc
+        with nogil:
+            rc = tcp_gather(e, <void *>out, <const void *>inp, nbytes, root, err, ERRLEN)
+        _check(rc, err)
+
+    def scatter(self, uintptr_t out, uintptr_t inp, size_t nbytes, int root):
+        cdef tcp_engine *e = self._eng()
+        cdef char err[ERRLEN]
+        cdef int rc
+        with nogil:
+            rc = tcp_scatter(e, <void *>out, <const void *>inp, nbytes, root, err, ERRLEN)
+        _check(rc, err)
+
+    def reduce_scatter(self, uintptr_t out, uintptr_t inp, size_t count, int dtype, int op):
+        cdef tcp_engine *e = self._eng()
+        cdef char err[ERRLEN]
+        cdef int rc
+        with nogil:
+            rc = tcp_reduce_scatter(e, <void *>out, <const void *>inp, count, dtype, op, err, ERRLEN)
+        _check(rc, err)
+
+    def all_to_all(self, uintptr_t out, uintptr_t inp, out_bytes, in_bytes):
+        cdef tcp_engine *e = self._eng()
+        cdef char err[ERRLEN]
+        cdef int rc
+        cdef int n = self.size
+        if len(out_bytes) != n or len(in_bytes) != n:
+            raise ValueError(f"out_bytes and in_bytes must have {n} entries")
+        cdef size_t *ob = <size_t *>malloc(sizeof(size_t) * 2 * n)
+        if ob == NULL:
+            raise MemoryError()
+        cdef size_t *ib = ob + n
+        for i in range(n):
+            ob[i] = out_bytes[i]
+            ib[i] = in_bytes[i]
+        with nogil:
+            rc = tcp_alltoall(e, <void *>out, <const void *>inp, ob, ib, err, ERRLEN)
+        free(ob)
+        _check(rc, err)
+
+    # ---- point to point ------------------------------------------------------
+    def isend(self, uintptr_t ptr, size_t nbytes, int dst, int32_t tag, keep=None):
+        """Post a send of ``nbytes`` at ``ptr``; ``keep`` is held until it finishes."""
+        cdef tcp_engine *e = self._eng()
+        cdef char err[ERRLEN]
+        cdef tcp_req *r
+        with nogil:
+            r = tcp_isend(e, <const void *>ptr, nbytes, dst, tag, err, ERRLEN)
+        if r == NULL:
+            _check(-1, err)
+        return PendingOp._make(self, r, keep)
+
+    def irecv(self, uintptr_t ptr, size_t nbytes, int src, int32_t tag, keep=None):
+        """Post a receive into ``nbytes`` at ``ptr`` from ``src`` (-1: any rank)."""
+        cdef tcp_engine *e = self._eng()
+        cdef char err[ERRLEN]
+        cdef tcp_req *r
+        with nogil:
+            r = tcp_irecv(e, <void *>ptr, nbytes, src, tag, err, ERRLEN)
+        if r == NULL:
+            _check(-1, err)
+        return PendingOp._make(self, r, keep)
+
+
+cdef class PendingOp:
+    """A posted isend/irecv. ``wait`` raises DistBackendError if it failed."""
+    cdef tcp_req *r
+    cdef Engine eng
+    cdef object keep
+    cdef int state  # 0 pending, 1 done, -1 failed
+    cdef object error
+
+    @staticmethod
+    cdef PendingOp _make(Engine eng, tcp_req *r, keep):
+        cdef PendingOp p = PendingOp.__new__(PendingOp)
+        p.r = r
+        p.eng = eng
+        p.keep = keep
+        p.state = 0
+        return p
+
+    def __dealloc__(self):
+        if self.r != NULL and self.eng is not None and self.eng.e != NULL:
+            tcp_req_free(self.eng.e, self.r)
+        self.r = NULL
+
+    cdef _finish(self, int rc, char *err):
+        if rc == 0:
+            self.state = 1
+        else:
+            self.state = -1
+            self.error = DistBackendError(err.decode("utf-8", "replace"))
+        self.keep = None
+
+    def wait(self, double timeout=-1.0):
+        """Block until done (``timeout`` seconds, negative: the group timeout)."""
+        cdef char err[ERRLEN]
+        cdef int rc
+        cdef tcp_engine *e
+        if self.state == 0:
+            e = self.eng._eng()
+            with nogil:
+                rc = tcp_req_wait(e, self.r, timeout, err, ERRLEN)
+            self._finish(rc, err)
+        if self.state < 0:
+            raise self.error
+
+    def test(self):
+        """True when finished (successfully or not); makes progress without blocking."""
+        cdef char err[ERRLEN]
+        cdef int rc
+        cdef tcp_engine *e
+        if self.state == 0:
+            e = self.eng._eng()
+            with nogil:
+                rc = tcp_req_test(e, self.r, err, ERRLEN)
+            if rc != 0:
+                self._finish(0 if rc > 0 else -1, err)
+        return self.state != 0
+
+    def exception(self):
+        return self.error
+
+    @property
+    def source(self):
+        return tcp_req_source(self.r) if self.state == 1 else -1
+
+    @property
+    def nbytes(self):
+        return tcp_req_nbytes(self.r) if self.state == 1 else 0

@@ -1,0 +1,397 @@
+"""The default backend ('gloo', alias 'tcp'): our own TCP transport.
+
+One TCP connection per pair of ranks, set up through the store at construction;
+the exchange loops, the reductions and the waits run in C with the GIL released
+(:mod:`collectives._tcp`). Blocking collectives run in the caller's thread;
+``submit`` (async_op) runs them on the progress thread in issue order; isend and
+irecv are posted at once and progress whenever any thread waits.
+
+Environment:
+    COLLECTIVES_IFNAME: interface whose IPv4 address peers connect to (else the
+        interface that routes to MASTER_ADDR; 127.0.0.1 when MASTER_ADDR is loopback).
+    COLLECTIVES_TCP_SPIN_US: how long a wait spins before blocking (default 50).
+    COLLECTIVES_TCP_SOCKBUF: socket buffer bytes (default 4 MiB; 0 keeps the OS default).
+    COLLECTIVES_TCP_RD_MAX, COLLECTIVES_TCP_TREE_MAX, COLLECTIVES_TCP_SEGMENT,
+    COLLECTIVES_TCP_DIRECT_MAX: algorithm thresholds in bytes (see ``tcp_engine.h``).
+"""
+import fcntl
+import ipaddress
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+
+from .. import dtypes as D
+from ..errors import DistNetworkError
+from .base import Backend, Request
+
+_MAGIC = 0xC0117C90
+_HELLO = struct.Struct("<IIII")   # magic, group id, rank, size
+_ACK = struct.Struct("<II")       # magic, rank
+_OPS = frozenset({D.SUM, D.PRODUCT, D.MIN, D.MAX, D.BAND, D.BOR, D.BXOR})
+
+# option name -> (env var, tuning key name in collectives._tcp)
+_TUNING = {
+    "spin_us": ("COLLECTIVES_TCP_SPIN_US", "TUNE_SPIN_US"),
+    "allreduce_rd_max": ("COLLECTIVES_TCP_RD_MAX", "TUNE_ALLREDUCE_RD_MAX"),
+    "tree_max": ("COLLECTIVES_TCP_TREE_MAX", "TUNE_BCAST_TREE_MAX"),
+    "segment": ("COLLECTIVES_TCP_SEGMENT", "TUNE_SEGMENT"),
+    "direct_max": ("COLLECTIVES_TCP_DIRECT_MAX", "TUNE_GATHER_DIRECT_MAX"),
+}
+
+
+def _seconds(timeout):
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def _is_loopback(host):
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def _interface_ipv4(ifname):
+    """The IPv4 address of network interface ``ifname`` (Linux SIOCGIFADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))
+        except OSError as e:
+            raise ValueError(f"COLLECTIVES_IFNAME={ifname!r} has no IPv4 address: {e}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def advertised_host():
+    """The address this rank listens on and publishes to its peers."""
+    ifname = os.environ.get("COLLECTIVES_IFNAME")
+    if ifname:
+        return _interface_ipv4(ifname)
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        if _is_loopback(master):
+            return "127.0.0.1"
+        try:  # the local address of the interface that routes to the master
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(os.environ.get("MASTER_PORT") or 29500)))
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _recv_exact(sock, n, deadline, what):
+    data = b""
+    while len(data) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DistNetworkError(f"tcp backend: timed out waiting for {what}")
+        sock.settimeout(remaining)
+        try:
+            chunk = sock.recv(n - len(data))
+        except socket.timeout:
+            continue
+        if not chunk:
+            raise DistNetworkError(f"tcp backend: connection closed while waiting for {what}")
+        data += chunk
+    return data
+
+
+def _tune_socket(sock, bufsize):
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if bufsize > 0:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, bufsize)
+            except OSError:
+                pass
+
+
+def connect_mesh(store, rank, size, timeout):
+    """Connect every pair of ranks through ``store``; returns (fds, group id).
+
+    Each rank listens, publishes host:port, connects to every lower rank and
+    accepts every higher one; a hello (magic, group id, rank, size) and an ack
+    check that both ends belong to the same group.
+    """
+    fds = [-1] * size
+    if size == 1:
+        return fds, 0
+    deadline = time.monotonic() + timeout
+    bufsize = int(os.environ.get("COLLECTIVES_TCP_SOCKBUF", str(4 << 20)))
+    # a generation number keeps a second backend on the same store from reading stale keys
+    gen = (int(store.add("tcp/init", 1)) - 1) // size
+    prefix = f"tcp/{gen}"
+    host = advertised_host()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    socks = {}
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _tune_socket(listener, bufsize)
+        listener.bind((host, 0))
+        listener.listen(max(size, 16))
+        if rank == 0:
+            group = secrets.randbits(32)
+            store.set(f"{prefix}/group", str(group).encode())
+        else:
+            group = int(store.get(f"{prefix}/group"))
+        store.set(f"{prefix}/addr/{rank}", f"{host}:{listener.getsockname()[1]}".encode())
+        for peer in range(rank):
+            addr = store.get(f"{prefix}/addr/{peer}").decode()
+            h, _, p = addr.rpartition(":")
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks[peer] = s
+            _tune_socket(s, bufsize)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DistNetworkError(f"tcp backend: rank {rank} could not connect to rank {peer} "
+                                           f"at {addr} within {timeout} s")
+                s.settimeout(remaining)
+                try:
+                    s.connect((h, int(p)))
+                    break
+                except (ConnectionRefusedError, socket.timeout) as e:
+                    if isinstance(e, socket.timeout):
+                        continue
+                    time.sleep(0.01)
+                    s.close()
+                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    socks[peer] = s
+                    _tune_socket(s, bufsize)
+            s.sendall(_HELLO.pack(_MAGIC, group, rank, size))
+        for _ in range(rank + 1, size):
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = [r for r in range(rank + 1, size) if r not in socks]
+                    raise DistNetworkError(f"tcp backend: rank {rank} timed out after {timeout} s "
+                                           f"waiting for ranks {missing} to connect")
+                listener.settimeout(remaining)
+                try:
+                    c, _ = listener.accept()
+                except socket.timeout:
+                    continue
+                try:
+                    magic, g, peer, psize = _HELLO.unpack(_recv_exact(c, _HELLO.size, deadline, "a hello"))
+                except DistNetworkError:
+                    c.close()
+                    continue
+                if magic != _MAGIC or g != group or psize != size or not rank < peer < size or peer in socks:
+                    c.close()  # a stray or stale connection: ignore it
+                    continue
+                _tune_socket(c, bufsize)
+                c.sendall(_ACK.pack(_MAGIC, rank))
+                socks[peer] = c
+                break
+        for peer in range(rank):
+            magic, r = _ACK.unpack(_recv_exact(socks[peer], _ACK.size, deadline, f"rank {peer}'s ack"))
+            if magic != _MAGIC or r != peer:
+                raise DistNetworkError(f"tcp backend: bad handshake from rank {peer}")
+        for peer, s in socks.items():
+            s.setblocking(False)
+            fds[peer] = s.detach()
+        socks.clear()
+        return fds, group
+    finally:
+        listener.close()
+        for s in socks.values():
+            s.close()
+
+
+class TcpRequest(Request):
+    """A posted isend/irecv of the tcp backend."""
+
+    __slots__ = ("_op", "_backend")
+
+    def __init__(self, op, backend):
+        self._op = op
+        self._backend = backend
+
+    def wait(self, timeout=None):
+        op = self._op
+        try:
+            op.wait(-1.0 if timeout is None else _seconds(timeout))
+        finally:
+            if op.test():
+                self._backend._inflight.discard(op)
+
+    def test(self):
+        done = self._op.test()
+        if done:
+            self._backend._inflight.discard(self._op)
+        return done
+
+    def exception(self):
+        return self._op.exception()
+
+    @property
+    def source(self):
+        return self._op.source
+
+    @property
+    def nbytes(self):
+        """Bytes received (for a completed irecv)."""
+        return self._op.nbytes
+
+
+class TcpBackend(Backend):
+    """'gloo': collectives and point to point over one TCP connection per peer.
+
+    Args:
+        store: the group's store (already prefixed for the group).
+        rank, size: this rank and the group size.
+        timeout: seconds (or timedelta) any operation may wait.
+        options: optional dict of tuning overrides: spin_us, allreduce_rd_max,
+            tree_max, segment, direct_max (bytes).
+    """
+
+    name = "gloo"
+
+    def __init__(self, store, rank, size, timeout, options=None):
+        from .. import _tcp
+        secs = _seconds(timeout)
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be a positive int, got {size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"rank must be in [0, {size}), got {rank!r}")
+        if secs <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        super().__init__(store, rank, size, secs, options)
+        fds, group = connect_mesh(store, rank, size, secs)
+        self._engine = _tcp.Engine(rank, size, fds, group, secs)
+        self._inflight = set()
+        self._lock = threading.Lock()
+        opts = options if isinstance(options, dict) else {}
+        for name, (env, key) in _TUNING.items():
+            value = opts.get(name, os.environ.get(env))
+            if value is not None:
+                self._engine.set_tuning(getattr(_tcp, key), int(value))
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _check_rank(self, value, name):
+        if not isinstance(value, int) or not 0 <= value < self.size:
+            raise ValueError(f"{name} must be a rank in [0, {self.size}), got {value!r}")
+
+    @staticmethod
+    def _check_op(op, buf):
+        if op not in _OPS or not D.op_valid(buf.dtype, op):
+            raise ValueError(f"op {D.OP_NAMES.get(op, op)} is not supported for dtype "
+                             f"{D.DTYPE_NAMES.get(buf.dtype, buf.dtype)} by the tcp backend")
+
+    def tuning(self):
+        """The algorithm thresholds in use, by option name."""
+        from .. import _tcp
+        return {name: self._engine.get_tuning(getattr(_tcp, key)) for name, (_, key) in _TUNING.items()}
+
+    def set_tuning(self, **values):
+        """Override algorithm thresholds (same names as ``options``)."""
+        from .. import _tcp
+        for name, value in values.items():
+            if name not in _TUNING:
+                raise ValueError(f"unknown tuning option {name!r}; expected one of {sorted(_TUNING)}")
+            self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), int(value))
+
+    # ---- collectives --------------------------------------------------------------------
+    def broadcast(self, buf, root):
+        self._check_rank(root, "root")
+        self._engine.broadcast(buf.ptr, buf.nbytes, root)
+
+    def all_reduce(self, buf, op):
+        self._check_op(op, buf)
+        self._engine.all_reduce(buf.ptr, buf.count, buf.dtype, op)
+
+    def reduce(self, buf, op, root):
+        self._check_rank(root, "root")
+        self._check_op(op, buf)
+        self._engine.reduce(buf.ptr, buf.count, buf.dtype, op, root)
+
+    def all_gather(self, out, inp):
+        if out.nbytes != inp.nbytes * self.size:
+            raise ValueError(f"all_gather output must hold {self.size} x {inp.count} elements, "
+                             f"got {out.count}")
+        self._engine.all_gather(out.ptr, inp.ptr, inp.nbytes)
+
+    def gather(self, out, inp, root):
+        self._check_rank(root, "root")
+        if self.rank == root:
+            if out is None or out.nbytes != inp.nbytes * self.size:
+                raise ValueError(f"gather output on root must hold {self.size} x {inp.count} elements")
+            self._engine.gather(out.ptr, inp.ptr, inp.nbytes, root)
+        else:
+            self._engine.gather(0, inp.ptr, inp.nbytes, root)
+
+    def scatter(self, out, inp, root):
+        self._check_rank(root, "root")
+        if self.rank == root:
+            if inp is None or inp.nbytes != out.nbytes * self.size:
+                raise ValueError(f"scatter input on root must hold {self.size} x {out.count} elements")
+            self._engine.scatter(out.ptr, inp.ptr, out.nbytes, root)
+        else:
+            self._engine.scatter(out.ptr, 0, out.nbytes, root)
+
+    def reduce_scatter(self, out, inp, op):
+        self._check_op(op, out)
+        if inp.count != out.count * self.size:
+            raise ValueError(f"reduce_scatter input must hold {self.size} x {out.count} elements, "
+                             f"got {inp.count}")
+        self._engine.reduce_scatter(out.ptr, inp.ptr, out.count, out.dtype, op)
+
+    def all_to_all(self, out, inp, out_counts, in_counts):
+        n = self.size
+        if len(out_counts) != n or len(in_counts) != n:
+            raise ValueError(f"out_counts and in_counts must have {n} entries")
+        if sum(out_counts) > out.count or sum(in_counts) > inp.count:
+            raise ValueError("all_to_all counts exceed the buffers")
+        if any(c < 0 for c in out_counts) or any(c < 0 for c in in_counts):
+            raise ValueError("all_to_all counts must be non-negative")
+        isz = inp.itemsize
+        self._engine.all_to_all(out.ptr, inp.ptr, [c * isz for c in out_counts],
+                                [c * isz for c in in_counts])
+
+    def barrier(self):
+        self._engine.barrier()
+
+    # ---- point to point ----------------------------------------------------------------
+    def isend(self, buf, dst, tag=0):
+        self._check_rank(dst, "dst")
+        if dst == self.rank:
+            raise ValueError(f"dst must be a rank other than this one ({self.rank})")
+        op = self._engine.isend(buf.ptr, buf.nbytes, dst, int(tag), buf)
+        self._inflight.add(op)
+        return TcpRequest(op, self)
+
+    def irecv(self, buf, src, tag=0):
+        if src is not None:
+            self._check_rank(src, "src")
+            if src == self.rank:
+                raise ValueError(f"src must be a rank other than this one ({self.rank})")
+        if self.size == 1:
+            raise ValueError("irecv in a group of one rank would never complete")
+        op = self._engine.irecv(buf.ptr, buf.nbytes, -1 if src is None else src, int(tag), buf)
+        self._inflight.add(op)
+        return TcpRequest(op, self)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    @property
+    def seq(self):
+        """Sequence number of the last collective started on this group."""
+        return self._engine.seq
+
+    def shutdown(self):
+        """Finish queued work, flush sends, close the connections (peers see a clean close)."""
+        with self._lock:
+            super().shutdown()
+            self._engine.close()
+            self._inflight.clear()
+
+
+__all__ = ["TcpBackend", "TcpRequest", "advertised_host", "connect_mesh"]

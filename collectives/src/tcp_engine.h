@@ -1,0 +1,58 @@
+/* The TCP transport behind the 'gloo' backend: one connection per peer, framed
+ * messages, a poll-driven full-duplex progress loop and the collective algorithms.
+ *
+ * Every function is thread-safe and is called with the GIL released. Functions
+ * that can fail return 0 on success and -1 on failure with a message in err.
+ */
+#ifndef COLLECTIVES_TCP_ENGINE_H
+#define COLLECTIVES_TCP_ENGINE_H
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct tcp_engine tcp_engine;
+typedef struct tcp_req tcp_req;
+
+/* Tuning knobs (tcp_set_tuning keys). */
+enum tcp_tuning {
+    TCP_TUNE_SPIN_US = 0,          /* spin this long (poll with timeout 0) before blocking */
+    TCP_TUNE_ALLREDUCE_RD_MAX = 1, /* all_reduce: recursive doubling up to this many bytes */
+    TCP_TUNE_BCAST_TREE_MAX = 2,   /* broadcast/reduce: binomial tree up to this many bytes */
+    TCP_TUNE_SEGMENT = 3,          /* pipelining segment in bytes */
+    TCP_TUNE_GATHER_DIRECT_MAX = 4 /* all_gather/reduce_scatter: one-round direct exchange up to this */
+};
+
+/* fds[size]: connected, non-blocking sockets (fds[rank] is ignored); the engine owns them. */
+tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, double timeout_s);
+void tcp_set_tuning(tcp_engine *e, int key, int64_t value);
+int64_t tcp_get_tuning(tcp_engine *e, int key);
+void tcp_set_timeout(tcp_engine *e, double timeout_s);
+/* Flushes pending sends (bounded), tells peers, closes the sockets, fails pending requests. */
+void tcp_engine_close(tcp_engine *e);
+void tcp_engine_free(tcp_engine *e);
+uint64_t tcp_engine_seq(tcp_engine *e);
+
+/* Point to point. src -1 = any source. NULL with err on immediate failure. */
+tcp_req *tcp_isend(tcp_engine *e, const void *buf, size_t len, int dst, int32_t tag, char *err, size_t errlen);
+tcp_req *tcp_irecv(tcp_engine *e, void *buf, size_t len, int src, int32_t tag, char *err, size_t errlen);
+/* 0 done, -1 failed (err filled); timeout_s < 0: the engine's timeout. */
+int tcp_req_wait(tcp_engine *e, tcp_req *r, double timeout_s, char *err, size_t errlen);
+/* 1 done, 0 pending, -1 failed; makes non-blocking progress. */
+int tcp_req_test(tcp_engine *e, tcp_req *r, char *err, size_t errlen);
+int tcp_req_source(tcp_req *r);
+size_t tcp_req_nbytes(tcp_req *r);
+void tcp_req_free(tcp_engine *e, tcp_req *r);
+
+/* Collectives (blocking, one at a time per engine). Sizes in bytes unless named count. */
+int tcp_barrier(tcp_engine *e, char *err, size_t errlen);
+int tcp_broadcast(tcp_engine *e, void *buf, size_t nbytes, int root, char *err, size_t errlen);
+int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, char *err, size_t errlen);
+int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int root, char *err, size_t errlen);
+int tcp_allgather(tcp_engine *e, void *out, const void *in, size_t nbytes, char *err, size_t errlen);
+int tcp_gather(tcp_engine *e, void *out, const void *in, size_t nbytes, int root, char *err, size_t errlen);
+int tcp_scatter(tcp_engine *e, void *out, const void *in, size_t nbytes, int root, char *err, size_t errlen);
+int tcp_reduce_scatter(tcp_engine *e, void *out, const void *in, size_t count, int dtype, int op,
+                       char *err, size_t errlen);
+int tcp_alltoall(tcp_engine *e, void *out, const void *in, const size_t *out_bytes,
+                 const size_t *in_bytes, char *err, size_t errlen);
+
+#endif
