@@ -20,7 +20,7 @@ if os.environ.get("COLLECTIVES_MARCH_NATIVE") == "1":
 # module -> extra C sources (besides the kernels)
 MODULES = {
     "_core": [],
-    "_tcp": [],
+    "_tcp": ["collectives/src/tcp_engine.c"],
     "_shm": ["collectives/src/shm_coll.c"],
 }
 KERNEL_SOURCES = ["collectives/src/reduce_kernels.c"]
