@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collectives import dtypes as D
-from collectives.tensors import Buffer, to_buffer
+from collectives.tensors import to_buffer
 from tests.ranks import RankError, get_pool
 
 pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
