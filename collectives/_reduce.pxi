@@ -94,7 +94,8 @@ cdef int _dtype_arg(object dtype) except -1:
     try:
         code = operator.index(dtype)
     except TypeError:
-        raise TypeError(f"dtype must be a collectives.dtypes code (int), got {type(dtype).__name__}") from None
+        raise TypeError(f"dtype must be a collectives.dtypes code (int), "
+                        f"got {type(dtype).__name__}") from None
     if coll_itemsize(code) == 0:
         raise ValueError(f"dtype must be a collectives.dtypes code 0-{_D.BOOL}, got {code}")
     return code
