@@ -116,6 +116,7 @@ struct tcp_engine {
     double coll_deadline;
     char coll_err[512];
     char poison[512];
+    uint64_t poison_seq;  /* collectives from this sequence number on fail */
     tcp_req *creqs;
     tcp_req **cptr;
     size_t ncreqs;
@@ -506,9 +507,12 @@ static void payload_done(tcp_engine *e, int pi)
         }
     } else if (mode == M_ERR) {
         p->errtext[p->h.len] = 0;
-        if (!e->poison[0])
+        if (!e->poison[0] || p->h.seq < e->poison_seq) {
             fmt(e->poison, sizeof e->poison, "rank %d reported: %s", pi, p->errtext);
-        if (e->coll_active) coll_set_err(e, e->poison);
+            e->poison_seq = p->h.seq;
+        }
+        /* a failure of a later collective must not fail one this rank can still finish */
+        if (e->coll_active && e->seq >= e->poison_seq) coll_set_err(e, e->poison);
     }
 }
 
@@ -1134,7 +1138,7 @@ static int coll_begin(tcp_engine *e, int kind, uint32_t aux, uint64_t total, cha
         fmt(err, errlen, "%s: the tcp backend is shut down", KNAMES[kind]);
         return -1;
     }
-    if (e->poison[0]) {
+    if (e->poison[0] && e->seq + 1 >= e->poison_seq) {
         fmt(err, errlen, "%s: collectives on this group are disabled after an earlier failure: %s",
             KNAMES[kind], e->poison);
         pthread_mutex_unlock(&e->mu);
@@ -1169,7 +1173,10 @@ static int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
         rc = -1;
     }
     if (rc < 0) {
-        if (!e->poison[0]) fmt(e->poison, sizeof e->poison, "%s", err);
+        if (!e->poison[0] || e->seq < e->poison_seq) {
+            fmt(e->poison, sizeof e->poison, "%s", err);
+            e->poison_seq = e->seq;
+        }
         char m[ERRTEXT];
         fmt(m, sizeof m, "%s #%llu failed on rank %d: %s", KNAMES[e->cur_kind],
             (unsigned long long)e->seq, e->rank, err);
