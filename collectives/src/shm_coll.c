@@ -472,39 +472,49 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         ack(c, s);
         goto out;
     }
-    /* two-shot: each rank reduces its slice of the chunk in place, then copy out */
+    /* two-shot: each rank reduces its own slice of the chunk (from its own buffer and
+     * the others' copies) into its half, then every rank copies the other slices out.
+     * Each element is computed once, by its owner, so all ranks get the same bytes. */
     size_t ce = c->chunk / isz;
     for (size_t off = 0; off < count; off += ce) {
         size_t cnt = count - off < ce ? count - off : ce;
         char *ubuf = (char *)buf + off * isz;
+        char *mine;
+        size_t st, len;
         int h;
         if ((rc = half_acquire(c, &h)))
             goto out;
-        memcpy(HALF(c, me, h), ubuf, cnt * isz);
+        mine = HALF(c, me, h);
+        for (int q = 0; q < n; q++)
+            if (q != me) {  /* only the slices other ranks reduce */
+                slice_of(cnt, n, q, &st, &len);
+                memcpy(mine + st * isz, ubuf + st * isz, len * isz);
+            }
         uint32_t s1 = ++c->seq;
         post(c, s1);
         if ((rc = wait_posts(c, s1)))
             goto out;
-        size_t st, len;
         slice_of(cnt, n, me, &st, &len);
         if (len) {
-            srcs[0] = HALF(c, me, h) + st * isz;
+            srcs[0] = ubuf + st * isz;
             for (int q = 0, k = 1; q < n; q++)
                 if (q != me)
                     srcs[k++] = HALF(c, q, h) + st * isz;
-            if ((rc = coll_reduce_many(HALF(c, me, h) + st * isz, srcs, n, len, dtype, op)))
+            if ((rc = coll_reduce_many(mine + st * isz, srcs, n, len, dtype, op)))
                 goto out;
         }
         uint32_t s2 = ++c->seq;
         post(c, s2);
         c->free_after[h] = s2;
         if (root < 0 || root == me) {
+            memcpy(ubuf + st * isz, mine + st * isz, len * isz);
             if ((rc = wait_posts(c, s2)))
                 goto out;
-            for (int q = 0; q < n; q++) {
-                slice_of(cnt, n, q, &st, &len);
-                memcpy(ubuf + st * isz, HALF(c, q, h) + st * isz, len * isz);
-            }
+            for (int q = 0; q < n; q++)
+                if (q != me) {
+                    slice_of(cnt, n, q, &st, &len);
+                    memcpy(ubuf + st * isz, HALF(c, q, h) + st * isz, len * isz);
+                }
         }
         ack(c, s2);
     }
