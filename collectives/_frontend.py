@@ -4,12 +4,14 @@ Kept lean: the blocking path of a small collective spends most of its front-end
 time here, so the common case (a contiguous CPU torch tensor or NumPy array)
 takes one dict lookup and a handful of attribute reads.
 """
+from ctypes import addressof, c_char
+
 import numpy as np
 
 from . import dtypes as D
 from .errors import DistError
 from .reduce_op import PremulSum, op_code
-from .tensors import Buffer, empty_like_buffer, is_torch_tensor, to_buffer
+from .tensors import _NP_CODES, Buffer, empty_like_buffer, is_torch_tensor, to_buffer
 
 _torch_tensor = None      # torch.Tensor once seen (torch is never imported here)
 _torch_codes = {}
@@ -32,6 +34,12 @@ def buffer(t, name="tensor"):
         code = _torch_codes.get(t.dtype)
         if code is not None and t.is_cpu and t.layout is _strided and t.is_contiguous():
             return Buffer(t.data_ptr(), t.numel(), code, -1, t)
+    elif type(t) is np.ndarray:
+        code = _NP_CODES.get(t.dtype)
+        flags = t.flags
+        if code is not None and t.size and flags.c_contiguous and flags.writeable:
+            # ctypes reads the address ~5x faster than __array_interface__
+            return Buffer(addressof(c_char.from_buffer(t)), t.size, code, -1, t)
     elif _torch_tensor is None and is_torch_tensor(t):
         _learn_torch()
     return to_buffer(t, name)
