@@ -538,7 +538,16 @@ class FileStore(Store):
     @staticmethod
     def _release(path, fd):
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            # bounded: a finalizer run by the GC may interrupt this very thread holding the lock
+            deadline = time.monotonic() + 2.0
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        return
+                    time.sleep(0.002)
             st = os.fstat(fd)
             alive = st.st_nlink > 0
             store = _RawLog(fd)
@@ -986,7 +995,7 @@ def _int_arg(b):
 
 
 _SERVERS = {}  # port -> StoreServer, for multi_tenant
-_SERVERS_LOCK = threading.Lock()
+_SERVERS_LOCK = threading.RLock()  # a finalizer may release a server while one starts
 
 
 def _release_server(server, multi_tenant):
