@@ -1,0 +1,205 @@
+"""Ranks meet through every init method, take rank and size from any launcher's
+environment, and a missing piece is a ValueError that names it."""
+import os
+import time
+from datetime import timedelta
+
+import pytest
+
+from collectives.errors import DistNetworkError, DistStoreError
+from collectives.rendezvous import env_local_rank, env_rank_world, rendezvous
+from collectives.store import FileStore, HashStore, TCPStore
+from tests.ranks import free_port, get_pool
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
+               "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def _environ(ctx, style, port):
+    """This rank's environment as a launcher of ``style`` would have set it."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    r, n = str(ctx.rank), str(ctx.world_size)
+    if style == "torchrun":
+        env.update(RANK=r, WORLD_SIZE=n)
+    elif style == "mpich":
+        env.update(PMI_RANK=r, PMI_SIZE=n)
+    elif style == "openmpi":
+        env.update(OMPI_COMM_WORLD_RANK=r, OMPI_COMM_WORLD_SIZE=n)
+    elif style == "slurm":
+        env.update(SLURM_PROCID=r, SLURM_NTASKS=n)
+    return env
+
+
+def meet_and_exchange(ctx, method, port, path, style):
+    """Rendezvous, set one key per rank, read every rank's key; returns what was read."""
+    environ = _environ(ctx, style, port)
+    t0 = time.perf_counter()
+    if method == "env":
+        store, rank, world = rendezvous("env://", timeout=20, environ=environ)
+    elif method == "default":
+        store, rank, world = rendezvous(timeout=timedelta(seconds=20), environ=environ)
+    elif method == "tcp":
+        store, rank, world = rendezvous(f"tcp://127.0.0.1:{port}?rank={ctx.rank}", -1,
+                                        ctx.world_size, timeout=20, environ=environ)
+    elif method == "tcp-env":  # rank and size from the launcher's environment
+        store, rank, world = rendezvous(f"tcp://localhost:{port}", timeout=20, environ=environ)
+    elif method == "file":
+        store, rank, world = rendezvous(f"file://{path}?world_size={ctx.world_size}",
+                                        rank=ctx.rank, timeout=20, environ=environ)
+    elif method == "store":
+        given = TCPStore("127.0.0.1", port, ctx.world_size, ctx.rank == 0, timeout=20)
+        store, rank, world = rendezvous(store=given, rank=ctx.rank, world_size=ctx.world_size,
+                                        environ=environ)
+        assert store is given
+    else:
+        raise ValueError(method)
+    elapsed = time.perf_counter() - t0
+    assert (rank, world) == (ctx.rank, ctx.world_size)
+    store.set(f"key{rank}", f"value{rank}")
+    got = store.multi_get([f"key{r}" for r in range(world)])
+    _leave(store, rank, world)
+    return [g.decode() for g in got], elapsed
+
+
+def _leave(store, rank, world):
+    """Rank 0 serves the TCPStore: it closes only after every other rank's last request."""
+    if rank != 0:
+        store.add("left", 1)
+    else:
+        deadline = time.monotonic() + 20
+        while store.add("left", 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.002)
+    store.close()
+
+
+CASES = [("env", "torchrun"), ("default", "torchrun"), ("tcp", "none"), ("tcp-env", "torchrun"),
+         ("file", "none"), ("store", "none"), ("env", "mpich"), ("env", "openmpi"), ("env", "slurm")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("method,style", CASES, ids=[f"{m}-{s}" for m, s in CASES])
+def test_ranks_meet_and_see_each_others_keys(method, style, world, tmp_path):
+    pool = get_pool(world)
+    port = free_port()
+    results = pool.run(meet_and_exchange, method, port, str(tmp_path / "rdzv"), style, timeout=60)
+    expect = [f"value{r}" for r in range(world)]
+    for got, _ in results:
+        assert got == expect
+
+
+@pytest.mark.timeout(120)
+def test_four_rank_rendezvous_is_quick():
+    pool = get_pool(4)
+    times = []
+    for _ in range(3):
+        results = pool.run(meet_and_exchange, "env", free_port(), "", "torchrun", timeout=60)
+        times.append(max(t for _, t in results))
+    # well under a second on an idle machine; a loaded 2-core box gets some slack
+    assert min(times) < 1.0, times
+
+
+# ---- the environment ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("env,expect", [
+    ({}, (None, None)),
+    ({"RANK": "2", "WORLD_SIZE": "4"}, (2, 4)),
+    ({"PMI_RANK": "1", "PMI_SIZE": "3"}, (1, 3)),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, (0, 2)),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8"}, (5, 8)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "PMI_RANK": "3", "PMI_SIZE": "4"}, (1, 2)),  # torchrun wins
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "SLURM_PROCID": "7", "SLURM_NTASKS": "9"}, (1, 2)),
+])
+def test_env_rank_world_reads_each_launcher(env, expect):
+    assert env_rank_world(env) == expect
+
+
+def test_env_local_rank_reads_each_launcher():
+    assert env_local_rank({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}) == (1, 2)
+    assert env_local_rank({"MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "4"}) == (3, 4)
+    assert env_local_rank({"OMPI_COMM_WORLD_LOCAL_RANK": "0"}) == (0, None)
+    assert env_local_rank({"SLURM_LOCALID": "2"}) == (2, None)
+
+
+def test_a_malformed_variable_is_named():
+    with pytest.raises(ValueError, match="PMI_RANK"):
+        env_rank_world({"PMI_RANK": "one"})
+    with pytest.raises(ValueError, match="WORLD_SIZE"):
+        env_rank_world({"WORLD_SIZE": "0"})
+
+
+FULL = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2"}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("missing", ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"])
+def test_env_rendezvous_names_the_missing_variable(missing):
+    env = {k: v for k, v in FULL.items() if k != missing}
+    with pytest.raises(ValueError, match=missing):
+        rendezvous("env://", environ=env, timeout=1)
+
+
+@pytest.mark.timeout(30)
+def test_mpiexec_env_without_master_addr_says_what_is_needed():
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        rendezvous(environ={"PMI_RANK": "0", "PMI_SIZE": "2"}, timeout=1)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kwargs,match", [
+    ({"init_method": "tcp://127.0.0.1:29500", "world_size": 2}, "rank parameter missing"),
+    ({"init_method": "tcp://127.0.0.1:29500", "rank": 0}, "world_size parameter missing"),
+    ({"init_method": "tcp://127.0.0.1", "rank": 0, "world_size": 2}, "host:port"),
+    ({"init_method": "file:///tmp/x", "rank": 0}, "world_size parameter missing"),
+    ({"init_method": "tcp://127.0.0.1:1?rank=1", "rank": 0, "world_size": 2}, "rank=0.*rank=1"),
+    ({"init_method": "tcp://127.0.0.1:1?rank=x", "world_size": 2}, "rank in the URL"),
+    ({"init_method": "udp://a:1", "rank": 0, "world_size": 1}, "env://, tcp:// or file://"),
+    ({"init_method": "tcp://127.0.0.1:0", "rank": 0, "world_size": 2}, "port is 0"),
+    ({"init_method": "env://", "rank": 2, "world_size": 2}, r"rank must be in \[0, world_size=2\)"),
+    ({"rank": -3}, "rank must be"),
+    ({"world_size": 0}, "world_size must be"),
+    ({"store": HashStore(), "world_size": 2}, "rank must be given"),
+    ({"store": HashStore(), "rank": 0}, "world_size must be given"),
+    ({"store": HashStore(), "init_method": "env://", "rank": 0, "world_size": 1}, "mutually exclusive"),
+])
+def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rendezvous(environ={}, timeout=1, **kwargs)
+
+
+@pytest.mark.timeout(30)
+def test_bad_types_raise_type_error():
+    with pytest.raises(TypeError, match="store"):
+        rendezvous(store={}, rank=0, world_size=1)
+    with pytest.raises(TypeError, match="rank"):
+        rendezvous("tcp://127.0.0.1:1", rank="0", world_size=1)
+    with pytest.raises(TypeError, match="timeout"):
+        rendezvous("tcp://127.0.0.1:1", rank=0, world_size=1, timeout="10")
+
+
+@pytest.mark.timeout(30)
+def test_world_of_one_may_use_port_zero_and_returns_a_working_store():
+    store, rank, world = rendezvous("tcp://127.0.0.1:0", rank=0, world_size=1, timeout=5)
+    assert (rank, world) == (0, 1) and store.port > 0
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    store.close()
+
+
+@pytest.mark.timeout(30)
+def test_file_rendezvous_of_one(tmp_path):
+    store, rank, world = rendezvous(f"file://{tmp_path}/f", rank=0, world_size=1, timeout=5)
+    assert isinstance(store, FileStore) and store.timeout == timedelta(seconds=5)
+    store.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_missing_rank_times_out_on_every_side():
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(DistStoreError, match="1 of 2"):  # the master waits for the worker
+        rendezvous(f"tcp://127.0.0.1:{port}", rank=0, world_size=2, timeout=0.5)
+    with pytest.raises(DistNetworkError, match=str(port)):  # a worker with no master
+        rendezvous(f"tcp://127.0.0.1:{port}", rank=1, world_size=2, timeout=0.5)
+    assert time.monotonic() - t0 < 5
