@@ -1,0 +1,218 @@
+"""collectives-run starts the ranks with torchrun's environment, keeps their lines whole
+and labelled, and never leaves a rank (or a rank's child) behind."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.ranks import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = os.path.join(ROOT, "tests", "scripts", "launch_target.py")
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def launch(args, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "collectives.run"] + args, cwd=ROOT,
+                          env=env or _env(), capture_output=True, timeout=timeout)
+
+
+def start(args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "collectives.run"] + args, cwd=ROOT,
+                            env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def alive(pid):
+    """True if ``pid`` runs (a zombie waiting for a reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def pids(directory):
+    return {f[:-4]: int(open(os.path.join(directory, f)).read())
+            for f in os.listdir(directory) if f.endswith(".pid")}
+
+
+def wait_for_pids(directory, n, timeout=30):
+    deadline = time.monotonic() + timeout
+    while len(pids(directory)) < n:
+        assert time.monotonic() < deadline, f"only {pids(directory)} started"
+        time.sleep(0.02)
+    return pids(directory)
+
+
+def assert_all_gone(pid_map, within=3.0):
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pid_map.values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    left = {k: p for k, p in pid_map.items() if alive(p)}
+    for p in left.values():
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"left running: {left}"
+
+
+def rank_lines(text):
+    return [ln for ln in text.decode().splitlines() if ln]
+
+
+# ---- environment ------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_each_rank_gets_torchruns_environment():
+    port = free_port()
+    out = launch(["--nnodes=2", "--node_rank", "1", "--nproc-per-node", "3",
+                  "--master-addr", "10.1.2.3", "--master_port", str(port), TARGET, "env"])
+    assert out.returncode == 0, out.stderr.decode()
+    envs = {}
+    for line in rank_lines(out.stdout):
+        m = re.match(r"^\[(\d+)\] (\{.*\})$", line)
+        assert m, line
+        envs[int(m.group(1))] = json.loads(m.group(2))
+    assert sorted(envs) == [3, 4, 5]
+    for rank, e in envs.items():
+        assert e == {"RANK": str(rank), "LOCAL_RANK": str(rank - 3), "WORLD_SIZE": "6",
+                     "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "1", "NODE_RANK": "1",
+                     "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": str(port),
+                     "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.timeout(60)
+def test_standalone_picks_one_free_port_and_keeps_a_users_omp_setting():
+    out = launch(["--standalone", "--nproc_per_node=2", TARGET, "env"], env=_env(OMP_NUM_THREADS="7"))
+    assert out.returncode == 0, out.stderr.decode()
+    envs = [json.loads(line.split(" ", 1)[1]) for line in rank_lines(out.stdout)]
+    assert len(envs) == 2
+    ports = {e["MASTER_PORT"] for e in envs}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    assert {e["OMP_NUM_THREADS"] for e in envs} == {"7"}
+    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
+
+
+@pytest.mark.timeout(60)
+def test_ranks_rendezvous_through_the_launchers_environment():
+    out = launch(["--nproc-per-node", "3", TARGET, "rdzv"])
+    assert out.returncode == 0, out.stderr.decode()
+    assert sorted(rank_lines(out.stdout)) == [f"[{r}] rank {r} of 3 read [0, 1, 4]" for r in range(3)]
+
+
+@pytest.mark.timeout(60)
+def test_module_and_no_python_forms():
+    out = launch(["--nproc-per-node", "2", "-m", "tests.scripts.launch_target", "env"])
+    assert out.returncode == 0, out.stderr.decode()
+    assert len(rank_lines(out.stdout)) == 2
+    out = launch(["--nproc-per-node", "2", "--no-python", "--no-prefix", "sh", "-c", "echo rank=$RANK"])
+    assert out.returncode == 0, out.stderr.decode()
+    assert sorted(rank_lines(out.stdout)) == ["rank=0", "rank=1"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,match", [
+    (["--nnodes", "1:2"], "elastic"),
+    (["--nproc-per-node", "0"], "nproc-per-node"),
+    (["--nnodes", "2", "--node-rank", "2"], "node-rank"),
+    (["--nnodes", "2", "--master-port", "0"], "master-port"),
+    (["-m", "--no-python"], "--no-python"),
+])
+def test_bad_flags_are_usage_errors(args, match):
+    out = launch(args + [TARGET, "env"])
+    assert out.returncode == 2
+    assert match in out.stderr.decode()
+
+
+# ---- output ---------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_every_line_is_whole_and_labelled_with_its_rank():
+    n = 300
+    out = launch(["--nproc-per-node", "4", TARGET, "lines", str(n)])
+    assert out.returncode == 0, out.stderr.decode()
+    counts = {r: 0 for r in range(4)}
+    tails = set()
+    for line in rank_lines(out.stdout):
+        m = re.match(r"^\[(\d)\] line (\d+) of rank (\d) end$", line)
+        if m is None:
+            m2 = re.match(r"^\[(\d)\] no newline at the end from (\d)$", line)
+            assert m2 and m2.group(1) == m2.group(2), f"torn or unlabelled line: {line!r}"
+            tails.add(int(m2.group(1)))
+            continue
+        assert m.group(1) == m.group(3)
+        counts[int(m.group(1))] += 1
+    assert counts == {r: n for r in range(4)}
+    assert tails == {0, 1, 2, 3}
+    err = rank_lines(out.stderr)
+    assert len(err) == 4 * len(range(0, n, 50))
+    assert all(re.match(r"^\[(\d)\] err \d+ of rank \1$", ln) for ln in err)
+
+
+@pytest.mark.timeout(60)
+def test_no_prefix_keeps_lines_whole():
+    out = launch(["--nproc-per-node", "3", "--no_prefix", TARGET, "lines", "100"])
+    assert out.returncode == 0
+    lines = [ln for ln in rank_lines(out.stdout) if not ln.startswith("no newline")]
+    assert len(lines) == 300
+    assert all(re.match(r"^line \d+ of rank \d end$", ln) for ln in lines)
+
+
+# ---- failures and signals ------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_a_failing_rank_stops_the_others_and_is_reported(tmp_path):
+    t0 = time.monotonic()
+    out = launch(["--nproc-per-node", "3", TARGET, "fail", str(tmp_path)], timeout=30)
+    elapsed = time.monotonic() - t0
+    assert out.returncode == 3
+    assert elapsed < 5, elapsed
+    assert_all_gone(pids(tmp_path), within=0.5)  # ranks and their children
+    err = out.stderr.decode()
+    assert re.search(r"rank 1 .*failed with exit code 3", err), err
+    assert "bye from rank 1" in err.split("failed with exit code 3", 1)[1]
+    assert len(pids(tmp_path)) == 6
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_ignores_sigterm_is_killed(tmp_path):
+    t0 = time.monotonic()
+    out = launch(["--nproc-per-node", "3", "--term-timeout", "1", TARGET, "stubborn", str(tmp_path)],
+                 timeout=30)
+    assert out.returncode == 3
+    assert time.monotonic() - t0 < 6
+    assert_all_gone(pids(tmp_path), within=0.5)
+    assert "rank 0" in out.stderr.decode()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path, sig):
+    proc = start(["--nproc-per-node", "3", TARGET, "sleep", str(tmp_path)])
+    try:
+        started = wait_for_pids(tmp_path, 6)
+        time.sleep(0.2)  # the ranks are past their startup, sleeping
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=20)
+        assert time.monotonic() - t0 < 5
+        assert proc.returncode == 128 + sig
+        assert_all_gone(started, within=0.5)
+        if sig == signal.SIGINT:
+            assert sorted(rank_lines(out)) == [f"[{r}] rank {r} got KeyboardInterrupt" for r in range(3)]
+        assert signal.Signals(sig).name in err.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
