@@ -609,6 +609,7 @@ class _RawLog:
 # Numbers travel as ASCII decimal. No pickle: values are opaque bytes.
 
 PROTOCOL_VERSION = 1
+SERVER_LINGER = 30.0  # seconds a closed master keeps serving clients still connected
 MAX_FRAME = 1 << 28
 _HDR = struct.Struct("!I")
 _REQ = struct.Struct("!BBI")
@@ -723,30 +724,48 @@ class StoreServer:
         self._sel.register(self._lsock, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._stopping = False
+        self._linger_until = None
         self.refs = 0
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"collectives-store-server-{self.port}")
         self._thread.start()
 
-    def stop(self):
+    def stop(self, linger=0.0):
+        """Stop serving. With ``linger`` > 0 the port is released at once, but clients
+        still connected are served until they hang up or ``linger`` seconds pass, so a
+        rank that is a little behind can finish its last requests after the master's
+        store is closed."""
+        self._linger_until = time.monotonic() + linger if linger > 0 else None
         self._stopping = True
         try:
             self._wake_w.send(b"x")
         except OSError:
             pass
-        if self._thread is not threading.current_thread():
+        if linger <= 0 and self._thread is not threading.current_thread():
             self._thread.join(5)
 
     # -- loop ---------------------------------------------------------------------------
     def _loop(self):
+        listening = True
         try:
-            while not self._stopping:
+            while True:
                 timeout = None
+                if self._stopping:
+                    if listening:  # free the port for a new master right away
+                        listening = False
+                        self._sel.unregister(self._lsock)
+                        self._lsock.close()
+                    until = self._linger_until
+                    if not self._conns or until is None or time.monotonic() >= until:
+                        break
+                    timeout = until - time.monotonic()
                 if self._deadlines:
-                    timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
+                    left = max(0.0, self._deadlines[0][0] - time.monotonic())
+                    timeout = left if timeout is None else min(timeout, left)
                 for key, mask in self._sel.select(timeout):
                     if key.data == "listen":
-                        self._accept()
+                        if listening:
+                            self._accept()
                     elif key.data == "wake":
                         try:
                             self._wake_r.recv(4096)
@@ -1005,7 +1024,7 @@ def _release_server(server, multi_tenant):
             return
         if multi_tenant and _SERVERS.get(server.port) is server:
             del _SERVERS[server.port]
-    server.stop()
+    server.stop(SERVER_LINGER)
 
 
 def _close_sock(holder):

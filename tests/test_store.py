@@ -432,3 +432,16 @@ def test_file_store_removes_its_file_when_the_last_user_closes(tmp_path):
     assert os.path.exists(path)
     b.close()
     assert not os.path.exists(path)
+
+
+@pytest.mark.timeout(30)
+def test_a_closed_master_frees_its_port_but_finishes_with_connected_clients():
+    master = TCPStore("127.0.0.1", 0, None, True, timeout=5)
+    late = TCPStore("127.0.0.1", master.port, timeout=5)
+    master.set("k", "v")
+    master.close()
+    assert late.get("k") == b"v"  # a rank a little behind still gets its answers
+    again = TCPStore("127.0.0.1", master.port, None, True, timeout=5)  # the port is free
+    assert not again.check(["k"])
+    late.close()
+    again.close()
