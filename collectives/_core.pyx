@@ -24,6 +24,12 @@ cdef extern from "numpy/ndarraytypes.h":
 
 cdef extern from "reduce_kernels.h" nogil:
     size_t COLL_CHUNK_BYTES_C "COLL_CHUNK_BYTES"
+    enum:
+        COLL_FLOAT16, COLL_BFLOAT16, COLL_FLOAT32, COLL_FLOAT64, COLL_COMPLEX64, COLL_COMPLEX128,
+        COLL_INT8, COLL_UINT8, COLL_INT16, COLL_INT32, COLL_INT64, COLL_BOOL, COLL_NUM_DTYPES
+    enum:
+        COLL_SUM, COLL_AVG, COLL_PRODUCT, COLL_MIN, COLL_MAX, COLL_BAND, COLL_BOR, COLL_BXOR,
+        COLL_PREMUL_SUM
     int COLL_OK
     int COLL_EDTYPE
     int COLL_EOP

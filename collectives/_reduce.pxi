@@ -14,29 +14,60 @@ cdef int _np_dtype_code(cnp.ndarray arr):
     cdef int t = cnp.PyArray_TYPE(arr)
     cdef Py_ssize_t size = cnp.PyArray_ITEMSIZE(arr)
     if t == cnp.NPY_FLOAT:
-        return _D.FLOAT32
+        return COLL_FLOAT32
     if t == cnp.NPY_DOUBLE:
-        return _D.FLOAT64
+        return COLL_FLOAT64
     if t == NPY_HALF:
-        return _D.FLOAT16
+        return COLL_FLOAT16
     if t == cnp.NPY_CFLOAT:
-        return _D.COMPLEX64
+        return COLL_COMPLEX64
     if t == cnp.NPY_CDOUBLE:
-        return _D.COMPLEX128
+        return COLL_COMPLEX128
     if t == cnp.NPY_BOOL:
-        return _D.BOOL
+        return COLL_BOOL
     if t == cnp.NPY_BYTE:
-        return _D.INT8
+        return COLL_INT8
     if t == cnp.NPY_UBYTE:
-        return _D.UINT8
+        return COLL_UINT8
     if t == cnp.NPY_SHORT:
-        return _D.INT16
+        return COLL_INT16
     if t == cnp.NPY_INT or t == cnp.NPY_LONG or t == cnp.NPY_LONGLONG:
         if size == 4:
-            return _D.INT32
+            return COLL_INT32
         if size == 8:
-            return _D.INT64
+            return COLL_INT64
     return -1
+
+
+cdef object _torch = None          # the torch module, once a tensor has been seen
+cdef object _torch_tensor = None
+cdef object _torch_strided = None
+cdef dict _torch_codes = None
+
+
+cdef int _torch_buf(object obj, str name, cbuf *out) except -1:
+    """Fast path for a torch tensor: 0 if filled, 1 to fall back to to_buffer (which raises)."""
+    global _torch, _torch_tensor, _torch_strided, _torch_codes
+    if _torch is None:
+        import sys
+        mod = sys.modules.get("torch")
+        if mod is None:
+            return 1
+        _torch, _torch_tensor, _torch_strided = mod, mod.Tensor, mod.strided
+        _torch_codes = {
+            mod.float16: COLL_FLOAT16, mod.bfloat16: COLL_BFLOAT16, mod.float32: COLL_FLOAT32,
+            mod.float64: COLL_FLOAT64, mod.complex64: COLL_COMPLEX64, mod.complex128: COLL_COMPLEX128,
+            mod.int8: COLL_INT8, mod.uint8: COLL_UINT8, mod.int16: COLL_INT16, mod.int32: COLL_INT32,
+            mod.int64: COLL_INT64, mod.bool: COLL_BOOL}
+    if not isinstance(obj, _torch_tensor):
+        return 1
+    code = _torch_codes.get(obj.dtype)
+    if code is None or obj.layout is not _torch_strided or not obj.is_cpu or not obj.is_contiguous():
+        return 1  # to_buffer raises the right error (or accepts it, e.g. CUDA, handled after)
+    out.ptr = <char *><uintptr_t>obj.data_ptr()
+    out.count = obj.numel()
+    out.dtype = code
+    return 0
 
 
 cdef int _get_buf(object obj, str name, bint writable, cbuf *out) except -1:
@@ -55,11 +86,13 @@ cdef int _get_buf(object obj, str name, bint writable, cbuf *out) except -1:
             out.count = cnp.PyArray_SIZE(arr)
             out.dtype = code
             return 0
+    elif _torch_buf(obj, name, out) == 0:
+        return 0
     if not isinstance(obj, Buffer):
         obj = to_buffer(obj, name)  # TypeError/ValueError naming ``name``
     if obj.device != -1:
         raise ValueError(f"{name} must be in host (CPU) memory, got CUDA device {obj.device}")
-    if obj.dtype < 0 or obj.dtype >= _D.BOOL + 1:
+    if obj.dtype < 0 or obj.dtype >= COLL_NUM_DTYPES:
         raise TypeError(f"{name} has unknown dtype code {obj.dtype}")
     out.ptr = <char *><uintptr_t>obj.ptr
     out.count = obj.count
@@ -69,24 +102,27 @@ cdef int _get_buf(object obj, str name, bint writable, cbuf *out) except -1:
 
 cdef int _op_code(object op) except -1:
     """The int code of ``op`` (int, ReduceOp or anything with __index__/__int__)."""
-    cdef int code
-    if isinstance(op, (bool, float, complex, str)):
+    cdef long code
+    if type(op) is int:
+        code = op
+    elif isinstance(op, (bool, float, complex, str)):
         raise TypeError(f"op must be a reduction op (collectives.dtypes code or ReduceOp), "
                         f"got {type(op).__name__} {op!r}")
-    try:
-        code = operator.index(op)
-    except TypeError:
-        if not hasattr(type(op), "__int__"):
-            raise TypeError(f"op must be a reduction op (collectives.dtypes code or ReduceOp), "
-                            f"got {type(op).__name__}") from None
-        code = int(op)
-    if code == _D.AVG or code == _D.PREMUL_SUM:
+    else:
+        try:
+            code = operator.index(op)
+        except TypeError:
+            if not hasattr(type(op), "__int__"):
+                raise TypeError(f"op must be a reduction op (collectives.dtypes code or ReduceOp), "
+                                f"got {type(op).__name__}") from None
+            code = int(op)
+    if code == COLL_AVG or code == COLL_PREMUL_SUM:
         raise ValueError(f"op {_D.OP_NAMES[code]} is not an elementwise reduction; reduce with SUM, "
                          f"then scale(dst, factor)")
-    if code < 0 or code > _D.BXOR:
+    if code < 0 or code > COLL_BXOR:
         raise ValueError(f"op must be one of SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR "
                          f"(codes 0, 2-7), got {code}")
-    return code
+    return <int>code
 
 
 cdef int _dtype_arg(object dtype) except -1:
@@ -97,14 +133,14 @@ cdef int _dtype_arg(object dtype) except -1:
         raise TypeError(f"dtype must be a collectives.dtypes code (int), "
                         f"got {type(dtype).__name__}") from None
     if coll_itemsize(code) == 0:
-        raise ValueError(f"dtype must be a collectives.dtypes code 0-{_D.BOOL}, got {code}")
+        raise ValueError(f"dtype must be a collectives.dtypes code 0-{COLL_BOOL}, got {code}")
     return code
 
 
 cdef int _check_op(int dtype, int op) except -1:
     if coll_op_valid(dtype, op):
         return 0
-    if op == _D.MIN or op == _D.MAX:
+    if op == COLL_MIN or op == COLL_MAX:
         why = "complex numbers are unordered"
     else:
         why = "bitwise ops need an integer or bool dtype"
@@ -234,7 +270,7 @@ def reduce_many(dst, srcs, op):
 
 
 cdef int _scale_check(int dtype, str name) except -1:
-    if dtype not in _D.FLOATING and dtype not in _D.COMPLEX:
+    if dtype < 0 or dtype > COLL_COMPLEX128:  # codes 0-5: floating and complex
         raise ValueError(f"{name} must have a floating or complex dtype to scale, got "
                          f"{_D.DTYPE_NAMES[dtype]}")
     return 0

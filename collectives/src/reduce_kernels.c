@@ -77,6 +77,15 @@ static inline uint16_t coll_f32_to_f16(float f)
     return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
+/* Elements to process before d is 64-byte aligned; 0 for short or oddly aligned buffers. */
+static inline size_t coll_align_head(const void *d, size_t size, size_t n)
+{
+    size_t mis = (size_t)((uintptr_t)d & 63);
+    if (mis == 0 || n * size < 1024 || (64 - mis) % size)
+        return 0;
+    return (64 - mis) / size;
+}
+
 /* ---- the kernel body, once per instruction set ---------------------------------- */
 #define COLL_KERNEL_BODY 1
 #define COLL_CAT2(a, b) a##b
@@ -258,13 +267,19 @@ void coll_copy(void *dst, const void *src, size_t nbytes)
 
 #else /* COLL_KERNEL_BODY: compiled once per instruction set, names suffixed by COLL_SUF */
 
-/* d[i] = EXPR(a[i], b[i]); d may equal a or b exactly (no loop-carried dependence). */
+/* d[i] = EXPR(a[i], b[i]); d may equal a or b exactly (no loop-carried dependence).
+ * A few scalar steps first align d to 64 bytes: unaligned vector stores cost up to 1.5x. */
 #define DEF_BIN(NAME, T, EXPR)                                                        \
     static void K(NAME)(void *dv, const void *av, const void *bv, size_t n)           \
     {                                                                                 \
         T *d = (T *)dv;                                                               \
         const T *pa = (const T *)av, *pb = (const T *)bv;                             \
-        _Pragma("GCC ivdep") for (size_t i = 0; i < n; i++)                           \
+        size_t i = 0, head = coll_align_head(d, sizeof(T), n);                        \
+        for (; i < head; i++) {                                                       \
+            T a = pa[i], b = pb[i];                                                   \
+            d[i] = (EXPR);                                                            \
+        }                                                                             \
+        _Pragma("GCC ivdep") for (; i < n; i++)                                       \
         {                                                                             \
             T a = pa[i], b = pb[i];                                                   \
             d[i] = (EXPR);                                                            \
@@ -356,17 +371,21 @@ DEF_CPLX(c128, double)
     }
 
 #if defined(COLL_ISA_V4)
-/* 16 lanes per step; the tail uses masked loads/stores so every element takes the same path */
+/* Main loops: bfloat16 widens with in-lane unpacks and narrows with one packus per 32
+ * elements; float16 uses 256-bit F16C conversions (faster than 512-bit ones on Zen 4).
+ * The tail (< 32 or < 16 elements) uses masked 16-lane loads/stores. All paths round
+ * identically (exact round-to-nearest-even). */
 static inline __m512 K(bf16_load)(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-static inline __m256i K(bf16_pack)(__m512 f)
+/* float32 -> bfloat16 bits in the low half of each 32-bit lane; NaN -> 0x7FC0 */
+static inline __m512i K(bf16_round)(__m512 f)
 {
     const __m512i u = _mm512_castps_si512(f);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
 }
+static inline __m256i K(bf16_pack)(__m512 f) { return _mm512_cvtepi32_epi16(K(bf16_round)(f)); }
 static inline __m512 K(f16_load)(__m256i h) { return _mm512_cvtph_ps(h); }
 static inline __m256i K(f16_pack)(__m512 f) { return _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 
@@ -383,21 +402,49 @@ static inline __m512 K(v_max)(__m512 a, __m512 b)
     __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), b, a);
     return _mm512_mask_add_ps(r, _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q), a, b);
 }
+static inline __m256 K(v_sum8)(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+static inline __m256 K(v_prod8)(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+static inline __m256 K(v_min8)(__m256 a, __m256 b)
+{
+    __m256 r = _mm256_mask_blend_ps(_mm256_cmp_ps_mask(a, b, _CMP_LT_OQ), b, a);
+    return _mm256_mask_add_ps(r, _mm256_cmp_ps_mask(a, b, _CMP_UNORD_Q), a, b);
+}
+static inline __m256 K(v_max8)(__m256 a, __m256 b)
+{
+    __m256 r = _mm256_mask_blend_ps(_mm256_cmp_ps_mask(a, b, _CMP_GT_OQ), b, a);
+    return _mm256_mask_add_ps(r, _mm256_cmp_ps_mask(a, b, _CMP_UNORD_Q), a, b);
+}
 
-#define DEF_HALF(NAME, TY, OPV)                                                       \
+#define BF16_MAIN(OPV)                                                                \
+    {                                                                                 \
+        const __m512i z = _mm512_setzero_si512();                                     \
+        for (; i + 32 <= n; i += 32) {                                                \
+            __m512i va = _mm512_loadu_si512(pa + i), vb = _mm512_loadu_si512(pb + i); \
+            __m512 lo = K(OPV)(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, va)),     \
+                               _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, vb)));    \
+            __m512 hi = K(OPV)(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, va)),     \
+                               _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, vb)));    \
+            _mm512_storeu_si512(d + i, _mm512_packus_epi32(K(bf16_round)(lo), K(bf16_round)(hi))); \
+        }                                                                             \
+    }
+#define F16_RND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define F16_MAIN(OPV)                                                                 \
+    for (; i + 16 <= n; i += 16) {                                                    \
+        __m256 a0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pa + i)));       \
+        __m256 b0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + i)));       \
+        __m256 a1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pa + i + 8)));   \
+        __m256 b1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + i + 8)));   \
+        _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(K(OPV##8)(a0, b0), F16_RND)); \
+        _mm_storeu_si128((__m128i *)(d + i + 8), _mm256_cvtps_ph(K(OPV##8)(a1, b1), F16_RND)); \
+    }
+
+#define DEF_HALF(NAME, TY, MAIN, OPV)                                                 \
     static void K(NAME)(void *dv, const void *av, const void *bv, size_t n)           \
     {                                                                                 \
         uint16_t *d = (uint16_t *)dv;                                                 \
         const uint16_t *pa = (const uint16_t *)av, *pb = (const uint16_t *)bv;        \
         size_t i = 0;                                                                 \
-        for (; i + 32 <= n; i += 32) {                                                \
-            __m512 a0 = K(TY##_load)(_mm256_loadu_si256((const __m256i *)(pa + i)));  \
-            __m512 b0 = K(TY##_load)(_mm256_loadu_si256((const __m256i *)(pb + i)));  \
-            __m512 a1 = K(TY##_load)(_mm256_loadu_si256((const __m256i *)(pa + i + 16))); \
-            __m512 b1 = K(TY##_load)(_mm256_loadu_si256((const __m256i *)(pb + i + 16))); \
-            _mm256_storeu_si256((__m256i *)(d + i), K(TY##_pack)(K(OPV)(a0, b0)));    \
-            _mm256_storeu_si256((__m256i *)(d + i + 16), K(TY##_pack)(K(OPV)(a1, b1))); \
-        }                                                                             \
+        MAIN(OPV)                                                                     \
         for (; i < n; i += 16) {                                                      \
             size_t left = n - i;                                                      \
             __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); \
@@ -407,14 +454,17 @@ static inline __m512 K(v_max)(__m512 a, __m512 b)
         }                                                                             \
     }
 
-DEF_HALF(bf16_sum, bf16, v_sum)
-DEF_HALF(bf16_prod, bf16, v_prod)
-DEF_HALF(bf16_min, bf16, v_min)
-DEF_HALF(bf16_max, bf16, v_max)
-DEF_HALF(f16_sum, f16, v_sum)
-DEF_HALF(f16_prod, f16, v_prod)
-DEF_HALF(f16_min, f16, v_min)
-DEF_HALF(f16_max, f16, v_max)
+DEF_HALF(bf16_sum, bf16, BF16_MAIN, v_sum)
+DEF_HALF(bf16_prod, bf16, BF16_MAIN, v_prod)
+DEF_HALF(bf16_min, bf16, BF16_MAIN, v_min)
+DEF_HALF(bf16_max, bf16, BF16_MAIN, v_max)
+DEF_HALF(f16_sum, f16, F16_MAIN, v_sum)
+DEF_HALF(f16_prod, f16, F16_MAIN, v_prod)
+DEF_HALF(f16_min, f16, F16_MAIN, v_min)
+DEF_HALF(f16_max, f16, F16_MAIN, v_max)
+#undef BF16_MAIN
+#undef F16_MAIN
+#undef F16_RND
 
 #define K_F16_SCALE_LOAD(x) _cvtsh_ss(x)
 #define K_F16_SCALE_STORE(x) _cvtss_sh((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
