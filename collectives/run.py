@@ -52,7 +52,7 @@ def build_parser():
     p = _Parser(prog="collectives-run", allow_abbrev=False,
                 description="Start a distributed job: N processes per node, torchrun's flags.")
     p.add("--nnodes", default="1", help="number of nodes, N or N:N (default 1)")
-    p.add("--nproc-per-node", default="1",
+    p.add("-n", "--nproc-per-node", default="1",
           help="processes per node: an int, 'cpu'/'auto' (one per core) or 'gpu' (default 1)")
     p.add("--node-rank", type=int, default=0, help="this node's rank among the nodes (default 0)")
     p.add("--master-addr", default=None, help="address of rank 0's node (default 127.0.0.1)")

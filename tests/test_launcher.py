@@ -106,7 +106,7 @@ def test_standalone_picks_one_free_port_and_keeps_a_users_omp_setting():
 
 @pytest.mark.timeout(60)
 def test_ranks_rendezvous_through_the_launchers_environment():
-    out = launch(["--nproc-per-node", "3", TARGET, "rdzv"])
+    out = launch(["-n", "3", TARGET, "rdzv"])
     assert out.returncode == 0, out.stderr.decode()
     assert sorted(rank_lines(out.stdout)) == [f"[{r}] rank {r} of 3 read [0, 1, 4]" for r in range(3)]
 
