@@ -76,9 +76,9 @@ def worker(rank, world, port, tport, ops, sizes, budget, reps, with_torch):
             out = np.empty(n * world, np.float32)
             ba, bo = to_buffer(a), to_buffer(out)
             fns = {
-                "all_reduce": lambda: ours.all_reduce(ba, D.SUM),
-                "broadcast": lambda: ours.broadcast(ba, 0),
-                "all_gather": lambda: ours.all_gather(bo, ba),
+                "all_reduce": lambda ba=ba: ours.all_reduce(ba, D.SUM),
+                "broadcast": lambda ba=ba: ours.broadcast(ba, 0),
+                "all_gather": lambda ba=ba, bo=bo: ours.all_gather(bo, ba),
                 "barrier": ours.barrier,
             }
             t_ours = _time(fns[op], ours.barrier, agree, budget, reps)
@@ -87,9 +87,9 @@ def worker(rank, world, port, tport, ops, sizes, budget, reps, with_torch):
                 ta = torch.ones(n, dtype=torch.float32)
                 touts = [torch.empty(n, dtype=torch.float32) for _ in range(world)]
                 tf = {
-                    "all_reduce": lambda: dist.all_reduce(ta),
-                    "broadcast": lambda: dist.broadcast(ta, 0),
-                    "all_gather": lambda: dist.all_gather(touts, ta),
+                    "all_reduce": lambda ta=ta: dist.all_reduce(ta),
+                    "broadcast": lambda ta=ta: dist.broadcast(ta, 0),
+                    "all_gather": lambda ta=ta, touts=touts: dist.all_gather(touts, ta),
                     "barrier": dist.barrier,
                 }
                 t_torch = _time(tf[op], dist.barrier, agree, budget, reps)

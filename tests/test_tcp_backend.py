@@ -295,7 +295,7 @@ def p2p_tags(ctx, bname):
         out = {k: np.zeros(k + 1, np.int32) for k in range(6)}
         order = [(3, 2), (3, 3), (1, 0), (2, 1), (2, 4), (1, 5)]  # (tag, message index it must get)
         reqs = [(b.irecv(_buf(D.INT32, out[k]), 0, t), k) for t, k in order]
-        for q, k in reqs:
+        for q, _ in reqs:
             q.wait()
             assert q.source == 0
         return {k: out[k].tolist() for k in out}
@@ -377,7 +377,7 @@ def threads_mix(ctx, bname, rounds):
 
     def p2p():
         try:
-            for k in range(rounds):
+            for _ in range(rounds):
                 x = np.full(50000, r, np.int32)
                 y = np.zeros(50000, np.int32)
                 qs = [b.irecv(_buf(D.INT32, y), (r - 1) % n, 77), b.isend(_buf(D.INT32, x), (r + 1) % n, 77)]
@@ -525,7 +525,7 @@ def test_a_peer_that_exits_makes_the_others_raise_within_the_timeout(n, nbytes):
             if p.poll() is None:
                 p.kill()
     assert outs[1][0] == 3, outs[1]
-    for r, (rc, out, err) in enumerate(outs):
+    for r, (_, out, err) in enumerate(outs):
         if r == 1:
             continue
         assert out.startswith("RAISED"), (r, out, err)

@@ -9,7 +9,7 @@ irecv are posted at once and progress whenever any thread waits.
 Environment:
     COLLECTIVES_IFNAME: interface whose IPv4 address peers connect to (else the
         interface that routes to MASTER_ADDR; 127.0.0.1 when MASTER_ADDR is loopback).
-    COLLECTIVES_TCP_SPIN_US: how long a wait spins before blocking (default 50).
+    COLLECTIVES_TCP_SPIN_US: how long a wait spins before blocking (default 20).
     COLLECTIVES_TCP_SOCKBUF: socket buffer bytes (default 4 MiB; 0 keeps the OS default).
     COLLECTIVES_TCP_RD_MAX, COLLECTIVES_TCP_TREE_MAX, COLLECTIVES_TCP_SEGMENT,
     COLLECTIVES_TCP_DIRECT_MAX: algorithm thresholds in bytes (see ``tcp_engine.h``).
@@ -277,6 +277,11 @@ class TcpBackend(Backend):
                 self._engine.set_tuning(getattr(_tcp, key), int(value))
 
     # ---- helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _check_tag(tag):
+        if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag < 2**31:
+            raise ValueError(f"tag must be an int in [0, 2**31), got {tag!r}")
+
     def _check_rank(self, value, name):
         if not isinstance(value, int) or not 0 <= value < self.size:
             raise ValueError(f"{name} must be a rank in [0, {self.size}), got {value!r}")
@@ -365,7 +370,8 @@ class TcpBackend(Backend):
         self._check_rank(dst, "dst")
         if dst == self.rank:
             raise ValueError(f"dst must be a rank other than this one ({self.rank})")
-        op = self._engine.isend(buf.ptr, buf.nbytes, dst, int(tag), buf)
+        self._check_tag(tag)
+        op = self._engine.isend(buf.ptr, buf.nbytes, dst, tag, buf)
         self._inflight.add(op)
         return TcpRequest(op, self)
 
@@ -376,7 +382,8 @@ class TcpBackend(Backend):
                 raise ValueError(f"src must be a rank other than this one ({self.rank})")
         if self.size == 1:
             raise ValueError("irecv in a group of one rank would never complete")
-        op = self._engine.irecv(buf.ptr, buf.nbytes, -1 if src is None else src, int(tag), buf)
+        self._check_tag(tag)
+        op = self._engine.irecv(buf.ptr, buf.nbytes, -1 if src is None else src, tag, buf)
         self._inflight.add(op)
         return TcpRequest(op, self)
 

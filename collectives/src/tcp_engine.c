@@ -16,6 +16,7 @@
 #include <math.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -839,6 +840,12 @@ static int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, int 
             poll_once(e, ms);
             e->polling = 0;
             if (e->nwaiters) pthread_cond_broadcast(&e->cv);
+            if (!ms) {
+                /* spinning: let ranks that share our core run (they are often whom we wait for) */
+                pthread_mutex_unlock(&e->mu);
+                sched_yield();
+                pthread_mutex_lock(&e->mu);
+            }
         } else {
             double until = deadline < t + 0.05 ? deadline : t + 0.05;
             struct timespec ts;
@@ -888,7 +895,7 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&e->cv, &ca);
     pthread_condattr_destroy(&ca);
-    e->spin_s = 50e-6;
+    e->spin_s = 20e-6;
     e->rd_max = 64 * 1024;
     e->tree_max = 64 * 1024;
     e->seg = 256 * 1024;
