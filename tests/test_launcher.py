@@ -216,3 +216,16 @@ def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_max_restarts_reruns_every_rank_after_a_failure(tmp_path):
+    script = 'test "$TORCHELASTIC_RESTART_COUNT" = 1 || exit 5; echo ok $RANK'
+    out = launch(["-n", "2", "--max-restarts", "1", "--log-dir", str(tmp_path),
+                  "--no-python", "sh", "-c", script])
+    assert out.returncode == 0, out.stderr.decode()
+    assert sorted(rank_lines(out.stdout)) == ["[0] ok 0", "[1] ok 1"]
+    assert "exit code 5" in out.stderr.decode() and "restarting" in out.stderr.decode()
+    assert open(tmp_path / "rank1.out").read() == "ok 1\n"
+    out = launch(["-n", "2", "--max-restarts", "1", "--no-python", "sh", "-c", "exit 5"])
+    assert out.returncode == 5

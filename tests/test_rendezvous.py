@@ -9,7 +9,7 @@ import pytest
 from collectives.errors import DistNetworkError, DistStoreError
 from collectives.rendezvous import env_local_rank, env_rank_world, rendezvous
 from collectives.store import FileStore, HashStore, TCPStore
-from tests.ranks import free_port, get_pool
+from tests.ranks import free_port, get_pool, mpiexec_path
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
                "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
@@ -203,3 +203,24 @@ def test_a_missing_rank_times_out_on_every_side():
     with pytest.raises(DistNetworkError, match=str(port)):  # a worker with no master
         rendezvous(f"tcp://127.0.0.1:{port}", rank=1, world_size=2, timeout=0.5)
     assert time.monotonic() - t0 < 5
+
+
+def meet_as_launched(ctx, port):
+    """Rendezvous with the environment the real launcher gave this process."""
+    assert "RANK" not in os.environ and "PMI_RANK" in os.environ
+    environ = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    store, rank, world = rendezvous(timeout=20, environ=environ)
+    store.set(f"key{rank}", f"value{rank}")
+    got = store.multi_get([f"key{r}" for r in range(world)])
+    _leave(store, rank, world)
+    return rank, world, [g.decode() for g in got]
+
+
+@pytest.mark.timeout(120)
+def test_ranks_started_by_mpiexec_take_rank_and_size_from_it():
+    if mpiexec_path() is None:
+        pytest.skip("no mpiexec")
+    pool = get_pool(3, launcher="mpiexec")
+    results = pool.run(meet_as_launched, free_port(), timeout=60)
+    assert sorted(r[:2] for r in results) == [(0, 3), (1, 3), (2, 3)]
+    assert all(r[2] == ["value0", "value1", "value2"] for r in results)
