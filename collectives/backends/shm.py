@@ -68,16 +68,18 @@ class ShmBackend(Backend):
         ring = 256 * 1024 if size <= 8 else 64 * 1024
         self.label = label or f"shm group (size {size})"
         tmo = float(timeout) if timeout else 0.0
+        # a store reused by a later group of the same prefix gets a fresh key
+        key = f"shm/segment/{(store.add('shm/init', 1) - 1) // size}"
         if rank == 0:
             name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
             self._comm = ShmComm(name, True, rank, size, half, ring, tmo, self.label)
             try:
-                store.set("shm/segment", name)
+                store.set(key, name)
             except BaseException:
                 unlink(name)
                 raise
         else:
-            name = store.get("shm/segment")
+            name = store.get(key)
             name = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
             self._comm = ShmComm(name, False, rank, size, half, ring, tmo, self.label)
         try:

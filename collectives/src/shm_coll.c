@@ -277,9 +277,16 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     if (ncpu < 1)
         ncpu = 1;
-    /* oversubscribed: spin briefly so the rank we wait for gets the core */
-    c->spin = size <= ncpu ? 20000 : 100;
-    c->yields = size <= ncpu ? 50 : 200;
+    /* spin ~50 us when every rank has a core, ~2 us when oversubscribed (the rank we
+     * wait for needs the core); pause costs 10-150 ns depending on CPU and load */
+    int64_t t0 = now_ns();
+    for (int i = 0; i < 1000; i++)
+        cpu_relax();
+    int64_t per = (now_ns() - t0) / 1000;
+    if (per < 1)
+        per = 1;
+    c->spin = (int)((size <= ncpu ? 50000 : 2000) / per);
+    c->yields = size <= ncpu ? 20 : 100;
     const char *e = getenv("COLLECTIVES_SHM_SPIN");
     if (e && *e)
         c->spin = atoi(e);
