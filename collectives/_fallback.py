@@ -12,7 +12,7 @@ import operator
 import numpy as np
 
 from . import dtypes as D
-from .tensors import Buffer, to_buffer, view_numpy
+from .tensors import Buffer, is_torch_tensor, to_buffer, view_numpy
 
 #: Bytes per chunk of the chunked kernels (COLL_CHUNK_BYTES in reduce_kernels.h).
 CHUNK_BYTES = 64 * 1024
@@ -38,6 +38,9 @@ def _view(obj, name, writable):
         if writable and not obj.flags.writeable:
             raise ValueError(f"{name} must be writeable")
         return obj.reshape(-1), _np_code(obj)
+    if is_torch_tensor(obj) and obj.is_complex() and (obj.is_conj() or obj.is_neg()):
+        raise ValueError(f"{name} is a lazily conjugated/negated view; call .resolve_conj() "
+                         f"(and .resolve_neg()) first")
     buf = obj if isinstance(obj, Buffer) else to_buffer(obj, name)
     if buf.device != -1:
         raise ValueError(f"{name} must be in host (CPU) memory, got CUDA device {buf.device}")
@@ -171,6 +174,11 @@ def _freduce(a, b, op):
 
 def _apply(a, b, dtype, op):
     """op(a, b) elementwise for two flat views of ``dtype``; a new array."""
+    with np.errstate(all="ignore"):  # overflow to inf, NaN and wrap-around are the semantics
+        return _apply_quiet(a, b, dtype, op)
+
+
+def _apply_quiet(a, b, dtype, op):
     if dtype in (D.FLOAT32, D.FLOAT64):
         return _freduce(a, b, op)
     if dtype == D.FLOAT16:

@@ -64,6 +64,9 @@ cdef int _torch_buf(object obj, str name, cbuf *out) except -1:
     code = _torch_codes.get(obj.dtype)
     if code is None or obj.layout is not _torch_strided or not obj.is_cpu or not obj.is_contiguous():
         return 1  # to_buffer raises the right error (or accepts it, e.g. CUDA, handled after)
+    if (code == COLL_COMPLEX64 or code == COLL_COMPLEX128) and (obj.is_conj() or obj.is_neg()):
+        raise ValueError(f"{name} is a lazily conjugated/negated view; call .resolve_conj() "
+                         f"(and .resolve_neg()) first")
     out.ptr = <char *><uintptr_t>obj.data_ptr()
     out.count = obj.numel()
     out.dtype = code

@@ -181,7 +181,10 @@ def test_reduce_into_equals_reference_bitwise(c):
     x, y = random_values(rng, dtype, n), random_values(rng, dtype, n)
     ref = reference(x, y, dtype, op)
     got = x.clone()
-    core.reduce_into(got, y, op)
+    if dtype != D.BFLOAT16 and sizer % 2:  # NumPy views of the same memory
+        core.reduce_into(got.numpy(), y.numpy(), op)
+    else:
+        core.reduce_into(got, y, op)
     assert_same(got, ref, f"{D.DTYPE_NAMES[dtype]} {D.OP_NAMES[op]} n={n}")
 
 
@@ -462,6 +465,11 @@ def _f32(n=4):
     (lambda m: m.reduce_many_ptr(8, [], 1, D.FLOAT32, D.SUM), ValueError, ["src_ptrs"]),
     (lambda m: m.scale_ptr(8, 1, D.INT64, 2.0), ValueError, ["int64"]),
     (lambda m: m.reduce_buffers(_f32(), _f32(), D.SUM), TypeError, ["dst", "Buffer"]),
+    (lambda m: m.reduce_into(torch.ones(4, dtype=torch.complex64),
+                             torch.ones(4, dtype=torch.complex64).conj(), D.SUM), ValueError,
+     ["src", "resolve_conj"]),
+    (lambda m: m.reduce_into(torch.ones(4), torch.ones(4, dtype=torch.float64), D.SUM), TypeError,
+     ["src", "float64"]),
 ])
 def test_misuse_raises_naming_the_argument(impl, call, exc, words):
     with pytest.raises(exc) as info:
