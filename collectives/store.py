@@ -1027,11 +1027,9 @@ def _release_server(server, multi_tenant):
     server.stop(SERVER_LINGER)
 
 
-def _close_sock(holder):
-    sock = holder[0]
-    holder[0] = None
-    if sock is not None:
-        sock.close()
+def _close_socks(idle):
+    while idle:
+        idle.pop().close()
 
 
 # ---- TCPStore: the client -----------------------------------------------------------------
@@ -1082,9 +1080,11 @@ class TCPStore(Store):
             self._server_finalizer = weakref.finalize(self, _release_server, self._server,
                                                       self._multi_tenant)
         self._port = port
-        self._sock_holder = [None]
-        weakref.finalize(self, _close_sock, self._sock_holder)
-        self._connect()
+        # idle connections: a thread parked in get() must not block another thread's set()
+        self._idle = []
+        self._closed = False
+        weakref.finalize(self, _close_socks, self._idle)
+        self._idle.append(self._connect())
         if wait_for_workers and world_size is not None:
             self._wait_for_workers(is_master)
 
@@ -1125,8 +1125,7 @@ class TCPStore(Store):
                 pause = min(pause * 2, 0.1)
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock_holder[0] = sock
-            return
+            return sock
 
     def _wait_for_workers(self, is_master):
         n = self._add(_INIT_KEY, 1)
@@ -1147,25 +1146,33 @@ class TCPStore(Store):
         """One round trip. ``wait_secs``: a server-side wait of that many seconds (0: none)."""
         frame = encode_request(op, args)
         with self._lock:
-            if self._sock_holder[0] is None:
-                self._connect()
-            sock = self._sock_holder[0]
-            if wait_secs is None:
-                sock_timeout = self._timeout or None
-            else:  # the server answers the timeout itself; the slack covers the trip
-                sock_timeout = None if wait_secs == 0 else wait_secs + max(10.0, self._timeout)
-            try:
-                sock.settimeout(sock_timeout)
-                sock.sendall(frame)
-                status, out = self._read_reply(sock)
-            except (OSError, EOFError) as e:
-                _close_sock(self._sock_holder)  # the stream may be out of step: reconnect next time
-                if isinstance(e, socket.timeout):
-                    raise DistStoreError(f"TCPStore {self.host}:{self._port}: no reply within "
-                                         f"{sock_timeout:g} s") from e
-                raise DistNetworkError(f"TCPStore {self.host}:{self._port}: connection lost: {e}") from e
-            if status == ST_REJECTED:
-                _close_sock(self._sock_holder)
+            if self._closed:
+                raise DistStoreError(f"TCPStore {self.host}:{self._port} is closed")
+            sock = self._idle.pop() if self._idle else None
+        if sock is None:
+            sock = self._connect()
+        if wait_secs is None:
+            sock_timeout = self._timeout or None
+        else:  # the server answers the timeout itself; the slack covers the trip
+            sock_timeout = None if wait_secs == 0 else wait_secs + max(10.0, self._timeout)
+        try:
+            sock.settimeout(sock_timeout)
+            sock.sendall(frame)
+            status, out = self._read_reply(sock)
+        except (OSError, EOFError) as e:
+            sock.close()  # the stream may be out of step: the next request reconnects
+            if isinstance(e, socket.timeout):
+                raise DistStoreError(f"TCPStore {self.host}:{self._port}: no reply within "
+                                     f"{sock_timeout:g} s") from e
+            raise DistNetworkError(f"TCPStore {self.host}:{self._port}: connection lost: {e}") from e
+        if status == ST_REJECTED:
+            sock.close()
+        else:
+            with self._lock:
+                if self._closed or len(self._idle) >= 4:
+                    sock.close()
+                else:
+                    self._idle.append(sock)
         if status == ST_OK:
             return out
         if status == ST_TIMEOUT:
@@ -1242,7 +1249,9 @@ class TCPStore(Store):
     def close(self):
         """Close this client's connection (and, on the master, stop serving once no
         master TCPStore on the server remains)."""
-        _close_sock(self._sock_holder)
+        with self._lock:
+            self._closed = True
+            _close_socks(self._idle)
         if self._server is not None:
             self._server = None
             self._server_finalizer()

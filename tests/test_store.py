@@ -456,3 +456,21 @@ def test_a_closed_master_frees_its_port_but_finishes_with_connected_clients():
     assert not again.check(["k"])
     late.close()
     again.close()
+
+
+@pytest.mark.timeout(30)
+def test_threads_sharing_one_tcp_store_do_not_block_each_other():
+    master = TCPStore("127.0.0.1", 0, None, True, timeout=10)
+    client = TCPStore("127.0.0.1", master.port, timeout=10)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(client.get("from-same-object")))
+    waiter.start()
+    time.sleep(0.1)  # the waiter is parked in get on the server
+    t0 = time.monotonic()
+    client.set("from-same-object", "hi")  # the same object, another thread
+    waiter.join(10)
+    assert got == [b"hi"] and time.monotonic() - t0 < 5
+    client.close()
+    with pytest.raises(DistStoreError, match="closed"):
+        client.get("from-same-object")
+    master.close()
