@@ -550,6 +550,22 @@ static void K(scale_bf16)(void *dv, size_t n, double factor)
     for (size_t i = 0; i < n; i++)
         d[i] = coll_f32_to_bf16(coll_bf16_to_f32(d[i]) * g);
 }
+#if defined(COLL_ISA_V4) || defined(COLL_ISA_V3)
+static void K(scale_f16)(void *dv, size_t n, double factor)
+{
+    uint16_t *d = (uint16_t *)dv;
+    const float g = (float)factor;
+    const __m256 vg = _mm256_set1_ps(g);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + i)));
+        _mm_storeu_si128((__m128i *)(d + i),
+                         _mm256_cvtps_ph(_mm256_mul_ps(x, vg), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    for (; i < n; i++)
+        d[i] = K_F16_SCALE_STORE(K_F16_SCALE_LOAD(d[i]) * g);
+}
+#else
 static void K(scale_f16)(void *dv, size_t n, double factor)
 {
     uint16_t *d = (uint16_t *)dv;
@@ -557,6 +573,7 @@ static void K(scale_f16)(void *dv, size_t n, double factor)
     for (size_t i = 0; i < n; i++)
         d[i] = K_F16_SCALE_STORE(K_F16_SCALE_LOAD(d[i]) * g);
 }
+#endif
 /* complex times (g + 0i), as torch multiplies a complex tensor by a real scalar */
 #define DEF_CSCALE(NAME, T)                                                           \
     static void K(NAME)(void *dv, size_t n, double factor)                            \
