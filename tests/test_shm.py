@@ -444,3 +444,60 @@ def test_no_segment_left_after_exit_and_shutdown():
     assert shm_segments() <= before
     pool.close()
     assert shm_segments() <= before
+
+
+def frontend_p2p_and_all_reduce(ctx):
+    """Through the front end (torch tensors): the default group is shared memory."""
+    import torch
+
+    import collectives as dist
+    r, n = dist.get_rank(), dist.get_world_size()
+    t = torch.full((1000,), float(r + 1))
+    dist.all_reduce(t)
+    ok = bool(torch.all(t == n * (n + 1) / 2))
+    # ring exchange, both sides sending a large message first
+    big = torch.arange(1 << 20, dtype=torch.float32) + r
+    got = torch.empty_like(big)
+    s = dist.isend(big, (r + 1) % n, tag=3)
+    q = dist.irecv(got, (r - 1) % n, tag=3)
+    s.wait()
+    q.wait()
+    ok = ok and bool(torch.equal(got, torch.arange(1 << 20, dtype=torch.float32) + (r - 1) % n))
+    from collectives.group import default_group
+    return ok, type(default_group().backend).__name__
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("config", ["gloo", "gloo-tcp"])
+def test_frontend_default_backend(config):
+    """`import collectives as dist` with torch tensors, on shared memory and forced TCP."""
+    pytest.importorskip("torch")
+    from tests.ranks import backend_pool, config_available
+    ok, why = config_available(config)
+    if not ok:
+        pytest.skip(why)
+    pool = backend_pool(config, 3)
+    res = pool.run(frontend_p2p_and_all_reduce, timeout=90)
+    assert all(r[0] for r in res), res
+    want = "TcpBackend" if config == "gloo-tcp" else "ShmBackend"
+    assert all(r[1] == want for r in res), res
+
+
+def small_ops_rounds(ctx, k):
+    be = ctx.state["be"]
+    a = np.ones(16, np.float32)
+    t0 = time.monotonic()
+    for _ in range(k):
+        be.all_reduce(to_buffer(a), D.SUM)
+        be.broadcast(to_buffer(a), 0)
+        be.barrier()
+    return time.monotonic() - t0
+
+
+@pytest.mark.timeout(180)
+def test_eight_ranks_on_two_cores_finish_quickly():
+    """8 ranks on a 2-core machine: 200 rounds of small all_reduce/broadcast/barrier in
+    seconds, not minutes (waits spin briefly, yield, then sleep on a futex)."""
+    pool = pool_for(8, env={})
+    times = pool.run(small_ops_rounds, 200, timeout=120)
+    assert max(times) < 60, times
