@@ -222,7 +222,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         store, rank, world_size = rendezvous(init_method, rank, world_size, timeout=tmo, store=store)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        pg_store = _prefix("default_pg/", store)
+        pg_store = _prefix("default_pg", store)
     be = factory(pg_store, rank, world_size, tmo, pg_options)
     pg = ProcessGroup(be, range(world_size), rank, group_name or "default_pg", name, tmo, pg_store)
     world.store = store
@@ -311,7 +311,7 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
         raise ValueError(f"new_group: the {wpg.backend_name} world group has no store and its "
                          f"backend cannot split; use backend={wpg.backend_name!r} ranks sorted")
     factory = _backends.get_backend_factory(name)
-    store = _prefix(f"group/{tag}/", world.store)
+    store = _prefix(f"group/{tag}", world.store)
     be = factory(store, ranks.index(me), len(ranks), tmo, pg_options)
     return _add_group(be, ranks, me, tag, name, tmo, store)
 

@@ -14,6 +14,13 @@ from tests.collective_cases import DTYPES, FACTORS, OPS_FOR, check, family, run_
 from tests.ranks import available_configs, backend_pool
 
 CONFIGS = available_configs()
+
+
+@pytest.fixture(scope="module", params=CONFIGS)
+def config(request):
+    """A backend configuration; module scope so that tests sharing one run back to back
+    (its rank pools stay warm)."""
+    return request.param
 REDUCING = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single", "all_reduce_coalesced"]
 MOVING = ["broadcast", "all_gather", "all_gather_single", "gather", "scatter", "all_to_all",
           "all_to_all_single", "barrier"]
@@ -67,7 +74,6 @@ def _run(config, world, case):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("config", CONFIGS)
 @SETTINGS
 @given(wc=cases(REDUCING))
 def test_reductions_match_numpy_and_agree_bitwise(config, wc):
@@ -75,7 +81,6 @@ def test_reductions_match_numpy_and_agree_bitwise(config, wc):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("config", CONFIGS)
 @SETTINGS
 @given(wc=cases(MOVING))
 def test_data_movement_matches_numpy(config, wc):
@@ -83,7 +88,6 @@ def test_data_movement_matches_numpy(config, wc):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("config", CONFIGS)
 @SETTINGS
 @given(wc=cases(REDUCING + MOVING))
 def test_interleaved_sync_and_async_collectives(config, wc):
@@ -93,7 +97,6 @@ def test_interleaved_sync_and_async_collectives(config, wc):
 # ---- examples (the properties above, pinned) ------------------------------------------------
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config", CONFIGS)
 def test_every_dtype_all_reduce_sum_on_four_ranks(config):
     for dtype in DTYPES:
         case = {"members": [0, 1, 2, 3], "seed": 5, "wait_reversed": False,
@@ -103,7 +106,6 @@ def test_every_dtype_all_reduce_sum_on_four_ranks(config):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config", CONFIGS)
 def test_uneven_all_to_all_single_in_a_subgroup(config):
     case = {"members": [0, 2, 3], "seed": 11, "wait_reversed": True,
             "steps": [{"kind": "all_to_all_single", "dtype": "int32", "lib": "numpy", "shape": (1,),
