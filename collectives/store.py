@@ -725,6 +725,7 @@ class StoreServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._stopping = False
         self._linger_until = None
+        self._unlistened = threading.Event()
         self.refs = 0
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"collectives-store-server-{self.port}")
@@ -741,8 +742,11 @@ class StoreServer:
             self._wake_w.send(b"x")
         except OSError:
             pass
-        if linger <= 0 and self._thread is not threading.current_thread():
-            self._thread.join(5)
+        if self._thread is not threading.current_thread():
+            if linger <= 0:
+                self._thread.join(5)
+            else:  # the port is free when stop returns
+                self._unlistened.wait(5)
 
     # -- loop ---------------------------------------------------------------------------
     def _loop(self):
@@ -755,6 +759,7 @@ class StoreServer:
                         listening = False
                         self._sel.unregister(self._lsock)
                         self._lsock.close()
+                        self._unlistened.set()
                     until = self._linger_until
                     if not self._conns or until is None or time.monotonic() >= until:
                         break
@@ -783,6 +788,7 @@ class StoreServer:
                 self._close(conn)
             self._sel.close()
             self._lsock.close()
+            self._unlistened.set()
             self._wake_r.close()
             self._wake_w.close()
 

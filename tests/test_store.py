@@ -54,8 +54,10 @@ def _make_clients(kind, tmp_path_factory):
         return clients, lambda: (other.close(), master.close())
     if kind == "torch":  # the model itself, checked against torch's own TCPStore
         import torch.distributed as tdist
-        master = tdist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=SHORT))
-        other = tdist.TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=SHORT))
+        master = tdist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30))
+        other = tdist.TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=30))
+        for c in (master, other):  # connect patiently, then time out gets quickly
+            c.set_timeout(timedelta(seconds=SHORT))
         return [master, other], lambda: None
     raise ValueError(kind)
 
