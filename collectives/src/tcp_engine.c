@@ -76,12 +76,14 @@ struct tcp_msg {
     hdr_t h;
     int peer, complete;
     char *data;
+    size_t cap;
     uint64_t arrival;
     tcp_req *claim;
 };
 
 typedef struct {
     int fd, dead, closing;
+    int lowat;  /* SO_RCVLOWAT in force: poll wakes once a large payload has mostly arrived */
     char deadmsg[256];
     char *stage;
     size_t rpos, rend;
@@ -109,6 +111,9 @@ struct tcp_engine {
     struct pollfd *pfds;
     int *pidx;
     uint64_t arrivals;
+    /* payload buffers of consumed unexpected messages, kept for reuse (no page faults) */
+    char *spare[4];
+    size_t spare_cap[4];
     /* the collective in flight */
     uint64_t seq;
     int coll_active, cur_kind;
@@ -126,6 +131,7 @@ struct tcp_engine {
     /* tuning */
     double spin_s;
     size_t rd_max, tree_max, seg, direct_max;
+    int use_lowat;
 };
 
 /* ------------------------------------------------------------------ helpers */
@@ -227,6 +233,43 @@ static void coll_set_err(tcp_engine *e, const char *msg)
 
 /* ------------------------------------------------------------ peer failure */
 
+#define SPARE_MIN (64 * 1024)
+
+static void spare_put(tcp_engine *e, char *d, size_t cap)
+{
+    if (!d) return;
+    if (cap >= SPARE_MIN) {
+        int best = -1;
+        for (int i = 0; i < 4; i++) {  /* keep the largest buffers */
+            if (!e->spare[i]) { best = i; break; }
+            if (best < 0 || e->spare_cap[i] < e->spare_cap[best]) best = i;
+        }
+        if (!e->spare[best] || e->spare_cap[best] < cap) {
+            free(e->spare[best]);
+            e->spare[best] = d;
+            e->spare_cap[best] = cap;
+            return;
+        }
+    }
+    free(d);
+}
+
+static char *spare_get(tcp_engine *e, size_t len, size_t *cap)
+{
+    int best = -1;
+    for (int i = 0; i < 4; i++)
+        if (e->spare[i] && e->spare_cap[i] >= len && (best < 0 || e->spare_cap[i] < e->spare_cap[best]))
+            best = i;
+    if (best >= 0) {
+        char *d = e->spare[best];
+        *cap = e->spare_cap[best];
+        e->spare[best] = NULL;
+        return d;
+    }
+    *cap = len;
+    return malloc(len);
+}
+
 static void msg_drop(tcp_engine *e, int pi, tcp_msg *m)
 {
     peer_t *p = &e->peers[pi];
@@ -236,7 +279,7 @@ static void msg_drop(tcp_engine *e, int pi, tcp_msg *m)
         p->dst = NULL;
     }
     msg_list_remove(p, m);
-    free(m->data);
+    spare_put(e, m->data, m->cap);
     free(m);
 }
 
@@ -406,7 +449,8 @@ static void new_unexpected(tcp_engine *e, int pi)
 {
     peer_t *p = &e->peers[pi];
     tcp_msg *m = calloc(1, sizeof *m);
-    char *d = p->h.len ? malloc(p->h.len) : NULL;
+    size_t cap = 0;
+    char *d = p->h.len ? spare_get(e, p->h.len, &cap) : NULL;
     if (!m || (p->h.len && !d)) {
         free(m);
         free(d);
@@ -416,6 +460,7 @@ static void new_unexpected(tcp_engine *e, int pi)
     m->h = p->h;
     m->peer = pi;
     m->data = d;
+    m->cap = cap;
     m->arrival = ++e->arrivals;
     msg_list_append(p, m);
     p->rmsg = m;
@@ -572,8 +617,26 @@ static void peer_eof(tcp_engine *e, int pi)
     peer_dead(e, pi, m);
 }
 
-/* Read what pi's socket holds (bounded), parsing frames and filling buffers. */
+#define LOWAT_MIN (256 * 1024)
+#define LOWAT_MAX (1024 * 1024)
+
+static void progress_recv_inner(tcp_engine *e, int pi);
+
+/* Read what pi's socket holds (bounded), parsing frames and filling buffers; then
+ * ask poll to wake us only when a good part of a large payload is there (never more
+ * than the rest of the current frame, so a wake-up always comes). */
 static void progress_recv(tcp_engine *e, int pi)
+{
+    peer_t *p = &e->peers[pi];
+    progress_recv_inner(e, pi);
+    if (p->dead) return;
+    int want = 1;
+    if (e->use_lowat && p->phase == 1 && p->left >= LOWAT_MIN) want = p->left < LOWAT_MAX ? (int)p->left : LOWAT_MAX;
+    if (want != p->lowat && setsockopt(p->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) == 0)
+        p->lowat = want;
+}
+
+static void progress_recv_inner(tcp_engine *e, int pi)
 {
     peer_t *p = &e->peers[pi];
     size_t budget = 16u << 20;
@@ -885,6 +948,7 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     for (int i = 0; i < size; i++) {
         peer_t *p = &e->peers[i];
         p->fd = i == rank ? -1 : fds[i];
+        p->lowat = 1;
         if (i == rank) continue;
         p->stage = malloc(STAGE);
         if (!p->stage) goto bad;
@@ -896,9 +960,10 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     pthread_cond_init(&e->cv, &ca);
     pthread_condattr_destroy(&ca);
     e->spin_s = 20e-6;
+    e->use_lowat = !getenv("COLLECTIVES_TCP_NO_LOWAT");
     e->rd_max = 64 * 1024;
     e->tree_max = 64 * 1024;
-    e->seg = 256 * 1024;
+    e->seg = 1024 * 1024;
     e->direct_max = 64 * 1024;
     return e;
 bad:
@@ -1008,6 +1073,7 @@ void tcp_engine_free(tcp_engine *e)
         while (p->uq_head) msg_drop(e, i, p->uq_head);
         free(p->stage);
     }
+    for (int i = 0; i < 4; i++) free(e->spare[i]);
     close(e->wake[0]);
     close(e->wake[1]);
     pthread_mutex_destroy(&e->mu);
@@ -1316,14 +1382,27 @@ static int ring_ag(tcp_engine *e, char *W, size_t count, size_t es, int shift, i
                    char *err, size_t errlen)
 {
     int n = e->size, r = e->rank, next = (r + 1) % n, prev = (r - 1 + n) % n;
-    if (ensure_reqs(e, 2)) return oom(err, errlen);
+    if (ensure_reqs(e, 2 * (size_t)n)) return oom(err, errlen);
+    /* every block arrives straight into W (posted up front); block s is forwarded once in */
     for (int s = 0; s < n - 1; s++) {
-        int sb = mod(r + 1 + shift - s, n), rb = mod(r + shift - s, n);
-        size_t soff = blk(count, n, sb), scnt = blk(count, n, sb + 1) - soff;
+        int rb = mod(r + shift - s, n);
         size_t roff = blk(count, n, rb), rcnt = blk(count, n, rb + 1) - roff;
-        cset(e, 0, 0, prev, TAG(step0 + s, 0), W + roff * es, rcnt * es);
-        cset(e, 1, 1, next, TAG(step0 + s, 0), W + soff * es, scnt * es);
-        if (cxfer(e, 2, err, errlen)) return -1;
+        cset(e, s, 0, prev, TAG(step0 + s, 0), W + roff * es, rcnt * es);
+    }
+    cpost(e, 0, n - 1);
+    for (int s = 0; s < n - 1; s++) {
+        if (s > 0 && cwait(e, s - 1, s, err, errlen)) {
+            cancel_range(e, 0, n - 1 + s);
+            return -1;
+        }
+        int sb = mod(r + 1 + shift - s, n);
+        size_t soff = blk(count, n, sb), scnt = blk(count, n, sb + 1) - soff;
+        cset(e, n - 1 + s, 1, next, TAG(step0 + s, 0), W + soff * es, scnt * es);
+        cpost(e, n - 1 + s, n + s);
+    }
+    if (cwait(e, 0, 2 * n - 2, err, errlen)) {
+        cancel_range(e, 0, 2 * n - 2);
+        return -1;
     }
     return 0;
 }
