@@ -396,7 +396,7 @@ def chunk_elems(dtype):
 
 
 def kernel_isa():
-    """The instruction set the kernels run on: 'avx512', 'avx2' or 'baseline'."""
+    """The instruction set the kernels run on: 'avx512bf16', 'avx512', 'avx2' or 'baseline'."""
     return coll_kernel_isa().decode()
 
 

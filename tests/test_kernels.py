@@ -331,21 +331,23 @@ def test_fallback_agrees_with_core(c, k):
         assert_same(b, a, "scale")
 
 
-@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "baseline"])
 def test_every_instruction_set_gives_the_same_bits(isa):
-    """The AVX-512, AVX2 and portable kernels agree on every valid dtype x op."""
+    """The AVX-512 (with and without AVX512_BF16), AVX2 and portable kernels agree."""
     best = core.kernel_isa()
+    reference_isa = "baseline" if isa == best else best
     rng = np.random.default_rng(7)
-    cases = []
-    for dtype, op in VALID:
-        for n in (1, 17, 1000, core.chunk_elems(dtype) + 3):
-            x, y = random_values(rng, dtype, n), random_values(rng, dtype, n)
-            got = x.clone()
-            core.reduce_into(got, y, op)
-            cases.append((dtype, op, x, y, got))
-    if not core._force_isa(isa):
-        pytest.skip(f"this CPU lacks {isa}")
     try:
+        assert core._force_isa(reference_isa)
+        cases = []
+        for dtype, op in VALID:
+            for n in (1, 17, 1000, core.chunk_elems(dtype) + 3):
+                x, y = random_values(rng, dtype, n), random_values(rng, dtype, n)
+                got = x.clone()
+                core.reduce_into(got, y, op)
+                cases.append((dtype, op, x, y, got))
+        if not core._force_isa(isa):
+            pytest.skip(f"this CPU lacks {isa}")
         for dtype, op, x, y, expect in cases:
             got = x.clone()
             core.reduce_into(got, y, op)
@@ -354,6 +356,32 @@ def test_every_instruction_set_gives_the_same_bits(isa):
                 a, b = x.clone(), x.clone()
                 core.scale(a, 0.3)
                 assert_same(a, b.mul_(0.3), f"{isa} scale {D.DTYPE_NAMES[dtype]}")
+    finally:
+        assert core._force_isa(best)
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "baseline"])
+def test_bfloat16_fast_path_falls_back_on_denormal_and_nan_results(isa):
+    """Vectors whose result holds a denormal or NaN round exactly like the others (torch)."""
+    best = core.kernel_isa()
+    try:
+        if not core._force_isa(isa):
+            pytest.skip(f"this CPU lacks {isa}")
+        x = torch.randn(4096).to(torch.bfloat16)
+        y = torch.randn(4096).to(torch.bfloat16)
+        x[100] = 1e-39  # denormal in bfloat16 too
+        x[1000] = 1.5e-38
+        y[1000] = -1.4e-38  # difference is denormal
+        x[2000] = float("nan")
+        y[3000] = float("inf")
+        x[3000] = float("-inf")  # inf - inf = NaN
+        for op, f in ((D.SUM, torch.add), (D.PRODUCT, torch.mul)):
+            got = x.clone()
+            core.reduce_into(got, y, op)
+            assert_same(got, f(x, y), f"{isa} {D.OP_NAMES[op]}")
+        got = x.clone()
+        core.reduce_into(got, y, D.SUM)
+        assert got.view(torch.int16)[2000].item() == 0x7FC0
     finally:
         assert core._force_isa(best)
 

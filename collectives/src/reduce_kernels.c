@@ -1,8 +1,8 @@
 /* Elementwise reduction kernels (reduce_kernels.h), vectorised and dispatched at load time.
  *
- * The kernel body below (the #else branch) is compiled three times by including
- * this file into itself: for the baseline, x86-64-v4 (AVX-512 F/BW/VL/DQ + F16C)
- * and x86-64-v3 (AVX2 + F16C); a constructor picks the table for this CPU.
+ * The kernel body below (the #else branch) is compiled four times by including
+ * this file into itself: for the baseline, AVX-512 F/BW/VL/DQ + F16C with and
+ * without AVX512_BF16, and AVX2 + F16C; a constructor picks the table for this CPU.
  * Semantics, kept bit for bit equal to torch's elementwise CPU ops:
  *   - float16/bfloat16 compute in float32 and round to nearest-even on store;
  *     bfloat16 NaN is stored as 0x7FC0 (torch's scalar c10::BFloat16).
@@ -97,6 +97,17 @@ static inline size_t coll_align_head(const void *d, size_t size, size_t n)
 #undef COLL_SUF
 
 #ifdef COLL_X86
+#define COLL_SUF _v4bf16
+#define COLL_ISA_V4 1
+#define COLL_ISA_BF16 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,f16c,bmi,bmi2,popcnt")
+#include "reduce_kernels.c"
+#pragma GCC pop_options
+#undef COLL_ISA_BF16
+#undef COLL_ISA_V4
+#undef COLL_SUF
+
 #define COLL_SUF _v4
 #define COLL_ISA_V4 1
 #pragma GCC push_options
@@ -125,20 +136,11 @@ __attribute__((constructor)) static void coll_select_kernels(void)
 {
 #ifdef COLL_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
-        && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2")) {
-        coll_fill_tables_v4(coll_binops, coll_scales);
-        coll_isa_name = "avx512";
+    if (coll_force_isa("avx512bf16") == COLL_OK || coll_force_isa("avx512") == COLL_OK
+        || coll_force_isa("avx2") == COLL_OK)
         return;
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
-        coll_fill_tables_v3(coll_binops, coll_scales);
-        coll_isa_name = "avx2";
-        return;
-    }
 #endif
-    coll_fill_tables_base(coll_binops, coll_scales);
+    coll_force_isa("baseline");
 }
 
 const char *coll_kernel_isa(void) { return coll_isa_name; }
@@ -156,11 +158,17 @@ int coll_force_isa(const char *name)
         coll_isa_name = "avx2";
         return COLL_OK;
     }
-    if (strcmp(name, "avx512") == 0 && __builtin_cpu_supports("avx512f")
-        && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
-        && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c")) {
+    int v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+             && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+             && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (strcmp(name, "avx512") == 0 && v4) {
         coll_fill_tables_v4(coll_binops, coll_scales);
         coll_isa_name = "avx512";
+        return COLL_OK;
+    }
+    if (strcmp(name, "avx512bf16") == 0 && v4 && __builtin_cpu_supports("avx512bf16")) {
+        coll_fill_tables_v4bf16(coll_binops, coll_scales);
+        coll_isa_name = "avx512bf16";
         return COLL_OK;
     }
 #endif
@@ -415,6 +423,32 @@ static inline __m256 K(v_max8)(__m256 a, __m256 b)
     return _mm256_mask_add_ps(r, _mm256_cmp_ps_mask(a, b, _CMP_UNORD_Q), a, b);
 }
 
+#ifdef COLL_ISA_BF16
+/* AVX512_BF16's vcvtne2ps2bf16 rounds to nearest-even like bf16_round, except that it
+ * treats denormals as zero and keeps NaN payloads: a vector holding a denormal or NaN
+ * result takes the integer path instead, so the bits never differ. */
+#define BF16_MAIN(OPV)                                                                \
+    {                                                                                 \
+        const __m512i z = _mm512_setzero_si512();                                     \
+        const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, \
+                                               11, 10, 9, 8, 23, 22, 21, 20, 7, 6, 5, 4, \
+                                               19, 18, 17, 16, 3, 2, 1, 0);           \
+        for (; i + 32 <= n; i += 32) {                                                \
+            __m512i va = _mm512_loadu_si512(pa + i), vb = _mm512_loadu_si512(pb + i); \
+            __m512 lo = K(OPV)(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, va)),     \
+                               _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, vb)));    \
+            __m512 hi = K(OPV)(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, va)),     \
+                               _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, vb)));    \
+            __mmask16 odd = _mm512_fpclass_ps_mask(lo, 0xA1) | _mm512_fpclass_ps_mask(hi, 0xA1); \
+            __m512i r;                                                                \
+            if (__builtin_expect(odd != 0, 0))                                        \
+                r = _mm512_packus_epi32(K(bf16_round)(lo), K(bf16_round)(hi));        \
+            else                                                                      \
+                r = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)); \
+            _mm512_storeu_si512(d + i, r);                                            \
+        }                                                                             \
+    }
+#else
 #define BF16_MAIN(OPV)                                                                \
     {                                                                                 \
         const __m512i z = _mm512_setzero_si512();                                     \
@@ -427,6 +461,7 @@ static inline __m256 K(v_max8)(__m256 a, __m256 b)
             _mm512_storeu_si512(d + i, _mm512_packus_epi32(K(bf16_round)(lo), K(bf16_round)(hi))); \
         }                                                                             \
     }
+#endif
 #define F16_RND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define F16_MAIN(OPV)                                                                 \
     for (; i + 16 <= n; i += 16) {                                                    \

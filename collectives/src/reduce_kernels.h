@@ -52,10 +52,11 @@ size_t coll_chunk_elems(int dtype);
 /* memmove, skipped when nbytes == 0 or dst == src. */
 void coll_copy(void *dst, const void *src, size_t nbytes);
 
-/* The instruction set the kernels were dispatched to: "avx512", "avx2" or "baseline". */
+/* The instruction set the kernels were dispatched to:
+ * "avx512bf16", "avx512", "avx2" or "baseline". */
 const char *coll_kernel_isa(void);
 
-/* For tests and benchmarks: switch every kernel to "avx512", "avx2" or "baseline";
+/* For tests and benchmarks: switch every kernel to one of those names;
  * COLL_EOP if this CPU lacks it. Not thread-safe against running kernels. */
 int coll_force_isa(const char *name);
 
