@@ -316,6 +316,34 @@ def r_async_mixed(ctx, seed):
     return a, b, c
 
 
+def r_async_forms_differ_by_rank(ctx, seed):
+    """Even ranks post async ops natively, odd ranks queue them behind a staging step (as the
+    front end does for lists that are not back to back); then a blocking op, which on odd
+    ranks waits behind the queue. Every rank must pair up with every other."""
+    be = ctx.state["be"]
+    x = make_input(seed, ctx.rank, 9, D.FLOAT64)
+    y = make_input(seed + 1, ctx.rank, 9, D.INT32)
+    out = np.zeros(9 * be.size, np.int32)
+
+    def staged_all_reduce(b, op):
+        time.sleep(0.02)
+        be.all_reduce(b, op)
+
+    def staged_all_gather(o, i):
+        be.all_gather(o, i)
+
+    if ctx.rank % 2 == 0:
+        reqs = [be.submit(be.all_reduce, buf(x), D.SUM), be.submit(be.all_gather, buf(out), buf(y))]
+    else:
+        reqs = [be.submit(staged_all_reduce, buf(x), D.SUM),
+                be.submit(staged_all_gather, buf(out), buf(y))]
+    z = make_input(seed + 2, ctx.rank, 4, D.INT64)
+    be.run(be.broadcast, buf(z), be.size - 1)
+    for r in reqs:
+        r.wait()
+    return x, out, z
+
+
 def r_async_every_op(ctx, seed):
     """Each op's async form equals its blocking form."""
     be = ctx.state["be"]
@@ -581,6 +609,21 @@ def test_native_async_ops_queue_behind_progress_thread_work():
         np.testing.assert_array_equal(out_a, a)
         np.testing.assert_array_equal(out_b, b)
         np.testing.assert_array_equal(out_c, np.tile(b, world))
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_async_ops_match_whether_posted_natively_or_queued(world):
+    """MPI never matches blocking with non-blocking collectives: async_op decides the form."""
+    res = pool(world).run(r_async_forms_differ_by_rank, 31)
+    x = sum(make_input(31, r, 9, D.FLOAT64) for r in range(world))
+    g = np.concatenate([make_input(32, r, 9, D.INT32) for r in range(world)])
+    z = make_input(33, world - 1, 4, D.INT64)
+    for out_x, out_g, out_z in res:
+        np.testing.assert_array_equal(out_x, x)
+        np.testing.assert_array_equal(out_g, g)
+        np.testing.assert_array_equal(out_z, z)
 
 
 @needs_mpi

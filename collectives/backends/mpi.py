@@ -214,6 +214,23 @@ class MpiRequest(Request):
         return self._source
 
 
+class _AsyncCall:
+    """``fn`` run on the progress thread with the backend in async mode."""
+
+    def __init__(self, backend, fn):
+        self.backend = backend
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "operation")
+
+    def __call__(self, *args):
+        be = self.backend
+        be._async_mode = True
+        try:
+            self.fn(*args)
+        finally:
+            be._async_mode = False
+
+
 class MpiBackend(Backend):
     """A group's backend over one MPI communicator (owned: freed at shutdown).
 
@@ -231,6 +248,12 @@ class MpiBackend(Backend):
         self._allreduce = comm.Allreduce
         self._bcast = comm.Bcast
         self._allgather = comm.Allgather
+        # True while the progress thread runs a submitted (async) call: its collectives
+        # then use MPI's non-blocking forms, as natively posted async ones do. MPI never
+        # matches a blocking collective with a non-blocking one, and whether a front-end
+        # call is posted natively or queued (it may stage lists first) can differ by rank;
+        # async_op, which every rank agrees on, decides the form.
+        self._async_mode = False
         self._native = {
             MpiBackend.all_reduce: MpiBackend._iall_reduce,
             MpiBackend.broadcast: MpiBackend._ibroadcast,
@@ -247,14 +270,20 @@ class MpiBackend(Backend):
     # The hot ones are written out flat: every attribute lookup and call is ~50 ns
     # against a 4-byte MPI_Allreduce of ~1 us.
     def all_reduce(self, buf, op):
+        if self._async_mode:
+            return self._iall_reduce(buf, op).wait()
         dt = buf.dtype
         self._allreduce(_IN_PLACE, [_fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]],
                         _OPS[dt * 16 + op] or _half_op(dt, op))
 
     def broadcast(self, buf, root):
+        if self._async_mode:
+            return self._ibroadcast(buf, root).wait()
         self._bcast([_fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[buf.dtype]], root)
 
     def reduce(self, buf, op, root):
+        if self._async_mode:
+            return self._ireduce(buf, op, root).wait()
         # root reduces in place; the others' buf is MPI's send buffer, which MPI never writes
         dt = buf.dtype
         spec = [_fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]]
@@ -265,6 +294,8 @@ class MpiBackend(Backend):
             self.comm.Reduce(spec, None, mpi_op, root)
 
     def all_gather(self, out, inp):
+        if self._async_mode:
+            return self._iall_gather(out, inp).wait()
         n = inp.count * inp.itemsize
         iptr, optr, total = inp.ptr, out.ptr, out.count * out.itemsize
         dt = _DATATYPE[inp.dtype]
@@ -279,6 +310,8 @@ class MpiBackend(Backend):
         del keep
 
     def gather(self, out, inp, root):
+        if self._async_mode:
+            return self._igather(out, inp, root).wait()
         if self.rank == root:
             send, _keep = self._gather_send(out, inp)
             self.comm.Gather(send, _spec(out), root)
@@ -286,6 +319,8 @@ class MpiBackend(Backend):
             self.comm.Gather(_spec(inp), None, root)
 
     def scatter(self, out, inp, root):
+        if self._async_mode:
+            return self._iscatter(out, inp, root).wait()
         if self.rank == root:
             send, _keep = self._send_spec(out, inp)
             self.comm.Scatter(send, _spec(out), root)
@@ -293,10 +328,14 @@ class MpiBackend(Backend):
             self.comm.Scatter(None, _spec(out), root)
 
     def reduce_scatter(self, out, inp, op):
+        if self._async_mode:
+            return self._ireduce_scatter(out, inp, op).wait()
         send, _keep = self._send_spec(out, inp)
         self.comm.Reduce_scatter_block(send, _spec(out), _mpi_op(out.dtype, op))
 
     def all_to_all(self, out, inp, out_counts, in_counts):
+        if self._async_mode:
+            return self._iall_to_all(out, inp, out_counts, in_counts).wait()
         send, recv, _keep = self._alltoall_specs(out, inp, out_counts, in_counts)
         if recv[1] is None:
             self.comm.Alltoall(send, recv[0])
@@ -304,6 +343,8 @@ class MpiBackend(Backend):
             self.comm.Alltoallv(send, recv)
 
     def barrier(self):
+        if self._async_mode:
+            return self._ibarrier().wait()
         self.comm.Barrier()
 
     # ---- point to point ----------------------------------------------------------
@@ -320,14 +361,24 @@ class MpiBackend(Backend):
 
     # ---- async: MPI's non-blocking collectives -------------------------------------
     def submit(self, fn, *args):
-        """Post ``fn`` as MPI's non-blocking form when it has one and nothing is queued
-        on the progress thread (MPI needs the same issue order on every rank)."""
-        start = None
-        if getattr(fn, "__self__", None) is self:
+        """Run ``fn(*args)`` as an async operation, after every earlier submission.
+
+        One of this backend's collectives is posted at once as MPI's non-blocking form
+        when nothing is queued; anything else (or anything while the queue is busy)
+        runs on the progress thread, its collectives again in non-blocking form."""
+        if not self._busy and getattr(fn, "__self__", None) is self:
             start = self._native.get(getattr(fn, "__func__", None))
-        if start is None or self._busy:
-            return super().submit(fn, *args)
-        return start(self, *args)
+            if start is not None:
+                return start(self, *args)
+        return super().submit(_AsyncCall(self, fn), *args)
+
+    def run(self, fn, *args):
+        """A blocking call in issue order: here when nothing is queued, else on the progress
+        thread behind the queue, in blocking form either way."""
+        if self._busy:
+            Backend.submit(self, fn, *args).wait()
+            return None
+        return fn(*args)
 
     def _request(self, req, keep, what):
         return MpiRequest(req, keep, f"mpi {what}", self.timeout)
