@@ -13,6 +13,7 @@ Example:
     >>> server.set("k", "v"); server.get("k")
     b'v'
 """
+import collections
 import errno
 import fcntl
 import heapq
@@ -73,6 +74,10 @@ def _to_bytes(value, name="value"):
         except (TypeError, ValueError):
             pass
     raise TypeError(f"{name} must be str or bytes, got {type(value).__name__}")
+
+
+class QueueEmptyError(DistStoreError):
+    """``queue_pop(key, block=False)`` found the queue empty (torch's QueueEmptyError)."""
 
 
 def _deadline(secs):
@@ -196,6 +201,23 @@ class Store:
     def has_extended_api(self):
         return True
 
+    def queue_push(self, key, value):
+        """Append ``value`` to the queue ``key`` (queues are a namespace apart from keys)."""
+        self._queue_push(_check_key(key), _to_bytes(value))
+
+    def queue_pop(self, key, block=True):
+        """Pop the oldest value of queue ``key``; waits up to the timeout if it is empty,
+        or raises QueueEmptyError at once with ``block=False``."""
+        return self._queue_pop(_check_key(key), self._timeout if block else -1.0)
+
+    def queue_len(self, key):
+        return self._queue_len(_check_key(key))
+
+    def _queue_push(self, key, value):
+        raise NotImplementedError(f"{type(self).__name__} does not implement queues")
+
+    _queue_pop = _queue_len = _queue_push
+
     # -- defaults built on the primitives -----------------------------------------------------
     def _append(self, key, value):
         while True:
@@ -222,6 +244,7 @@ class HashStore(Store):
     def __init__(self):
         super().__init__()
         self._data = {}
+        self._queues = {}
         self._cv = threading.Condition()
 
     def _set(self, key, value):
@@ -292,6 +315,27 @@ class HashStore(Store):
         with self._cv:
             return list(self._data)
 
+    def _queue_push(self, key, value):
+        with self._cv:
+            self._queues.setdefault(key, collections.deque()).append(value)
+            self._cv.notify_all()
+
+    def _queue_pop(self, key, secs):
+        with self._cv:
+            deadline = None if secs == 0 else time.monotonic() + secs
+            while not self._queues.get(key):
+                left = None if deadline is None else deadline - time.monotonic()
+                if secs < 0:
+                    raise QueueEmptyError(f"queue {key!r} is empty")
+                if left is not None and left <= 0:
+                    raise _timeout_error("queue_pop", [key], secs)
+                self._cv.wait(left)
+            return self._queues[key].popleft()
+
+    def _queue_len(self, key):
+        with self._cv:
+            return len(self._queues.get(key, ()))
+
     def clone(self):
         return self
 
@@ -356,6 +400,15 @@ class PrefixStore(Store):
 
     def _multi_set(self, keys, values):
         self._store._multi_set([self._k(k) for k in keys], values)
+
+    def _queue_push(self, key, value):
+        self._store._queue_push(self._k(key), value)
+
+    def _queue_pop(self, key, secs):
+        return self._store._queue_pop(self._k(key), secs)
+
+    def _queue_len(self, key):
+        return self._store._queue_len(self._k(key))
 
     def _list_keys(self):
         n = len(self._prefix)
@@ -516,7 +569,45 @@ class FileStore(Store):
     def _user_keys(self):
         with self._locked(False):
             self._refresh()
-            return [k for k in self._data if k != _REFCOUNT_KEY]
+            return [k for k in self._data if not k.startswith("\0")]
+
+    def _queue_push(self, key, value):
+        qk = "\0queue/" + key
+        self._mutate(lambda d: d.__setitem__(qk, d.get(qk, b"") + _HDR.pack(len(value)) + value))
+
+    def _queue_pop(self, key, secs):
+        qk = "\0queue/" + key
+
+        def pop(d):
+            blob = d.get(qk)
+            if not blob:
+                return None
+            n, = _HDR.unpack_from(blob)
+            d[qk] = blob[4 + n:]
+            return blob[4:4 + n]
+
+        deadline = _deadline(secs) if secs >= 0 else None
+        pause = 0.0005
+        while True:
+            item = self._mutate(pop)
+            if item is not None:
+                return item
+            if secs < 0:
+                raise QueueEmptyError(f"queue {key!r} is empty")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _timeout_error("queue_pop", [key], secs)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def _queue_len(self, key):
+        with self._locked(False):
+            self._refresh()
+            blob = self._data.get("\0queue/" + key, b"")
+        n = pos = 0
+        while pos < len(blob):
+            pos += 4 + _HDR.unpack_from(blob, pos)[0]
+            n += 1
+        return n
 
     def _num_keys(self):
         return len(self._user_keys())
@@ -616,7 +707,8 @@ _REQ = struct.Struct("!BBI")
 _REP = struct.Struct("!BI")
 
 OP_SET, OP_GET, OP_ADD, OP_CAS, OP_WAIT, OP_CHECK, OP_DELETE, OP_NUM_KEYS, OP_APPEND, \
-    OP_MULTI_GET, OP_MULTI_SET, OP_LIST_KEYS, OP_PING = range(1, 14)
+    OP_MULTI_GET, OP_MULTI_SET, OP_LIST_KEYS, OP_PING, OP_QUEUE_PUSH, OP_QUEUE_POP, \
+    OP_QUEUE_LEN = range(1, 17)
 ST_OK, ST_TIMEOUT, ST_ERROR, ST_REJECTED = range(4)
 
 
@@ -715,7 +807,8 @@ class StoreServer:
         self._lsock.setblocking(False)
         self.port = self._lsock.getsockname()[1]
         self._data = {}
-        self._waiters = {}  # key -> set of _Waiter
+        self._queues = {}  # key -> deque of values
+        self._waiters = {}  # key (or ("q", key) for a queue) -> set of _Waiter
         self._deadlines = []  # heap of (deadline, _Waiter)
         self._conns = set()
         self._sel = selectors.DefaultSelector()
@@ -906,21 +999,31 @@ class StoreServer:
             data[k] = v
             self._reply(conn, ST_OK, [])
             self._wake([k])
-        elif op in (OP_GET, OP_WAIT, OP_MULTI_GET):
-            if not args:
-                raise _Malformed("no timeout argument")
-            secs = _int_arg(args[-1]) / 1000.0
+        elif op in (OP_GET, OP_WAIT, OP_MULTI_GET, OP_QUEUE_POP):
+            if not args or (op == OP_QUEUE_POP and len(args) != 2):
+                raise _Malformed("expected keys and a timeout")
+            ms = _int_arg(args[-1])
             keys = args[:-1]
-            missing = [k for k in keys if k not in data]
+            w = _Waiter(conn, op, keys, None if ms <= 0 else time.monotonic() + ms / 1000.0, ms)
+            missing = self._missing(w)
             if not missing:
                 self._answer(conn, op, keys)
+            elif ms < 0:  # a non-blocking queue_pop
+                self._reply(conn, ST_TIMEOUT, missing)
             else:
-                w = _Waiter(conn, op, keys, None if secs <= 0 else time.monotonic() + secs, secs)
                 conn.waiter = w
                 for k in missing:
-                    self._waiters.setdefault(k, set()).add(w)
+                    self._waiters.setdefault(self._watch(w, k), set()).add(w)
                 if w.deadline is not None:
                     heapq.heappush(self._deadlines, (w.deadline, w))
+        elif op == OP_QUEUE_PUSH:
+            k, v = _nargs(args, 2)
+            self._queues.setdefault(k, collections.deque()).append(v)
+            self._reply(conn, ST_OK, [])
+            self._wake([("q", k)])
+        elif op == OP_QUEUE_LEN:
+            k, = _nargs(args, 1)
+            self._reply(conn, ST_OK, [str(len(self._queues.get(k, ()))).encode()])
         elif op == OP_ADD:
             k, n = _nargs(args, 2)
             out = _add(data, k, _int_arg(n))
@@ -956,9 +1059,20 @@ class StoreServer:
         else:
             raise _Malformed(f"unknown op {op}")
 
+    def _missing(self, w):
+        if w.op == OP_QUEUE_POP:
+            return [k for k in w.keys if not self._queues.get(k)]
+        return [k for k in w.keys if k not in self._data]
+
+    @staticmethod
+    def _watch(w, key):
+        return ("q", key) if w.op == OP_QUEUE_POP else key
+
     def _answer(self, conn, op, keys):
         if op == OP_WAIT:
             self._reply(conn, ST_OK, [])
+        elif op == OP_QUEUE_POP:
+            self._reply(conn, ST_OK, [self._queues[keys[0]].popleft()])
         else:
             self._reply(conn, ST_OK, [self._data[k] for k in keys])
 
@@ -970,9 +1084,9 @@ class StoreServer:
             for w in ws:
                 if w.done:
                     continue
-                missing = [m for m in w.keys if m not in self._data]
+                missing = self._missing(w)
                 if missing:
-                    self._waiters.setdefault(missing[0], set()).add(w)
+                    self._waiters.setdefault(self._watch(w, missing[0]), set()).add(w)
                     continue
                 self._drop_waiter(w)
                 conn = w.conn
@@ -983,6 +1097,7 @@ class StoreServer:
         w.done = True
         w.conn.waiter = None
         for k in w.keys:
+            k = self._watch(w, k)
             ws = self._waiters.get(k)
             if ws is not None:
                 ws.discard(w)
@@ -997,8 +1112,7 @@ class StoreServer:
             if w.done:
                 continue
             self._drop_waiter(w)
-            missing = [k for k in w.keys if k not in self._data]
-            self._reply(w.conn, ST_TIMEOUT, missing)
+            self._reply(w.conn, ST_TIMEOUT, self._missing(w))
             self._process(w.conn)
 
 
@@ -1248,6 +1362,20 @@ class TCPStore(Store):
     def _list_keys(self):
         return [k.decode() for k in self._request(OP_LIST_KEYS, [])]
 
+    def _queue_push(self, key, value):
+        self._request(OP_QUEUE_PUSH, [key.encode(), value])
+
+    def _queue_pop(self, key, secs):
+        if secs < 0:
+            out = self._request(OP_QUEUE_POP, [key.encode(), b"-1"])
+            if isinstance(out, _TimedOut):
+                raise QueueEmptyError(f"queue {key!r} is empty")
+            return out[0]
+        return self._blocking(OP_QUEUE_POP, [key], secs, "queue_pop")[0]
+
+    def _queue_len(self, key):
+        return int(self._request(OP_QUEUE_LEN, [key.encode()])[0])
+
     def clone(self):
         """Another client of the same server (for use from another thread)."""
         return TCPStore(self.host, self._port, None, False, self._timeout, False)
@@ -1280,5 +1408,5 @@ def _recv_exact(sock, n):
     return bytes(buf)
 
 
-__all__ = ["Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "StoreServer",
+__all__ = ["Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "StoreServer", "QueueEmptyError",
            "DEFAULT_TIMEOUT", "to_seconds"]

@@ -17,8 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from collectives.errors import DistNetworkError, DistStoreError
 from collectives.store import (
-    OP_GET, OP_SET, PROTOCOL_VERSION, FileStore, HashStore, PrefixStore, Store, TCPStore,
-    encode_request,
+    OP_GET, OP_SET, PROTOCOL_VERSION, FileStore, HashStore, PrefixStore, QueueEmptyError, Store,
+    TCPStore, encode_request,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +27,7 @@ SHORT = 0.02  # the timeout of gets of missing keys in the model test
 # ---- the model test: several clients, interleaved operations, against a dict -------------
 
 KEYS = st.sampled_from(["a", "b", "c", "d/e", "ключ"])
+QUEUES = st.sampled_from(["q1", "q/2"])  # apart from KEYS: torch marks a full queue with a key
 VALUES = st.one_of(st.binary(max_size=12), st.integers(-5, 5).map(lambda i: str(i).encode()))
 
 
@@ -66,10 +67,12 @@ class StoreModel(RuleBasedStateMachine):
     kind = None
     factory = None
     error = DistStoreError
+    queue_empty = QueueEmptyError
 
     def __init__(self):
         super().__init__()
         self.model = {}
+        self.queues = {}
         self.clients, self.closer = _make_clients(self.kind, self.factory)
 
     def teardown(self):
@@ -160,6 +163,24 @@ class StoreModel(RuleBasedStateMachine):
     def wait_existing(self, i):
         self.c(i).wait(list(self.model), timedelta(seconds=1))
 
+    @rule(i=clients_idx, k=QUEUES, v=VALUES)
+    def queue_push(self, i, k, v):
+        self.c(i).queue_push(k, v)
+        self.queues.setdefault(k, []).append(v)
+
+    @rule(i=clients_idx, k=QUEUES, block=st.booleans())
+    def queue_pop(self, i, k, block):
+        q = self.queues.get(k)
+        if q:
+            assert self.c(i).queue_pop(k, block) == q.pop(0)
+        else:
+            with pytest.raises(self.error if block else self.queue_empty, match="q"):
+                self.c(i).queue_pop(k, block)
+
+    @rule(i=clients_idx, k=QUEUES)
+    def queue_len(self, i, k):
+        assert self.c(i).queue_len(k) == len(self.queues.get(k, ()))
+
     @invariant()
     def keys_agree(self):
         for c in self.clients:
@@ -170,7 +191,8 @@ class StoreModel(RuleBasedStateMachine):
 def _machine(kind):
     attrs = {"kind": kind}
     if kind == "torch":
-        attrs["error"] = pytest.importorskip("torch.distributed").DistStoreError
+        tdist = pytest.importorskip("torch.distributed")
+        attrs["error"], attrs["queue_empty"] = tdist.DistStoreError, tdist.QueueEmptyError
     return type(f"StoreModel_{kind}", (StoreModel,), attrs)
 
 
@@ -210,6 +232,8 @@ def test_get_and_wait_block_until_another_client_sets(kind, tmp_path):
     threading.Timer(0.1, writer.multi_set, (["w1", "w2"], ["1", "2"])).start()
     reader.wait(["w1", "w2"], timedelta(seconds=5))
     assert reader.multi_get(["w1", "w2"]) == [b"1", b"2"]
+    threading.Timer(0.1, writer.queue_push, ("jobs", b"j1")).start()
+    assert reader.queue_pop("jobs") == b"j1"  # a blocking pop wakes on another client's push
 
 
 @pytest.mark.timeout(60)
