@@ -168,6 +168,7 @@ class Config:
         self.monitor_interval = max(0.01, args.monitor_interval)
         self.prefix = not args.no_prefix
         self.role = args.role
+        self.run_id = args.rdzv_id
         self.log_dir = args.log_dir
         self.show = None
         if args.local_ranks_filter:
@@ -197,6 +198,7 @@ class Config:
             "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
             "TORCHELASTIC_RESTART_COUNT": str(restart),
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.run_id,  # is_torchelastic_launched() is True, as under torchrun
         })
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the launcher as they are printed
         if self.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:

@@ -77,7 +77,8 @@ def rank_lines(text):
 def test_each_rank_gets_torchruns_environment():
     port = free_port()
     out = launch(["--nnodes=2", "--node_rank", "1", "--nproc-per-node", "3",
-                  "--master-addr", "10.1.2.3", "--master_port", str(port), TARGET, "env"])
+                  "--master-addr", "10.1.2.3", "--master_port", str(port), "--rdzv-id", "job7",
+                  TARGET, "env"])
     assert out.returncode == 0, out.stderr.decode()
     envs = {}
     for line in rank_lines(out.stdout):
@@ -89,7 +90,7 @@ def test_each_rank_gets_torchruns_environment():
         assert e == {"RANK": str(rank), "LOCAL_RANK": str(rank - 3), "WORLD_SIZE": "6",
                      "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "1", "NODE_RANK": "1",
                      "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": str(port),
-                     "OMP_NUM_THREADS": "1"}
+                     "OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "job7"}
 
 
 @pytest.mark.timeout(60)

@@ -7,7 +7,7 @@ import sys
 import time
 
 VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-        "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "GROUP_WORLD_SIZE")
+        "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
 def note_pid(directory, name, pid):
