@@ -113,3 +113,61 @@ def test_uneven_all_to_all_single_in_a_subgroup(config):
                       {"kind": "all_to_all", "dtype": "float64", "lib": "torch", "shape": (1,),
                        "root": 0, "async": False}]}
     _run(config, 4, case)
+
+
+# ---- the old *_multigpu calls: k tensors per rank ----------------------------------------------
+
+def multigpu_case(ctx, k):
+    """Rank r's entry j holds r * 10 + j (+ position); returns every output as lists."""
+    import torch
+
+    import collectives as dist
+    n, r = ctx.world_size, ctx.rank
+
+    def entries(m=3):
+        return [torch.arange(m, dtype=torch.float64) + r * 10 + j for j in range(k)]
+    out = {}
+    t = entries()
+    dist.all_reduce_multigpu(t)
+    out["all_reduce"] = [x.tolist() for x in t]
+    t = entries()
+    dist.all_reduce_multigpu(t, op=dist.ReduceOp.AVG)
+    out["all_reduce_avg"] = [x.tolist() for x in t]
+    t = entries()
+    dist.broadcast_multigpu(t, n - 1, src_tensor=k - 1)
+    out["broadcast"] = [x.tolist() for x in t]
+    t = entries()
+    dist.reduce_multigpu(t, 0, op=dist.ReduceOp.MAX)
+    out["reduce"] = [x.tolist() for x in t]
+    outs = [[torch.zeros(3, dtype=torch.float64) for _ in range(n * k)] for _ in range(k)]
+    dist.all_gather_multigpu(outs, entries())
+    out["all_gather"] = [[x.tolist() for x in lst] for lst in outs]
+    ins = [[torch.full((2,), float(r * 100 + i * 10 + q), dtype=torch.float64) for q in range(n * k)]
+           for i in range(k)]
+    res = [torch.zeros(2, dtype=torch.float64) for _ in range(k)]
+    dist.reduce_scatter_multigpu(res, ins)
+    out["reduce_scatter"] = [x.tolist() for x in res]
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("k", [1, 2])
+def test_multigpu_variants_reduce_across_the_list_and_the_ranks(config, k):
+    n = 3
+    results = backend_pool(config, n).run(multigpu_case, k, timeout=90)
+
+    def entry(r, j, m=3):
+        return [r * 10 + j + p for p in range(m)]
+    total = [sum(entry(r, j)[p] for r in range(n) for j in range(k)) for p in range(3)]
+    for r, out in enumerate(results):
+        assert out["all_reduce"] == [total] * k
+        assert out["all_reduce_avg"] == [[v / (n * k) for v in total]] * k
+        assert out["broadcast"] == [entry(n - 1, k - 1)] * k
+        if r == 0:
+            assert out["reduce"][0] == entry(n - 1, k - 1)
+        else:
+            assert out["reduce"] == [entry(r, j) for j in range(k)]  # inputs unchanged
+        assert out["all_gather"] == [[entry(q, j) for q in range(n) for j in range(k)]] * k
+        want = [[sum(q * 100 + i * 10 + (r * k + j) for q in range(n) for i in range(k))] * 2
+                for j in range(k)]
+        assert out["reduce_scatter"] == want

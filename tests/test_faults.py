@@ -56,6 +56,8 @@ def worker():
             dist.recv(t, VICTIM)
         elif op == "barrier":
             dist.barrier()
+        elif op == "monitored_barrier":
+            dist.monitored_barrier(timeout=GROUP_TIMEOUT)
         result = {"raised": None}
     except dist.DistError as e:
         result = {"raised": "DistError", "type": type(e).__name__, "msg": str(e)}
@@ -97,13 +99,16 @@ def run_world(config, mode, op):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("config", FAULT_CONFIGS)
 @pytest.mark.parametrize("mode,op", [("kill", "all_reduce"), ("kill", "recv"), ("absent", "all_reduce"),
-                                     ("absent", "broadcast"), ("absent", "barrier")])
+                                     ("absent", "broadcast"), ("absent", "barrier"),
+                                     ("absent", "monitored_barrier")])
 def test_other_ranks_raise_dist_error_within_the_timeout(config, mode, op):
     results = run_world(config, mode, op)
     for r, res in results.items():
         assert res["raised"] == "DistError", f"rank {r} ({mode}, {op}): {res}"
         # a killed peer may be noticed at once (closed socket); an absent one at the timeout
         assert res["elapsed"] < GROUP_TIMEOUT + GRACE, f"rank {r} took {res['elapsed']:.1f} s: {res}"
+    if op == "monitored_barrier":  # rank 0 names the rank that did not arrive
+        assert f"Rank {VICTIM} failed to pass monitoredBarrier" in results[0]["msg"]
 
 
 if __name__ == "__main__":
