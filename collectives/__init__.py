@@ -13,22 +13,43 @@ from .store import FileStore, HashStore, PrefixStore, Store, TCPStore  # noqa: E
 
 # ---- the torch.distributed front end ---------------------------------------------------------
 from .backends import register_backend  # noqa: E402
-from .collective_ops import (  # noqa: E402
+from .collective_ops import (
     _all_gather_base, _reduce_scatter_base, all_gather, all_gather_into_tensor, all_gather_single,
     all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single, barrier, broadcast, gather,
     monitored_barrier, reduce, reduce_scatter, reduce_scatter_single, reduce_scatter_tensor, scatter)
-from .group import (  # noqa: E402
+from .group import (
     Backend, GroupMember, ProcessGroup, destroy_process_group, get_backend, get_global_rank,
     get_group_rank, get_process_group_ranks, get_rank, get_world_size, group, init_process_group,
     is_available, is_backend_available, is_gloo_available, is_initialized, is_mpi_available,
     is_nccl_available, is_torchelastic_launched, new_group, new_subgroups,
     new_subgroups_by_enumeration)
-from .multigpu import (  # noqa: E402
+from .multigpu import (
     all_gather_multigpu, all_reduce_multigpu, broadcast_multigpu, reduce_multigpu,
     reduce_scatter_multigpu)
-from .objects import (  # noqa: E402
+from .objects import (
     all_gather_object, broadcast_object_list, gather_object, recv_object_list, scatter_object_list,
     send_object_list)
-from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send  # noqa: E402
-from .reduce_op import ReduceOp, reduce_op  # noqa: E402
-from .work import Future, Work  # noqa: E402
+from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .reduce_op import ReduceOp, reduce_op
+from .work import Future, Work
+
+# the front end's public names (the lead's section extends this with its own)
+__all__ = [
+    "FileStore", "HashStore", "PrefixStore", "Store", "TCPStore",
+    "DistBackendError", "DistError", "DistNetworkError", "DistStoreError", "dtypes", "register_backend",
+    "_all_gather_base", "_reduce_scatter_base", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single",
+    "barrier", "broadcast", "gather", "monitored_barrier", "reduce", "reduce_scatter",
+    "reduce_scatter_single", "reduce_scatter_tensor", "scatter",
+    "Backend", "GroupMember", "ProcessGroup", "destroy_process_group", "get_backend",
+    "get_global_rank", "get_group_rank", "get_process_group_ranks", "get_rank", "get_world_size",
+    "group", "init_process_group", "is_available", "is_backend_available", "is_gloo_available",
+    "is_initialized", "is_mpi_available", "is_nccl_available", "is_torchelastic_launched",
+    "new_group", "new_subgroups", "new_subgroups_by_enumeration",
+    "all_gather_multigpu", "all_reduce_multigpu", "broadcast_multigpu", "reduce_multigpu",
+    "reduce_scatter_multigpu",
+    "all_gather_object", "broadcast_object_list", "gather_object", "recv_object_list",
+    "scatter_object_list", "send_object_list",
+    "P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send",
+    "ReduceOp", "reduce_op", "Future", "Work",
+]

@@ -151,7 +151,8 @@ def reduce_scatter_multigpu(output_tensor_list, input_tensor_lists, op=ReduceOp.
         buffers(lst, f"input_tensor_lists[{i}]", outs[0].dtype, outs[0].count, pg._size * k)
     code, _, _ = reduce_plan(op, outs[0].dtype)
     if op_code(op) in (D.AVG, D.PREMUL_SUM):
-        raise ValueError(f"reduce_scatter_multigpu supports SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR; got {op!r}")
+        raise ValueError("reduce_scatter_multigpu supports SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR; "
+                         f"got {op!r}")
     n = pg._size
     # combine the k lists locally; then rank r's share is the k consecutive entries r*k..r*k+k-1
     combined = [t.clone() if hasattr(t, "clone") else t.copy() for t in input_tensor_lists[0]]

@@ -181,8 +181,8 @@ def run_case(ctx, case):
         op = make_op(dist, step)
         a = step["async"]
         inp = build_inputs(case, ctx.rank, i, step, n, me)
-        T = (lambda x: to_lib(x, dt, lib))  # noqa: E731
-        E = (lambda s: to_lib(np.zeros(s, value_dtype(dt)), dt, lib))  # noqa: E731
+        T = (lambda x, dt=dt, lib=lib: to_lib(x, dt, lib))
+        E = (lambda s, dt=dt, lib=lib: to_lib(np.zeros(s, value_dtype(dt)), dt, lib))
         if kind == "all_reduce":
             t = T(inp)
             w = dist.all_reduce(t, op=op, group=grp, async_op=a)
@@ -311,7 +311,8 @@ def check(case, results, world_size):
         for r in case["members"]:
             got = results[r][i]["values"]
             exp = want[r][i]
-            assert len(got) == len(exp), f"step {i} {step['kind']} rank {r}: {len(got)} outputs, want {len(exp)}"
+            assert len(got) == len(exp), \
+                f"step {i} {step['kind']} rank {r}: {len(got)} outputs, want {len(exp)}"
             for j, (g, e) in enumerate(zip(got, exp)):
                 assert_close(g, e, step["dtype"], f"step {i} {step} rank {r} output {j}")
         if step["kind"] == "all_reduce":

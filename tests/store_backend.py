@@ -190,7 +190,8 @@ class StoreBackend(Backend):
         base = self._next("reduce_scatter")
         n = out.count
         for r in range(self.size):
-            self._set(f"{base}/{self.rank}->{r}", self._bytes(inp.slice(r * n, (r + 1) * n)), "reduce_scatter")
+            part = self._bytes(inp.slice(r * n, (r + 1) * n))
+            self._set(f"{base}/{self.rank}->{r}", part, "reduce_scatter")
         parts = [self._get(f"{base}/{r}->{self.rank}", "reduce_scatter", r) for r in range(self.size)]
         if n:
             self._np(out)[...] = self._reduced(parts, out, op)

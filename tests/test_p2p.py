@@ -114,7 +114,7 @@ def expected(case):
     members, n, p = case["members"], len(case["members"]), case["pattern"]
     want = {r: {} for r in members}
     for g, r in enumerate(members):
-        nxt, prv = members[(g + 1) % n], members[(g - 1) % n]
+        prv = members[(g - 1) % n]
         if p in ("ring_isend_irecv", "ring_batch"):
             want[r][(prv, 0)] = message(case, prv, r, 0)
         elif p == "pairs_blocking" and g ^ 1 < n:
