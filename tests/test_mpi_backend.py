@@ -7,6 +7,7 @@ asking for the backend is a clear error naming the extra to install.
 """
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -726,3 +727,120 @@ def test_a_singleton_world_asked_for_more_ranks_says_to_use_mpiexec():
                         "except RuntimeError as e:\n    print(e)\n")
     assert "mpiexec -n 4" in p.stdout, p.stdout + p.stderr
 
+
+
+# ---- through the front end, under a plain mpiexec ----------------------------------------
+
+FRONT_END_PROGRAM = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import collectives as dist
+    assert "MASTER_ADDR" not in os.environ and "RANK" not in os.environ
+    dist.init_process_group("mpi")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = np.full(3, rank + 1, np.int64)
+    dist.all_reduce(x)
+    assert x.tolist() == [world * (world + 1) // 2] * 3, x
+    # the upper half as a subgroup: global ranks in the API, a split communicator underneath
+    half = world // 2
+    upper = dist.new_group(list(range(half, world)))
+    y = np.array([rank], np.int64)
+    if rank >= half:
+        dist.broadcast(y, src=world - 1, group=upper)
+        assert y[0] == world - 1 and dist.get_rank(upper) == rank - half, (y, dist.get_rank(upper))
+    else:
+        assert upper == dist.GroupMember.NON_GROUP_MEMBER
+    # any-source receive reports the sender's global rank
+    if rank == 0:
+        got = set()
+        for _ in range(world - 1):
+            buf = np.zeros(1, np.int64)
+            src = dist.recv(buf)
+            assert buf[0] == src * 10, (buf, src)
+            got.add(src)
+        assert got == set(range(1, world)), got
+    else:
+        dist.send(np.array([rank * 10], np.int64), dst=0)
+    w = dist.all_reduce(np.ones(2, np.float32), async_op=True)
+    w.wait()
+    dist.barrier()
+    dist.destroy_process_group()
+    print("ok", rank, world, flush=True)
+""")
+
+STORE_GROUP_PROGRAM = textwrap.dedent("""
+    import sys
+    import numpy as np
+    if sys.argv[1] == "init-mpi":
+        from mpi4py import MPI  # noqa: F401  (MPI_Init is collective over every process)
+    import collectives as dist
+    dist.init_process_group("gloo")   # env:// under mpiexec: the world has a store
+    rank, world = dist.get_rank(), dist.get_world_size()
+    members = [0, world - 1]
+    x = np.array([rank + 1.0])
+    try:
+        g = dist.new_group(members, backend="mpi")  # members build a communicator via the store
+    except RuntimeError as e:
+        print("error", e, flush=True)
+    else:
+        if rank in members:
+            dist.all_reduce(x, group=g)
+            assert x[0] == 1.0 + world, x
+    dist.barrier()
+    dist.destroy_process_group()
+    print("ok", rank, flush=True)
+""")
+
+
+def run_under_mpiexec(program, n, extra_env=None, args=()):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    env.update(extra_env or {})
+    proc = subprocess.Popen([mpiexec_path(), "-n", str(n), sys.executable, "-c", program, *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank it started
+        out, err = proc.communicate()
+        pytest.fail(f"mpiexec -n {n} timed out after 120 s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def front_end_built():
+    import collectives
+    return hasattr(collectives, "init_process_group")
+
+
+@needs_mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_mpiexec_program_runs_with_init_process_group_mpi_and_no_master_addr(n):
+    if not front_end_built():
+        pytest.skip("the front end (init_process_group) is not built yet")
+    p = run_under_mpiexec(FRONT_END_PROGRAM, n)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("ok") == n, p.stdout  # every rank got to the end (lines may interleave)
+
+
+@needs_mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("init_mpi", [True, False])
+def test_an_mpi_subgroup_of_a_gloo_world_builds_its_communicator_through_the_store(init_mpi):
+    """With MPI initialised on every process, the members' communicator comes from the world
+    ranks they swap through the store; without, members get a clear error instead of hanging
+    in MPI_Init (which is collective over every process mpiexec started)."""
+    if not front_end_built():
+        pytest.skip("the front end (init_process_group) is not built yet")
+    from tests.ranks import free_port
+    p = run_under_mpiexec(STORE_GROUP_PROGRAM, 3, {"MASTER_ADDR": "127.0.0.1",
+                                                   "MASTER_PORT": str(free_port())},
+                          args=["init-mpi" if init_mpi else "no-init"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("ok") == 3, p.stdout
+    if init_mpi:
+        assert "error" not in p.stdout, p.stdout
+    else:
+        assert p.stdout.count("from mpi4py import MPI") == 2, p.stdout

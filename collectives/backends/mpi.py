@@ -17,6 +17,7 @@ to MPI as ``[MPI.buffer.fromaddress(ptr, nbytes), datatype]`` (no copy).
 """
 import importlib.util
 import os
+import sys
 import time
 
 from .. import dtypes as D
@@ -487,6 +488,15 @@ class MpiBackend(Backend):
                 pass
 
 
+def _launcher_world_size():
+    """The number of processes mpiexec started (1 when not under an MPI launcher)."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    return 1
+
+
 def _comm_for(store, rank, size):
     """The communicator of a group of ``size`` ranks where this process is ``rank``.
 
@@ -495,6 +505,13 @@ def _comm_for(store, rank, size):
     given an init_method, or a subgroup of a non-MPI parent): members exchange their
     MPI world ranks and build the communicator with MPI_Comm_create_group.
     """
+    launched = _launcher_world_size()
+    if store is not None and _MPI is None and "mpi4py.MPI" not in sys.modules and size < launched:
+        # MPI_Init is collective over all mpiexec's processes: members alone would hang in it
+        raise DistBackendError(
+            f"an 'mpi' group of {size} of the {launched} processes needs MPI initialised on every "
+            f"process first: run 'from mpi4py import MPI' on all ranks before new_group(..., "
+            f"backend='mpi'), or use init_process_group('mpi')")
     MPI = _load_mpi()
     world = MPI.COMM_WORLD
     wrank, wsize = world.Get_rank(), world.Get_size()
