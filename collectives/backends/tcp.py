@@ -12,7 +12,9 @@ Environment:
     COLLECTIVES_TCP_SPIN_US: how long a wait spins before blocking (default 20).
     COLLECTIVES_TCP_SOCKBUF: socket buffer bytes (default 4 MiB; 0 keeps the OS default).
     COLLECTIVES_TCP_RD_MAX, COLLECTIVES_TCP_TREE_MAX, COLLECTIVES_TCP_SEGMENT,
-    COLLECTIVES_TCP_DIRECT_MAX: algorithm thresholds in bytes (see ``tcp_engine.h``).
+    COLLECTIVES_TCP_DIRECT_MAX: algorithm thresholds in bytes (see ``tcp_engine.h``);
+    COLLECTIVES_TCP_DIRECT_WORLD: large all_reduce uses the two-round direct exchange up to
+        this world size (default 8), the ring above it.
 """
 import fcntl
 import ipaddress
@@ -40,6 +42,7 @@ _TUNING = {
     "tree_max": ("COLLECTIVES_TCP_TREE_MAX", "TUNE_BCAST_TREE_MAX"),
     "segment": ("COLLECTIVES_TCP_SEGMENT", "TUNE_SEGMENT"),
     "direct_max": ("COLLECTIVES_TCP_DIRECT_MAX", "TUNE_GATHER_DIRECT_MAX"),
+    "allreduce_direct_world": ("COLLECTIVES_TCP_DIRECT_WORLD", "TUNE_ALLREDUCE_DIRECT_WORLD"),
 }
 
 
@@ -251,7 +254,7 @@ class TcpBackend(Backend):
         rank, size: this rank and the group size.
         timeout: seconds (or timedelta) any operation may wait.
         options: optional dict of tuning overrides: spin_us, allreduce_rd_max,
-            tree_max, segment, direct_max (bytes).
+            tree_max, segment, direct_max (bytes), allreduce_direct_world.
     """
 
     name = "gloo"

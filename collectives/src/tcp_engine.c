@@ -132,6 +132,7 @@ struct tcp_engine {
     double spin_s;
     size_t rd_max, tree_max, seg, direct_max;
     int use_lowat;
+    int direct_world;  /* large all_reduce: direct two-round exchange up to this world size, else ring */
 };
 
 /* ------------------------------------------------------------------ helpers */
@@ -961,6 +962,7 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     pthread_condattr_destroy(&ca);
     e->spin_s = 20e-6;
     e->use_lowat = !getenv("COLLECTIVES_TCP_NO_LOWAT");
+    e->direct_world = 8;
     e->rd_max = 64 * 1024;
     e->tree_max = 64 * 1024;
     e->seg = 1024 * 1024;
@@ -985,6 +987,7 @@ void tcp_set_tuning(tcp_engine *e, int key, int64_t v)
     case TCP_TUNE_BCAST_TREE_MAX: e->tree_max = (size_t)v; break;
     case TCP_TUNE_SEGMENT: e->seg = v > 0 ? (size_t)v : 1; break;
     case TCP_TUNE_GATHER_DIRECT_MAX: e->direct_max = (size_t)v; break;
+    case TCP_TUNE_ALLREDUCE_DIRECT_WORLD: e->direct_world = (int)v; break;
     default: break;
     }
     pthread_mutex_unlock(&e->mu);
@@ -998,6 +1001,7 @@ int64_t tcp_get_tuning(tcp_engine *e, int key)
     case TCP_TUNE_BCAST_TREE_MAX: return (int64_t)e->tree_max;
     case TCP_TUNE_SEGMENT: return (int64_t)e->seg;
     case TCP_TUNE_GATHER_DIRECT_MAX: return (int64_t)e->direct_max;
+    case TCP_TUNE_ALLREDUCE_DIRECT_WORLD: return e->direct_world;
     default: return -1;
     }
 }
@@ -1527,6 +1531,60 @@ static int rd_allreduce(tcp_engine *e, char *buf, size_t count, int dtype, int o
     return 0;
 }
 
+/* Large all_reduce in two rounds: every rank sends block j to rank j, which reduces the
+ * n copies in rank order (one pass) and sends the result to everyone. Same bytes per
+ * rank as a ring, but no chain of n-1 dependent steps (ranks often outnumber cores). */
+static int direct_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int op, size_t es,
+                            char *err, size_t errlen)
+{
+    int n = e->size, r = e->rank;
+    size_t off = blk(count, n, r), cnt = blk(count, n, r + 1) - off, nb = cnt * es;
+    if (ensure_buf(&e->tmp, &e->tmp_cap, nb * (size_t)n) || ensure_reqs(e, 4 * (size_t)n))
+        return oom(err, errlen);
+    int k = 0;
+    /* every receive is posted up front: the result blocks land in W directly (a peer
+     * sends them only after it has all of our blocks, so our sends are done by then) */
+    for (int s = 1; s < n; s++) {
+        int from = mod(r - s, n);
+        cset(e, k++, 0, from, TAG(0, 0), e->tmp + (size_t)from * nb, nb);
+    }
+    int ag0 = k;
+    for (int s = 1; s < n; s++) {
+        int from = mod(r - s, n);
+        size_t o = blk(count, n, from), c = blk(count, n, from + 1) - o;
+        cset(e, k++, 0, from, TAG(1, 0), W + o * es, c * es);
+    }
+    int sends0 = k;
+    for (int s = 1; s < n; s++) {
+        int to = (r + s) % n;
+        size_t o = blk(count, n, to), c = blk(count, n, to + 1) - o;
+        cset(e, k++, 1, to, TAG(0, 0), W + o * es, c * es);
+    }
+    cpost(e, 0, k);
+    if (cwait(e, 0, ag0, err, errlen) || cwait(e, sends0, k, err, errlen)) {
+        cancel_range(e, 0, k);
+        return -1;
+    }
+    memcpy(e->tmp + (size_t)r * nb, W + off * es, nb);
+    const void *srcs[64];
+    const void **sp = n <= 64 ? srcs : malloc(sizeof(void *) * (size_t)n);
+    if (!sp) {
+        cancel_range(e, 0, k);
+        return oom(err, errlen);
+    }
+    for (int j = 0; j < n; j++) sp[j] = e->tmp + (size_t)j * nb;
+    coll_reduce_many(W + off * es, (const void *const *)sp, n, cnt, dtype, op);
+    if (sp != srcs) free(sp);
+    int k2 = k;
+    for (int s = 1; s < n; s++) cset(e, k++, 1, (r + s) % n, TAG(1, 0), W + off * es, nb);
+    cpost(e, k2, k);
+    if (cwait(e, ag0, sends0, err, errlen) || cwait(e, k2, k, err, errlen)) {
+        cancel_range(e, 0, k);
+        return -1;
+    }
+    return 0;
+}
+
 int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, char *err, size_t errlen)
 {
     size_t es = coll_itemsize(dtype);
@@ -1539,6 +1597,8 @@ int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, cha
     int rc;
     if (count * es <= e->rd_max || count < (size_t)e->size)
         rc = rd_allreduce(e, buf, count, dtype, op, es, err, errlen);
+    else if (e->size <= e->direct_world)
+        rc = direct_allreduce(e, buf, count, dtype, op, es, err, errlen);
     else {
         rc = ring_rs(e, buf, count, dtype, op, es, 0, 0, err, errlen);
         if (!rc) rc = ring_ag(e, buf, count, es, 0, e->size, err, errlen);
