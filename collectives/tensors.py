@@ -147,6 +147,10 @@ def to_buffer(obj, name="tensor"):
             raise ValueError(f"{name} must be contiguous; call .contiguous() first")
         if obj.is_sparse:
             raise ValueError(f"{name} must be a dense tensor, got a sparse one")
+        if obj.is_conj() or obj.is_neg():
+            # data_ptr() would point at the unconjugated / unnegated values
+            raise ValueError(f"{name} is a lazy conjugate or negative view; call .resolve_conj() "
+                             "and .resolve_neg() first")
         dev = obj.device
         device = -1 if dev.type == "cpu" else (dev.index or 0) if dev.type == "cuda" else None
         if device is None:
