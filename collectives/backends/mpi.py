@@ -153,7 +153,7 @@ class MpiRequest(Request):
     __slots__ = ("_req", "_status", "_keep", "_describe", "_timeout", "_done", "_source", "_exc")
 
     SPIN_S = 50e-6
-    YIELD_S = 5e-3
+    YIELD_S = 0.1  # MPI progresses only inside MPI calls: sleeping would stall big transfers
 
     def __init__(self, req, keep, describe, timeout, want_source=False):
         self._req = req
