@@ -30,7 +30,8 @@ objects = st.recursive(
 
 
 def as_list(o, k):
-    return list(o[:k]) if isinstance(o, list) else [o] * k
+    """k objects: the first k of a long enough list, else k copies of ``o``."""
+    return list(o[:k]) if isinstance(o, list) and len(o) >= k else [o] * k
 
 
 def obj_case(ctx, kind, objs, root, k):
