@@ -170,11 +170,29 @@ def overlaps(a, b):
     return a.count and b.count and a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
+_kernels = False  # collectives._core once looked up (None when not built)
+
+
+def _flatten_kernels():
+    global _kernels
+    if _kernels is False:
+        try:
+            from . import _core
+            _kernels = _core
+        except ImportError:
+            _kernels = None
+    return _kernels
+
+
 def stage(bufs, dtype, copy_in):
     """A new Buffer holding all of ``bufs`` back to back (their data copied if ``copy_in``)."""
     total = sum(b.count for b in bufs)
     st = empty_like_buffer(total, dtype)
     if copy_in and total:
+        core = _flatten_kernels()
+        if core is not None:  # one C loop, GIL released
+            core.flatten(bufs, out=st.bytes_view())
+            return st
         flat = st.numpy()
         off = 0
         for b in bufs:
@@ -186,6 +204,10 @@ def stage(bufs, dtype, copy_in):
 def unstage(st, bufs):
     """Copy consecutive slices of ``st`` back into ``bufs``."""
     if not st.count:
+        return
+    core = _flatten_kernels()
+    if core is not None:
+        core.unflatten(st, bufs)
         return
     flat = st.numpy()
     off = 0
