@@ -272,6 +272,7 @@ class TcpBackend(Backend):
         fds, group = connect_mesh(store, rank, size, secs)
         self._engine = _tcp.Engine(rank, size, fds, group, secs)
         self._inflight = set()
+        self._prune_at = 64
         self._lock = threading.Lock()
         opts = options if isinstance(options, dict) else {}
         for name, (env, key) in _TUNING.items():
@@ -375,7 +376,7 @@ class TcpBackend(Backend):
             raise ValueError(f"dst must be a rank other than this one ({self.rank})")
         self._check_tag(tag)
         op = self._engine.isend(buf.ptr, buf.nbytes, dst, tag, buf)
-        self._inflight.add(op)
+        self._track(op)
         return TcpRequest(op, self)
 
     def irecv(self, buf, src, tag=0):
@@ -387,8 +388,19 @@ class TcpBackend(Backend):
             raise ValueError("irecv in a group of one rank would never complete")
         self._check_tag(tag)
         op = self._engine.irecv(buf.ptr, buf.nbytes, -1 if src is None else src, tag, buf)
-        self._inflight.add(op)
+        self._track(op)
         return TcpRequest(op, self)
+
+    def _track(self, op):
+        """Keep a posted op (and its buffer) alive until it finishes, even if the caller
+        drops the request; finished ones are pruned now and then."""
+        inflight = self._inflight
+        inflight.add(op)
+        if len(inflight) > self._prune_at:
+            for o in list(inflight):
+                if o.test():
+                    inflight.discard(o)
+            self._prune_at = max(64, 2 * len(inflight))
 
     # ---- lifecycle ------------------------------------------------------------------------
     @property
