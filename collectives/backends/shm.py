@@ -11,8 +11,9 @@ that both send large messages first cannot deadlock.
 
 Tunables (environment): COLLECTIVES_SHM_HALF_BYTES (bytes per half data slot),
 COLLECTIVES_SHM_ONESHOT_MAX (largest all_reduce done one-shot),
-COLLECTIVES_SHM_CHUNK_BYTES (two-shot chunk), COLLECTIVES_SHM_SPIN and
-COLLECTIVES_SHM_YIELDS (polls and yields before a waiting rank sleeps).
+COLLECTIVES_SHM_CHUNK_BYTES (two-shot chunk), COLLECTIVES_SHM_SPIN (polls before a
+waiting rank yields) and COLLECTIVES_SHM_YIELD_US (how long it yields before it
+sleeps on a futex).
 """
 import collections
 import os

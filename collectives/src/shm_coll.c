@@ -72,7 +72,7 @@ struct shm_comm {
     uint32_t free_after[2];
     int64_t timeout_ns;
     int spin;             /* polls before yielding */
-    int yields;           /* yields before sleeping */
+    int64_t yield_ns;     /* then yield this long before sleeping */
     int err_peer;
     _Atomic int broken;
     _Atomic int aborted;
@@ -161,13 +161,12 @@ static int wait_ctr(shm_comm *c, ctr_t *ctr, uint32_t target, int peer, int64_t 
     if (deadline_ns < 0)
         deadline_ns = t + c->timeout_ns;
     int64_t next_check = t + 20000000LL;
-    int yields = 0;
+    int64_t yield_until = t + c->yield_ns;
     for (;;) {
         if (atomic_load_explicit(&c->aborted, memory_order_relaxed))
             return SHM_ECLOSED;
-        if (yields < c->yields) {
+        if (t < yield_until) {
             sched_yield();
-            yields++;
         } else {
             atomic_fetch_add_explicit(&ctr->waiters, 1, memory_order_seq_cst);
             uint32_t v = atomic_load_explicit(&ctr->v, memory_order_seq_cst);
@@ -286,13 +285,15 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
     if (per < 1)
         per = 1;
     c->spin = (int)((size <= ncpu ? 50000 : 2000) / per);
-    c->yields = size <= ncpu ? 20 : 100;
+    /* then yield (a busy machine deschedules the peer for a while; sleeping right
+     * away would cost a scheduler wake-up per step), then sleep on the futex */
+    c->yield_ns = size <= ncpu ? 200000 : 20000;
     const char *e = getenv("COLLECTIVES_SHM_SPIN");
     if (e && *e)
         c->spin = atoi(e);
-    e = getenv("COLLECTIVES_SHM_YIELDS");
+    e = getenv("COLLECTIVES_SHM_YIELD_US");
     if (e && *e)
-        c->yields = atoi(e);
+        c->yield_ns = (int64_t)atoi(e) * 1000;
     shm_comm_set_timeout(c, timeout_s);
     atomic_store(&c->ctl[rank].info.pid, (int32_t)getpid());
     *out = c;
