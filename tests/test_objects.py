@@ -17,7 +17,7 @@ def config(request):
     """A backend configuration; module scope so that tests sharing one run back to back
     (its rank pools stay warm)."""
     return request.param
-SETTINGS = settings(max_examples=10, deadline=None,
+SETTINGS = settings(max_examples=8, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 KINDS = ["all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
          "send_recv_object_list"]

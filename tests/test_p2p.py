@@ -22,7 +22,7 @@ def config(request):
     (its rank pools stay warm)."""
     return request.param
 SHAPES = [(), (0,), (1,), (5,), (3, 2), (1000,)]
-SETTINGS = settings(max_examples=10, deadline=None,
+SETTINGS = settings(max_examples=8, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PATTERNS = ["ring_isend_irecv", "ring_batch", "pairs_blocking", "any_source", "tags_reversed",
             "ordered_stream"]
