@@ -94,7 +94,6 @@ class Impl:
         self.close = lambda: None
 
     def _init_backend(self):
-        import numpy as np
 
         from collectives import dtypes as D
         from collectives.backends.mpi import create_mpi_backend, world_rank_size
@@ -122,7 +121,6 @@ class Impl:
         self.close = be.shutdown
 
     def _init_dist(self, impl, backend, tensor_kind):
-        import numpy as np
         if impl == "torch":
             import torch
             import torch.distributed as dist
