@@ -32,7 +32,8 @@ def buffer(t, name="tensor"):
     """``to_buffer(t, name)``, with a short path for plain contiguous CPU torch tensors."""
     if type(t) is _torch_tensor:
         code = _torch_codes.get(t.dtype)
-        if code is not None and t.is_cpu and t.layout is _strided and t.is_contiguous():
+        if (code is not None and t.is_cpu and t.layout is _strided and t.is_contiguous()
+                and not t.is_conj() and not t.is_neg()):  # lazy views: to_buffer refuses them
             return Buffer(t.data_ptr(), t.numel(), code, -1, t)
     elif type(t) is np.ndarray:
         code = _NP_CODES.get(t.dtype)
