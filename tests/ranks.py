@@ -80,7 +80,7 @@ class RankPool:
         self.dead = False
         self.port = free_port()
         key = secrets.token_bytes(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=key)
+        self._listener = Listener(("127.0.0.1", 0), authkey=key, backlog=max(world_size, 16))
         host, lport = self._listener.address
         base_env = dict(os.environ)
         base_env.update({
