@@ -51,8 +51,8 @@ cdef int _torch_buf(object obj, str name, cbuf *out) except -1:
     if _torch is None:
         import sys
         mod = sys.modules.get("torch")
-        if mod is None:
-            return 1
+        if mod is None or getattr(mod, "Tensor", None) is None or getattr(mod, "strided", None) is None:
+            return 1  # torch absent, or half-imported by another thread: obj is no tensor
         _torch, _torch_tensor, _torch_strided = mod, mod.Tensor, mod.strided
         _torch_codes = {
             mod.float16: COLL_FLOAT16, mod.bfloat16: COLL_BFLOAT16, mod.float32: COLL_FLOAT32,

@@ -105,8 +105,9 @@ def view_numpy(ptr, count, dtype, owner=None):
 
 
 def is_torch_tensor(obj):
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
+    # torch may be half-imported by another thread: no Tensor yet means obj is not one
+    tensor_type = getattr(sys.modules.get("torch"), "Tensor", None)
+    return tensor_type is not None and isinstance(obj, tensor_type)
 
 
 def dtype_code(obj, name="tensor"):
