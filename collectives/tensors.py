@@ -68,8 +68,10 @@ class Buffer:
         """A NumPy view of host memory (bfloat16 as uint16 bits); zero-copy."""
         if self.device != -1:
             raise ValueError("Buffer.numpy() needs host memory, got a CUDA buffer")
-        if isinstance(self.obj, np.ndarray) and self.obj.dtype == _NP_OF_CODE[self.dtype]:
-            return self.obj.reshape(-1)
+        obj = self.obj
+        if (isinstance(obj, np.ndarray) and obj.dtype == _NP_OF_CODE[self.dtype]
+                and obj.size == self.count and obj.__array_interface__["data"][0] == self.ptr):
+            return obj.reshape(-1)
         return view_numpy(self.ptr, self.count, self.dtype, self.obj)
 
     def bytes_view(self):
