@@ -8,7 +8,7 @@ from .errors import DistBackendError, DistError, DistNetworkError, DistStoreErro
 __version__ = "0.1.0"
 
 # ---- stores and rendezvous (lead's section: exports of store.py / rendezvous.py go here) ----
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore  # noqa: E402
+from .store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore  # noqa: E402
 # ---- end of the lead's section ----------------------------------------------------------------
 
 # ---- the torch.distributed front end ---------------------------------------------------------
@@ -35,7 +35,7 @@ from .work import Future, Work
 
 # the front end's public names (the lead's section extends this with its own)
 __all__ = [
-    "FileStore", "HashStore", "PrefixStore", "Store", "TCPStore",
+    "FileStore", "HashStore", "PrefixStore", "QueueEmptyError", "Store", "TCPStore",
     "DistBackendError", "DistError", "DistNetworkError", "DistStoreError", "dtypes", "register_backend",
     "_all_gather_base", "_reduce_scatter_base", "all_gather", "all_gather_into_tensor",
     "all_gather_single", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single",
