@@ -119,28 +119,19 @@ class RankPool:
 
     def _accept_all(self):
         sock = self._listener._listener._socket
+        sock.settimeout(1.0)
         deadline = time.monotonic() + START_TIMEOUT
-        for _ in range(self.world_size):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or any(p.poll() is not None for p in self._procs):
-                raise RankError(f"ranks did not start within {START_TIMEOUT} s "
+        accepted = 0
+        while accepted < self.world_size:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self._procs):
+                raise RankError(f"ranks did not connect back within {START_TIMEOUT} s "
                                 f"(exit codes {[p.poll() for p in self._procs]})")
-            sock.settimeout(min(remaining, 1.0))
             try:
                 conn = self._listener.accept()
             except (socket.timeout, TimeoutError):
-                continue_waiting = True
-                while continue_waiting:
-                    if time.monotonic() > deadline or any(p.poll() is not None for p in self._procs):
-                        raise RankError("ranks did not connect back "
-                                        f"(exit codes {[p.poll() for p in self._procs]})")
-                    try:
-                        conn = self._listener.accept()
-                        continue_waiting = False
-                    except (socket.timeout, TimeoutError):
-                        pass
-            rank = conn.recv()
-            self._conns[rank] = conn
+                continue
+            self._conns[conn.recv()] = conn
+            accepted += 1
 
     def run(self, fn, *args, timeout=60):
         """``fn(ctx, *args)`` on every rank; the list of their return values, by rank."""
