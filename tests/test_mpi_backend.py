@@ -530,14 +530,25 @@ def test_all_to_all_delivers_each_slice_to_its_rank(world, data, even, dtype, se
     else:
         counts = data.draw(st.lists(st.lists(st.integers(0, 9), min_size=world, max_size=world),
                                     min_size=world, max_size=world))
-    res = pool(world).run(r_all_to_all, seed, counts, dtype)
+    check_all_to_all(pool(world).run(r_all_to_all, seed, counts, dtype), counts)
+
+
+def check_all_to_all(res, counts):
     inputs = [x for x, _ in res]
     for d, (_, out) in enumerate(res):
         pieces = []
-        for s in range(world):
+        for s in range(len(res)):
             start = sum(counts[s][:d])
             pieces.append(inputs[s][start:start + counts[s][d]])
         np.testing.assert_array_equal(out, np.concatenate(pieces))
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("counts", [[[0, 2], [2, 2]], [[1, 1, 1], [0, 2, 1], [1, 1, 1]]])
+def test_all_to_all_where_only_some_ranks_see_even_counts(counts):
+    """A rank whose own counts are even must still pair with ranks whose counts are not."""
+    check_all_to_all(pool(len(counts)).run(r_all_to_all, 0, counts, D.FLOAT32), counts)
 
 
 @needs_mpi

@@ -338,10 +338,7 @@ class MpiBackend(Backend):
         if self._async_mode:
             return self._iall_to_all(out, inp, out_counts, in_counts).wait()
         send, recv, _keep = self._alltoall_specs(out, inp, out_counts, in_counts)
-        if recv[1] is None:
-            self.comm.Alltoall(send, recv[0])
-        else:
-            self.comm.Alltoallv(send, recv)
+        self.comm.Alltoallv(send, recv)
 
     def barrier(self):
         if self._async_mode:
@@ -427,10 +424,7 @@ class MpiBackend(Backend):
 
     def _iall_to_all(self, out, inp, out_counts, in_counts):
         send, recv, keep = self._alltoall_specs(out, inp, out_counts, in_counts)
-        if recv[1] is None:
-            req = self.comm.Ialltoall(send, recv[0])
-        else:
-            req = self.comm.Ialltoallv(send, recv)
+        req = self.comm.Ialltoallv(send, recv)
         return self._request(req, (out, inp, keep), "all_to_all")
 
     def _ibarrier(self):
@@ -450,11 +444,10 @@ class MpiBackend(Backend):
         return _spec(inp), None
 
     def _alltoall_specs(self, out, inp, out_counts, in_counts):
+        """Alltoallv specs, always: a rank sees only its own counts, so one whose counts
+        happen to be even cannot know whether the others' are, and MPI never matches
+        MPI_Alltoall with MPI_Alltoallv."""
         send, keep = self._send_spec(out, inp)
-        even = (len(set(in_counts)) <= 1 and len(set(out_counts)) <= 1
-                and list(in_counts) == list(out_counts))
-        if even:
-            return send, (_spec(out), None), keep
         in_counts, out_counts = list(in_counts), list(out_counts)
         send = [send[0], (in_counts, _displs(in_counts)), _DATATYPE[inp.dtype]]
         out_mem = _fromaddress(out.ptr, out.count * out.itemsize)
