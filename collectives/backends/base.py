@@ -214,7 +214,8 @@ class Backend:
         """Run a blocking collective in issue order: in this thread when nothing is
         queued (the fast path), else behind the queued work on the progress thread."""
         if self._busy:
-            self.submit(fn, *args).wait()
+            # the base queue, even where a subclass overrides submit: _busy counts only its items
+            Backend.submit(self, fn, *args).wait()
             return None
         return fn(*args)
 
