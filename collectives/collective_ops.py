@@ -124,6 +124,12 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     pg = _group(group)
     if pg is None:
         return None
+    if type(src) is int and group_src is None and not async_op:
+        # the common blocking call: a plain global rank, resolved by one dict lookup
+        root = pg.group_of_global.get(src)
+        if root is not None:
+            pg.run(pg.backend.broadcast, buffer(tensor), root)
+            return None
     root = pg.peer(src, group_src, "src", default=0)
     buf = buffer(tensor)
     return _launch(pg, async_op, [tensor], "broadcast", [(pg.backend.broadcast, (buf, root))])
