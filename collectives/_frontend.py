@@ -43,7 +43,16 @@ def buffer(t, name="tensor"):
             return Buffer(addressof(c_char.from_buffer(t)), t.size, code, -1, t)
     elif _torch_tensor is None and is_torch_tensor(t):
         _learn_torch()
-    return to_buffer(t, name)
+    b = to_buffer(t, name)
+    if b.device != -1 and not _cuda_backend_live():
+        check_device(b, name)  # host C code must never get a device pointer
+    return b
+
+
+def _cuda_backend_live():
+    """Whether some live group's backend takes CUDA memory (nccl); only asked for CUDA tensors."""
+    from .group import world
+    return any(getattr(pg.backend, "takes_cuda", False) for pg in world.groups)
 
 
 def buffers(tensors, name, dtype=None, count=None, length=None):

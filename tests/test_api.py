@@ -411,3 +411,21 @@ if __name__ == "__main__":
     dist.init_process_group("noop", store=HashStore(), rank=0, world_size=2)
     print(f"torch: {front_end_overhead_us():.2f} us   numpy: "
           f"{front_end_overhead_us(tensor=np.ones(1, np.float32)):.2f} us")
+
+
+def test_a_cuda_tensor_on_a_cpu_backend_is_refused_before_communicating(world, monkeypatch):
+    # no GPU here: stand in for a CUDA tensor by making the conversion report device 0
+    from collectives import _frontend
+    from collectives.tensors import Buffer
+
+    def as_cuda(t, name="tensor"):
+        return Buffer(0xDEAD0000, t.numel(), dist.dtypes.FLOAT32, 0, t)
+
+    monkeypatch.setattr(_frontend, "to_buffer", as_cuda)
+    world(size=2, rank=0)
+    fake = torch.ones(2, 2).t()  # non-contiguous: the fast path leaves it to to_buffer
+    for call in (lambda: dist.all_reduce(fake), lambda: dist.broadcast(fake, 0),
+                 lambda: dist.isend(fake, 1)):
+        with pytest.raises(ValueError, match="CUDA tensor"):
+            call()
+    assert no_calls()

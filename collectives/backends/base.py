@@ -126,6 +126,8 @@ class Backend:
     """
 
     name = "base"
+    #: whether buffers may live in CUDA memory (only such backends are given CUDA tensors)
+    takes_cuda = False
 
     def __init__(self, store, rank, size, timeout, options=None):
         self.store = store
@@ -231,8 +233,9 @@ class Backend:
                 fn(*args)
             except DistError as e:
                 req.set_exception(e)
-            except Exception as e:  # a bug or misuse inside a backend: still report it on wait
-                req.set_exception(DistBackendError(f"{self.name} {fn.__name__} failed: {e!r}"))
+            except BaseException as e:  # a bug inside a backend: report it on wait, keep the thread
+                what = getattr(fn, "__name__", "operation")
+                req.set_exception(DistBackendError(f"{self.name} {what} failed: {e!r}"))
             else:
                 req.set_result()
             finally:

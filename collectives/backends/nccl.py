@@ -99,6 +99,7 @@ class NcclBackend(Backend):
     """One NCCL communicator per group, built from a unique id shared through the store."""
 
     name = "nccl"
+    takes_cuda = True
 
     def __init__(self, store, rank, size, timeout, options=None):
         super().__init__(store, rank, size, timeout, options)

@@ -147,7 +147,8 @@ class ShmBackend(Backend):
         with self._p2p_lock:
             p2p, self._p2p = self._p2p, None
         self._comm.abort()  # helper threads blocked in C return now
-        stuck = p2p is not None and not p2p.close()
+        stuck = ((p2p is not None and not p2p.close())
+                 or (self._thread is not None and self._thread.is_alive()))
         if not stuck:  # never unmap under a thread still inside C
             self._comm.close()
 

@@ -204,6 +204,8 @@ def connect_mesh(store, rank, size, timeout):
             fds[peer] = s.detach()
         socks.clear()
         return fds, group
+    except OSError as e:  # unreachable host, reset, bind failure: a network error, not a raw OSError
+        raise DistNetworkError(f"tcp backend: rank {rank} could not set up connections: {e}") from e
     finally:
         listener.close()
         for s in socks.values():
