@@ -254,3 +254,13 @@ class Steps:
 
 __all__ = ["buffer", "buffers", "reduce_plan", "scale", "stage", "unstage", "contiguous_span",
            "overlaps", "copy_of", "copy_into", "Steps", "DistError"]
+
+
+def _nothing():
+    pass
+
+
+def settle(pg):
+    """Wait for ``pg``'s queued async work: an input copied at issue time must hold the value
+    that issue order gives it, not one an earlier async op is still about to write."""
+    pg.run(_nothing)

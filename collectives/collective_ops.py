@@ -13,7 +13,7 @@ import numpy as np
 
 from . import dtypes as D
 from ._frontend import (Steps, buffer, buffers, check_like, contiguous_span, copy_into,
-                        copy_of, overlaps, reduce_plan, scale, stage, unstage)
+                        copy_of, overlaps, reduce_plan, scale, settle, stage, unstage)
 from .errors import DistBackendError, DistError
 from .group import NOT_INITIALIZED, resolve, world
 from .reduce_op import ReduceOp
@@ -87,6 +87,7 @@ def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
     flat = contiguous_span(bufs)
     steps = []
     if flat is None:
+        settle(pg)
         flat = stage(bufs, bufs[0].dtype, copy_in=True)
     if pre is not None:
         steps.append((scale, (flat, pre)))
@@ -108,6 +109,7 @@ def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None
     code, pre, avg = reduce_plan(op, buf.dtype)
     be = pg.backend
     if pre is not None:  # scale a copy: non-root inputs must not change
+        settle(pg)
         tmp = copy_of(buf)
         steps = [(scale, (tmp, pre)), (be.reduce, (tmp, code, root))]
         if pg._rank == root:
@@ -168,6 +170,7 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
     out = buffer(output_tensor, "output_tensor")
     check_like(out, inp, "output_tensor", "input_tensor", inp.count * pg._size)
     if overlaps(out, inp):  # e.g. input is output.chunk(size)[rank]
+        settle(pg)
         inp = copy_of(inp)
     return _launch(pg, async_op, [output_tensor], "all_gather", [(pg.backend.all_gather, (out, inp))])
 
@@ -213,6 +216,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
         ins = buffers(scatter_list, "scatter_list", out.dtype, out.count, pg._size)
         inp = contiguous_span(ins)
         if inp is None or overlaps(inp, out):
+            settle(pg)
             inp = stage(ins, out.dtype, copy_in=True)
     else:
         if scatter_list:
@@ -228,6 +232,7 @@ def _reduce_scatter(pg, out, inp, op, async_op, outputs, staged_from=None):
     steps = []
     if pre is not None:
         if staged_from is None:  # the caller's input must not change
+            settle(pg)
             inp = copy_of(inp)
         steps.append((scale, (inp, pre)))
     steps.append((pg.backend.reduce_scatter, (out, inp, code)))
@@ -246,6 +251,7 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
     inp = contiguous_span(ins)
     staged = None
     if inp is None or overlaps(inp, out):
+        settle(pg)
         inp = staged = stage(ins, out.dtype, copy_in=True)
     return _reduce_scatter(pg, out, inp, op, async_op, [output], staged)
 
@@ -260,6 +266,7 @@ def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  
     check_like(inp, out, "input", "output", out.count * pg._size)
     staged = None
     if overlaps(inp, out):
+        settle(pg)
         inp = staged = copy_of(inp)
     return _reduce_scatter(pg, out, inp, op, async_op, [output], staged)
 
@@ -286,6 +293,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     if copy_out:
         out = stage(outs, ins[0].dtype, copy_in=False)
     if inp is None or overlaps(inp, out):
+        settle(pg)
         inp = stage(ins, ins[0].dtype, copy_in=True)
     steps = [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))]
     if copy_out:
@@ -329,6 +337,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     in_counts = _split_counts(input_split_sizes, in_rows, in_row, n, "input_split_sizes")
     out_counts = _split_counts(output_split_sizes, out_rows, out_row, n, "output_split_sizes")
     if overlaps(inp, out):
+        settle(pg)
         inp = copy_of(inp)
     return _launch(pg, async_op, [output], "all_to_all",
                    [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))])

@@ -6,7 +6,7 @@ back to every entry; a one-element list behaves like the plain call.
 import numpy as np
 
 from . import dtypes as D
-from ._frontend import buffer, buffers, reduce_plan, scale
+from ._frontend import buffer, buffers, reduce_plan, scale, settle
 from .collective_ops import _group, all_gather, all_reduce, broadcast, reduce, reduce_scatter
 from .reduce_op import ReduceOp, op_code
 from .work import Work
@@ -41,8 +41,10 @@ def _copy(dst, src):
 
 def all_reduce_multigpu(tensor_list, op=ReduceOp.SUM, group=None, async_op=False):
     """all_reduce across ranks and across the entries of ``tensor_list``; every entry gets the result."""
-    if _group(group) is None:
+    pg = _group(group)
+    if pg is None:
         return None
+    settle(pg)  # local reads and writes below follow queued async work
     bufs = buffers(tensor_list, "tensor_list")
     if not bufs:
         raise ValueError("tensor_list must hold at least one tensor")
@@ -92,6 +94,7 @@ def reduce_multigpu(tensor_list, dst, op=ReduceOp.SUM, group=None, async_op=Fals
     pg = _group(group)
     if pg is None:
         return None
+    settle(pg)  # local reads and writes below follow queued async work
     bufs = buffers(tensor_list, "tensor_list")
     if not isinstance(dst_tensor, int) or not 0 <= dst_tensor < len(tensor_list):
         raise ValueError(f"dst_tensor must index tensor_list (0..{len(tensor_list) - 1}), got {dst_tensor!r}")
@@ -113,6 +116,7 @@ def all_gather_multigpu(output_tensor_lists, input_tensor_list, group=None, asyn
     pg = _group(group)
     if pg is None:
         return None
+    settle(pg)  # local reads and writes below follow queued async work
     ins = buffers(input_tensor_list, "input_tensor_list")
     k = len(ins)
     if k == 0 or not isinstance(output_tensor_lists, list) or len(output_tensor_lists) != k:
@@ -143,6 +147,7 @@ def reduce_scatter_multigpu(output_tensor_list, input_tensor_lists, op=ReduceOp.
     pg = _group(group)
     if pg is None:
         return None
+    settle(pg)  # local reads and writes below follow queued async work
     outs = buffers(output_tensor_list, "output_tensor_list")
     k = len(outs)
     if k == 0 or not isinstance(input_tensor_lists, list) or len(input_tensor_lists) != k:

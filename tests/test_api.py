@@ -429,3 +429,27 @@ def test_a_cuda_tensor_on_a_cpu_backend_is_refused_before_communicating(world, m
         with pytest.raises(ValueError, match="CUDA tensor"):
             call()
     assert no_calls()
+
+
+class _SlowDoubler(Backend):
+    """all_reduce doubles the buffer after a delay: async work that is still running."""
+
+    name = "slow-doubler"
+
+    def all_reduce(self, buf, op):
+        time.sleep(0.2)
+        buf.numpy()[:] *= 2
+
+
+def test_an_input_copied_at_issue_time_sees_earlier_async_results():
+    if "slow-doubler" not in backends.registered_backends():
+        backends.register_backend("slow-doubler", _SlowDoubler)
+    dist.init_process_group("slow-doubler", store=HashStore(), rank=0, world_size=1)
+    try:
+        a, b = np.ones(4, np.float32), np.ones(4, np.float32)
+        w = dist.all_reduce(a, async_op=True)
+        dist.all_reduce_coalesced([a, b])  # stages a copy of a: it must follow the async op
+        assert w.is_completed()
+        assert a.tolist() == [4.0] * 4 and b.tolist() == [2.0] * 4
+    finally:
+        dist.destroy_process_group()
