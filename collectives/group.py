@@ -198,7 +198,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         raise ValueError("trying to initialize the default process group twice!")
     name = _backend_name(backend)
     factory = _backends.get_backend_factory(name)
-    tmo = timeout_seconds(timeout)
+    tmo = timeout_seconds(timeout, positive=True)
     tmo = DEFAULT_TIMEOUT if tmo is None else tmo
     if store is not None and init_method is not None:
         raise ValueError("Cannot specify both init_method and store.")
@@ -285,7 +285,7 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
         raise ValueError("ranks must name at least one rank")
     if sort_ranks:
         ranks = sorted(ranks)
-    tmo = timeout_seconds(timeout)
+    tmo = timeout_seconds(timeout, positive=True)
     tmo = wpg.timeout if tmo is None else tmo
     name = wpg.backend_name if backend is None else _backend_name(backend)
     me = wpg._rank

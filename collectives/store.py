@@ -45,6 +45,8 @@ def to_seconds(timeout, name="timeout"):
                         f"got {type(timeout).__name__}")
     if secs < 0 or secs != secs:
         raise ValueError(f"{name} must be >= 0 seconds, got {secs}")
+    if secs > 1e8:  # beyond what sockets and condition variables take: no timeout
+        secs = 0.0
     return secs
 
 
@@ -622,9 +624,10 @@ class FileStore(Store):
 
     def close(self):
         """Release the file; the last FileStore on it removes it."""
-        if not self._closed:
-            self._closed = True
-            self._finalizer()
+        with self._lock:  # no get/set in another thread may use the fd while it closes
+            if not self._closed:
+                self._closed = True
+                self._finalizer()
 
     @staticmethod
     def _release(path, fd):
@@ -1204,9 +1207,13 @@ class TCPStore(Store):
         self._idle = []
         self._closed = False
         weakref.finalize(self, _close_socks, self._idle)
-        self._idle.append(self._connect())
-        if wait_for_workers and world_size is not None:
-            self._wait_for_workers(is_master)
+        try:
+            self._idle.append(self._connect())
+            if wait_for_workers and world_size is not None:
+                self._wait_for_workers(is_master)
+        except BaseException:
+            self.close()  # a failed master must not keep its port bound (the traceback keeps self)
+            raise
 
     @staticmethod
     def _start_server(port, listen_fd, multi_tenant):

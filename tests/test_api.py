@@ -453,3 +453,32 @@ def test_an_input_copied_at_issue_time_sees_earlier_async_results():
         assert a.tolist() == [4.0] * 4 and b.tolist() == [2.0] * 4
     finally:
         dist.destroy_process_group()
+
+
+class _SlowCounter(Backend):
+    """all_reduce takes 0.6 s and counts its runs."""
+
+    name = "slow-counter"
+    runs = 0
+
+    def all_reduce(self, buf, op):
+        time.sleep(0.6)
+        _SlowCounter.runs += 1
+
+
+def test_a_blocking_call_that_times_out_in_the_queue_never_runs_later():
+    if "slow-counter" not in backends.registered_backends():
+        backends.register_backend("slow-counter", _SlowCounter)
+    dist.init_process_group("slow-counter", store=HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=0.2))
+    try:
+        _SlowCounter.runs = 0
+        a = np.ones(1, np.float32)
+        w = dist.all_reduce(a, async_op=True)
+        with pytest.raises(DistBackendError, match="did not finish"):
+            dist.all_reduce(a)  # queued behind w, gives up after the group timeout
+        w.wait(timedelta(seconds=5))
+        time.sleep(0.8)
+        assert _SlowCounter.runs == 1
+    finally:
+        dist.destroy_process_group()

@@ -217,9 +217,23 @@ class Backend:
         queued (the fast path), else behind the queued work on the progress thread."""
         if self._busy:
             # the base queue, even where a subclass overrides submit: _busy counts only its items
-            Backend.submit(self, fn, *args).wait()
+            req = Backend.submit(self, fn, *args)
+            try:
+                req.wait()
+            except DistError:
+                self._withdraw(req)
+                raise
             return None
         return fn(*args)
+
+    def _withdraw(self, req):
+        """A blocking call that gave up while still queued must not run later behind the caller."""
+        with self._cv:
+            for item in self._queue:
+                if item[2] is req:
+                    self._queue.remove(item)
+                    self._busy -= 1
+                    return
 
     def _progress(self):
         while True:

@@ -370,14 +370,6 @@ class MpiBackend(Backend):
                 return start(self, *args)
         return super().submit(_AsyncCall(self, fn), *args)
 
-    def run(self, fn, *args):
-        """A blocking call in issue order: here when nothing is queued, else on the progress
-        thread behind the queue, in blocking form either way."""
-        if self._busy:
-            Backend.submit(self, fn, *args).wait()
-            return None
-        return fn(*args)
-
     def _request(self, req, keep, what):
         return MpiRequest(req, keep, f"mpi {what}", self.timeout)
 
