@@ -785,7 +785,7 @@ int shm_p2p_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const vo
     int rc = stream_send(c, dst, hdr, hdr_len);
     if (!rc)
         rc = stream_send(c, dst, buf, nbytes);
-    return rc;
+    return fail(c, rc);  /* a half-written message tears the stream: no later send may follow it */
 }
 
 int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int *src)
