@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from collectives import dtypes as D
 from collectives.tensors import to_buffer
-from tests.ranks import RankError, get_pool
+from tests.ranks import RankError, free_port, get_pool
 
 pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
 
@@ -383,7 +383,8 @@ def test_survivors_raise_within_timeout(tmp_path):
     import sys
     script = tmp_path / "survivors.py"
     script.write_text(_SURVIVOR_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+               SURVIVOR_PORT=str(free_port()))
     before = shm_segments()
     p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                        timeout=120)
@@ -397,7 +398,7 @@ def test_survivors_raise_within_timeout(tmp_path):
 
 
 _SURVIVOR_SCRIPT = r"""
-import multiprocessing as mp, os, signal, socket, time
+import multiprocessing as mp, os, signal, time
 import numpy as np
 
 def worker(rank, port, q):
@@ -423,7 +424,7 @@ def worker(rank, port, q):
         q.put(f"rank {rank} raised {time.monotonic() - t0:.3f} {e}")
 
 if __name__ == "__main__":
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    port = int(os.environ["SURVIVOR_PORT"])
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ps = [ctx.Process(target=worker, args=(r, port, q)) for r in range(4)]

@@ -20,6 +20,7 @@ from collectives.store import (
     OP_GET, OP_SET, PROTOCOL_VERSION, FileStore, HashStore, PrefixStore, QueueEmptyError, Store,
     TCPStore, encode_request,
 )
+from tests.ranks import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = 0.02  # the timeout of gets of missing keys in the model test
@@ -304,9 +305,7 @@ def test_master_waits_for_workers_and_times_out_naming_them():
 
 @pytest.mark.timeout(30)
 def test_client_without_server_raises_network_error_within_timeout():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nobody listens there
     t0 = time.monotonic()
     with pytest.raises(DistNetworkError, match=str(port)):
         TCPStore("127.0.0.1", port, timeout=0.5)

@@ -9,7 +9,6 @@ program runs twice, under ``torch.distributed`` and under ``collectives``, and i
 final parameters must match.
 """
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import collectives
+from tests.ranks import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_IMPORT = "import torch.distributed as dist"
@@ -243,12 +243,6 @@ def run(rank, size):
               epoch, ': ', epoch_loss / num_batches, flush=True)
     torch.save([p.detach() for p in model.parameters()], os.environ['TUTORIAL_OUT'] + f'.{rank}')
 '''
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_program(tmp_path, body, import_line, size=2, name="prog"):
