@@ -17,9 +17,10 @@ CFLAGS = ["-O3", "-fno-strict-aliasing", "-Wno-unused-function",
 if os.environ.get("COLLECTIVES_MARCH_NATIVE") == "1":
     CFLAGS.append("-march=native")
 
-# module -> extra C sources (besides the kernels)
+# module -> extra C sources (besides the kernels); _buffer needs no kernels
 MODULES = {
     "_core": [],
+    "_buffer": None,
     "_tcp": ["collectives/src/tcp_engine.c"],
     "_shm": ["collectives/src/shm_coll.c"],
 }
@@ -33,7 +34,7 @@ for mod, extra in MODULES.items():
         continue
     extensions.append(Extension(
         "collectives." + mod,
-        sources=[pyx] + KERNEL_SOURCES + extra,
+        sources=[pyx] if extra is None else [pyx] + KERNEL_SOURCES + extra,
         include_dirs=["collectives/src", np.get_include()],
         extra_compile_args=CFLAGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

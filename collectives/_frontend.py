@@ -26,10 +26,13 @@ def _learn_torch():
     _torch_codes = dict(_torch_table())
     _strided = torch.strided
     _torch_tensor = torch.Tensor
+    if _fast is not None:
+        _fast._configure(_py_buffer, _torch_tensor, _torch_codes, _strided)
 
 
-def buffer(t, name="tensor"):
-    """``to_buffer(t, name)``, with a short path for plain contiguous CPU torch tensors."""
+def _py_buffer(t, name="tensor"):
+    """``to_buffer(t, name)``, with a short path for plain contiguous CPU torch tensors
+    and NumPy arrays (``_buffer.buffer`` is the same in C, falling back to this)."""
     if type(t) is _torch_tensor:
         code = _torch_codes.get(t.dtype)
         if (code is not None and t.is_cpu and t.layout is _strided and t.is_contiguous()
@@ -47,6 +50,17 @@ def buffer(t, name="tensor"):
     if b.device != -1 and not _cuda_backend_live():
         check_device(b, name)  # host C code must never get a device pointer
     return b
+
+
+try:
+    from . import _buffer as _fast
+except ImportError:  # extensions not built
+    _fast = None
+    buffer = _py_buffer
+else:
+    _fast._learn_numpy(_NP_CODES)
+    _fast._configure(_py_buffer)
+    buffer = _fast.buffer
 
 
 def _cuda_backend_live():
@@ -178,6 +192,13 @@ def contiguous_span(bufs):
 
 def overlaps(a, b):
     return a.count and b.count and a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
+
+
+def _py_disjoint_gather(out, inp, size):
+    return out.dtype == inp.dtype and out.count == inp.count * size and not overlaps(out, inp)
+
+
+disjoint_gather = _py_disjoint_gather if _fast is None else _fast.disjoint_gather
 
 
 _kernels = False  # collectives._core once looked up (None when not built)

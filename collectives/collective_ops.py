@@ -13,7 +13,8 @@ import numpy as np
 
 from . import dtypes as D
 from ._frontend import (Steps, buffer, buffers, check_like, contiguous_span, copy_into,
-                        copy_of, overlaps, reduce_plan, scale, settle, stage, unstage)
+                        copy_of, disjoint_gather, overlaps, reduce_plan, scale, settle, stage,
+                        unstage)
 from .errors import DistBackendError, DistError
 from .group import NOT_INITIALIZED, resolve, world
 from .reduce_op import ReduceOp
@@ -168,6 +169,9 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
         return None
     inp = buffer(input_tensor, "input_tensor")
     out = buffer(output_tensor, "output_tensor")
+    if not async_op and disjoint_gather(out, inp, pg._size):  # the common blocking call
+        pg.run(pg.backend.all_gather, out, inp)
+        return None
     check_like(out, inp, "output_tensor", "input_tensor", inp.count * pg._size)
     if overlaps(out, inp):  # e.g. input is output.chunk(size)[rank]
         settle(pg)

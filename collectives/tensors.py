@@ -38,7 +38,7 @@ def _torch_table():
     return _torch_codes
 
 
-class Buffer:
+class _PyBuffer:
     """A contiguous block of elements: what a backend reads and writes.
 
     Attributes:
@@ -48,11 +48,16 @@ class Buffer:
         itemsize: bytes per element.
         device: -1 for host memory, else the CUDA device index.
         obj: the array or tensor that owns the memory (kept alive by the Buffer).
+
+    The compiled ``collectives._buffer.Buffer`` is the same type in C (filled without
+    Python calls on the front end's fast path); this one serves where it is not built.
     """
 
     __slots__ = ("ptr", "count", "dtype", "itemsize", "device", "obj")
 
     def __init__(self, ptr, count, dtype, device=-1, obj=None):
+        if dtype not in D.ITEMSIZE:
+            raise ValueError(f"dtype must be a dtype code in [0, {len(D.ITEMSIZE)}), got {dtype!r}")
         self.ptr = ptr
         self.count = count
         self.dtype = dtype
@@ -66,13 +71,7 @@ class Buffer:
 
     def numpy(self):
         """A NumPy view of host memory (bfloat16 as uint16 bits); zero-copy."""
-        if self.device != -1:
-            raise ValueError("Buffer.numpy() needs host memory, got a CUDA buffer")
-        obj = self.obj
-        if (isinstance(obj, np.ndarray) and obj.dtype == _NP_OF_CODE[self.dtype]
-                and obj.size == self.count and obj.__array_interface__["data"][0] == self.ptr):
-            return obj.reshape(-1)
-        return view_numpy(self.ptr, self.count, self.dtype, self.obj)
+        return _buffer_numpy(self)
 
     def bytes_view(self):
         """A flat uint8 NumPy view of the same memory; zero-copy."""
@@ -85,6 +84,22 @@ class Buffer:
     def __repr__(self):
         return (f"Buffer(ptr=0x{self.ptr:x}, count={self.count}, "
                 f"dtype={D.DTYPE_NAMES[self.dtype]}, device={self.device})")
+
+
+try:
+    from ._buffer import Buffer
+except ImportError:  # extensions not built: the pure-Python type
+    Buffer = _PyBuffer
+
+
+def _buffer_numpy(b):
+    if b.device != -1:
+        raise ValueError("Buffer.numpy() needs host memory, got a CUDA buffer")
+    obj = b.obj
+    if (isinstance(obj, np.ndarray) and obj.dtype == _NP_OF_CODE[b.dtype]
+            and obj.size == b.count and obj.__array_interface__["data"][0] == b.ptr):
+        return obj.reshape(-1)
+    return view_numpy(b.ptr, b.count, b.dtype, b.obj)
 
 
 class _Holder:

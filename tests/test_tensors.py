@@ -47,3 +47,121 @@ def test_bfloat16_bits_view():
 def test_what_cannot_be_a_buffer_is_named(bad, exc, match):
     with pytest.raises(exc, match=match):
         to_buffer(bad, "tensor")
+
+
+# ---- the compiled Buffer and the front end's C fast path (collectives._buffer) --------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from collectives import _frontend  # noqa: E402
+from collectives.tensors import Buffer, _PyBuffer  # noqa: E402
+
+try:
+    from collectives import _buffer
+except ImportError:  # pragma: no cover - the extensions are built in CI
+    _buffer = None
+
+needs_ext = pytest.mark.skipif(_buffer is None, reason="collectives._buffer is not built")
+BUFFER_TYPES = [_PyBuffer] + ([_buffer.Buffer] if _buffer is not None else [])
+NP_DTYPES = [np.float16, np.float32, np.float64, np.complex64, np.complex128, np.int8, np.uint8,
+             np.int16, np.int32, np.int64, np.longlong, np.intc, np.bool_]
+
+
+def fields(b):
+    return (b.ptr, b.count, b.dtype, b.itemsize, b.device, b.obj is not None)
+
+
+@needs_ext
+def test_the_compiled_buffer_is_the_one_in_use():
+    assert Buffer is _buffer.Buffer
+    assert _frontend.buffer is _buffer.buffer
+
+
+@pytest.mark.parametrize("cls", BUFFER_TYPES)
+def test_both_buffer_types_behave_alike(cls):
+    a = np.arange(6, dtype=np.float64)
+    b = cls(a.__array_interface__["data"][0], 6, D.FLOAT64, -1, a)
+    assert (b.itemsize, b.nbytes) == (8, 48)
+    assert b.slice(2, 4).numpy().tolist() == [2.0, 3.0]
+    assert b.bytes_view().size == 48
+    assert "count=6" in repr(b) and "float64" in repr(b)
+    b.count = 3  # attributes stay assignable
+    assert b.numpy().tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="dtype"):
+        cls(0, 1, 99)
+
+
+@needs_ext
+def test_compiled_buffer_exports_host_memory_and_refuses_device_memory():
+    a = np.arange(4, dtype=np.int32)
+    b = to_buffer(a)
+    m = memoryview(b)
+    assert (m.nbytes, m.readonly, m.format) == (16, False, "B")
+    np.frombuffer(b, np.int32)[1] = 7  # writes go to the array
+    assert a[1] == 7
+    with pytest.raises(BufferError, match="CUDA"):
+        memoryview(_buffer.Buffer(0x1000, 4, D.FLOAT32, 0))
+    with pytest.raises(BufferError, match="null"):
+        memoryview(_buffer.Buffer(0, 4, D.FLOAT32))
+    assert memoryview(_buffer.Buffer(0, 0, D.FLOAT32)).nbytes == 0
+
+
+def arrays():
+    """Arrays of every dtype and layout, the odd ones (views, read-only, byte-swapped) included."""
+    @st.composite
+    def build(draw):
+        dt = np.dtype(draw(st.sampled_from(NP_DTYPES + [np.uint16, np.float32])))
+        if draw(st.booleans()):
+            dt = dt.newbyteorder(">")
+        shape = draw(st.sampled_from([(), (0,), (1,), (5,), (3, 4), (2, 0)]))
+        a = np.zeros(shape, dt)
+        how = draw(st.sampled_from(["plain", "strided", "readonly", "fortran"]))
+        if how == "strided" and a.ndim:
+            a = np.zeros((shape[0] * 2,) + shape[1:], dt)[::2]
+        elif how == "readonly":
+            a.flags.writeable = False
+        elif how == "fortran" and a.ndim == 2:
+            a = np.asfortranarray(np.zeros(shape[::-1], dt).T)
+        return a
+    return build()
+
+
+def outcome(fn, a):
+    try:
+        b = fn(a, "tensor")
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return fields(b)
+
+
+@needs_ext
+@settings(max_examples=300, deadline=None)
+@given(arrays())
+def test_fast_buffer_agrees_with_to_buffer(a):
+    """The C path gives what to_buffer gives: the same Buffer or the same error."""
+    assert outcome(_buffer.buffer, a) == outcome(to_buffer, a)
+
+
+@needs_ext
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(5.0), lambda: torch.zeros(2, 3, dtype=torch.bfloat16),
+    lambda: torch.arange(10.0)[::2], lambda: torch.ones(2, dtype=torch.complex64).conj(),
+    lambda: torch.zeros(0), lambda: torch.arange(4)[1:],
+])
+def test_fast_buffer_agrees_with_to_buffer_for_torch(make):
+    t = make()
+    _frontend.buffer(torch.zeros(1))  # the first torch tensor teaches the C path the torch types
+    assert outcome(_buffer.buffer, t) == outcome(to_buffer, t)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 6), st.integers(0, 6), st.integers(1, 4), st.integers(-30, 30),
+       st.sampled_from([D.FLOAT32, D.INT16]), st.booleans())
+def test_disjoint_gather_agrees_with_the_python_check(n_in, extra, size, offset, dt, same_dtype):
+    base = 0x10000
+    inp = Buffer(base + 4 * offset, n_in, dt)
+    out = Buffer(base, n_in * size + (extra if extra % 3 == 0 else 0),
+                 dt if same_dtype else D.FLOAT64)
+    want = _frontend._py_disjoint_gather(out, inp, size)
+    assert bool(_frontend.disjoint_gather(out, inp, size)) == bool(want)

@@ -2,7 +2,9 @@
 
 Launch with ``mpiexec -n 4 python prog.py`` and ``init_process_group('mpi')``: the
 rank and world size come from MPI, no MASTER_ADDR or store is needed. Buffers go
-to MPI as ``[MPI.buffer.fromaddress(ptr, nbytes), datatype]`` (no copy).
+to MPI as ``[buffer, datatype]`` (no copy): the compiled Buffer exports its memory
+through the buffer protocol; the pure-Python one goes as
+``MPI.buffer.fromaddress(ptr, nbytes)``.
 
 * Reductions use MPI's predefined ops; bool maps SUM/MAX/BOR to LOR, PRODUCT/MIN/BAND
   to LAND and BXOR to LXOR (torch's gloo treats bool SUM as OR). float16 and
@@ -22,6 +24,8 @@ import time
 
 from .. import dtypes as D
 from ..errors import DistBackendError
+from ..tensors import Buffer as _Buffer
+from ..tensors import _PyBuffer
 from .base import Backend, Request
 
 INSTALL_HINT = 'pip install "collectives[mpi]"'
@@ -31,6 +35,7 @@ _DATATYPE = None     # dtype code (index) -> MPI.Datatype
 _OPS = None          # dtype code * 16 + op code -> MPI.Op (None: not made yet)
 _IN_PLACE = None
 _fromaddress = None
+_EXPORTS = _Buffer is not _PyBuffer  # a Buffer is itself a buffer-protocol object
 
 
 def is_available():
@@ -118,7 +123,7 @@ def _mpi_op(dtype, op):
 
 def _spec(buf):
     """The mpi4py buffer spec over a Buffer's memory (zero-copy)."""
-    return [_fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[buf.dtype]]
+    return [buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[buf.dtype]]
 
 
 def _overlap(a, b):
@@ -274,20 +279,22 @@ class MpiBackend(Backend):
         if self._async_mode:
             return self._iall_reduce(buf, op).wait()
         dt = buf.dtype
-        self._allreduce(_IN_PLACE, [_fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]],
+        self._allreduce(_IN_PLACE,
+                        [buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]],
                         _OPS[dt * 16 + op] or _half_op(dt, op))
 
     def broadcast(self, buf, root):
         if self._async_mode:
             return self._ibroadcast(buf, root).wait()
-        self._bcast([_fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[buf.dtype]], root)
+        self._bcast([buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize),
+                     _DATATYPE[buf.dtype]], root)
 
     def reduce(self, buf, op, root):
         if self._async_mode:
             return self._ireduce(buf, op, root).wait()
         # root reduces in place; the others' buf is MPI's send buffer, which MPI never writes
         dt = buf.dtype
-        spec = [_fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]]
+        spec = [buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]]
         mpi_op = _OPS[dt * 16 + op] or _half_op(dt, op)
         if self.rank == root:
             self.comm.Reduce(_IN_PLACE, spec, mpi_op, root)
@@ -302,12 +309,12 @@ class MpiBackend(Backend):
         dt = _DATATYPE[inp.dtype]
         keep = None
         if iptr + n <= optr or iptr >= optr + total or not n:
-            send = [_fromaddress(iptr, n), dt]
+            send = [inp if _EXPORTS else _fromaddress(iptr, n), dt]
         elif iptr == optr + self.rank * n:  # this rank's slot of out: MPI's in-place form
             send = _IN_PLACE
         else:
             send, keep = _private_copy(inp)
-        self._allgather(send, [_fromaddress(optr, total), dt])
+        self._allgather(send, [out if _EXPORTS else _fromaddress(optr, total), dt])
         del keep
 
     def gather(self, out, inp, root):
@@ -442,7 +449,7 @@ class MpiBackend(Backend):
         send, keep = self._send_spec(out, inp)
         in_counts, out_counts = list(in_counts), list(out_counts)
         send = [send[0], (in_counts, _displs(in_counts)), _DATATYPE[inp.dtype]]
-        out_mem = _fromaddress(out.ptr, out.count * out.itemsize)
+        out_mem = _spec(out)[0]
         recv = [out_mem, (out_counts, _displs(out_counts)), _DATATYPE[out.dtype]]
         return send, recv, keep
 

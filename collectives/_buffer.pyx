@@ -1,0 +1,179 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The Buffer type and the front end's tensor-to-Buffer step, in C.
+
+Every collective call turns its tensors into Buffers first; for a small message
+that step was most of the front end's time. Here a contiguous NumPy array is
+read through the NumPy C API and a plain contiguous CPU torch tensor through
+its attributes, and the Buffer is filled in C. Anything else goes to the
+Python path in ``_frontend`` (which raises the errors), so behaviour is the same
+with or without this module.
+"""
+cimport numpy as cnp
+from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
+
+import numpy as np
+
+from . import dtypes as _D
+
+cnp.import_array()
+
+cdef enum:
+    NUM_DTYPES = 12
+    MAX_TYPENUM = 64
+
+cdef int _ITEMSIZE[NUM_DTYPES]
+for _code, _size in _D.ITEMSIZE.items():
+    _ITEMSIZE[_code] = _size
+
+# NumPy type number -> our dtype code, -1 where we have none. Built from the same
+# table as the Python path, so the aliases (long and longlong both int64) agree.
+cdef int _CODE_OF_TYPENUM[MAX_TYPENUM]
+for _i in range(MAX_TYPENUM):
+    _CODE_OF_TYPENUM[_i] = -1
+
+
+def _learn_numpy(np_codes):
+    seen = set()
+    for t in np.sctypeDict.values():
+        try:
+            dt = np.dtype(t)
+        except TypeError:
+            continue
+        if dt.num in seen or not 0 <= dt.num < MAX_TYPENUM or not dt.isnative:
+            continue
+        seen.add(dt.num)
+        code = np_codes.get(dt)
+        if code is not None:
+            _CODE_OF_TYPENUM[dt.num] = code
+
+
+cdef char *_FORMAT_B = b"B"
+
+
+cdef class Buffer:
+    """A contiguous block of elements: what a backend reads and writes.
+
+    Attributes:
+        ptr: address of the first element.
+        count: number of elements.
+        dtype: dtype code from :mod:`collectives.dtypes`.
+        itemsize: bytes per element.
+        device: -1 for host memory, else the CUDA device index.
+        obj: the array or tensor that owns the memory (kept alive by the Buffer).
+    """
+
+    cdef public size_t ptr
+    cdef public Py_ssize_t count
+    cdef public int dtype
+    cdef public int itemsize
+    cdef public int device
+    cdef public object obj
+    cdef Py_ssize_t _shape[1]
+    cdef Py_ssize_t _stride[1]
+
+    def __init__(self, ptr, count, dtype, device=-1, obj=None):
+        if not 0 <= dtype < NUM_DTYPES:
+            raise ValueError(f"dtype must be a dtype code in [0, {NUM_DTYPES}), got {dtype!r}")
+        self.ptr = ptr
+        self.count = count
+        self.dtype = dtype
+        self.itemsize = _ITEMSIZE[<int>dtype]
+        self.device = device
+        self.obj = obj
+
+    @property
+    def nbytes(self):
+        return self.count * self.itemsize
+
+    def numpy(self):
+        """A NumPy view of host memory (bfloat16 as uint16 bits); zero-copy."""
+        from .tensors import _buffer_numpy
+        return _buffer_numpy(self)
+
+    def bytes_view(self):
+        """A flat uint8 NumPy view of the same memory; zero-copy."""
+        return self.numpy().view(np.uint8)
+
+    def slice(self, start, stop):
+        """Elements [start, stop) as a Buffer sharing this memory."""
+        return _make(self.ptr + start * self.itemsize, stop - start, self.dtype, self.device, self.obj)
+
+    def __repr__(self):
+        return (f"Buffer(ptr=0x{self.ptr:x}, count={self.count}, "
+                f"dtype={_D.DTYPE_NAMES[self.dtype]}, device={self.device})")
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        """Host memory as writable bytes (the buffer protocol), so mpi4py and memoryview
+        take a Buffer as it is; refused for device memory and for a null pointer."""
+        if self.device != -1:
+            raise BufferError("a CUDA Buffer has no host memory to export")
+        if self.ptr == 0 and self.count != 0:
+            raise BufferError("Buffer has a null pointer")
+        self._shape[0] = self.count * self.itemsize
+        self._stride[0] = 1
+        view.buf = <void *>self.ptr
+        view.obj = self
+        view.len = self._shape[0]
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = _FORMAT_B if flags & PyBUF_FORMAT else NULL
+        view.ndim = 1
+        view.shape = self._shape if flags & PyBUF_ND else NULL
+        view.strides = self._stride if (flags & PyBUF_STRIDES) == PyBUF_STRIDES else NULL
+        view.suboffsets = NULL
+        view.internal = NULL
+
+
+cdef inline Buffer _make(size_t ptr, Py_ssize_t count, int dtype, int device, object obj):
+    cdef Buffer b = Buffer.__new__(Buffer)
+    b.ptr = ptr
+    b.count = count
+    b.dtype = dtype
+    b.itemsize = _ITEMSIZE[dtype]
+    b.device = device
+    b.obj = obj
+    return b
+
+
+# torch, once the Python path has seen a tensor (torch is never imported here)
+cdef object _torch_tensor = None
+cdef dict _torch_codes = {}
+cdef object _strided = None
+cdef object _slow = None
+
+
+def _configure(slow, torch_tensor=None, torch_codes=None, strided=None):
+    """Set the Python fallback and, once torch is known, its tensor type and dtype table."""
+    global _slow, _torch_tensor, _torch_codes, _strided
+    _slow = slow
+    if torch_tensor is not None:
+        _torch_tensor, _torch_codes, _strided = torch_tensor, dict(torch_codes), strided
+
+
+def buffer(t, name="tensor"):
+    """The Buffer over ``t`` (zero-copy); errors and rare cases go to the Python path."""
+    cdef cnp.ndarray arr
+    cdef int code, typenum
+    if type(t) is cnp.ndarray:
+        arr = <cnp.ndarray>t
+        typenum = cnp.PyArray_TYPE(arr)
+        if 0 <= typenum < MAX_TYPENUM:
+            code = _CODE_OF_TYPENUM[typenum]
+            if (code >= 0 and cnp.PyArray_SIZE(arr) > 0 and cnp.PyArray_IS_C_CONTIGUOUS(arr)
+                    and cnp.PyArray_ISWRITEABLE(arr) and cnp.PyArray_ISNOTSWAPPED(arr)):
+                return _make(<size_t>cnp.PyArray_DATA(arr), cnp.PyArray_SIZE(arr), code, -1, t)
+    elif type(t) is _torch_tensor:
+        c = _torch_codes.get(t.dtype)
+        if (c is not None and t.is_cpu and t.layout is _strided and t.is_contiguous()
+                and not t.is_conj() and not t.is_neg()):  # lazy views: the Python path refuses them
+            return _make(t.data_ptr(), t.numel(), c, -1, t)
+    return _slow(t, name)
+
+
+def disjoint_gather(Buffer out not None, Buffer inp not None, Py_ssize_t size):
+    """Whether ``out`` takes ``size`` copies of ``inp`` (same dtype) and shares no byte
+    with it: the case the front end hands to the backend without further checks."""
+    cdef size_t onb = <size_t>out.count * out.itemsize, inb = <size_t>inp.count * inp.itemsize
+    if out.dtype != inp.dtype or out.count != inp.count * size:
+        return False
+    return inb == 0 or out.ptr >= inp.ptr + inb or inp.ptr >= out.ptr + onb
