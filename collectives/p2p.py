@@ -16,8 +16,9 @@ def _group(group):
 
 
 def _check_tag(tag):
-    if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
-        raise ValueError(f"tag must be a non-negative int, got {tag!r}")
+    # every backend takes [0, 2**31) (mpi: up to its MPI_TAG_UB, checked there)
+    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag < 2**31:
+        raise ValueError(f"tag must be an int in [0, 2**31), got {tag!r}")
 
 
 def _dst(pg, dst, group_dst):

@@ -276,6 +276,8 @@ MISUSE = [
      lambda: dist.reduce(torch.ones(1), 9)),
     ("negative tag", ValueError, "tag must be",
      lambda: dist.send(torch.ones(1), 1, tag=-3)),
+    ("tag of 2**31", ValueError, r"tag must be an int in \[0, 2\*\*31\)",
+     lambda: dist.irecv(torch.ones(1), 1, tag=2**31)),
     ("uneven split that does not sum", ValueError, "sums to 3",
      lambda: dist.all_to_all_single(torch.ones(4), torch.ones(4), [1, 1, 1, 1], [1, 1, 1, 0])),
     ("even split that does not divide", ValueError, "divide evenly",

@@ -236,6 +236,23 @@ def r_any_source(ctx):
     return None
 
 
+def r_tag_above_tag_ub(ctx):
+    """A tag above MPI_TAG_UB is a ValueError naming the bound, raised before MPI sees it."""
+    be = ctx.state["be"]
+    from collectives.backends import mpi as M
+    a = np.zeros(1, np.int64)
+    out = []
+    for post in (lambda: be.isend(buf(a), 1 - ctx.rank, tag=M._TAG_UB + 1),
+                 lambda: be.irecv(buf(a), 1 - ctx.rank, tag=M._TAG_UB + 1)):
+        try:
+            post()
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    be.barrier()  # still usable
+    return M._TAG_UB, out
+
+
 def r_recv_timeout(ctx):
     """An irecv with no matching send times out within its timeout; a later send completes it."""
     be = ctx.state["be"]
@@ -564,6 +581,14 @@ def test_barrier_waits_for_the_last_rank():
 def test_receives_match_sends_by_tag_not_by_order():
     got = pool(2).run(r_tags)[1]
     assert got == {t: ([t] * 5, 0) for t in (1, 2, 3)}
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_a_tag_above_the_mpi_bound_is_refused_by_name():
+    for ub, msgs in pool(2).run(r_tag_above_tag_ub):
+        assert ub >= 32767
+        assert msgs == [f"tag must be <= {ub} (this MPI's MPI_TAG_UB), got {ub + 1}"] * 2
 
 
 @needs_mpi

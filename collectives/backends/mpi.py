@@ -34,6 +34,7 @@ _MPI = None          # the mpi4py.MPI module once loaded
 _DATATYPE = None     # dtype code (index) -> MPI.Datatype
 _OPS = None          # dtype code * 16 + op code -> MPI.Op (None: not made yet)
 _IN_PLACE = None
+_TAG_UB = 32767     # MPI_TAG_UB (the standard's floor until MPI is loaded)
 _fromaddress = None
 _EXPORTS = _Buffer is not _PyBuffer  # a Buffer is itself a buffer-protocol object
 
@@ -45,7 +46,7 @@ def is_available():
 
 def _load_mpi():
     """Import mpi4py.MPI (initialising MPI) and build the lookup tables, once."""
-    global _MPI, _DATATYPE, _OPS, _IN_PLACE, _fromaddress
+    global _MPI, _DATATYPE, _OPS, _IN_PLACE, _fromaddress, _TAG_UB
     if _MPI is not None:
         return _MPI
     if not is_available():
@@ -79,6 +80,7 @@ def _load_mpi():
     _OPS = ops
     _IN_PLACE = MPI.IN_PLACE
     _fromaddress = MPI.buffer.fromaddress
+    _TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or _TAG_UB
     _MPI = MPI
     return MPI
 
@@ -135,6 +137,11 @@ def _private_copy(buf):
     """(spec, keepalive) over a copy of ``buf``: MPI forbids aliased send and receive buffers."""
     arr = buf.numpy().copy()
     return [arr, _DATATYPE[buf.dtype]], arr
+
+
+def _check_tag(tag):
+    if tag > _TAG_UB:
+        raise ValueError(f"tag must be <= {_TAG_UB} (this MPI's MPI_TAG_UB), got {tag}")
 
 
 def _displs(counts):
@@ -354,10 +361,12 @@ class MpiBackend(Backend):
 
     # ---- point to point ----------------------------------------------------------
     def isend(self, buf, dst, tag=0):
+        _check_tag(tag)
         req = self.comm.Isend(_spec(buf), dst, tag)
         return MpiRequest(req, buf, f"mpi isend to rank {dst} (tag {tag})", self.timeout)
 
     def irecv(self, buf, src, tag=0):
+        _check_tag(tag)
         source = _MPI.ANY_SOURCE if src is None else src
         req = self.comm.Irecv(_spec(buf), source, tag)
         peer = "any rank" if src is None else f"rank {src}"
