@@ -17,19 +17,12 @@ from ._frontend import (Steps, buffer, buffers, check_like, contiguous_span, cop
                         unstage)
 from .errors import DistBackendError, DistError
 from .group import NOT_INITIALIZED, resolve, world
+from .group import current as _group
 from .reduce_op import ReduceOp
 from .tensors import Buffer
 from .work import Work, timeout_seconds
 
 _SUM = ReduceOp.SUM
-
-
-def _group(group):
-    """The group, or None when this rank is not a member (raises if not initialised)."""
-    pg = world.default if group is None else resolve(group)
-    if pg is None and group is None:
-        raise ValueError(NOT_INITIALIZED)
-    return pg
 
 
 def _launch(pg, async_op, outputs, name, steps):

@@ -154,6 +154,14 @@ def resolve(grp):
     raise TypeError(f"group must be a ProcessGroup, None or GroupMember.WORLD, got {type(grp).__name__}")
 
 
+def current(grp):
+    """``resolve(grp)`` with the default group's case first: the entry of every operation."""
+    pg = world.default if grp is None else resolve(grp)
+    if pg is None and grp is None:
+        raise ValueError(NOT_INITIALIZED)
+    return pg
+
+
 # ---- initialisation ------------------------------------------------------------------
 
 def _backend_name(backend):

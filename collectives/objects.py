@@ -9,15 +9,8 @@ import pickle
 import numpy as np
 
 from . import dtypes as D
-from .group import NOT_INITIALIZED, resolve, world
+from .group import current as _group
 from .tensors import Buffer
-
-
-def _group(group):
-    pg = world.default if group is None else resolve(group)
-    if pg is None and group is None:
-        raise ValueError(NOT_INITIALIZED)
-    return pg
 
 
 _CODES = {np.dtype(np.uint8): D.UINT8, np.dtype(np.int64): D.INT64}

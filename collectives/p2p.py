@@ -4,15 +4,8 @@ Ranks given as ``dst``/``src`` are global ranks; ``group_dst``/``group_src`` are
 of ``group``. A blocking send is ``isend(...).wait()``.
 """
 from ._frontend import buffer
-from .group import NOT_INITIALIZED, resolve, world
+from .group import current as _group
 from .work import Work
-
-
-def _group(group):
-    pg = world.default if group is None else resolve(group)
-    if pg is None and group is None:
-        raise ValueError(NOT_INITIALIZED)
-    return pg
 
 
 def _check_tag(tag):
