@@ -502,3 +502,47 @@ def test_eight_ranks_on_two_cores_finish_quickly():
     pool = pool_for(8, env={})
     times = pool.run(small_ops_rounds, 200, timeout=120)
     assert max(times) < 60, times
+
+
+@pytest.mark.timeout(60)
+def test_p2p_send_timeout_runs_from_the_last_progress_not_from_any_bell():
+    """A send stuck on a full ring gives up one timeout after its last progress, even while
+    other ranks' messages keep ringing the sender's bell (they used to restart the wait)."""
+    import secrets
+    import threading
+
+    from collectives._shm import ShmComm, unlink
+    from collectives.errors import DistError
+    name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
+    tmo = 1.0
+    comms = [ShmComm(name, r == 0, r, 3, 4096, 64 * 1024, tmo, "test") for r in range(3)]
+    unlink(name)
+    big = np.zeros(1 << 20, np.uint8)  # 16 rings' worth: rank 1 never reads
+    small = np.zeros(8, np.uint8)
+    hdr = b"\0" * 16
+    result = {}
+
+    def stuck_send():
+        t0 = time.monotonic()
+        try:
+            comms[0].p2p_send(1, hdr, big.ctypes.data, big.nbytes)
+            result["outcome"] = "sent"
+        except DistError as e:
+            result["outcome"] = str(e)
+        result["took"] = time.monotonic() - t0
+
+    t = threading.Thread(target=stuck_send)
+    t.start()
+    ring_until = time.monotonic() + 3 * tmo
+    while time.monotonic() < ring_until and t.is_alive():  # rank 2 keeps ringing rank 0's bell
+        try:
+            comms[2].p2p_try_send(0, hdr, small.ctypes.data, small.nbytes)
+        except DistError:
+            break
+        time.sleep(0.02)
+    t.join(30)
+    for c in comms:
+        c.abort()
+        c.close()
+    assert result["outcome"] != "sent"
+    assert tmo * 0.9 < result["took"] < tmo + 1.5, result

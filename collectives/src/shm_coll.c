@@ -757,13 +757,18 @@ static int stream_send(shm_comm *c, int dst, const char *p, size_t len)
 {
     ring_ctl_t *r = &c->rctl[(size_t)c->me * c->n + dst];
     ctr_t *bell = &c->ctl[c->me].bell;
+    /* The timeout runs from the last progress on this ring: the bell also rings for
+     * other rings' traffic, which must not restart it. */
+    int64_t deadline = -1;
     while (len) {
         uint32_t b = atomic_load_explicit(&bell->v, memory_order_acquire);
         uint64_t head = atomic_load_explicit(&r->head, memory_order_relaxed);
         uint64_t tail = atomic_load_explicit(&r->tail, memory_order_acquire);
         size_t room = c->ring - (size_t)(head - tail);
         if (room == 0) {
-            int rc = wait_ctr(c, bell, b + 1, dst, -1);
+            if (deadline < 0)
+                deadline = now_ns() + c->timeout_ns;
+            int rc = wait_ctr(c, bell, b + 1, dst, deadline);
             if (rc)
                 return rc;
             continue;
@@ -774,6 +779,7 @@ static int stream_send(shm_comm *c, int dst, const char *p, size_t len)
         ctr_bump(&c->ctl[dst].bell);
         p += k;
         len -= k;
+        deadline = -1;
     }
     return SHM_OK;
 }
@@ -828,17 +834,21 @@ int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
     ring_ctl_t *r = &c->rctl[(size_t)src * c->n + c->me];
     ctr_t *bell = &c->ctl[c->me].bell;
     char *p = buf;
+    int64_t deadline = -1;  /* from the last progress on this ring, as in stream_send */
     while (nbytes) {
         uint32_t b = atomic_load_explicit(&bell->v, memory_order_acquire);
         uint64_t head = atomic_load_explicit(&r->head, memory_order_acquire);
         uint64_t tail = atomic_load_explicit(&r->tail, memory_order_relaxed);
         size_t avail = (size_t)(head - tail);
         if (avail == 0) {
-            int rc = wait_ctr(c, bell, b + 1, src, -1);
+            if (deadline < 0)
+                deadline = now_ns() + c->timeout_ns;
+            int rc = wait_ctr(c, bell, b + 1, src, deadline);
             if (rc)
                 return rc;
             continue;
         }
+        deadline = -1;
         size_t k = avail < nbytes ? avail : nbytes;
         ring_read(c, src, tail, p, k);
         atomic_store_explicit(&r->tail, tail + k, memory_order_release);
