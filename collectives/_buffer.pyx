@@ -140,6 +140,8 @@ cdef object _torch_tensor = None
 cdef dict _torch_codes = {}
 cdef object _strided = None
 cdef object _slow = None
+cdef int _COMPLEX64 = _D.COMPLEX64
+cdef int _COMPLEX128 = _D.COMPLEX128
 
 
 def _configure(slow, torch_tensor=None, torch_codes=None, strided=None):
@@ -164,8 +166,11 @@ def buffer(t, name="tensor"):
                 return _make(<size_t>cnp.PyArray_DATA(arr), cnp.PyArray_SIZE(arr), code, -1, t)
     elif type(t) is _torch_tensor:
         c = _torch_codes.get(t.dtype)
+        # lazy views (the Python path refuses them): the conjugate bit exists on complex
+        # tensors only, the negative bit on any
         if (c is not None and t.is_cpu and t.layout is _strided and t.is_contiguous()
-                and not t.is_conj() and not t.is_neg()):  # lazy views: the Python path refuses them
+                and not ((c == _COMPLEX64 or c == _COMPLEX128) and t.is_conj())
+                and not t.is_neg()):
             return _make(t.data_ptr(), t.numel(), c, -1, t)
     return _slow(t, name)
 

@@ -812,7 +812,8 @@ class StoreServer:
         self._data = {}
         self._queues = {}  # key -> deque of values
         self._waiters = {}  # key (or ("q", key) for a queue) -> set of _Waiter
-        self._deadlines = []  # heap of (deadline, _Waiter)
+        self._deadlines = []  # heap of (deadline, _Waiter); answered waiters leave lazily
+        self._compact_at = 1024  # rebuild the heap without answered waiters at this length
         self._conns = set()
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -1018,7 +1019,7 @@ class StoreServer:
                 for k in missing:
                     self._waiters.setdefault(self._watch(w, k), set()).add(w)
                 if w.deadline is not None:
-                    heapq.heappush(self._deadlines, (w.deadline, w))
+                    self._push_deadline(w)
         elif op == OP_QUEUE_PUSH:
             k, v = _nargs(args, 2)
             self._queues.setdefault(k, collections.deque()).append(v)
@@ -1106,6 +1107,16 @@ class StoreServer:
                 ws.discard(w)
                 if not ws:
                     del self._waiters[k]
+
+    def _push_deadline(self, w):
+        dl = self._deadlines
+        if len(dl) >= self._compact_at:
+            # waits answered long before their deadline would otherwise pile up here
+            # (a client that waits often with a long timeout)
+            dl[:] = [e for e in dl if not e[1].done]
+            heapq.heapify(dl)
+            self._compact_at = max(1024, 2 * len(dl))
+        heapq.heappush(dl, (w.deadline, w))
 
     def _expire(self):
         now = time.monotonic()

@@ -499,3 +499,22 @@ def test_threads_sharing_one_tcp_store_do_not_block_each_other():
     with pytest.raises(DistStoreError, match="closed"):
         client.get("from-same-object")
     master.close()
+
+
+def test_server_deadline_heap_drops_answered_waiters():
+    """Waits answered long before their deadline do not pile up in the server's heap."""
+    from collectives.store import StoreServer, _Waiter
+    server = StoreServer(0)
+    server.stop()  # its thread gone: the heap is this test's alone
+    live = []
+    for i in range(5000):
+        w = _Waiter(None, OP_GET, [b"k"], 1e9 + i, 600)
+        server._push_deadline(w)
+        if i % 10 == 0:
+            live.append(w)  # still parked
+        else:
+            w.done = True  # answered
+    assert len(server._deadlines) < 2 * 1024 + len(live)
+    kept = {id(w) for _, w in server._deadlines}
+    assert all(id(w) in kept for w in live)
+    assert server._deadlines[0][0] == min(d for d, _ in server._deadlines)
