@@ -390,6 +390,8 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
             if not wait_all_ranks:
                 break
     if missing:
+        # The receives of the late ranks stay posted on purpose: a token that arrives
+        # after this failure lands in them, not in the next monitored_barrier's receive.
         which = f"Rank {missing[0]}" if len(missing) == 1 else f"Ranks {', '.join(map(str, missing))}"
         raise DistBackendError(f"{which} failed to pass monitoredBarrier in {int(tmo * 1000)} ms")
     for r in range(1, n):
