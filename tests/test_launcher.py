@@ -230,3 +230,58 @@ def test_max_restarts_reruns_every_rank_after_a_failure(tmp_path):
     assert open(tmp_path / "rank1.out").read() == "ok 1\n"
     out = launch(["-n", "2", "--max-restarts", "1", "--no-python", "sh", "-c", "exit 5"])
     assert out.returncode == 5
+
+
+# ---- the store's port ------------------------------------------------------------------
+
+FD_PROGRAM = r'''
+import datetime, os, socket, sys, time
+import numpy as np
+import collectives as dist
+
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+port = int(os.environ["MASTER_PORT"])
+raw = os.environ.get("COLLECTIVES_STORE_LISTEN_FD")
+if rank == 0:  # the launcher's socket, already listening on MASTER_PORT
+    assert raw is not None, "rank 0 got no COLLECTIVES_STORE_LISTEN_FD"
+    s = socket.socket(fileno=os.dup(int(raw)))
+    assert s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and s.getsockname()[1] == port
+    s.close()
+else:
+    assert raw is None, f"rank {rank} got COLLECTIVES_STORE_LISTEN_FD={raw}"
+sums = []
+for i in range(2):  # a second init_process_group after destroy serves on the same socket
+    down = os.path.join(sys.argv[1], f"down-{attempt}-{i - 1}")
+    while rank != 0 and i > 0 and not os.path.exists(down):
+        time.sleep(0.005)  # rank 0's first store must be gone: else rank 1 may meet it again
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    x = np.full(4, rank + 1, dtype=np.float64)
+    dist.all_reduce(x)
+    sums.append(x.tolist())
+    dist.destroy_process_group()
+    if rank == 0:
+        open(os.path.join(sys.argv[1], f"down-{attempt}-{i}"), "w").close()
+print(f"attempt {attempt} rank {rank} port {port} sums {sums}", flush=True)
+if attempt == 0 and rank == 1:
+    sys.exit(5)  # the launcher restarts every rank, with a fresh socket
+'''
+
+
+@pytest.mark.timeout(120)
+def test_auto_port_hands_rank_0_a_listening_socket_and_ranks_meet_on_it(tmp_path):
+    prog = tmp_path / "prog.py"
+    prog.write_text(FD_PROGRAM)
+    out = launch(["-n", "2", "--max-restarts", "1", str(prog), str(tmp_path)], timeout=100)
+    err = out.stderr.decode()
+    assert out.returncode == 0, err
+    lines = rank_lines(out.stdout)
+    done = [ln for ln in lines if ln.split(" ", 1)[1].startswith("attempt 1 ")]
+    assert len(done) == 2, lines
+    ports = set()
+    for line in done:
+        m = re.match(r"^\[(\d)\] attempt 1 rank (\d) port (\d+) sums (.*)$", line)
+        assert m and m.group(1) == m.group(2), line
+        ports.add(m.group(3))
+        assert json.loads(m.group(4)) == [[3.0] * 4, [3.0] * 4]
+    assert len(ports) == 1
+    assert "exit code 5" in err and "restarting" in err
