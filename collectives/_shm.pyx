@@ -20,6 +20,9 @@ cdef extern from "shm_coll.h" nogil:
     int shm_comm_unlink(const char *name)
     void shm_comm_set_timeout(shm_comm *c, double timeout_s)
     void shm_comm_set_thresholds(shm_comm *c, size_t oneshot_max, size_t chunk_bytes)
+    int shm_cma_probe(shm_comm *c)
+    int shm_cma_enabled(const shm_comm *c)
+    void shm_comm_set_cma_min(shm_comm *c, size_t cma_min)
     int shm_comm_error_peer(const shm_comm *c)
     uint32_t shm_comm_seq(const shm_comm *c)
     size_t shm_comm_half_bytes(const shm_comm *c)
@@ -49,6 +52,7 @@ _REASONS = {
     SHM_EBROKEN: "group unusable after an earlier failure",
     SHM_EINVAL: "segment layout mismatch or bad argument",
     SHM_ECLOSED: "communicator shut down",
+    SHM_ESYS: "a system call or an allocation failed",
     -1: "unknown dtype",
     -2: "op not defined for dtype",
 }
@@ -134,6 +138,24 @@ cdef class ShmComm:
 
     def set_timeout(self, double timeout):
         shm_comm_set_timeout(self._live("set_timeout"), timeout)
+
+    def cma_probe(self):
+        """Collective: whether every rank can read the others' memory (process_vm_readv).
+        Every rank gets the same answer; returns it."""
+        cdef shm_comm *c = self._live("cma_probe")
+        cdef int rc
+        with nogil:
+            rc = shm_cma_probe(c)
+        self._check(rc, "cma_probe")
+        return bool(shm_cma_enabled(c))
+
+    def set_cma_min(self, size_t cma_min):
+        """all_gather/gather blocks of at least this many bytes go in one copy (0: never)."""
+        shm_comm_set_cma_min(self._live("set_cma_min"), cma_min)
+
+    @property
+    def cma(self):
+        return bool(shm_cma_enabled(self._live("cma")))
 
     def set_thresholds(self, size_t oneshot_max, size_t chunk_bytes):
         shm_comm_set_thresholds(self._live("set_thresholds"), oneshot_max, chunk_bytes)

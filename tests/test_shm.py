@@ -546,3 +546,73 @@ def test_p2p_send_timeout_runs_from_the_last_progress_not_from_any_bell():
         c.close()
     assert result["outcome"] != "sent"
     assert tmo * 0.9 < result["took"] < tmo + 1.5, result
+
+
+# ---- single-copy (process_vm_readv) gathers --------------------------------------------
+
+ENV_CMA = dict(ENV_SMALL, COLLECTIVES_SHM_CMA_MIN="64")  # blocks from 64 bytes: exercised
+
+
+def _cma_permitted():
+    """Whether a process may read a sibling's memory here (what the backend probes for)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    src = ctypes.create_string_buffer(b"probe", 8)
+    pid = os.fork()
+    if pid == 0:  # the child reads its parent, as one rank reads another
+        dst = ctypes.create_string_buffer(8)
+        lo = IoVec(ctypes.cast(dst, ctypes.c_void_p), 8)
+        rem = IoVec(ctypes.cast(src, ctypes.c_void_p), 8)
+        ok = libc.process_vm_readv(os.getppid(), ctypes.byref(lo), 1, ctypes.byref(rem), 1, 0) == 8
+        os._exit(0 if ok and dst.value == b"probe" else 1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def single_copy(ctx):
+    return ctx.state["be"].single_copy
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+@SETTINGS
+@given(data=st.data())
+def test_single_copy_gathers_match_numpy(world, data):
+    """all_gather and gather in one copy: same results as the reference; every rank agrees
+    on the path (single copy where permitted and the ranks do not outnumber the cores)."""
+    pool = pool_for(world, env=ENV_CMA)
+    flags = pool.run(single_copy)
+    assert flags == [_cma_permitted() and world <= os.cpu_count()] * world
+    name = data.draw(st.sampled_from(["all_gather", "gather"]), "op")
+    dtype = data.draw(st.sampled_from([D.FLOAT32, D.INT8, D.COMPLEX64]), "dtype")
+    count = data.draw(st.one_of(st.sampled_from([0, 1, 15, 16, 17, 12345]), st.integers(0, 70000)))
+    root = data.draw(st.integers(0, world - 1), "root")
+    seed = data.draw(st.integers(0, 1000), "seed")
+    assert pool.run(run_op, name, seed, dtype, count, D.SUM, root, timeout=60) == [True] * world
+
+
+def die_in_gather(ctx, victim):
+    from collectives.errors import DistBackendError
+    be = ctx.state["be"]
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        a = np.ones(1 << 20, np.float32)
+        out = np.empty(ctx.world_size << 20, np.float32)
+        be.all_gather(to_buffer(out), to_buffer(a))
+    except DistBackendError as e:
+        return ("raised", time.monotonic() - t0, str(e))
+    return ("no error", time.monotonic() - t0, "")
+
+
+@pytest.mark.timeout(180)
+def test_peer_killed_in_single_copy_gather_raises():
+    pool = get_pool(2, setup=setup_backend, setup_args=("shm",), env=dict(ENV_CMA, KILLTEST="cma"))
+    with pytest.raises(RankError) as ei:
+        pool.run(die_in_gather, 1, timeout=TIMEOUT + 30)
+    msg = str(ei.value)
+    assert "died" in msg or "DistBackendError" in msg

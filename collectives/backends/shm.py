@@ -34,6 +34,9 @@ _HDR = struct.Struct("<qq")  # tag, payload bytes
 DEFAULT_HALF_BYTES = 2 * 1024 * 1024
 DEFAULT_ONESHOT_MAX = 64 * 1024
 DEFAULT_CHUNK_BYTES = 1024 * 1024
+# all_gather/gather blocks from this size go in one copy (process_vm_readv) where the
+# ranks may read each other's memory; COLLECTIVES_SHM_CMA_MIN=0 turns that off
+DEFAULT_CMA_MIN = 256 * 1024
 
 
 def _env_int(name, default):
@@ -92,6 +95,9 @@ class ShmBackend(Backend):
                 unlink(name)
         self._comm.set_thresholds(_env_int("COLLECTIVES_SHM_ONESHOT_MAX", DEFAULT_ONESHOT_MAX),
                                   _env_int("COLLECTIVES_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
+        cma_min = _env_int("COLLECTIVES_SHM_CMA_MIN", DEFAULT_CMA_MIN)
+        self.single_copy = bool(cma_min) and self._comm.cma_probe()  # collective: same on all ranks
+        self._comm.set_cma_min(cma_min if self.single_copy else 0)
         self.segment_name = name
         self._p2p = None
         self._p2p_lock = threading.Lock()

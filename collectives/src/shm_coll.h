@@ -40,6 +40,14 @@ uint32_t shm_comm_seq(const shm_comm *c);      /* steps completed so far */
 size_t shm_comm_half_bytes(const shm_comm *c);
 void shm_comm_abort(shm_comm *c);              /* make every later and current wait fail */
 
+/* Collective: find out whether every rank can read the others' memory directly
+ * (process_vm_readv) and the ranks do not outnumber the cores; if so,
+ * all_gather/gather blocks of at least cma_min bytes (0: never) go in one copy
+ * instead of two. */
+int shm_cma_probe(shm_comm *c);
+int shm_cma_enabled(const shm_comm *c);
+void shm_comm_set_cma_min(shm_comm *c, size_t cma_min);
+
 int shm_barrier(shm_comm *c);
 int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root);
 int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op);
