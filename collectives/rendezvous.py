@@ -8,21 +8,14 @@ string (``?rank=0&world_size=4``), then the environment: RANK/WORLD_SIZE
 OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE for Open MPI), else Slurm's
 (SLURM_PROCID/SLURM_NTASKS).
 
-Under ``collectives-run`` with a port it picked, rank 0 inherits the store's
-listening socket: COLLECTIVES_STORE_LISTEN_FD names its fd, and the TCPStore
-master serves on it instead of binding the port again (see ``_inherited_listen_fd``).
-
 Example:
     >>> store, rank, world = rendezvous("tcp://127.0.0.1:29500", rank=0, world_size=1)
 """
 import os
-import socket
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
 from .store import DEFAULT_TIMEOUT, FileStore, Store, TCPStore, to_seconds
-
-LISTEN_FD_VAR = "COLLECTIVES_STORE_LISTEN_FD"  # set by collectives-run for local rank 0
 
 # (rank variable, world-size variable, who sets them), in order of preference
 RANK_SOURCES = (
@@ -136,44 +129,6 @@ def _master_env(environ):
     return addr, port
 
 
-def _inherited_listen_fd(port, environ=None):
-    """The fd named by COLLECTIVES_STORE_LISTEN_FD if it is a listening TCP socket bound
-    to ``port``, else None: unset, not a number, closed, not a socket, not listening or
-    another port are all ignored silently (a child that inherited the variable without
-    the fd binds the port as usual). The fd is made close-on-exec, so the programs a rank
-    runs do not keep the store's port open; the caller's server uses a dup of it, and the
-    fd itself stays open for a later init_process_group in this process."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get(LISTEN_FD_VAR)
-    if not raw:
-        return None
-    try:
-        fd = int(raw)
-        dup = os.dup(fd)
-    except (ValueError, OverflowError, OSError):
-        return None
-    try:
-        sock = socket.socket(fileno=dup)
-    except OSError:  # not a socket
-        os.close(dup)
-        return None
-    with sock:
-        try:
-            ok = (sock.family in (socket.AF_INET, socket.AF_INET6)
-                  and sock.type == socket.SOCK_STREAM
-                  and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) != 0
-                  and sock.getsockname()[1] == port)
-        except OSError:
-            ok = False
-    if not ok:
-        return None
-    try:
-        os.set_inheritable(fd, False)
-    except OSError:
-        pass
-    return fd
-
-
 def _check_port(port, world_size, where):
     if not 0 <= port <= 65535:
         raise ValueError(f"{where} must be in [0, 65535], got {port}")
@@ -262,9 +217,7 @@ def rendezvous(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT
         if not host or port is None:
             raise ValueError(f"tcp:// rendezvous needs tcp://host:port, got {init_method!r}")
         _check_port(port, world, "the tcp:// URL's port")
-    listen_fd = _inherited_listen_fd(port, environ) if rank == 0 else None
-    store = TCPStore(host, port, world, rank == 0, timedelta(seconds=secs), wait_for_workers=True,
-                     master_listen_fd=listen_fd)
+    store = TCPStore(host, port, world, rank == 0, timedelta(seconds=secs), wait_for_workers=True)
     return store, rank, world
 
 

@@ -10,21 +10,12 @@ SIGINT/SIGTERM/SIGHUP sent to the launcher are forwarded to every rank. Each ran
 runs in its own session, and its whole process group is signalled, so no
 grandchild outlives the launcher.
 
-When the launcher picks the port itself (one node and no ``--master-port``, or
-``--standalone``), it opens the store's listening socket itself and hands it to
-local rank 0 (fd inherited, number in COLLECTIVES_STORE_LISTEN_FD), so no other
-process can take the port between the choice and rank 0's TCPStore; collectives'
-env:// and tcp:// rendezvous serve on that socket. A rank 0 that binds MASTER_PORT
-by other means (torch.distributed's own TCPStore, say) finds it in use: give
-``--master-port`` for such programs.
-
 Example:
     collectives-run --nproc-per-node 4 train.py --epochs 3
     python -m collectives.run --standalone --nproc_per_node=2 -m mypkg.main
 """
 import argparse
 import collections
-import fcntl
 import os
 import selectors
 import shlex
@@ -38,25 +29,10 @@ TAIL_LINES = 20
 MAX_LINE = 1 << 16  # a longer run of bytes without a newline is written as it is
 
 
-LISTEN_FD_VAR = "COLLECTIVES_STORE_LISTEN_FD"  # read by collectives.rendezvous
-LISTEN_BACKLOG = 1024
-
-
-def _listening_socket():
-    """A TCP socket listening on a port the kernel picks, on every address (IPv6
-    dual-stack where available, as the TCPStore server), its fd above stdio."""
-    if socket.has_dualstack_ipv6():
-        sock = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,
-                                    backlog=LISTEN_BACKLOG)
-    else:
-        sock = socket.create_server(("", 0), backlog=LISTEN_BACKLOG)
-    if sock.fileno() < 3:  # a launcher started with stdio closed: keep clear of the rank's stdio
-        try:
-            fd = fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD_CLOEXEC, 3)
-        finally:
-            sock.close()
-        sock = socket.socket(fileno=fd)
-    return sock
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 # ---- command line ------------------------------------------------------------------
@@ -224,7 +200,6 @@ class Config:
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
             "TORCHELASTIC_RUN_ID": self.run_id,  # is_torchelastic_launched() is True, as under torchrun
         })
-        env.pop(LISTEN_FD_VAR, None)  # only the launcher's own socket is ever named (see start)
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the launcher as they are printed
         if self.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"
@@ -347,21 +322,8 @@ class Launcher:
 
     def start(self, restart):
         cfg = self.cfg
-        lsock = None
-        if cfg.auto_port:  # a fresh socket on every (re)start; rank 0 serves the store on it
-            try:
-                lsock = _listening_socket()
-            except OSError as e:
-                raise ValueError(f"cannot open a listening socket for the store: {e}") from e
-            cfg.master_port = lsock.getsockname()[1]
-        try:
-            return self._start_ranks(restart, lsock)
-        finally:
-            if lsock is not None:  # rank 0 holds its own copy now
-                lsock.close()
-
-    def _start_ranks(self, restart, lsock):
-        cfg = self.cfg
+        if cfg.auto_port:
+            cfg.master_port = _free_port()
         ranks = []
         for local in range(cfg.nproc):
             rank = cfg.node_rank * cfg.nproc + local
@@ -370,15 +332,10 @@ class Launcher:
             if cfg.log_dir:
                 os.makedirs(cfg.log_dir, exist_ok=True)
                 logs = [open(os.path.join(cfg.log_dir, f"rank{rank}.{s}"), "ab") for s in ("out", "err")]
-            env = cfg.env(local, restart)
-            pass_fds = ()
-            if lsock is not None and rank == 0:
-                env[LISTEN_FD_VAR] = str(lsock.fileno())
-                pass_fds = (lsock.fileno(),)
             try:
-                proc = subprocess.Popen(cfg.cmd, env=env, stdin=subprocess.DEVNULL,
+                proc = subprocess.Popen(cfg.cmd, env=cfg.env(local, restart), stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True, pass_fds=pass_fds)
+                                        start_new_session=True)
             except OSError as e:
                 for r in ranks:
                     _signal_group(r, signal.SIGKILL)

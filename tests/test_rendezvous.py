@@ -1,15 +1,13 @@
 """Ranks meet through every init method, take rank and size from any launcher's
 environment, and a missing piece is a ValueError that names it."""
 import os
-import socket
 import time
 from datetime import timedelta
 
 import pytest
 
 from collectives.errors import DistNetworkError, DistStoreError
-from collectives.rendezvous import (LISTEN_FD_VAR, _inherited_listen_fd, env_local_rank,
-                                    env_rank_world, rendezvous)
+from collectives.rendezvous import env_local_rank, env_rank_world, rendezvous
 from collectives.store import FileStore, HashStore, TCPStore
 from tests.ranks import free_port, get_pool, mpiexec_path
 
@@ -226,55 +224,3 @@ def test_ranks_started_by_mpiexec_take_rank_and_size_from_it():
     results = pool.run(meet_as_launched, free_port(), timeout=60)
     assert sorted(r[:2] for r in results) == [(0, 3), (1, 3), (2, 3)]
     assert all(r[2] == ["value0", "value1", "value2"] for r in results)
-
-
-@pytest.mark.timeout(30)
-def test_an_inherited_listen_fd_is_used_only_when_it_listens_on_the_port(tmp_path):
-    def closed_fd():  # a number no fd has, until the next one is opened
-        with socket.socket() as s:
-            fd = s.fileno()
-        return str(fd)
-
-    port, other = free_port(), free_port()
-    lsock = socket.create_server(("", port), backlog=16)
-    bound = socket.socket()  # bound, not listening
-    bound.bind(("127.0.0.1", other))
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind(("127.0.0.1", 0))
-    plain = open(tmp_path / "f", "w")
-    open_fds = len(os.listdir("/proc/self/fd"))
-    try:
-        def fd_for(raw, p=port):
-            return _inherited_listen_fd(p, {} if raw is None else {LISTEN_FD_VAR: raw})
-
-        for raw in (None, "", "x", "-1", "99999999999999999999", "1000000",
-                    str(plain.fileno()), str(udp.fileno()), str(bound.fileno())):
-            assert fd_for(raw) is None, raw
-        assert fd_for(closed_fd()) is None
-        assert fd_for(str(lsock.fileno()), other) is None  # another port
-        assert fd_for(str(lsock.fileno())) == lsock.fileno()
-        assert len(os.listdir("/proc/self/fd")) == open_fds  # every dup closed
-
-        # a bogus fd is ignored: rank 0 binds the port itself
-        bound.close()
-        env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(other), **{LISTEN_FD_VAR: closed_fd()})
-        store, _, _ = rendezvous("env://", rank=0, world_size=1, timeout=5, environ=env)
-        store.set("k", "v")
-        assert store.get("k") == b"v" and store.port == other
-        store.close()
-
-        # a good one is served on, twice (the server works on a dup, the fd stays listening)
-        env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{LISTEN_FD_VAR: str(lsock.fileno())})
-        for i in range(2):
-            store, _, _ = rendezvous("env://", rank=0, world_size=1, timeout=5, environ=env)
-            store.set("k", str(i))
-            assert store.get("k") == str(i).encode() and store.port == port
-            store.close()
-            assert lsock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-        store, _, _ = rendezvous(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=5, environ=env)
-        assert store.port == port
-        store.close()
-        assert not os.get_inheritable(lsock.fileno())  # rank 0's own children do not get it
-    finally:
-        for s in (lsock, bound, udp, plain):
-            s.close()
