@@ -52,44 +52,11 @@ class Ctx:
         self.state = {"atexit": []}
 
 
-# Ports handed to ranks come from below the kernel's ephemeral range: a port bound to 0 and
-# closed again can be given to any outgoing connection before the rank listens on it (seen in
-# CI: "Address already in use"). Ports below the range are never assigned that way; a per-process
-# start and a counter keep two calls (or two test processes) apart.
-_PORT_LO, _PORT_HI = 20000, 32000
-_next_port = _PORT_LO + (os.getpid() * 7919) % (_PORT_HI - _PORT_LO)
-
-
-def _ephemeral_low():
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _bindable(port):
-    for family, addr in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "")):
-        with socket.socket(family) as s:
-            try:
-                s.bind((addr, port))
-            except OSError:
-                return False
-    return True
-
-
 def free_port():
-    """A port nobody listens on and the kernel will not hand out to an outgoing connection."""
-    global _next_port
-    hi = min(_PORT_HI, _ephemeral_low())
-    for _ in range(hi - _PORT_LO):
-        port = _next_port
-        _next_port = _PORT_LO + (_next_port + 1 - _PORT_LO) % (hi - _PORT_LO)
-        if _bindable(port):
-            return port
-    with socket.socket() as s:  # every low port taken: fall back to the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a rank to listen on: below the kernel's ephemeral range, so no outgoing
+    connection takes it first (CI once lost that race with a bound-to-0-and-closed port)."""
+    from collectives.run import free_port as pick
+    return pick()
 
 
 def mpiexec_path():

@@ -100,9 +100,24 @@ def test_standalone_picks_one_free_port_and_keeps_a_users_omp_setting():
     envs = [json.loads(line.split(" ", 1)[1]) for line in rank_lines(out.stdout)]
     assert len(envs) == 2
     ports = {e["MASTER_PORT"] for e in envs}
-    assert len(ports) == 1 and int(ports.pop()) > 0
+    assert len(ports) == 1
+    # below the ephemeral range: no outgoing connection can take it before rank 0 listens
+    from collectives.run import _ephemeral_low
+    assert 0 < int(ports.pop()) < _ephemeral_low()
     assert {e["OMP_NUM_THREADS"] for e in envs} == {"7"}
     assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
+
+
+def test_free_port_is_below_the_ephemeral_range_unused_and_new_each_call():
+    import socket
+
+    from collectives.run import _bindable, _ephemeral_low
+    from collectives.run import free_port as pick
+    ports = [pick() for _ in range(5)]
+    assert len(set(ports)) == 5
+    assert all(0 < p < _ephemeral_low() and _bindable(p) for p in ports)
+    with socket.create_server(("127.0.0.1", ports[0])):  # someone listens there now
+        assert not _bindable(ports[0])
 
 
 @pytest.mark.timeout(60)
