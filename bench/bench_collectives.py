@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -237,9 +236,8 @@ def worker(a):
 # ---- the driver -----------------------------------------------------------------------
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from collectives.run import free_port as pick  # below the ephemeral range: no race
+    return pick()
 
 
 def mpiexec_path():
@@ -250,12 +248,21 @@ def mpiexec_path():
 MPI_FAMILY = ("mpi4py", "backend:mpi", "collectives:mpi")
 
 
-def families(impls, separate):
-    """Implementations that share processes: MPI-launched ones, and the gloo ones."""
+def families(impls, separate, gloo_with_mpi=False):
+    """Implementations that share processes: MPI-launched ones, and the gloo ones
+    (with ``gloo_with_mpi``, collectives:gloo runs in the mpiexec job instead)."""
     if separate:
         return [[s] for s in impls]
-    groups = [[s for s in impls if s in MPI_FAMILY], [s for s in impls if s not in MPI_FAMILY]]
-    return [g for g in groups if g]
+    mpi = [s for s in impls if s in MPI_FAMILY]
+    rest = [s for s in impls if s not in MPI_FAMILY]
+    if gloo_with_mpi and "collectives:gloo" in rest:
+        rest.remove("collectives:gloo")
+        # one default group per process: collectives:gloo gets a job of its own with
+        # mpi4py (which then runs in both jobs) when collectives:mpi is measured too
+        if any(s.startswith("collectives") for s in mpi):
+            return [g for g in (mpi, ["mpi4py", "collectives:gloo"], rest) if g]
+        mpi.append("collectives:gloo")
+    return [g for g in (mpi, rest) if g]
 
 
 def launch(family, world, a):
@@ -407,6 +414,10 @@ def main(argv=None):
     ap.add_argument("--tensor", choices=["numpy", "torch"], default="numpy",
                     help="what collectives:* pass (torch:gloo always uses torch tensors)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per launch")
+    ap.add_argument("--gloo-with-mpi", action="store_true",
+                    help="run collectives:gloo inside the mpiexec job, its timed loops interleaved "
+                         "with mpi4py's sample by sample: a steadier collectives:gloo/mpi4py ratio "
+                         "on a noisy machine (torch:gloo then runs in a job of its own)")
     ap.add_argument("--separate", action="store_true",
                     help="launch every implementation alone (default: MPI-launched ones share "
                          "processes, as do the gloo ones, and their timed loops interleave)")
@@ -439,7 +450,7 @@ def main(argv=None):
     worlds = [int(w) for w in a.worlds.split(",")]
     res = defaultdict(dict)  # (world, op, bytes, impl) -> {launch: [us per sample]}
     t0 = time.monotonic()
-    groups = families(impls, a.separate)
+    groups = families(impls, a.separate, a.gloo_with_mpi)
     launch_id = 0
     for w in worlds:
         for r in range(a.rounds):

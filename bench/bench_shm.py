@@ -2,7 +2,7 @@
 
 usage: python bench/bench_shm.py [--worlds 2,4] [--ops all_reduce,broadcast,all_gather,barrier]
                                  [--sizes 4,64,...] [--budget 0.5] [--impls shm,mpi4py]
-                                 [--stat median|min]
+                                 [--stat median|min] [--cpus 0,1]
 
 Each implementation runs as its own set of ranks (ours spawned with a TCPStore
 rendezvous, mpi4py under mpiexec), in turn, so drift hits both alike. Rank 0
@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,11 @@ BUSBW = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0,
 
 
 def worker():
+    cpus = os.environ.get("BENCH_CPUS")
+    if cpus:  # rank r on cpus[r % len]: e.g. "0" puts every rank on one core
+        cpus = [int(c) for c in cpus.split(",")]
+        rank = int(os.environ.get("RANK") or os.environ.get("PMI_RANK") or 0)
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     impl = os.environ["IMPL"]
     ops = os.environ["OPS"].split(",")
     sizes = [int(s) for s in os.environ["SIZES"].split(",")]
@@ -113,14 +117,9 @@ def worker():
         close()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(impl, world, args):
     env = dict(os.environ, IMPL=impl, OPS=args.ops, SIZES=args.sizes, BUDGET_S=str(args.budget),
+               BENCH_CPUS=args.cpus or "",
                OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     me = [sys.executable, os.path.abspath(__file__), "--worker"]
     if impl == "mpi4py":
@@ -133,6 +132,7 @@ def launch(impl, world, args):
         if p.returncode:
             print(p.stderr[-2000:], file=sys.stderr)
     else:
+        from collectives.run import free_port
         port = free_port()
         procs = [subprocess.Popen(me, env=dict(env, RANK=str(r), WORLD_SIZE=str(world),
                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
@@ -163,6 +163,8 @@ def main():
     ap.add_argument("--budget", type=float, default=0.5)
     ap.add_argument("--impls", default="shm,mpi4py")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--cpus", default=None,
+                    help="pin rank r to CPU cpus[r %% len], e.g. 0 (every rank on one core) or 0,1")
     ap.add_argument("--stat", choices=["median", "min"], default="median",
                     help="median of the 5 samples (default) or the best one (for busy machines)")
     args = ap.parse_args()
