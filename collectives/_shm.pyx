@@ -22,7 +22,7 @@ cdef extern from "shm_coll.h" nogil:
     void shm_comm_set_thresholds(shm_comm *c, size_t oneshot_max, size_t chunk_bytes)
     int shm_cma_probe(shm_comm *c)
     int shm_cma_enabled(const shm_comm *c)
-    void shm_comm_set_cma_min(shm_comm *c, size_t cma_min)
+    void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min)
     int shm_comm_error_peer(const shm_comm *c)
     uint32_t shm_comm_seq(const shm_comm *c)
     size_t shm_comm_half_bytes(const shm_comm *c)
@@ -149,9 +149,11 @@ cdef class ShmComm:
         self._check(rc, "cma_probe")
         return bool(shm_cma_enabled(c))
 
-    def set_cma_min(self, size_t cma_min):
-        """all_gather/gather blocks of at least this many bytes go in one copy (0: never)."""
-        shm_comm_set_cma_min(self._live("set_cma_min"), cma_min)
+    def set_cma_min(self, size_t gather_min, size_t bcast_min, size_t ar_min=0):
+        """all_gather/gather blocks of at least ``gather_min`` bytes, broadcasts of at
+        least ``bcast_min`` bytes and all_reduces of at least ``ar_min`` bytes go in one
+        copy (0: never)."""
+        shm_comm_set_cma_min(self._live("set_cma_min"), gather_min, bcast_min, ar_min)
 
     @property
     def cma(self):

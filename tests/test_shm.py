@@ -550,7 +550,8 @@ def test_p2p_send_timeout_runs_from_the_last_progress_not_from_any_bell():
 
 # ---- single-copy (process_vm_readv) gathers --------------------------------------------
 
-ENV_CMA = dict(ENV_SMALL, COLLECTIVES_SHM_CMA_MIN="64")  # blocks from 64 bytes: exercised
+ENV_CMA = dict(ENV_SMALL, COLLECTIVES_SHM_CMA_MIN="64",  # from 64 bytes: exercised
+               COLLECTIVES_SHM_CMA_BCAST_MIN="64", COLLECTIVES_SHM_CMA_AR_MIN="64")
 
 
 def _cma_permitted():
@@ -580,13 +581,14 @@ def single_copy(ctx):
 @pytest.mark.parametrize("world", [2, 3])
 @SETTINGS
 @given(data=st.data())
-def test_single_copy_gathers_match_numpy(world, data):
-    """all_gather and gather in one copy: same results as the reference; every rank agrees
-    on the path (single copy where permitted and the ranks do not outnumber the cores)."""
+def test_single_copy_ops_match_numpy(world, data):
+    """all_gather, gather, broadcast and all_reduce in one copy: same results as the
+    reference; every rank agrees on the path (single copy where permitted and the ranks
+    do not outnumber the cores)."""
     pool = pool_for(world, env=ENV_CMA)
     flags = pool.run(single_copy)
     assert flags == [_cma_permitted() and world <= os.cpu_count()] * world
-    name = data.draw(st.sampled_from(["all_gather", "gather"]), "op")
+    name = data.draw(st.sampled_from(["all_gather", "gather", "broadcast", "all_reduce"]), "op")
     dtype = data.draw(st.sampled_from([D.FLOAT32, D.INT8, D.COMPLEX64]), "dtype")
     count = data.draw(st.one_of(st.sampled_from([0, 1, 15, 16, 17, 12345]), st.integers(0, 70000)))
     root = data.draw(st.integers(0, world - 1), "root")
@@ -594,7 +596,17 @@ def test_single_copy_gathers_match_numpy(world, data):
     assert pool.run(run_op, name, seed, dtype, count, D.SUM, root, timeout=60) == [True] * world
 
 
-def die_in_gather(ctx, victim):
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("count", [700, 100003, 1 << 20])
+def test_single_copy_all_reduce_bitwise_identical(count):
+    """Random floats through the single-copy all_reduce: every rank holds the same bytes."""
+    pool = pool_for(2, env=ENV_CMA)
+    for dtype in (D.FLOAT32, D.FLOAT16, D.FLOAT64):
+        res = pool.run(run_float_all_reduce, count, count, dtype, timeout=60)
+        assert res[0] == res[1]
+
+
+def die_in_single_copy(ctx, victim, op):
     from collectives.errors import DistBackendError
     be = ctx.state["be"]
     if ctx.rank == victim:
@@ -602,17 +614,23 @@ def die_in_gather(ctx, victim):
     t0 = time.monotonic()
     try:
         a = np.ones(1 << 20, np.float32)
-        out = np.empty(ctx.world_size << 20, np.float32)
-        be.all_gather(to_buffer(out), to_buffer(a))
+        if op == "broadcast":
+            be.broadcast(to_buffer(a), victim)
+        elif op == "all_reduce":
+            be.all_reduce(to_buffer(a), D.SUM)
+        else:
+            out = np.empty(ctx.world_size << 20, np.float32)
+            be.all_gather(to_buffer(out), to_buffer(a))
     except DistBackendError as e:
         return ("raised", time.monotonic() - t0, str(e))
     return ("no error", time.monotonic() - t0, "")
 
 
 @pytest.mark.timeout(180)
-def test_peer_killed_in_single_copy_gather_raises():
+@pytest.mark.parametrize("op", ["all_gather", "broadcast", "all_reduce"])
+def test_peer_killed_in_single_copy_op_raises(op):
     pool = get_pool(2, setup=setup_backend, setup_args=("shm",), env=dict(ENV_CMA, KILLTEST="cma"))
     with pytest.raises(RankError) as ei:
-        pool.run(die_in_gather, 1, timeout=TIMEOUT + 30)
+        pool.run(die_in_single_copy, 1, op, timeout=TIMEOUT + 30)
     msg = str(ei.value)
     assert "died" in msg or "DistBackendError" in msg

@@ -82,6 +82,9 @@ struct shm_comm {
     int err_peer;
     int cma;              /* every rank can read every other's memory (process_vm_readv) */
     size_t cma_min;       /* all_gather/gather blocks of at least this many bytes use it */
+    size_t cma_bcast_min; /* broadcasts of at least this many bytes use it */
+    size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) use it */
+    char *cma_tmp;        /* (n - 1) * CMA_AR_CHUNK bytes for peers' chunks, made on first use */
     _Atomic int broken;
     _Atomic int aborted;
 };
@@ -316,6 +319,7 @@ void shm_comm_close(shm_comm *c)
     if (!c)
         return;
     munmap(c->base, c->total);
+    free(c->cma_tmp);
     free(c);
 }
 
@@ -408,6 +412,8 @@ static inline void copy(void *dst, const void *src, size_t n)
 
 /* ---- collectives ------------------------------------------------------------- */
 
+static int cma_read(shm_comm *c, int q, void *dst, uint64_t remote, size_t nbytes);
+
 int shm_barrier(shm_comm *c)
 {
     CHECK(c);
@@ -419,11 +425,75 @@ int shm_barrier(shm_comm *c)
     return SHM_OK;
 }
 
+/* Copy nbytes from `src` here to `remote` in rank q's address space (one kernel copy). */
+static int cma_write(shm_comm *c, int q, uint64_t remote, const void *src, size_t nbytes)
+{
+    pid_t pid = (pid_t)atomic_load(&c->ctl[q].info.pid);
+    while (nbytes) {
+        struct iovec l = {(void *)src, nbytes}, r = {(void *)(uintptr_t)remote, nbytes};
+        ssize_t k = process_vm_writev(pid, &l, 1, &r, 1, 0);
+        if (k <= 0) {
+            if (k < 0 && errno == EINTR)
+                continue;
+            c->err_peer = q;
+            return k < 0 && errno == ESRCH ? SHM_EPEERDEAD : SHM_ESYS;
+        }
+        src = (const char *)src + k;
+        remote += (uint64_t)k;
+        nbytes -= (size_t)k;
+    }
+    return SHM_OK;
+}
+
+/* Single-copy broadcast: the readers copy straight from the root's buffer. From
+ * CMA_SPLIT bytes the root, otherwise idle, writes the last 1/n of each reader's
+ * buffer itself while the readers read the rest, so every rank copies the same amount.
+ * Every rank posts the address of its buffer; a reader returns once the root has acked
+ * (its writes are done), the root once every reader has acked (its reads are done).
+ * Measured on this VM (two ranks, 64 KiB .. 4 MiB, before the split): 0.9x, 0.63x,
+ * 1.5x, 1.3x the pipelined two-copy path's time while the two vCPUs share caches well,
+ * and 0.27x, 0.15x, 0.15x, 0.12x during the stretches when they do not (two-copy: every
+ * byte crosses between the cores' caches twice). */
+#define CMA_SPLIT (256 * 1024)
+static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root)
+{
+    int n = c->n, me = c->me;
+    size_t head = nbytes;  /* bytes each reader reads; the root writes the rest */
+    if (nbytes >= CMA_SPLIT)
+        head = (nbytes / (size_t)n * (size_t)(n - 1)) & ~(size_t)4095;
+    atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)buf, memory_order_relaxed);
+    uint32_t s = ++c->seq;
+    post(c, s);
+    if (me == root) {
+        if (head < nbytes)
+            for (int k = 1; k < n; k++) {
+                int q = (me + k) % n;
+                TRY(c, wait_post(c, q, s));
+                uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
+                TRY(c, cma_write(c, q, addr + head, (const char *)buf + head, nbytes - head));
+            }
+        ack(c, s);
+        for (int q = 0; q < n; q++)  /* every reader is done with buf */
+            if (q != me)
+                TRY(c, wait_ctr(c, &c->ctl[q].ack, s, q, -1));
+        return SHM_OK;
+    }
+    TRY(c, wait_post(c, root, s));
+    uint64_t addr = atomic_load_explicit(&c->ctl[root].xfer.addr, memory_order_relaxed);
+    TRY(c, cma_read(c, root, buf, addr, head));
+    ack(c, s);
+    if (head < nbytes)  /* the root's part has landed */
+        TRY(c, wait_ctr(c, &c->ctl[root].ack, s, root, -1));
+    return SHM_OK;
+}
+
 int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root)
 {
     CHECK(c);
     if (c->n == 1 || nbytes == 0)
         return SHM_OK;
+    if (c->cma && c->cma_bcast_min && nbytes >= c->cma_bcast_min)
+        return broadcast_cma(c, buf, nbytes, root);
     for (size_t off = 0; off < nbytes;) {
         size_t len = nbytes - off < c->chunk ? nbytes - off : c->chunk;
         int h = (int)(c->blk & 1);
@@ -452,6 +522,72 @@ static void slice_of(size_t cnt, int n, int q, size_t *st, size_t *len)
     size_t b = cnt / (size_t)n, r = cnt % (size_t)n;
     *st = (size_t)q * b + ((size_t)q < r ? (size_t)q : r);
     *len = b + ((size_t)q < r ? 1 : 0);
+}
+
+/* Single-copy all_reduce: rank r owns slice r of the buffer. It reads the other ranks'
+ * slice r straight from their buffers (in chunks, into a private scratch), reduces
+ * them into its own buffer (its own values first, then the others in rank order), and
+ * then every rank reads the other owners' finished slices from their buffers. Each
+ * element is computed once, by its owner, so every rank holds the same bytes. Steps:
+ * s1 = addresses published; s2 = every slice reduced (so no one's slice r is still
+ * being read when its owner's peers overwrite it); the acks of s2 = every rank has read
+ * the finished slices (so no one returns while its buffer is still being read). */
+#define CMA_AR_CHUNK (256 * 1024)
+static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int op, size_t isz)
+{
+    int n = c->n, me = c->me;
+    if (!c->cma_tmp && !(c->cma_tmp = malloc((size_t)(n - 1) * CMA_AR_CHUNK)))
+        return SHM_ESYS;
+    const void *stack_srcs[MAX_STACK_SRCS];
+    const void **srcs = n <= MAX_STACK_SRCS ? stack_srcs : malloc(sizeof(void *) * (size_t)n);
+    if (!srcs)
+        return SHM_ESYS;
+    int rc = SHM_OK;
+    char *ubuf = buf;
+    atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)buf, memory_order_relaxed);
+    uint32_t s1 = ++c->seq;
+    post(c, s1);
+    if ((rc = wait_posts(c, s1)))
+        goto out;
+    size_t st, len;
+    slice_of(count, n, me, &st, &len);
+    size_t ce = CMA_AR_CHUNK / isz;
+    for (size_t off = 0; off < len; off += ce) {
+        size_t cnt = len - off < ce ? len - off : ce;
+        size_t at = (st + off) * isz;
+        srcs[0] = ubuf + at;
+        for (int q = 0, k = 1; q < n; q++) {
+            if (q == me)
+                continue;
+            char *tmp = c->cma_tmp + (size_t)(k - 1) * CMA_AR_CHUNK;
+            uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
+            if ((rc = cma_read(c, q, tmp, addr + at, cnt * isz)))
+                goto out;
+            srcs[k++] = tmp;
+        }
+        if ((rc = coll_reduce_many(ubuf + at, srcs, n, cnt, dtype, op)))
+            goto out;
+    }
+    uint32_t s2 = ++c->seq;
+    post(c, s2);
+    for (int k = 1; k < n; k++) {
+        int q = (me + k) % n;
+        if ((rc = wait_post(c, q, s2)))
+            goto out;
+        size_t qst, qlen;
+        slice_of(count, n, q, &qst, &qlen);
+        uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
+        if (qlen && (rc = cma_read(c, q, ubuf + qst * isz, addr + qst * isz, qlen * isz)))
+            goto out;
+    }
+    ack(c, s2);
+    for (int q = 0; q < n; q++)
+        if (q != me && (rc = wait_ctr(c, &c->ctl[q].ack, s2, q, -1)))
+            goto out;
+out:
+    if (srcs != stack_srcs)
+        free((void *)srcs);
+    return fail(c, rc);
 }
 
 /* Reduce to every rank (root < 0) or to root only. */
@@ -489,6 +625,10 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
             rc = coll_reduce_many(buf, srcs, n, count, dtype, op);
         }
         ack(c, s);
+        goto out;
+    }
+    if (root < 0 && c->cma && c->cma_ar_min && nbytes >= c->cma_ar_min) {
+        rc = all_reduce_cma(c, buf, count, dtype, op, isz);
         goto out;
     }
     /* two-shot: each rank reduces its own slice of the chunk (from its own buffer and
@@ -635,7 +775,12 @@ int shm_cma_probe(shm_comm *c)
 
 int shm_cma_enabled(const shm_comm *c) { return c->cma; }
 
-void shm_comm_set_cma_min(shm_comm *c, size_t cma_min) { c->cma_min = cma_min; }
+void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min)
+{
+    c->cma_min = gather_min;
+    c->cma_bcast_min = bcast_min;
+    c->cma_ar_min = ar_min;
+}
 
 /* Everyone publishes in; readers (all, or root only) copy every rank's block. */
 static int gather_impl(shm_comm *c, void *out, const void *in, size_t nbytes, int root)

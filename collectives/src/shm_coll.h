@@ -42,11 +42,12 @@ void shm_comm_abort(shm_comm *c);              /* make every later and current w
 
 /* Collective: find out whether every rank can read the others' memory directly
  * (process_vm_readv) and the ranks do not outnumber the cores; if so,
- * all_gather/gather blocks of at least cma_min bytes (0: never) go in one copy
- * instead of two. */
+ * all_gather/gather blocks of at least gather_min bytes, broadcasts of at least
+ * bcast_min bytes and all_reduces of at least ar_min bytes (above the one-shot size)
+ * (0: never) go in one copy instead of two. */
 int shm_cma_probe(shm_comm *c);
 int shm_cma_enabled(const shm_comm *c);
-void shm_comm_set_cma_min(shm_comm *c, size_t cma_min);
+void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min);
 
 int shm_barrier(shm_comm *c);
 int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root);
