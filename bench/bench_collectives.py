@@ -183,7 +183,7 @@ def time_family(impls, op, nbytes, budget, samples):
     n = max(1, nbytes // 4)
     # one allocation that every implementation wraps: MPI's large-message path caches
     # per-buffer state, so separate arrays favoured whichever was allocated first
-    base = np.zeros(n, np.float32)
+    base = np.ones(n, np.float32)  # written pages, as a real input (zeros stay unfaulted)
     base_out = np.zeros(n * impls[0].world, np.float32) if op == "all_gather" else None
     runs = []
     for impl in impls:
