@@ -412,7 +412,37 @@ static inline void copy(void *dst, const void *src, size_t n)
 
 /* ---- collectives ------------------------------------------------------------- */
 
-static int cma_read(shm_comm *c, int q, void *dst, uint64_t remote, size_t nbytes);
+/* Copy nbytes between `local` here and `remote` in rank q's address space, in one kernel
+ * copy (process_vm_readv, or process_vm_writev when `write`). */
+static int cma_copy(shm_comm *c, int q, void *local, uint64_t remote, size_t nbytes, int write)
+{
+    pid_t pid = (pid_t)atomic_load(&c->ctl[q].info.pid);
+    while (nbytes) {
+        struct iovec l = {local, nbytes}, r = {(void *)(uintptr_t)remote, nbytes};
+        ssize_t k = write ? process_vm_writev(pid, &l, 1, &r, 1, 0)
+                          : process_vm_readv(pid, &l, 1, &r, 1, 0);
+        if (k <= 0) {
+            if (k < 0 && errno == EINTR)
+                continue;
+            c->err_peer = q;
+            return k < 0 && errno == ESRCH ? SHM_EPEERDEAD : SHM_ESYS;
+        }
+        local = (char *)local + k;
+        remote += (uint64_t)k;
+        nbytes -= (size_t)k;
+    }
+    return SHM_OK;
+}
+
+static int cma_read(shm_comm *c, int q, void *dst, uint64_t remote, size_t nbytes)
+{
+    return cma_copy(c, q, dst, remote, nbytes, 0);
+}
+
+static int cma_write(shm_comm *c, int q, uint64_t remote, const void *src, size_t nbytes)
+{
+    return cma_copy(c, q, (void *)src, remote, nbytes, 1);
+}
 
 int shm_barrier(shm_comm *c)
 {
@@ -422,26 +452,6 @@ int shm_barrier(shm_comm *c)
     uint32_t s = ++c->seq;
     post(c, s);
     TRY(c, wait_posts(c, s));
-    return SHM_OK;
-}
-
-/* Copy nbytes from `src` here to `remote` in rank q's address space (one kernel copy). */
-static int cma_write(shm_comm *c, int q, uint64_t remote, const void *src, size_t nbytes)
-{
-    pid_t pid = (pid_t)atomic_load(&c->ctl[q].info.pid);
-    while (nbytes) {
-        struct iovec l = {(void *)src, nbytes}, r = {(void *)(uintptr_t)remote, nbytes};
-        ssize_t k = process_vm_writev(pid, &l, 1, &r, 1, 0);
-        if (k <= 0) {
-            if (k < 0 && errno == EINTR)
-                continue;
-            c->err_peer = q;
-            return k < 0 && errno == ESRCH ? SHM_EPEERDEAD : SHM_ESYS;
-        }
-        src = (const char *)src + k;
-        remote += (uint64_t)k;
-        nbytes -= (size_t)k;
-    }
     return SHM_OK;
 }
 
@@ -691,26 +701,6 @@ int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op)
 int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root)
 {
     return reduce_impl(c, buf, count, dtype, op, root);
-}
-
-/* Copy nbytes at `remote` in rank q's address space to `dst` (one kernel copy). */
-static int cma_read(shm_comm *c, int q, void *dst, uint64_t remote, size_t nbytes)
-{
-    pid_t pid = (pid_t)atomic_load(&c->ctl[q].info.pid);
-    while (nbytes) {
-        struct iovec l = {dst, nbytes}, r = {(void *)(uintptr_t)remote, nbytes};
-        ssize_t k = process_vm_readv(pid, &l, 1, &r, 1, 0);
-        if (k <= 0) {
-            if (k < 0 && errno == EINTR)
-                continue;
-            c->err_peer = q;
-            return k < 0 && errno == ESRCH ? SHM_EPEERDEAD : SHM_ESYS;
-        }
-        dst = (char *)dst + k;
-        remote += (uint64_t)k;
-        nbytes -= (size_t)k;
-    }
-    return SHM_OK;
 }
 
 /* Single-copy gather: every rank posts the address of its block; readers copy each
