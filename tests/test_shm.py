@@ -634,3 +634,21 @@ def test_peer_killed_in_single_copy_op_raises(op):
         pool.run(die_in_single_copy, 1, op, timeout=TIMEOUT + 30)
     msg = str(ei.value)
     assert "died" in msg or "DistBackendError" in msg
+
+
+def setup_mixed_env(ctx):
+    """Rank 1's environment says "never single copy, one-shot up to 64 bytes"; rank 0's
+    the defaults. The thresholds must come from rank 0, or the ranks would pick different
+    algorithms for the same call and hang or corrupt."""
+    if ctx.rank == 1:
+        os.environ.update(COLLECTIVES_SHM_CMA_BCAST_MIN="0", COLLECTIVES_SHM_CMA_MIN="0",
+                          COLLECTIVES_SHM_ONESHOT_MAX="64")
+    return setup_backend(ctx, "shm")
+
+
+@pytest.mark.timeout(120)
+def test_thresholds_come_from_rank_0_whatever_the_other_ranks_environment():
+    pool = get_pool(2, setup=setup_mixed_env, env={"MIXED_ENV_TEST": "1"})
+    for name in ("broadcast", "all_gather", "all_reduce"):
+        for count in (5, 3000, 70000, 300000):
+            assert pool.run(run_op, name, 11, D.FLOAT32, count, D.SUM, 0, timeout=60) == [True] * 2

@@ -47,6 +47,13 @@ DEFAULT_CMA_BCAST_MIN = 64 * 1024
 DEFAULT_CMA_AR_MIN = 4 * 1024 * 1024
 
 
+_TUNING = (("COLLECTIVES_SHM_ONESHOT_MAX", DEFAULT_ONESHOT_MAX),
+           ("COLLECTIVES_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES),
+           ("COLLECTIVES_SHM_CMA_MIN", DEFAULT_CMA_MIN),
+           ("COLLECTIVES_SHM_CMA_BCAST_MIN", DEFAULT_CMA_BCAST_MIN),
+           ("COLLECTIVES_SHM_CMA_AR_MIN", DEFAULT_CMA_AR_MIN))
+
+
 def _env_int(name, default):
     v = os.environ.get(name)
     return int(v) if v else default
@@ -85,31 +92,32 @@ class ShmBackend(Backend):
         # a store reused by a later group of the same prefix gets a fresh key
         key = f"shm/segment/{(store.add('shm/init', 1) - 1) // size}"
         if rank == 0:
+            # every rank must pick the same algorithm for a call: rank 0's thresholds
+            # travel with the segment's name, whatever the others' environments say
+            tuning = ",".join(str(_env_int(var, default)) for var, default in _TUNING)
             name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
             self._comm = ShmComm(name, True, rank, size, half, ring, tmo, self.label)
             try:
-                store.set(key, name)
+                store.set(key, f"{name};{tuning}")
             except BaseException:
                 unlink(name)
                 raise
         else:
-            name = store.get(key)
-            name = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+            value = store.get(key)
+            value = value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+            name, _, tuning = value.partition(";")
             self._comm = ShmComm(name, False, rank, size, half, ring, tmo, self.label)
         try:
             self._comm.barrier()  # every rank has mapped the segment
         finally:
             if rank == 0:
                 unlink(name)
-        self._comm.set_thresholds(_env_int("COLLECTIVES_SHM_ONESHOT_MAX", DEFAULT_ONESHOT_MAX),
-                                  _env_int("COLLECTIVES_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
-        cma_min = _env_int("COLLECTIVES_SHM_CMA_MIN", DEFAULT_CMA_MIN)
-        cma_bcast_min = _env_int("COLLECTIVES_SHM_CMA_BCAST_MIN", DEFAULT_CMA_BCAST_MIN)
-        cma_ar_min = _env_int("COLLECTIVES_SHM_CMA_AR_MIN", DEFAULT_CMA_AR_MIN)
-        # collective: every rank gets the same answer
-        self.single_copy = bool(cma_min or cma_bcast_min or cma_ar_min) and self._comm.cma_probe()
+        oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min = map(int, tuning.split(","))
+        self._comm.set_thresholds(oneshot_max, chunk_bytes)
+        self.single_copy = self._comm.cma_probe()  # collective: every rank gets the same answer
         if self.single_copy:
             self._comm.set_cma_min(cma_min, cma_bcast_min, cma_ar_min)
+        self.single_copy = self.single_copy and bool(cma_min or cma_bcast_min or cma_ar_min)
         self.segment_name = name
         self._p2p = None
         self._p2p_lock = threading.Lock()
