@@ -606,6 +606,26 @@ def test_single_copy_all_reduce_bitwise_identical(count):
         assert res[0] == res[1]
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [3, 4])
+@SETTINGS
+@given(data=st.data())
+def test_single_copy_ops_match_numpy_on_more_ranks_than_cores(world, data):
+    """The single-copy paths with 3 and 4 ranks (reader splits, slice owners), forced on
+    where the ranks outnumber the cores (COLLECTIVES_SHM_CMA_ANY_CORES), as a machine with
+    more cores would run them."""
+    if not _cma_permitted():
+        pytest.skip("process_vm_readv is not permitted between processes here")
+    pool = pool_for(world, env=dict(ENV_CMA, COLLECTIVES_SHM_CMA_ANY_CORES="1"))
+    assert pool.run(single_copy) == [True] * world
+    name = data.draw(st.sampled_from(["all_gather", "gather", "broadcast", "all_reduce"]), "op")
+    dtype = data.draw(st.sampled_from([D.FLOAT32, D.INT32, D.FLOAT64, D.UINT8]), "dtype")
+    count = data.draw(st.one_of(st.sampled_from([0, 1, 2, 3, 4099]), st.integers(0, 90000)))
+    root = data.draw(st.integers(0, world - 1), "root")
+    seed = data.draw(st.integers(0, 1000), "seed")
+    assert pool.run(run_op, name, seed, dtype, count, D.SUM, root, timeout=60) == [True] * world
+
+
 def die_in_single_copy(ctx, victim, op):
     from collectives.errors import DistBackendError
     be = ctx.state["be"]

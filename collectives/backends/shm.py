@@ -36,7 +36,8 @@ DEFAULT_ONESHOT_MAX = 64 * 1024
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 # all_gather/gather blocks, broadcasts and all_reduces from these sizes go in one copy
 # (process_vm_readv) where the ranks may read each other's memory and each has a core;
-# COLLECTIVES_SHM_CMA_MIN / _CMA_BCAST_MIN / _CMA_AR_MIN = 0 turn that off. Broadcast:
+# COLLECTIVES_SHM_CMA_MIN / _CMA_BCAST_MIN / _CMA_AR_MIN = 0 turn that off, and
+# COLLECTIVES_SHM_CMA_ANY_CORES=1 allows it with more ranks than cores (the tests use it). Broadcast:
 # single copy from 64 KiB is as fast or faster at 64-256 KiB, 1.3-1.5x slower from 1 MiB
 # while the VM's two cores share caches well, and 4-8x faster while they do not (see
 # shm_coll.c); it is the steady choice.
