@@ -99,8 +99,8 @@ cdef class Buffer:
         return _make(self.ptr + start * self.itemsize, stop - start, self.dtype, self.device, self.obj)
 
     def __repr__(self):
-        return (f"Buffer(ptr=0x{self.ptr:x}, count={self.count}, "
-                f"dtype={_D.DTYPE_NAMES[self.dtype]}, device={self.device})")
+        from .tensors import _buffer_repr
+        return _buffer_repr(self)
 
     def __getbuffer__(self, Py_buffer *view, int flags):
         """Host memory as writable bytes (the buffer protocol), so mpi4py and memoryview

@@ -79,17 +79,21 @@ class _PyBuffer:
 
     def slice(self, start, stop):
         """Elements [start, stop) as a Buffer sharing this memory."""
-        return Buffer(self.ptr + start * self.itemsize, stop - start, self.dtype, self.device, self.obj)
+        return type(self)(self.ptr + start * self.itemsize, stop - start, self.dtype, self.device,
+                          self.obj)
 
     def __repr__(self):
-        return (f"Buffer(ptr=0x{self.ptr:x}, count={self.count}, "
-                f"dtype={D.DTYPE_NAMES[self.dtype]}, device={self.device})")
+        return _buffer_repr(self)
 
 
 try:
     from ._buffer import Buffer
 except ImportError:  # extensions not built: the pure-Python type
     Buffer = _PyBuffer
+
+
+def _buffer_repr(b):
+    return f"Buffer(ptr=0x{b.ptr:x}, count={b.count}, dtype={D.DTYPE_NAMES[b.dtype]}, device={b.device})"
 
 
 def _buffer_numpy(b):

@@ -84,6 +84,7 @@ def test_both_buffer_types_behave_alike(cls):
     b = cls(a.__array_interface__["data"][0], 6, D.FLOAT64, -1, a)
     assert (b.itemsize, b.nbytes) == (8, 48)
     assert b.slice(2, 4).numpy().tolist() == [2.0, 3.0]
+    assert type(b.slice(2, 4)) is cls
     assert b.bytes_view().size == 48
     assert "count=6" in repr(b) and "float64" in repr(b)
     b.count = 3  # attributes stay assignable
