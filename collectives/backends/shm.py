@@ -12,8 +12,10 @@ that both send large messages first cannot deadlock.
 Tunables (environment): COLLECTIVES_SHM_HALF_BYTES (bytes per half data slot),
 COLLECTIVES_SHM_ONESHOT_MAX (largest all_reduce done one-shot),
 COLLECTIVES_SHM_CHUNK_BYTES (two-shot chunk), COLLECTIVES_SHM_SPIN (polls before a
-waiting rank yields) and COLLECTIVES_SHM_YIELD_US (how long it yields before it
-sleeps on a futex).
+waiting rank yields), COLLECTIVES_SHM_YIELD_US (how long it yields before it
+sleeps on a futex) and COLLECTIVES_SHM_LLC_BYTES (the last-level cache size, read
+from sysfs by default: an all_gather output over half of it gets the local block
+with streaming stores).
 """
 import collections
 import os

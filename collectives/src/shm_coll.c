@@ -19,6 +19,9 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define CL 64
 #define PAGE 4096
@@ -84,6 +87,7 @@ struct shm_comm {
     size_t cma_min;       /* all_gather/gather blocks of at least this many bytes use it */
     size_t cma_bcast_min; /* broadcasts of at least this many bytes use it */
     size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) use it */
+    size_t llc;           /* bytes of last-level cache */
     char *cma_tmp;        /* (n - 1) * CMA_AR_CHUNK bytes for peers' chunks, made on first use */
     _Atomic int broken;
     _Atomic int aborted;
@@ -214,6 +218,40 @@ static void layout(int n, size_t half, size_t ring, size_t *ctl_off, size_t *slo
     *total = *rdata_off + (size_t)n * n * ring;
 }
 
+/* Size of the largest cache of cpu0, from sysfs (glibc's sysconf reports 320 MiB of L3
+ * on a VM whose sysfs and lscpu say 32 MiB); 8 MiB when unknown. */
+static size_t llc_bytes(void)
+{
+    size_t best = 0;
+    int best_level = 0;
+    for (int i = 0; i < 8; i++) {
+        char path[96], buf[32];
+        int level = 0;
+        unsigned long long v = 0;
+        char unit = 0;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            break;
+        if (fscanf(f, "%d", &level) != 1)
+            level = 0;
+        fclose(f);
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        if (!(f = fopen(path, "r")))
+            continue;
+        int got = fgets(buf, sizeof buf, f) != NULL && sscanf(buf, "%llu%c", &v, &unit) >= 1;
+        fclose(f);
+        if (!got)
+            continue;
+        v <<= unit == 'K' ? 10 : unit == 'M' ? 20 : unit == 'G' ? 30 : 0;
+        if (level > best_level || (level == best_level && v > best)) {
+            best_level = level;
+            best = (size_t)v;
+        }
+    }
+    return best ? best : (size_t)8 << 20;
+}
+
 int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int size,
                   size_t half_bytes, size_t ring_bytes, double timeout_s, int *sys_errno)
 {
@@ -284,6 +322,10 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
     c->rctl = (ring_ctl_t *)(c->base + rctl_off);
     c->rdata = c->base + rdata_off;
     c->err_peer = -1;
+    c->llc = llc_bytes();
+    const char *llc_env = getenv("COLLECTIVES_SHM_LLC_BYTES");
+    if (llc_env && *llc_env)
+        c->llc = (size_t)strtoull(llc_env, NULL, 10);
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     if (ncpu < 1)
         ncpu = 1;
@@ -408,6 +450,35 @@ static inline void copy(void *dst, const void *src, size_t n)
 {
     if (dst != src && n)
         memmove(dst, src, n);
+}
+
+/* Copy that streams its stores past the caches (x86 SSE2), for large copies whose
+ * destination is not read again soon: it leaves the shared cache to the source blocks
+ * that other ranks are about to read, and skips reading the destination lines first. */
+static void copy_stream(void *dst, const void *src, size_t n)
+{
+#if defined(__SSE2__)
+    char *d = dst;
+    const char *s = src;
+    if (n >= 4096 && d != s) {
+        size_t lead = (size_t)(-(uintptr_t)d & 63);
+        memcpy(d, s, lead);
+        d += lead, s += lead, n -= lead;
+        for (; n >= 64; n -= 64, d += 64, s += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)s);
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + 32));
+            __m128i f = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)d, a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), e);
+            _mm_stream_si128((__m128i *)(d + 48), f);
+        }
+        _mm_sfence();
+        dst = d, src = s;
+    }
+#endif
+    copy(dst, src, n);
 }
 
 /* ---- collectives ------------------------------------------------------------- */
@@ -713,10 +784,20 @@ static int gather_cma(shm_comm *c, void *out, const void *in, size_t nbytes, int
     atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)in, memory_order_relaxed);
     uint32_t s = ++c->seq;
     post(c, s);
+    /* the output is over half the last-level cache: stream the local block into it */
+    int past_llc = (size_t)n * nbytes * 2 > c->llc;
     if (reader) {
-        copy((char *)out + (size_t)me * nbytes, in, nbytes);
-        for (int k = 1; k < n; k++) {
-            int q = (me + k) % n;
+        /* every reader goes through the blocks in rank order, so the ranks read the same
+         * block at about the same time and all but the first find it in the shared cache
+         * (measured, two ranks, 4 MiB each: 405 -> 305 us) */
+        for (int q = 0; q < n; q++) {
+            if (q == me) {
+                if (past_llc)
+                    copy_stream((char *)out + (size_t)me * nbytes, in, nbytes);
+                else
+                    copy((char *)out + (size_t)me * nbytes, in, nbytes);
+                continue;
+            }
             TRY(c, wait_post(c, q, s));
             uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
             TRY(c, cma_read(c, q, (char *)out + (size_t)q * nbytes, addr, nbytes));
