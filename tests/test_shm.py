@@ -628,6 +628,23 @@ def test_single_copy_ops_match_numpy_on_more_ranks_than_cores(world, data):
     assert pool.run(run_op, name, seed, dtype, count, D.SUM, root, timeout=60) == [True] * world
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+@settings(SETTINGS, max_examples=15)
+@given(data=st.data())
+def test_two_copy_gather_streamed_into_output_matches_numpy(world, data):
+    """The two-copy all_gather and gather with a 4 KiB "last-level cache", so that the
+    copies out of the segment stream past the cache (odd lengths: unaligned blocks)."""
+    pool = pool_for(world, env=dict(ENV_SMALL, COLLECTIVES_SHM_CMA_MIN="0",
+                                    COLLECTIVES_SHM_LLC_BYTES="4096"))
+    name = data.draw(st.sampled_from(["all_gather", "gather"]), "op")
+    dtype = data.draw(st.sampled_from([D.UINT8, D.FLOAT32, D.FLOAT64]), "dtype")
+    count = data.draw(st.one_of(st.sampled_from([1, 4097, 12345]), st.integers(0, 70000)))
+    root = data.draw(st.integers(0, world - 1), "root")
+    seed = data.draw(st.integers(0, 1000), "seed")
+    assert pool.run(run_op, name, seed, dtype, count, D.SUM, root, timeout=60) == [True] * world
+
+
 def die_in_single_copy(ctx, victim, op):
     from collectives.errors import DistBackendError
     be = ctx.state["be"]
