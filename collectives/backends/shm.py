@@ -11,7 +11,7 @@ that both send large messages first cannot deadlock.
 
 Tunables (environment): COLLECTIVES_SHM_HALF_BYTES (bytes per half data slot),
 COLLECTIVES_SHM_ONESHOT_MAX (largest all_reduce done one-shot),
-COLLECTIVES_SHM_CHUNK_BYTES (two-shot chunk), COLLECTIVES_SHM_SPIN (polls before a
+COLLECTIVES_SHM_CHUNK_BYTES (all_reduce/reduce two-shot chunk), COLLECTIVES_SHM_SPIN (polls before a
 waiting rank yields), COLLECTIVES_SHM_YIELD_US (how long it yields before it
 sleeps on a futex) and COLLECTIVES_SHM_LLC_BYTES (the last-level cache size, read
 from sysfs by default: an all_gather output over half of it gets the local block
@@ -30,12 +30,16 @@ from .base import Backend, DoneRequest, FutureRequest
 
 _HDR = struct.Struct("<qq")  # tag, payload bytes
 
-# Thresholds from bench/bench_shm.py on the (busy, 2-core) development machines: 1 MiB
-# chunks beat 256/512 KiB by 1.5-2x at 1-16 MiB (fewer synchronisations per byte
-# matter most when ranks share cores); one-shot up to 64 KiB (one synchronisation).
+# Thresholds from measurements on the (busy, 2-core) development machines. one-shot up
+# to 64 KiB (one synchronisation). Two-shot chunks of 512 KiB: 4 ranks, two-shot
+# all_reduce against 1 MiB chunks, the same at 1-2 MiB, 0.89x at 4 MiB, 0.84x at 8 MiB,
+# 0.86x at 16 MiB (the chunks the ranks reduce stay in the shared cache); 256 KiB was
+# slower at 1-2 MiB. (Before the waits spun briefly and then yielded, 1 MiB chunks had
+# measured 1.5-2x faster than 256-512 KiB: fewer synchronisations per byte.) Broadcast
+# goes in whole halves.
 DEFAULT_HALF_BYTES = 2 * 1024 * 1024
 DEFAULT_ONESHOT_MAX = 64 * 1024
-DEFAULT_CHUNK_BYTES = 1024 * 1024
+DEFAULT_CHUNK_BYTES = 512 * 1024
 # all_gather/gather blocks, broadcasts and all_reduces from these sizes go in one copy
 # (process_vm_readv) where the ranks may read each other's memory and each has a core;
 # COLLECTIVES_SHM_CMA_MIN / _CMA_BCAST_MIN / _CMA_AR_MIN = 0 turn that off, and

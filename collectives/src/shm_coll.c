@@ -593,8 +593,9 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root)
         return SHM_OK;
     if (c->cma && c->cma_bcast_min && nbytes >= c->cma_bcast_min)
         return broadcast_cma(c, buf, nbytes, root);
+    /* whole halves: measured as fast as 1 MiB blocks or faster (4 ranks, 2 cores) */
     for (size_t off = 0; off < nbytes;) {
-        size_t len = nbytes - off < c->chunk ? nbytes - off : c->chunk;
+        size_t len = nbytes - off < c->half ? nbytes - off : c->half;
         int h = (int)(c->blk & 1);
         uint32_t s;
         if (c->me == root) {
