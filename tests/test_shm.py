@@ -447,6 +447,62 @@ def test_no_segment_left_after_exit_and_shutdown():
     assert shm_segments() <= before
 
 
+_CREATOR_SCRIPT = r"""
+import sys, time
+from collectives._shm import ShmComm
+c = ShmComm(sys.argv[1], True, 0, 2, 1 << 16, 1 << 12, 5.0)
+print("created", flush=True)
+time.sleep(120)
+"""
+
+
+def _start_creator(name):
+    """A process that creates a 2-rank segment and never gets to unlink its name, as a
+    rank 0 that waits for a peer that never maps it."""
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", _CREATOR_SCRIPT, name], stdout=subprocess.PIPE,
+                         text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.stdout.readline().strip() == "created"
+    return p
+
+
+@pytest.mark.timeout(120)
+def test_segment_of_a_killed_creator_is_swept_by_the_next_group():
+    """A rank 0 SIGKILLed between creating its segment and unlinking the name leaves it in
+    /dev/shm; the sweep at the next group's creation removes it, but never the segment of
+    a creator that still lives, nor one created in the last few seconds."""
+    from collectives.backends.shm import ShmBackend, sweep_stale_segments
+    from collectives.store import HashStore
+    tag = os.urandom(4).hex()
+    live = f"/collectives-{os.getuid()}-1-live{tag}"
+    dead = f"/collectives-{os.getuid()}-2-dead{tag}"
+    p_live, p_dead = _start_creator(live), _start_creator(dead)
+    try:
+        old = time.time() - 3600
+        for name in (live, dead):
+            os.utime("/dev/shm" + name, (old, old))
+        assert sweep_stale_segments(min_age=0) == []  # both creators hold their locks
+        p_dead.kill()
+        p_dead.wait()
+        assert "/dev/shm" + dead in shm_segments()
+        os.utime("/dev/shm" + dead)  # just touched: too young to sweep
+        assert dead[1:] not in sweep_stale_segments()
+        os.utime("/dev/shm" + dead, (old, old))
+        be = ShmBackend(HashStore(), 0, 1, 10.0)  # rank 0 of a new group sweeps first
+        assert "/dev/shm" + dead not in shm_segments()
+        assert "/dev/shm" + live in shm_segments()
+        be.shutdown()
+    finally:
+        p_live.kill()
+        p_live.wait()
+        p_dead.kill()
+        from collectives._shm import unlink
+        unlink(live)
+        unlink(dead)
+    assert "/dev/shm" + live not in shm_segments()
+
+
 def frontend_p2p_and_all_reduce(ctx):
     """Through the front end (torch tensors): the default group is shared memory."""
     import torch

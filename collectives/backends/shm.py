@@ -66,6 +66,47 @@ def _env_int(name, default):
     return int(v) if v else default
 
 
+# a segment younger than this is never swept: its creator may not have locked it yet
+SWEEP_MIN_AGE_S = 5.0
+
+
+def sweep_stale_segments(min_age=SWEEP_MIN_AGE_S, shm_dir="/dev/shm"):
+    """Unlink this user's segments whose creator died before unlinking the name.
+
+    The creating rank holds a shared flock on its segment while it lives (shm_coll.c)
+    and unlinks the name once every rank has mapped it; a name still linked that no
+    process locks was left by a creator killed in between. Rank 0 sweeps before it
+    creates a segment, so such a leak lasts until the next group on this host.
+    Returns the names removed.
+    """
+    import fcntl
+    import time
+    prefix = f"collectives-{os.getuid()}-"
+    removed = []
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    now = time.time()
+    for n in names:
+        path = os.path.join(shm_dir, n)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < min_age:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody holds it: creator gone
+            os.unlink(path)
+            removed.append(n)
+        except OSError:
+            pass  # locked (its creator lives), or gone already
+        finally:
+            os.close(fd)
+    return removed
+
+
 def shm_available():
     """True when the _shm extension is built and /dev/shm is usable."""
     try:
@@ -102,6 +143,7 @@ class ShmBackend(Backend):
             # every rank must pick the same algorithm for a call: rank 0's thresholds
             # travel with the segment's name, whatever the others' environments say
             tuning = ",".join(str(_env_int(var, default)) for var, default in _TUNING)
+            sweep_stale_segments()
             name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
             self._comm = ShmComm(name, True, rank, size, half, ring, tmo, self.label)
             try:

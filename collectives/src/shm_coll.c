@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -88,6 +89,7 @@ struct shm_comm {
     size_t cma_bcast_min; /* broadcasts of at least this many bytes use it */
     size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) use it */
     size_t llc;           /* bytes of last-level cache */
+    int lock_fd;          /* the creator's descriptor of the segment, locked (else -1) */
     char *cma_tmp;        /* (n - 1) * CMA_AR_CHUNK bytes for peers' chunks, made on first use */
     _Atomic int broken;
     _Atomic int aborted;
@@ -270,7 +272,11 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
         *sys_errno = errno;
         return SHM_ESYS;
     }
-    if (create && ftruncate(fd, (off_t)total) != 0) {
+    /* The creator holds a shared lock on the segment while its process lives (the lock
+     * goes with the process, however it ends): a segment whose name is still linked but
+     * that nobody locks was left by a creator killed before it could unlink the name, and
+     * a later creator sweeps it away (backends/shm.py). */
+    if (create && (flock(fd, LOCK_SH | LOCK_NB) != 0 || ftruncate(fd, (off_t)total) != 0)) {
         *sys_errno = errno;
         close(fd);
         shm_unlink(name);
@@ -285,7 +291,8 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
     }
     void *p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     *sys_errno = errno;
-    close(fd);
+    if (p == MAP_FAILED || !create)
+        close(fd);
     if (p == MAP_FAILED) {
         if (create)
             shm_unlink(name);
@@ -307,8 +314,11 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
     shm_comm *c = calloc(1, sizeof *c);
     if (!c) {
         munmap(p, total);
+        if (create)
+            close(fd);
         return SHM_ESYS;
     }
+    c->lock_fd = create ? fd : -1;
     c->base = p;
     c->total = total;
     c->n = size;
@@ -361,6 +371,8 @@ void shm_comm_close(shm_comm *c)
     if (!c)
         return;
     munmap(c->base, c->total);
+    if (c->lock_fd >= 0)
+        close(c->lock_fd);
     free(c->cma_tmp);
     free(c);
 }
