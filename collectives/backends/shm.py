@@ -49,9 +49,11 @@ DEFAULT_CHUNK_BYTES = 512 * 1024
 # shm_coll.c); it is the steady choice.
 DEFAULT_CMA_MIN = 256 * 1024
 DEFAULT_CMA_BCAST_MIN = 64 * 1024
-# all_reduce: single copy from 4 MiB, where it measured 0.95x the two-shot path's time
-# (1 MiB: 1.35x slower, so two-shot stays below)
-DEFAULT_CMA_AR_MIN = 4 * 1024 * 1024
+# all_reduce: single copy is off by default (0). Against two-shot with 1 MiB chunks it
+# measured 0.95x at 4 MiB, but two-shot with 512 KiB chunks takes 0.65-0.8x its time at
+# 1-16 MiB (2 ranks: 1 MiB 69 vs 111 us, 4 MiB 248 vs 350 us, 16 MiB 1374 vs 2105 us).
+# COLLECTIVES_SHM_CMA_AR_MIN=BYTES turns it on from that size.
+DEFAULT_CMA_AR_MIN = 0
 
 
 _TUNING = (("COLLECTIVES_SHM_ONESHOT_MAX", DEFAULT_ONESHOT_MAX),
