@@ -219,8 +219,9 @@ def segment_name(ctx):
     return ctx.state["be"].segment_name
 
 
-def die_in_collective(ctx, victim):
-    """The victim SIGKILLs itself; the others must raise DistBackendError within the timeout."""
+def die_in_collective(ctx, victim, op="all_reduce"):
+    """The victim SIGKILLs itself; the others, in `op` (then a barrier), must raise
+    DistBackendError within the timeout."""
     from collectives.errors import DistBackendError
     be = ctx.state["be"]
     if ctx.rank == victim:
@@ -228,7 +229,13 @@ def die_in_collective(ctx, victim):
     t0 = time.monotonic()
     try:
         a = np.ones(1 << 20, np.float32)
-        be.all_reduce(to_buffer(a), D.SUM)
+        if op == "broadcast":
+            be.broadcast(to_buffer(a), victim)
+        elif op == "all_reduce":
+            be.all_reduce(to_buffer(a), D.SUM)
+        else:
+            out = np.empty(ctx.world_size << 20, np.float32)
+            be.all_gather(to_buffer(out), to_buffer(a))
         be.barrier()
     except DistBackendError as e:
         return ("raised", time.monotonic() - t0, str(e))
@@ -701,32 +708,12 @@ def test_two_copy_gather_streamed_into_output_matches_numpy(world, data):
     assert pool.run(run_op, name, seed, dtype, count, D.SUM, root, timeout=60) == [True] * world
 
 
-def die_in_single_copy(ctx, victim, op):
-    from collectives.errors import DistBackendError
-    be = ctx.state["be"]
-    if ctx.rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        a = np.ones(1 << 20, np.float32)
-        if op == "broadcast":
-            be.broadcast(to_buffer(a), victim)
-        elif op == "all_reduce":
-            be.all_reduce(to_buffer(a), D.SUM)
-        else:
-            out = np.empty(ctx.world_size << 20, np.float32)
-            be.all_gather(to_buffer(out), to_buffer(a))
-    except DistBackendError as e:
-        return ("raised", time.monotonic() - t0, str(e))
-    return ("no error", time.monotonic() - t0, "")
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("op", ["all_gather", "broadcast", "all_reduce"])
 def test_peer_killed_in_single_copy_op_raises(op):
     pool = get_pool(2, setup=setup_backend, setup_args=("shm",), env=dict(ENV_CMA, KILLTEST="cma"))
     with pytest.raises(RankError) as ei:
-        pool.run(die_in_single_copy, 1, op, timeout=TIMEOUT + 30)
+        pool.run(die_in_collective, 1, op, timeout=TIMEOUT + 30)
     msg = str(ei.value)
     assert "died" in msg or "DistBackendError" in msg
 
