@@ -645,14 +645,11 @@ static void slice_of(size_t cnt, int n, int q, size_t *st, size_t *len)
  * being read when its owner's peers overwrite it); the acks of s2 = every rank has read
  * the finished slices (so no one returns while its buffer is still being read). */
 #define CMA_AR_CHUNK (256 * 1024)
-static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int op, size_t isz)
+static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int op, size_t isz,
+                          const void **srcs /* n entries, the caller's */)
 {
     int n = c->n, me = c->me;
     if (!c->cma_tmp && !(c->cma_tmp = malloc((size_t)(n - 1) * CMA_AR_CHUNK)))
-        return SHM_ESYS;
-    const void *stack_srcs[MAX_STACK_SRCS];
-    const void **srcs = n <= MAX_STACK_SRCS ? stack_srcs : malloc(sizeof(void *) * (size_t)n);
-    if (!srcs)
         return SHM_ESYS;
     int rc = SHM_OK;
     char *ubuf = buf;
@@ -660,7 +657,7 @@ static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int o
     uint32_t s1 = ++c->seq;
     post(c, s1);
     if ((rc = wait_posts(c, s1)))
-        goto out;
+        return rc;
     size_t st, len;
     slice_of(count, n, me, &st, &len);
     size_t ce = CMA_AR_CHUNK / isz;
@@ -674,32 +671,29 @@ static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int o
             char *tmp = c->cma_tmp + (size_t)(k - 1) * CMA_AR_CHUNK;
             uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
             if ((rc = cma_read(c, q, tmp, addr + at, cnt * isz)))
-                goto out;
+                return rc;
             srcs[k++] = tmp;
         }
         if ((rc = coll_reduce_many(ubuf + at, srcs, n, cnt, dtype, op)))
-            goto out;
+            return rc;
     }
     uint32_t s2 = ++c->seq;
     post(c, s2);
     for (int k = 1; k < n; k++) {
         int q = (me + k) % n;
         if ((rc = wait_post(c, q, s2)))
-            goto out;
+            return rc;
         size_t qst, qlen;
         slice_of(count, n, q, &qst, &qlen);
         uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
         if (qlen && (rc = cma_read(c, q, ubuf + qst * isz, addr + qst * isz, qlen * isz)))
-            goto out;
+            return rc;
     }
     ack(c, s2);
     for (int q = 0; q < n; q++)
         if (q != me && (rc = wait_ctr(c, &c->ctl[q].ack, s2, q, -1)))
-            goto out;
-out:
-    if (srcs != stack_srcs)
-        free((void *)srcs);
-    return fail(c, rc);
+            return rc;
+    return SHM_OK;
 }
 
 /* Reduce to every rank (root < 0) or to root only. */
@@ -740,7 +734,7 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         goto out;
     }
     if (root < 0 && c->cma && c->cma_ar_min && nbytes >= c->cma_ar_min) {
-        rc = all_reduce_cma(c, buf, count, dtype, op, isz);
+        rc = all_reduce_cma(c, buf, count, dtype, op, isz, srcs);
         goto out;
     }
     /* two-shot: each rank reduces its own slice of the chunk (from its own buffer and
