@@ -23,6 +23,9 @@ cdef extern from "shm_coll.h" nogil:
     int shm_cma_probe(shm_comm *c)
     int shm_cma_enabled(const shm_comm *c)
     void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min)
+    void shm_comm_set_stream(shm_comm *c, int mode)
+    int shm_comm_far(const shm_comm *c)
+    int shm_comm_peer_distance(const shm_comm *c, int q)
     int shm_comm_error_peer(const shm_comm *c)
     uint32_t shm_comm_seq(const shm_comm *c)
     size_t shm_comm_half_bytes(const shm_comm *c)
@@ -154,6 +157,23 @@ cdef class ShmComm:
         least ``bcast_min`` bytes and all_reduces of at least ``ar_min`` bytes go in one
         copy (0: never)."""
         shm_comm_set_cma_min(self._live("set_cma_min"), gather_min, bcast_min, ar_min)
+
+    def set_stream(self, int mode):
+        """Segment writes for other ranks: 0 plain stores, 1 streaming stores, 2 streaming
+        while latency probes find the peers mostly far (on another die or socket).
+        Every rank of the group must pass the same mode (the probes pair ranks up)."""
+        if mode not in (0, 1, 2):
+            raise ValueError(f"mode must be 0, 1 or 2, got {mode!r}")
+        shm_comm_set_stream(self._live("set_stream"), mode)
+
+    @property
+    def far(self):
+        """Whether this rank's segment writes stream now."""
+        return bool(shm_comm_far(self._live("far")))
+
+    def peer_distance(self, int q):
+        """What the latency probes last said of rank ``q``: 0 not measured, 1 near, 2 far."""
+        return shm_comm_peer_distance(self._live("peer_distance"), q)
 
     @property
     def cma(self):

@@ -278,12 +278,20 @@ def test_every_collective_matches_numpy(world, data):
     assert pool.run(run_op, name, seed, dtype, count, op, root, timeout=60) == [True] * world
 
 
+# segment writes with streaming stores, as a rank makes them while its peers are far;
+# chunks of a whole slot so that the slices are large enough to stream, broadcasts in two
+# copies (through the segment)
+ENV_STREAM = dict(ENV_SMALL, COLLECTIVES_SHM_STREAM="1", COLLECTIVES_SHM_CHUNK_BYTES=str(SMALL_HALF),
+                  COLLECTIVES_SHM_CMA_BCAST_MIN="0", COLLECTIVES_SHM_CMA_AR_MIN="0")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("count", [1, 5, 300, 5000, 100003])
 def test_all_reduce_bitwise_identical(world, count):
     """Random floats (order-sensitive sums): every rank holds exactly the same bytes."""
-    for env in (ENV_SMALL, {}):  # small slots (two-shot) and the defaults (one-shot)
+    # small slots (two-shot), the defaults (one-shot), two-shot with streamed writes
+    for env in (ENV_SMALL, {}, ENV_STREAM):
         pool = pool_for(world, env=env)
         for dtype in (D.FLOAT32, D.FLOAT16, D.FLOAT64):
             res = pool.run(run_float_all_reduce, count, count, dtype, timeout=60)
@@ -706,6 +714,53 @@ def test_two_copy_gather_streamed_into_output_matches_numpy(world, data):
     root = data.draw(st.integers(0, world - 1), "root")
     seed = data.draw(st.integers(0, 1000), "seed")
     assert pool.run(run_op, name, seed, dtype, count, D.SUM, root, timeout=60) == [True] * world
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3, 4])
+@settings(SETTINGS, max_examples=15)
+@given(data=st.data())
+def test_streamed_segment_writes_match_numpy(world, data):
+    """Two-shot all_reduce and reduce (each rank reduces its slice in place, then streams
+    it into the segment; a reduce's non-roots keep their buffers) and the two-copy
+    broadcast with streaming stores, odd lengths (unaligned slices)."""
+    pool = pool_for(world, env=ENV_STREAM)
+    assert pool.run(stream_state) == [(True, [0] * world)] * world
+    name = data.draw(st.sampled_from(["all_reduce", "reduce", "broadcast"]), "op")
+    dtype, op = data.draw(st.sampled_from(VALID), "dtype/op")
+    count = data.draw(st.one_of(st.sampled_from([1, 1025, 4097, 12345]), st.integers(0, 70000)))
+    root = data.draw(st.integers(0, world - 1), "root")
+    seed = data.draw(st.integers(0, 1000), "seed")
+    assert pool.run(run_op, name, seed, dtype, count, op, root, timeout=60) == [True] * world
+
+
+def stream_state(ctx):
+    comm = ctx.state["be"]._comm
+    return comm.far, [comm.peer_distance(q) for q in range(ctx.world_size)]
+
+
+def run_probed_all_reduces(ctx, calls, nbytes):
+    a = np.ones(nbytes // 4, np.float32)
+    for _ in range(calls):
+        ctx.state["be"].all_reduce(to_buffer(a), D.SUM)
+    return stream_state(ctx)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("far_ns, verdict", [("1", 2), ("1000000000", 1)])
+def test_latency_probes_decide_streaming(far_ns, verdict):
+    """COLLECTIVES_SHM_STREAM=2: large all_reduces now and then bounce a cache line
+    between two ranks; a round trip of COLLECTIVES_SHM_FAR_NS or more makes the peer far,
+    and a rank whose peers are far streams its segment writes. With a 1 ns bound every
+    measured peer is far, with 1 s every one is near."""
+    pool = get_pool(2, setup=setup_backend, setup_args=("shm",),
+                    env={"COLLECTIVES_SHM_STREAM": "2", "COLLECTIVES_SHM_FAR_NS": far_ns})
+    assert pool.run(stream_state) == [(False, [0, 0])] * 2  # nothing measured yet
+    # 256 KiB: the smallest step that probes; every 16th does, 10 probes in all
+    res = pool.run(run_probed_all_reduces, 160, 256 << 10, timeout=60)
+    for r, (far, dist) in enumerate(res):
+        assert dist[r] == 0 and dist[1 - r] == verdict, res
+        assert far == (verdict == 2), res
 
 
 @pytest.mark.timeout(180)

@@ -15,7 +15,9 @@ COLLECTIVES_SHM_CHUNK_BYTES (all_reduce/reduce two-shot chunk), COLLECTIVES_SHM_
 waiting rank yields), COLLECTIVES_SHM_YIELD_US (how long it yields before it
 sleeps on a futex) and COLLECTIVES_SHM_LLC_BYTES (the last-level cache size, read
 from sysfs by default: an all_gather output over half of it gets the local block
-with streaming stores).
+with streaming stores), COLLECTIVES_SHM_STREAM (0, 1 or 2: plain, streaming, or
+measured stores for the segment; see DEFAULT_STREAM) and COLLECTIVES_SHM_FAR_NS (the
+probe's cache-line round trip from which a peer counts as far, 250 by default).
 """
 import collections
 import os
@@ -54,13 +56,19 @@ DEFAULT_CMA_BCAST_MIN = 64 * 1024
 # 1-16 MiB (2 ranks: 1 MiB 69 vs 111 us, 4 MiB 248 vs 350 us, 16 MiB 1374 vs 2105 us).
 # COLLECTIVES_SHM_CMA_AR_MIN=BYTES turns it on from that size.
 DEFAULT_CMA_AR_MIN = 0
+# Segment writes for other ranks: 0 plain stores, 1 streaming (non-temporal) stores, 2
+# streaming while the ranks' latency probes find their peers on far cores (another die or
+# socket, where reading a line from the writer's cache is several times slower than from
+# memory; see shm_coll.c, "near and far peers"). COLLECTIVES_SHM_STREAM sets it.
+DEFAULT_STREAM = 2
 
 
 _TUNING = (("COLLECTIVES_SHM_ONESHOT_MAX", DEFAULT_ONESHOT_MAX),
            ("COLLECTIVES_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES),
            ("COLLECTIVES_SHM_CMA_MIN", DEFAULT_CMA_MIN),
            ("COLLECTIVES_SHM_CMA_BCAST_MIN", DEFAULT_CMA_BCAST_MIN),
-           ("COLLECTIVES_SHM_CMA_AR_MIN", DEFAULT_CMA_AR_MIN))
+           ("COLLECTIVES_SHM_CMA_AR_MIN", DEFAULT_CMA_AR_MIN),
+           ("COLLECTIVES_SHM_STREAM", DEFAULT_STREAM))
 
 
 def _env_int(name, default):
@@ -163,8 +171,10 @@ class ShmBackend(Backend):
         finally:
             if rank == 0:
                 unlink(name)
-        oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min = map(int, tuning.split(","))
+        (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min,
+         stream) = map(int, tuning.split(","))
         self._comm.set_thresholds(oneshot_max, chunk_bytes)
+        self._comm.set_stream(stream)
         self.single_copy = self._comm.cma_probe()  # collective: every rank gets the same answer
         if self.single_copy:
             self._comm.set_cma_min(cma_min, cma_bcast_min, cma_ar_min)

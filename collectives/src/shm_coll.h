@@ -47,6 +47,17 @@ void shm_comm_abort(shm_comm *c);              /* make every later and current w
  * (0: never) go in one copy instead of two. */
 int shm_cma_probe(shm_comm *c);
 int shm_cma_enabled(const shm_comm *c);
+/* Whether this rank's writes into the segment stream past the caches (non-temporal
+ * stores), so that ranks on far cores read them from memory instead of from this core's
+ * cache: SHM_STREAM_OFF, SHM_STREAM_ON, or SHM_STREAM_AUTO (measured, see shm_coll.c). */
+#define SHM_STREAM_OFF 0
+#define SHM_STREAM_ON 1
+#define SHM_STREAM_AUTO 2
+void shm_comm_set_stream(shm_comm *c, int mode);
+/* Whether this rank's segment writes stream now; what the probes last said of peer q
+ * (0 not measured, 1 near, 2 far). */
+int shm_comm_far(const shm_comm *c);
+int shm_comm_peer_distance(const shm_comm *c, int q);
 void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min);
 
 int shm_barrier(shm_comm *c);
