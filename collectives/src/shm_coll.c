@@ -874,7 +874,6 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
      * the others' copies) into its half, then every rank copies the other slices out.
      * Each element is computed once, by its owner, so all ranks get the same bytes. */
     size_t ce = c->chunk / isz;
-    tick(c, nbytes);
     /* far: reduce in place, then stream the result into the segment (not on a reduce's
      * non-roots, whose buffers stay as they were) */
     const int far = c->far && (root < 0 || root == me);
@@ -923,6 +922,7 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         }
         ack(c, s2);
     }
+    tick(c, nbytes);  /* here every rank has posted the last step: they arrive together */
 out:
     if (srcs != stack_srcs)
         free((void *)srcs);

@@ -1,0 +1,127 @@
+"""Segment stores of the shared-memory backend: plain, streaming and measured, side by side.
+
+usage: python bench/bench_stream.py [--world 2] [--ops all_reduce,broadcast]
+                                    [--sizes 1048576,16777216] [--samples 40] [--budget 0.05]
+
+The shm backend writes what other ranks read from its part of the segment with plain
+stores, with streaming (non-temporal) stores, or with whichever its latency probes call
+for (COLLECTIVES_SHM_STREAM 0, 1, 2; see collectives/src/shm_coll.c, "near and far
+peers"). This runs one group of --world ranks and, for every sample, times each of the
+three modes in turn (rotating order; every rank switches modes between barriers).
+Broadcasts go through the segment (single copy off). Each sample is labelled with what
+the measured mode's probes said on rank 0 at its end (far: the peers' cache-line round
+trip is COLLECTIVES_SHM_FAR_NS or more), and the table gives medians per label: on this
+project's VM the two vCPUs switch between close and far every few seconds to minutes, so
+a run of a minute or two usually sees both.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = (0, 1, 2)
+NAMES = {0: "plain", 1: "streaming", 2: "measured"}
+
+
+def worker(a):
+    from datetime import timedelta
+
+    from collectives import dtypes as D
+    from collectives.backends.shm import ShmBackend
+    from collectives.store import TCPStore
+    from collectives.tensors import to_buffer
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
+                     timeout=timedelta(seconds=60))
+    be = ShmBackend(store, rank, world, 60.0)
+    comm = be._comm
+
+    def agree(x):
+        v = np.array([x], np.int64)
+        be.broadcast(to_buffer(v), 0)
+        return int(v[0])
+
+    for op in a.ops.split(","):
+        for nbytes in (int(s) for s in a.sizes.split(",")):
+            arr = np.ones(max(1, nbytes // 4), np.float32)
+            buf = to_buffer(arr)
+            call = ((lambda: be.all_reduce(buf, D.SUM)) if op == "all_reduce"
+                    else (lambda: be.broadcast(buf, 0)))
+            for _ in range(20):  # the measured mode's first probes
+                call()
+            comm.set_stream(2)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                call()
+            iters = agree(max(16, int(a.budget / ((time.perf_counter() - t0) / 5))))
+            for s in range(a.samples):
+                us = {}
+                for k in range(len(MODES)):
+                    mode = MODES[(s + k) % len(MODES)]
+                    be.barrier()
+                    comm.set_stream(mode)
+                    be.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        call()
+                    us[mode] = (time.perf_counter() - t0) / iters * 1e6
+                    if mode == 2:
+                        far = comm.far
+                if rank == 0:
+                    print(json.dumps({"op": op, "bytes": nbytes, "far": far, "us": us}), flush=True)
+    be.shutdown()
+
+
+def launch(a):
+    from collectives.run import free_port
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLLECTIVES_SHM_CMA_BCAST_MIN="0",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MASTER_PORT=str(free_port()), WORLD_SIZE=str(a.world))
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--ops", a.ops, "--sizes", a.sizes,
+           "--samples", str(a.samples), "--budget", str(a.budget)]
+    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(a.world)]
+    rows = []
+    for r, p in enumerate(procs):
+        out, err = p.communicate(timeout=a.timeout)
+        rows += [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+        if p.returncode:
+            print(f"rank {r}: {err[-2000:]}", file=sys.stderr)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--ops", default="all_reduce,broadcast")
+    ap.add_argument("--sizes", default="1048576,16777216")
+    ap.add_argument("--samples", type=int, default=40)
+    ap.add_argument("--budget", type=float, default=0.05, help="seconds per mode per sample")
+    ap.add_argument("--timeout", type=float, default=900)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    groups = {}
+    for row in launch(a):
+        key = (row["op"], row["bytes"], "far" if row["far"] else "close")
+        groups.setdefault(key, []).append(row["us"])
+    print(f"world {a.world}: median us per call; samples labelled by the measured mode's verdict")
+    print(f"{'op':<11}{'size':>9}{'label':>7}{'n':>4}" + "".join(f"{NAMES[m]:>11}" for m in MODES)
+          + f"{'meas/plain':>12}{'meas/strm':>11}")
+    for (op, nbytes, label), samples in sorted(groups.items()):
+        med = {m: statistics.median(s[str(m)] for s in samples) for m in MODES}
+        size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+        print(f"{op:<11}{size:>9}{label:>7}{len(samples):>4}"
+              + "".join(f"{med[m]:11.1f}" for m in MODES)
+              + f"{med[2] / med[0]:12.2f}{med[2] / med[1]:11.2f}")
+
+
+if __name__ == "__main__":
+    main()
