@@ -51,8 +51,8 @@ def worker(a):
         for nbytes in (int(s) for s in a.sizes.split(",")):
             arr = np.ones(max(1, nbytes // 4), np.float32)
             buf = to_buffer(arr)
-            call = ((lambda: be.all_reduce(buf, D.SUM)) if op == "all_reduce"
-                    else (lambda: be.broadcast(buf, 0)))
+            call = ((lambda b=buf: be.all_reduce(b, D.SUM)) if op == "all_reduce"
+                    else (lambda b=buf: be.broadcast(b, 0)))
             for _ in range(20):  # the measured mode's first probes
                 call()
             comm.set_stream(2)
