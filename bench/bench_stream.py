@@ -1,13 +1,15 @@
 """Segment stores of the shared-memory backend: plain, streaming and measured, side by side.
 
-usage: python bench/bench_stream.py [--world 2] [--ops all_reduce,broadcast]
+usage: python bench/bench_stream.py [--world 2] [--ops all_reduce,broadcast,reduce_scatter,...]
                                     [--sizes 1048576,16777216] [--samples 40] [--budget 0.05]
 
 The shm backend writes what other ranks read from its part of the segment with plain
 stores, with streaming (non-temporal) stores, or with whichever its latency probes call
 for (COLLECTIVES_SHM_STREAM 0, 1, 2; see collectives/src/shm_coll.c, "near and far
 peers"). This runs one group of --world ranks and, for every sample, times each of the
-three modes in turn (rotating order; every rank switches modes between barriers).
+three modes in turn (rotating order; every rank switches modes between barriers); sizes
+are each rank's buffer (reduce_scatter, all_to_all: its input; scatter: the root's).
+Ops: all_reduce, broadcast, reduce_scatter, scatter, all_to_all.
 Broadcasts go through the segment (single copy off). Each sample is labelled with what
 the measured mode's probes said on rank 0 at its end (far: the peers' cache-line round
 trip is COLLECTIVES_SHM_FAR_NS or more), and the table gives medians per label: on this
@@ -49,10 +51,14 @@ def worker(a):
 
     for op in a.ops.split(","):
         for nbytes in (int(s) for s in a.sizes.split(",")):
-            arr = np.ones(max(1, nbytes // 4), np.float32)
-            buf = to_buffer(arr)
-            call = ((lambda b=buf: be.all_reduce(b, D.SUM)) if op == "all_reduce"
-                    else (lambda b=buf: be.broadcast(b, 0)))
+            arr = np.ones(max(world, nbytes // 4 // world * world), np.float32)
+            buf, out = to_buffer(arr), to_buffer(np.empty(arr.size // world, np.float32))
+            full, counts = to_buffer(np.empty_like(arr)), [arr.size // world] * world
+            call = {"all_reduce": lambda b=buf: be.all_reduce(b, D.SUM),
+                    "broadcast": lambda b=buf: be.broadcast(b, 0),
+                    "reduce_scatter": lambda b=buf, o=out: be.reduce_scatter(o, b, D.SUM),
+                    "scatter": lambda b=buf, o=out: be.scatter(o, b if rank == 0 else None, 0),
+                    "all_to_all": lambda b=buf, f=full, k=counts: be.all_to_all(f, b, k, k)}[op]
             for _ in range(20):  # the measured mode's first probes
                 call()
             comm.set_stream(2)

@@ -113,10 +113,12 @@ def run_op(ctx, name, seed, dtype, count, op, root):
         src = np.concatenate([make_input(seed + 1, q, count, dtype) for q in range(n)])
         be.scatter(to_buffer(got), to_buffer(src.copy()) if r == root else None, root)
         want = src[r * count:(r + 1) * count]
-    elif name == "reduce_scatter":
+    elif name in ("reduce_scatter", "reduce_scatter_in_place"):
         full = [make_input(seed, q, n * count, dtype) for q in range(n)]
-        got = np.empty(count, NP[dtype])
-        be.reduce_scatter(to_buffer(got), to_buffer(full[r].copy()), op)
+        inp = full[r].copy()
+        # in place: the output is this rank's own slice of the input
+        got = inp[r * count:(r + 1) * count] if name.endswith("in_place") else np.empty(count, NP[dtype])
+        be.reduce_scatter(to_buffer(got), to_buffer(inp), op)
         want = np_reduce(full, op)[r * count:(r + 1) * count]
     elif name == "all_to_all":
         # uneven: rank q sends (q + 2 * dst + seed) % (count + 1) elements to dst
@@ -260,7 +262,7 @@ def pool_for(world, kind="shm", env=None):
 
 
 OPS = ["all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter", "reduce_scatter",
-       "all_to_all"]
+       "reduce_scatter_in_place", "all_to_all"]
 
 
 @pytest.mark.timeout(300)
@@ -722,11 +724,13 @@ def test_two_copy_gather_streamed_into_output_matches_numpy(world, data):
 @given(data=st.data())
 def test_streamed_segment_writes_match_numpy(world, data):
     """Two-shot all_reduce and reduce (each rank reduces its slice in place, then streams
-    it into the segment; a reduce's non-roots keep their buffers) and the two-copy
-    broadcast with streaming stores, odd lengths (unaligned slices)."""
+    it into the segment; a reduce's non-roots keep their buffers), the two-copy broadcast,
+    reduce_scatter (also with the output inside the input), scatter and all_to_all with
+    streaming stores, odd lengths (unaligned slices)."""
     pool = pool_for(world, env=ENV_STREAM)
     assert pool.run(stream_state) == [(True, [0] * world)] * world
-    name = data.draw(st.sampled_from(["all_reduce", "reduce", "broadcast"]), "op")
+    name = data.draw(st.sampled_from(["all_reduce", "reduce", "broadcast", "reduce_scatter",
+                                      "reduce_scatter_in_place", "scatter", "all_to_all"]), "op")
     dtype, op = data.draw(st.sampled_from(VALID), "dtype/op")
     count = data.draw(st.one_of(st.sampled_from([1, 1025, 4097, 12345]), st.integers(0, 70000)))
     root = data.draw(st.integers(0, world - 1), "root")
