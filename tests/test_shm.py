@@ -767,6 +767,18 @@ def test_latency_probes_decide_streaming(far_ns, verdict):
         assert far == (verdict == 2), res
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["3", "-1"])
+def test_bad_stream_mode_is_a_value_error_naming_the_variable(monkeypatch, value):
+    from collectives.backends.shm import ShmBackend
+    from collectives.store import HashStore
+    before = shm_segments()
+    monkeypatch.setenv("COLLECTIVES_SHM_STREAM", value)
+    with pytest.raises(ValueError, match=f"COLLECTIVES_SHM_STREAM.*got {value}"):
+        ShmBackend(HashStore(), 0, 1, 10.0)
+    assert shm_segments() == before  # the segment was unlinked before the check
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("op", ["all_gather", "broadcast", "all_reduce"])
 def test_peer_killed_in_single_copy_op_raises(op):

@@ -176,6 +176,9 @@ class ShmBackend(Backend):
                 unlink(name)
         (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min,
          stream) = map(int, tuning.split(","))
+        if stream not in (0, 1, 2):  # every rank sees rank 0's value: all raise alike
+            raise ValueError(f"COLLECTIVES_SHM_STREAM (rank 0's environment) must be 0 (plain), "
+                             f"1 (streaming) or 2 (measured), got {stream}")
         self._comm.set_thresholds(oneshot_max, chunk_bytes)
         self._comm.set_stream(stream)
         self.single_copy = self._comm.cma_probe()  # collective: every rank gets the same answer
