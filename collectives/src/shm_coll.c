@@ -389,7 +389,7 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
         c->yield_ns = (int64_t)atoi(e) * 1000;
     c->far_ns = PROBE_FAR_NS;
     e = getenv("COLLECTIVES_SHM_FAR_NS");
-    if (e && *e)
+    if (e && *e && atoll(e) > 0)  /* anything else (0, negative, not a number): the default */
         c->far_ns = atoll(e);
     shm_comm_set_timeout(c, timeout_s);
     atomic_store(&c->ctl[rank].info.pid, (int32_t)getpid());
