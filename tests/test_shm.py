@@ -743,10 +743,19 @@ def stream_state(ctx):
     return comm.far, [comm.peer_distance(q) for q in range(ctx.world_size)]
 
 
-def run_probed_all_reduces(ctx, calls, nbytes):
+def run_probed_all_reduces(ctx, max_calls, nbytes):
+    """Large all_reduces in batches of 16 (one probe each) until every rank has measured
+    every peer, or max_calls: a probe gives no verdict when a rank is descheduled in it."""
+    be, comm = ctx.state["be"], ctx.state["be"]._comm
     a = np.ones(nbytes // 4, np.float32)
-    for _ in range(calls):
-        ctx.state["be"].all_reduce(to_buffer(a), D.SUM)
+    for _ in range(max_calls // 16):
+        for _ in range(16):
+            be.all_reduce(to_buffer(a), D.SUM)
+        done = np.array([all(comm.peer_distance(q) for q in range(ctx.world_size)
+                             if q != ctx.rank)], np.int32)
+        be.all_reduce(to_buffer(done), D.MIN)  # every rank stops after the same batch
+        if done[0]:
+            break
     return stream_state(ctx)
 
 
@@ -760,8 +769,8 @@ def test_latency_probes_decide_streaming(far_ns, verdict):
     pool = get_pool(2, setup=setup_backend, setup_args=("shm",),
                     env={"COLLECTIVES_SHM_STREAM": "2", "COLLECTIVES_SHM_FAR_NS": far_ns})
     assert pool.run(stream_state) == [(False, [0, 0])] * 2  # nothing measured yet
-    # 256 KiB: the smallest step that probes; every 16th does, 10 probes in all
-    res = pool.run(run_probed_all_reduces, 160, 256 << 10, timeout=60)
+    # 256 KiB: the smallest step that probes; every 16th does, up to 200 probes
+    res = pool.run(run_probed_all_reduces, 3200, 256 << 10, timeout=60)
     for r, (far, dist) in enumerate(res):
         assert dist[r] == 0 and dist[1 - r] == verdict, res
         assert far == (verdict == 2), res
