@@ -679,6 +679,79 @@ def test_single_copy_all_reduce_bitwise_identical(count):
         assert res[0] == res[1]
 
 
+def _huge_kib(addr):
+    """AnonHugePages (KiB) of the mapping of this process that holds ``addr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def _can_collapse():
+    """Whether this kernel collapses anonymous memory into huge pages on request."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    m = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    a = np.frombuffer(m, np.uint8)
+    a[:] = 1
+    start = a.ctypes.data + (-a.ctypes.data) % (2 << 20)
+    ok = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(2 << 20), 25) == 0  # MADV_COLLAPSE
+    del a
+    m.close()
+    return ok
+
+
+def run_single_copy_on_small_pages(ctx, calls):
+    """Broadcasts and all_gathers of a buffer in an anonymous mapping of 4 KiB pages (as
+    torch's allocator hands out): the results, and the KiB of the buffer's mapping that
+    ended up in huge pages."""
+    import mmap
+    be, n, r = ctx.state["be"], ctx.world_size, ctx.rank
+    m = mmap.mmap(-1, 6 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = np.frombuffer(m, np.float32)
+    out = np.empty(n * buf.size, np.float32)
+    ok = True
+    for k in range(calls):
+        buf[:] = np.arange(buf.size, dtype=np.float32) * (r + 1) + k
+        be.all_gather(to_buffer(out), to_buffer(buf))
+        want = np.concatenate([np.arange(buf.size, dtype=np.float32) * (q + 1) + k for q in range(n)])
+        ok = ok and np.array_equal(out, want)
+        be.broadcast(to_buffer(buf), 0)
+        ok = ok and np.array_equal(buf, np.arange(buf.size, dtype=np.float32) + k)
+    huge = _huge_kib(buf.ctypes.data)
+    del buf
+    m.close()
+    return ok, huge, be.single_copy
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("thp", ["1", "0"])
+def test_single_copy_buffers_are_collapsed_into_huge_pages(thp):
+    """A buffer that peers copy by process_vm_readv/writev is collapsed into huge pages
+    the second time it is seen (they copy it twice as fast), contents unchanged;
+    COLLECTIVES_SHM_THP=0 leaves it alone."""
+    if not (_cma_permitted() and os.cpu_count() >= 2):
+        pytest.skip("no single-copy path here (process_vm_readv not permitted, or one core)")
+    if not _can_collapse():
+        pytest.skip("this kernel does not collapse memory into huge pages (MADV_COLLAPSE)")
+    pool = pool_for(2, env={"COLLECTIVES_SHM_THP": thp})
+    res = pool.run(run_single_copy_on_small_pages, 3, timeout=60)
+    assert [ok for ok, _, _ in res] == [True, True]
+    assert [sc for _, _, sc in res] == [True, True]
+    huge = [kib for _, kib, _ in res]
+    if thp == "1":
+        assert all(kib >= 2048 for kib in huge), huge
+    else:
+        assert huge == [0, 0], huge
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [3, 4])
 @SETTINGS

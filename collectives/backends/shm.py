@@ -12,12 +12,16 @@ that both send large messages first cannot deadlock.
 Tunables (environment): COLLECTIVES_SHM_HALF_BYTES (bytes per half data slot),
 COLLECTIVES_SHM_ONESHOT_MAX (largest all_reduce done one-shot),
 COLLECTIVES_SHM_CHUNK_BYTES (all_reduce/reduce two-shot chunk), COLLECTIVES_SHM_SPIN (polls before a
-waiting rank yields), COLLECTIVES_SHM_YIELD_US (how long it yields before it
+waiting rank yields; none by default when the ranks outnumber the cores),
+COLLECTIVES_SHM_YIELD_US (how long it yields before it
 sleeps on a futex) and COLLECTIVES_SHM_LLC_BYTES (the last-level cache size, read
 from sysfs by default: an all_gather output over half of it gets the local block
 with streaming stores), COLLECTIVES_SHM_STREAM (0, 1 or 2: plain, streaming, or
 measured stores for the segment; see DEFAULT_STREAM) and COLLECTIVES_SHM_FAR_NS (the
 probe's cache-line round trip from which a peer counts as far, 250 by default).
+COLLECTIVES_SHM_THP=0 stops a rank from collapsing the buffers its peers copy by
+process_vm_readv/writev into huge pages (MADV_COLLAPSE, the second time it sees a
+buffer: they copy twice as fast from it; see thp_prepare in src/shm_coll.c).
 """
 import collections
 import os
