@@ -709,14 +709,26 @@ def _can_collapse():
 
 
 def run_single_copy_on_small_pages(ctx, calls):
-    """Broadcasts and all_gathers of a buffer in an anonymous mapping of 4 KiB pages (as
-    torch's allocator hands out): the results, and the KiB of the buffer's mapping that
-    ended up in huge pages."""
+    """all_gathers and broadcasts of buffers in anonymous mappings of 4 KiB pages (as
+    torch's allocator hands out): the results, and the KiB of the input's and the
+    output's mappings that ended up in huge pages (the broadcast's buffer and the
+    all_gather's output are what the peers copy into or out of)."""
     import mmap
     be, n, r = ctx.state["be"], ctx.world_size, ctx.rank
-    m = mmap.mmap(-1, 6 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf = np.frombuffer(m, np.float32)
-    out = np.empty(n * buf.size, np.float32)
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def mapping(nbytes):
+        """nbytes of their own mapping: read-only pages on both sides keep the kernel from
+        merging it with its neighbours, so its smaps entry describes it alone."""
+        m = mmap.mmap(-1, nbytes + 2 * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        a = np.frombuffer(m, np.uint8)
+        for at in (0, nbytes + mmap.PAGESIZE):
+            assert libc.mprotect(ctypes.c_void_p(a.ctypes.data + at), mmap.PAGESIZE, 1) == 0
+        return m, a[mmap.PAGESIZE:mmap.PAGESIZE + nbytes].view(np.float32)
+
+    m, buf = mapping(6 << 20)
+    mo, out = mapping(n * (6 << 20))
     ok = True
     for k in range(calls):
         buf[:] = np.arange(buf.size, dtype=np.float32) * (r + 1) + k
@@ -725,9 +737,10 @@ def run_single_copy_on_small_pages(ctx, calls):
         ok = ok and np.array_equal(out, want)
         be.broadcast(to_buffer(buf), 0)
         ok = ok and np.array_equal(buf, np.arange(buf.size, dtype=np.float32) + k)
-    huge = _huge_kib(buf.ctypes.data)
-    del buf
+    huge = [_huge_kib(buf.ctypes.data), _huge_kib(out.ctypes.data)]
+    del buf, out
     m.close()
+    mo.close()
     return ok, huge, be.single_copy
 
 
@@ -747,9 +760,9 @@ def test_single_copy_buffers_are_collapsed_into_huge_pages(thp):
     assert [sc for _, _, sc in res] == [True, True]
     huge = [kib for _, kib, _ in res]
     if thp == "1":
-        assert all(kib >= 2048 for kib in huge), huge
+        assert all(kib >= 2048 for pair in huge for kib in pair), huge
     else:
-        assert huge == [0, 0], huge
+        assert huge == [[0, 0], [0, 0]], huge
 
 
 @pytest.mark.timeout(300)

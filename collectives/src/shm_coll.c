@@ -1008,36 +1008,49 @@ int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root
     return reduce_impl(c, buf, count, dtype, op, root);
 }
 
-/* Single-copy gather: every rank posts the address of its block; readers copy each
- * peer's block straight from that peer's memory; nobody returns (and lets the caller
- * reuse its input) before the readers have acked. */
+/* Single-copy gather: every reader posts the address of its output, and every rank
+ * writes its block straight into each reader's output (process_vm_writev), 1 MiB at a
+ * time so the block is read from the cache for every reader after the first. A writer
+ * returns as soon as its writes are done; a reader once every writer has acked.
+ * Writing rather than reading: the kernel pins the remote side page by page, and a
+ * reader's output, n blocks long, is the buffer likelier to hold 2 MiB pages (numpy's
+ * from 4 MiB, or thp_prepare's). Measured against each rank reading the others' blocks
+ * (two ranks, samples alternating in one run, push/pull time): 2 MiB 0.72-0.85, 4 MiB
+ * 0.94-1.01, 8 MiB 0.89-1.01, 16 MiB 0.92-1.01, 256 KiB-1 MiB 0.92-1.0. */
+#define CMA_PUSH_CHUNK (1 << 20)
 static int gather_cma(shm_comm *c, void *out, const void *in, size_t nbytes, int root)
 {
     int n = c->n, me = c->me;
     int reader = root < 0 || root == me;
-    thp_prepare(c, in, nbytes);
-    atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)in, memory_order_relaxed);
+    if (reader)
+        thp_prepare(c, out, (size_t)n * nbytes);
+    atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)(reader ? out : NULL),
+                          memory_order_relaxed);
     uint32_t s = ++c->seq;
     post(c, s);
     int stream = outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
-    if (reader) {
-        /* every reader goes through the blocks in rank order, so the ranks read the same
-         * block at about the same time and all but the first find it in the shared cache
-         * (measured, two ranks, 4 MiB each: 405 -> 305 us) */
-        for (int q = 0; q < n; q++) {
+    for (size_t off = 0; off < nbytes; off += CMA_PUSH_CHUNK) {
+        size_t len = nbytes - off < CMA_PUSH_CHUNK ? nbytes - off : CMA_PUSH_CHUNK;
+        for (int k = 0; k < n; k++) {
+            int q = (me + k) % n;
+            if (!(root < 0 || q == root))
+                continue;
             if (q == me) {
-                copy_out((char *)out + (size_t)me * nbytes, in, nbytes, stream);
+                copy_out((char *)out + (size_t)me * nbytes + off, (const char *)in + off, len,
+                         stream);
                 continue;
             }
             TRY(c, wait_post(c, q, s));
             uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
-            TRY(c, cma_read(c, q, (char *)out + (size_t)q * nbytes, addr, nbytes));
+            TRY(c, cma_write(c, q, addr + (uint64_t)me * nbytes + off, (const char *)in + off,
+                             len));
         }
     }
     ack(c, s);
-    for (int q = 0; q < n; q++)  /* the readers are done with my block */
-        if (q != me && (root < 0 || q == root))
-            TRY(c, wait_ctr(c, &c->ctl[q].ack, s, q, -1));
+    if (reader)  /* every writer is done with my output */
+        for (int q = 0; q < n; q++)
+            if (q != me)
+                TRY(c, wait_ctr(c, &c->ctl[q].ack, s, q, -1));
     return SHM_OK;
 }
 
