@@ -546,14 +546,17 @@ static void copy_stream(void *dst, const void *src, size_t n)
     copy(dst, src, n);
 }
 
-/* Whether the outputs of all ranks, `total` bytes together, overflow the last-level
- * cache: the all_gather copies into them then stream (measured with 2 cores sharing
- * 32 MiB: single copy, 2 ranks, streaming 305 -> 373 us at 4 MiB per rank, 1207 -> 1118
- * at 8 MiB, 2298 -> 2082 at 16 MiB; two-copy, 4 ranks: 614 -> 739 us at 1 MiB, 3824 ->
- * 3360 at 4 MiB, 13654 -> 12915 at 16 MiB; a two-copy broadcast was slower streamed). */
+/* Whether the outputs of all ranks, `total` bytes together, fill the last-level cache:
+ * the all_gather copies into them then stream (measured with 2 cores sharing 32 MiB:
+ * single copy, 2 ranks, streaming 305 -> 373 us at 4 MiB per rank, 1207 -> 1118 at 8 MiB,
+ * 2298 -> 2082 at 16 MiB; two-copy, 4 ranks: 614 -> 739 us at 1 MiB, 3824 -> 3360 at
+ * 4 MiB, 13654 -> 12915 at 16 MiB; a two-copy broadcast was slower streamed). Since
+ * the single copy writes into the readers' outputs (2 ranks, samples alternating in one
+ * run, streamed/plain): 8 MiB, whose outputs are exactly the cache's size, 0.92-0.99;
+ * 16 MiB 0.78-0.82; 4 MiB 1.04-1.13; 2 MiB 1.33-1.5. 4 ranks at 2 MiB: unchanged. */
 static inline int outputs_past_llc(const shm_comm *c, size_t total)
 {
-    return total > c->llc;
+    return total >= c->llc;
 }
 
 static inline void copy_out(void *dst, const void *src, size_t n, int stream)
