@@ -9,8 +9,8 @@ for (COLLECTIVES_SHM_STREAM 0, 1, 2; see collectives/src/shm_coll.c, "near and f
 peers"). This runs one group of --world ranks and, for every sample, times each of the
 three modes in turn (rotating order; every rank switches modes between barriers); sizes
 are each rank's buffer (reduce_scatter, all_to_all: its input; scatter: the root's).
-Ops: all_reduce, broadcast, reduce_scatter, scatter, all_to_all.
-Broadcasts go through the segment (single copy off). Each sample is labelled with what
+Ops: all_reduce, broadcast, reduce_scatter, scatter, all_to_all, all_gather.
+Broadcasts and all_gathers go through the segment (single copy off). Each sample is labelled with what
 the measured mode's probes said on rank 0 at its end (far: the peers' cache-line round
 trip is COLLECTIVES_SHM_FAR_NS or more), and the table gives medians per label: on this
 project's VM the two vCPUs switch between close and far every few seconds to minutes, so
@@ -54,11 +54,13 @@ def worker(a):
             arr = np.ones(max(world, nbytes // 4 // world * world), np.float32)
             buf, out = to_buffer(arr), to_buffer(np.empty(arr.size // world, np.float32))
             full, counts = to_buffer(np.empty_like(arr)), [arr.size // world] * world
+            gathered = to_buffer(np.empty(arr.size * world, np.float32))
             call = {"all_reduce": lambda b=buf: be.all_reduce(b, D.SUM),
                     "broadcast": lambda b=buf: be.broadcast(b, 0),
                     "reduce_scatter": lambda b=buf, o=out: be.reduce_scatter(o, b, D.SUM),
                     "scatter": lambda b=buf, o=out: be.scatter(o, b if rank == 0 else None, 0),
-                    "all_to_all": lambda b=buf, f=full, k=counts: be.all_to_all(f, b, k, k)}[op]
+                    "all_to_all": lambda b=buf, f=full, k=counts: be.all_to_all(f, b, k, k),
+                    "all_gather": lambda b=buf, g=gathered: be.all_gather(g, b)}[op]
             for _ in range(20):  # the measured mode's first probes
                 call()
             comm.set_stream(2)
@@ -87,6 +89,7 @@ def worker(a):
 def launch(a):
     from collectives.run import free_port
     env = dict(os.environ, OMP_NUM_THREADS="1", COLLECTIVES_SHM_CMA_BCAST_MIN="0",
+               COLLECTIVES_SHM_CMA_MIN="0",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                MASTER_PORT=str(free_port()), WORLD_SIZE=str(a.world))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--ops", a.ops, "--sizes", a.sizes,

@@ -283,7 +283,9 @@ def test_every_collective_matches_numpy(world, data):
 # segment writes with streaming stores, as a rank makes them while its peers are far;
 # chunks of a whole slot so that the slices are large enough to stream, broadcasts in two
 # copies (through the segment)
+# one-shot up to 8 KiB: its copy-in streams from 4 KiB (copy_stream's smallest size)
 ENV_STREAM = dict(ENV_SMALL, COLLECTIVES_SHM_STREAM="1", COLLECTIVES_SHM_CHUNK_BYTES=str(SMALL_HALF),
+                  COLLECTIVES_SHM_ONESHOT_MAX="8192",
                   COLLECTIVES_SHM_CMA_BCAST_MIN="0", COLLECTIVES_SHM_CMA_AR_MIN="0")
 
 
@@ -809,14 +811,16 @@ def test_two_copy_gather_streamed_into_output_matches_numpy(world, data):
 @settings(SETTINGS, max_examples=15)
 @given(data=st.data())
 def test_streamed_segment_writes_match_numpy(world, data):
-    """Two-shot all_reduce and reduce (each rank reduces its slice in place, then streams
-    it into the segment; a reduce's non-roots keep their buffers), the two-copy broadcast,
-    reduce_scatter (also with the output inside the input), scatter and all_to_all with
-    streaming stores, odd lengths (unaligned slices)."""
+    """One- and two-shot all_reduce and reduce (two-shot: each rank reduces its slice in
+    place, then streams it into the segment; a reduce's non-roots keep their buffers), the
+    two-copy broadcast, all_gather and gather, reduce_scatter (also with the output inside
+    the input), scatter and all_to_all with streaming stores, odd lengths (unaligned
+    slices)."""
     pool = pool_for(world, env=ENV_STREAM)
     assert pool.run(stream_state) == [(True, [0] * world)] * world
     name = data.draw(st.sampled_from(["all_reduce", "reduce", "broadcast", "reduce_scatter",
-                                      "reduce_scatter_in_place", "scatter", "all_to_all"]), "op")
+                                      "reduce_scatter_in_place", "scatter", "all_to_all",
+                                      "all_gather", "gather"]), "op")
     dtype, op = data.draw(st.sampled_from(VALID), "dtype/op")
     count = data.draw(st.one_of(st.sampled_from([1, 1025, 4097, 12345]), st.integers(0, 70000)))
     root = data.draw(st.integers(0, world - 1), "root")

@@ -31,6 +31,8 @@
 /* latency probes (see "near and far peers") */
 #define PROBE_EVERY 16
 #define PROBE_MIN_BYTES (256 * 1024) /* steps this large count as ticks */
+#define PROBE_SMALL_MIN 4096         /* smaller steps of at least this many bytes... */
+#define PROBE_SMALL_EVERY (4 << 20)  /* ...probe once they add up to this many */
 #define PROBE_ROUNDS 8
 #define PROBE_FAR_NS 250             /* round trip: ~90 ns close, ~460 ns far here
                                         (COLLECTIVES_SHM_FAR_NS overrides) */
@@ -118,6 +120,7 @@ struct shm_comm {
     int stream_mode;      /* SHM_STREAM_OFF / _ON / _AUTO */
     int far;              /* segment writes for other ranks stream past the caches */
     uint32_t ticks;       /* large steps that may probe (the same count on every rank) */
+    size_t small_bytes;   /* bytes of small steps since the last small-step probe (ditto) */
     uint32_t probes;      /* probes run (the same count on every rank) */
     unsigned char *dist;  /* per peer: 0 not measured, PEER_NEAR or PEER_FAR */
     int64_t far_ns;       /* a probe's round trip from which a peer counts as far */
@@ -587,9 +590,13 @@ static inline void copy_out(void *dst, const void *src, size_t n, int stream)
  * Two-shot all_reduce/reduce, the two-copy broadcast, scatter, reduce_scatter and
  * all_to_all use it (2 ranks while far, bench/bench_stream.py, measured/plain: 1 MiB
  * reduce_scatter 0.21x, all_to_all 0.31x, scatter 0.46x; 16 MiB reduce_scatter 0.27x,
- * all_to_all 0.61x; while close 0.99-1.03x). The one-shot copy-in stays plain (streamed while far: 8 KiB 8 -> 10 us, 64 KiB 13 -> 20 us), and so do the
- * two-copy all_gather's blocks (2 ranks: 1 MiB 137 us plain in either state, 171 us
- * streamed). Constants: PROBE_* at the top of this file. */
+ * all_to_all 0.61x; while close 0.99-1.03x), and so do the one-shot all_reduce/reduce
+ * and the two-copy all_gather/gather's blocks under 256 KiB (while far: all_reduce 8 KiB
+ * 0.47x, 16 KiB 0.41x, 64 KiB 0.33x, 37.3 -> 12.2 us; all_gather 64 KiB 0.41x, 128 KiB
+ * 0.40x; while close 1.00-1.01x; an earlier measurement that had the one-shot slower
+ * streamed was taken while close). Larger two-copy all_gather blocks stay plain (2 ranks:
+ * 1 MiB 137 us plain in either state, 171 us streamed). Small steps probe too, once
+ * they add up to PROBE_SMALL_EVERY bytes. Constants: PROBE_* at the top of this file. */
 
 static int mostly_far(const shm_comm *c)
 {
@@ -650,12 +657,20 @@ static void probe_peer(shm_comm *c)
     c->far = mostly_far(c);
 }
 
-/* A large step (`nbytes` the same on every rank): every PROBE_EVERY-th one probes. */
+/* A step of `nbytes` (the same on every rank): every PROBE_EVERY-th large one probes,
+ * and small ones once they add up to PROBE_SMALL_EVERY bytes, so a program of small
+ * collectives keeps its verdict too (64 KiB all_reduces: one probe per 64 calls). */
 static inline void tick(shm_comm *c, size_t nbytes)
 {
-    if (c->stream_mode == SHM_STREAM_AUTO && nbytes >= PROBE_MIN_BYTES &&
-        c->ticks++ % PROBE_EVERY == 0)
+    if (c->stream_mode != SHM_STREAM_AUTO)
+        return;
+    if (nbytes >= PROBE_MIN_BYTES) {
+        if (c->ticks++ % PROBE_EVERY == 0)
+            probe_peer(c);
+    } else if (nbytes >= PROBE_SMALL_MIN && (c->small_bytes += nbytes) >= PROBE_SMALL_EVERY) {
+        c->small_bytes = 0;
         probe_peer(c);
+    }
 }
 
 /* Write n bytes into this rank's part of the segment, for other ranks to read. */
@@ -924,7 +939,7 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         int h;
         if ((rc = half_acquire(c, &h)))
             goto out;
-        memcpy(HALF(c, me, h), buf, nbytes);
+        seg_put(c, HALF(c, me, h), buf, nbytes);
         uint32_t s = ++c->seq;
         post(c, s);
         c->free_after[h] = s;
@@ -936,6 +951,7 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
             rc = coll_reduce_many(buf, srcs, n, count, dtype, op);
         }
         ack(c, s);
+        tick(c, nbytes);
         goto out;
     }
     if (root < 0 && c->cma && c->cma_ar_min && nbytes >= c->cma_ar_min) {
@@ -1131,7 +1147,10 @@ static int gather_impl(shm_comm *c, void *out, const void *in, size_t nbytes, in
         size_t len = nbytes - off < c->half ? nbytes - off : c->half;
         int h;
         TRY(c, half_acquire(c, &h));
-        memcpy(HALF(c, me, h), (const char *)in + off, len);
+        if (len < PROBE_MIN_BYTES)
+            seg_put(c, HALF(c, me, h), (const char *)in + off, len);
+        else
+            memcpy(HALF(c, me, h), (const char *)in + off, len);
         uint32_t s = ++c->seq;
         post(c, s);
         c->free_after[h] = s;
@@ -1143,6 +1162,7 @@ static int gather_impl(shm_comm *c, void *out, const void *in, size_t nbytes, in
         ack(c, s);
         off += len;
     }
+    tick(c, nbytes);
     return SHM_OK;
 }
 
