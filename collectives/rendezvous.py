@@ -2,7 +2,8 @@
 
 ``rendezvous(...)`` returns ``(store, rank, world_size)`` for ``init_process_group``.
 Rank 0 serves the TCPStore and, as torch's does, waits until every rank has
-connected. Rank and world size come from the arguments, then the URL's query
+connected; the other ranks never join a server they joined before on that port (a
+group destroyed and initialised again: rank 0's previous server may still answer). Rank and world size come from the arguments, then the URL's query
 string (``?rank=0&world_size=4``), then the environment: RANK/WORLD_SIZE
 (torchrun, collectives-run), else mpiexec's (PMI_RANK/PMI_SIZE for MPICH,
 OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE for Open MPI), else Slurm's
@@ -12,9 +13,12 @@ Example:
     >>> store, rank, world = rendezvous("tcp://127.0.0.1:29500", rank=0, world_size=1)
 """
 import os
+import secrets
+import time
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
+from .errors import DistError, DistStoreError
 from .store import DEFAULT_TIMEOUT, FileStore, Store, TCPStore, to_seconds
 
 # (rank variable, world-size variable, who sets them), in order of preference
@@ -217,8 +221,43 @@ def rendezvous(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT
         if not host or port is None:
             raise ValueError(f"tcp:// rendezvous needs tcp://host:port, got {init_method!r}")
         _check_port(port, world, "the tcp:// URL's port")
-    store = TCPStore(host, port, world, rank == 0, timedelta(seconds=secs), wait_for_workers=True)
-    return store, rank, world
+    return _fresh_tcp_store(host, port, world, rank, secs), rank, world
+
+
+# Rank 0 names every TCPStore server it starts for a rendezvous; the other ranks remember
+# the name of the last one they joined on each (host, port). A group destroyed and
+# initialised again on the same port must not join the previous group's server, which
+# still runs in rank 0's process until rank 0, too, has destroyed its group.
+_SERVER_ID_KEY = "collectives/rendezvous/server"
+_joined = {}
+
+
+def _fresh_tcp_store(host, port, world, rank, secs):
+    deadline = time.monotonic() + secs
+    pause = 0.005
+    while True:
+        store = TCPStore(host, port, world, rank == 0, timedelta(seconds=secs),
+                         wait_for_workers=True)
+        if rank == 0:
+            store.set(_SERVER_ID_KEY, secrets.token_hex(8))
+            return store
+        try:
+            sid = store.get(_SERVER_ID_KEY)
+        except DistError:  # e.g. the previous server closed under us: try again
+            store.close()
+            if time.monotonic() >= deadline:
+                raise
+        else:
+            if sid != _joined.get((host, port)):
+                _joined[(host, port)] = sid
+                return store
+            store.close()
+            if time.monotonic() >= deadline:
+                raise DistStoreError(
+                    f"rendezvous at {host}:{port}: after {secs:g} s still only the previous "
+                    f"group's store answers there (rank 0 has not started a new one)")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
 
 
 def _check_rank(rank, world):

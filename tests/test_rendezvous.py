@@ -89,6 +89,34 @@ def test_ranks_meet_and_see_each_others_keys(method, style, world, tmp_path):
         assert got == expect
 
 
+def init_again_on_the_same_port(ctx, port, rounds):
+    """init_process_group / all_reduce / destroy_process_group ``rounds`` times on one
+    port, rank 0 lingering before it destroys: the others initialise again while its
+    previous server still answers. Whether every all_reduce was right."""
+    import numpy as np
+
+    import collectives as dist
+    ok = True
+    for _ in range(rounds):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ctx.rank,
+                                world_size=ctx.world_size, timeout=timedelta(seconds=20))
+        x = np.full(4, ctx.rank + 1, np.float32)
+        dist.all_reduce(x)
+        ok = ok and x[0] == ctx.world_size * (ctx.world_size + 1) // 2
+        if ctx.rank == 0:
+            time.sleep(0.1)
+        dist.destroy_process_group()
+    return ok
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_destroy_and_init_again_on_the_same_port(world):
+    """The ranks that re-initialise first do not join the previous group's server."""
+    pool = get_pool(world)
+    assert pool.run(init_again_on_the_same_port, free_port(), 4, timeout=90) == [True] * world
+
+
 @pytest.mark.timeout(120)
 def test_four_rank_rendezvous_is_quick():
     pool = get_pool(4)
