@@ -3,7 +3,8 @@
 ``rendezvous(...)`` returns ``(store, rank, world_size)`` for ``init_process_group``.
 Rank 0 serves the TCPStore and, as torch's does, waits until every rank has
 connected; the other ranks never join a server they joined before on that port (a
-group destroyed and initialised again: rank 0's previous server may still answer). Rank and world size come from the arguments, then the URL's query
+group destroyed and initialised again: rank 0's previous server may still answer).
+Rank and world size come from the arguments, then the URL's query
 string (``?rank=0&world_size=4``), then the environment: RANK/WORLD_SIZE
 (torchrun, collectives-run), else mpiexec's (PMI_RANK/PMI_SIZE for MPICH,
 OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE for Open MPI), else Slurm's
