@@ -245,6 +245,9 @@ def destroy_process_group(group=None):
         for pg in reversed(pgs):
             pg.destroyed = True
             pg.backend.shutdown()
+        if world.store is not None:
+            from .rendezvous import retire
+            retire(world.store)  # a new init on the same port must not meet on its server
         world.reset()
         _set_world(None)
         return

@@ -2,8 +2,8 @@
 
 ``rendezvous(...)`` returns ``(store, rank, world_size)`` for ``init_process_group``.
 Rank 0 serves the TCPStore and, as torch's does, waits until every rank has
-connected; the other ranks never join a server they joined before on that port (a
-group destroyed and initialised again: rank 0's previous server may still answer).
+connected; the other ranks never join the server of a group they have destroyed (a
+group initialised again on the same port: rank 0's previous server may still answer).
 Rank and world size come from the arguments, then the URL's query
 string (``?rank=0&world_size=4``), then the environment: RANK/WORLD_SIZE
 (torchrun, collectives-run), else mpiexec's (PMI_RANK/PMI_SIZE for MPICH,
@@ -225,12 +225,20 @@ def rendezvous(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT
     return _fresh_tcp_store(host, port, world, rank, secs), rank, world
 
 
-# Rank 0 names every TCPStore server it starts for a rendezvous; the other ranks remember
-# the name of the last one they joined on each (host, port). A group destroyed and
-# initialised again on the same port must not join the previous group's server, which
-# still runs in rank 0's process until rank 0, too, has destroyed its group.
+# Rank 0 names every TCPStore server it starts for a rendezvous, and destroying a group
+# retires the name of the server it met on. A group destroyed and initialised again on
+# the same port must not join the previous group's server, which still runs in rank 0's
+# process until rank 0, too, has destroyed its group.
 _SERVER_ID_KEY = "collectives/rendezvous/server"
-_joined = {}
+_retired = set()
+
+
+def retire(store):
+    """The group that met on ``store`` (from ``rendezvous``) is destroyed in this process:
+    a later rendezvous here does not join the same server."""
+    name = getattr(store, "_rendezvous_server", None)
+    if name is not None:
+        _retired.add(name)
 
 
 def _fresh_tcp_store(host, port, world, rank, secs):
@@ -240,7 +248,9 @@ def _fresh_tcp_store(host, port, world, rank, secs):
         store = TCPStore(host, port, world, rank == 0, timedelta(seconds=secs),
                          wait_for_workers=True)
         if rank == 0:
-            store.set(_SERVER_ID_KEY, secrets.token_hex(8))
+            sid = secrets.token_hex(8).encode()
+            store.set(_SERVER_ID_KEY, sid)
+            store._rendezvous_server = (host, port, sid)
             return store
         try:
             sid = store.get(_SERVER_ID_KEY)
@@ -249,8 +259,8 @@ def _fresh_tcp_store(host, port, world, rank, secs):
             if time.monotonic() >= deadline:
                 raise
         else:
-            if sid != _joined.get((host, port)):
-                _joined[(host, port)] = sid
+            if (host, port, sid) not in _retired:
+                store._rendezvous_server = (host, port, sid)
                 return store
             store.close()
             if time.monotonic() >= deadline:
