@@ -15,8 +15,8 @@ COLLECTIVES_SHM_CHUNK_BYTES (all_reduce/reduce two-shot chunk), COLLECTIVES_SHM_
 waiting rank yields; none by default when the ranks outnumber the cores),
 COLLECTIVES_SHM_YIELD_US (how long it yields before it
 sleeps on a futex) and COLLECTIVES_SHM_LLC_BYTES (the last-level cache size, read
-from sysfs by default: an all_gather output over half of it gets the local block
-with streaming stores), COLLECTIVES_SHM_STREAM (0, 1 or 2: plain, streaming, or
+from sysfs by default: an all_gather whose outputs, all ranks' together, fill it gets
+the local block with streaming stores), COLLECTIVES_SHM_STREAM (0, 1 or 2: plain, streaming, or
 measured stores for the segment; see DEFAULT_STREAM) and COLLECTIVES_SHM_FAR_NS (the
 probe's cache-line round trip from which a peer counts as far, 250 by default).
 COLLECTIVES_SHM_THP=0 stops a rank from collapsing the buffers its peers copy by
@@ -65,8 +65,9 @@ DEFAULT_CMA_AR_MIN = 0
 # socket, where reading a line from the writer's cache is several times slower than from
 # memory; see shm_coll.c, "near and far peers"). COLLECTIVES_SHM_STREAM sets it. Two ranks
 # while far, measured mode against plain (bench/bench_stream.py): all_reduce 0.20-0.24x at
-# 1 and 16 MiB, reduce_scatter 0.21-0.27x, all_to_all 0.31-0.61x, scatter 0.46x; while
-# close 0.99-1.03x (always streaming would cost up to 2.5x there).
+# 1 and 16 MiB and 0.33-0.47x at 8-64 KiB, all_gather 0.40-0.41x at 64-128 KiB,
+# reduce_scatter 0.21-0.27x, all_to_all 0.31-0.61x, scatter 0.46x; while close
+# 0.99-1.03x (always streaming would cost up to 2.5x there).
 DEFAULT_STREAM = 2
 
 

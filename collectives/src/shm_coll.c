@@ -33,6 +33,9 @@
 #define PROBE_MIN_BYTES (256 * 1024) /* steps this large count as ticks */
 #define PROBE_SMALL_MIN 4096         /* smaller steps of at least this many bytes... */
 #define PROBE_SMALL_EVERY (4 << 20)  /* ...probe once they add up to this many */
+/* two-copy all_gather/gather blocks smaller than this stream while far (larger: measured
+ * no faster streamed) */
+#define GATHER_STREAM_BELOW (256 * 1024)
 #define PROBE_ROUNDS 8
 #define PROBE_FAR_NS 250             /* round trip: ~90 ns close, ~460 ns far here
                                         (COLLECTIVES_SHM_FAR_NS overrides) */
@@ -1147,7 +1150,7 @@ static int gather_impl(shm_comm *c, void *out, const void *in, size_t nbytes, in
         size_t len = nbytes - off < c->half ? nbytes - off : c->half;
         int h;
         TRY(c, half_acquire(c, &h));
-        if (len < PROBE_MIN_BYTES)
+        if (len < GATHER_STREAM_BELOW)
             seg_put(c, HALF(c, me, h), (const char *)in + off, len);
         else
             memcpy(HALF(c, me, h), (const char *)in + off, len);
