@@ -18,11 +18,12 @@ from .collective_ops import (
     all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single, barrier, broadcast, gather,
     monitored_barrier, reduce, reduce_scatter, reduce_scatter_single, reduce_scatter_tensor, scatter)
 from .group import (
-    Backend, GroupMember, ProcessGroup, destroy_process_group, get_backend, get_global_rank,
-    get_group_rank, get_process_group_ranks, get_rank, get_world_size, group, init_process_group,
-    is_available, is_backend_available, is_gloo_available, is_initialized, is_mpi_available,
-    is_nccl_available, is_torchelastic_launched, new_group, new_subgroups,
-    new_subgroups_by_enumeration)
+    Backend, GroupMember, ProcessGroup, default_pg_timeout, destroy_process_group, get_backend,
+    get_backend_config, get_default_backend_for_device, get_global_rank, get_group_rank,
+    get_node_local_rank, get_pg_count, get_process_group_ranks, get_rank, get_world_size, group,
+    init_process_group, is_available, is_backend_available, is_gloo_available, is_initialized,
+    is_mpi_available, is_nccl_available, is_torchelastic_launched, is_ucc_available,
+    is_xccl_available, new_group, new_subgroups, new_subgroups_by_enumeration)
 from .multigpu import (
     all_gather_multigpu, all_reduce_multigpu, broadcast_multigpu, reduce_multigpu,
     reduce_scatter_multigpu)
@@ -30,7 +31,7 @@ from .objects import (
     all_gather_object, broadcast_object_list, gather_object, recv_object_list, scatter_object_list,
     send_object_list)
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from .reduce_op import ReduceOp, reduce_op
+from .reduce_op import ReduceOp, reduce_op, supports_complex
 from .work import Future, Work
 
 # the front end's public names (the lead's section extends this with its own)
@@ -41,15 +42,17 @@ __all__ = [
     "all_gather_single", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single",
     "barrier", "broadcast", "gather", "monitored_barrier", "reduce", "reduce_scatter",
     "reduce_scatter_single", "reduce_scatter_tensor", "scatter",
-    "Backend", "GroupMember", "ProcessGroup", "destroy_process_group", "get_backend",
-    "get_global_rank", "get_group_rank", "get_process_group_ranks", "get_rank", "get_world_size",
-    "group", "init_process_group", "is_available", "is_backend_available", "is_gloo_available",
-    "is_initialized", "is_mpi_available", "is_nccl_available", "is_torchelastic_launched",
+    "Backend", "GroupMember", "ProcessGroup", "default_pg_timeout", "destroy_process_group",
+    "get_backend", "get_backend_config", "get_default_backend_for_device", "get_global_rank",
+    "get_group_rank", "get_node_local_rank", "get_pg_count", "get_process_group_ranks",
+    "get_rank", "get_world_size", "group", "init_process_group", "is_available",
+    "is_backend_available", "is_gloo_available", "is_initialized", "is_mpi_available",
+    "is_nccl_available", "is_torchelastic_launched", "is_ucc_available", "is_xccl_available",
     "new_group", "new_subgroups", "new_subgroups_by_enumeration",
     "all_gather_multigpu", "all_reduce_multigpu", "broadcast_multigpu", "reduce_multigpu",
     "reduce_scatter_multigpu",
     "all_gather_object", "broadcast_object_list", "gather_object", "recv_object_list",
     "scatter_object_list", "send_object_list",
     "P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send",
-    "ReduceOp", "reduce_op", "Future", "Work",
+    "ReduceOp", "reduce_op", "supports_complex", "Future", "Work",
 ]

@@ -4,6 +4,7 @@ Every rank of the world calls ``new_group`` in the same order (as torch requires
 group state (ranks, this rank's group rank, the backend's bound methods) is
 computed once here so the per-call path in collective_ops does no lookups.
 """
+import datetime
 import importlib.util
 import os
 
@@ -11,6 +12,7 @@ from . import backends as _backends
 from .work import timeout_seconds
 
 DEFAULT_TIMEOUT = 1800.0  # torch's default for CPU backends (30 minutes)
+default_pg_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)  # dist.default_pg_timeout
 NOT_INITIALIZED = ("Default process group has not been initialized, "
                    "please make sure to call init_process_group.")
 
@@ -393,6 +395,51 @@ def get_backend(group=None):
     return pg.backend_name
 
 
+def get_backend_config(group=None):
+    """``'device:backend'`` for ``group`` as torch prints it, e.g. 'cpu:gloo' or 'cuda:nccl'
+    (a group here has one backend, for the device its backend takes)."""
+    pg = resolve(group)
+    if pg is None:
+        raise ValueError("Invalid process group specified")
+    return f"{'cuda' if getattr(pg.backend, 'takes_cuda', False) else 'cpu'}:{pg.backend_name}"
+
+
+_DEVICE_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def get_default_backend_for_device(device):
+    """The backend ``init_process_group`` would pick for ``device`` ('cpu', 'cuda:0' or a
+    torch.device): 'gloo' or 'nccl'."""
+    kind = getattr(device, "type", None)
+    if kind is None:
+        if not isinstance(device, str):
+            raise TypeError(f"device must be a string such as 'cpu' or a torch.device, "
+                            f"got {type(device).__name__}")
+        kind = device.partition(":")[0].strip().lower()
+    backend = _DEVICE_BACKEND.get(kind)
+    if backend is None:
+        raise ValueError(f"Default backend not registered for device : {device}")
+    return backend
+
+
+def get_pg_count():
+    """The number of process groups made since init, the default one included (as torch:
+    destroying a subgroup does not lower it; ``use_local_synchronization`` groups do not count)."""
+    return world.group_count + (world.default is not None)
+
+
+def get_node_local_rank(fallback_rank=None):
+    """This process's rank on its node: ``LOCAL_RANK`` (set by collectives-run and torchrun),
+    else ``fallback_rank``; RuntimeError if neither is there."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError("LOCAL_RANK is not in the environment. Consider passing fallback_rank to "
+                       "allow `get_node_local_rank` to work, assuming you are not running in a "
+                       "multi-device context and want the code to run locally instead.")
+
+
 def get_global_rank(group, group_rank):
     pg = resolve(group)
     if pg is None:
@@ -440,6 +487,14 @@ def is_nccl_available():
         return False
     import torch
     return torch.cuda.is_available()
+
+
+def is_ucc_available():
+    return False  # no ucc backend here
+
+
+def is_xccl_available():
+    return False  # no xccl backend here
 
 
 _BUILTIN_CHECK = {"gloo": is_gloo_available, "tcp": is_gloo_available,

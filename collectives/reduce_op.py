@@ -90,6 +90,16 @@ def op_code(op, name="op"):
                      f"PREMUL_SUM(factor)), got {op!r}")
 
 
+def supports_complex(reduceOp):  # noqa: N803  (torch's argument name)
+    """Whether ``reduceOp`` reduces complex tensors, as torch answers it: all but MAX, MIN,
+    PRODUCT, BAND, BOR and BXOR (our CPU backends multiply complex numbers too, nccl does
+    not, so a program that asks gets the answer that holds on every backend)."""
+    if isinstance(reduceOp, PremulSum) or type(reduceOp) is _PremulSumMember:
+        return True
+    return op_code(reduceOp, "reduceOp") not in (RedOpType.MAX, RedOpType.MIN, RedOpType.PRODUCT,
+                                                 RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)
+
+
 class _DeprecatedReduceOp:
     """The deprecated ``reduce_op`` alias: works, and warns as torch does."""
 
@@ -101,4 +111,4 @@ class _DeprecatedReduceOp:
 
 reduce_op = _DeprecatedReduceOp()
 
-__all__ = ["ReduceOp", "RedOpType", "PremulSum", "reduce_op", "op_code"]
+__all__ = ["ReduceOp", "RedOpType", "PremulSum", "reduce_op", "op_code", "supports_complex"]

@@ -134,6 +134,50 @@ def test_backend_names_and_availability():
     assert dist.group.WORLD is None and dist.GroupMember.WORLD is None
 
 
+def test_small_helpers_answer_as_torch_does(monkeypatch):
+    import torch.distributed as tdist
+    assert dist.default_pg_timeout == tdist.default_pg_timeout == timedelta(minutes=30)
+    for op in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
+        assert dist.supports_complex(getattr(dist.ReduceOp, op)) == \
+            tdist.supports_complex(getattr(tdist.ReduceOp, op)), op
+    assert dist.supports_complex(dist.ReduceOp.PREMUL_SUM(2.0))
+    with pytest.raises(ValueError, match="reduceOp must be a ReduceOp"):
+        dist.supports_complex("max")
+    for dev in ("cpu", "cuda", "cuda:1", torch.device("cpu"), torch.device("cuda", 0)):
+        assert dist.get_default_backend_for_device(dev) == {"cpu": "gloo", "cuda": "nccl"}[
+            torch.device(dev).type]
+    with pytest.raises(ValueError, match="Default backend not registered for device : meta"):
+        dist.get_default_backend_for_device("meta")
+    with pytest.raises(TypeError, match="device must be"):
+        dist.get_default_backend_for_device(0)
+    assert dist.is_ucc_available() is False and dist.is_xccl_available() is False
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK is not in the environment"):
+        dist.get_node_local_rank()
+    assert dist.get_node_local_rank(fallback_rank=3) == 3
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert dist.get_node_local_rank(fallback_rank=3) == 5
+
+
+def test_process_group_count_and_backend_config(world):
+    assert dist.get_pg_count() == 0
+    with pytest.raises(ValueError, match="has not been initialized"):
+        dist.get_backend_config()
+    world(size=2, rank=0)
+    assert dist.get_pg_count() == 1 and dist.get_backend_config() == "cpu:recorder"
+    g = dist.new_group([0])
+    assert dist.get_pg_count() == 2 and dist.get_backend_config(g) == "cpu:recorder"
+    assert dist.new_group([1]) is dist.GroupMember.NON_GROUP_MEMBER
+    assert dist.get_pg_count() == 3  # every rank counts every new_group, as in torch
+    with pytest.raises(ValueError, match="Invalid process group"):
+        dist.get_backend_config(dist.GroupMember.NON_GROUP_MEMBER)
+    dist.new_group([0], use_local_synchronization=True)
+    dist.destroy_process_group(g)
+    assert dist.get_pg_count() == 3
+    dist.destroy_process_group()
+    assert dist.get_pg_count() == 0
+
+
 def test_a_third_party_backend_registers_once():
     import tests.store_backend  # noqa: F401  registers "store"
     assert "store" in backends.registered_backends()
