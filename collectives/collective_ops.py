@@ -166,8 +166,9 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
         pg.run(pg.backend.all_gather, out, inp)
         return None
     check_like(out, inp, "output_tensor", "input_tensor", inp.count * pg._size)
-    if overlaps(out, inp):  # e.g. input is output.chunk(size)[rank]
-        settle(pg)
+    if overlaps(out, inp) and not (inp.ptr == out.ptr + pg._rank * inp.nbytes
+                                   and pg.backend.all_gather_in_place):
+        settle(pg)  # an input that overlaps the output otherwise than as this rank's block
         inp = copy_of(inp)
     return _launch(pg, async_op, [output_tensor], "all_gather", [(pg.backend.all_gather, (out, inp))])
 

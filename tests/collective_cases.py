@@ -202,6 +202,12 @@ def run_case(ctx, case):
             t, o = T(inp), E((n * _numel(shape),))
             w = dist.all_gather_into_tensor(o, t, group=grp, async_op=a)
             outs = [o]
+        elif kind == "all_gather_in_place":  # the input is this rank's block of the output
+            m = _numel(shape)
+            o = E((n * m,))
+            o[me * m:(me + 1) * m] = T(inp.reshape(-1))
+            w = dist.all_gather_into_tensor(o, o[me * m:(me + 1) * m], group=grp, async_op=a)
+            outs = [o]
         elif kind == "gather":
             t = T(inp)
             outs = [E(shape) for _ in range(n)] if ctx.rank == root else []
@@ -273,7 +279,7 @@ def expected(case, world_size):
                 out = [ins[root_g]]
             elif kind == "all_gather":
                 out = list(ins)
-            elif kind == "all_gather_single":
+            elif kind in ("all_gather_single", "all_gather_in_place"):
                 out = [np.concatenate([x.reshape(-1) for x in ins])]
             elif kind == "gather":
                 out = list(ins) if g == root_g else []

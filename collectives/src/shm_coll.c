@@ -567,6 +567,8 @@ static inline int outputs_past_llc(const shm_comm *c, size_t total)
 
 static inline void copy_out(void *dst, const void *src, size_t n, int stream)
 {
+    if (dst == src)  /* an all_gather whose input is this rank's block of the output */
+        return;
     if (stream)
         copy_stream(dst, src, n);
     else
@@ -1160,7 +1162,8 @@ static int gather_impl(shm_comm *c, void *out, const void *in, size_t nbytes, in
         if (reader) {
             TRY(c, wait_posts(c, s));
             for (int q = 0; q < n; q++)
-                copy_out((char *)out + (size_t)q * nbytes + off, HALF(c, q, h), len, stream);
+                if (q != me || (char *)out + (size_t)me * nbytes != (const char *)in)
+                    copy_out((char *)out + (size_t)q * nbytes + off, HALF(c, q, h), len, stream);
         }
         ack(c, s);
         off += len;
