@@ -271,8 +271,9 @@ def reduce_many(dst, srcs, op):
         name = f"srcs[{i}]"
         s, scode = _view(src, name, False)
         _check_same(dcode, d, scode, s, name)
-        if (i > 0 and d.nbytes and _addr(s) == _addr(d)) or _partial_overlap(d, s):
-            raise ValueError(f"{name} overlaps dst; only srcs[0] may be dst itself")
+        if _partial_overlap(d, s):
+            raise ValueError(f"{name} partially overlaps dst; a source may be dst itself, "
+                             f"nothing in between")
         views.append(s)
     if d.size:
         acc = views[0].copy()

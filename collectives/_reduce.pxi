@@ -230,8 +230,8 @@ def reduce_many(dst, srcs, op):
 
     Works chunk by chunk (``CHUNK_BYTES``) so the partial result stays in cache; the
     result equals applying :func:`reduce_into` with each source in order, rounding
-    half types after every step. ``dst`` may be ``srcs[0]``; it must not overlap
-    the other sources.
+    half types after every step. ``dst`` may be any of the sources itself (then that
+    chunk is folded in a buffer on the stack first); it must not partially overlap one.
 
     Raises:
         TypeError/ValueError as :func:`reduce_into`, naming ``srcs[i]``; ValueError for
@@ -261,8 +261,9 @@ def reduce_many(dst, srcs, op):
             name = f"srcs[{i}]"
             _get_buf(srcs[i], name, False, &s)
             _check_same(&d, &s, name)
-            if (i > 0 and s.ptr == d.ptr and nbytes > 0) or _partial_overlap(d.ptr, s.ptr, nbytes):
-                raise ValueError(f"{name} overlaps dst; only srcs[0] may be dst itself")
+            if _partial_overlap(d.ptr, s.ptr, nbytes):
+                raise ValueError(f"{name} partially overlaps dst; a source may be dst itself, "
+                                 f"nothing in between")
             ptrs[i] = s.ptr
         with nogil:
             rc = coll_reduce_many(d.ptr, ptrs, <int>n, d.count, d.dtype, code)

@@ -167,7 +167,7 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
         return None
     check_like(out, inp, "output_tensor", "input_tensor", inp.count * pg._size)
     if overlaps(out, inp) and not (inp.ptr == out.ptr + pg._rank * inp.nbytes
-                                   and pg.backend.all_gather_in_place):
+                                   and pg.backend.own_block_in_place):
         settle(pg)  # an input that overlaps the output otherwise than as this rank's block
         inp = copy_of(inp)
     return _launch(pg, async_op, [output_tensor], "all_gather", [(pg.backend.all_gather, (out, inp))])
@@ -263,8 +263,9 @@ def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  
     inp = buffer(input, "input")
     check_like(inp, out, "input", "output", out.count * pg._size)
     staged = None
-    if overlaps(inp, out):
-        settle(pg)
+    if overlaps(inp, out) and not (out.ptr == inp.ptr + pg._rank * out.nbytes
+                                   and pg.backend.own_block_in_place):
+        settle(pg)  # an output that overlaps the input otherwise than as this rank's block
         inp = staged = copy_of(inp)
     return _reduce_scatter(pg, out, inp, op, async_op, [output], staged)
 

@@ -147,7 +147,7 @@ def build_inputs(case, rank, i, step, n, me):
     seed, dt, shape, kind = case["seed"], step["dtype"], tuple(step["shape"]), step["kind"]
     if kind in ("scatter", "reduce_scatter"):
         return [gen(seed, rank, i, j, dt, shape) for j in range(n)]
-    if kind == "reduce_scatter_single":
+    if kind in ("reduce_scatter_single", "reduce_scatter_in_place"):
         return gen(seed, rank, i, 0, dt, (n * _numel(shape),))
     if kind in ("all_to_all", "all_to_all_single"):
         sizes = split_matrix(seed, i, n)[me]
@@ -225,6 +225,11 @@ def run_case(ctx, case):
             o = E((_numel(shape),))
             w = dist.reduce_scatter_tensor(o, T(inp), op=op, group=grp, async_op=a)
             outs = [o]
+        elif kind == "reduce_scatter_in_place":  # the output is this rank's block of the input
+            m, t = _numel(shape), T(inp)
+            o = t[me * m:(me + 1) * m]
+            w = dist.reduce_scatter_tensor(o, t, op=op, group=grp, async_op=a)
+            outs = [o]
         elif kind == "all_to_all":
             sizes = split_matrix(case["seed"], i, n)
             outs = [E((sizes[j][me],)) for j in range(n)]
@@ -287,7 +292,7 @@ def expected(case, world_size):
                 out = [ins[root_g][g]]
             elif kind == "reduce_scatter":
                 out = [ref_reduce([ins[q][g] for q in range(n)], dt, op, f)]
-            elif kind == "reduce_scatter_single":
+            elif kind in ("reduce_scatter_single", "reduce_scatter_in_place"):
                 m = _numel(shape)
                 out = [ref_reduce([x[g * m:(g + 1) * m] for x in ins], dt, op, f)]
             elif kind == "all_to_all":

@@ -21,7 +21,8 @@ def config(request):
     """A backend configuration; module scope so that tests sharing one run back to back
     (its rank pools stay warm)."""
     return request.param
-REDUCING = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single", "all_reduce_coalesced"]
+REDUCING = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_in_place",
+            "all_reduce_coalesced"]
 MOVING = ["broadcast", "all_gather", "all_gather_single", "all_gather_in_place", "gather", "scatter",
           "all_to_all", "all_to_all_single", "barrier"]
 SHAPES = [(), (0,), (1,), (5,), (3, 2), (7,), (2, 0, 3)]

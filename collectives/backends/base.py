@@ -128,10 +128,11 @@ class Backend:
     name = "base"
     #: whether buffers may live in CUDA memory (only such backends are given CUDA tensors)
     takes_cuda = False
-    #: whether all_gather takes an input that is this rank's own block of the output (torch's
-    #: in-place form, ``all_gather_into_tensor(out, out.chunk(size)[rank])``); where not, the
-    #: front end hands it a copy of the input
-    all_gather_in_place = False
+    #: whether all_gather takes an input that is this rank's own block of its output, and
+    #: reduce_scatter an output that is this rank's block of its input (torch's in-place
+    #: forms, e.g. ``all_gather_into_tensor(out, out.chunk(size)[rank])``); where not, the
+    #: front end hands the backend a copy of the input
+    own_block_in_place = False
 
     def __init__(self, store, rank, size, timeout, options=None):
         self.store = store

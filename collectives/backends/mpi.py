@@ -254,7 +254,7 @@ class MpiBackend(Backend):
     """
 
     name = "mpi"
-    all_gather_in_place = True
+    own_block_in_place = True
 
     def __init__(self, comm, timeout, options=None):
         super().__init__(None, comm.Get_rank(), comm.Get_size(), timeout, options)

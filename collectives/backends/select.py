@@ -97,7 +97,7 @@ class HierarchicalBackend(Backend):
     """
 
     name = "gloo-hier"
-    all_gather_in_place = True
+    own_block_in_place = True
 
     def __init__(self, store, rank, size, timeout, options, hosts):
         super().__init__(store, rank, size, timeout, options)

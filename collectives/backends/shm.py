@@ -146,7 +146,7 @@ class ShmBackend(Backend):
     """
 
     name = "shm"
-    all_gather_in_place = True
+    own_block_in_place = True
 
     def __init__(self, store, rank, size, timeout, options=None, label=None):
         super().__init__(store, rank, size, timeout, options)

@@ -260,7 +260,7 @@ class TcpBackend(Backend):
     """
 
     name = "gloo"
-    all_gather_in_place = True
+    own_block_in_place = True
 
     def __init__(self, store, rank, size, timeout, options=None):
         from .. import _tcp

@@ -229,6 +229,25 @@ int coll_reduce3(void *dst, const void *a, const void *b, size_t count, int dtyp
     return COLL_OK;
 }
 
+/* coll_reduce_many where dst is one of srcs[2..]: each chunk is folded in a stack buffer
+ * (it stays in L1/L2) and then copied to dst, so the order of the fold is unchanged. */
+static int __attribute__((noinline)) reduce_many_via_chunk(void *dst, const void *const *srcs,
+                                                          int nsrc, size_t count, size_t size,
+                                                          coll_binop_fn fn)
+{
+    _Alignas(64) char acc[COLL_CHUNK_BYTES];
+    const size_t step = COLL_CHUNK_BYTES / size;
+    for (size_t start = 0; start < count; start += step) {
+        size_t n = count - start < step ? count - start : step;
+        size_t off = start * size;
+        fn(acc, (const char *)srcs[0] + off, (const char *)srcs[1] + off, n);
+        for (int j = 2; j < nsrc; j++)
+            fn(acc, acc, (const char *)srcs[j] + off, n);
+        memcpy((char *)dst + off, acc, n * size);
+    }
+    return COLL_OK;
+}
+
 int coll_reduce_many(void *dst, const void *const *srcs, int nsrc, size_t count, int dtype, int op)
 {
     int rc = coll_check(dtype, op);
@@ -243,6 +262,9 @@ int coll_reduce_many(void *dst, const void *const *srcs, int nsrc, size_t count,
             memmove(dst, srcs[0], count * size);
         return COLL_OK;
     }
+    for (int j = 2; j < nsrc; j++)
+        if (srcs[j] == dst && count)  /* folding into dst would overwrite that source */
+            return reduce_many_via_chunk(dst, srcs, nsrc, count, size, fn);
     /* one chunk at a time, all sources, so the partial result stays in cache */
     const size_t step = COLL_CHUNK_BYTES / size;
     for (size_t start = 0; start < count; start += step) {

@@ -35,7 +35,8 @@ int coll_op_valid(int dtype, int op);     /* 1 if reduce kernels implement op (S
 /* dst[i] = op(dst[i], src[i]) for i < count. dst and src may be equal, not partially overlapping. */
 int coll_reduce(void *dst, const void *src, size_t count, int dtype, int op);
 
-/* dst[i] = op(srcs[0][i], ..., srcs[nsrc-1][i]); nsrc >= 1; dst may equal srcs[0]. */
+/* dst[i] = op(srcs[0][i], ..., srcs[nsrc-1][i]), folded in source order; nsrc >= 1; dst may
+ * equal any one source (not partially overlap one). */
 int coll_reduce_many(void *dst, const void *const *srcs, int nsrc, size_t count, int dtype, int op);
 
 /* dst[i] *= factor for floating and complex dtypes (AVG, PREMUL_SUM); half types round to nearest-even. */

@@ -1236,14 +1236,17 @@ int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int
     int rc = SHM_OK;
     size_t ce = c->half / ((size_t)n * isz);
     uintptr_t o0 = (uintptr_t)out, i0 = (uintptr_t)in;
-    const int direct = o0 + count * isz <= i0 || i0 + (size_t)n * count * isz <= o0;
+    /* my own slice is reduced straight from my input unless the output overlaps the input
+     * otherwise than as exactly that slice (coll_reduce_many may write over one source) */
+    const int direct = o0 + count * isz <= i0 || i0 + (size_t)n * count * isz <= o0
+                       || o0 == i0 + (size_t)me * count * isz;
     for (size_t off = 0; off < count; off += ce) {
         size_t cnt = count - off < ce ? count - off : ce;
         int h;
         if ((rc = half_acquire(c, &h)))
             goto out;
-        for (int q = 0; q < n; q++)  /* my own slice is reduced from my input, unless */
-            if (q != me || !direct)    /* the output overlaps it */
+        for (int q = 0; q < n; q++)
+            if (q != me || !direct)
                 seg_put(c, HALF(c, me, h) + (size_t)q * cnt * isz,
                        (const char *)in + ((size_t)q * count + off) * isz, cnt * isz);
         uint32_t s = ++c->seq;
