@@ -194,6 +194,14 @@ def overlaps(a, b):
     return a.count and b.count and a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
+def needs_own_copy(pg, whole, part):
+    """Whether ``part`` (all_gather's input, reduce_scatter's output) overlaps ``whole`` in a
+    way the backend cannot take: anything but exactly this rank's block of a backend with
+    ``own_block_in_place`` (torch's in-place forms)."""
+    return overlaps(whole, part) and not (pg.backend.own_block_in_place
+                                          and part.ptr == whole.ptr + pg._rank * part.nbytes)
+
+
 def _py_disjoint_gather(out, inp, size):
     return out.dtype == inp.dtype and out.count == inp.count * size and not overlaps(out, inp)
 

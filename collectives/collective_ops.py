@@ -13,8 +13,8 @@ import numpy as np
 
 from . import dtypes as D
 from ._frontend import (Steps, buffer, buffers, check_like, contiguous_span, copy_into,
-                        copy_of, disjoint_gather, overlaps, reduce_plan, scale, settle, stage,
-                        unstage)
+                        copy_of, disjoint_gather, needs_own_copy, overlaps, reduce_plan, scale,
+                        settle, stage, unstage)
 from .errors import DistBackendError, DistError
 from .group import NOT_INITIALIZED, resolve, world
 from .group import current as _group
@@ -166,9 +166,8 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
         pg.run(pg.backend.all_gather, out, inp)
         return None
     check_like(out, inp, "output_tensor", "input_tensor", inp.count * pg._size)
-    if overlaps(out, inp) and not (inp.ptr == out.ptr + pg._rank * inp.nbytes
-                                   and pg.backend.own_block_in_place):
-        settle(pg)  # an input that overlaps the output otherwise than as this rank's block
+    if needs_own_copy(pg, out, inp):
+        settle(pg)
         inp = copy_of(inp)
     return _launch(pg, async_op, [output_tensor], "all_gather", [(pg.backend.all_gather, (out, inp))])
 
@@ -263,9 +262,8 @@ def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  
     inp = buffer(input, "input")
     check_like(inp, out, "input", "output", out.count * pg._size)
     staged = None
-    if overlaps(inp, out) and not (out.ptr == inp.ptr + pg._rank * out.nbytes
-                                   and pg.backend.own_block_in_place):
-        settle(pg)  # an output that overlaps the input otherwise than as this rank's block
+    if needs_own_copy(pg, inp, out):
+        settle(pg)
         inp = staged = copy_of(inp)
     return _reduce_scatter(pg, out, inp, op, async_op, [output], staged)
 
