@@ -459,6 +459,26 @@ if __name__ == "__main__":
           f"{front_end_overhead_us(tensor=np.ones(1, np.float32)):.2f} us")
 
 
+@pytest.mark.parametrize("in_place_ok", [True, False])
+def test_own_block_in_place_reaches_the_backend_only_where_it_says_it_takes_it(world, in_place_ok):
+    """all_gather_into_tensor(out, out.chunk(n)[rank]) and reduce_scatter_tensor(
+    inp.chunk(n)[rank], inp) hand the backend the aliased buffers when it sets
+    own_block_in_place, a copy of the input otherwise (and always for other overlaps)."""
+    rec = world(size=4, rank=2)
+    rec.own_block_in_place = in_place_ok
+    seen = []
+    rec.all_gather = lambda out, inp: seen.append(("all_gather", out.ptr, inp.ptr))
+    rec.reduce_scatter = lambda out, inp, op: seen.append(("reduce_scatter", inp.ptr, out.ptr))
+    big = torch.arange(12.0)
+    block = big[6:9]  # rank 2's block
+    dist.all_gather_into_tensor(big, block)
+    dist.reduce_scatter_tensor(block, big)
+    dist.all_gather_into_tensor(big, big[5:8])  # overlapping, not the own block: copied
+    assert [(op, whole == big.data_ptr(), part == block.data_ptr()) for op, whole, part in seen] == [
+        ("all_gather", True, in_place_ok), ("reduce_scatter", in_place_ok, True),
+        ("all_gather", True, False)]
+
+
 def test_a_cuda_tensor_on_a_cpu_backend_is_refused_before_communicating(world, monkeypatch):
     # no GPU here: stand in for a CUDA tensor by making the conversion report device 0
     from collectives import _frontend
