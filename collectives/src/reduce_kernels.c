@@ -229,14 +229,15 @@ int coll_reduce3(void *dst, const void *a, const void *b, size_t count, int dtyp
     return COLL_OK;
 }
 
-/* coll_reduce_many where dst is one of srcs[2..]: each chunk is folded in a stack buffer
- * (it stays in L1/L2) and then copied to dst, so the order of the fold is unchanged. */
+/* coll_reduce_many where dst is one of srcs[2..]: each chunk is folded in a 16 KiB stack
+ * buffer (it stays in L1, and small enough for a thread with a small stack) and then copied
+ * to dst; every element is still folded in source order, so the result is the same. */
 static int __attribute__((noinline)) reduce_many_via_chunk(void *dst, const void *const *srcs,
                                                           int nsrc, size_t count, size_t size,
                                                           coll_binop_fn fn)
 {
-    _Alignas(64) char acc[COLL_CHUNK_BYTES];
-    const size_t step = COLL_CHUNK_BYTES / size;
+    _Alignas(64) char acc[16 * 1024];
+    const size_t step = sizeof acc / size;
     for (size_t start = 0; start < count; start += step) {
         size_t n = count - start < step ? count - start : step;
         size_t off = start * size;
