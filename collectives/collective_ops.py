@@ -157,8 +157,10 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 
 def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
     """Gather every rank's ``input_tensor`` into ``output_tensor`` (size * numel elements)."""
-    pg = _group(group)
+    pg = world.default if group is None else resolve(group)  # _group(group), inlined
     if pg is None:
+        if group is None:
+            raise ValueError(NOT_INITIALIZED)
         return None
     inp = buffer(input_tensor, "input_tensor")
     out = buffer(output_tensor, "output_tensor")
@@ -344,10 +346,15 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 def barrier(group=None, async_op=False, device_ids=None):
     """Block until every rank of the group has reached this barrier."""
-    pg = _group(group)
+    pg = world.default if group is None else resolve(group)  # _group(group), inlined
     if pg is None:
+        if group is None:
+            raise ValueError(NOT_INITIALIZED)
         return None
-    return _launch(pg, async_op, [], "barrier", [(pg.backend.barrier, ())])
+    if not async_op:
+        pg.run(pg.backend.barrier)
+        return None
+    return Work(pg.submit(pg.backend.barrier), [], pg)
 
 
 _MONITOR_TAG = 0x3FFFFFF0
