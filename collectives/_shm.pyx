@@ -35,6 +35,7 @@ cdef extern from "shm_coll.h" nogil:
     int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op)
     int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root)
     int shm_all_gather(shm_comm *c, void *out, const void *inp, size_t nbytes)
+    int shm_all_gather_list(shm_comm *c, void *const *outs, const void *inp, size_t nbytes)
     int shm_gather(shm_comm *c, void *out, const void *inp, size_t nbytes, int root)
     int shm_scatter(shm_comm *c, void *out, const void *inp, size_t nbytes, int root)
     int shm_reduce_scatter(shm_comm *c, void *out, const void *inp, size_t count, int dtype, int op)
@@ -224,6 +225,24 @@ cdef class ShmComm:
         cdef int rc
         with nogil:
             rc = shm_all_gather(c, <void *>out, <const void *>inp, nbytes)
+        self._check(rc, "all_gather")
+
+    def all_gather_list(self, outs, size_t inp, size_t nbytes):
+        """all_gather into separate blocks: ``outs`` holds one address per rank."""
+        cdef shm_comm *c = self._live("all_gather")
+        cdef int rc, i, n = self.size
+        if len(outs) != n:
+            raise ValueError(f"all_gather: outs must have {n} entries, got {len(outs)}")
+        cdef void **o = <void **>malloc(n * sizeof(void *))
+        if o == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                o[i] = <void *><size_t>outs[i]
+            with nogil:
+                rc = shm_all_gather_list(c, <void *const *>o, <const void *>inp, nbytes)
+        finally:
+            free(o)
         self._check(rc, "all_gather")
 
     def gather(self, size_t out, size_t inp, size_t nbytes, int root):

@@ -148,6 +148,11 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         return None
     inp = buffer(tensor)
     outs = buffers(tensor_list, "tensor_list", inp.dtype, inp.count, pg._size)
+    if pg.backend.gathers_into_list and contiguous_span(outs) is None and not any(
+            overlaps(b, inp) and not (q == pg._rank and b.ptr == inp.ptr) for q, b in enumerate(outs)):
+        # separate tensors, as torch programs allocate them: the backend fills each one
+        return _launch(pg, async_op, list(tensor_list), "all_gather",
+                       [(pg.backend.all_gather_list, (outs, inp))])
     out, copy_out = _output_span(outs, inp.dtype, inp)
     steps = [(pg.backend.all_gather, (out, inp))]
     if copy_out:

@@ -198,6 +198,10 @@ def run_case(ctx, case):
         elif kind == "all_gather":
             t, outs = T(inp), [E(shape) for _ in range(n)]
             w = dist.all_gather(outs, t, group=grp, async_op=a)
+        elif kind == "all_gather_list_own":  # the input is this rank's own list entry
+            outs = [E(shape) for _ in range(n)]
+            outs[me] = T(inp)
+            w = dist.all_gather(outs, outs[me], group=grp, async_op=a)
         elif kind == "all_gather_single":
             t, o = T(inp), E((n * _numel(shape),))
             w = dist.all_gather_into_tensor(o, t, group=grp, async_op=a)
@@ -282,7 +286,7 @@ def expected(case, world_size):
                 out = [ref_reduce(ins, dt, op, f) if g == root_g else ins[g]]
             elif kind == "broadcast":
                 out = [ins[root_g]]
-            elif kind == "all_gather":
+            elif kind in ("all_gather", "all_gather_list_own"):
                 out = list(ins)
             elif kind in ("all_gather_single", "all_gather_in_place"):
                 out = [np.concatenate([x.reshape(-1) for x in ins])]

@@ -479,6 +479,31 @@ def test_own_block_in_place_reaches_the_backend_only_where_it_says_it_takes_it(w
         ("all_gather", True, False)]
 
 
+@pytest.mark.parametrize("into_list", [True, False])
+def test_all_gather_into_separate_tensors_reaches_a_list_backend_unstaged(world, into_list):
+    """dist.all_gather(list, t): a backend with gathers_into_list gets the list's own Buffers
+    when they are separate tensors (also when t is this rank's entry); contiguous views go
+    as one span; an entry overlapping t otherwise, or a backend without it, is staged."""
+    rec = world(size=3, rank=1)
+    rec.gathers_into_list = into_list
+    seen = []
+    rec.all_gather = lambda out, inp: seen.append(("span", out.ptr, inp.ptr))
+    rec.all_gather_list = lambda outs, inp: seen.append(("list", [b.ptr for b in outs], inp.ptr))
+    t = torch.ones(4)
+    sep = [torch.zeros(4) for _ in range(3)]
+    dist.all_gather(sep, t)
+    sep[1] = t
+    dist.all_gather(sep, t)
+    flat = torch.zeros(12)
+    dist.all_gather(list(flat.chunk(3)), t)
+    big = torch.zeros(8)
+    dist.all_gather([torch.zeros(4), big[2:6], torch.zeros(4)], big[:4])  # overlaps otherwise
+    assert [s[0] for s in seen] == (["list", "list", "span", "span"] if into_list else ["span"] * 4)
+    if into_list:
+        assert seen[1][1] == [b.data_ptr() for b in sep] and seen[1][2] == t.data_ptr()
+        assert seen[2][1] == flat.data_ptr()
+
+
 def test_a_cuda_tensor_on_a_cpu_backend_is_refused_before_communicating(world, monkeypatch):
     # no GPU here: stand in for a CUDA tensor by making the conversion report device 0
     from collectives import _frontend

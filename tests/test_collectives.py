@@ -23,8 +23,8 @@ def config(request):
     return request.param
 REDUCING = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_in_place",
             "all_reduce_coalesced"]
-MOVING = ["broadcast", "all_gather", "all_gather_single", "all_gather_in_place", "gather", "scatter",
-          "all_to_all", "all_to_all_single", "barrier"]
+MOVING = ["broadcast", "all_gather", "all_gather_list_own", "all_gather_single", "all_gather_in_place",
+          "gather", "scatter", "all_to_all", "all_to_all_single", "barrier"]
 SHAPES = [(), (0,), (1,), (5,), (3, 2), (7,), (2, 0, 3)]
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -133,6 +133,9 @@ class Backend:
     #: forms, e.g. ``all_gather_into_tensor(out, out.chunk(size)[rank])``); where not, the
     #: front end hands the backend a copy of the input
     own_block_in_place = False
+    #: whether the backend has ``all_gather_list(outs, inp)``: all_gather into one Buffer per
+    #: rank (torch's list form) without a staging copy; where not, the front end stages
+    gathers_into_list = False
 
     def __init__(self, store, rank, size, timeout, options=None):
         self.store = store

@@ -147,6 +147,7 @@ class ShmBackend(Backend):
 
     name = "shm"
     own_block_in_place = True
+    gathers_into_list = True
 
     def __init__(self, store, rank, size, timeout, options=None, label=None):
         super().__init__(store, rank, size, timeout, options)
@@ -207,6 +208,9 @@ class ShmBackend(Backend):
 
     def all_gather(self, out, inp):
         self._comm.all_gather(out.ptr, inp.ptr, inp.nbytes)
+
+    def all_gather_list(self, outs, inp):
+        self._comm.all_gather_list([b.ptr for b in outs], inp.ptr, inp.nbytes)
 
     def gather(self, out, inp, root):
         self._comm.gather(out.ptr if out is not None else 0, inp.ptr, inp.nbytes, root)

@@ -1134,19 +1134,50 @@ void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size
     c->cma_ar_min = ar_min;
 }
 
-/* Everyone publishes in; readers (all, or root only) copy every rank's block. */
-static int gather_impl(shm_comm *c, void *out, const void *in, size_t nbytes, int root)
+/* Single-copy all_gather into separate output blocks (a list of tensors): each rank posts
+ * the address of its input and reads every other rank's input into its own block, so no
+ * reader needs another's block addresses; a rank returns once every reader has acked
+ * (they read its input until then). */
+static int all_gather_list_cma(shm_comm *c, void *const *outs, const void *in, size_t nbytes)
+{
+    int n = c->n, me = c->me;
+    thp_prepare(c, in, nbytes);
+    atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)in, memory_order_relaxed);
+    uint32_t s = ++c->seq;
+    post(c, s);
+    copy(outs[me], in, nbytes);
+    for (int k = 1; k < n; k++) {
+        int q = (me + k) % n;
+        TRY(c, wait_post(c, q, s));
+        uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
+        TRY(c, cma_read(c, q, outs[q], addr, nbytes));
+    }
+    ack(c, s);
+    for (int q = 0; q < n; q++)  /* every reader is done with my input */
+        if (q != me)
+            TRY(c, wait_ctr(c, &c->ctl[q].ack, s, q, -1));
+    return SHM_OK;
+}
+
+/* Rank q's block of a gather's output: contiguous blocks of `out`, or outs[q]. */
+#define GATHER_BLOCK(out, outs, q, nbytes) \
+    ((outs) ? (char *)(outs)[q] : (char *)(out) + (size_t)(q) * (nbytes))
+
+/* Everyone publishes in; readers (all, or root only) copy every rank's block into `out`
+ * (blocks back to back) or, for a list all_gather, into outs[q]. */
+static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in, size_t nbytes,
+                       int root)
 {
     CHECK(c);
     int n = c->n, me = c->me;
     int reader = root < 0 || root == me;
     if (n == 1) {
         if (reader)
-            copy(out, in, nbytes);
+            copy(GATHER_BLOCK(out, outs, 0, nbytes), in, nbytes);
         return SHM_OK;
     }
     if (c->cma && c->cma_min && nbytes >= c->cma_min)
-        return gather_cma(c, out, in, nbytes, root);
+        return outs ? all_gather_list_cma(c, outs, in, nbytes) : gather_cma(c, out, in, nbytes, root);
     int stream = outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
     for (size_t off = 0; off < nbytes;) {
         size_t len = nbytes - off < c->half ? nbytes - off : c->half;
@@ -1162,8 +1193,8 @@ static int gather_impl(shm_comm *c, void *out, const void *in, size_t nbytes, in
         if (reader) {
             TRY(c, wait_posts(c, s));
             for (int q = 0; q < n; q++)
-                if (q != me || (char *)out + (size_t)me * nbytes != (const char *)in)
-                    copy_out((char *)out + (size_t)q * nbytes + off, HALF(c, q, h), len, stream);
+                if (q != me || GATHER_BLOCK(out, outs, me, nbytes) != (const char *)in)
+                    copy_out(GATHER_BLOCK(out, outs, q, nbytes) + off, HALF(c, q, h), len, stream);
         }
         ack(c, s);
         off += len;
@@ -1174,12 +1205,17 @@ static int gather_impl(shm_comm *c, void *out, const void *in, size_t nbytes, in
 
 int shm_all_gather(shm_comm *c, void *out, const void *in, size_t nbytes)
 {
-    return gather_impl(c, out, in, nbytes, -1);
+    return gather_impl(c, out, NULL, in, nbytes, -1);
+}
+
+int shm_all_gather_list(shm_comm *c, void *const *outs, const void *in, size_t nbytes)
+{
+    return gather_impl(c, NULL, outs, in, nbytes, -1);
 }
 
 int shm_gather(shm_comm *c, void *out, const void *in, size_t nbytes, int root)
 {
-    return gather_impl(c, out, in, nbytes, root);
+    return gather_impl(c, out, NULL, in, nbytes, root);
 }
 
 int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root)

@@ -65,6 +65,8 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root);
 int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op);
 int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root);
 int shm_all_gather(shm_comm *c, void *out, const void *in, size_t nbytes);
+/* all_gather into n separate blocks of nbytes (outs[q] gets rank q's input) */
+int shm_all_gather_list(shm_comm *c, void *const *outs, const void *in, size_t nbytes);
 int shm_gather(shm_comm *c, void *out, const void *in, size_t nbytes, int root);
 int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root);
 int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int dtype, int op);
