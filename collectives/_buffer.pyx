@@ -152,8 +152,9 @@ def _configure(slow, torch_tensor=None, torch_codes=None, strided=None):
         _torch_tensor, _torch_codes, _strided = torch_tensor, dict(torch_codes), strided
 
 
-def buffer(t, name="tensor"):
-    """The Buffer over ``t`` (zero-copy); errors and rare cases go to the Python path."""
+cdef object _fast_buffer(object t):
+    """The Buffer over ``t`` where the C path takes it (a contiguous NumPy array or plain
+    CPU torch tensor), else None."""
     cdef cnp.ndarray arr
     cdef int code, typenum
     if type(t) is cnp.ndarray:
@@ -172,7 +173,60 @@ def buffer(t, name="tensor"):
                 and not ((c == _COMPLEX64 or c == _COMPLEX128) and t.is_conj())
                 and not t.is_neg()):
             return _make(t.data_ptr(), t.numel(), c, -1, t)
-    return _slow(t, name)
+    return None
+
+
+def buffer(t, name="tensor"):
+    """The Buffer over ``t`` (zero-copy); errors and rare cases go to the Python path."""
+    b = _fast_buffer(t)
+    return b if b is not None else _slow(t, name)
+
+
+def buffers(tensors, name, dtype=None, count=None, length=None):
+    """``_frontend.buffers`` (the same checks and messages), each tensor through the C path."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
+    cdef Py_ssize_t i, n = len(tensors)
+    if length is not None and n != length:
+        raise ValueError(f"{name} must hold {length} tensors (one per rank of the group), "
+                         f"got {n}")
+    cdef list out = []
+    for i in range(n):
+        t = tensors[i]
+        b = _fast_buffer(t)
+        if b is None:
+            b = _slow(t, f"{name}[{i}]")
+        if dtype is None:
+            dtype = b.dtype
+        elif b.dtype != dtype:
+            raise ValueError(f"{name}[{i}] has dtype {_D.DTYPE_NAMES[b.dtype]}; expected "
+                             f"{_D.DTYPE_NAMES[dtype]} like the others")
+        if count is not None and b.count != count:
+            raise ValueError(f"{name}[{i}] has {b.count} elements; expected {count}")
+        out.append(b)
+    return out
+
+
+def separate_blocks(list outs, Buffer inp not None, Py_ssize_t rank):
+    """Whether ``outs`` (an all_gather's list) do not lie back to back, so that a backend
+    gathering into the list itself saves a staging copy, and none of them overlaps ``inp``
+    but ``outs[rank]`` being ``inp`` itself (``_frontend._py_separate_blocks`` in C)."""
+    cdef Py_ssize_t i, n = len(outs)
+    cdef Buffer b
+    cdef size_t ip = inp.ptr, inb = <size_t>inp.count * inp.itemsize, bn, ptr
+    cdef bint contiguous = True
+    if n == 0:
+        return False
+    ptr = (<Buffer?>outs[0]).ptr
+    for i in range(n):
+        b = <Buffer?>outs[i]
+        bn = <size_t>b.count * b.itemsize
+        if b.ptr != ptr and b.count:
+            contiguous = False
+        ptr += bn
+        if bn and inb and b.ptr < ip + inb and ip < b.ptr + bn and not (i == rank and b.ptr == ip):
+            return False
+    return not contiguous
 
 
 def disjoint_gather(Buffer out not None, Buffer inp not None, Py_ssize_t size):

@@ -69,7 +69,7 @@ def _cuda_backend_live():
     return any(getattr(pg.backend, "takes_cuda", False) for pg in world.groups)
 
 
-def buffers(tensors, name, dtype=None, count=None, length=None):
+def _py_buffers(tensors, name, dtype=None, count=None, length=None):
     """Buffers of a list of tensors that share a dtype (and ``count`` elements, if given)."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
@@ -202,11 +202,21 @@ def needs_own_copy(pg, whole, part):
                                           and part.ptr == whole.ptr + pg._rank * part.nbytes)
 
 
+def _py_separate_blocks(outs, inp, rank):
+    """Whether ``outs`` (an all_gather's list) do not lie back to back, so that a backend
+    gathering into the list itself saves a staging copy, and none of them overlaps ``inp``
+    but ``outs[rank]`` being ``inp`` itself."""
+    return contiguous_span(outs) is None and not any(
+        overlaps(b, inp) and not (q == rank and b.ptr == inp.ptr) for q, b in enumerate(outs))
+
+
 def _py_disjoint_gather(out, inp, size):
     return out.dtype == inp.dtype and out.count == inp.count * size and not overlaps(out, inp)
 
 
 disjoint_gather = _py_disjoint_gather if _fast is None else _fast.disjoint_gather
+separate_blocks = _py_separate_blocks if _fast is None else _fast.separate_blocks
+buffers = _py_buffers if _fast is None else _fast.buffers
 
 
 _kernels = False  # collectives._core once looked up (None when not built)

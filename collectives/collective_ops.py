@@ -14,7 +14,7 @@ import numpy as np
 from . import dtypes as D
 from ._frontend import (Steps, buffer, buffers, check_like, contiguous_span, copy_into,
                         copy_of, disjoint_gather, needs_own_copy, overlaps, reduce_plan, scale,
-                        settle, stage, unstage)
+                        separate_blocks, settle, stage, unstage)
 from .errors import DistBackendError, DistError
 from .group import NOT_INITIALIZED, resolve, world
 from .group import current as _group
@@ -148,8 +148,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         return None
     inp = buffer(tensor)
     outs = buffers(tensor_list, "tensor_list", inp.dtype, inp.count, pg._size)
-    if pg.backend.gathers_into_list and contiguous_span(outs) is None and not any(
-            overlaps(b, inp) and not (q == pg._rank and b.ptr == inp.ptr) for q, b in enumerate(outs)):
+    if pg.backend.gathers_into_list and separate_blocks(outs, inp, pg._rank):
         # separate tensors, as torch programs allocate them: the backend fills each one
         return _launch(pg, async_op, list(tensor_list), "all_gather",
                        [(pg.backend.all_gather_list, (outs, inp))])

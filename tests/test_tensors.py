@@ -166,3 +166,37 @@ def test_disjoint_gather_agrees_with_the_python_check(n_in, extra, size, offset,
                  dt if same_dtype else D.FLOAT64)
     want = _frontend._py_disjoint_gather(out, inp, size)
     assert bool(_frontend.disjoint_gather(out, inp, size)) == bool(want)
+
+
+@needs_ext
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(-8, 40), st.integers(0, 6)), min_size=1, max_size=5),
+       st.integers(-8, 40), st.integers(0, 6), st.integers(0, 4))
+def test_separate_blocks_agrees_with_the_python_check(blocks, in_at, in_count, rank):
+    """Back-to-back lists, overlaps with the input, the input as this rank's own entry."""
+    base = 0x10000
+    outs = [Buffer(base + 4 * at, count, D.FLOAT32) for at, count in blocks]
+    inp = Buffer(base + 4 * in_at, in_count, D.FLOAT32)
+    want = _frontend._py_separate_blocks(outs, inp, rank)
+    assert bool(_buffer.separate_blocks(outs, inp, rank)) == bool(want)
+
+
+@needs_ext
+@pytest.mark.parametrize("tensors,kw", [
+    ([np.ones(3, np.float32), torch.zeros(3)], {}),
+    ([np.ones(3, np.float32), np.ones(3, np.float64)], {}),
+    ([np.ones(3, np.float32), np.ones(4, np.float32)], {"count": 3}),
+    ([np.ones(3, np.float32)], {"length": 2}),
+    ([np.ones(3, np.float32), np.arange(6.0, dtype=np.float32)[::2]], {}),
+    ((torch.ones(2), torch.ones(2, dtype=torch.float64)), {"dtype": D.FLOAT32}),
+    (np.ones(3), {}),
+    ([], {}),
+])
+def test_fast_buffers_agrees_with_the_python_list_path(tensors, kw):
+    """The same Buffers, or the same exception and message, for lists of tensors."""
+    def run(f):
+        try:
+            return [(b.ptr, b.count, b.dtype) for b in f(tensors, "tensor_list", **kw)]
+        except (TypeError, ValueError) as e:
+            return type(e), str(e)
+    assert run(_buffer.buffers) == run(_frontend._py_buffers)
