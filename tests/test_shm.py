@@ -108,6 +108,15 @@ def run_op(ctx, name, seed, dtype, count, op, root):
         outs = [np.empty(count, NP[dtype]) for _ in range(n)]
         be.all_gather_list([to_buffer(o) for o in outs], to_buffer(mine))
         got, want = np.concatenate(outs), np.concatenate(ins)
+    elif name == "all_gather_mixed":  # odd ranks gather into one array, even ones into a list
+        got = np.empty(n * count, NP[dtype])
+        if r % 2:
+            be.all_gather(to_buffer(got), to_buffer(mine))
+        else:
+            outs = [np.empty(count, NP[dtype]) for _ in range(n)]
+            be.all_gather_list([to_buffer(o) for o in outs], to_buffer(mine))
+            got = np.concatenate(outs)
+        want = np.concatenate(ins)
     elif name == "all_gather_in_place":  # the input is this rank's block of the output
         got = np.empty(n * count, NP[dtype])
         got[r * count:(r + 1) * count] = mine
@@ -270,8 +279,9 @@ def pool_for(world, kind="shm", env=None):
     return get_pool(world, setup=setup_backend, setup_args=(kind,), env=env or ENV_SMALL)
 
 
-# the gathers' forms: contiguous output, input inside it, one array per rank
-GATHERS = ["all_gather", "all_gather_in_place", "all_gather_list", "gather"]
+# the gathers' forms: contiguous output, input inside it, one array per rank, both forms
+# in one call (each rank picks its own)
+GATHERS = ["all_gather", "all_gather_in_place", "all_gather_list", "all_gather_mixed", "gather"]
 OPS = ["all_reduce", "reduce", "broadcast", *GATHERS, "scatter", "reduce_scatter",
        "reduce_scatter_in_place", "all_to_all"]
 
@@ -380,7 +390,7 @@ def test_hierarchical_with_faked_hosts(hosts):
     info = pool.run(hier_info, timeout=30)
     assert all(i[0] == "HierarchicalBackend" for i in info)
     for name in OPS:
-        if name == "all_gather_list":  # the front end stages it for this backend
+        if name in ("all_gather_list", "all_gather_mixed"):  # the front end stages lists here
             continue
         for count in (0, 1, 1001, 70000):
             assert pool.run(run_op, name, 7, D.INT32, count, D.SUM, world - 1,

@@ -64,8 +64,9 @@ typedef struct {
     } pp;
     struct {
         _Atomic uint64_t addr;  /* this rank's buffer for the step it last posted (CMA) */
+        _Atomic uint64_t src;   /* a single-copy all_gather's input, for ranks that pull */
         _Atomic int32_t ok;     /* the CMA probe's verdict from this rank */
-        char pad[CL - 12];
+        char pad[CL - 20];
     } xfer;
 } rank_ctl_t;
 
@@ -1032,27 +1033,38 @@ int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root
     return reduce_impl(c, buf, count, dtype, op, root);
 }
 
-/* Single-copy gather: every reader posts the address of its output, and every rank
- * writes its block straight into each reader's output (process_vm_writev), 1 MiB at a
- * time so the block is read from the cache for every reader after the first. A writer
- * returns as soon as its writes are done; a reader once every writer has acked.
+/* Rank q's block of a gather's output: contiguous blocks of `out`, or outs[q]. */
+#define GATHER_BLOCK(out, outs, q, nbytes) \
+    ((outs) ? (char *)(outs)[q] : (char *)(out) + (size_t)(q) * (nbytes))
+
+/* Single-copy gather. A reader whose output is one buffer posts its address, and every
+ * rank writes its block straight into it (process_vm_writev), 1 MiB at a time so the
+ * block is read from the cache for every reader after the first. A reader whose output is
+ * a list of separate blocks (outs, all_gather only) posts none and reads every other
+ * rank's input into its blocks instead (each rank posts its input's address too), so the
+ * ranks of one call may mix the two forms. A writer returns as soon as its writes are
+ * done; a reader once every rank has acked (for an all_gather: every rank, since a list
+ * reader reads the others' inputs until it acks).
  * Writing rather than reading: the kernel pins the remote side page by page, and a
  * reader's output, n blocks long, is the buffer likelier to hold 2 MiB pages (numpy's
  * from 4 MiB, or thp_prepare's). Measured against each rank reading the others' blocks
  * (two ranks, samples alternating in one run, push/pull time): 2 MiB 0.72-0.85, 4 MiB
  * 0.94-1.01, 8 MiB 0.89-1.01, 16 MiB 0.92-1.01, 256 KiB-1 MiB 0.92-1.0. */
 #define CMA_PUSH_CHUNK (1 << 20)
-static int gather_cma(shm_comm *c, void *out, const void *in, size_t nbytes, int root)
+static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in, size_t nbytes,
+                      int root)
 {
     int n = c->n, me = c->me;
     int reader = root < 0 || root == me;
+    int pull = outs != NULL;
     if (reader)
-        thp_prepare(c, out, (size_t)n * nbytes);
-    atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)(reader ? out : NULL),
+        thp_prepare(c, pull ? in : out, pull ? nbytes : (size_t)n * nbytes);
+    atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)(reader && !pull ? out : NULL),
                           memory_order_relaxed);
+    atomic_store_explicit(&c->ctl[me].xfer.src, (uint64_t)(uintptr_t)in, memory_order_relaxed);
     uint32_t s = ++c->seq;
     post(c, s);
-    int stream = outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
+    int stream = !pull && outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
     for (size_t off = 0; off < nbytes; off += CMA_PUSH_CHUNK) {
         size_t len = nbytes - off < CMA_PUSH_CHUNK ? nbytes - off : CMA_PUSH_CHUNK;
         for (int k = 0; k < n; k++) {
@@ -1060,18 +1072,23 @@ static int gather_cma(shm_comm *c, void *out, const void *in, size_t nbytes, int
             if (!(root < 0 || q == root))
                 continue;
             if (q == me) {
-                copy_out((char *)out + (size_t)me * nbytes + off, (const char *)in + off, len,
+                copy_out(GATHER_BLOCK(out, outs, me, nbytes) + off, (const char *)in + off, len,
                          stream);
                 continue;
             }
             TRY(c, wait_post(c, q, s));
             uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
-            TRY(c, cma_write(c, q, addr + (uint64_t)me * nbytes + off, (const char *)in + off,
-                             len));
+            if (addr)  /* q takes writes */
+                TRY(c, cma_write(c, q, addr + (uint64_t)me * nbytes + off,
+                                 (const char *)in + off, len));
+            if (pull)  /* I read q's block */
+                TRY(c, cma_read(c, q, (char *)outs[q] + off,
+                                atomic_load_explicit(&c->ctl[q].xfer.src, memory_order_relaxed) + off,
+                                len));
         }
     }
     ack(c, s);
-    if (reader)  /* every writer is done with my output */
+    if (reader)  /* every writer is done with my output, every reader with my input */
         for (int q = 0; q < n; q++)
             if (q != me)
                 TRY(c, wait_ctr(c, &c->ctl[q].ack, s, q, -1));
@@ -1134,35 +1151,6 @@ void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size
     c->cma_ar_min = ar_min;
 }
 
-/* Single-copy all_gather into separate output blocks (a list of tensors): each rank posts
- * the address of its input and reads every other rank's input into its own block, so no
- * reader needs another's block addresses; a rank returns once every reader has acked
- * (they read its input until then). */
-static int all_gather_list_cma(shm_comm *c, void *const *outs, const void *in, size_t nbytes)
-{
-    int n = c->n, me = c->me;
-    thp_prepare(c, in, nbytes);
-    atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)in, memory_order_relaxed);
-    uint32_t s = ++c->seq;
-    post(c, s);
-    copy(outs[me], in, nbytes);
-    for (int k = 1; k < n; k++) {
-        int q = (me + k) % n;
-        TRY(c, wait_post(c, q, s));
-        uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
-        TRY(c, cma_read(c, q, outs[q], addr, nbytes));
-    }
-    ack(c, s);
-    for (int q = 0; q < n; q++)  /* every reader is done with my input */
-        if (q != me)
-            TRY(c, wait_ctr(c, &c->ctl[q].ack, s, q, -1));
-    return SHM_OK;
-}
-
-/* Rank q's block of a gather's output: contiguous blocks of `out`, or outs[q]. */
-#define GATHER_BLOCK(out, outs, q, nbytes) \
-    ((outs) ? (char *)(outs)[q] : (char *)(out) + (size_t)(q) * (nbytes))
-
 /* Everyone publishes in; readers (all, or root only) copy every rank's block into `out`
  * (blocks back to back) or, for a list all_gather, into outs[q]. */
 static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in, size_t nbytes,
@@ -1177,7 +1165,7 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
         return SHM_OK;
     }
     if (c->cma && c->cma_min && nbytes >= c->cma_min)
-        return outs ? all_gather_list_cma(c, outs, in, nbytes) : gather_cma(c, out, in, nbytes, root);
+        return gather_cma(c, out, outs, in, nbytes, root);
     int stream = outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
     for (size_t off = 0; off < nbytes;) {
         size_t len = nbytes - off < c->half ? nbytes - off : c->half;
