@@ -140,6 +140,7 @@ cdef object _torch_tensor = None
 cdef dict _torch_codes = {}
 cdef object _strided = None
 cdef object _slow = None
+cdef object _slow_list = None
 cdef int _COMPLEX64 = _D.COMPLEX64
 cdef int _COMPLEX128 = _D.COMPLEX128
 
@@ -182,27 +183,24 @@ def buffer(t, name="tensor"):
     return b if b is not None else _slow(t, name)
 
 
+def _set_slow_list(slow_list):
+    """Set the Python path of ``buffers`` (``_frontend._py_buffers``)."""
+    global _slow_list
+    _slow_list = slow_list
+
+
 def buffers(tensors, name, dtype=None, count=None, length=None):
-    """``_frontend.buffers`` (the same checks and messages), each tensor through the C path."""
-    if not isinstance(tensors, (list, tuple)):
-        raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
-    cdef Py_ssize_t i, n = len(tensors)
-    if length is not None and n != length:
-        raise ValueError(f"{name} must hold {length} tensors (one per rank of the group), "
-                         f"got {n}")
+    """``_frontend.buffers`` for the common case, a list or tuple of tensors the C path takes
+    that agree in dtype (and count); anything else, errors included, goes to the Python path."""
+    if not isinstance(tensors, (list, tuple)) or (length is not None and len(tensors) != length):
+        return _slow_list(tensors, name, dtype, count, length)
     cdef list out = []
-    for i in range(n):
-        t = tensors[i]
+    for t in tensors:
         b = _fast_buffer(t)
-        if b is None:
-            b = _slow(t, f"{name}[{i}]")
-        if dtype is None:
-            dtype = b.dtype
-        elif b.dtype != dtype:
-            raise ValueError(f"{name}[{i}] has dtype {_D.DTYPE_NAMES[b.dtype]}; expected "
-                             f"{_D.DTYPE_NAMES[dtype]} like the others")
-        if count is not None and b.count != count:
-            raise ValueError(f"{name}[{i}] has {b.count} elements; expected {count}")
+        if b is None or (dtype is not None and b.dtype != dtype) or (count is not None
+                                                                     and b.count != count):
+            return _slow_list(tensors, name, dtype, count, length)
+        dtype = b.dtype
         out.append(b)
     return out
 

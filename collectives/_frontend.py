@@ -216,6 +216,8 @@ def _py_disjoint_gather(out, inp, size):
 
 disjoint_gather = _py_disjoint_gather if _fast is None else _fast.disjoint_gather
 separate_blocks = _py_separate_blocks if _fast is None else _fast.separate_blocks
+if _fast is not None:
+    _fast._set_slow_list(_py_buffers)
 buffers = _py_buffers if _fast is None else _fast.buffers
 
 
