@@ -23,6 +23,7 @@ import sys
 import time
 
 from .. import dtypes as D
+from .._frontend import disjoint_gather as _disjoint_gather
 from ..errors import DistBackendError
 from ..tensors import Buffer as _Buffer
 from ..tensors import _PyBuffer
@@ -312,9 +313,13 @@ class MpiBackend(Backend):
     def all_gather(self, out, inp):
         if self._async_mode:
             return self._iall_gather(out, inp).wait()
+        dt = _DATATYPE[inp.dtype]
+        if _disjoint_gather(out, inp, self.size):  # the common case, checked in C
+            self._allgather([inp if _EXPORTS else _fromaddress(inp.ptr, inp.count * inp.itemsize), dt],
+                            [out if _EXPORTS else _fromaddress(out.ptr, out.count * out.itemsize), dt])
+            return
         n = inp.count * inp.itemsize
         iptr, optr, total = inp.ptr, out.ptr, out.count * out.itemsize
-        dt = _DATATYPE[inp.dtype]
         keep = None
         if iptr + n <= optr or iptr >= optr + total or not n:
             send = [inp if _EXPORTS else _fromaddress(iptr, n), dt]
