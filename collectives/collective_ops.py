@@ -57,7 +57,10 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
     be = pg.backend
     if op is _SUM:
         if not async_op:
-            pg.run(be.all_reduce, buf, D.SUM)
+            if pg.inline and not be._busy:
+                be.all_reduce(buf, D.SUM)
+            else:
+                pg.run(be.all_reduce, buf, D.SUM)
             return None
         return Work(pg.submit(be.all_reduce, buf, D.SUM), [tensor], pg)
     code, pre, avg = reduce_plan(op, buf.dtype)
@@ -124,7 +127,11 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
         # the common blocking call: a plain global rank, resolved by one dict lookup
         root = pg.group_of_global.get(src)
         if root is not None:
-            pg.run(pg.backend.broadcast, buffer(tensor), root)
+            be = pg.backend
+            if pg.inline and not be._busy:
+                be.broadcast(buffer(tensor), root)
+            else:
+                pg.run(be.broadcast, buffer(tensor), root)
             return None
     root = pg.peer(src, group_src, "src", default=0)
     buf = buffer(tensor)
@@ -169,7 +176,11 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
     inp = buffer(input_tensor, "input_tensor")
     out = buffer(output_tensor, "output_tensor")
     if not async_op and disjoint_gather(out, inp, pg._size):  # the common blocking call
-        pg.run(pg.backend.all_gather, out, inp)
+        be = pg.backend
+        if pg.inline and not be._busy:
+            be.all_gather(out, inp)
+        else:
+            pg.run(be.all_gather, out, inp)
         return None
     check_like(out, inp, "output_tensor", "input_tensor", inp.count * pg._size)
     if needs_own_copy(pg, out, inp):
@@ -356,7 +367,11 @@ def barrier(group=None, async_op=False, device_ids=None):
             raise ValueError(NOT_INITIALIZED)
         return None
     if not async_op:
-        pg.run(pg.backend.barrier)
+        be = pg.backend
+        if pg.inline and not be._busy:
+            be.barrier()
+        else:
+            pg.run(be.barrier)
         return None
     return Work(pg.submit(pg.backend.barrier), [], pg)
 

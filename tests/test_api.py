@@ -546,6 +546,69 @@ def test_an_input_copied_at_issue_time_sees_earlier_async_results():
         dist.destroy_process_group()
 
 
+class _Recorder(Backend):
+    """Logs each call; all_reduce takes 0.2 s, so async work is still queued behind it."""
+
+    name = "order-log"
+    log = []
+
+    def all_reduce(self, buf, op):
+        time.sleep(0.2)
+        _Recorder.log.append("all_reduce")
+
+    def broadcast(self, buf, root):
+        _Recorder.log.append("broadcast")
+
+    def all_gather(self, out, inp):
+        _Recorder.log.append("all_gather")
+
+    def barrier(self):
+        _Recorder.log.append("barrier")
+
+
+class _OwnRun(_Recorder):
+    """A backend with a run() of its own: the front end must call it, not skip it."""
+
+    name = "own-run"
+
+    def all_reduce(self, buf, op):
+        _Recorder.log.append("all_reduce")
+
+    def run(self, fn, *args):
+        _Recorder.log.append("run")
+        return fn(*args)
+
+
+def _hot_calls():
+    a, out = np.ones(2, np.float32), np.empty(2, np.float32)
+    dist.all_reduce(a)
+    dist.broadcast(a, 0)
+    dist.all_gather_into_tensor(out, a)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("cls", [_Recorder, _OwnRun])
+def test_blocking_calls_skip_run_only_for_the_base_run_and_wait_behind_queued_work(cls):
+    if cls.name not in backends.registered_backends():
+        backends.register_backend(cls.name, cls)
+    dist.init_process_group(cls.name, store=HashStore(), rank=0, world_size=1)
+    try:
+        _Recorder.log = []
+        _hot_calls()
+        hot = ["all_reduce", "broadcast", "all_gather", "barrier"]
+        if cls is _OwnRun:  # every blocking call went through its run()
+            assert _Recorder.log == [x for name in hot for x in ("run", name)]
+            return
+        assert _Recorder.log == hot
+        _Recorder.log = []
+        w = dist.all_reduce(np.ones(2, np.float32), async_op=True)  # queued, 0.2 s
+        _hot_calls()  # each blocking call must run after the queued one
+        w.wait()
+        assert _Recorder.log == ["all_reduce"] + hot
+    finally:
+        dist.destroy_process_group()
+
+
 class _SlowCounter(Backend):
     """all_reduce takes 0.6 s and counts its runs."""
 
