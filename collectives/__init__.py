@@ -14,16 +14,17 @@ from .store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TC
 # ---- the torch.distributed front end ---------------------------------------------------------
 from .backends import register_backend  # noqa: E402
 from .collective_ops import (
-    _all_gather_base, _reduce_scatter_base, all_gather, all_gather_into_tensor, all_gather_single,
-    all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single, barrier, broadcast, gather,
-    monitored_barrier, reduce, reduce_scatter, reduce_scatter_single, reduce_scatter_tensor, scatter)
+    _all_gather_base, _reduce_scatter_base, all_gather, all_gather_coalesced, all_gather_into_tensor,
+    all_gather_single, all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single, barrier,
+    broadcast, gather, monitored_barrier, reduce, reduce_scatter, reduce_scatter_single,
+    reduce_scatter_tensor, scatter)
 from .group import (
     Backend, GroupMember, ProcessGroup, default_pg_timeout, destroy_process_group, get_backend,
     get_backend_config, get_default_backend_for_device, get_global_rank, get_group_rank,
     get_node_local_rank, get_pg_count, get_process_group_ranks, get_rank, get_world_size, group,
     init_process_group, is_available, is_backend_available, is_gloo_available, is_initialized,
     is_mpi_available, is_nccl_available, is_torchelastic_launched, is_ucc_available,
-    is_xccl_available, new_group, new_subgroups, new_subgroups_by_enumeration)
+    is_xccl_available, new_group, new_subgroups, new_subgroups_by_enumeration, split_group)
 from .multigpu import (
     all_gather_multigpu, all_reduce_multigpu, broadcast_multigpu, reduce_multigpu,
     reduce_scatter_multigpu)
@@ -38,7 +39,8 @@ from .work import Future, Work
 __all__ = [
     "FileStore", "HashStore", "PrefixStore", "QueueEmptyError", "Store", "TCPStore",
     "DistBackendError", "DistError", "DistNetworkError", "DistStoreError", "dtypes", "register_backend",
-    "_all_gather_base", "_reduce_scatter_base", "all_gather", "all_gather_into_tensor",
+    "_all_gather_base", "_reduce_scatter_base", "all_gather", "all_gather_coalesced",
+    "all_gather_into_tensor",
     "all_gather_single", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single",
     "barrier", "broadcast", "gather", "monitored_barrier", "reduce", "reduce_scatter",
     "reduce_scatter_single", "reduce_scatter_tensor", "scatter",
@@ -48,7 +50,7 @@ __all__ = [
     "get_rank", "get_world_size", "group", "init_process_group", "is_available",
     "is_backend_available", "is_gloo_available", "is_initialized", "is_mpi_available",
     "is_nccl_available", "is_torchelastic_launched", "is_ucc_available", "is_xccl_available",
-    "new_group", "new_subgroups", "new_subgroups_by_enumeration",
+    "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
     "all_gather_multigpu", "all_reduce_multigpu", "broadcast_multigpu", "reduce_multigpu",
     "reduce_scatter_multigpu",
     "all_gather_object", "broadcast_object_list", "gather_object", "recv_object_list",

@@ -193,6 +193,41 @@ all_gather_into_tensor = all_gather_single
 _all_gather_base = all_gather_single
 
 
+def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op=False):
+    """Gather every rank's ``input_tensor_list`` in one backend call (torch's deprecated
+    coalesced form): ``output_tensor_lists[r][i]`` receives rank r's ``input_tensor_list[i]``.
+    The tensors share one dtype, as torch's gloo requires; their shapes may differ."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    ins = buffers(input_tensor_list, "input_tensor_list")
+    if not ins:
+        raise ValueError("input_tensor_list must hold at least one tensor")
+    if not isinstance(output_tensor_lists, (list, tuple)):
+        raise TypeError(f"output_tensor_lists must be a list of lists of tensors (one list per "
+                        f"rank), got {type(output_tensor_lists).__name__}")
+    if len(output_tensor_lists) != pg._size:
+        raise ValueError(f"output_tensor_lists must hold {pg._size} lists (one per rank of the "
+                         f"group), got {len(output_tensor_lists)}")
+    dtype = ins[0].dtype
+    outs = []
+    for r, tensors in enumerate(output_tensor_lists):
+        name = f"output_tensor_lists[{r}]"
+        for i, (b, a) in enumerate(zip(buffers(tensors, name, dtype, None, len(ins)), ins)):
+            check_like(b, a, f"{name}[{i}]", f"input_tensor_list[{i}]", a.count)
+            outs.append(b)
+    inp = contiguous_span(ins)
+    if inp is None:
+        settle(pg)
+        inp = stage(ins, dtype, copy_in=True)
+    out, copy_out = _output_span(outs, dtype, inp)
+    steps = [(pg.backend.all_gather, (out, inp))]
+    if copy_out:
+        steps.append((unstage, (out, outs)))
+    return _launch(pg, async_op, [t for tensors in output_tensor_lists for t in tensors],
+                   "all_gather_coalesced", steps)
+
+
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
     """Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (None elsewhere)."""
     pg = _group(group)
@@ -426,7 +461,8 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
 
 
 __all__ = ["all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
-           "all_gather_single", "all_gather_into_tensor", "_all_gather_base", "gather", "scatter",
+           "all_gather_single", "all_gather_into_tensor", "all_gather_coalesced",
+           "_all_gather_base", "gather", "scatter",
            "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
            "_reduce_scatter_base", "all_to_all", "all_to_all_single", "barrier",
            "monitored_barrier"]

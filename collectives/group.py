@@ -377,6 +377,64 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=
     return mine, groups
 
 
+def split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None, group_desc=None,
+                backend=None):
+    """Split ``parent_pg`` (default: the world) into disjoint groups and return this rank's,
+    or None where it is in none of them (torch's ``split_group``).
+
+    ``split_ranks`` lists the groups as lists of ranks of ``parent_pg`` (group ranks, not
+    global ones), e.g. ``[[0, 1], [2, 3]]``; ranks may be left out. Every rank of
+    ``parent_pg`` calls it with the same ``split_ranks``. A backend that splits itself
+    (mpi: ``MPI_Comm_split``) is split once per group on every rank of the parent; other
+    backends build each group from the store among its members only.
+    """
+    wpg = default_group()
+    parent = wpg if parent_pg is None else resolve(parent_pg)
+    if not isinstance(split_ranks, (list, tuple)) or not split_ranks:
+        raise ValueError(f"split_ranks must be a non-empty list of lists of ranks of the parent "
+                         f"group, got {split_ranks!r}")
+    if parent is None:
+        return None
+    seen, splits, mine = set(), [], None
+    for ranks in split_ranks:
+        if not isinstance(ranks, (list, tuple)) or not ranks:
+            raise ValueError(f"split_ranks must hold non-empty lists of ranks, got {ranks!r}")
+        for r in ranks:
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < parent._size:
+                raise ValueError(f"split_ranks must hold ranks of the parent group, in "
+                                 f"[0, {parent._size}), got {r!r}")
+            if r in seen:
+                raise ValueError(f"split_ranks must name each rank once, got {r} twice")
+            seen.add(r)
+        splits.append(sorted(ranks))
+        if parent._rank in ranks:
+            mine = splits[-1]
+    tmo = timeout_seconds(timeout, positive=True)
+    tmo = parent.timeout if tmo is None else tmo
+    name = parent.backend_name if backend is None else _backend_name(backend)
+    if name == parent.backend_name:
+        made = None
+        for ranks in splits:  # every rank of the parent, in the same order
+            be = parent.backend.split(ranks, tmo, pg_options)
+            if be is NotImplemented:
+                break
+            if be is not None:
+                made = be
+        else:
+            if made is None:
+                return None
+            glob = [parent.ranks[r] for r in mine]
+            key = ("split",) + tuple(glob)
+            k = world.local_counts.get(key, 0)
+            world.local_counts[key] = k + 1
+            return _add_group(made, glob, parent.ranks[parent._rank],
+                              f"split/{'-'.join(map(str, glob))}/{k}", name, tmo, None)
+    if mine is None:
+        return None
+    return new_group([parent.ranks[r] for r in mine], timeout, backend, pg_options,
+                     use_local_synchronization=True, group_desc=group_desc)
+
+
 # ---- rank queries ---------------------------------------------------------------------
 
 def get_rank(group=None):

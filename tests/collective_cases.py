@@ -154,7 +154,7 @@ def build_inputs(case, rank, i, step, n, me):
         if kind == "all_to_all":
             return [gen(seed, rank, i, j, dt, (sizes[j],)) for j in range(n)]
         return gen(seed, rank, i, 0, dt, (sum(sizes), 2))
-    if kind == "all_reduce_coalesced":
+    if kind in ("all_reduce_coalesced", "all_gather_coalesced"):
         return [gen(seed, rank, i, j, dt, s) for j, s in enumerate([shape, (3,), (0,), (2, 2)])]
     return gen(seed, rank, i, 0, dt, shape)
 
@@ -247,6 +247,10 @@ def run_case(ctx, case):
         elif kind == "all_reduce_coalesced":
             outs = [T(x) for x in inp]
             w = dist.all_reduce_coalesced(outs, op=op, group=grp, async_op=a)
+        elif kind == "all_gather_coalesced":  # outs[q][j]: rank q's j-th input
+            lists = [[E(x.shape) for x in inp] for _ in range(n)]
+            w = dist.all_gather_coalesced(lists, [T(x) for x in inp], group=grp, async_op=a)
+            outs = [t for lst in lists for t in lst]
         elif kind == "barrier":
             w = dist.barrier(group=grp, async_op=a)
             outs = []
@@ -310,6 +314,8 @@ def expected(case, world_size):
                 out = [np.concatenate(parts)]
             elif kind == "all_reduce_coalesced":
                 out = [ref_reduce([x[j] for x in ins], dt, op, f) for j in range(len(ins[0]))]
+            elif kind == "all_gather_coalesced":
+                out = [x for lst in ins for x in lst]
             elif kind == "barrier":
                 out = []
             result[r].append(out)

@@ -337,6 +337,26 @@ MISUSE = [
      lambda: dist.all_gather_object([None] * 2, {"a": 1})),
     ("group of the wrong type", TypeError, "group must be a ProcessGroup",
      lambda: dist.all_reduce(torch.ones(1), group="world")),
+    ("all_gather_coalesced with too few lists", ValueError, "must hold 4 lists",
+     lambda: dist.all_gather_coalesced([[torch.ones(1)]] * 3, [torch.ones(1)])),
+    ("all_gather_coalesced output of the wrong size", ValueError,
+     r"output_tensor_lists\[2\]\[1\] has 3 elements; expected 2",
+     lambda: dist.all_gather_coalesced([[torch.ones(1), torch.ones(2)]] * 2
+                                       + [[torch.ones(1), torch.ones(3)]] * 2,
+                                       [torch.ones(1), torch.ones(2)])),
+    ("all_gather_coalesced mixed dtypes", ValueError, "dtype int32",
+     lambda: dist.all_gather_coalesced([[torch.ones(1)] * 2] * 4,
+                                       [torch.ones(1), torch.ones(1, dtype=torch.int32)])),
+    ("all_gather_coalesced no inputs", ValueError, "at least one tensor",
+     lambda: dist.all_gather_coalesced([[]] * 4, [])),
+    ("split_group without split_ranks", ValueError, "split_ranks must be a non-empty list",
+     lambda: dist.split_group()),
+    ("split_group rank outside the parent", ValueError, r"in \[0, 4\), got 4",
+     lambda: dist.split_group(split_ranks=[[0, 1], [2, 4]])),
+    ("split_group rank twice", ValueError, "got 1 twice",
+     lambda: dist.split_group(split_ranks=[[0, 1], [1, 2]])),
+    ("split_group empty part", ValueError, "non-empty lists",
+     lambda: dist.split_group(split_ranks=[[0, 1], []])),
 ]
 
 

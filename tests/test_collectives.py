@@ -24,7 +24,7 @@ def config(request):
 REDUCING = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_in_place",
             "all_reduce_coalesced"]
 MOVING = ["broadcast", "all_gather", "all_gather_list_own", "all_gather_single", "all_gather_in_place",
-          "gather", "scatter", "all_to_all", "all_to_all_single", "barrier"]
+          "all_gather_coalesced", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier"]
 SHAPES = [(), (0,), (1,), (5,), (3, 2), (7,), (2, 0, 3)]
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -93,6 +93,64 @@ def test_data_movement_matches_numpy(config, wc):
 @given(wc=cases(REDUCING + MOVING))
 def test_interleaved_sync_and_async_collectives(config, wc):
     _run(config, *wc)
+
+
+def split_case(ctx, case):
+    """Run on every rank: split the parent (the world, or a subgroup) with split_group, then
+    all_reduce each rank's global rank inside its new group."""
+    import numpy as np
+
+    import collectives as dist
+    parent_members = case["parent"]
+    parent = None
+    if parent_members is not None:
+        key = ("group", tuple(parent_members))
+        if key not in ctx.state:
+            ctx.state[key] = dist.new_group(parent_members)
+        parent = ctx.state[key]
+        if ctx.rank not in parent_members:
+            return "outside"
+    g = dist.split_group(parent, case["splits"])
+    if g is None:
+        return None
+    t = np.array([ctx.rank], np.int64)
+    dist.all_reduce(t, group=g)
+    got = (int(t[0]), dist.get_rank(g), dist.get_world_size(g), dist.get_process_group_ranks(g))
+    dist.destroy_process_group(g)
+    return got
+
+
+@st.composite
+def split_cases(draw):
+    world = draw(st.integers(1, 6))
+    parent = None
+    if world > 1 and draw(st.booleans()):
+        parent = sorted(draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world)))
+    n = world if parent is None else len(parent)
+    order = draw(st.permutations(range(n)))
+    cuts = sorted(draw(st.sets(st.integers(1, max(n - 1, 1)), max_size=n - 1))) if n > 1 else []
+    parts = [list(order[a:b]) for a, b in zip([0] + cuts, cuts + [n])]
+    kept = [p for p in parts if draw(st.booleans())] or parts[:1]  # some ranks left out
+    return world, {"parent": parent, "splits": kept}
+
+
+@pytest.mark.timeout(600)
+@SETTINGS
+@given(wc=split_cases())
+def test_split_group_gives_each_rank_its_own_part(config, wc):
+    world, case = wc
+    results = backend_pool(config, world).run(split_case, case, timeout=90)
+    members = list(range(world)) if case["parent"] is None else case["parent"]
+    for r in range(world):
+        if r not in members:
+            assert results[r] == "outside"
+            continue
+        mine = [s for s in case["splits"] if members.index(r) in s]
+        if not mine:
+            assert results[r] is None, f"rank {r} is in no split but got {results[r]!r}"
+            continue
+        glob = sorted(members[i] for i in mine[0])
+        assert results[r] == (sum(glob), glob.index(r), len(glob), glob), (r, case)
 
 
 # ---- examples (the properties above, pinned) ------------------------------------------------
