@@ -13,6 +13,7 @@ from .store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TC
 
 # ---- the torch.distributed front end ---------------------------------------------------------
 from .backends import register_backend  # noqa: E402
+from .debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env  # noqa: E402
 from .collective_ops import (
     _all_gather_base, _reduce_scatter_base, all_gather, all_gather_coalesced, all_gather_into_tensor,
     all_gather_single, all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single, barrier,
@@ -57,4 +58,7 @@ __all__ = [
     "scatter_object_list", "send_object_list",
     "P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send",
     "ReduceOp", "reduce_op", "supports_complex", "Future", "Work",
+    "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
 ]
+
+set_debug_level_from_env()  # as torch.distributed does at import

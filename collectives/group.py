@@ -9,6 +9,7 @@ import importlib.util
 import os
 
 from . import backends as _backends
+from . import debug as _debug
 from .work import timeout_seconds
 
 DEFAULT_TIMEOUT = 1800.0  # torch's default for CPU backends (30 minutes)
@@ -47,6 +48,7 @@ class ProcessGroup:
     """
 
     def __init__(self, backend, ranks, rank, name, backend_name, timeout, store):
+        backend = _debug.on_new_group(backend, name, ranks, rank, backend_name)
         self.backend = backend
         self.ranks = list(ranks)
         self._rank = rank

@@ -656,3 +656,25 @@ def test_a_blocking_call_that_times_out_in_the_queue_never_runs_later():
         assert _SlowCounter.runs == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_debug_level_functions_match_torchs(monkeypatch, caplog):
+    import torch.distributed as tdist
+    assert [(m.name, int(m)) for m in dist.DebugLevel] == \
+        [(m, int(getattr(tdist.DebugLevel, m))) for m in ("OFF", "INFO", "DETAIL")]
+    assert dist.get_debug_level() == dist.DebugLevel.OFF and str(dist.get_debug_level()) == "DebugLevel.OFF"
+    try:
+        monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "info")
+        dist.set_debug_level_from_env()
+        assert dist.get_debug_level() is dist.DebugLevel.INFO
+        with caplog.at_level("INFO", logger="collectives"):
+            dist.init_process_group("recorder", store=HashStore(), rank=0, world_size=1)
+            dist.destroy_process_group()
+        assert "group default_pg: rank 0 of 1" in caplog.text
+        monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "verbose")
+        with pytest.raises(ValueError, match="must be OFF, INFO, or DETAIL"):
+            dist.set_debug_level_from_env()
+        with pytest.raises(TypeError, match="level must be a DebugLevel"):
+            dist.set_debug_level(2)
+    finally:
+        dist.set_debug_level(dist.DebugLevel.OFF)

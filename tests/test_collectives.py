@@ -153,6 +153,62 @@ def test_split_group_gives_each_rank_its_own_part(config, wc):
         assert results[r] == (sum(glob), glob.index(r), len(glob), glob), (r, case)
 
 
+def detail_case(ctx, seed):
+    """Run on every rank: a group made at DebugLevel.DETAIL, fed matching and mismatched
+    collectives; returns what each step did here ('ok' with values, or the error text)."""
+    import numpy as np
+
+    import collectives as dist
+    from collectives.errors import DistBackendError
+    n, r = ctx.world_size, ctx.rank
+    odd = seed % n  # the rank that calls something else
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        g = dist.new_group(list(range(n)))
+    finally:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+    steps = {
+        "match": lambda: dist.all_reduce(np.full(3, r + 1.0, np.float32), group=g),
+        "kind": lambda: (dist.broadcast if r == odd else dist.all_reduce)(
+            np.ones(3, np.float32), group=g),
+        "count": lambda: dist.all_reduce(np.ones(4 if r == odd else 3, np.float32), group=g),
+        "async": lambda: (dist.barrier(group=g, async_op=True) if r == odd else
+                          dist.all_gather_into_tensor(np.empty(n, np.int32), np.ones(1, np.int32),
+                                                      group=g, async_op=True)).wait(),
+        "list": lambda: dist.all_gather([np.empty(2, np.int64) for _ in range(n)],
+                                        np.full(2, r, np.int64), group=g),
+    }
+    got = {}
+    try:
+        for name, call in steps.items():
+            try:
+                call()
+                got[name] = "ok"
+            except DistBackendError as e:
+                got[name] = str(e)
+        x = np.full(2, r + 1.0, np.float64)
+        dist.all_reduce(x, group=g)  # the group still works after the refused calls
+        got["after"] = x.tolist()
+    finally:
+        dist.destroy_process_group(g)
+    return got
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=4, deadline=None)
+@given(world=st.integers(2, 4), seed=st.integers(0, 100))
+def test_detail_debug_level_refuses_mismatched_collectives_on_every_rank(config, world, seed):
+    results = backend_pool(config, world).run(detail_case, seed, timeout=90)
+    n = world * (world + 1) // 2
+    for r, got in enumerate(results):
+        assert got["match"] == got["list"] == "ok", (r, got)
+        assert "Detected mismatch" in got["kind"] and "OpType=BROADCAST" in got["kind"] \
+            and "OpType=ALL_REDUCE" in got["kind"], got["kind"]
+        assert "NumElements=4" in got["count"] and "NumElements=3" in got["count"], got["count"]
+        assert "OpType=BARRIER" in got["async"] and "OpType=ALL_GATHER" in got["async"], got["async"]
+        assert got["after"] == [float(n)] * 2
+
+
 # ---- examples (the properties above, pinned) ------------------------------------------------
 
 @pytest.mark.timeout(300)
