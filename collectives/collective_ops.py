@@ -72,20 +72,33 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
     return _launch(pg, async_op, [tensor], "all_reduce", steps)
 
 
+def _some_buffers(tensors, name):
+    """Buffers of a non-empty list of tensors of one dtype."""
+    bufs = buffers(tensors, name)
+    if not bufs:
+        raise ValueError(f"{name} must hold at least one tensor")
+    return bufs
+
+
+def _flat_input(pg, bufs):
+    """One Buffer over ``bufs``: their own memory when back to back, else a copy made now
+    (after the group's queued work, which may still write them)."""
+    flat = contiguous_span(bufs)
+    if flat is None:
+        settle(pg)
+        flat = stage(bufs, bufs[0].dtype, copy_in=True)
+    return flat
+
+
 def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
     """all_reduce of several tensors of one dtype in one backend call."""
     pg = _group(group)
     if pg is None:
         return None
-    bufs = buffers(tensors, "tensors")
-    if not bufs:
-        raise ValueError("tensors must hold at least one tensor")
+    bufs = _some_buffers(tensors, "tensors")
     code, pre, avg = reduce_plan(op, bufs[0].dtype)
-    flat = contiguous_span(bufs)
+    flat = _flat_input(pg, bufs)
     steps = []
-    if flat is None:
-        settle(pg)
-        flat = stage(bufs, bufs[0].dtype, copy_in=True)
     if pre is not None:
         steps.append((scale, (flat, pre)))
     steps.append((pg.backend.all_reduce, (flat, code)))
@@ -200,9 +213,7 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
     pg = _group(group)
     if pg is None:
         return None
-    ins = buffers(input_tensor_list, "input_tensor_list")
-    if not ins:
-        raise ValueError("input_tensor_list must hold at least one tensor")
+    ins = _some_buffers(input_tensor_list, "input_tensor_list")
     if not isinstance(output_tensor_lists, (list, tuple)):
         raise TypeError(f"output_tensor_lists must be a list of lists of tensors (one list per "
                         f"rank), got {type(output_tensor_lists).__name__}")
@@ -216,10 +227,7 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
         for i, (b, a) in enumerate(zip(buffers(tensors, name, dtype, None, len(ins)), ins)):
             check_like(b, a, f"{name}[{i}]", f"input_tensor_list[{i}]", a.count)
             outs.append(b)
-    inp = contiguous_span(ins)
-    if inp is None:
-        settle(pg)
-        inp = stage(ins, dtype, copy_in=True)
+    inp = _flat_input(pg, ins)
     out, copy_out = _output_span(outs, dtype, inp)
     steps = [(pg.backend.all_gather, (out, inp))]
     if copy_out:
