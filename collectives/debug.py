@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from . import dtypes as D
+from ._frontend import buffer
 from .errors import DistBackendError
 
 _log = logging.getLogger("collectives")
@@ -69,6 +70,7 @@ def on_new_group(backend, name, ranks, rank, backend_name):
 
 _KINDS = ["broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
           "all_to_all", "barrier"]
+_KIND_CODE = {k: i for i, k in enumerate(_KINDS)}
 _FIELDS = 6  # sequence, kind, dtype, count, root, op
 
 
@@ -103,10 +105,9 @@ class CheckedBackend:
         return getattr(self._inner, attr)
 
     def _check(self, kind, dtype=-1, count=-1, root=-1, op=-1):
-        from ._frontend import buffer
         be = self._inner
         self._seq += 1
-        mine = np.array([self._seq, _KINDS.index(kind), dtype, count, root, op], np.int64)
+        mine = np.array([self._seq, _KIND_CODE[kind], dtype, count, root, op], np.int64)
         rows = np.empty((be.size, _FIELDS), np.int64)
         be.all_gather(buffer(rows), buffer(mine))
         bad = np.flatnonzero((rows != rows[0]).any(axis=1))
