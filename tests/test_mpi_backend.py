@@ -7,6 +7,7 @@ asking for the backend is a clear error naming the extra to install.
 """
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -880,3 +881,68 @@ def test_an_mpi_subgroup_of_a_gloo_world_builds_its_communicator_through_the_sto
         assert "error" not in p.stdout, p.stdout
     else:
         assert p.stdout.count("from mpi4py import MPI") == 2, p.stdout
+
+
+STUCK_PROGRAM = textwrap.dedent("""
+    import datetime, sys, time
+    import numpy as np
+    import collectives as dist
+    dist.init_process_group("mpi", timeout=datetime.timedelta(seconds=0.5))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = np.ones(4, np.float32)
+    out = np.zeros(4 * world, np.float32)
+    go = np.ones(1, np.int8)
+    start = time.monotonic()
+    while go[0]:  # 2 s of quick blocking calls, each far under the timeout
+        dist.all_reduce(x)
+        dist.all_gather_into_tensor(out, x)
+        dist.barrier()
+        go[0] = time.monotonic() - start < 2.0
+        dist.broadcast(go, src=0)
+    print("healthy", rank, flush=True)
+    if rank == world - 1:
+        time.sleep(100)  # never arrives
+    else:
+        dist.all_reduce(x)
+    print("returned", rank, flush=True)
+""")
+
+
+@needs_mpi
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_blocking_collective_a_peer_never_calls_ends_the_job_after_the_timeout(n):
+    """MPI cannot time out a blocking call: the watchdog ends the job with MPI_Abort, naming
+    the call, once it has run past the group timeout; quick calls never trip it."""
+    if not front_end_built():
+        pytest.skip("the front end (init_process_group) is not built yet")
+    start = time.monotonic()
+    p = run_under_mpiexec(STUCK_PROGRAM, n)
+    took = time.monotonic() - start
+    out = p.stdout + p.stderr
+    assert p.stdout.count("healthy") == n, out  # no call of the healthy phase was cut short
+    assert "returned" not in p.stdout, out
+    assert p.returncode != 0, out
+    # either waiting rank may be the first to abort
+    assert re.search(rf"the mpi all_reduce \(group rank [0-{n - 2}] of {n}\)", p.stderr), out
+    assert "past the group timeout (0.5 s)" in p.stderr and "MPI_Abort" in p.stderr, out
+    assert 'File "<string>", line' in p.stderr, out  # where the stuck call was made
+    assert took < 60, f"took {took:.1f} s: the sleeping rank was not ended with the job\n{out}"
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_the_watchdog_thread_runs_unless_switched_off(setting):
+    if not front_end_built():
+        pytest.skip("the front end (init_process_group) is not built yet")
+    program = textwrap.dedent("""
+        import threading
+        import collectives as dist
+        dist.init_process_group("mpi")
+        print("threads", sorted(t.name for t in threading.enumerate()), flush=True)
+        dist.destroy_process_group()
+    """)
+    p = run_under_mpiexec(program, 1, {"COLLECTIVES_MPI_WATCHDOG": setting})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert ("collectives-mpi-watchdog" in p.stdout) == (setting == "1"), p.stdout

@@ -14,13 +14,19 @@ through the buffer protocol; the pure-Python one goes as
 * ``async_op`` collectives, ``isend`` and ``irecv`` are MPI's non-blocking calls
   (Iallreduce, Ibcast, ..., Isend, Irecv) behind :class:`MpiRequest`.
 * ``new_group`` splits the communicator collectively (``Comm.Split``).
-* Blocking collectives are MPI's blocking calls and, like MPI itself, are not
-  bounded by the group timeout; waits on requests are.
+* Blocking collectives are MPI's blocking calls. MPI cannot time one out, and this
+  MPICH cannot revoke a communicator (MPIX_Comm_revoke is not implemented), so a rank
+  stuck in one cannot be made to raise: :class:`_Watchdog` instead ends the job with
+  MPI_Abort once such a call has run past its group's timeout, naming the call and
+  printing where it was made (as torch's NCCL watchdog tears a stuck job down). Waits
+  on requests (async ops, isend/irecv) raise DistBackendError at the timeout.
 """
 import importlib.util
 import os
 import sys
+import threading
 import time
+import traceback
 
 from .. import dtypes as D
 from .._frontend import disjoint_gather as _disjoint_gather
@@ -228,6 +234,85 @@ class MpiRequest(Request):
         return self._source
 
 
+class _Watchdog:
+    """Ends the MPI job when a blocking collective has run past its group's timeout.
+
+    A daemon thread samples every thread's innermost Python frame
+    (``sys._current_frames``). A blocking collective of :class:`MpiBackend` is a
+    method frame that calls one MPI function, which releases the GIL while it waits.
+    While a call runs its frame object stays the same object, and a later call gets a
+    new one as long as this thread holds the old one, which it does from one sample to
+    the next; so a frame seen again is the same call, still running. Once one has run
+    longer than its backend's timeout, the watchdog prints which call on which rank,
+    and the stack that made it, to stderr and calls MPI_Abort: mpiexec then ends every
+    process of the job. The calls themselves pay nothing for this.
+
+    ``COLLECTIVES_MPI_WATCHDOG=0`` turns it off (a stuck call then waits forever, as
+    in MPI).
+    """
+
+    MAX_PERIOD_S = 1.0
+    MIN_PERIOD_S = 0.02
+
+    def __init__(self):
+        self.period = self.MAX_PERIOD_S
+        self._lock = threading.Lock()
+        self._thread = None
+        self._codes = frozenset()
+
+    def watch(self, backend):
+        """Bound ``backend``'s blocking collectives by its timeout (starts the thread)."""
+        if os.environ.get("COLLECTIVES_MPI_WATCHDOG", "1") == "0":
+            return
+        tmo = backend.timeout
+        with self._lock:
+            if tmo:  # sample often enough to act within a quarter timeout of the deadline
+                self.period = max(self.MIN_PERIOD_S, min(self.period, tmo / 4))
+            if self._thread is None:
+                self._codes = frozenset(
+                    getattr(MpiBackend, name).__code__ for name in MpiBackend.BLOCKING)
+                self._thread = threading.Thread(target=self._loop, name="collectives-mpi-watchdog",
+                                                daemon=True)
+                self._thread.start()
+
+    def _loop(self):
+        seen = {}  # thread id -> (frame, first seen): held, so a later call's frame differs
+        codes = self._codes
+        while True:
+            time.sleep(self.period)
+            now = time.monotonic()
+            frames = sys._current_frames()
+            running = {}
+            for tid, frame in frames.items():
+                if frame.f_code not in codes:
+                    continue
+                prev = seen.get(tid)
+                since = prev[1] if prev is not None and prev[0] is frame else now
+                running[tid] = (frame, since)
+                backend = frame.f_locals.get("self")
+                tmo = getattr(backend, "timeout", None)
+                if tmo and now - since > tmo and getattr(backend, "comm", None) is not None:
+                    self._abort(backend, frame, now - since)
+            seen = running
+            frames = frame = None  # hold only the frames in seen
+
+    @staticmethod
+    def _abort(backend, frame, took):
+        rank = _MPI.COMM_WORLD.Get_rank()
+        sys.stderr.write(
+            f"collectives: rank {rank}: the mpi {frame.f_code.co_name} (group rank {backend.rank} "
+            f"of {backend.size}) has not finished after {took:.1f} s, past the group timeout "
+            f"({backend.timeout} s): a peer never called it, or called another collective. "
+            f"MPI cannot time out a blocking call, so this rank calls MPI_Abort, which ends "
+            f"every process of the job. The call was made at:\n"
+            + "".join(traceback.format_stack(frame)))
+        sys.stderr.flush()
+        backend.comm.Abort(1)
+
+
+_watchdog = _Watchdog()
+
+
 class _AsyncCall:
     """``fn`` run on the progress thread with the backend in async mode."""
 
@@ -250,16 +335,21 @@ class MpiBackend(Backend):
 
     Args:
         comm: the communicator; the group's rank and size are its own.
-        timeout: seconds a wait on a request may take.
+        timeout: seconds a wait on a request may take, and a blocking collective may run
+            before the watchdog ends the job.
         options: unused (kept for the factory signature).
     """
 
     name = "mpi"
     own_block_in_place = True
+    # the blocking collectives: each waits in one MPI call, which the watchdog bounds
+    BLOCKING = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
+                "reduce_scatter", "all_to_all", "barrier")
 
     def __init__(self, comm, timeout, options=None):
         super().__init__(None, comm.Get_rank(), comm.Get_size(), timeout, options)
         self.comm = comm
+        _watchdog.watch(self)
         self._allreduce = comm.Allreduce
         self._bcast = comm.Bcast
         self._allgather = comm.Allgather
