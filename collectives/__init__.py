@@ -9,6 +9,9 @@ __version__ = "0.1.0"
 
 # ---- stores and rendezvous (lead's section: exports of store.py / rendezvous.py go here) ----
 from .store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore  # noqa: E402
+# torch.distributed's names: dist.rendezvous is the function (the module stays importable as
+# collectives.rendezvous through sys.modules, e.g. ``from collectives.rendezvous import meet``)
+from .rendezvous import register_rendezvous_handler, rendezvous  # noqa: E402
 # ---- end of the lead's section ----------------------------------------------------------------
 
 # ---- the torch.distributed front end ---------------------------------------------------------
@@ -39,6 +42,7 @@ from .work import Future, Work
 # the front end's public names (the lead's section extends this with its own)
 __all__ = [
     "FileStore", "HashStore", "PrefixStore", "QueueEmptyError", "Store", "TCPStore",
+    "register_rendezvous_handler", "rendezvous",
     "DistBackendError", "DistError", "DistNetworkError", "DistStoreError", "dtypes", "register_backend",
     "_all_gather_base", "_reduce_scatter_base", "all_gather", "all_gather_coalesced",
     "all_gather_into_tensor",

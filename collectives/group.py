@@ -202,7 +202,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     Args:
         backend: 'gloo' (default), 'mpi', 'nccl', a registered name, or torch's
             'cpu:gloo,cuda:nccl' form (the cpu entry is used).
-        init_method: 'env://' (default), 'tcp://host:port' or 'file:///path'.
+        init_method: 'env://' (default), 'tcp://host:port', 'file:///path', or a URL of a
+            scheme given to ``register_rendezvous_handler``.
         timeout: timedelta or seconds any single wait may take (default 30 minutes).
         world_size, rank: required with ``store`` or a tcp:// / file:// init_method.
         store: a Store all ranks share (excludes init_method).
@@ -234,8 +235,16 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                              f"launcher's rank {r} of {n}")
         rank, world_size, store, pg_store = r, n, None, None
     else:
-        from .rendezvous import rendezvous
-        store, rank, world_size = rendezvous(init_method, rank, world_size, timeout=tmo, store=store)
+        from .rendezvous import custom_scheme, meet, rendezvous
+        from .store import Store
+        if custom_scheme(init_method):  # torch's registry: the handler's first answer
+            store, rank, world_size = next(rendezvous(
+                init_method, rank, world_size, timeout=datetime.timedelta(seconds=tmo)))
+            if not isinstance(store, Store):
+                raise TypeError(f"the rendezvous handler for {init_method!r} must yield "
+                                f"(Store, rank, world_size), got a {type(store).__name__}")
+        else:
+            store, rank, world_size = meet(init_method, rank, world_size, timeout=tmo, store=store)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         pg_store = _prefix("default_pg", store)

@@ -1,6 +1,10 @@
 """init_method URLs to a store: env://, tcp://host:port, file:///path, or a given store.
 
-``rendezvous(...)`` returns ``(store, rank, world_size)`` for ``init_process_group``.
+``meet(...)`` returns ``(store, rank, world_size)`` for ``init_process_group``.
+``rendezvous(url, rank, world_size, **kwargs)`` and ``register_rendezvous_handler`` are
+torch.distributed's: an iterator of ``(store, rank, world_size)`` from the handler
+registered for the URL's scheme (env, tcp and file are built in), and the way to add a
+scheme, which ``init_process_group(init_method=...)`` then accepts.
 Rank 0 serves the TCPStore and, as torch's does, waits until every rank has
 connected; the other ranks never join the server of a group they have destroyed (a
 group initialised again on the same port: rank 0's previous server may still answer).
@@ -11,7 +15,8 @@ OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE for Open MPI), else Slurm's
 (SLURM_PROCID/SLURM_NTASKS).
 
 Example:
-    >>> store, rank, world = rendezvous("tcp://127.0.0.1:29500", rank=0, world_size=1)
+    >>> store, rank, world = meet("tcp://127.0.0.1:29500", rank=0, world_size=1)
+    >>> store, rank, world = next(rendezvous("tcp://127.0.0.1:29500", rank=0, world_size=1))
 """
 import os
 import secrets
@@ -142,8 +147,8 @@ def _check_port(port, world_size, where):
                          f"(world_size={world_size}); give the master's port")
 
 
-def rendezvous(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, store=None,
-               environ=None):
+def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, store=None,
+         environ=None):
     """Meet the other ranks: ``(store, rank, world_size)``.
 
     Args:
@@ -196,7 +201,8 @@ def rendezvous(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT
     url = urlparse(init_method)
     scheme = url.scheme
     if scheme not in ("env", "tcp", "file"):
-        raise ValueError(f"init_method must start with env://, tcp:// or file://, got {init_method!r}")
+        raise ValueError(f"init_method must start with env://, tcp:// or file:// (or a scheme "
+                         f"given to register_rendezvous_handler), got {init_method!r}")
     query = parse_qs(url.query)
     rank = _resolve("rank", rank_arg, query, scheme, 0, environ)
     world = _resolve("world_size", world_arg, query, scheme, 1, environ)
@@ -234,7 +240,7 @@ _retired = set()
 
 
 def retire(store):
-    """The group that met on ``store`` (from ``rendezvous``) is destroyed in this process:
+    """The group that met on ``store`` (from ``meet``) is destroyed in this process:
     a later rendezvous here does not join the same server."""
     name = getattr(store, "_rendezvous_server", None)
     if name is not None:
@@ -278,4 +284,79 @@ def _check_rank(rank, world):
         raise ValueError(f"rank must be in [0, world_size={world}), got {rank}")
 
 
-__all__ = ["rendezvous", "env_rank_world", "env_local_rank", "RANK_SOURCES"]
+# ---- torch.distributed's handler registry ----------------------------------------------------
+
+def _builtin_handler(url, timeout=DEFAULT_TIMEOUT, **kwargs):
+    """env://, tcp:// and file:// as torch's handlers: one (store, rank, world_size), then no
+    re-rendezvous. Rank and world size come from the URL's query, else the environment."""
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments for {urlparse(url).scheme}:// "
+                        f"rendezvous: {sorted(kwargs)}")
+    yield meet(url, timeout=timeout)
+    raise RuntimeError(f"Unable to perform re-rendezvous using {urlparse(url).scheme}:// method")
+
+
+_handlers = {"env": _builtin_handler, "tcp": _builtin_handler, "file": _builtin_handler}
+
+
+def register_rendezvous_handler(scheme, handler):
+    """Make ``scheme://`` URLs meet through ``handler`` (torch.distributed's function).
+
+    Args:
+        scheme: the URL scheme, e.g. "etcd" for etcd://host/job.
+        handler: ``handler(url, **kwargs)`` returning an iterator of
+            ``(store, rank, world_size)``; :func:`rendezvous` passes the rank and world
+            size in the URL's query (``?rank=0&world_size=4``), and
+            ``init_process_group(init_method=url)`` passes ``timeout=timedelta``.
+    """
+    if not isinstance(scheme, str) or not scheme.isidentifier():
+        raise ValueError(f"scheme must be a URL scheme such as 'etcd', got {scheme!r}")
+    if not callable(handler):
+        raise TypeError(f"handler must be callable as handler(url, **kwargs), "
+                        f"got {type(handler).__name__}")
+    if scheme in _handlers:
+        raise ValueError(f"Rendezvous handler for {scheme}:// already registered")
+    _handlers[scheme] = handler
+
+
+def rendezvous(url, rank=-1, world_size=-1, **kwargs):
+    """torch.distributed's ``rendezvous``: an iterator of ``(store, rank, world_size)``.
+
+    ``rank`` and ``world_size`` (unless -1) are added to the URL's query, which must not
+    hold them already, and the handler registered for the URL's scheme is called as
+    ``handler(url, **kwargs)`` (built in: env, tcp, file; their one keyword is
+    ``timeout``).
+    """
+    if isinstance(url, bytes):
+        url = url.decode()
+    if not isinstance(url, str):
+        raise TypeError(f"url must be a str, got {type(url).__name__}: {url!r}")
+    rank, world_size = _check_int(rank, "rank"), _check_int(world_size, "world_size")
+    parsed = urlparse(url)
+    if rank != -1 or world_size != -1:
+        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        if "rank" in query or "world_size" in query:
+            raise ValueError(f"The url: {url} has node-specific arguments(rank, world_size) already.")
+        if rank != -1:
+            query["rank"] = str(rank)
+        if world_size != -1:
+            query["world_size"] = str(world_size)
+        url = parsed._replace(query="&".join(f"{k}={v}" for k, v in query.items())).geturl()
+    handler = _handlers.get(parsed.scheme)
+    if handler is None:
+        raise ValueError(f"No rendezvous handler for {parsed.scheme}:// (registered: "
+                         f"{', '.join(sorted(_handlers))})")
+    return iter(handler(url, **kwargs))
+
+
+def custom_scheme(init_method):
+    """Whether ``init_method`` is a URL of a scheme registered with
+    :func:`register_rendezvous_handler` (not one of the built-in three)."""
+    if not isinstance(init_method, str):
+        return False
+    handler = _handlers.get(urlparse(init_method).scheme)
+    return handler is not None and handler is not _builtin_handler
+
+
+__all__ = ["meet", "rendezvous", "register_rendezvous_handler", "env_rank_world",
+           "env_local_rank", "RANK_SOURCES"]

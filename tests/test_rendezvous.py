@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 
 from collectives.errors import DistNetworkError, DistStoreError
-from collectives.rendezvous import env_local_rank, env_rank_world, rendezvous
+from collectives.rendezvous import env_local_rank, env_rank_world, meet
 from collectives.store import FileStore, HashStore, TCPStore
 from tests.ranks import free_port, get_pool, mpiexec_path
 
@@ -36,20 +36,20 @@ def meet_and_exchange(ctx, method, port, path, style):
     environ = _environ(ctx, style, port)
     t0 = time.perf_counter()
     if method == "env":
-        store, rank, world = rendezvous("env://", timeout=20, environ=environ)
+        store, rank, world = meet("env://", timeout=20, environ=environ)
     elif method == "default":
-        store, rank, world = rendezvous(timeout=timedelta(seconds=20), environ=environ)
+        store, rank, world = meet(timeout=timedelta(seconds=20), environ=environ)
     elif method == "tcp":
-        store, rank, world = rendezvous(f"tcp://127.0.0.1:{port}?rank={ctx.rank}", -1,
+        store, rank, world = meet(f"tcp://127.0.0.1:{port}?rank={ctx.rank}", -1,
                                         ctx.world_size, timeout=20, environ=environ)
     elif method == "tcp-env":  # rank and size from the launcher's environment
-        store, rank, world = rendezvous(f"tcp://localhost:{port}", timeout=20, environ=environ)
+        store, rank, world = meet(f"tcp://localhost:{port}", timeout=20, environ=environ)
     elif method == "file":
-        store, rank, world = rendezvous(f"file://{path}?world_size={ctx.world_size}",
+        store, rank, world = meet(f"file://{path}?world_size={ctx.world_size}",
                                         rank=ctx.rank, timeout=20, environ=environ)
     elif method == "store":
         given = TCPStore("127.0.0.1", port, ctx.world_size, ctx.rank == 0, timeout=20)
-        store, rank, world = rendezvous(store=given, rank=ctx.rank, world_size=ctx.world_size,
+        store, rank, world = meet(store=given, rank=ctx.rank, world_size=ctx.world_size,
                                         environ=environ)
         assert store is given
     else:
@@ -165,13 +165,13 @@ FULL = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0", "WORLD_
 def test_env_rendezvous_names_the_missing_variable(missing):
     env = {k: v for k, v in FULL.items() if k != missing}
     with pytest.raises(ValueError, match=missing):
-        rendezvous("env://", environ=env, timeout=1)
+        meet("env://", environ=env, timeout=1)
 
 
 @pytest.mark.timeout(30)
 def test_mpiexec_env_without_master_addr_says_what_is_needed():
     with pytest.raises(ValueError, match="MASTER_ADDR"):
-        rendezvous(environ={"PMI_RANK": "0", "PMI_SIZE": "2"}, timeout=1)
+        meet(environ={"PMI_RANK": "0", "PMI_SIZE": "2"}, timeout=1)
 
 
 @pytest.mark.timeout(30)
@@ -193,22 +193,22 @@ def test_mpiexec_env_without_master_addr_says_what_is_needed():
 ])
 def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        rendezvous(environ={}, timeout=1, **kwargs)
+        meet(environ={}, timeout=1, **kwargs)
 
 
 @pytest.mark.timeout(30)
 def test_bad_types_raise_type_error():
     with pytest.raises(TypeError, match="store"):
-        rendezvous(store={}, rank=0, world_size=1)
+        meet(store={}, rank=0, world_size=1)
     with pytest.raises(TypeError, match="rank"):
-        rendezvous("tcp://127.0.0.1:1", rank="0", world_size=1)
+        meet("tcp://127.0.0.1:1", rank="0", world_size=1)
     with pytest.raises(TypeError, match="timeout"):
-        rendezvous("tcp://127.0.0.1:1", rank=0, world_size=1, timeout="10")
+        meet("tcp://127.0.0.1:1", rank=0, world_size=1, timeout="10")
 
 
 @pytest.mark.timeout(30)
 def test_world_of_one_may_use_port_zero_and_returns_a_working_store():
-    store, rank, world = rendezvous("tcp://127.0.0.1:0", rank=0, world_size=1, timeout=5)
+    store, rank, world = meet("tcp://127.0.0.1:0", rank=0, world_size=1, timeout=5)
     assert (rank, world) == (0, 1) and store.port > 0
     store.set("k", "v")
     assert store.get("k") == b"v"
@@ -217,7 +217,7 @@ def test_world_of_one_may_use_port_zero_and_returns_a_working_store():
 
 @pytest.mark.timeout(30)
 def test_file_rendezvous_of_one(tmp_path):
-    store, rank, world = rendezvous(f"file://{tmp_path}/f", rank=0, world_size=1, timeout=5)
+    store, rank, world = meet(f"file://{tmp_path}/f", rank=0, world_size=1, timeout=5)
     assert isinstance(store, FileStore) and store.timeout == timedelta(seconds=5)
     store.close()
 
@@ -227,9 +227,9 @@ def test_a_missing_rank_times_out_on_every_side():
     port = free_port()
     t0 = time.monotonic()
     with pytest.raises(DistStoreError, match="1 of 2"):  # the master waits for the worker
-        rendezvous(f"tcp://127.0.0.1:{port}", rank=0, world_size=2, timeout=0.5)
+        meet(f"tcp://127.0.0.1:{port}", rank=0, world_size=2, timeout=0.5)
     with pytest.raises(DistNetworkError, match=str(port)):  # a worker with no master
-        rendezvous(f"tcp://127.0.0.1:{port}", rank=1, world_size=2, timeout=0.5)
+        meet(f"tcp://127.0.0.1:{port}", rank=1, world_size=2, timeout=0.5)
     assert time.monotonic() - t0 < 5
 
 
@@ -237,7 +237,7 @@ def meet_as_launched(ctx, port):
     """Rendezvous with the environment the real launcher gave this process."""
     assert "RANK" not in os.environ and "PMI_RANK" in os.environ
     environ = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    store, rank, world = rendezvous(timeout=20, environ=environ)
+    store, rank, world = meet(timeout=20, environ=environ)
     store.set(f"key{rank}", f"value{rank}")
     got = store.multi_get([f"key{r}" for r in range(world)])
     _leave(store, rank, world)
@@ -252,3 +252,83 @@ def test_ranks_started_by_mpiexec_take_rank_and_size_from_it():
     results = pool.run(meet_as_launched, free_port(), timeout=60)
     assert sorted(r[:2] for r in results) == [(0, 3), (1, 3), (2, 3)]
     assert all(r[2] == ["value0", "value1", "value2"] for r in results)
+
+
+# ---- torch.distributed's rendezvous() iterator and handler registry ------------------------------
+
+@pytest.mark.timeout(30)
+def test_rendezvous_yields_one_store_then_refuses_to_re_rendezvous(tmp_path):
+    import collectives as dist
+    for url in (f"file://{tmp_path}/f", f"tcp://127.0.0.1:{free_port()}"):
+        it = dist.rendezvous(url, rank=0, world_size=1, timeout=timedelta(seconds=5))
+        store, rank, world = next(it)
+        assert (rank, world) == (0, 1)
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        with pytest.raises(RuntimeError, match="re-rendezvous"):
+            next(it)
+
+
+@pytest.fixture
+def scheme():
+    """A fresh scheme name; its handler is unregistered afterwards."""
+    import sys
+
+    import collectives  # noqa: F401  (collectives.rendezvous is the function; the module:)
+    handlers = sys.modules["collectives.rendezvous"]._handlers
+    name = f"testscheme{len(handlers)}"
+    yield name
+    handlers.pop(name, None)
+
+
+@pytest.mark.timeout(30)
+def test_rendezvous_passes_rank_and_world_size_to_the_handler_in_the_query(scheme):
+    import collectives as dist
+    seen = []
+
+    def handler(url, **kwargs):
+        seen.append((url, kwargs))
+        yield HashStore(), 1, 4
+
+    dist.register_rendezvous_handler(scheme, handler)
+    store, rank, world = next(dist.rendezvous(f"{scheme}://host/job?x=y", 1, 4, timeout=7))
+    assert isinstance(store, HashStore) and (rank, world) == (1, 4)
+    assert seen == [(f"{scheme}://host/job?x=y&rank=1&world_size=4", {"timeout": 7})]
+    next(dist.rendezvous(f"{scheme}://host/job"))  # nothing to add: the url as given
+    assert seen[-1] == (f"{scheme}://host/job", {})
+    with pytest.raises(ValueError, match="node-specific arguments"):
+        dist.rendezvous(f"{scheme}://h?rank=0", rank=0)
+    with pytest.raises(ValueError, match=f"{scheme}:// already registered"):
+        dist.register_rendezvous_handler(scheme, handler)
+    with pytest.raises(ValueError, match="No rendezvous handler for nosuch://"):
+        dist.rendezvous("nosuch://h")
+    with pytest.raises(TypeError, match="handler must be callable"):
+        dist.register_rendezvous_handler(scheme + "x", None)
+    with pytest.raises(TypeError, match="url must be a str"):
+        dist.rendezvous(5)
+    with pytest.raises(TypeError, match="rank must be an int"):
+        dist.rendezvous(f"{scheme}://h", rank="0")
+
+
+@pytest.mark.timeout(60)
+def test_init_process_group_meets_through_a_registered_scheme(scheme):
+    import numpy as np
+
+    import collectives as dist
+    calls = []
+
+    def handler(url, timeout=None, **kwargs):
+        calls.append((url, timeout))
+        yield HashStore(), 0, 1
+
+    dist.register_rendezvous_handler(scheme, handler)
+    dist.init_process_group("gloo", init_method=f"{scheme}://job", rank=0, world_size=1,
+                            timeout=timedelta(seconds=9))
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
+        x = np.arange(3.0)
+        dist.all_reduce(x)
+        assert x.tolist() == [0.0, 1.0, 2.0]
+    finally:
+        dist.destroy_process_group()
+    assert calls == [(f"{scheme}://job?rank=0&world_size=1", timedelta(seconds=9))]
