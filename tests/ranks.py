@@ -265,6 +265,8 @@ CONFIGS = {
     "store": ("store", "spawn", {}),
     "gloo": ("gloo", "spawn", {}),
     "gloo-tcp": ("gloo", "spawn", {"COLLECTIVES_TRANSPORT": "tcp"}),
+    # ranks on two faked hosts, interleaved (rank % 2): the hierarchical mode
+    "gloo-hier": ("gloo", "spawn", {"COLLECTIVES_TEST_HOSTS": "2"}),
     "mpi": ("mpi", "mpiexec", {}),
 }
 
@@ -285,9 +287,9 @@ def config_available(name):
         return _has("tests/store_backend.py"), "tests/store_backend.py missing"
     if name == "gloo":
         return _ext_built("_tcp"), "collectives._tcp is not built"
-    if name == "gloo-tcp":
+    if name in ("gloo-tcp", "gloo-hier"):
         if not _ext_built("_shm"):
-            return False, "no shared-memory path, so gloo-tcp would repeat gloo"
+            return False, f"no shared-memory path, so {name} would repeat gloo"
         return _ext_built("_tcp"), "collectives._tcp is not built"
     if name == "mpi":
         if importlib.util.find_spec("mpi4py") is None:
@@ -311,6 +313,9 @@ def init_config(ctx, config):
     backend = CONFIGS[config][0]
     if backend == "store":
         import tests.store_backend  # noqa: F401  (registers the 'store' backend)
+    hosts = os.environ.get("COLLECTIVES_TEST_HOSTS")
+    if hosts:  # fake that many hosts, ranks dealt out in turn
+        os.environ["COLLECTIVES_HOST_ID"] = f"host{ctx.rank % int(hosts)}"
     collectives.init_process_group(backend, timeout=timedelta(seconds=GROUP_TIMEOUT))
     ctx.state["config"] = config
     ctx.state["atexit"].append(collectives.destroy_process_group)

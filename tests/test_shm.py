@@ -264,7 +264,8 @@ def die_in_collective(ctx, victim, op="all_reduce"):
 
 def hier_info(ctx):
     be = ctx.state["be"]
-    return type(be).__name__, getattr(be, "host_index", None), getattr(be, "is_leader", None)
+    return (type(be).__name__, getattr(be, "host_index", None), getattr(be, "is_leader", None),
+            getattr(be, "blocked", None))
 
 
 def destroy(ctx):
@@ -380,22 +381,45 @@ def _has_tcp():
     return True
 
 
+# faked hosts: blocks of consecutive ranks (host blocks are slices of the user's buffers),
+# interleaved and uneven hosts (staged through padded scratch), one rank per host
+HIER_LAYOUTS = [("a", "a", "b", "b"), ("a", "a", "a", "b", "b", "b"), ("a", "b", "a", "b", "b"),
+                ("x", "y", "z"), ("a", "b", "b")]
+HIER_OPS = [o for o in OPS if o not in ("all_gather_list", "all_gather_mixed")]  # front end stages
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not _has_tcp(), reason="the hierarchical mode needs the TCP backend")
-@pytest.mark.parametrize("hosts", [("a", "a", "b", "b"), ("a", "b", "a", "b", "b"), ("x", "y", "z")])
-def test_hierarchical_with_faked_hosts(hosts):
-    """Faked host ids: shared memory within a host, TCP across; every op still correct."""
+@pytest.mark.parametrize("hosts", HIER_LAYOUTS)
+def test_hierarchical_mode_is_chosen_for_faked_hosts(hosts):
+    """Faked host ids: shared memory within a host, TCP across; p2p still works."""
     world = len(hosts)
-    pool = get_pool(world, setup=setup_hier, setup_args=(hosts,))
+    pool = get_pool(world, setup=setup_hier, setup_args=(hosts,), env=ENV_SMALL)
     info = pool.run(hier_info, timeout=30)
-    assert all(i[0] == "HierarchicalBackend" for i in info)
-    for name in OPS:
-        if name in ("all_gather_list", "all_gather_mixed"):  # the front end stages lists here
-            continue
-        for count in (0, 1, 1001, 70000):
-            assert pool.run(run_op, name, 7, D.INT32, count, D.SUM, world - 1,
-                            timeout=60) == [True] * world
+    assert [i[0] for i in info] == ["HierarchicalBackend"] * world
+    first = {h: hosts.index(h) for h in hosts}
+    assert [i[2] for i in info] == [first[h] == r for r, h in enumerate(hosts)]  # leaders
+    blocked = hosts in (("a", "a", "b", "b"), ("a", "a", "a", "b", "b", "b"), ("x", "y", "z"))
+    assert [i[3] for i in info] == [blocked] * world
     assert pool.run(run_p2p, "ring", 1000, timeout=60) == [True] * world
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not _has_tcp(), reason="the hierarchical mode needs the TCP backend")
+@pytest.mark.parametrize("hosts", HIER_LAYOUTS)
+@SETTINGS
+@given(data=st.data())
+def test_hierarchical_collectives_match_numpy(hosts, data):
+    """Property: with ranks on several (faked) hosts, every collective, dtype, size and root
+    equals the NumPy reference on every rank (and reduce leaves the others' inputs alone)."""
+    world = len(hosts)
+    pool = get_pool(world, setup=setup_hier, setup_args=(hosts,), env=ENV_SMALL)
+    name = data.draw(st.sampled_from(HIER_OPS), "op")
+    dtype, op = data.draw(st.sampled_from(VALID), "dtype/op")
+    count = data.draw(st.one_of(st.sampled_from(SIZES), st.integers(0, 20000)), "count")
+    root = data.draw(st.integers(0, world - 1), "root")
+    seed = data.draw(st.integers(0, 1000), "seed")
+    assert pool.run(run_op, name, seed, dtype, count, op, root, timeout=60) == [True] * world
 
 
 def setup_hier(ctx, hosts):
