@@ -13,7 +13,6 @@ hierarchical mode saves in steps and copies, not a real network's bandwidth.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -49,6 +48,7 @@ def _time_pair(fns, sync, agree, budget, samples):
 def worker(rank, world, port, hosts, ops, sizes, budget, samples):
     import numpy as np
 
+    from bench.bench_tcp import agreement
     from collectives import dtypes as D
     from collectives.backends.select import create_default_backend
     from collectives.backends.tcp import TcpBackend
@@ -59,14 +59,7 @@ def worker(rank, world, port, hosts, ops, sizes, budget, samples):
     hier = create_default_backend(PrefixStore("hier", store), rank, world, 60.0)
     assert type(hier).__name__ == "HierarchicalBackend", type(hier).__name__
     flat = TcpBackend(PrefixStore("flat", store), rank, world, 60.0)
-    cnt = np.zeros(1, np.int64)
-    bcnt = to_buffer(cnt)
-
-    def agree(k):
-        cnt[0] = k
-        flat.broadcast(bcnt, 0)
-        return int(cnt[0])
-
+    agree = agreement(flat)
     root = world - 1  # on the last host, not rank 0's
     rows = []
     for op in ops:
@@ -121,23 +114,17 @@ def main():
     if a.worker:
         worker(*a.worker, hosts, a.ops, a.sizes, a.budget, a.samples)
         return
+    from bench.bench_tcp import run_workers
     from collectives.run import free_port
     world, port = len(hosts), free_port()
     cmd = [sys.executable, os.path.abspath(__file__), "--hosts", a.hosts, "--ops", *a.ops,
            "--sizes", *map(str, a.sizes), "--budget", str(a.budget), "--samples", str(a.samples)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("COLLECTIVES_TRANSPORT", None)
-    procs = [subprocess.Popen(cmd + ["--worker", str(r), str(world), str(port)], env=env,
-                              stdout=subprocess.PIPE, text=True) for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=1200)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs, codes = run_workers(cmd, world, port, env, timeout=1200)
     lines = [next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None) for out in outs]
     if None in lines:
-        sys.exit(f"no result (exit codes {[p.returncode for p in procs]})")
+        sys.exit(f"no result (exit codes {codes})")
     per_rank = [json.loads(ln[7:]) for ln in lines]
     # a call ends on its slowest rank: each row takes the largest of the ranks' medians
     rows = [(r0[0], r0[1], max(pr[i][2] for pr in per_rank), max(pr[i][3] for pr in per_rank))

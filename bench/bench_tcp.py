@@ -44,6 +44,22 @@ def _time(fn, sync, agree, budget, reps):
     return out[len(out) // 2]
 
 
+def agreement(backend):
+    """``agree(k)``: rank 0's ``k`` on every rank (a broadcast on ``backend``), so all ranks
+    run the same number of timed calls."""
+    import numpy as np
+
+    from collectives.tensors import to_buffer
+    cnt = np.zeros(1, np.int64)
+    bcnt = to_buffer(cnt)
+
+    def agree(k):
+        cnt[0] = k
+        backend.broadcast(bcnt, 0)
+        return int(cnt[0])
+    return agree
+
+
 def worker(rank, world, port, tport, ops, sizes, budget, reps, with_torch):
     sys.path.insert(0, ROOT)
     import numpy as np
@@ -60,14 +76,7 @@ def worker(rank, world, port, tport, ops, sizes, budget, reps, with_torch):
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tport}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
-    cnt = np.zeros(1, np.int64)
-    bcnt = to_buffer(cnt)
-
-    def agree(k):
-        cnt[0] = k
-        ours.broadcast(bcnt, 0)
-        return int(cnt[0])
-
+    agree = agreement(ours)
     rows = []
     for op in ops:
         for nbytes in ([0] if op == "barrier" else sizes):
@@ -102,6 +111,20 @@ def worker(rank, world, port, tport, ops, sizes, budget, reps, with_torch):
         dist.destroy_process_group()
 
 
+def run_workers(cmd, world, port, env, timeout):
+    """Run ``cmd --worker RANK WORLD PORT`` for every rank at once: (stdouts, exit codes);
+    any rank still running at the timeout or on an error is killed."""
+    procs = [subprocess.Popen(cmd + ["--worker", str(r), str(world), str(port)], env=env,
+                              stdout=subprocess.PIPE, text=True) for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs, [p.returncode for p in procs]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, nargs="+", default=[2, 4])
@@ -123,17 +146,10 @@ def main():
         env = dict(os.environ, BENCH_TPORT=str(tport), OMP_NUM_THREADS="1")
         cmd = [sys.executable, os.path.abspath(__file__), "--ops", *a.ops, "--sizes", *map(str, a.sizes),
                "--budget", str(a.budget), "--reps", str(a.reps)] + (["--no-torch"] if a.no_torch else [])
-        procs = [subprocess.Popen(cmd + ["--worker", str(r), str(world), str(port)], env=env,
-                                  stdout=subprocess.PIPE, text=True) for r in range(world)]
-        try:
-            outs = [p.communicate(timeout=900)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+        outs, codes = run_workers(cmd, world, port, env, timeout=900)
         line = next((ln for ln in outs[0].splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
-            print(f"world {world}: no result (exit codes {[p.returncode for p in procs]})")
+            print(f"world {world}: no result (exit codes {codes})")
             continue
         for op, nbytes, t_ours, t_torch in json.loads(line[7:]):
             ratio = f"{t_ours / t_torch:7.3f}" if t_torch else "      -"

@@ -34,8 +34,9 @@ def worker():
     mode, backend = os.environ["FAULT_MODE"], os.environ["FAULT_BACKEND"]
     if backend == "store":
         import tests.store_backend  # noqa: F401
-    if os.environ.get("COLLECTIVES_TEST_HOSTS"):  # gloo-hier: faked hosts, as tests/ranks.py
-        os.environ["COLLECTIVES_HOST_ID"] = f"host{int(os.environ['RANK']) % int(os.environ['COLLECTIVES_TEST_HOSTS'])}"
+    hosts = os.environ.get("COLLECTIVES_TEST_HOSTS")
+    if hosts:  # gloo-hier: faked hosts, dealt out as tests/ranks.py does
+        os.environ["COLLECTIVES_HOST_ID"] = f"host{int(os.environ['RANK']) % int(hosts)}"
     dist.init_process_group(backend, timeout=timedelta(seconds=GROUP_TIMEOUT))
     rank = dist.get_rank()
     t = np.ones(1000, np.float32)

@@ -293,8 +293,12 @@ OPS = ["all_reduce", "reduce", "broadcast", *GATHERS, "scatter", "reduce_scatter
 @given(data=st.data())
 def test_every_collective_matches_numpy(world, data):
     """Property: each op on any dtype/size equals the NumPy reference on every rank."""
-    pool = pool_for(world)
-    name = data.draw(st.sampled_from(OPS), "op")
+    draw_and_run(data, pool_for(world), world, OPS)
+
+
+def draw_and_run(data, pool, world, ops):
+    """One drawn collective (op, dtype/op, count, root, seed) on every rank of ``pool``."""
+    name = data.draw(st.sampled_from(ops), "op")
     dtype, op = data.draw(st.sampled_from(VALID), "dtype/op")
     count = data.draw(st.one_of(st.sampled_from(SIZES), st.integers(0, 20000)), "count")
     root = data.draw(st.integers(0, world - 1), "root")
@@ -414,12 +418,7 @@ def test_hierarchical_collectives_match_numpy(hosts, data):
     equals the NumPy reference on every rank (and reduce leaves the others' inputs alone)."""
     world = len(hosts)
     pool = get_pool(world, setup=setup_hier, setup_args=(hosts,), env=ENV_SMALL)
-    name = data.draw(st.sampled_from(HIER_OPS), "op")
-    dtype, op = data.draw(st.sampled_from(VALID), "dtype/op")
-    count = data.draw(st.one_of(st.sampled_from(SIZES), st.integers(0, 20000)), "count")
-    root = data.draw(st.integers(0, world - 1), "root")
-    seed = data.draw(st.integers(0, 1000), "seed")
-    assert pool.run(run_op, name, seed, dtype, count, op, root, timeout=60) == [True] * world
+    draw_and_run(data, pool, world, HIER_OPS)
 
 
 def setup_hier(ctx, hosts):
