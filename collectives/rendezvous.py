@@ -19,6 +19,7 @@ Example:
     >>> store, rank, world = next(rendezvous("tcp://127.0.0.1:29500", rank=0, world_size=1))
 """
 import os
+import re
 import secrets
 import time
 from datetime import timedelta
@@ -309,8 +310,9 @@ def register_rendezvous_handler(scheme, handler):
             size in the URL's query (``?rank=0&world_size=4``), and
             ``init_process_group(init_method=url)`` passes ``timeout=timedelta``.
     """
-    if not isinstance(scheme, str) or not scheme.isidentifier():
-        raise ValueError(f"scheme must be a URL scheme such as 'etcd', got {scheme!r}")
+    if not isinstance(scheme, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        # RFC 3986: a letter, then letters, digits, '+', '-' or '.' (what urlparse splits off)
+        raise ValueError(f"scheme must be a URL scheme such as 'etcd' or 'etcd-v2', got {scheme!r}")
     if not callable(handler):
         raise TypeError(f"handler must be callable as handler(url, **kwargs), "
                         f"got {type(handler).__name__}")

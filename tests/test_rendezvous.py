@@ -1,6 +1,7 @@
 """Ranks meet through every init method, take rank and size from any launcher's
 environment, and a missing piece is a ValueError that names it."""
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -302,6 +303,15 @@ def test_rendezvous_passes_rank_and_world_size_to_the_handler_in_the_query(schem
         dist.register_rendezvous_handler(scheme, handler)
     with pytest.raises(ValueError, match="No rendezvous handler for nosuch://"):
         dist.rendezvous("nosuch://h")
+    with pytest.raises(ValueError, match="scheme must be a URL scheme"):
+        dist.register_rendezvous_handler("no scheme", handler)
+    dashed = scheme + "-v2.x"  # any RFC 3986 scheme, as urlparse splits it off
+    dist.register_rendezvous_handler(dashed, handler)
+    try:
+        assert next(dist.rendezvous(f"{dashed}://h", 1, 4))[1:] == (1, 4)
+        assert seen[-1][0] == f"{dashed}://h?rank=1&world_size=4"
+    finally:
+        sys.modules["collectives.rendezvous"]._handlers.pop(dashed)
     with pytest.raises(TypeError, match="handler must be callable"):
         dist.register_rendezvous_handler(scheme + "x", None)
     with pytest.raises(TypeError, match="url must be a str"):
