@@ -852,7 +852,8 @@ def test_single_copy_ops_match_numpy_on_more_ranks_than_cores(world, data):
 @given(data=st.data())
 def test_two_copy_gather_streamed_into_output_matches_numpy(world, data):
     """The two-copy all_gather and gather with a 4 KiB "last-level cache", so that the
-    copies out of the segment stream past the cache (odd lengths: unaligned blocks)."""
+    copies into and out of the segment stream past the cache (odd lengths: unaligned
+    blocks)."""
     pool = pool_for(world, env=dict(ENV_SMALL, COLLECTIVES_SHM_CMA_MIN="0",
                                     COLLECTIVES_SHM_LLC_BYTES="4096"))
     name = data.draw(st.sampled_from(GATHERS), "op")

@@ -33,9 +33,6 @@
 #define PROBE_MIN_BYTES (256 * 1024) /* steps this large count as ticks */
 #define PROBE_SMALL_MIN 4096         /* smaller steps of at least this many bytes... */
 #define PROBE_SMALL_EVERY (4 << 20)  /* ...probe once they add up to this many */
-/* two-copy all_gather/gather blocks smaller than this stream while far (larger: measured
- * no faster streamed) */
-#define GATHER_STREAM_BELOW (256 * 1024)
 #define PROBE_ROUNDS 8
 #define PROBE_FAR_NS 250             /* round trip: ~90 ns close, ~460 ns far here
                                         (COLLECTIVES_SHM_FAR_NS overrides) */
@@ -560,7 +557,14 @@ static void copy_stream(void *dst, const void *src, size_t n)
  * 4 MiB, 13654 -> 12915 at 16 MiB; a two-copy broadcast was slower streamed). Since
  * the single copy writes into the readers' outputs (2 ranks, samples alternating in one
  * run, streamed/plain): 8 MiB, whose outputs are exactly the cache's size, 0.92-0.99;
- * 16 MiB 0.78-0.82; 4 MiB 1.04-1.13; 2 MiB 1.33-1.5. 4 ranks at 2 MiB: unchanged. */
+ * 16 MiB 0.78-0.82; 4 MiB 1.04-1.13; 2 MiB 1.33-1.5. 4 ranks at 2 MiB: unchanged.
+ * Past it, the two-copy all_gather/gather streams its copy into the segment too, whatever
+ * the probes say: the blocks would not stay in the cache for the readers anyway. 4 ranks
+ * on 2 cores, streamed/plain copy-in (samples alternating in one run): 2 MiB 0.99x,
+ * 4 MiB 0.99x, 16 MiB 0.99x while the cores are close; 0.48-0.56x while far, where the
+ * probes of 4 ranks on 2 cores often get no verdict (a partner is descheduled) and a
+ * 16 MiB all_gather took 22.4 ms plain against 10.8 ms streamed (MPICH: 13.6-22 ms
+ * in this session's runs). */
 static inline int outputs_past_llc(const shm_comm *c, size_t total)
 {
     return total >= c->llc;
@@ -597,12 +601,17 @@ static inline void copy_out(void *dst, const void *src, size_t n, int stream)
  * all_to_all use it (2 ranks while far, bench/bench_stream.py, measured/plain: 1 MiB
  * reduce_scatter 0.21x, all_to_all 0.31x, scatter 0.46x; 16 MiB reduce_scatter 0.27x,
  * all_to_all 0.61x; while close 0.99-1.03x), and so do the one-shot all_reduce/reduce
- * and the two-copy all_gather/gather's blocks under 256 KiB (while far: all_reduce 8 KiB
- * 0.47x, 16 KiB 0.41x, 64 KiB 0.33x, 37.3 -> 12.2 us; all_gather 64 KiB 0.41x, 128 KiB
- * 0.40x; while close 1.00-1.01x; an earlier measurement that had the one-shot slower
- * streamed was taken while close). Larger two-copy all_gather blocks stay plain (2 ranks:
- * 1 MiB 137 us plain in either state, 171 us streamed). Small steps probe too, once
- * they add up to PROBE_SMALL_EVERY bytes. Constants: PROBE_* at the top of this file. */
+ * and the two-copy all_gather/gather (while far: all_reduce 8 KiB 0.47x, 16 KiB 0.41x,
+ * 64 KiB 0.33x, 37.3 -> 12.2 us; all_gather 64 KiB 0.41x, 128 KiB 0.40x; while close
+ * 1.00-1.01x; an earlier measurement that had the one-shot slower streamed was taken
+ * while close). The two-copy all_gather's blocks from 256 KiB used to stay plain, from
+ * a 2-rank measurement on an earlier VM (1 MiB 137 us plain in either state, 171 us
+ * streamed); on this AMD EPYC VM (samples alternating, labelled by a cache-line probe
+ * run outside the group) measured/plain while far: 4 ranks 256 KiB 0.67x, 1 MiB 0.48x,
+ * 2 MiB 0.50x; 2 ranks 256 KiB 0.60x, 1 MiB 0.42x, 16 MiB 0.40x; while close 1.00-1.06x.
+ * Where the outputs fill the last-level cache the copy-in streams in either state
+ * (outputs_past_llc). Small steps probe too, once they add up to PROBE_SMALL_EVERY
+ * bytes. Constants: PROBE_* at the top of this file. */
 
 static int mostly_far(const shm_comm *c)
 {
@@ -1171,10 +1180,10 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
         size_t len = nbytes - off < c->half ? nbytes - off : c->half;
         int h;
         TRY(c, half_acquire(c, &h));
-        if (len < GATHER_STREAM_BELOW)
-            seg_put(c, HALF(c, me, h), (const char *)in + off, len);
+        if (stream)
+            copy_stream(HALF(c, me, h), (const char *)in + off, len);
         else
-            memcpy(HALF(c, me, h), (const char *)in + off, len);
+            seg_put(c, HALF(c, me, h), (const char *)in + off, len);
         uint32_t s = ++c->seq;
         post(c, s);
         c->free_after[h] = s;
