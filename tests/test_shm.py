@@ -924,6 +924,41 @@ def test_latency_probes_decide_streaming(far_ns, verdict):
         assert far == (verdict == 2), res
 
 
+def run_until_a_probe_decides(ctx, max_calls, nbytes):
+    """Large all_reduces in batches of 16 (one probe each) until some rank has measured
+    a peer, or max_calls; returns every rank's (far, distances) after that batch."""
+    be = ctx.state["be"]
+    a = np.ones(nbytes // 4, np.float32)
+    for _ in range(max_calls // 16):
+        for _ in range(16):
+            be.all_reduce(to_buffer(a), D.SUM)
+        far, dist = stream_state(ctx)
+        measured = np.array([any(dist)], np.int32)
+        be.all_reduce(to_buffer(measured), D.MAX)  # every rank stops after the same batch
+        if measured[0]:
+            break
+    return stream_state(ctx)
+
+
+@pytest.mark.timeout(120)
+def test_probe_verdict_is_shared_when_ranks_outnumber_cores():
+    """With more ranks than cores two ranks can bounce a cache line only while both hold
+    a core, so most probes give no verdict; there the latest verdict of any pair decides
+    for the whole group (the cores are the same whichever ranks measured them). With a
+    1 ns bound every verdict is far: once one pair has measured, a rank that measured
+    nothing streams as well. Where every rank has a core the verdict stays per rank."""
+    world = 3
+    pool = get_pool(world, setup=setup_backend, setup_args=("shm",),
+                    env={"COLLECTIVES_SHM_STREAM": "2", "COLLECTIVES_SHM_FAR_NS": "1"})
+    res = pool.run(run_until_a_probe_decides, 3200, 256 << 10, timeout=90)
+    assert any(any(dist) for _, dist in res), f"no probe gave a verdict in 200: {res}"
+    for far, dist in res:
+        if world > (os.cpu_count() or 1):
+            assert far, res
+        else:
+            assert far == any(d == 2 for d in dist), res
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("value", ["3", "-1"])
 def test_bad_stream_mode_is_a_value_error_naming_the_variable(monkeypatch, value):
