@@ -38,6 +38,8 @@ from .objects import (
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .reduce_op import ReduceOp, reduce_op, supports_complex
 from .work import Future, Work
+from ._breakpoint import breakpoint  # noqa: E402,A004  (torch's name)
+from .device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 
 # the front end's public names (the lead's section extends this with its own)
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send",
     "ReduceOp", "reduce_op", "supports_complex", "Future", "Work",
     "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
+    "breakpoint", "DeviceMesh", "init_device_mesh",
 ]
 
 set_debug_level_from_env()  # as torch.distributed does at import
