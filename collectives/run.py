@@ -3,7 +3,9 @@
 Starts ``--nproc-per-node`` copies of a script (or ``-m module``, or with
 ``--no-python`` any program) with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK/NODE_RANK, MASTER_ADDR and MASTER_PORT set, prefixes each whole line a
-rank prints with ``[rank] ``, and supervises them: when one rank fails the others
+rank prints with ``[rank] `` (a line left unfinished with no more output for 0.3 s, such
+as a prompt, is written as one), gives rank 0 the launcher's stdin (as mpiexec; the others read
+/dev/null), and supervises them: when one rank fails the others
 get SIGTERM, then SIGKILL after ``--term-timeout`` seconds, and the launcher exits
 non-zero with a summary (the rank, its exit code or signal, its last stderr lines).
 SIGINT/SIGTERM/SIGHUP sent to the launcher are forwarded to every rank. Each rank
@@ -28,6 +30,8 @@ import time
 
 TAIL_LINES = 20
 MAX_LINE = 1 << 16  # a longer run of bytes without a newline is written as it is
+PARTIAL_AFTER = 0.3  # an unfinished line after this long with no more output is written
+                     # (a prompt: pdb's, input())
 
 
 # Ports the launcher picks come from below the kernel's ephemeral range. A port bound to
@@ -287,21 +291,28 @@ class _Stream:
         self.show = show
         self.log = log
         self.buf = bytearray()
+        self.last_feed = 0.0  # when output last came
         self.tail = collections.deque(maxlen=TAIL_LINES) if keep_tail else None
 
-    def feed(self, data):
+    def feed(self, data, now=None):
         if self.log is not None:
             self.log.write(data)
         self.buf += data
         end = self.buf.rfind(b"\n")
-        if end < 0:
-            if len(self.buf) >= MAX_LINE:
-                end = len(self.buf) - 1
-            else:
-                return
-        chunk = bytes(self.buf[:end + 1])
-        del self.buf[:end + 1]
-        self._emit(chunk.split(b"\n")[:-1] if chunk.endswith(b"\n") else [chunk])
+        if end < 0 and len(self.buf) >= MAX_LINE:
+            end = len(self.buf) - 1
+        if end >= 0:
+            chunk = bytes(self.buf[:end + 1])
+            del self.buf[:end + 1]
+            self._emit(chunk.split(b"\n")[:-1] if chunk.endswith(b"\n") else [chunk])
+        self.last_feed = time.monotonic() if now is None else now
+
+    def flush_partial(self, now):
+        """Write an unfinished line, as a line of its own, once the rank has written nothing
+        more for PARTIAL_AFTER seconds (a prompt waiting for input)."""
+        if self.buf and now - self.last_feed >= PARTIAL_AFTER:
+            self._emit([bytes(self.buf)])
+            self.buf.clear()
 
     def close(self):
         if self.buf:
@@ -378,7 +389,10 @@ class Launcher:
                 os.makedirs(cfg.log_dir, exist_ok=True)
                 logs = [open(os.path.join(cfg.log_dir, f"rank{rank}.{s}"), "ab") for s in ("out", "err")]
             try:
-                proc = subprocess.Popen(cfg.cmd, env=cfg.env(local, restart), stdin=subprocess.DEVNULL,
+                # rank 0 reads the launcher's stdin, as under mpiexec (input(), pdb,
+                # dist.breakpoint); the others get none
+                stdin = None if rank == 0 else subprocess.DEVNULL
+                proc = subprocess.Popen(cfg.cmd, env=cfg.env(local, restart), stdin=stdin,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         start_new_session=True)
             except OSError as e:
@@ -417,6 +431,8 @@ class Launcher:
                     key.data.close()
             now = time.monotonic()
             for r in ranks:
+                r.out.flush_partial(now)
+                r.err.flush_partial(now)
                 if r.returncode is None and r.proc.poll() is not None:
                     r.returncode = r.proc.returncode
                     r.ended = now

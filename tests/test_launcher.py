@@ -185,6 +185,19 @@ def test_no_prefix_keeps_lines_whole():
     assert all(re.match(r"^line \d+ of rank \d end$", ln) for ln in lines)
 
 
+@pytest.mark.timeout(60)
+def test_rank_0_reads_stdin_and_an_unfinished_prompt_is_written():
+    out = subprocess.run([sys.executable, "-m", "collectives.run", "-n", "2", TARGET, "prompt"],
+                         cwd=ROOT, env=_env(), input=b"yes\nmore\n", capture_output=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr.decode()
+    lines = rank_lines(out.stdout)
+    for r in range(2):  # the prompt came out on its own, before the answer
+        mine = [ln for ln in lines if ln.startswith(f"[{r}] ")]
+        assert mine == [f"[{r}] rank {r} asks> ",
+                        f"[{r}] rank {r} read {'yes' if r == 0 else ''!r}"], lines
+
+
 # ---- failures and signals ------------------------------------------------------------------
 
 @pytest.mark.timeout(60)

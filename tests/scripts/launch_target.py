@@ -71,6 +71,11 @@ def main():
             while store.add("left", 0) < n - 1:
                 time.sleep(0.002)
         print(f"rank {r} of {n} read {vals}")
+    elif mode == "prompt":  # a prompt, an answer read from stdin, then the reply
+        sys.stdout.write(f"rank {rank} asks> ")
+        sys.stdout.flush()
+        time.sleep(1.0)  # the prompt waits unfinished, as pdb's does for its input
+        print(f"rank {rank} read {sys.stdin.readline().strip()!r}")
     else:
         sys.exit(f"unknown mode {mode}")
 
