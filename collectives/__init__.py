@@ -40,6 +40,9 @@ from .reduce_op import ReduceOp, reduce_op, supports_complex
 from .work import Future, Work
 from ._breakpoint import breakpoint  # noqa: E402,A004  (torch's name)
 from .device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from .options import (  # noqa: E402
+    AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
+    BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
 # the front end's public names (the lead's section extends this with its own)
 __all__ = [
@@ -66,6 +69,9 @@ __all__ = [
     "ReduceOp", "reduce_op", "supports_complex", "Future", "Work",
     "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
     "breakpoint", "DeviceMesh", "init_device_mesh",
+    "AllgatherOptions", "AllreduceCoalescedOptions", "AllreduceOptions", "AllToAllOptions",
+    "BarrierOptions", "BroadcastOptions", "GatherOptions", "ReduceOptions",
+    "ReduceScatterOptions", "ScatterOptions",
 ]
 
 set_debug_level_from_env()  # as torch.distributed does at import

@@ -10,6 +10,7 @@ import os
 
 from . import backends as _backends
 from . import debug as _debug
+from ._pg_methods import ProcessGroupMethods
 from .work import timeout_seconds
 
 DEFAULT_TIMEOUT = 1800.0  # torch's default for CPU backends (30 minutes)
@@ -40,11 +41,12 @@ class Backend(str):
         setattr(Backend, name.upper(), name.lower())
 
 
-class ProcessGroup:
+class ProcessGroup(ProcessGroupMethods):
     """A group of ranks sharing one backend instance.
 
-    ``rank()``/``size()`` as in torch; ``ranks`` lists the members' global ranks in
-    group-rank order.
+    ``rank()``/``size()``, ``name()`` (the backend's), ``group_name`` and the collective
+    methods (``allreduce``, ``broadcast``, ... with torch's ``*Options``) as in torch;
+    ``ranks`` lists the members' global ranks in group-rank order.
     """
 
     def __init__(self, backend, ranks, rank, name, backend_name, timeout, store):
@@ -53,7 +55,7 @@ class ProcessGroup:
         self.ranks = list(ranks)
         self._rank = rank
         self._size = len(self.ranks)
-        self.name = name
+        self.group_name = name
         self.backend_name = backend_name
         self.timeout = timeout
         self.store = store
@@ -77,7 +79,7 @@ class ProcessGroup:
         """The group rank of ``global_rank``; ValueError naming ``name`` if not a member."""
         r = self.group_of_global.get(global_rank)
         if r is None:
-            raise ValueError(f"{name}={global_rank!r} is not a rank of group {self.name!r} "
+            raise ValueError(f"{name}={global_rank!r} is not a rank of group {self.group_name!r} "
                              f"(its global ranks are {self.ranks})")
         return r
 
@@ -101,7 +103,7 @@ class ProcessGroup:
         return self.group_rank(global_rank, name)
 
     def __repr__(self):
-        return (f"ProcessGroup(name={self.name!r}, backend={self.backend_name!r}, "
+        return (f"ProcessGroup(name={self.group_name!r}, backend={self.backend_name!r}, "
                 f"ranks={self.ranks}, rank={self._rank})")
 
 
@@ -155,7 +157,7 @@ def resolve(grp):
         return pg
     if isinstance(grp, ProcessGroup):
         if grp.destroyed:
-            raise ValueError(f"group {grp.name!r} has been destroyed")
+            raise ValueError(f"group {grp.group_name!r} has been destroyed")
         return grp
     if grp is GroupMember.NON_GROUP_MEMBER or grp == GroupMember.NON_GROUP_MEMBER:
         return None

@@ -1,0 +1,240 @@
+"""ProcessGroup's own collective methods, as torch's C++ ProcessGroup exposes them:
+``pg.allreduce([t], opts)``, ``pg.broadcast(t, root)``, ``pg.send([t], dst, tag)``...
+
+Each returns a Work (the call is asynchronous, as torch's). Ranks given to them (opts.rootRank,
+``root``, ``dstRank``, ``srcRank``) are ranks of this group, not global ones, as in torch.
+A list of several tensors per rank takes the ``*_multigpu`` meaning (every entry takes
+part), as torch's gloo does. ``opts.timeout`` is accepted and not applied: the group's
+timeout bounds every call. They run through the front-end functions, so they take what
+those take (torch tensors, NumPy arrays) and check it the same way.
+"""
+from .options import (
+    AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
+    BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
+
+
+def _ops():
+    from . import collective_ops
+    return collective_ops
+
+
+def _mgpu():
+    from . import multigpu
+    return multigpu
+
+
+def _p2p():
+    from . import p2p
+    return p2p
+
+
+def _tensors(x, name):
+    """A list of tensors from a tensor or a list/tuple of them."""
+    if isinstance(x, (list, tuple)):
+        if not x:
+            raise ValueError(f"{name} must hold at least one tensor")
+        return list(x)
+    return [x]
+
+
+def _opts(value, cls, name, **fields):
+    """``value`` if it is a ``cls``; else a ``cls`` with ``fields`` filled from the legacy
+    positional form (``fields`` values of None are left at their defaults)."""
+    if isinstance(value, cls):
+        return value
+    if value is not None and not fields:
+        raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+    opts = cls()
+    for k, v in fields.items():
+        if v is not None:
+            setattr(opts, k, v)
+    return opts
+
+
+def _root(pg, rank, name):
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < pg._size:
+        raise ValueError(f"{name} must be a rank of this group, in [0, {pg._size}), got {rank!r}")
+    return rank
+
+
+class ProcessGroupMethods:
+    """Mixed into ProcessGroup."""
+
+    # ---- identity --------------------------------------------------------------------------
+
+    def name(self):
+        """The backend's name ('gloo', 'mpi', 'nccl', ...), as torch's ``pg.name()``."""
+        return str(self.backend_name)
+
+    @property
+    def group_desc(self):
+        return self.group_name
+
+    @property
+    def bound_device_id(self):
+        return None
+
+    def get_group_store(self):
+        return self.store
+
+    def shutdown(self):
+        from .group import destroy_process_group
+        destroy_process_group(self)
+
+    abort = shutdown
+
+    # ---- collectives -----------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        """``allreduce(tensors, AllreduceOptions())``, ``allreduce(tensors, op)`` or
+        ``allreduce(tensor, op)``."""
+        ts = _tensors(tensors, "tensors")
+        o = opts if isinstance(opts, AllreduceOptions) else _opts(None, AllreduceOptions, "opts",
+                                                                  reduceOp=opts)
+        if len(ts) > 1:
+            return _mgpu().all_reduce_multigpu(ts, o.reduceOp, group=self, async_op=True)
+        return _ops().all_reduce(ts[0], o.reduceOp, group=self, async_op=True)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        o = _opts(opts, AllreduceCoalescedOptions, "opts")
+        return _ops().all_reduce_coalesced(_tensors(tensors, "tensors"), o.reduceOp, group=self,
+                                           async_op=True)
+
+    def broadcast(self, tensors, opts=None):
+        """``broadcast(tensors, BroadcastOptions())`` or ``broadcast(tensor, root)``."""
+        ts = _tensors(tensors, "tensors")
+        o = opts if isinstance(opts, BroadcastOptions) else _opts(None, BroadcastOptions, "opts",
+                                                                  rootRank=opts)
+        root = _root(self, o.rootRank, "rootRank")
+        if len(ts) > 1:
+            return _mgpu().broadcast_multigpu(ts, self.ranks[root], group=self, async_op=True,
+                                              src_tensor=o.rootTensor)
+        return _ops().broadcast(ts[0], group=self, async_op=True, group_src=root)
+
+    def reduce(self, tensors, opts=None, op=None):
+        """``reduce(tensors, ReduceOptions())`` or ``reduce(tensor, root, op)``."""
+        ts = _tensors(tensors, "tensors")
+        o = opts if isinstance(opts, ReduceOptions) else _opts(None, ReduceOptions, "opts",
+                                                               rootRank=opts, reduceOp=op)
+        root = _root(self, o.rootRank, "rootRank")
+        if len(ts) > 1:
+            return _mgpu().reduce_multigpu(ts, self.ranks[root], o.reduceOp, group=self,
+                                           async_op=True, dst_tensor=o.rootTensor)
+        return _ops().reduce(ts[0], op=o.reduceOp, group=self, async_op=True, group_dst=root)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """``allgather([[out per rank]], [inp], AllgatherOptions())`` or
+        ``allgather([out per rank], inp)``."""
+        _opts(opts, AllgatherOptions, "opts")
+        if isinstance(input_tensors, (list, tuple)):
+            ins = _tensors(input_tensors, "input_tensors")
+            outs = list(output_tensors)
+            if len(ins) > 1:
+                return _mgpu().all_gather_multigpu(outs, ins, group=self, async_op=True)
+            if len(outs) != 1 or not isinstance(outs[0], (list, tuple)):
+                raise ValueError("output_tensors must be a list holding one list of tensors "
+                                 "(one per rank) for each input tensor")
+            return _ops().all_gather(list(outs[0]), ins[0], group=self, async_op=True)
+        return _ops().all_gather(list(output_tensors), input_tensors, group=self, async_op=True)
+
+    def _allgather_base(self, output, input, opts=None):  # noqa: A002
+        _opts(opts, AllgatherOptions, "opts")
+        return _ops().all_gather_into_tensor(output, input, group=self, async_op=True)
+
+    all_gather_single = _allgather_base
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        _opts(opts, AllgatherOptions, "opts")
+        return _ops().all_gather_coalesced(output_lists, input_list, group=self, async_op=True)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """``gather([[out per rank]] or [], [inp], GatherOptions())`` or
+        ``gather([out per rank] or [], inp, root)``."""
+        o = opts if isinstance(opts, GatherOptions) else _opts(None, GatherOptions, "opts",
+                                                               rootRank=opts)
+        root = _root(self, o.rootRank, "rootRank")
+        if isinstance(input_tensors, (list, tuple)):
+            ins = _tensors(input_tensors, "input_tensors")
+            if len(ins) != 1:
+                raise ValueError(f"input_tensors must hold one tensor, got {len(ins)}")
+            inp = ins[0]
+            outs = list(output_tensors[0]) if self._rank == root else None
+        else:
+            inp = input_tensors
+            outs = list(output_tensors) if self._rank == root else None
+        return _ops().gather(inp, outs, group=self, async_op=True, group_dst=root)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """``scatter([out], [[in per rank]] or [], ScatterOptions())`` or
+        ``scatter(out, [in per rank] or [], root)``."""
+        o = opts if isinstance(opts, ScatterOptions) else _opts(None, ScatterOptions, "opts",
+                                                                rootRank=opts)
+        root = _root(self, o.rootRank, "rootRank")
+        if isinstance(output_tensors, (list, tuple)):
+            outs = _tensors(output_tensors, "output_tensors")
+            if len(outs) != 1:
+                raise ValueError(f"output_tensors must hold one tensor, got {len(outs)}")
+            out = outs[0]
+            ins = list(input_tensors[0]) if self._rank == root else None
+        else:
+            out = output_tensors
+            ins = list(input_tensors) if self._rank == root else None
+        return _ops().scatter(out, ins, group=self, async_op=True, group_src=root)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """``reduce_scatter([out], [[in per rank]], ReduceScatterOptions())`` or
+        ``reduce_scatter(out, [in per rank], op)``."""
+        o = opts if isinstance(opts, ReduceScatterOptions) else _opts(
+            None, ReduceScatterOptions, "opts", reduceOp=opts)
+        if isinstance(output_tensors, (list, tuple)):
+            outs = _tensors(output_tensors, "output_tensors")
+            if len(outs) > 1:
+                return _mgpu().reduce_scatter_multigpu(outs, list(input_tensors), o.reduceOp,
+                                                       group=self, async_op=True)
+            return _ops().reduce_scatter(outs[0], list(input_tensors[0]), o.reduceOp, group=self,
+                                         async_op=True)
+        return _ops().reduce_scatter(output_tensors, list(input_tensors), o.reduceOp, group=self,
+                                     async_op=True)
+
+    def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
+        o = _opts(opts, ReduceScatterOptions, "opts")
+        return _ops().reduce_scatter_tensor(output, input, o.reduceOp, group=self, async_op=True)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
+                      opts=None):
+        _opts(opts, AllToAllOptions, "opts")
+        return _ops().all_to_all_single(output, input, list(output_split_sizes) or None,
+                                        list(input_split_sizes) or None, group=self, async_op=True)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        _opts(opts, AllToAllOptions, "opts")
+        return _ops().all_to_all(list(output_tensors), list(input_tensors), group=self,
+                                 async_op=True)
+
+    def barrier(self, opts=None):
+        _opts(opts, BarrierOptions, "opts")
+        return _ops().barrier(group=self, async_op=True)
+
+    # ---- point to point --------------------------------------------------------------------
+
+    def _one(self, tensors):
+        ts = _tensors(tensors, "tensors")
+        if len(ts) != 1:
+            raise ValueError(f"tensors must hold one tensor, got {len(ts)}")
+        return ts[0]
+
+    def send(self, tensors, dstRank, tag=0):  # noqa: N803  (torch's names)
+        return _p2p().isend(self._one(tensors), group=self, tag=tag,
+                            group_dst=_root(self, dstRank, "dstRank"))
+
+    def recv(self, tensors, srcRank, tag=0):  # noqa: N803
+        return _p2p().irecv(self._one(tensors), group=self, tag=tag,
+                            group_src=_root(self, srcRank, "srcRank"))
+
+    def recv_anysource(self, tensors, tag=0):
+        """A receive from any rank of the group; ``work.source_rank()`` names the sender."""
+        return _p2p().irecv(self._one(tensors), group=self, tag=tag)

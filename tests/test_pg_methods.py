@@ -1,0 +1,194 @@
+"""ProcessGroup's own collective methods (``pg.allreduce([t], opts)`` and the legacy
+positional forms) and the ``*Options`` structs, on every backend configuration.
+
+Each method is called on a subgroup whose group ranks differ from the global ones, in
+both of torch's forms, and every rank's result is checked against NumPy.
+"""
+import numpy as np
+import pytest
+
+import collectives as dist
+from tests.ranks import available_configs, backend_pool
+
+CONFIGS = [c for c in available_configs() if c in ("gloo", "gloo-tcp", "mpi")]
+WORLD = 4
+MEMBERS = [1, 2, 3]  # global ranks of the subgroup: group rank = global rank - 1
+
+
+@pytest.fixture(scope="module", params=CONFIGS)
+def config(request):
+    return request.param
+
+
+def methods_case(ctx):
+    """Run on every rank: every method on the subgroup; returns {label: result}."""
+    import numpy as np
+
+    import collectives as dist
+    if "pg" not in ctx.state:
+        ctx.state["pg"] = dist.new_group(MEMBERS)
+    pg = ctx.state["pg"]
+    if ctx.rank not in MEMBERS:
+        return None
+    me, n = pg.rank(), pg.size()
+    v = lambda k=4: np.arange(k, dtype=np.float64) + 10 * (me + 1)  # noqa: E731
+    out = {"name": pg.name(), "group_name": pg.group_name}
+
+    t = v()
+    pg.allreduce([t], dist.AllreduceOptions()).wait()
+    out["allreduce opts"] = t.tolist()
+    t = v()
+    o = dist.AllreduceOptions()
+    o.reduceOp = dist.ReduceOp.MAX
+    pg.allreduce([t], o).wait()
+    out["allreduce max"] = t.tolist()
+    t = v()
+    pg.allreduce(t, dist.ReduceOp.MIN).wait()
+    out["allreduce tensor op"] = t.tolist()
+    ts = [v(), v(3)]
+    pg.allreduce_coalesced(ts).wait()
+    out["allreduce_coalesced"] = [x.tolist() for x in ts]
+
+    t = v()
+    o = dist.BroadcastOptions()
+    o.rootRank = 2
+    pg.broadcast([t], o).wait()
+    out["broadcast opts"] = t.tolist()
+    t = v()
+    pg.broadcast(t, 1).wait()
+    out["broadcast root"] = t.tolist()
+
+    t = v()
+    o = dist.ReduceOptions()
+    o.rootRank, o.reduceOp = 1, dist.ReduceOp.SUM
+    pg.reduce([t], o).wait()
+    out["reduce opts"] = t.tolist() if me == 1 else None
+    t = v()
+    pg.reduce(t, 2, dist.ReduceOp.PRODUCT).wait()
+    out["reduce root op"] = t.tolist() if me == 2 else None
+
+    outs = [np.zeros(4) for _ in range(n)]
+    pg.allgather([outs], [v()]).wait()
+    out["allgather"] = [x.tolist() for x in outs]
+    outs = [np.zeros(4) for _ in range(n)]
+    pg.allgather(outs, v()).wait()
+    out["allgather legacy"] = [x.tolist() for x in outs]
+    big = np.zeros(4 * n)
+    pg._allgather_base(big, v()).wait()
+    out["_allgather_base"] = big.tolist()
+
+    o = dist.GatherOptions()
+    o.rootRank = 0
+    outs = [np.zeros(4) for _ in range(n)]
+    pg.gather([outs] if me == 0 else [], [v()], o).wait()
+    out["gather opts"] = [x.tolist() for x in outs] if me == 0 else None
+    outs = [np.zeros(4) for _ in range(n)]
+    pg.gather(outs if me == 2 else [], v(), 2).wait()
+    out["gather root"] = [x.tolist() for x in outs] if me == 2 else None
+
+    o = dist.ScatterOptions()
+    o.rootRank = 1
+    t = np.zeros(4)
+    src = [np.full(4, 100.0 + q) for q in range(n)]
+    pg.scatter([t], [src] if me == 1 else [], o).wait()
+    out["scatter opts"] = t.tolist()
+    t = np.zeros(4)
+    pg.scatter(t, src if me == 0 else [], 0).wait()
+    out["scatter root"] = t.tolist()
+
+    t = np.zeros(4)
+    pg.reduce_scatter([t], [[v() + q for q in range(n)]], dist.ReduceScatterOptions()).wait()
+    out["reduce_scatter opts"] = t.tolist()
+    t = np.zeros(4)
+    pg.reduce_scatter(t, [v() + q for q in range(n)], dist.ReduceOp.MAX).wait()
+    out["reduce_scatter op"] = t.tolist()
+    t = np.zeros(4)
+    pg._reduce_scatter_base(t, np.concatenate([v() + q for q in range(n)])).wait()
+    out["_reduce_scatter_base"] = t.tolist()
+
+    t = np.zeros(2 * n)
+    pg.alltoall_base(t, np.concatenate([np.full(2, 10.0 * me + q) for q in range(n)]), [], [],
+                     dist.AllToAllOptions()).wait()
+    out["alltoall_base"] = t.tolist()
+    outs = [np.zeros(1) for _ in range(n)]
+    pg.alltoall(outs, [np.full(1, 10.0 * me + q) for q in range(n)]).wait()
+    out["alltoall"] = [x.tolist() for x in outs]
+
+    pg.barrier(dist.BarrierOptions()).wait()
+    if me == 0:
+        pg.send([np.full(3, 7.0)], 2, 5).wait()
+        pg.send([np.full(3, 8.0)], 1, 0).wait()
+    elif me == 2:
+        t = np.zeros(3)
+        pg.recv([t], 0, 5).wait()
+        out["recv"] = t.tolist()
+    else:
+        t = np.zeros(3)
+        w = pg.recv_anysource([t])
+        w.wait()
+        out["recv_anysource"] = (t.tolist(), w.source_rank())
+
+    errors = []
+    for call in (lambda: pg.broadcast(v(), 3), lambda: pg.send([v()], -1),
+                 lambda: pg.barrier("nope"), lambda: pg.allreduce([], None)):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, TypeError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_process_group_methods_match_numpy(config):
+    results = backend_pool(config, WORLD).run(methods_case, timeout=120)
+    assert results[0] is None
+    n = len(MEMBERS)
+    v = lambda me, k=4: np.arange(k, dtype=np.float64) + 10 * (me + 1)  # noqa: E731
+    every = [v(q) for q in range(n)]
+    for g in range(n):
+        got = results[MEMBERS[g]]
+        assert got["name"] == ("mpi" if config == "mpi" else "gloo")
+        assert got["group_name"].startswith(("group/", "split/"))
+        assert got["allreduce opts"] == sum(every).tolist()
+        assert got["allreduce max"] == np.max(every, axis=0).tolist()
+        assert got["allreduce tensor op"] == np.min(every, axis=0).tolist()
+        assert got["allreduce_coalesced"] == [sum(every).tolist(), sum(v(q, 3) for q in range(n)).tolist()]
+        assert got["broadcast opts"] == v(2).tolist()
+        assert got["broadcast root"] == v(1).tolist()
+        assert got["reduce opts"] == (sum(every).tolist() if g == 1 else None)
+        assert got["reduce root op"] == (np.prod(every, axis=0).tolist() if g == 2 else None)
+        assert got["allgather"] == [x.tolist() for x in every]
+        assert got["allgather legacy"] == [x.tolist() for x in every]
+        assert got["_allgather_base"] == np.concatenate(every).tolist()
+        assert got["gather opts"] == ([x.tolist() for x in every] if g == 0 else None)
+        assert got["gather root"] == ([x.tolist() for x in every] if g == 2 else None)
+        assert got["scatter opts"] == [100.0 + g] * 4
+        assert got["scatter root"] == [100.0 + g] * 4
+        assert got["reduce_scatter opts"] == sum(x + g for x in every).tolist()
+        assert got["reduce_scatter op"] == np.max([x + g for x in every], axis=0).tolist()
+        assert got["_reduce_scatter_base"] == sum(x + g for x in every).tolist()
+        assert got["alltoall_base"] == [10.0 * q + g for q in range(n) for _ in range(2)]
+        assert got["alltoall"] == [[10.0 * q + g] for q in range(n)]
+        if g == 2:
+            assert got["recv"] == [7.0] * 3
+        if g == 1:
+            assert got["recv_anysource"] == ([8.0] * 3, MEMBERS[0])  # source_rank(): global
+        e = got["errors"]
+        assert "rootRank must be a rank of this group, in [0, 3), got 3" in e[0]
+        assert "dstRank must be a rank of this group, in [0, 3), got -1" in e[1]
+        assert e[2].startswith("TypeError: opts must be a BarrierOptions, got str")
+        assert "tensors must hold at least one tensor" in e[3]
+
+
+def test_options_have_torchs_fields_and_defaults():
+    o = dist.ReduceOptions()
+    assert (o.reduceOp, o.rootRank, o.rootTensor, o.asyncOp) == (dist.ReduceOp.SUM, 0, 0, True)
+    assert o.timeout.total_seconds() == -0.001
+    b1, b2 = dist.BarrierOptions(), dist.BarrierOptions()
+    b1.device_ids.append(3)
+    assert b2.device_ids == []  # not shared between instances
+    assert dist.BroadcastOptions().rootRank == 0 and dist.ScatterOptions().rootRank == 0
+    assert dist.AllreduceCoalescedOptions().reduceOp == dist.ReduceOp.SUM
+    assert "reduceOp" in repr(dist.AllreduceOptions())
