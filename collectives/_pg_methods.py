@@ -147,38 +147,30 @@ class ProcessGroupMethods:
         _opts(opts, AllgatherOptions, "opts")
         return _ops().all_gather_coalesced(output_lists, input_list, group=self, async_op=True)
 
+    def _rooted(self, single, many, opts, cls, single_name):
+        """(root, the one tensor, the root's list or None) from gather's and scatter's two
+        forms: ``([t], [[one per rank]] or [], opts)`` and ``(t, [one per rank] or [], root)``."""
+        o = opts if isinstance(opts, cls) else _opts(None, cls, "opts", rootRank=opts)
+        root = _root(self, o.rootRank, "rootRank")
+        if isinstance(single, (list, tuple)):
+            ts = _tensors(single, single_name)
+            if len(ts) != 1:
+                raise ValueError(f"{single_name} must hold one tensor, got {len(ts)}")
+            return root, ts[0], list(many[0]) if self._rank == root else None
+        return root, single, list(many) if self._rank == root else None
+
     def gather(self, output_tensors, input_tensors, opts=None):
         """``gather([[out per rank]] or [], [inp], GatherOptions())`` or
         ``gather([out per rank] or [], inp, root)``."""
-        o = opts if isinstance(opts, GatherOptions) else _opts(None, GatherOptions, "opts",
-                                                               rootRank=opts)
-        root = _root(self, o.rootRank, "rootRank")
-        if isinstance(input_tensors, (list, tuple)):
-            ins = _tensors(input_tensors, "input_tensors")
-            if len(ins) != 1:
-                raise ValueError(f"input_tensors must hold one tensor, got {len(ins)}")
-            inp = ins[0]
-            outs = list(output_tensors[0]) if self._rank == root else None
-        else:
-            inp = input_tensors
-            outs = list(output_tensors) if self._rank == root else None
+        root, inp, outs = self._rooted(input_tensors, output_tensors, opts, GatherOptions,
+                                       "input_tensors")
         return _ops().gather(inp, outs, group=self, async_op=True, group_dst=root)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """``scatter([out], [[in per rank]] or [], ScatterOptions())`` or
         ``scatter(out, [in per rank] or [], root)``."""
-        o = opts if isinstance(opts, ScatterOptions) else _opts(None, ScatterOptions, "opts",
-                                                                rootRank=opts)
-        root = _root(self, o.rootRank, "rootRank")
-        if isinstance(output_tensors, (list, tuple)):
-            outs = _tensors(output_tensors, "output_tensors")
-            if len(outs) != 1:
-                raise ValueError(f"output_tensors must hold one tensor, got {len(outs)}")
-            out = outs[0]
-            ins = list(input_tensors[0]) if self._rank == root else None
-        else:
-            out = output_tensors
-            ins = list(input_tensors) if self._rank == root else None
+        root, out, ins = self._rooted(output_tensors, input_tensors, opts, ScatterOptions,
+                                      "output_tensors")
         return _ops().scatter(out, ins, group=self, async_op=True, group_src=root)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
