@@ -39,7 +39,8 @@ def _tensors(x, name):
 
 def _opts(value, cls, name, **fields):
     """``value`` if it is a ``cls``; else a ``cls`` with ``fields`` filled from the legacy
-    positional form (``fields`` values of None are left at their defaults)."""
+    positional form, where the method has one (``fields`` values of None are left at their
+    defaults); else TypeError."""
     if isinstance(value, cls):
         return value
     if value is not None and not fields:
@@ -89,8 +90,7 @@ class ProcessGroupMethods:
         """``allreduce(tensors, AllreduceOptions())``, ``allreduce(tensors, op)`` or
         ``allreduce(tensor, op)``."""
         ts = _tensors(tensors, "tensors")
-        o = opts if isinstance(opts, AllreduceOptions) else _opts(None, AllreduceOptions, "opts",
-                                                                  reduceOp=opts)
+        o = _opts(opts, AllreduceOptions, "opts", reduceOp=opts)
         if len(ts) > 1:
             return _mgpu().all_reduce_multigpu(ts, o.reduceOp, group=self, async_op=True)
         return _ops().all_reduce(ts[0], o.reduceOp, group=self, async_op=True)
@@ -103,8 +103,7 @@ class ProcessGroupMethods:
     def broadcast(self, tensors, opts=None):
         """``broadcast(tensors, BroadcastOptions())`` or ``broadcast(tensor, root)``."""
         ts = _tensors(tensors, "tensors")
-        o = opts if isinstance(opts, BroadcastOptions) else _opts(None, BroadcastOptions, "opts",
-                                                                  rootRank=opts)
+        o = _opts(opts, BroadcastOptions, "opts", rootRank=opts)
         root = _root(self, o.rootRank, "rootRank")
         if len(ts) > 1:
             return _mgpu().broadcast_multigpu(ts, self.ranks[root], group=self, async_op=True,
@@ -114,8 +113,7 @@ class ProcessGroupMethods:
     def reduce(self, tensors, opts=None, op=None):
         """``reduce(tensors, ReduceOptions())`` or ``reduce(tensor, root, op)``."""
         ts = _tensors(tensors, "tensors")
-        o = opts if isinstance(opts, ReduceOptions) else _opts(None, ReduceOptions, "opts",
-                                                               rootRank=opts, reduceOp=op)
+        o = _opts(opts, ReduceOptions, "opts", rootRank=opts, reduceOp=op)
         root = _root(self, o.rootRank, "rootRank")
         if len(ts) > 1:
             return _mgpu().reduce_multigpu(ts, self.ranks[root], o.reduceOp, group=self,
@@ -150,7 +148,7 @@ class ProcessGroupMethods:
     def _rooted(self, single, many, opts, cls, single_name):
         """(root, the one tensor, the root's list or None) from gather's and scatter's two
         forms: ``([t], [[one per rank]] or [], opts)`` and ``(t, [one per rank] or [], root)``."""
-        o = opts if isinstance(opts, cls) else _opts(None, cls, "opts", rootRank=opts)
+        o = _opts(opts, cls, "opts", rootRank=opts)
         root = _root(self, o.rootRank, "rootRank")
         if isinstance(single, (list, tuple)):
             ts = _tensors(single, single_name)
@@ -176,8 +174,7 @@ class ProcessGroupMethods:
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """``reduce_scatter([out], [[in per rank]], ReduceScatterOptions())`` or
         ``reduce_scatter(out, [in per rank], op)``."""
-        o = opts if isinstance(opts, ReduceScatterOptions) else _opts(
-            None, ReduceScatterOptions, "opts", reduceOp=opts)
+        o = _opts(opts, ReduceScatterOptions, "opts", reduceOp=opts)
         if isinstance(output_tensors, (list, tuple)):
             outs = _tensors(output_tensors, "output_tensors")
             if len(outs) > 1:

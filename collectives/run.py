@@ -294,7 +294,7 @@ class _Stream:
         self.last_feed = 0.0  # when output last came
         self.tail = collections.deque(maxlen=TAIL_LINES) if keep_tail else None
 
-    def feed(self, data, now=None):
+    def feed(self, data):
         if self.log is not None:
             self.log.write(data)
         self.buf += data
@@ -305,7 +305,7 @@ class _Stream:
             chunk = bytes(self.buf[:end + 1])
             del self.buf[:end + 1]
             self._emit(chunk.split(b"\n")[:-1] if chunk.endswith(b"\n") else [chunk])
-        self.last_feed = time.monotonic() if now is None else now
+        self.last_feed = time.monotonic()
 
     def flush_partial(self, now):
         """Write an unfinished line, as a line of its own, once the rank has written nothing
