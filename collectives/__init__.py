@@ -75,3 +75,12 @@ __all__ = [
 ]
 
 set_debug_level_from_env()  # as torch.distributed does at import
+
+
+def __getattr__(name):
+    # dist.nn (autograd collectives) imports torch, so it loads on first use, as
+    # torch.distributed.nn needs its own import; ``import collectives.nn`` works too
+    if name == "nn":
+        import importlib
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
