@@ -79,8 +79,9 @@ set_debug_level_from_env()  # as torch.distributed does at import
 
 def __getattr__(name):
     # dist.nn (autograd collectives) imports torch, so it loads on first use, as
-    # torch.distributed.nn needs its own import; ``import collectives.nn`` works too
-    if name == "nn":
+    # torch.distributed.nn needs its own import; ``import collectives.nn`` works too.
+    # dist.distributed_c10d and dist.constants load here too (they import this package).
+    if name in ("nn", "distributed_c10d", "constants"):
         import importlib
-        return importlib.import_module(".nn", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
