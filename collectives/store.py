@@ -1148,7 +1148,7 @@ def _int_arg(b):
 
 
 _SERVERS = {}  # port -> StoreServer, for multi_tenant
-_SERVERS_LOCK = threading.RLock()  # a finalizer may release a server while one starts
+_SERVERS_LOCK = threading.RLock()  # a finalizer may release a server in any thread
 
 
 def _release_server(server, multi_tenant):
@@ -1228,17 +1228,31 @@ class TCPStore(Store):
 
     @staticmethod
     def _start_server(port, listen_fd, multi_tenant):
+        shared = multi_tenant and port
+        if shared:
+            with _SERVERS_LOCK:
+                server = _SERVERS.get(port)
+                if server is not None:
+                    server.refs += 1
+                    return server
+        # Started outside the lock: Thread.start waits for the new thread, which may run
+        # the cyclic GC on its first allocation, and so a finalizer of a dropped store,
+        # _release_server, which takes the lock (a test once hung there for good).
+        try:
+            server = StoreServer(port, listen_fd)
+        except OSError as e:
+            if shared:  # another thread of this process may have just started it
+                with _SERVERS_LOCK:
+                    other = _SERVERS.get(port)
+                    if other is not None:
+                        other.refs += 1
+                        return other
+            raise DistNetworkError(f"TCPStore master could not listen on port {port}: {e}") from e
         with _SERVERS_LOCK:
-            server = _SERVERS.get(port) if multi_tenant and port else None
-            if server is None:
-                try:
-                    server = StoreServer(port, listen_fd)
-                except OSError as e:
-                    raise DistNetworkError(f"TCPStore master could not listen on port {port}: {e}") from e
-                if multi_tenant:
-                    _SERVERS[server.port] = server
+            if multi_tenant:
+                _SERVERS[server.port] = server
             server.refs += 1
-            return server
+        return server
 
     @property
     def port(self):

@@ -296,6 +296,37 @@ def test_port_zero_picks_a_free_port_and_clients_find_it():
 
 
 @pytest.mark.timeout(30)
+def test_a_master_starts_while_another_thread_finalizes_a_dropped_master(monkeypatch):
+    """Thread.start waits for the new thread, whose first allocations may run the cyclic
+    GC and so the finalizer of a dropped master store, in that thread. Here that thread
+    is made to finalize a dropped master before start returns: starting a master must not
+    hold the lock the finalizer takes (the suite once hung there for good)."""
+    dropped = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=5,
+                       wait_for_workers=False)
+    finalize = dropped._server_finalizer
+    real = threading.Thread
+    finished = []
+
+    class FinalizingThread(real):
+        def start(self):
+            helper = real(target=finalize, daemon=True)
+            helper.start()
+            helper.join(3)
+            finished.append(not helper.is_alive())
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", FinalizingThread)
+    master = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=5,
+                      wait_for_workers=False)
+    monkeypatch.setattr(threading, "Thread", real)
+    assert finished == [True]
+    master.set("k", "v")
+    assert master.get("k") == b"v"
+    master.close()
+    dropped.close()
+
+
+@pytest.mark.timeout(30)
 def test_master_waits_for_workers_and_times_out_naming_them():
     t0 = time.monotonic()
     with pytest.raises(DistStoreError, match="1 of 3"):
