@@ -29,10 +29,7 @@ def _get_default_group():
 def _rank_not_in_group(group):
     """Whether this rank is outside ``group``: ``new_group`` gave it NON_GROUP_MEMBER
     (None, the default group, holds every rank)."""
-    if group is None:
-        return False
-    return group is GroupMember.NON_GROUP_MEMBER or (
-        isinstance(group, int) and group == GroupMember.NON_GROUP_MEMBER)
+    return isinstance(group, int) and group == GroupMember.NON_GROUP_MEMBER
 
 
 def _get_global_rank(group, rank):
