@@ -7,6 +7,7 @@ computed once here so the per-call path in collective_ops does no lookups.
 import datetime
 import importlib.util
 import os
+import zlib
 
 from . import backends as _backends
 from . import debug as _debug
@@ -338,6 +339,11 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
         if me not in ranks:
             return GroupMember.NON_GROUP_MEMBER
     if world.store is None:
+        split_local = getattr(wpg.backend, "split_local", None)
+        if use_local_synchronization and split_local is not None and name == wpg.backend_name:
+            # members only (mpi: MPI_Comm_create_group); the tag tells overlapping ones apart
+            be = split_local(ranks, tmo, pg_options, zlib.crc32(tag.encode()) % 32768)
+            return _add_group(be, ranks, me, tag, name, tmo, None)
         raise ValueError(f"new_group: the {wpg.backend_name} world group has no store and its "
                          f"backend cannot split; use backend={wpg.backend_name!r} ranks sorted")
     factory = _backends.get_backend_factory(name)

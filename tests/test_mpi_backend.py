@@ -787,6 +787,12 @@ FRONT_END_PROGRAM = textwrap.dedent("""
         assert y[0] == world - 1 and dist.get_rank(upper) == rank - half, (y, dist.get_rank(upper))
     else:
         assert upper == dist.GroupMember.NON_GROUP_MEMBER
+    # members only (MPI_Comm_create_group), which the other ranks never call
+    if rank % 2 == 1:
+        odd = dist.new_group(list(range(1, world, 2)), use_local_synchronization=True)
+        z = np.array([rank], np.int64)
+        dist.all_reduce(z, group=odd)
+        assert z[0] == sum(range(1, world, 2)) and dist.get_rank(odd) == rank // 2, z
     # any-source receive reports the sender's global rank
     if rank == 0:
         got = set()

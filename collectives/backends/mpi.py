@@ -575,6 +575,23 @@ class MpiBackend(Backend):
         self.run(do_split)
         return result[0]
 
+    def split_local(self, ranks, timeout, options=None, tag=0):
+        """The subgroup of ``ranks`` (this group's ranks, sorted) by
+        ``MPI_Comm_create_group``, called by the members only (``tag`` tells apart
+        creations that may overlap)."""
+        result = []
+
+        def do_create():
+            grp = self.comm.Get_group().Incl(list(ranks))
+            try:
+                comm = self.comm.Create_group(grp, tag)
+            finally:
+                grp.Free()
+            result.append(MpiBackend(comm, timeout, options))
+
+        self.run(do_create)
+        return result[0]
+
     def shutdown(self):
         super().shutdown()
         comm, self.comm = self.comm, None
