@@ -7,6 +7,8 @@ computed once here so the per-call path in collective_ops does no lookups.
 import datetime
 import importlib.util
 import os
+import sys
+import warnings
 import zlib
 
 from . import backends as _backends
@@ -256,11 +258,34 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     world.store = store
     world.groups.append(pg)
     _set_world(pg)
+    _torch_bridge(pg)
+
+
+def _torch_bridge(pg):
+    """Give torch.distributed a default group that runs on ``pg`` (see
+    collectives.torch_pg), when the program has imported torch: DistributedDataParallel
+    and libraries calling torch.distributed then work unchanged."""
+    if "torch" not in sys.modules or os.environ.get("COLLECTIVES_TORCH_BRIDGE", "1") == "0":
+        return
+    try:
+        import torch.distributed
+        if not torch.distributed.is_available():
+            return
+        from . import torch_pg
+        torch_pg.install_default(pg)
+    except Exception as e:  # noqa: BLE001  (collectives' own group is up and usable)
+        warnings.warn(f"collectives: torch.distributed's default group was not set up over "
+                      f"collectives ({type(e).__name__}: {e}); DistributedDataParallel and "
+                      f"torch.distributed calls will not see this group", RuntimeWarning,
+                      stacklevel=3)
 
 
 def destroy_process_group(group=None):
     """Shut down ``group``'s backend, or every group (and the default one) when None."""
     if group is None or group is GroupMember.WORLD:
+        bridge = sys.modules.get(__package__ + ".torch_pg")
+        if bridge is not None:  # torch's default group over ours goes first
+            bridge.uninstall_default()
         pgs, world.groups = world.groups, []
         for pg in reversed(pgs):
             pg.destroyed = True

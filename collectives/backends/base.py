@@ -72,6 +72,9 @@ class DoneRequest(Request):
         return self._source
 
 
+_CALLBACKS_LOCK = threading.Lock()
+
+
 class FutureRequest(Request):
     """A request completed by another thread with ``set_result``/``set_exception``."""
 
@@ -81,14 +84,30 @@ class FutureRequest(Request):
         self._source = -1
         self._describe = describe
         self._default_timeout = default_timeout
+        self._callbacks = None
 
     def set_result(self, source=-1):
         self._source = source
-        self._event.set()
+        self._finish()
 
     def set_exception(self, exc):
         self._exc = exc
-        self._event.set()
+        self._finish()
+
+    def _finish(self):
+        with _CALLBACKS_LOCK:
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            fn(self)
+
+    def add_done_callback(self, fn):
+        """Call ``fn(self)`` once done: in the completing thread, or now if done already."""
+        with _CALLBACKS_LOCK:
+            if not self._event.is_set():
+                self._callbacks = (self._callbacks or []) + [fn]
+                return
+        fn(self)
 
     def wait(self, timeout=None):
         if timeout is None:

@@ -1,0 +1,525 @@
+"""torch.distributed's own process group, run by collectives (needs torch).
+
+``DistributedDataParallel``, ``FSDP``, ``torch.distributed.nn`` and libraries that call
+``torch.distributed`` directly reach their process group through torch, never through
+``collectives``. This module gives them one: :class:`TorchProcessGroup` is a
+``torch.distributed.ProcessGroup`` whose methods (the ones torch's C++ reducer calls
+and the ones torch's Python front end calls) run on a collectives group.
+
+Three ways in:
+
+- ``import collectives as dist`` in a program that has imported torch:
+  ``dist.init_process_group`` also makes torch's default group a TorchProcessGroup over
+  the new default group, so ``DistributedDataParallel(model)`` and
+  ``torch.distributed.get_rank()`` work unchanged (``COLLECTIVES_TORCH_BRIDGE=0`` turns
+  this off; it is skipped when torch's default group already exists).
+  ``dist.destroy_process_group()`` destroys it again.
+- ``import collectives.torch_pg`` registers the backend ``"collectives"`` with torch:
+  ``torch.distributed.init_process_group("collectives")`` then runs a program written for
+  torch.distributed on collectives without touching its calls (the transport: the
+  ``COLLECTIVES_TORCH_BACKEND`` environment variable, default ``gloo``; rendezvous:
+  torch's own store). ``torch.distributed.new_group`` makes collectives groups too.
+- :func:`to_torch` wraps any collectives group, for ``DistributedDataParallel(model,
+  process_group=to_torch(group))``.
+
+A call torch makes asynchronously (``async_op=True``, and every call of DDP's reducer)
+runs on the group's worker thread; its Work's future is completed from a helper thread
+when it finishes, so DDP's reducer overlaps communication with the backward pass.
+"""
+import importlib
+import os
+import threading
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as td
+from torch.distributed import distributed_c10d as _c10d
+
+from . import collective_ops as _ops
+from . import multigpu as _mgpu
+from . import p2p as _p2p
+from .errors import DistStoreError
+from .reduce_op import ReduceOp
+from .store import Store
+
+_groups = importlib.import_module(f"{__package__}.group")  # (the package's `group` is dist.group)
+
+BACKEND_NAME = "collectives"
+
+_RedOpType = td.ReduceOp.RedOpType
+
+
+def _op(rop):
+    """Our ReduceOp for torch's (a ReduceOp, or a RedOpType member)."""
+    code = getattr(rop, "op", rop)
+    if code == _RedOpType.PREMUL_SUM:
+        factor = rop.factor
+        return ReduceOp.PREMUL_SUM(float(factor.item() if isinstance(factor, torch.Tensor) else factor))
+    return getattr(ReduceOp, code.name)
+
+
+def _timeout(timeout):
+    """torch passes timedelta(0) (its kNoTimeout) for "the group's timeout"."""
+    if timeout is None or (isinstance(timeout, timedelta) and timeout == timedelta(0)):
+        return None
+    return timeout
+
+
+class TorchWork(td._Work):
+    """torch's Work for a collectives call: ``wait``, ``is_completed``, ``result`` and a
+    ``torch.futures.Future`` from ``get_future`` whose value is the output tensors."""
+
+    def __init__(self, work, result, group=None):
+        super().__init__()
+        self._work = work          # a collectives Work, or None when the call already ran
+        self._result = list(result)
+        self._group = group
+        self._fut = None
+        self._lock = threading.Lock()
+
+    def wait(self, timeout=None):
+        if self._work is not None:
+            self._work.wait(_timeout(timeout))
+        return True
+
+    def is_completed(self):
+        return self._work is None or self._work.is_completed()
+
+    def is_success(self):
+        return self._work is None or self._work.is_success()
+
+    def result(self):
+        return list(self._result)
+
+    def _source_rank(self):
+        """The sender's rank in the group (torch's recv from any source asks this)."""
+        return self._group.group_rank(self._work.source_rank(), "source")
+
+    source_rank = _source_rank
+
+    def get_future(self):
+        with self._lock:
+            if self._fut is None:
+                self._fut = torch.futures.Future()
+                if self._work is None or self._work.is_completed():
+                    self._settle(self._fut)
+                else:
+                    fut = self._fut
+                    req = self._work._req
+                    if hasattr(req, "add_done_callback"):  # settled by the thread that finishes it
+                        req.add_done_callback(lambda _r: self._settle(fut))
+                    else:  # settled by a helper thread that waits for it
+                        self._work.get_future().add_done_callback(lambda _f: self._settle(fut))
+            return self._fut
+
+    def _settle(self, fut):
+        try:
+            if self._work is not None:
+                self._work.wait()
+        except Exception as e:  # noqa: BLE001  (handed on to the future's waiters)
+            fut.set_exception(e)
+        else:
+            fut.set_result(self._result)
+
+
+def _list(x):
+    """A list of tensors from a tensor or a sequence of them (torch's overloads take both)."""
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def _opts(value, cls, **legacy):
+    """``value`` if it is a ``cls``; else a ``cls`` (asynchronous, as torch's defaults) with
+    the legacy positional form's ``legacy`` fields set (None: left at the default)."""
+    if isinstance(value, cls):
+        return value
+    if value is not None and not legacy:
+        raise TypeError(f"opts must be a torch.distributed {cls.__name__}, got {type(value).__name__}")
+    opts = cls()
+    for k, v in legacy.items():
+        if v is not None:
+            setattr(opts, k, v)
+    return opts
+
+
+def _one(tensors, name):
+    if len(tensors) != 1:
+        raise ValueError(f"{name} must hold one tensor per rank for the {BACKEND_NAME} "
+                         f"backend, got {len(tensors)}")
+    return tensors[0]
+
+
+class TorchProcessGroup(td.ProcessGroup):
+    """A ``torch.distributed.ProcessGroup`` over the collectives group ``group``.
+
+    Ranks in options (``rootRank``, ``dstRank``, ``srcRank``) are ranks of the group, as
+    torch's front end passes them.
+    """
+
+    def __init__(self, group, owned=False):
+        super().__init__(group.rank(), group.size())
+        self._group = group
+        self._owned = owned  # made for torch (its init or new_group): torch's shutdown ends it
+
+    # torch's C++ ProcessGroup keeps its name and description in its backends, and this
+    # one has none: they live here, for torch's Python code (destroy_process_group...)
+    def _set_group_name(self, name):
+        self._name = name
+
+    @property
+    def group_name(self):
+        return getattr(self, "_name", None) or self._group.group_name
+
+    def _set_group_desc(self, desc):
+        self._desc = desc
+
+    @property
+    def group_desc(self):
+        return getattr(self, "_desc", None) or self.group_name
+
+    @property
+    def collectives_group(self):
+        """The collectives group this one runs on."""
+        return self._group
+
+    def getBackendName(self):  # noqa: N802  (torch's name)
+        return BACKEND_NAME
+
+    def _global(self, group_rank):
+        if not isinstance(group_rank, int) or not 0 <= group_rank < self.size():
+            raise ValueError(f"rootRank must be a rank of this group, in [0, {self.size()}), "
+                             f"got {group_rank!r}")
+        return self._group.ranks[group_rank]
+
+    def _run(self, opts, fn, outputs, *args, **kwargs):
+        async_op = bool(opts.asyncOp)
+        work = fn(*args, group=self._group, async_op=async_op, **kwargs)
+        return TorchWork(work if async_op else None, outputs, self._group)
+
+    # ---- collectives -------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        """``(tensors, AllreduceOptions)``, ``(tensors, op)`` or ``(tensor, op)``."""
+        ts = _list(tensors)
+        o = _opts(opts, _c10d.AllreduceOptions, reduceOp=opts)
+        if len(ts) > 1:
+            return self._run(o, _mgpu.all_reduce_multigpu, ts, ts, _op(o.reduceOp))
+        return self._run(o, _ops.all_reduce, ts, ts[0], _op(o.reduceOp))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        o = _opts(opts, _c10d.AllreduceCoalescedOptions)
+        ts = _list(tensors)
+        return self._run(o, _ops.all_reduce_coalesced, ts, ts, _op(o.reduceOp))
+
+    def broadcast(self, tensors, opts=None):
+        """``(tensors, BroadcastOptions)`` or ``(tensor, root)``."""
+        ts = _list(tensors)
+        o = _opts(opts, _c10d.BroadcastOptions, rootRank=opts)
+        if len(ts) > 1:
+            return self._run(o, _mgpu.broadcast_multigpu, ts, ts, self._global(o.rootRank),
+                             src_tensor=o.rootTensor)
+        return self._run(o, _ops.broadcast, ts, ts[0], group_src=o.rootRank)
+
+    def reduce(self, tensors, opts=None, op=None):
+        """``(tensors, ReduceOptions)`` or ``(tensor, root, op)``."""
+        ts = _list(tensors)
+        o = _opts(opts, _c10d.ReduceOptions, rootRank=opts, reduceOp=op)
+        if len(ts) > 1:
+            return self._run(o, _mgpu.reduce_multigpu, ts, ts, self._global(o.rootRank),
+                             _op(o.reduceOp), dst_tensor=o.rootTensor)
+        return self._run(o, _ops.reduce, ts, ts[0], op=_op(o.reduceOp), group_dst=o.rootRank)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """``([[out per rank]], [inp], AllgatherOptions)`` or ``([out per rank], inp)``."""
+        o = _opts(opts, _c10d.AllgatherOptions)
+        if isinstance(input_tensors, torch.Tensor):
+            outs = list(output_tensors)
+            return self._run(o, _ops.all_gather, outs, outs, input_tensors)
+        ins = _list(input_tensors)
+        if len(ins) > 1:
+            outs = [list(x) for x in output_tensors]
+            return self._run(o, _mgpu.all_gather_multigpu, outs, outs, ins)
+        outs = list(_one(output_tensors, "output_tensors"))
+        return self._run(o, _ops.all_gather, [outs], outs, ins[0])
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        o = _opts(opts, _c10d.AllgatherOptions)
+        outs = [list(x) for x in output_lists]
+        return self._run(o, _ops.all_gather_coalesced, outs, outs, _list(input_list))
+
+    def _allgather_base(self, output, input, opts=None):  # noqa: A002
+        o = _opts(opts, _c10d.AllgatherOptions)
+        return self._run(o, _ops.all_gather_into_tensor, [output], output, input)
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        o = _opts(opts, _c10d.AllgatherOptions)
+        return self._coalesced(o, _ops.all_gather_into_tensor, _list(outputs), _list(inputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """``([[out per rank]] or [], [inp], GatherOptions)`` or ``([out per rank] or [], inp, root)``."""
+        o = _opts(opts, _c10d.GatherOptions, rootRank=opts)
+        root = self.rank() == o.rootRank
+        if isinstance(input_tensors, torch.Tensor):
+            inp, outs = input_tensors, list(output_tensors) if root else None
+        else:
+            inp = _one(_list(input_tensors), "input_tensors")
+            outs = list(_one(output_tensors, "output_tensors")) if root else None
+        return self._run(o, _ops.gather, outs or [], inp, outs, group_dst=o.rootRank)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """``([out], [[in per rank]] or [], ScatterOptions)`` or ``(out, [in per rank] or [], root)``."""
+        o = _opts(opts, _c10d.ScatterOptions, rootRank=opts)
+        root = self.rank() == o.rootRank
+        if isinstance(output_tensors, torch.Tensor):
+            out, ins = output_tensors, list(input_tensors) if root else None
+        else:
+            out = _one(_list(output_tensors), "output_tensors")
+            ins = list(_one(input_tensors, "input_tensors")) if root else None
+        return self._run(o, _ops.scatter, [out], out, ins, group_src=o.rootRank)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """``([out], [[in per rank]], ReduceScatterOptions)`` or ``(out, [in per rank], op)``."""
+        o = _opts(opts, _c10d.ReduceScatterOptions, reduceOp=opts)
+        if isinstance(output_tensors, torch.Tensor):
+            return self._run(o, _ops.reduce_scatter, [output_tensors], output_tensors,
+                             list(input_tensors), _op(o.reduceOp))
+        outs = _list(output_tensors)
+        if len(outs) > 1:
+            return self._run(o, _mgpu.reduce_scatter_multigpu, outs, outs,
+                             [list(x) for x in input_tensors], _op(o.reduceOp))
+        return self._run(o, _ops.reduce_scatter, outs, outs[0],
+                         list(_one(input_tensors, "input_tensors")), _op(o.reduceOp))
+
+    def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
+        o = _opts(opts, _c10d.ReduceScatterOptions)
+        return self._run(o, _ops.reduce_scatter_tensor, [output], output, input, _op(o.reduceOp))
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        o = _opts(opts, _c10d.ReduceScatterOptions)
+        return self._coalesced(o, _ops.reduce_scatter_tensor, _list(outputs), _list(inputs),
+                               _op(o.reduceOp))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _coalesced(self, opts, fn, outputs, inputs, *args):
+        """One call per pair, all issued before any is waited for."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"outputs and inputs must have the same length, got {len(outputs)} "
+                             f"and {len(inputs)}")
+        async_op = bool(opts.asyncOp)
+        works = [fn(o, i, *args, group=self._group, async_op=async_op) for o, i in zip(outputs, inputs)]
+        if not async_op or not works:
+            return TorchWork(None, outputs, self._group)
+        for w in works[:-1]:  # the group runs them in order: the last one done means all are
+            w.wait()
+        return TorchWork(works[-1], outputs, self._group)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+        o = _opts(opts, _c10d.AllToAllOptions)
+        return self._run(o, _ops.all_to_all_single, [output], output, input,
+                         list(output_split_sizes) or None, list(input_split_sizes) or None)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        o = _opts(opts, _c10d.AllToAllOptions)
+        outs = list(output_tensors)
+        return self._run(o, _ops.all_to_all, outs, outs, list(input_tensors))
+
+    def barrier(self, opts=None):
+        return self._run(_opts(opts, _c10d.BarrierOptions), _ops.barrier, [])
+
+    # ---- point to point ----------------------------------------------------------------------
+
+    def send(self, tensors, dstRank, tag=0):  # noqa: N803  (torch's names)
+        t = _one(tensors, "tensors")
+        return TorchWork(_p2p.isend(t, group=self._group, tag=tag, group_dst=dstRank), [t], self._group)
+
+    def recv(self, tensors, srcRank, tag=0):  # noqa: N803
+        t = _one(tensors, "tensors")
+        return TorchWork(_p2p.irecv(t, group=self._group, tag=tag, group_src=srcRank), [t], self._group)
+
+    def recv_anysource(self, tensors, tag=0):
+        t = _one(tensors, "tensors")
+        return TorchWork(_p2p.irecv(t, group=self._group, tag=tag), [t], self._group)
+
+    # ---- life ----------------------------------------------------------------------------------
+
+    def shutdown(self):
+        if self._owned and not self._group.destroyed:
+            _state.tearing_down = True  # torch's destroy is under way: ours must not call it
+            try:
+                if self._group is _groups.world.default:
+                    _groups.destroy_process_group()
+                else:
+                    _groups.destroy_process_group(self._group)
+            finally:
+                _state.tearing_down = False
+
+    abort = shutdown
+
+    def __repr__(self):
+        return f"TorchProcessGroup({self._group!r})"
+
+
+_wrappers = weakref.WeakKeyDictionary()
+_wrappers_lock = threading.Lock()
+
+
+def to_torch(group=None):
+    """The ``torch.distributed.ProcessGroup`` over a collectives group (default: the
+    default group), one per group: ``DistributedDataParallel(model,
+    process_group=to_torch(g))``. None for a rank outside ``group`` (torch's
+    ``GroupMember.NON_GROUP_MEMBER`` then)."""
+    pg = _groups.current(group)
+    if pg is None:
+        return td.GroupMember.NON_GROUP_MEMBER
+    with _wrappers_lock:
+        tpg = _wrappers.get(pg)
+        if tpg is None:
+            tpg = _wrappers[pg] = TorchProcessGroup(pg)
+        return tpg
+
+
+# ---- torch's store, as a collectives Store ----------------------------------------------------
+
+class _FromTorchStore(Store):
+    """A torch.distributed Store seen through collectives' Store API (the rendezvous of a
+    program that called ``torch.distributed.init_process_group("collectives")``)."""
+
+    def __init__(self, store, timeout):
+        super().__init__(timeout)
+        self._store = store
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except td.DistStoreError as e:
+            raise DistStoreError(str(e)) from e
+
+    def _set(self, key, value):
+        self._call(self._store.set, key, value)
+
+    def _get(self, key, secs):
+        self._wait([key], secs)
+        return self._call(self._store.get, key)
+
+    def _add(self, key, amount):
+        return self._call(self._store.add, key, amount)
+
+    def _compare_set(self, key, expected, desired):
+        return self._call(self._store.compare_set, key, expected, desired)
+
+    def _wait(self, keys, secs):
+        self._call(self._store.wait, keys, timedelta(seconds=secs))
+
+    def _check(self, keys):
+        return self._call(self._store.check, keys)
+
+    def _delete(self, key):
+        return self._call(self._store.delete_key, key)
+
+    def _num_keys(self):
+        return self._call(self._store.num_keys)
+
+    def _append(self, key, value):
+        self._call(self._store.append, key, value)
+
+    def _multi_get(self, keys, secs):
+        self._wait(keys, secs)
+        return self._call(self._store.multi_get, keys)
+
+    def _multi_set(self, keys, values):
+        self._call(self._store.multi_set, keys, values)
+
+
+# ---- the "collectives" backend of torch.distributed --------------------------------------------
+
+_state = threading.local()
+_register_lock = threading.Lock()
+_registered = False
+
+
+def _create(opts, _options=None):
+    """torch's backend creator (extended API): the default group, or a new subgroup."""
+    pg = _create_group(opts)
+    pg._set_group_name(opts.group_id)  # torch names only the groups of its own backends
+    return pg
+
+
+def _create_group(opts):
+    installing = getattr(_state, "installing", None)
+    if isinstance(installing, _groups.ProcessGroup):  # dist.init_process_group installing it
+        return TorchProcessGroup(installing)
+    ranks = list(opts.global_ranks_in_group)
+    timeout = opts.timeout
+    if not _groups.is_initialized():  # torch.distributed.init_process_group("collectives")
+        _state.installing = False  # our init must not install torch's group in turn
+        try:
+            _groups.init_process_group(
+                os.environ.get("COLLECTIVES_TORCH_BACKEND", "gloo"),
+                store=_FromTorchStore(opts.store, timeout), rank=opts.group_rank,
+                world_size=opts.group_size, timeout=timeout)
+        finally:
+            _state.installing = None
+        return TorchProcessGroup(_groups.world.default, owned=True)
+    world = _groups.world.default
+    if not ranks or ranks == world.ranks:
+        return TorchProcessGroup(world, owned=False)
+    # torch.distributed.new_group: only members get here, so only they meet
+    sub = _groups.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+    return TorchProcessGroup(sub, owned=True)
+
+
+def register():
+    """Register ``"collectives"`` as a torch.distributed backend (once; done on import)."""
+    global _registered
+    with _register_lock:
+        if not _registered and BACKEND_NAME.upper() not in td.Backend._plugins:
+            td.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
+                                        devices=["cpu", "cuda"])
+        _registered = True
+
+
+def install_default(pg):
+    """Make torch's default group a TorchProcessGroup over ``pg`` (collectives' default
+    group), unless torch's already exists; called by ``init_process_group``. Returns
+    whether it did."""
+    if getattr(_state, "installing", None) is not None or td.is_initialized():
+        return False
+    register()
+    barrier_env = os.environ.pop("TORCH_DIST_INIT_BARRIER", None)  # its barrier uses the store:
+    _state.installing = pg                                         # ours met already
+    try:
+        td.init_process_group(BACKEND_NAME, store=td.HashStore(), rank=pg.rank(),
+                              world_size=pg.size(), timeout=timedelta(seconds=pg.timeout))
+    finally:
+        _state.installing = None
+        if barrier_env is not None:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = barrier_env
+    return True
+
+
+def uninstall_default():
+    """Destroy torch's default group if it is a TorchProcessGroup (collectives'
+    ``destroy_process_group`` calls it), unless torch's destroy is what got us here."""
+    if getattr(_state, "tearing_down", False) or not td.is_initialized():
+        return
+    if isinstance(td.distributed_c10d._get_default_group(), TorchProcessGroup):
+        _state.tearing_down = True
+        try:
+            td.destroy_process_group()
+        finally:
+            _state.tearing_down = False
+
+
+register()
+
+__all__ = ["BACKEND_NAME", "TorchProcessGroup", "TorchWork", "install_default", "register",
+           "to_torch", "uninstall_default"]

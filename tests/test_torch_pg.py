@@ -1,0 +1,425 @@
+"""collectives.torch_pg: torch.distributed's own process group, run by collectives.
+
+Properties:
+
+- DistributedDataParallel over it trains as one process does on all ranks' data: for
+  any world of 1-4 ranks, model width, batch, bucket size (one bucket, or one per
+  parameter), number of steps and gradient accumulation under ``no_sync``, every rank
+  ends with the parameters of a single-process reference that averages the ranks'
+  gradients (from rank 0's initial parameters, which DDP broadcasts: every rank starts
+  from different ones), and with rank 0's initial buffers after DDP's construction.
+- torch.distributed's own functions (``torch.distributed.all_reduce``, ...), on torch's
+  default group and on a ``torch.distributed.new_group`` subgroup, sync and async (waited
+  on through ``wait()`` or the future), give the NumPy reference's results, for any
+  world, op, root, dtype and shape (empty included).
+- Life: ``dist.init_process_group`` in a program that imported torch sets up torch's
+  default group over collectives and ``dist.destroy_process_group`` removes it;
+  ``COLLECTIVES_TORCH_BRIDGE=0`` leaves torch alone; ``torch.distributed.init_process_group(
+  "collectives")`` runs on a collectives group over torch's store, and torch's
+  ``destroy_process_group`` ends both.
+"""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.ranks import available_configs, backend_pool, free_port, get_pool
+
+torch = pytest.importorskip("torch")
+
+CONFIGS = [c for c in available_configs() if c in ("gloo", "mpi")]
+SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module", params=CONFIGS)
+def config(request):
+    return request.param
+
+
+def _bridged():
+    """Run on a rank of a pool: torch's default group over collectives' default group
+    (installed here when the pool's init ran before torch was imported)."""
+    import torch.distributed as td
+
+    import collectives as dist
+    import collectives.torch_pg as tp
+    if not td.is_initialized():
+        assert tp.install_default(dist.group.WORLD)
+    assert td.get_backend() == "collectives"
+    return td
+
+
+# ---- DistributedDataParallel ------------------------------------------------------------------
+
+def _model(width, seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.BatchNorm1d(width),
+                               torch.nn.Tanh(), torch.nn.Linear(width, 2))
+
+
+def _batch(case, rank, step, micro):
+    g = torch.Generator().manual_seed(case["seed"] * 1000 + rank * 100 + step * 10 + micro)
+    x = torch.randn(case["batch"], 3, generator=g, dtype=torch.float64)
+    y = torch.randn(case["batch"], 2, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def ddp_case(ctx, case):
+    """Run on every rank: train with DDP; this rank's parameters, buffers after
+    construction, and parameters after training."""
+    import torch
+
+    _bridged()
+    model = _model(case["width"], case["seed"] + ctx.rank).double()  # different on every rank
+    with torch.no_grad():
+        model[1].running_mean.fill_(ctx.rank + 1.0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=case["bucket_mb"])
+    buffers = model[1].running_mean.clone().numpy()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(case["steps"]):
+        opt.zero_grad()
+        for micro in range(case["accumulate"]):
+            x, y = _batch(case, ctx.rank, step, micro)
+            if micro < case["accumulate"] - 1:
+                with ddp.no_sync():
+                    torch.nn.functional.mse_loss(ddp(x), y).backward()
+            else:
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return buffers, [p.detach().numpy() for p in model.parameters()]
+
+
+def ddp_reference(case, world):
+    model = _model(case["width"], case["seed"]).double()  # rank 0's
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(case["steps"]):
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for r in range(world):
+            model.zero_grad()
+            for micro in range(case["accumulate"]):
+                x, y = _batch(case, r, step, micro)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            for g, p in zip(grads, model.parameters()):
+                g += p.grad / world
+        for g, p in zip(grads, model.parameters()):
+            p.grad = g
+        opt.step()
+    return [p.detach().numpy() for p in model.parameters()]
+
+
+@st.composite
+def ddp_cases(draw):
+    return draw(st.integers(1, 4)), {
+        "width": draw(st.integers(1, 9)), "batch": draw(st.integers(2, 5)),
+        "bucket_mb": draw(st.sampled_from([25.0, 1e-6])),  # one bucket, or one per parameter
+        "steps": draw(st.integers(1, 3)), "accumulate": draw(st.integers(1, 2)),
+        "seed": draw(st.integers(0, 2 ** 16))}
+
+
+@pytest.mark.timeout(600)
+@SETTINGS
+@given(case=ddp_cases())
+def test_ddp_trains_as_one_process_on_all_ranks_data(config, case):
+    world, case = case
+    results = backend_pool(config, world).run(ddp_case, case, timeout=120)
+    want = ddp_reference(case, world)
+    for r, (buffers, params) in enumerate(results):
+        np.testing.assert_array_equal(buffers, np.ones_like(buffers), err_msg=f"rank {r} buffers")
+        for k, (got, exp) in enumerate(zip(params, want)):
+            np.testing.assert_allclose(got, exp, rtol=1e-9, atol=1e-12,
+                                       err_msg=f"rank {r} parameter {k} of {case}, world {world}")
+
+
+# ---- torch.distributed's functions on it --------------------------------------------------------
+
+KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather",
+         "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+         "barrier", "send_recv", "recv_any")
+OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
+NP_OPS = {"SUM": np.sum, "PRODUCT": np.prod, "MIN": np.min, "MAX": np.max, "AVG": np.mean}
+
+
+def _data(case, rank, k=0):
+    rng = np.random.default_rng([case["seed"], rank, k])
+    return rng.integers(-3, 4, size=case["shape"]).astype(case["dtype"])
+
+
+def td_case(ctx, case):
+    """Run on every rank: one torch.distributed call; (outputs, sender) as arrays, None
+    off the group."""
+    td = _bridged()
+    members = case["members"]
+    group = td.new_group(members) if members is not None else None  # every rank calls it
+    if members is not None and ctx.rank not in members:
+        return None
+    try:
+        return _td_call(ctx, case, td, group)
+    finally:
+        if group is not None:
+            td.destroy_process_group(group)
+
+
+def _td_call(ctx, case, td, group):
+    import numpy as np
+    import torch
+
+    members = case["members"]
+    ranks = members if members is not None else list(range(ctx.world_size))
+    n, me = len(ranks), ranks.index(ctx.rank)
+    kind, root, op = case["kind"], case["root"], case["op"]
+    rop = getattr(td.ReduceOp, op) if op else None
+    a = lambda k=0: torch.from_numpy(_data(case, ctx.rank, k))  # noqa: E731
+    like = lambda: torch.zeros(case["shape"], dtype=getattr(torch, case["dtype"]))  # noqa: E731
+    asy = case["async"]
+    sender = None
+
+    def done(work):
+        if asy == "wait":
+            work.wait()
+        elif asy == "future":
+            work.get_future().wait()
+
+    if kind == "all_reduce":
+        outs = [a()]
+        done(td.all_reduce(outs[0], op=rop, group=group, async_op=bool(asy)))
+    elif kind == "reduce":
+        outs = [a()]
+        done(td.reduce(outs[0], dst=root, op=rop, group=group, async_op=bool(asy)))
+        outs = outs if ctx.rank == root else []
+    elif kind == "broadcast":
+        outs = [a()]
+        done(td.broadcast(outs[0], src=root, group=group, async_op=bool(asy)))
+    elif kind == "all_gather":
+        outs = [like() for _ in range(n)]
+        done(td.all_gather(outs, a(), group=group, async_op=bool(asy)))
+    elif kind == "all_gather_into_tensor":
+        inp = a()
+        outs = [torch.zeros((n * inp.shape[0],) + tuple(inp.shape[1:]), dtype=inp.dtype)]
+        done(td.all_gather_into_tensor(outs[0], inp, group=group, async_op=bool(asy)))
+    elif kind == "gather":
+        outs = [like() for _ in range(n)] if ctx.rank == root else None
+        done(td.gather(a(), outs, dst=root, group=group, async_op=bool(asy)))
+        outs = outs or []
+    elif kind == "scatter":
+        outs = [like()]
+        ins = [a(k) for k in range(n)] if ctx.rank == root else None
+        done(td.scatter(outs[0], ins, src=root, group=group, async_op=bool(asy)))
+    elif kind == "reduce_scatter":
+        outs = [like()]
+        done(td.reduce_scatter(outs[0], [a(k) for k in range(n)], op=rop, group=group,
+                               async_op=bool(asy)))
+    elif kind == "reduce_scatter_tensor":
+        inp = a()  # shape[0] is a multiple of n here
+        outs = [torch.zeros((inp.shape[0] // n,) + tuple(inp.shape[1:]), dtype=inp.dtype)]
+        done(td.reduce_scatter_tensor(outs[0], inp, op=rop, group=group, async_op=bool(asy)))
+    elif kind == "all_to_all":
+        outs = [like() for _ in range(n)]
+        done(td.all_to_all(outs, [a(k) for k in range(n)], group=group, async_op=bool(asy)))
+    elif kind == "all_to_all_single":
+        splits = case["splits"]  # splits[i][j]: rows rank i sends to rank j
+        inp = torch.from_numpy(np.random.default_rng([case["seed"], ctx.rank]).integers(
+            -3, 4, size=(sum(splits[me]), 2)).astype(case["dtype"]))
+        outs = [torch.zeros((sum(s[me] for s in splits), 2), dtype=inp.dtype)]
+        done(td.all_to_all_single(outs[0], inp, [s[me] for s in splits], splits[me], group=group,
+                                  async_op=bool(asy)))
+    elif kind == "barrier":
+        outs = []
+        done(td.barrier(group=group, async_op=bool(asy)))
+    else:  # send_recv / recv_any: every other member sends to root, root receives
+        outs = []
+        if ctx.rank != root:
+            td.send(a(), dst=root, group=group)
+        else:
+            for q in ranks:
+                if q == root:
+                    continue
+                t = like()
+                if kind == "send_recv":
+                    td.recv(t, src=q, group=group)
+                    outs.append(t)
+                else:
+                    s = td.recv(t, group=group)
+                    outs.append((s, t))
+            if kind == "recv_any":
+                sender = [s for s, _ in outs]
+                outs = [t for _, t in sorted(outs, key=lambda st: st[0])]
+    return [o.numpy() for o in outs], sender
+
+
+def td_reference(case, world):
+    members = case["members"] if case["members"] is not None else list(range(world))
+    n = len(members)
+    kind, root = case["kind"], case["root"]
+    red = NP_OPS.get(case["op"])
+    dtype = case["dtype"]
+
+    def reduce_(arrs):
+        out = red(np.stack(arrs), axis=0)
+        if case["op"] == "AVG" and np.dtype(dtype).kind in "iu":
+            out = np.floor_divide(np.sum(np.stack(arrs), axis=0), n)
+        return out.astype(dtype)
+
+    want = {}
+    for i, r in enumerate(members):
+        if kind == "all_reduce":
+            want[r] = [reduce_([_data(case, q) for q in members])]
+        elif kind == "reduce":
+            want[r] = [reduce_([_data(case, q) for q in members])] if r == root else []
+        elif kind == "broadcast":
+            want[r] = [_data(case, root)]
+        elif kind in ("all_gather", "gather"):
+            parts = [_data(case, q) for q in members]
+            want[r] = parts if kind == "all_gather" or r == root else []
+        elif kind == "all_gather_into_tensor":
+            want[r] = [np.concatenate([_data(case, q) for q in members])]
+        elif kind == "scatter":
+            want[r] = [_data(case, root, i)]
+        elif kind == "reduce_scatter":
+            want[r] = [reduce_([_data(case, q, i) for q in members])]
+        elif kind == "reduce_scatter_tensor":
+            full = reduce_([_data(case, q) for q in members])
+            rows = full.shape[0] // n
+            want[r] = [full[i * rows:(i + 1) * rows]]
+        elif kind == "all_to_all":
+            want[r] = [_data(case, q, i) for q in members]
+        elif kind == "all_to_all_single":
+            splits = case["splits"]
+            pieces = []
+            for j, q in enumerate(members):
+                src = np.random.default_rng([case["seed"], q]).integers(
+                    -3, 4, size=(sum(splits[j]), 2)).astype(dtype)
+                start = sum(splits[j][:i])
+                pieces.append(src[start:start + splits[j][i]])
+            want[r] = [np.concatenate(pieces)]
+        elif kind == "barrier":
+            want[r] = []
+        else:
+            want[r] = [_data(case, q) for q in members if q != root] if r == root else []
+    return want
+
+
+@st.composite
+def td_cases(draw):
+    world = draw(st.integers(1, 4))
+    members = None
+    if world > 1 and draw(st.booleans()):
+        members = sorted(draw(st.sets(st.integers(0, world - 1), min_size=1)))
+    ranks = members if members is not None else list(range(world))
+    n = len(ranks)
+    kind = draw(st.sampled_from(KINDS))
+    reducing = kind in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
+    op = draw(st.sampled_from(OPS)) if reducing else None
+    dtypes = ["float32", "float64"] + ([] if op == "AVG" else ["int32", "int64"])
+    shape = [draw(st.integers(0, 3)) for _ in range(draw(st.integers(0, 2)))]
+    if kind in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        shape = [n * draw(st.integers(0, 2))] + shape[:1]
+    p2p = kind in ("send_recv", "recv_any")
+    return world, {
+        "members": members, "kind": kind, "op": op, "dtype": draw(st.sampled_from(dtypes)),
+        "shape": shape,
+        "root": draw(st.sampled_from(ranks)) if kind in ("reduce", "broadcast", "gather", "scatter")
+        or p2p else None,
+        "splits": [[draw(st.integers(0, 2)) for _ in range(n)] for _ in range(n)]
+        if kind == "all_to_all_single" else None,
+        "async": None if p2p else draw(st.sampled_from([None, "wait", "future"])),
+        "seed": draw(st.integers(0, 2 ** 16))}
+
+
+@pytest.mark.timeout(600)
+@settings(SETTINGS, max_examples=40)
+@given(case=td_cases())
+def test_torch_distributed_calls_match_numpy(config, case):
+    world, case = case
+    results = backend_pool(config, world).run(td_case, case, timeout=120)
+    want = td_reference(case, world)
+    for r in range(world):
+        if r not in want:
+            assert results[r] is None, f"rank {r} is outside the group"
+            continue
+        outs, sender = results[r]
+        assert len(outs) == len(want[r]), f"rank {r} of {case}"
+        for k, (got, exp) in enumerate(zip(outs, want[r])):
+            assert got.dtype == exp.dtype and got.shape == exp.shape, f"rank {r} output {k} of {case}"
+            np.testing.assert_allclose(got, exp, rtol=1e-6, err_msg=f"rank {r} output {k} of {case}")
+        if case["kind"] == "recv_any" and r == case["root"]:
+            ranks = case["members"] if case["members"] is not None else list(range(world))
+            assert sorted(sender) == [q for q in ranks if q != r]
+
+
+# ---- life: who sets up and tears down torch's default group ---------------------------------------
+
+def life_case(ctx, port, how):
+    """Run on every rank of a pool with no group: set up, use, tear down; what each
+    side saw."""
+    import os
+
+    import torch
+    import torch.distributed as td
+
+    import collectives as dist
+    url = f"tcp://127.0.0.1:{port}"
+    seen = {}
+    if how in ("bridge", "off"):
+        if how == "off":
+            os.environ["COLLECTIVES_TORCH_BRIDGE"] = "0"
+        try:
+            dist.init_process_group("gloo", init_method=url, rank=ctx.rank, world_size=ctx.world_size)
+            seen["torch_after_init"] = td.is_initialized()
+            if td.is_initialized():
+                seen["torch_rank"] = (td.get_rank(), td.get_world_size(), td.get_backend())
+            dist.destroy_process_group()
+            seen["torch_after_destroy"] = td.is_initialized()
+        finally:
+            os.environ.pop("COLLECTIVES_TORCH_BRIDGE", None)
+    elif how == "stuck":  # rank 0 calls collectives the others never call
+        import time
+        dist.init_process_group("gloo", init_method=url, rank=ctx.rank, world_size=ctx.world_size,
+                                timeout=2)
+        if ctx.rank == 0:
+            t0 = time.monotonic()
+            for call in (lambda: td.all_reduce(torch.ones(2)),
+                         lambda: td.all_reduce(torch.ones(2), async_op=True).wait(),
+                         lambda: td.broadcast(torch.ones(2), 1, async_op=True).get_future().wait()):
+                try:
+                    call()
+                    seen.setdefault("errors", []).append(None)
+                except Exception as e:  # noqa: BLE001
+                    seen.setdefault("errors", []).append(type(e).__name__)
+            seen["took"] = time.monotonic() - t0
+        else:
+            time.sleep(8)  # alive, just never calling
+        dist.destroy_process_group()
+    else:  # a program written for torch.distributed, given the "collectives" backend
+        import collectives.torch_pg  # noqa: F401  (registers it)
+        td.init_process_group("collectives", init_method=url, rank=ctx.rank,
+                              world_size=ctx.world_size)
+        seen["ours_after_init"] = (dist.is_initialized(), dist.get_rank(), dist.get_world_size())
+        t = torch.tensor([float(ctx.rank + 1)])
+        td.all_reduce(t)
+        seen["sum"] = t.item()
+        td.destroy_process_group()
+        seen["ours_after_destroy"] = dist.is_initialized()
+    return seen
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif("gloo" not in CONFIGS, reason="the gloo configuration is not available")
+def test_who_sets_up_and_tears_down_torchs_default_group():
+    pool = get_pool(3)
+    for got in pool.run(life_case, free_port(), "bridge", timeout=120):
+        assert got["torch_after_init"] and not got["torch_after_destroy"]
+    assert [g["torch_rank"] for g in pool.run(life_case, free_port(), "bridge", timeout=120)] == \
+        [(r, 3, "collectives") for r in range(3)]
+    for got in pool.run(life_case, free_port(), "off", timeout=120):
+        assert got == {"torch_after_init": False, "torch_after_destroy": False}
+    got = pool.run(life_case, free_port(), "torch", timeout=120)
+    assert got == [{"ours_after_init": (True, r, 3), "sum": 6.0, "ours_after_destroy": False}
+                   for r in range(3)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif("gloo" not in CONFIGS, reason="the gloo configuration is not available")
+def test_a_peer_that_never_arrives_makes_torchs_calls_raise_within_the_timeout():
+    got = get_pool(3).run(life_case, free_port(), "stuck", timeout=120)[0]
+    assert all(e is not None for e in got["errors"]) and len(got["errors"]) == 3, got
+    assert got["took"] < 8, got  # 2 s for the first; the group is broken for the rest
