@@ -130,6 +130,49 @@ def test_ddp_trains_as_one_process_on_all_ranks_data(config, case):
                                        err_msg=f"rank {r} parameter {k} of {case}, world {world}")
 
 
+def fsdp_case(ctx, case):
+    """Run on every rank: train with FSDP (torch's FSDP1 on the CPU, or fully_shard);
+    this rank's full parameters after training."""
+    import torch
+
+    _bridged()
+    model = _model(case["width"], case["seed"] + ctx.rank).double()
+    with torch.no_grad():  # start from rank 0's (FSDP's sync_module_states wants a GPU)
+        for p in model.parameters():
+            torch.distributed.broadcast(p, 0)
+    if case["flavor"] == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        wrapped = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        wrapped = fully_shard(model)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for step in range(case["steps"]):
+        opt.zero_grad()
+        for micro in range(case["accumulate"]):
+            x, y = _batch(case, ctx.rank, step, micro)
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+        opt.step()
+    if case["flavor"] == "fsdp1":
+        with FSDP.summon_full_params(wrapped):
+            return [p.detach().clone().numpy() for p in wrapped.parameters()]
+    return [p.full_tensor().detach().numpy() for p in model.parameters()]
+
+
+@pytest.mark.timeout(600)
+@settings(SETTINGS, max_examples=8)
+@given(case=ddp_cases(), flavor=st.sampled_from(["fsdp1", "fully_shard"]))
+def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor):
+    world, case = case
+    case = dict(case, flavor=flavor)
+    results = backend_pool(config, world).run(fsdp_case, case, timeout=120)
+    want = ddp_reference(case, world)
+    for r, params in enumerate(results):
+        for k, (got, exp) in enumerate(zip(params, want)):
+            np.testing.assert_allclose(got, exp, rtol=1e-9, atol=1e-12,
+                                       err_msg=f"rank {r} parameter {k} of {case}, world {world}")
+
+
 # ---- torch.distributed's functions on it --------------------------------------------------------
 
 KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather",
