@@ -8,6 +8,8 @@ Properties:
   ends with the parameters of a single-process reference that averages the ranks'
   gradients (from rank 0's initial parameters, which DDP broadcasts: every rank starts
   from different ones), and with rank 0's initial buffers after DDP's construction.
+  FSDP (torch's FullyShardedDataParallel on the CPU, and ``fully_shard``) ends with the
+  same reference's parameters.
 - torch.distributed's own functions (``torch.distributed.all_reduce``, ...), on torch's
   default group and on a ``torch.distributed.new_group`` subgroup, sync and async (waited
   on through ``wait()`` or the future), give the NumPy reference's results, for any
