@@ -39,6 +39,7 @@ from torch.distributed import distributed_c10d as _c10d
 from . import collective_ops as _ops
 from . import multigpu as _mgpu
 from . import p2p as _p2p
+from ._pg_methods import _opts as _options
 from .errors import DistStoreError
 from .reduce_op import ReduceOp
 from .store import Store
@@ -129,17 +130,9 @@ def _list(x):
 
 
 def _opts(value, cls, **legacy):
-    """``value`` if it is a ``cls``; else a ``cls`` (asynchronous, as torch's defaults) with
-    the legacy positional form's ``legacy`` fields set (None: left at the default)."""
-    if isinstance(value, cls):
-        return value
-    if value is not None and not legacy:
-        raise TypeError(f"opts must be a torch.distributed {cls.__name__}, got {type(value).__name__}")
-    opts = cls()
-    for k, v in legacy.items():
-        if v is not None:
-            setattr(opts, k, v)
-    return opts
+    """``value`` if it is a torch ``cls`` (options); else a ``cls`` (asynchronous, as
+    torch's defaults) with the legacy positional form's ``legacy`` fields set."""
+    return _options(value, cls, "opts", **legacy)
 
 
 def _one(tensors, name):
