@@ -23,8 +23,9 @@ Three ways in:
   process_group=to_torch(group))``.
 
 A call torch makes asynchronously (``async_op=True``, and every call of DDP's reducer)
-runs on the group's worker thread; its Work's future is completed from a helper thread
-when it finishes, so DDP's reducer overlaps communication with the backward pass.
+runs on the group's progress thread; when it finishes, one long-lived thread completes its
+torch future (so callbacks may issue collectives of their own), and DDP's reducer overlaps
+communication with the backward pass.
 """
 import importlib
 import os
@@ -108,8 +109,8 @@ class TorchWork(td._Work):
                 else:
                     fut = self._fut
                     req = self._work._req
-                    if hasattr(req, "add_done_callback"):  # settled by the thread that finishes it
-                        req.add_done_callback(lambda _r: self._settle(fut))
+                    if hasattr(req, "add_done_callback"):  # handed over by the thread finishing it
+                        req.add_done_callback(lambda _r: _completer.put(self, fut))
                     else:  # settled by a helper thread that waits for it
                         self._work.get_future().add_done_callback(lambda _f: self._settle(fut))
             return self._fut
@@ -122,6 +123,40 @@ class TorchWork(td._Work):
             fut.set_exception(e)
         else:
             fut.set_result(self._result)
+
+
+class _Completer:
+    """One thread that completes torch futures, in the order their calls finished. Not
+    the progress thread that finished them: the futures' callbacks (DDP's, a comm hook's)
+    may issue and wait for collectives of their own, which the progress thread runs."""
+
+    def __init__(self):
+        self._queue = None
+        self._lock = threading.Lock()
+
+    def put(self, work, fut):
+        if self._queue is None:
+            with self._lock:
+                if self._queue is None:
+                    import queue
+                    q = queue.SimpleQueue()
+                    threading.Thread(target=self._loop, args=(q,), daemon=True,
+                                     name="collectives-torch-futures").start()
+                    self._queue = q
+        self._queue.put((work, fut))
+
+    @staticmethod
+    def _loop(q):
+        while True:
+            work, fut = q.get()
+            try:
+                work._settle(fut)
+            except Exception:  # noqa: BLE001  (a callback's error must not stop the others)
+                import traceback
+                traceback.print_exc()
+
+
+_completer = _Completer()
 
 
 def _list(x):
