@@ -164,6 +164,9 @@ def resolve(grp):
         return grp
     if grp is GroupMember.NON_GROUP_MEMBER or grp == GroupMember.NON_GROUP_MEMBER:
         return None
+    inner = getattr(grp, "collectives_group", None)  # torch's group over one of ours (torch_pg)
+    if isinstance(inner, ProcessGroup):
+        return resolve(inner)
     raise TypeError(f"group must be a ProcessGroup, None or GroupMember.WORLD, got {type(grp).__name__}")
 
 
@@ -254,18 +257,37 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         pg_store = _prefix("default_pg", store)
     be = factory(pg_store, rank, world_size, tmo, pg_options)
-    pg = ProcessGroup(be, range(world_size), rank, group_name or "default_pg", name, tmo, pg_store)
+    pg = _group_class()(be, range(world_size), rank, group_name or "default_pg", name, tmo, pg_store)
     world.store = store
     world.groups.append(pg)
     _set_world(pg)
     _torch_bridge(pg)
 
 
+def _bridging():
+    """Whether the program has imported torch and leaves the bridge on (see _torch_bridge)."""
+    return "torch" in sys.modules and os.environ.get("COLLECTIVES_TORCH_BRIDGE", "1") != "0"
+
+
+def _group_class():
+    """The class of a new group: one that is torch's ProcessGroup too when bridging."""
+    if _bridging():
+        try:
+            import torch.distributed
+            if torch.distributed.is_available():
+                from .torch_pg import BridgedGroup
+                return BridgedGroup
+        except Exception as e:  # noqa: BLE001  (a plain group still works)
+            warnings.warn(f"collectives: groups are not torch.distributed groups too "
+                          f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=3)
+    return ProcessGroup
+
+
 def _torch_bridge(pg):
     """Give torch.distributed a default group that runs on ``pg`` (see
     collectives.torch_pg), when the program has imported torch: DistributedDataParallel
     and libraries calling torch.distributed then work unchanged."""
-    if "torch" not in sys.modules or os.environ.get("COLLECTIVES_TORCH_BRIDGE", "1") == "0":
+    if not _bridging():
         return
     try:
         import torch.distributed
@@ -299,6 +321,9 @@ def destroy_process_group(group=None):
     pg = resolve(group)
     if pg is None:
         return
+    bridge = sys.modules.get(__package__ + ".torch_pg")
+    if bridge is not None:  # out of torch's table of groups first
+        bridge.forget_group(pg)
     pg.destroyed = True
     pg.backend.shutdown()
     if pg in world.groups:
@@ -378,8 +403,11 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
 
 
 def _add_group(be, ranks, me, tag, name, tmo, store):
-    pg = ProcessGroup(be, ranks, ranks.index(me), f"group/{tag}", name, tmo, store)
+    pg = _group_class()(be, ranks, ranks.index(me), f"group/{tag}", name, tmo, store)
     world.groups.append(pg)
+    bridge = sys.modules.get(__package__ + ".torch_pg")
+    if bridge is not None:  # torch's functions (and DDP) take it too
+        bridge.register_group(pg)
     return pg
 
 

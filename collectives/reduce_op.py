@@ -76,7 +76,8 @@ class ReduceOp:
 
 
 def op_code(op, name="op"):
-    """The int code of ``op`` (a ReduceOp member, PREMUL_SUM(factor) or a plain int code).
+    """The int code of ``op`` (a ReduceOp member, PREMUL_SUM(factor), a plain int code, or
+    torch.distributed's ReduceOp other than its PREMUL_SUM).
 
     Raises ValueError for anything else, and for PREMUL_SUM without a factor.
     """
@@ -86,6 +87,10 @@ def op_code(op, name="op"):
         raise ValueError(f"{name}=ReduceOp.PREMUL_SUM needs a factor: use ReduceOp.PREMUL_SUM(factor)")
     if isinstance(op, int) and not isinstance(op, bool) and 0 <= op < D.PREMUL_SUM:
         return RedOpType(int(op))
+    if type(op).__module__.startswith("torch"):  # torch.distributed's ReduceOp, or a member
+        kind = getattr(getattr(op, "op", op), "name", None)
+        if kind in RedOpType.__members__:
+            return RedOpType[kind]
     raise ValueError(f"{name} must be a ReduceOp (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, "
                      f"PREMUL_SUM(factor)), got {op!r}")
 

@@ -8,18 +8,21 @@ and the ones torch's Python front end calls) run on a collectives group.
 
 Three ways in:
 
-- ``import collectives as dist`` in a program that has imported torch:
-  ``dist.init_process_group`` also makes torch's default group a TorchProcessGroup over
-  the new default group, so ``DistributedDataParallel(model)`` and
+- ``import collectives as dist`` in a program that has imported torch: collectives'
+  groups are BridgedGroups, torch's ProcessGroups too; ``dist.init_process_group``
+  makes the new default group torch's default group, and ``dist.new_group`` (and its kin)
+  enter the new group in torch's table, so ``DistributedDataParallel(model)``,
+  ``DistributedDataParallel(model, process_group=dist.new_group(...))`` and
   ``torch.distributed.get_rank()`` work unchanged (``COLLECTIVES_TORCH_BRIDGE=0`` turns
-  this off; it is skipped when torch's default group already exists).
-  ``dist.destroy_process_group()`` destroys it again.
+  this off; torch's default group is left alone when it already exists).
+  ``dist.destroy_process_group`` takes them out again.
 - ``import collectives.torch_pg`` registers the backend ``"collectives"`` with torch:
   ``torch.distributed.init_process_group("collectives")`` then runs a program written for
   torch.distributed on collectives without touching its calls (the transport: the
   ``COLLECTIVES_TORCH_BACKEND`` environment variable, default ``gloo``; rendezvous:
   torch's own store). ``torch.distributed.new_group`` makes collectives groups too.
-- :func:`to_torch` wraps any collectives group, for ``DistributedDataParallel(model,
+- :func:`to_torch` wraps any collectives group (a plain one: made before torch was
+  imported, or with the bridge off), for ``DistributedDataParallel(model,
   process_group=to_torch(group))``.
 
 A call torch makes asynchronously (``async_op=True``, and every call of DDP's reducer)
@@ -39,6 +42,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 from . import collective_ops as _ops
 from . import multigpu as _mgpu
+from . import _pg_methods
 from . import p2p as _p2p
 from ._pg_methods import _opts as _options
 from .errors import DistStoreError
@@ -380,20 +384,155 @@ class TorchProcessGroup(td.ProcessGroup):
     # ---- life ----------------------------------------------------------------------------------
 
     def shutdown(self):
-        if self._owned and not self._group.destroyed:
-            _state.tearing_down = True  # torch's destroy is under way: ours must not call it
-            try:
-                if self._group is _groups.world.default:
-                    _groups.destroy_process_group()
-                else:
-                    _groups.destroy_process_group(self._group)
-            finally:
-                _state.tearing_down = False
+        if self._owned:
+            _end(self._group)
 
     abort = shutdown
 
     def __repr__(self):
         return f"TorchProcessGroup({self._group!r})"
+
+
+def _end(pg):
+    """Destroy collectives' group ``pg`` for torch (its destroy_process_group calls
+    ``shutdown``), unless it is over or our own destroy is what got torch here."""
+    if pg.destroyed or getattr(_state, "tearing_down", False):
+        return
+    _state.tearing_down = True  # torch's destroy is under way: ours must not call it
+    try:
+        if pg is _groups.world.default:
+            _groups.destroy_process_group()
+        else:
+            _groups.destroy_process_group(pg)
+    finally:
+        _state.tearing_down = False
+
+
+# ---- collectives groups that are torch's process groups too ------------------------------------
+
+_TORCH_ARGS = (_c10d.AllreduceOptions, _c10d.AllreduceCoalescedOptions, _c10d.BroadcastOptions,
+               _c10d.ReduceOptions, _c10d.AllgatherOptions, _c10d.GatherOptions,
+               _c10d.ScatterOptions, _c10d.ReduceScatterOptions, _c10d.AllToAllOptions,
+               _c10d.BarrierOptions)
+
+
+def _either(name):
+    """A method that runs as TorchProcessGroup's when given torch's options (torch's front
+    end and its C++ callers, DDP's reducer among them, always pass them: they get torch's
+    Work) and as collectives' own otherwise."""
+    theirs = getattr(TorchProcessGroup, name)
+    ours = getattr(_pg_methods.ProcessGroupMethods, name, None) or theirs
+
+    def method(self, *args, **kwargs):
+        for a in args:
+            if isinstance(a, _TORCH_ARGS):
+                return theirs(self, *args, **kwargs)
+        for a in kwargs.values():
+            if isinstance(a, _TORCH_ARGS):
+                return theirs(self, *args, **kwargs)
+        return ours(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = theirs.__doc__ or ours.__doc__
+    return method
+
+
+class BridgedGroup(TorchProcessGroup, _groups.ProcessGroup):
+    """A collectives group that is also a ``torch.distributed.ProcessGroup``: what
+    collectives makes its groups when the program has imported torch (unless
+    ``COLLECTIVES_TORCH_BRIDGE=0``). ``DistributedDataParallel(model,
+    process_group=dist.new_group(...))``, FSDP and ``torch.distributed``'s functions take
+    it as it is; collectives' functions and methods work on it as on any of its groups.
+
+    The collective methods (``allreduce``, ``broadcast``...) run as torch's when called
+    with torch's options (as torch calls them) and as collectives' otherwise; the
+    point-to-point ones are collectives' (their Work answers torch's ``_source_rank``).
+    ``name()`` is the transport's ('gloo', 'mpi'...), ``group_name`` torch's name for it
+    once torch has named it.
+    """
+
+    # in slots, the attributes the front end reads on every call: an instance attribute of
+    # a subclass of torch's (pybind) class takes ~38 ns to read from its __dict__, ~13 ns
+    # from a slot (a plain object's: ~10 ns)
+    __slots__ = ("backend", "ranks", "_rank", "_size", "_our_name", "backend_name", "timeout",
+                 "store", "group_of_global", "run", "submit", "inline", "destroyed", "_group",
+                 "_owned")
+
+    def __init__(self, backend, ranks, rank, name, backend_name, timeout, store):
+        td.ProcessGroup.__init__(self, rank, len(ranks))
+        self._group = self
+        self._owned = False
+        _groups.ProcessGroup.__init__(self, backend, ranks, rank, name, backend_name, timeout, store)
+
+    @property
+    def group_name(self):
+        return self.__dict__.get("_name") or self._our_name
+
+    @group_name.setter
+    def group_name(self, name):
+        self._our_name = name
+
+    def shutdown(self):
+        _end(self)
+
+    abort = shutdown
+    name = _pg_methods.ProcessGroupMethods.name
+    get_group_store = _pg_methods.ProcessGroupMethods.get_group_store
+    send = _pg_methods.ProcessGroupMethods.send
+    recv = _pg_methods.ProcessGroupMethods.recv
+    recv_anysource = _pg_methods.ProcessGroupMethods.recv_anysource
+    __repr__ = _groups.ProcessGroup.__repr__
+
+
+for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+              "allgather_coalesced", "_allgather_base", "all_gather_single",
+              "allgather_into_tensor_coalesced", "gather", "scatter", "reduce_scatter",
+              "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_tensor_coalesced",
+              "alltoall_base", "all_to_all_single", "alltoall", "barrier"):
+    setattr(BridgedGroup, _name, _either(_name))
+del _name
+
+
+def register_group(pg):
+    """Enter our new group ``pg`` in torch's table of groups, so that torch's functions
+    take it, when torch's default group runs on collectives' (the bridge)."""
+    if getattr(_state, "for_torch", False) or not isinstance(pg, td.ProcessGroup) \
+            or not td.is_initialized():
+        return
+    default = _c10d._get_default_group()
+    if getattr(default, "collectives_group", None) is not _groups.world.default:
+        return
+    world = _c10d._world
+    name = pg.group_name
+    store = td.PrefixStore(f"{name}/", world.pg_map[default][1])
+    config = world.pg_backend_config.get(default, BACKEND_NAME)
+    ranks = {g: i for i, g in enumerate(pg.ranks)}
+    helper = getattr(_c10d, "_register_pg_in_world", None)
+    if helper is not None:
+        helper(pg, backend_name=BACKEND_NAME, store=store, group_name=name, backend_config=config,
+               rank_mapping=ranks)
+        return
+    world.pg_map[pg] = (BACKEND_NAME, store)
+    world.pg_names[pg] = name
+    world.pg_backend_config[pg] = config
+    world.pg_group_ranks[pg] = ranks
+    _c10d._register_process_group(name, pg)
+    tag = f"ptd:{name}"
+    world.tags_to_pg.setdefault(tag, []).append(pg)
+    world.pg_to_tag[pg] = tag
+
+
+def forget_group(pg):
+    """Take our group ``pg`` out of torch's table (collectives' destroy_process_group of one
+    group), unless torch's own destroy is what got us here."""
+    if getattr(_state, "tearing_down", False) or not td.is_initialized() \
+            or pg not in _c10d._world.pg_map:
+        return
+    _state.tearing_down = True
+    try:
+        td.destroy_process_group(pg)
+    finally:
+        _state.tearing_down = False
 
 
 _wrappers = weakref.WeakKeyDictionary()
@@ -408,6 +547,8 @@ def to_torch(group=None):
     pg = _groups.current(group)
     if pg is None:
         return td.GroupMember.NON_GROUP_MEMBER
+    if isinstance(pg, td.ProcessGroup):  # a BridgedGroup: torch's already
+        return pg
     with _wrappers_lock:
         tpg = _wrappers.get(pg)
         if tpg is None:
@@ -484,7 +625,7 @@ def _create(opts, _options=None):
 def _create_group(opts):
     installing = getattr(_state, "installing", None)
     if isinstance(installing, _groups.ProcessGroup):  # dist.init_process_group installing it
-        return TorchProcessGroup(installing)
+        return installing if isinstance(installing, td.ProcessGroup) else TorchProcessGroup(installing)
     ranks = list(opts.global_ranks_in_group)
     timeout = opts.timeout
     if not _groups.is_initialized():  # torch.distributed.init_process_group("collectives")
@@ -496,13 +637,26 @@ def _create_group(opts):
                 world_size=opts.group_size, timeout=timeout)
         finally:
             _state.installing = None
-        return TorchProcessGroup(_groups.world.default, owned=True)
+        return _owned(_groups.world.default)
     world = _groups.world.default
     if not ranks or ranks == world.ranks:
-        return TorchProcessGroup(world, owned=False)
-    # torch.distributed.new_group: only members get here, so only they meet
-    sub = _groups.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-    return TorchProcessGroup(sub, owned=True)
+        return TorchProcessGroup(world, owned=False)  # a second name for it: another object
+    # torch.distributed.new_group: only members get here, so only they meet; torch enters
+    # the group in its table itself
+    _state.for_torch = True
+    try:
+        sub = _groups.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+    finally:
+        _state.for_torch = False
+    return _owned(sub)
+
+
+def _owned(pg):
+    """torch's group over our ``pg``, which torch made and whose shutdown ends it."""
+    if isinstance(pg, td.ProcessGroup):
+        pg._owned = True
+        return pg
+    return TorchProcessGroup(pg, owned=True)
 
 
 def register():
@@ -549,5 +703,5 @@ def uninstall_default():
 
 register()
 
-__all__ = ["BACKEND_NAME", "TorchProcessGroup", "TorchWork", "install_default", "register",
-           "to_torch", "uninstall_default"]
+__all__ = ["BACKEND_NAME", "BridgedGroup", "TorchProcessGroup", "TorchWork", "forget_group",
+           "install_default", "register", "register_group", "to_torch", "uninstall_default"]

@@ -154,6 +154,13 @@ class Work:
             raise ValueError("source_rank() is only defined for a finished receive")
         return self._group.ranks[src] if self._group is not None else src
 
+    def _source_rank(self):
+        """The sender's rank in the group (torch's ``recv`` from any source asks this)."""
+        src = self._req.source
+        if src < 0:
+            raise ValueError("_source_rank() is only defined for a finished receive")
+        return src
+
     def get_future(self):
         """A Future whose result is the output tensors (``.wait()``, ``.then()`` work too)."""
         if self._future is None:

@@ -116,6 +116,18 @@ def test_reduce_op_members_are_int_codes_as_in_torch():
     assert int(premul) == 8 == dist.ReduceOp.PREMUL_SUM and premul.factor == 0.25
 
 
+def test_torch_reduce_ops_are_taken_as_ours():
+    """A program that spells its ops torch.distributed.ReduceOp.X gets the same reduction."""
+    import torch.distributed as tdist
+
+    from collectives.reduce_op import op_code
+    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
+        theirs = getattr(tdist.ReduceOp, name)
+        assert op_code(theirs) == op_code(tdist.ReduceOp(theirs)) == getattr(dist.ReduceOp, name)
+    with pytest.raises(ValueError, match="op"):
+        op_code("SUM")
+
+
 def test_deprecated_reduce_op_alias_warns_and_works():
     with pytest.warns(FutureWarning, match="deprecated"):
         assert dist.reduce_op.MAX == dist.ReduceOp.MAX

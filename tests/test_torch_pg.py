@@ -14,9 +14,13 @@ Properties:
   default group and on a ``torch.distributed.new_group`` subgroup, sync and async (waited
   on through ``wait()`` or the future), give the NumPy reference's results, for any
   world, op, root, dtype and shape (empty included).
+- Collectives' own groups are torch's too, once torch is imported: DDP takes a subgroup
+  from ``dist.new_group`` and trains as one process on its members' data; torch's
+  functions on such a subgroup give the NumPy reference's results, and destroying it
+  (through torch or collectives) takes it out of both.
 - Life: ``dist.init_process_group`` in a program that imported torch sets up torch's
-  default group over collectives and ``dist.destroy_process_group`` removes it;
-  ``COLLECTIVES_TORCH_BRIDGE=0`` leaves torch alone; ``torch.distributed.init_process_group(
+  default group (collectives' default group itself) and ``dist.destroy_process_group``
+  removes it; ``COLLECTIVES_TORCH_BRIDGE=0`` leaves torch alone; ``torch.distributed.init_process_group(
   "collectives")`` runs on a collectives group over torch's store, and torch's
   ``destroy_process_group`` ends both.
 """
@@ -67,15 +71,31 @@ def _batch(case, rank, step, micro):
 
 
 def ddp_case(ctx, case):
-    """Run on every rank: train with DDP; this rank's parameters, buffers after
-    construction, and parameters after training."""
+    """Run on every rank: train with DDP (on the default group, or on a collectives
+    subgroup made by ``dist.new_group``); this rank's buffers after construction and
+    parameters after training, None off the subgroup."""
+    import collectives as dist
+    _bridged()
+    group = None
+    if case["members"] is not None:
+        group = dist.new_group(case["members"])  # every rank calls it
+        if ctx.rank not in case["members"]:
+            return None
+    try:
+        return _train_ddp(ctx, case, group)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
+
+
+def _train_ddp(ctx, case, group):
     import torch
 
-    _bridged()
     model = _model(case["width"], case["seed"] + ctx.rank).double()  # different on every rank
     with torch.no_grad():
         model[1].running_mean.fill_(ctx.rank + 1.0)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=case["bucket_mb"])
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=case["bucket_mb"],
+                                                    process_group=group)
     buffers = model[1].running_mean.clone().numpy()
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(case["steps"]):
@@ -91,18 +111,20 @@ def ddp_case(ctx, case):
     return buffers, [p.detach().numpy() for p in model.parameters()]
 
 
-def ddp_reference(case, world):
-    model = _model(case["width"], case["seed"]).double()  # rank 0's
+def ddp_reference(case, ranks):
+    """One process training on the data of ``ranks`` (global ranks), from the first one's
+    initial parameters."""
+    model = _model(case["width"], case["seed"] + ranks[0]).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(case["steps"]):
         grads = [torch.zeros_like(p) for p in model.parameters()]
-        for r in range(world):
+        for r in ranks:
             model.zero_grad()
             for micro in range(case["accumulate"]):
                 x, y = _batch(case, r, step, micro)
                 torch.nn.functional.mse_loss(model(x), y).backward()
             for g, p in zip(grads, model.parameters()):
-                g += p.grad / world
+                g += p.grad / len(ranks)
         for g, p in zip(grads, model.parameters()):
             p.grad = g
         opt.step()
@@ -110,8 +132,13 @@ def ddp_reference(case, world):
 
 
 @st.composite
-def ddp_cases(draw):
-    return draw(st.integers(1, 4)), {
+def ddp_cases(draw, subgroups=True):
+    world = draw(st.integers(1, 4))
+    members = None
+    if subgroups and world > 1 and draw(st.booleans()):
+        members = sorted(draw(st.sets(st.integers(0, world - 1), min_size=1)))
+    return world, {
+        "members": members,
         "width": draw(st.integers(1, 9)), "batch": draw(st.integers(2, 5)),
         "bucket_mb": draw(st.sampled_from([25.0, 1e-6])),  # one bucket, or one per parameter
         "steps": draw(st.integers(1, 3)), "accumulate": draw(st.integers(1, 2)),
@@ -124,9 +151,15 @@ def ddp_cases(draw):
 def test_ddp_trains_as_one_process_on_all_ranks_data(config, case):
     world, case = case
     results = backend_pool(config, world).run(ddp_case, case, timeout=120)
-    want = ddp_reference(case, world)
-    for r, (buffers, params) in enumerate(results):
-        np.testing.assert_array_equal(buffers, np.ones_like(buffers), err_msg=f"rank {r} buffers")
+    ranks = case["members"] if case["members"] is not None else list(range(world))
+    want = ddp_reference(case, ranks)
+    for r, got in enumerate(results):
+        if r not in ranks:
+            assert got is None, f"rank {r} is outside the group"
+            continue
+        buffers, params = got
+        np.testing.assert_array_equal(buffers, np.full_like(buffers, ranks[0] + 1.0),
+                                      err_msg=f"rank {r} buffers")
         for k, (got, exp) in enumerate(zip(params, want)):
             np.testing.assert_allclose(got, exp, rtol=1e-9, atol=1e-12,
                                        err_msg=f"rank {r} parameter {k} of {case}, world {world}")
@@ -163,12 +196,12 @@ def fsdp_case(ctx, case):
 
 @pytest.mark.timeout(600)
 @settings(SETTINGS, max_examples=8)
-@given(case=ddp_cases(), flavor=st.sampled_from(["fsdp1", "fully_shard"]))
+@given(case=ddp_cases(subgroups=False), flavor=st.sampled_from(["fsdp1", "fully_shard"]))
 def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor):
     world, case = case
     case = dict(case, flavor=flavor)
     results = backend_pool(config, world).run(fsdp_case, case, timeout=120)
-    want = ddp_reference(case, world)
+    want = ddp_reference(case, list(range(world)))
     for r, params in enumerate(results):
         for k, (got, exp) in enumerate(zip(params, want)):
             np.testing.assert_allclose(got, exp, rtol=1e-9, atol=1e-12,
@@ -190,18 +223,26 @@ def _data(case, rank, k=0):
 
 
 def td_case(ctx, case):
-    """Run on every rank: one torch.distributed call; (outputs, sender) as arrays, None
-    off the group."""
+    """Run on every rank: one torch.distributed call, on the default group or on a
+    subgroup that torch's ``new_group`` or collectives' made; (outputs, sender) as arrays,
+    None off the group."""
+    import collectives as dist
     td = _bridged()
-    members = case["members"]
-    group = td.new_group(members) if members is not None else None  # every rank calls it
+    members, maker = case["members"], case["maker"]
+    group = None
+    if members is not None:  # every rank calls it
+        group = (td if maker == "torch" else dist).new_group(members)
     if members is not None and ctx.rank not in members:
         return None
     try:
         return _td_call(ctx, case, td, group)
     finally:
         if group is not None:
-            td.destroy_process_group(group)
+            (td if case["destroyer"] == "torch" else dist).destroy_process_group(group)
+            assert group not in td.distributed_c10d._world.pg_map, "left in torch's table"
+            ours = getattr(group, "collectives_group", None)
+            if ours is not None and ours is not dist.group.WORLD:
+                assert ours.destroyed, "torch destroyed it, collectives did not"
 
 
 def _td_call(ctx, case, td, group):
@@ -359,8 +400,11 @@ def td_cases(draw):
     if kind in ("all_gather_into_tensor", "reduce_scatter_tensor"):
         shape = [n * draw(st.integers(0, 2))] + shape[:1]
     p2p = kind in ("send_recv", "recv_any")
+    maker = draw(st.sampled_from(["torch", "ours"]))
     return world, {
-        "members": members, "kind": kind, "op": op, "dtype": draw(st.sampled_from(dtypes)),
+        "members": members, "maker": maker,
+        "destroyer": draw(st.sampled_from(["torch", "ours"])) if maker == "ours" else "torch",
+        "kind": kind, "op": op, "dtype": draw(st.sampled_from(dtypes)),
         "shape": shape,
         "root": draw(st.sampled_from(ranks)) if kind in ("reduce", "broadcast", "gather", "scatter")
         or p2p else None,
@@ -410,8 +454,17 @@ def life_case(ctx, port, how):
         try:
             dist.init_process_group("gloo", init_method=url, rank=ctx.rank, world_size=ctx.world_size)
             seen["torch_after_init"] = td.is_initialized()
+            seen["torch_groups"] = isinstance(dist.group.WORLD, td.ProcessGroup)
             if td.is_initialized():
                 seen["torch_rank"] = (td.get_rank(), td.get_world_size(), td.get_backend())
+                seen["same_world"] = td.group.WORLD is dist.group.WORLD
+                sub = dist.new_group([0, 1])  # torch's functions take collectives' groups
+                if ctx.rank < 2:
+                    t = torch.tensor([ctx.rank + 1.0])
+                    td.all_reduce(t, group=sub)
+                    seen["sub"] = (td.get_process_group_ranks(sub), td.get_rank(sub), t.item())
+                    dist.destroy_process_group(sub)
+                    seen["sub_in_torch_after_destroy"] = sub in td.distributed_c10d._world.pg_map
             dist.destroy_process_group()
             seen["torch_after_destroy"] = td.is_initialized()
         finally:
@@ -451,12 +504,15 @@ def life_case(ctx, port, how):
 @pytest.mark.skipif("gloo" not in CONFIGS, reason="the gloo configuration is not available")
 def test_who_sets_up_and_tears_down_torchs_default_group():
     pool = get_pool(3)
-    for got in pool.run(life_case, free_port(), "bridge", timeout=120):
+    for r, got in enumerate(pool.run(life_case, free_port(), "bridge", timeout=120)):
         assert got["torch_after_init"] and not got["torch_after_destroy"]
-    assert [g["torch_rank"] for g in pool.run(life_case, free_port(), "bridge", timeout=120)] == \
-        [(r, 3, "collectives") for r in range(3)]
+        assert got["torch_groups"] and got["same_world"], got
+        assert got["torch_rank"] == (r, 3, "collectives"), got
+        if r < 2:
+            assert got["sub"] == ([0, 1], r, 3.0) and not got["sub_in_torch_after_destroy"], got
     for got in pool.run(life_case, free_port(), "off", timeout=120):
-        assert got == {"torch_after_init": False, "torch_after_destroy": False}
+        assert got == {"torch_after_init": False, "torch_groups": False,
+                       "torch_after_destroy": False}
     got = pool.run(life_case, free_port(), "torch", timeout=120)
     assert got == [{"ours_after_init": (True, r, 3), "sum": 6.0, "ours_after_destroy": False}
                    for r in range(3)]
