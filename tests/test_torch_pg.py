@@ -12,7 +12,8 @@ Properties:
   same reference's parameters.
 - torch.distributed's own functions (``torch.distributed.all_reduce``, ...), on torch's
   default group and on a ``torch.distributed.new_group`` subgroup, sync and async (waited
-  on through ``wait()`` or the future), give the NumPy reference's results, for any
+  on through ``wait()`` or the future), and torch's functional collectives (all_reduce,
+  all_gather_single, reduce_scatter_tensor), give the NumPy reference's results, for any
   world, op, root, dtype and shape (empty included).
 - Collectives' own groups are torch's too, once torch is imported: DDP takes a subgroup
   from ``dist.new_group`` and trains as one process on its members' data; torch's
@@ -212,7 +213,12 @@ def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor):
 
 KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather",
          "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-         "barrier", "send_recv", "recv_any")
+         "barrier", "send_recv", "recv_any", "funcol_all_reduce", "funcol_all_gather",
+         "funcol_reduce_scatter")
+# torch's functional collectives (DTensor's and torch.compile's): torch's C++ ops, which call
+# the group's methods; their results are those of these kinds
+FUNCOL = {"funcol_all_reduce": "all_reduce", "funcol_all_gather": "all_gather_into_tensor",
+          "funcol_reduce_scatter": "reduce_scatter_tensor"}
 OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
 NP_OPS = {"SUM": np.sum, "PRODUCT": np.prod, "MIN": np.min, "MAX": np.max, "AVG": np.mean}
 
@@ -311,6 +317,16 @@ def _td_call(ctx, case, td, group):
     elif kind == "barrier":
         outs = []
         done(td.barrier(group=group, async_op=bool(asy)))
+    elif kind in FUNCOL:
+        import torch.distributed._functional_collectives as funcol
+        g = group if group is not None else td.group.WORLD
+        if kind == "funcol_all_reduce":
+            out = funcol.all_reduce(a(), op.lower(), g)
+        elif kind == "funcol_all_gather":
+            out = funcol.all_gather_single(a(), 0, g)
+        else:
+            out = funcol.reduce_scatter_tensor(a(), op.lower(), 0, g)
+        outs = [funcol.wait_tensor(out)]
     else:  # send_recv / recv_any: every other member sends to root, root receives
         outs = []
         if ctx.rank != root:
@@ -345,6 +361,7 @@ def td_reference(case, world):
             out = np.floor_divide(np.sum(np.stack(arrs), axis=0), n)
         return out.astype(dtype)
 
+    kind = FUNCOL.get(kind, kind)
     want = {}
     for i, r in enumerate(members):
         if kind == "all_reduce":
@@ -393,12 +410,13 @@ def td_cases(draw):
     ranks = members if members is not None else list(range(world))
     n = len(ranks)
     kind = draw(st.sampled_from(KINDS))
-    reducing = kind in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
+    reducing = FUNCOL.get(kind, kind) in ("all_reduce", "reduce", "reduce_scatter",
+                                          "reduce_scatter_tensor")
     op = draw(st.sampled_from(OPS)) if reducing else None
     dtypes = ["float32", "float64"] + ([] if op == "AVG" else ["int32", "int64"])
     shape = [draw(st.integers(0, 3)) for _ in range(draw(st.integers(0, 2)))]
-    if kind in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        shape = [n * draw(st.integers(0, 2))] + shape[:1]
+    if FUNCOL.get(kind, kind) in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        shape = [n * draw(st.integers(kind in FUNCOL, 2))] + shape[:1]  # (funcol: empty is rare)
     p2p = kind in ("send_recv", "recv_any")
     maker = draw(st.sampled_from(["torch", "ours"]))
     return world, {
@@ -410,12 +428,12 @@ def td_cases(draw):
         or p2p else None,
         "splits": [[draw(st.integers(0, 2)) for _ in range(n)] for _ in range(n)]
         if kind == "all_to_all_single" else None,
-        "async": None if p2p else draw(st.sampled_from([None, "wait", "future"])),
+        "async": None if p2p or kind in FUNCOL else draw(st.sampled_from([None, "wait", "future"])),
         "seed": draw(st.integers(0, 2 ** 16))}
 
 
 @pytest.mark.timeout(600)
-@settings(SETTINGS, max_examples=40)
+@settings(SETTINGS, max_examples=60)
 @given(case=td_cases())
 def test_torch_distributed_calls_match_numpy(config, case):
     world, case = case
