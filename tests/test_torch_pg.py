@@ -12,7 +12,8 @@ Properties:
   same reference's parameters.
 - torch.distributed's own functions (``torch.distributed.all_reduce``, ...), on torch's
   default group and on a ``torch.distributed.new_group`` subgroup, sync and async (waited
-  on through ``wait()`` or the future), and torch's functional collectives (all_reduce,
+  on through ``wait()`` or the future), ``batch_isend_irecv`` around a ring of the members,
+  and torch's functional collectives (all_reduce,
   all_gather_single, reduce_scatter_tensor), give the NumPy reference's results, for any
   world, op, root, dtype and shape (empty included).
 - Collectives' own groups are torch's too, once torch is imported: DDP takes a subgroup
@@ -213,7 +214,7 @@ def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor):
 
 KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather",
          "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-         "barrier", "send_recv", "recv_any", "funcol_all_reduce", "funcol_all_gather",
+         "barrier", "send_recv", "recv_any", "batch_p2p", "funcol_all_reduce", "funcol_all_gather",
          "funcol_reduce_scatter")
 # torch's functional collectives (DTensor's and torch.compile's): torch's C++ ops, which call
 # the group's methods; their results are those of these kinds
@@ -317,6 +318,12 @@ def _td_call(ctx, case, td, group):
     elif kind == "barrier":
         outs = []
         done(td.barrier(group=group, async_op=bool(asy)))
+    elif kind == "batch_p2p":  # a ring: each member sends to the next, receives from the last
+        outs = [like()]
+        nxt, prev = ranks[(me + 1) % n], ranks[(me - 1) % n]
+        ops = [td.P2POp(td.isend, a(), nxt, group), td.P2POp(td.irecv, outs[0], prev, group)]
+        for w in td.batch_isend_irecv(ops):
+            w.wait()
     elif kind in FUNCOL:
         import torch.distributed._functional_collectives as funcol
         g = group if group is not None else td.group.WORLD
@@ -396,6 +403,8 @@ def td_reference(case, world):
             want[r] = [np.concatenate(pieces)]
         elif kind == "barrier":
             want[r] = []
+        elif kind == "batch_p2p":
+            want[r] = [_data(case, members[(i - 1) % n])]
         else:
             want[r] = [_data(case, q) for q in members if q != root] if r == root else []
     return want
@@ -409,7 +418,7 @@ def td_cases(draw):
         members = sorted(draw(st.sets(st.integers(0, world - 1), min_size=1)))
     ranks = members if members is not None else list(range(world))
     n = len(ranks)
-    kind = draw(st.sampled_from(KINDS))
+    kind = draw(st.sampled_from(KINDS if n > 1 else [k for k in KINDS if k != "batch_p2p"]))
     reducing = FUNCOL.get(kind, kind) in ("all_reduce", "reduce", "reduce_scatter",
                                           "reduce_scatter_tensor")
     op = draw(st.sampled_from(OPS)) if reducing else None
@@ -417,7 +426,7 @@ def td_cases(draw):
     shape = [draw(st.integers(0, 3)) for _ in range(draw(st.integers(0, 2)))]
     if FUNCOL.get(kind, kind) in ("all_gather_into_tensor", "reduce_scatter_tensor"):
         shape = [n * draw(st.integers(kind in FUNCOL, 2))] + shape[:1]  # (funcol: empty is rare)
-    p2p = kind in ("send_recv", "recv_any")
+    p2p = kind in ("send_recv", "recv_any", "batch_p2p")
     maker = draw(st.sampled_from(["torch", "ours"]))
     return world, {
         "members": members, "maker": maker,
