@@ -133,12 +133,18 @@ def ddp_reference(case, ranks):
     return [p.detach().numpy() for p in model.parameters()]
 
 
-@st.composite
-def ddp_cases(draw, subgroups=True):
+def _world_and_members(draw, subgroups=True):
+    """A world of 1-4 ranks, and the members of a subgroup of it or None (the world)."""
     world = draw(st.integers(1, 4))
     members = None
     if subgroups and world > 1 and draw(st.booleans()):
         members = sorted(draw(st.sets(st.integers(0, world - 1), min_size=1)))
+    return world, members
+
+
+@st.composite
+def ddp_cases(draw, subgroups=True):
+    world, members = _world_and_members(draw, subgroups)
     return world, {
         "members": members,
         "width": draw(st.integers(1, 9)), "batch": draw(st.integers(2, 5)),
@@ -412,10 +418,7 @@ def td_reference(case, world):
 
 @st.composite
 def td_cases(draw):
-    world = draw(st.integers(1, 4))
-    members = None
-    if world > 1 and draw(st.booleans()):
-        members = sorted(draw(st.sets(st.integers(0, world - 1), min_size=1)))
+    world, members = _world_and_members(draw)
     ranks = members if members is not None else list(range(world))
     n = len(ranks)
     kind = draw(st.sampled_from(KINDS if n > 1 else [k for k in KINDS if k != "batch_p2p"]))
