@@ -8,6 +8,8 @@ scheme, which ``init_process_group(init_method=...)`` then accepts.
 Rank 0 serves the TCPStore and, as torch's does, waits until every rank has
 connected; the other ranks never join the server of a group they have destroyed (a
 group initialised again on the same port: rank 0's previous server may still answer).
+Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) MASTER_PORT is the agent's torch
+TCPStore: rank 0 serves ours on a free port and posts it there (``_via_agent_store``).
 Rank and world size come from the arguments, then the URL's query
 string (``?rank=0&world_size=4``), then the environment: RANK/WORLD_SIZE
 (torchrun, collectives-run), else mpiexec's (PMI_RANK/PMI_SIZE for MPICH,
@@ -25,7 +27,7 @@ import time
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
-from .errors import DistError, DistStoreError
+from .errors import DistError, DistNetworkError, DistStoreError
 from .store import DEFAULT_TIMEOUT, FileStore, Store, TCPStore, to_seconds
 
 # (rank variable, world-size variable, who sets them), in order of preference
@@ -229,7 +231,59 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
         if not host or port is None:
             raise ValueError(f"tcp:// rendezvous needs tcp://host:port, got {init_method!r}")
         _check_port(port, world, "the tcp:// URL's port")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return _via_agent_store(host, port, world, rank, secs), rank, world
     return _fresh_tcp_store(host, port, world, rank, secs), rank, world
+
+
+# torchrun's agent already serves a (torch) TCPStore on MASTER_PORT and tells its workers
+# so with TORCHELASTIC_USE_AGENT_STORE=True; torch's ranks then join it as clients. Ours
+# speak our own store protocol, so there rank 0 starts our server on a free port and
+# posts the port under this key of the agent's store (with a count, so that a group
+# initialised again in the same processes does not read the previous port), and the
+# other ranks join it at MASTER_ADDR, the host of the agent that runs rank 0.
+_AGENT_PORT_KEY = "collectives/rendezvous/port"
+_agent_meetings = 0
+
+
+def _via_agent_store(host, port, world, rank, secs):
+    global _agent_meetings
+    try:
+        import torch.distributed as td
+        if not td.is_available():
+            raise ImportError("torch.distributed is not available in this torch build")
+    except ImportError as e:
+        raise DistNetworkError(
+            f"TORCHELASTIC_USE_AGENT_STORE=True: MASTER_PORT {port} is torchrun's agent store, "
+            f"which only torch can join ({e}); install torch, or launch with collectives-run"
+        ) from e
+    key = f"{_AGENT_PORT_KEY}/{_agent_meetings}"
+    _agent_meetings += 1
+    try:
+        agent = td.TCPStore(host, port, None, False, timedelta(seconds=secs),
+                            wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001  (torch raises its own error types)
+        raise DistNetworkError(f"TORCHELASTIC_USE_AGENT_STORE=True: could not join torchrun's "
+                               f"agent store at {host}:{port} within {secs:g} s: {e}") from e
+    try:
+        if rank == 0:
+            store = TCPStore(host, 0, world, True, timedelta(seconds=secs), wait_for_workers=False)
+            try:
+                agent.set(key, str(store.port))
+                store._wait_for_workers(True)
+            except BaseException:
+                store.close()
+                raise
+            return store
+        try:
+            mine = int(agent.get(key))
+        except Exception as e:  # noqa: BLE001
+            raise DistStoreError(f"TORCHELASTIC_USE_AGENT_STORE=True: rank 0 did not post its "
+                                 f"store's port (key {key!r}) in torchrun's agent store at "
+                                 f"{host}:{port} within {secs:g} s: {e}") from e
+        return TCPStore(host, mine, world, False, timedelta(seconds=secs))
+    finally:
+        del agent
 
 
 # Rank 0 names every TCPStore server it starts for a rendezvous, and destroying a group

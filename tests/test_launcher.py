@@ -127,6 +127,18 @@ def test_ranks_rendezvous_through_the_launchers_environment():
     assert sorted(rank_lines(out.stdout)) == [f"[{r}] rank {r} of 3 read [0, 1, 4]" for r in range(3)]
 
 
+@pytest.mark.timeout(120)
+def test_torchrun_starts_a_collectives_program():
+    """A program that imports collectives as dist, launched by torch's own torchrun (whose
+    agent holds MASTER_PORT): its group forms, works, and forms again after a destroy."""
+    pytest.importorskip("torch.distributed.run")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                          TARGET, "group"], cwd=ROOT, env=_env(), capture_output=True, timeout=100)
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    assert sorted(rank_lines(out.stdout)) == sorted(
+        f"rank {r} of 3 attempt {a} sum {[6 + 3 * a] * 3}" for r in range(3) for a in range(2))
+
+
 @pytest.mark.timeout(60)
 def test_module_and_no_python_forms():
     out = launch(["--nproc-per-node", "2", "-m", "tests.scripts.launch_target", "env"])

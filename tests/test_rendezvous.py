@@ -90,6 +90,41 @@ def test_ranks_meet_and_see_each_others_keys(method, style, world, tmp_path):
         assert got == expect
 
 
+def meet_through_agent_store(ctx, port, rounds):
+    """torchrun's workers: MASTER_PORT is the agent's (torch) TCPStore and
+    TORCHELASTIC_USE_AGENT_STORE=True. Meet ``rounds`` times as a group made, destroyed
+    and made again would; what every round read."""
+    environ = dict(_environ(ctx, "torchrun", port), TORCHELASTIC_USE_AGENT_STORE="True")
+    reads = []
+    for i in range(rounds):
+        store, rank, world = meet("env://", timeout=20, environ=environ)
+        store.set(f"key{rank}", f"round{i}-{rank}")
+        reads.append([g.decode() for g in store.multi_get([f"key{r}" for r in range(world)])])
+        _leave(store, rank, world)
+    return reads
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ranks_meet_through_torchruns_agent_store(world):
+    """Under torchrun the agent already serves MASTER_PORT (torch's store, not ours): rank
+    0 serves ours on a free port and posts it there, and a second meeting in the same
+    processes gets a new server rather than the first one's port."""
+    td = pytest.importorskip("torch.distributed")
+    agent = td.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    reads = get_pool(world).run(meet_through_agent_store, agent.port, 3, timeout=90)
+    assert reads == [[[f"round{i}-{r}" for r in range(world)] for i in range(3)]] * world
+
+
+def test_agent_store_without_torch_says_what_is_needed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)
+    env = dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               TORCHELASTIC_USE_AGENT_STORE="True")
+    with pytest.raises(DistNetworkError, match="torchrun's agent store.*install torch"):
+        meet(timeout=2, environ=env)
+
+
 def init_again_on_the_same_port(ctx, port, rounds):
     """init_process_group / all_reduce / destroy_process_group ``rounds`` times on one
     port, rank 0 lingering before it destroys: the others initialise again while its

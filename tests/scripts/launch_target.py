@@ -71,6 +71,17 @@ def main():
             while store.add("left", 0) < n - 1:
                 time.sleep(0.002)
         print(f"rank {r} of {n} read {vals}")
+    elif mode == "group":  # a group, destroyed and made again (torchrun's agent store)
+        import numpy as np
+
+        import collectives as dist
+        for attempt in range(2):
+            dist.init_process_group("gloo")
+            a = np.full(3, dist.get_rank() + 1 + attempt, np.int64)
+            dist.all_reduce(a)
+            os.write(1, f"rank {dist.get_rank()} of {dist.get_world_size()} attempt {attempt} "
+                        f"sum {a.tolist()}\n".encode())  # one write: torchrun joins no lines
+            dist.destroy_process_group()
     elif mode == "prompt":  # a prompt, an answer read from stdin, then the reply
         sys.stdout.write(f"rank {rank} asks> ")
         sys.stdout.flush()
