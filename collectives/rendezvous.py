@@ -232,21 +232,23 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
             raise ValueError(f"tcp:// rendezvous needs tcp://host:port, got {init_method!r}")
         _check_port(port, world, "the tcp:// URL's port")
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return _via_agent_store(host, port, world, rank, secs), rank, world
+        restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return _via_agent_store(host, port, world, rank, secs, restart), rank, world
     return _fresh_tcp_store(host, port, world, rank, secs), rank, world
 
 
 # torchrun's agent already serves a (torch) TCPStore on MASTER_PORT and tells its workers
 # so with TORCHELASTIC_USE_AGENT_STORE=True; torch's ranks then join it as clients. Ours
 # speak our own store protocol, so there rank 0 starts our server on a free port and
-# posts the port under this key of the agent's store (with a count, so that a group
+# posts the port under this key of the agent's store (with the restart count, since the
+# agent's store outlives the workers it restarts, and a count of meetings, so that a group
 # initialised again in the same processes does not read the previous port), and the
 # other ranks join it at MASTER_ADDR, the host of the agent that runs rank 0.
 _AGENT_PORT_KEY = "collectives/rendezvous/port"
 _agent_meetings = 0
 
 
-def _via_agent_store(host, port, world, rank, secs):
+def _via_agent_store(host, port, world, rank, secs, restart):
     global _agent_meetings
     try:
         import torch.distributed as td
@@ -257,7 +259,7 @@ def _via_agent_store(host, port, world, rank, secs):
             f"TORCHELASTIC_USE_AGENT_STORE=True: MASTER_PORT {port} is torchrun's agent store, "
             f"which only torch can join ({e}); install torch, or launch with collectives-run"
         ) from e
-    key = f"{_AGENT_PORT_KEY}/{_agent_meetings}"
+    key = f"{_AGENT_PORT_KEY}/{restart}/{_agent_meetings}"
     _agent_meetings += 1
     try:
         agent = td.TCPStore(host, port, None, False, timedelta(seconds=secs),

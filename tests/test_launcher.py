@@ -130,13 +130,19 @@ def test_ranks_rendezvous_through_the_launchers_environment():
 @pytest.mark.timeout(120)
 def test_torchrun_starts_a_collectives_program():
     """A program that imports collectives as dist, launched by torch's own torchrun (whose
-    agent holds MASTER_PORT): its group forms, works, and forms again after a destroy."""
+    agent holds MASTER_PORT): its group forms, works, and forms again after a destroy; and
+    again after a rank fails and torchrun restarts them all (the agent's store outlives
+    the first workers, with their keys)."""
     pytest.importorskip("torch.distributed.run")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-                          TARGET, "group"], cwd=ROOT, env=_env(), capture_output=True, timeout=100)
+                          "--max-restarts", "1", TARGET, "group", "fail-once"], cwd=ROOT,
+                         env=_env(), capture_output=True, timeout=100)
     assert out.returncode == 0, out.stderr.decode()[-3000:]
-    assert sorted(rank_lines(out.stdout)) == sorted(
-        f"rank {r} of 3 attempt {a} sum {[6 + 3 * a] * 3}" for r in range(3) for a in range(2))
+    lines = rank_lines(out.stdout)
+    assert "restart 0 rank 1 of 3 attempt 0 sum [6, 6, 6]" in lines
+    assert sorted(ln for ln in lines if ln.startswith("restart 1 ")) == sorted(
+        f"restart 1 rank {r} of 3 attempt {a} sum {[6 + 3 * a] * 3}"
+        for r in range(3) for a in range(2))
 
 
 @pytest.mark.timeout(60)

@@ -79,8 +79,11 @@ def main():
             dist.init_process_group("gloo")
             a = np.full(3, dist.get_rank() + 1 + attempt, np.int64)
             dist.all_reduce(a)
-            os.write(1, f"rank {dist.get_rank()} of {dist.get_world_size()} attempt {attempt} "
-                        f"sum {a.tolist()}\n".encode())  # one write: torchrun joins no lines
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            os.write(1, f"restart {restart} rank {dist.get_rank()} of {dist.get_world_size()} "
+                        f"attempt {attempt} sum {a.tolist()}\n".encode())  # one write each
+            if sys.argv[2:] == ["fail-once"] and restart == "0" and rank == 1:
+                sys.exit(3)  # torchrun --max-restarts starts every rank again
             dist.destroy_process_group()
     elif mode == "prompt":  # a prompt, an answer read from stdin, then the reply
         sys.stdout.write(f"rank {rank} asks> ")
