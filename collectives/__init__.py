@@ -28,7 +28,8 @@ from .group import (
     get_node_local_rank, get_pg_count, get_process_group_ranks, get_rank, get_world_size, group,
     init_process_group, is_available, is_backend_available, is_gloo_available, is_initialized,
     is_mpi_available, is_nccl_available, is_torchelastic_launched, is_ucc_available,
-    is_xccl_available, new_group, new_subgroups, new_subgroups_by_enumeration, split_group)
+    is_xccl_available, new_group, new_subgroups, new_subgroups_by_enumeration, shrink_group,
+    split_group)
 from .multigpu import (
     all_gather_multigpu, all_reduce_multigpu, broadcast_multigpu, reduce_multigpu,
     reduce_scatter_multigpu)
@@ -60,7 +61,7 @@ __all__ = [
     "get_rank", "get_world_size", "group", "init_process_group", "is_available",
     "is_backend_available", "is_gloo_available", "is_initialized", "is_mpi_available",
     "is_nccl_available", "is_torchelastic_launched", "is_ucc_available", "is_xccl_available",
-    "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
+    "new_group", "new_subgroups", "new_subgroups_by_enumeration", "shrink_group", "split_group",
     "all_gather_multigpu", "all_reduce_multigpu", "broadcast_multigpu", "reduce_multigpu",
     "reduce_scatter_multigpu",
     "all_gather_object", "broadcast_object_list", "gather_object", "recv_object_list",

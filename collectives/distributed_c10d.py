@@ -16,9 +16,10 @@ import warnings
 from . import *  # noqa: F401,F403  (the package's __all__)
 from . import __all__ as _public
 from .constants import default_pg_nccl_timeout, default_pg_timeout
-from .group import GroupMember, default_group, get_global_rank, get_world_size, world
+from .group import (SHRINK_ABORT, SHRINK_DEFAULT, GroupMember, default_group, get_global_rank,
+                    get_world_size, world)
 
-__all__ = list(_public)
+__all__ = list(_public) + ["SHRINK_ABORT", "SHRINK_DEFAULT"]
 
 
 def _get_default_group():

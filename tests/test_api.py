@@ -369,6 +369,22 @@ MISUSE = [
      lambda: dist.split_group(split_ranks=[[0, 1], [1, 2]])),
     ("split_group empty part", ValueError, "non-empty lists",
      lambda: dist.split_group(split_ranks=[[0, 1], []])),
+    ("shrink_group with a tuple", TypeError, "ranks_to_exclude must be a list",
+     lambda: dist.shrink_group((1,))),
+    ("shrink_group excluding nobody", ValueError, "at least one rank",
+     lambda: dist.shrink_group([])),
+    ("shrink_group with unknown flags", ValueError, "shrink_flags must be SHRINK_DEFAULT",
+     lambda: dist.shrink_group([1], shrink_flags=2)),
+    ("shrink_group rank out of the group", ValueError, r"in \[0, 4\), got 4 at index 1",
+     lambda: dist.shrink_group([1, 4])),
+    ("shrink_group rank not an int", TypeError, "must hold ints, got '1'",
+     lambda: dist.shrink_group(["1"])),
+    ("shrink_group rank twice", ValueError, "got 2 again at index 2",
+     lambda: dist.shrink_group([2, 1, 2])),
+    ("shrink_group excluding every rank", ValueError, "leave at least one of the group's 4",
+     lambda: dist.shrink_group([3, 2, 1, 0])),
+    ("shrink_group excluding this rank", ValueError, r"this rank \(0 of the group\) is in",
+     lambda: dist.shrink_group([0, 2])),
 ]
 
 
@@ -378,6 +394,17 @@ def test_misuse_raises_before_any_communication(world, what, exc, msg, call):
     with pytest.raises(exc, match=msg):
         call()
     assert no_calls(), f"{what}: the backend was called: {[r.calls for r in Recorder.instances]}"
+
+
+def test_shrink_group_on_a_group_of_one_or_not_of_this_rank(world):
+    world(size=4, rank=2)
+    one = dist.new_group([2])
+    with pytest.raises(ValueError, match="at least 2 ranks to shrink, it has 1"):
+        dist.shrink_group([0], group=one)
+    other = dist.new_group([0, 1])
+    with pytest.raises(ValueError, match="not a member of group"):
+        dist.shrink_group([0], group=other)
+    assert dist.distributed_c10d.SHRINK_DEFAULT == 0 and dist.distributed_c10d.SHRINK_ABORT == 1
 
 
 def test_recv_any_source_returns_the_senders_global_rank(world):

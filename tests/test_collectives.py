@@ -153,6 +153,69 @@ def test_split_group_gives_each_rank_its_own_part(config, wc):
         assert results[r] == (sum(glob), glob.index(r), len(glob), glob), (r, case)
 
 
+def shrink_case(ctx, case):
+    """Run on every rank: a group of ``case["parent"]`` (global ranks), shrunk by the
+    members that stay (the excluded ones never call), then used: the stayers all_reduce
+    and all_gather their global ranks in the new group. Returns what each rank saw."""
+    import numpy as np
+
+    import collectives as dist
+    members = case["parent"]
+    parent = dist.new_group(members)
+    if ctx.rank not in members:
+        return "outside"
+    if members.index(ctx.rank) in case["exclude"]:
+        dist.destroy_process_group(parent)  # left behind: only its own handle to drop
+        return "excluded"
+    flags = dist.distributed_c10d.SHRINK_ABORT if case["abort"] else 0
+    g = dist.shrink_group(list(case["exclude_order"]), group=parent, shrink_flags=flags)
+    try:
+        dist.get_rank(parent)
+        parent_left = "still usable"
+    except ValueError as e:
+        parent_left = str(e)
+    t = np.array([ctx.rank], np.int64)
+    dist.all_reduce(t, group=g)
+    out = np.empty(dist.get_world_size(g), np.int64)
+    dist.all_gather_into_tensor(out, np.array([ctx.rank], np.int64), group=g)
+    got = {"sum": int(t[0]), "gathered": out.tolist(), "rank": dist.get_rank(g),
+           "size": dist.get_world_size(g), "ranks": dist.get_process_group_ranks(g),
+           "parent": parent_left, "default": g is dist.group.WORLD}
+    dist.destroy_process_group(g)
+    return got
+
+
+@st.composite
+def shrink_cases(draw):
+    world = draw(st.integers(2, 5))
+    members = sorted(draw(st.sets(st.integers(0, world - 1), min_size=2, max_size=world)))
+    n = len(members)
+    exclude = draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n - 1))
+    order = draw(st.permutations(sorted(exclude)))  # the list need not be sorted
+    return world, {"parent": members, "exclude": sorted(exclude), "exclude_order": list(order),
+                   "abort": draw(st.booleans())}
+
+
+@pytest.mark.timeout(600)
+@SETTINGS
+@given(wc=shrink_cases())
+def test_shrink_group_makes_a_group_of_the_stayers_without_the_others(config, wc):
+    world, case = wc
+    results = backend_pool(config, world).run(shrink_case, case, timeout=90)
+    members = case["parent"]
+    stay = [g for i, g in enumerate(members) if i not in case["exclude"]]
+    for r in range(world):
+        if r not in members:
+            assert results[r] == "outside"
+        elif r not in stay:
+            assert results[r] == "excluded"
+        else:
+            assert results[r] == {"sum": sum(stay), "gathered": stay, "rank": stay.index(r),
+                                  "size": len(stay), "ranks": stay, "default": False,
+                                  "parent": results[r]["parent"]}, (r, case)
+            assert "destroyed" in results[r]["parent"], results[r]
+
+
 def detail_case(ctx, seed):
     """Run on every rank: a group made at DebugLevel.DETAIL, fed matching and mismatched
     collectives; returns what each step did here ('ok' with values, or the error text)."""

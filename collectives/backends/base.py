@@ -283,6 +283,12 @@ class Backend:
                 with self._cv:
                     self._busy -= 1
 
+    def abort(self):
+        """Fail queued and running work now, then shut down; talks to no peer
+        (``shrink_group``'s ``SHRINK_ABORT``). Here: ``shutdown``, for backends that cannot
+        interrupt their work."""
+        self.shutdown()
+
     def shutdown(self):
         """Finish queued work, stop the progress thread and release resources."""
         with self._cv:

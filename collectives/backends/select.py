@@ -234,6 +234,12 @@ class HierarchicalBackend(Backend):
     def irecv(self, buf, src, tag=0):
         return self.world.irecv(buf, src, tag)
 
+    def abort(self):
+        for be in (self.leaders, self.local, self.world):
+            if be is not None:
+                be.abort()
+        self.shutdown()
+
     def shutdown(self):
         super().shutdown()
         for be in (self.leaders, self.local, self.world):

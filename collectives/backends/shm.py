@@ -245,6 +245,11 @@ class ShmBackend(Backend):
         return self._engine().irecv(buf, src, tag)
 
     # ---- lifetime -----------------------------------------------------------------------
+    def abort(self):
+        """Mark the segment aborted first: running and queued work fails at once."""
+        self._comm.abort()
+        self.shutdown()
+
     def shutdown(self):
         super().shutdown()
         with self._p2p_lock:
