@@ -6,6 +6,8 @@ what the NumPy reference computes from all ranks' deterministic inputs (exactly
 for integers and bools, within rounding for floats), and all_reduce results are
 bitwise identical on every rank.
 """
+import time
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -214,6 +216,53 @@ def test_shrink_group_makes_a_group_of_the_stayers_without_the_others(config, wc
                                   "size": len(stay), "ranks": stay, "default": False,
                                   "parent": results[r]["parent"]}, (r, case)
             assert "destroyed" in results[r]["parent"], results[r]
+
+
+def shrink_abort_case(ctx, flags):
+    """Run on every rank of 3: ranks 0 and 1 start an all_reduce on a group of all three
+    that rank 2 never joins, then shrink it without rank 2. Returns how long the shrink
+    took, how long until the pending all_reduce finished, and how it ended."""
+    import numpy as np
+
+    import collectives as dist
+    parent = dist.new_group([0, 1, 2], timeout=3)
+    if ctx.rank == 2:
+        time.sleep(6)  # its destroy would end the others' all_reduce (a closed connection)
+        dist.destroy_process_group(parent)
+        return None
+    pending = dist.all_reduce(np.ones(10), group=parent, async_op=True)
+    time.sleep(0.2)  # under way: waiting for rank 2
+    t0 = time.monotonic()
+    g = dist.shrink_group([2], group=parent, shrink_flags=flags)
+    took = time.monotonic() - t0
+    try:
+        pending.wait()
+        ended = "completed"
+    except dist.DistError as e:
+        ended = type(e).__name__
+    done = time.monotonic() - t0
+    x = np.ones(1)
+    dist.all_reduce(x, group=g)
+    dist.destroy_process_group(g)
+    return took, done, ended, float(x[0])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("abort", [True, False], ids=["SHRINK_ABORT", "SHRINK_DEFAULT"])
+def test_shrink_abort_fails_the_old_groups_pending_work_at_once(config, abort):
+    """SHRINK_ABORT: the all_reduce that waits for the excluded rank fails at once;
+    SHRINK_DEFAULT lets it run out the old group's timeout (3 s)."""
+    if config not in ("gloo", "gloo-tcp", "gloo-hier"):
+        pytest.skip("only the gloo transports interrupt running work (abort is shutdown "
+                    "elsewhere, and an MPI collective cannot be cancelled)")
+    flags = 1 if abort else 0
+    for took, done, ended, total in backend_pool(config, 3).run(shrink_abort_case, flags,
+                                                                timeout=90)[:2]:
+        assert total == 2.0 and ended != "completed"
+        if abort:
+            assert done < 1.5, (took, done, ended)
+        else:
+            assert done > 2.5, (took, done, ended)
 
 
 def detail_case(ctx, seed):

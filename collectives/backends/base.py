@@ -283,10 +283,14 @@ class Backend:
                 with self._cv:
                     self._busy -= 1
 
+    def interrupt(self):
+        """Make running and queued work fail now, talking to no peer; ``shutdown`` still
+        follows. Backends that cannot interrupt their work leave this empty."""
+
     def abort(self):
-        """Fail queued and running work now, then shut down; talks to no peer
-        (``shrink_group``'s ``SHRINK_ABORT``). Here: ``shutdown``, for backends that cannot
-        interrupt their work."""
+        """Fail queued and running work now, then shut down (``shrink_group``'s
+        ``SHRINK_ABORT``)."""
+        self.interrupt()
         self.shutdown()
 
     def shutdown(self):

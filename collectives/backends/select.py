@@ -234,11 +234,12 @@ class HierarchicalBackend(Backend):
     def irecv(self, buf, src, tag=0):
         return self.world.irecv(buf, src, tag)
 
-    def abort(self):
+    def interrupt(self):
+        # no part may unmap or free anything yet: this backend's progress thread may be
+        # inside one of them until shutdown joins it
         for be in (self.leaders, self.local, self.world):
             if be is not None:
-                be.abort()
-        self.shutdown()
+                be.interrupt()
 
     def shutdown(self):
         super().shutdown()

@@ -245,10 +245,10 @@ class ShmBackend(Backend):
         return self._engine().irecv(buf, src, tag)
 
     # ---- lifetime -----------------------------------------------------------------------
-    def abort(self):
-        """Mark the segment aborted first: running and queued work fails at once."""
+    def interrupt(self):
+        """Mark the segment aborted: running and queued work fails at once (the segment
+        stays mapped until shutdown, which waits for the threads inside C)."""
         self._comm.abort()
-        self.shutdown()
 
     def shutdown(self):
         super().shutdown()

@@ -411,10 +411,9 @@ class TcpBackend(Backend):
         """Sequence number of the last collective started on this group."""
         return self._engine.seq
 
-    def abort(self):
-        """Close the connections first: running and queued work fails at once."""
+    def interrupt(self):
+        """Close the connections: running and queued work fails at once."""
         self._engine.close()
-        self.shutdown()
 
     def shutdown(self):
         """Finish queued work, flush sends, close the connections (peers see a clean close)."""
