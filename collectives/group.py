@@ -130,6 +130,7 @@ class _World:
     def reset(self):
         self.default = None
         self.store = None
+        self.owned_store = False
         self.groups = []
         self.group_count = 0
         self.local_counts = {}
@@ -236,6 +237,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}) when store is given, got {rank}")
     world_rank_size = getattr(factory, "world_rank_size", None)
+    owned = False
     if world_rank_size is not None and store is None and init_method is None:
         r, n = world_rank_size()
         if (rank >= 0 and rank != r) or (world_size > 0 and world_size != n):
@@ -252,13 +254,16 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                 raise TypeError(f"the rendezvous handler for {init_method!r} must yield "
                                 f"(Store, rank, world_size), got a {type(store).__name__}")
         else:
+            given = store
             store, rank, world_size = meet(init_method, rank, world_size, timeout=tmo, store=store)
+            owned = given is None  # env://, tcp://, file://: ours to close at destroy
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         pg_store = _prefix("default_pg", store)
     be = factory(pg_store, rank, world_size, tmo, pg_options)
     pg = _group_class()(be, range(world_size), rank, group_name or "default_pg", name, tmo, pg_store)
     world.store = store
+    world.owned_store = owned
     world.groups.append(pg)
     _set_world(pg)
     _torch_bridge(pg)
@@ -315,6 +320,8 @@ def destroy_process_group(group=None):
         if world.store is not None:
             from .rendezvous import retire
             retire(world.store)  # a new init on the same port must not meet on its server
+            if world.owned_store:  # and rank 0's server stops now, not when the
+                world.store.close()  # collector finds a cycle (a BridgedGroup is one)
         world.reset()
         _set_world(None)
         return

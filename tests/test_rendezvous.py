@@ -12,6 +12,7 @@ from collectives.rendezvous import env_local_rank, env_rank_world, meet
 from collectives.store import FileStore, HashStore, TCPStore
 from tests.ranks import free_port, get_pool, mpiexec_path
 
+TORCH_POOL = {"COLLECTIVES_TEST_POOL": "imports torch"}  # keeps the plain pools torch-free
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
                "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
 
@@ -112,7 +113,7 @@ def test_ranks_meet_through_torchruns_agent_store(world):
     processes gets a new server rather than the first one's port."""
     td = pytest.importorskip("torch.distributed")
     agent = td.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    reads = get_pool(world).run(meet_through_agent_store, agent.port, 3, timeout=90)
+    reads = get_pool(world, env=TORCH_POOL).run(meet_through_agent_store, agent.port, 3, timeout=90)
     assert reads == [[[f"round{i}-{r}" for r in range(world)] for i in range(3)]] * world
 
 
@@ -125,11 +126,13 @@ def test_agent_store_without_torch_says_what_is_needed(monkeypatch):
         meet(timeout=2, environ=env)
 
 
-def init_again_on_the_same_port(ctx, port, rounds):
+def init_again_on_the_same_port(ctx, port, rounds, with_torch):
     """init_process_group / all_reduce / destroy_process_group ``rounds`` times on one
     port, rank 0 lingering before it destroys: the others initialise again while its
     previous server still answers. Whether every all_reduce was right."""
     import numpy as np
+    if with_torch:  # every group is then torch's too: a BridgedGroup refers to itself
+        import torch  # noqa: F401
 
     import collectives as dist
     ok = True
@@ -147,10 +150,16 @@ def init_again_on_the_same_port(ctx, port, rounds):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
-def test_destroy_and_init_again_on_the_same_port(world):
-    """The ranks that re-initialise first do not join the previous group's server."""
-    pool = get_pool(world)
-    assert pool.run(init_again_on_the_same_port, free_port(), 4, timeout=90) == [True] * world
+@pytest.mark.parametrize("with_torch", [False, True], ids=["numpy", "torch"])
+def test_destroy_and_init_again_on_the_same_port(world, with_torch):
+    """The ranks that re-initialise first do not join the previous group's server, and
+    rank 0's destroy stops that server (with torch imported too, where only the cycle
+    collector would free the group that holds it)."""
+    if with_torch:
+        pytest.importorskip("torch")
+    pool = get_pool(world, env=TORCH_POOL if with_torch else None)
+    assert pool.run(init_again_on_the_same_port, free_port(), 4, with_torch,
+                    timeout=90) == [True] * world
 
 
 @pytest.mark.timeout(120)
