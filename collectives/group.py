@@ -597,10 +597,10 @@ def shrink_group(ranks_to_exclude, group=None, shrink_flags=SHRINK_DEFAULT, pg_o
     world.local_counts[key] = k + 1
     tag = f"shrink/{parent.group_name}/{'-'.join(map(str, excluded))}/{k}"
     is_default = parent is world.default
-    split_local = getattr(parent.backend, "split_local", None)  # mpi: from the parent itself
-    if shrink_flags == SHRINK_ABORT and split_local is None:
+    if shrink_flags == SHRINK_ABORT:
         for pg in (list(world.groups) if is_default else [parent]):
-            pg.backend.abort()  # the groups go below, once the new one stands
+            pg.backend.interrupt()  # their work fails now; they end below
+    split_local = getattr(parent.backend, "split_local", None)  # mpi: from the parent itself
     store = None
     try:
         if split_local is not None:

@@ -267,25 +267,22 @@ def _via_agent_store(host, port, world, rank, secs, restart):
     except Exception as e:  # noqa: BLE001  (torch raises its own error types)
         raise DistNetworkError(f"TORCHELASTIC_USE_AGENT_STORE=True: could not join torchrun's "
                                f"agent store at {host}:{port} within {secs:g} s: {e}") from e
-    try:
-        if rank == 0:
-            store = TCPStore(host, 0, world, True, timedelta(seconds=secs), wait_for_workers=False)
-            try:
-                agent.set(key, str(store.port))
-                store._wait_for_workers(True)
-            except BaseException:
-                store.close()
-                raise
-            return store
+    if rank == 0:
+        store = TCPStore(host, 0, world, True, timedelta(seconds=secs), wait_for_workers=False)
         try:
-            mine = int(agent.get(key))
-        except Exception as e:  # noqa: BLE001
-            raise DistStoreError(f"TORCHELASTIC_USE_AGENT_STORE=True: rank 0 did not post its "
-                                 f"store's port (key {key!r}) in torchrun's agent store at "
-                                 f"{host}:{port} within {secs:g} s: {e}") from e
-        return TCPStore(host, mine, world, False, timedelta(seconds=secs))
-    finally:
-        del agent
+            agent.set(key, str(store.port))
+            store._wait_for_workers(True)
+        except BaseException:
+            store.close()
+            raise
+        return store
+    try:
+        mine = int(agent.get(key))
+    except Exception as e:  # noqa: BLE001
+        raise DistStoreError(f"TORCHELASTIC_USE_AGENT_STORE=True: rank 0 did not post its "
+                             f"store's port (key {key!r}) in torchrun's agent store at "
+                             f"{host}:{port} within {secs:g} s: {e}") from e
+    return TCPStore(host, mine, world, False, timedelta(seconds=secs))
 
 
 # Rank 0 names every TCPStore server it starts for a rendezvous, and destroying a group
