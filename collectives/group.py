@@ -13,6 +13,7 @@ import zlib
 
 from . import backends as _backends
 from . import debug as _debug
+from .errors import DistError
 from ._pg_methods import ProcessGroupMethods
 from .work import timeout_seconds
 
@@ -589,7 +590,6 @@ def shrink_group(ranks_to_exclude, group=None, shrink_flags=SHRINK_DEFAULT, pg_o
             dist.shrink_group([dead_rank])   # the default group now holds the others
     """
     parent, excluded = _shrink_args(ranks_to_exclude, group, shrink_flags)
-    from .errors import DistError
     keep = [r for r in range(parent._size) if r not in excluded]
     me = keep.index(parent._rank)
     key = ("shrink", parent.group_name, tuple(excluded))

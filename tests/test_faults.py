@@ -24,20 +24,29 @@ VICTIM = WORLD - 1  # not rank 0, which serves the store
 FAULT_CONFIGS = [c for c in available_configs() if CONFIGS[c][1] == "spawn"]
 
 
-def worker():
-    """One rank: a collective that works, then the fault, then the collective that must fail."""
+def init_rank():
+    """This rank's default group, from the FAULT_* environment (FAULT_INIT: the
+    init_method, env:// when unset)."""
     from datetime import timedelta
 
-    import numpy as np
-
     import collectives as dist
-    mode, backend = os.environ["FAULT_MODE"], os.environ["FAULT_BACKEND"]
+    backend = os.environ["FAULT_BACKEND"]
     if backend == "store":
         import tests.store_backend  # noqa: F401
     hosts = os.environ.get("COLLECTIVES_TEST_HOSTS")
     if hosts:  # gloo-hier: faked hosts, dealt out as tests/ranks.py does
         os.environ["COLLECTIVES_HOST_ID"] = f"host{int(os.environ['RANK']) % int(hosts)}"
-    dist.init_process_group(backend, timeout=timedelta(seconds=GROUP_TIMEOUT))
+    dist.init_process_group(backend, os.environ.get("FAULT_INIT"),
+                            timeout=timedelta(seconds=GROUP_TIMEOUT))
+
+
+def worker():
+    """One rank: a collective that works, then the fault, then the collective that must fail."""
+    import numpy as np
+
+    import collectives as dist
+    mode = os.environ["FAULT_MODE"]
+    init_rank()
     rank = dist.get_rank()
     t = np.ones(1000, np.float32)
     dist.all_reduce(t)
@@ -78,23 +87,15 @@ def shrink_worker():
     """One rank of a world that loses rank FAULT_VICTIM and goes on without it: the
     others' all_reduce raises, they shrink the default group, and the new world works
     (numbered 0..2, a subgroup of it too; with FAULT_TORCH, torch.distributed's default
-    group is the new one). FAULT_INIT is the init_method (None: env://)."""
-    from datetime import timedelta
-
+    group is the new one)."""
     import numpy as np
 
     import collectives as dist
-    if os.environ["FAULT_BACKEND"] == "store":
-        import tests.store_backend  # noqa: F401
     if os.environ.get("FAULT_TORCH"):
         import torch
         import torch.distributed as td
-    hosts = os.environ.get("COLLECTIVES_TEST_HOSTS")
-    if hosts:
-        os.environ["COLLECTIVES_HOST_ID"] = f"host{int(os.environ['RANK']) % int(hosts)}"
     victim = int(os.environ["FAULT_VICTIM"])
-    dist.init_process_group(os.environ["FAULT_BACKEND"], os.environ.get("FAULT_INIT"),
-                            timeout=timedelta(seconds=GROUP_TIMEOUT))
+    init_rank()
     rank = dist.get_rank()
     old_sub = dist.new_group(list(range(dist.get_world_size())))
     t = np.ones(1000, np.float32)
