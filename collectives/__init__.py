@@ -37,6 +37,7 @@ from .objects import (
     all_gather_object, broadcast_object_list, gather_object, recv_object_list, scatter_object_list,
     send_object_list)
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .profiling import record_comm
 from .reduce_op import ReduceOp, reduce_op, supports_complex
 from .work import Future, Work
 from ._breakpoint import breakpoint  # noqa: E402,A004  (torch's name)
@@ -69,7 +70,7 @@ __all__ = [
     "P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send",
     "ReduceOp", "reduce_op", "supports_complex", "Future", "Work",
     "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
-    "breakpoint", "DeviceMesh", "init_device_mesh",
+    "breakpoint", "DeviceMesh", "init_device_mesh", "record_comm",
     "AllgatherOptions", "AllreduceCoalescedOptions", "AllreduceOptions", "AllToAllOptions",
     "BarrierOptions", "BroadcastOptions", "GatherOptions", "ReduceOptions",
     "ReduceScatterOptions", "ScatterOptions",

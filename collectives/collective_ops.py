@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from . import dtypes as D
+from . import profiling as _profiling
 from ._frontend import (Steps, buffer, buffers, check_like, contiguous_span, copy_into,
                         copy_of, disjoint_gather, needs_own_copy, overlaps, reduce_plan, scale,
                         separate_blocks, settle, stage, unstage)
@@ -22,12 +23,17 @@ from .reduce_op import ReduceOp
 from .tensors import Buffer
 from .work import Work, timeout_seconds
 
+_prof = _profiling.tap  # torch's profiler module once torch is imported (profiling.bind)
+_profiling.bind(globals())
+
 _SUM = ReduceOp.SUM
 
 
 def _launch(pg, async_op, outputs, name, steps):
     fn = Steps(name, steps) if len(steps) > 1 else steps[0][0]
     args = () if len(steps) > 1 else steps[0][1]
+    if _prof._is_profiler_enabled:
+        fn, args = _profiling.Recorded(pg, name, fn, args), ()
     if async_op:
         return Work(pg.submit(fn, *args), outputs, pg)
     pg.run(fn, *args)
@@ -55,7 +61,7 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
         return None
     buf = buffer(tensor)
     be = pg.backend
-    if op is _SUM:
+    if op is _SUM and not _prof._is_profiler_enabled:
         if not async_op:
             if pg.inline and not be._busy:
                 be.all_reduce(buf, D.SUM)
@@ -136,7 +142,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     pg = _group(group)
     if pg is None:
         return None
-    if type(src) is int and group_src is None and not async_op:
+    if type(src) is int and group_src is None and not async_op and not _prof._is_profiler_enabled:
         # the common blocking call: a plain global rank, resolved by one dict lookup
         root = pg.group_of_global.get(src)
         if root is not None:
@@ -188,7 +194,8 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
         return None
     inp = buffer(input_tensor, "input_tensor")
     out = buffer(output_tensor, "output_tensor")
-    if not async_op and disjoint_gather(out, inp, pg._size):  # the common blocking call
+    if not async_op and disjoint_gather(out, inp, pg._size) and not _prof._is_profiler_enabled:
+        # the common blocking call
         be = pg.backend
         if pg.inline and not be._busy:
             be.all_gather(out, inp)
@@ -409,14 +416,14 @@ def barrier(group=None, async_op=False, device_ids=None):
         if group is None:
             raise ValueError(NOT_INITIALIZED)
         return None
-    if not async_op:
+    if not async_op and not _prof._is_profiler_enabled:
         be = pg.backend
         if pg.inline and not be._busy:
             be.barrier()
         else:
             pg.run(be.barrier)
         return None
-    return Work(pg.submit(pg.backend.barrier), [], pg)
+    return _launch(pg, async_op, [], "barrier", [(pg.backend.barrier, ())])
 
 
 _MONITOR_TAG = 0x3FFFFFF0

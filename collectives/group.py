@@ -13,6 +13,7 @@ import zlib
 
 from . import backends as _backends
 from . import debug as _debug
+from . import profiling as _profiling
 from .errors import DistError
 from ._pg_methods import ProcessGroupMethods
 from .work import timeout_seconds
@@ -72,6 +73,7 @@ class ProcessGroup(ProcessGroupMethods):
         # themselves and skip the run() frame (~0.2 us of a ~1 us small-message call).
         self.inline = getattr(type(backend), "run", None) is _backends.Backend.run
         self.destroyed = False
+        _profiling.refresh()  # torch may have been imported since the last group was made
 
     def rank(self):
         return self._rank

@@ -9,11 +9,24 @@ import pickle
 import numpy as np
 
 from . import dtypes as D
+from . import profiling as _profiling
 from .group import current as _group
 from .tensors import Buffer
 
+_prof = _profiling.tap  # torch's profiler module once torch is imported (profiling.bind)
+_profiling.bind(globals())
+
 
 _CODES = {np.dtype(np.uint8): D.UINT8, np.dtype(np.int64): D.INT64}
+
+
+def _run(pg, fn, *args):
+    """``pg.run(fn, *args)``; one profiler span, named after the backend call, while
+    torch's profiler runs (as torch records the collectives under its object calls)."""
+    if _prof._is_profiler_enabled:
+        pg.run(_profiling.Recorded(pg, fn.__name__, fn, args))
+    else:
+        pg.run(fn, *args)
 
 
 def _buf(a):
@@ -37,7 +50,7 @@ def _output_list(lst, n, name):
 
 def _all_gather_sizes(pg, nbytes):
     sizes = np.zeros(pg._size, np.int64)
-    pg.run(pg.backend.all_gather, _buf(sizes), _buf(np.array([nbytes], np.int64)))
+    _run(pg, pg.backend.all_gather, _buf(sizes), _buf(np.array([nbytes], np.int64)))
     return sizes
 
 
@@ -58,7 +71,7 @@ def all_gather_object(object_list, obj, group=None):
     sizes = _all_gather_sizes(pg, data.size)
     width = int(sizes.max())
     out = np.empty(n * width, np.uint8)
-    pg.run(pg.backend.all_gather, _buf(out), _buf(_padded(data, width)))
+    _run(pg, pg.backend.all_gather, _buf(out), _buf(_padded(data, width)))
     for r in range(n):
         object_list[r] = _unpickle(out[r * width:r * width + sizes[r]])
     return None
@@ -81,7 +94,7 @@ def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=
     sizes = _all_gather_sizes(pg, data.size)
     width = int(sizes.max())
     out = np.empty(n * width, np.uint8) if pg._rank == root else None
-    pg.run(pg.backend.gather, None if out is None else _buf(out), _buf(_padded(data, width)), root)
+    _run(pg, pg.backend.gather, None if out is None else _buf(out), _buf(_padded(data, width)), root)
     if out is not None:
         for r in range(n):
             object_gather_list[r] = _unpickle(out[r * width:r * width + sizes[r]])
@@ -103,10 +116,10 @@ def broadcast_object_list(object_list, src=None, group=None, device=None, group_
         parts = [_pickle(o) for o in object_list]
         sizes[:] = [p.size for p in parts]
         data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-    pg.run(be.broadcast, _buf(sizes), root)
+    _run(pg, be.broadcast, _buf(sizes), root)
     if pg._rank != root:
         data = np.empty(int(sizes.sum()), np.uint8)
-    pg.run(be.broadcast, _buf(data), root)
+    _run(pg, be.broadcast, _buf(data), root)
     if pg._rank != root:
         off = 0
         for i in range(k):
@@ -131,13 +144,13 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
         _output_list(scatter_object_input_list, n, "scatter_object_input_list")
         parts = [_pickle(o) for o in scatter_object_input_list]
         sizes[:] = [p.size for p in parts]
-    pg.run(be.broadcast, _buf(sizes), root)
+    _run(pg, be.broadcast, _buf(sizes), root)
     width = int(sizes.max())
     inp = None
     if pg._rank == root:
         inp = _buf(np.concatenate([_padded(p, width) for p in parts]))
     out = np.empty(width, np.uint8)
-    pg.run(be.scatter, _buf(out), inp, root)
+    _run(pg, be.scatter, _buf(out), inp, root)
     scatter_object_output_list[0] = _unpickle(out[:sizes[pg._rank]])
     return None
 

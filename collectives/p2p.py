@@ -3,9 +3,13 @@
 Ranks given as ``dst``/``src`` are global ranks; ``group_dst``/``group_src`` are ranks
 of ``group``. A blocking send is ``isend(...).wait()``.
 """
+from . import profiling as _profiling
 from ._frontend import buffer
 from .group import current as _group
 from .work import Work
+
+_prof = _profiling.tap  # torch's profiler module once torch is imported (profiling.bind)
+_profiling.bind(globals())
 
 
 def _check_tag(tag):
@@ -32,6 +36,19 @@ def _src(pg, src, group_src):
     return peer
 
 
+def _isend(pg, buf, peer, tag):
+    if _prof._is_profiler_enabled:
+        return _profiling.RecordedRequest(pg, "send", pg.backend.isend, buf, peer, tag)
+    return pg.backend.isend(buf, peer, tag)
+
+
+def _irecv(pg, buf, peer, tag):
+    if _prof._is_profiler_enabled:  # torch's gloo names these two kinds of receive
+        name = "recv" if peer is not None else "recvAnySource"
+        return _profiling.RecordedRequest(pg, name, pg.backend.irecv, buf, peer, tag)
+    return pg.backend.irecv(buf, peer, tag)
+
+
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     """Start sending ``tensor`` to ``dst``; returns a Work (don't modify the tensor until it's done)."""
     pg = _group(group)
@@ -40,7 +57,7 @@ def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     peer = _dst(pg, dst, group_dst)
     _check_tag(tag)
     buf = buffer(tensor)
-    return Work(pg.backend.isend(buf, peer, tag), [tensor], pg)
+    return Work(_isend(pg, buf, peer, tag), [tensor], pg)
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
@@ -51,7 +68,7 @@ def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     peer = _src(pg, src, group_src)
     _check_tag(tag)
     buf = buffer(tensor)
-    return Work(pg.backend.irecv(buf, peer, tag), [tensor], pg)
+    return Work(_irecv(pg, buf, peer, tag), [tensor], pg)
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
@@ -61,7 +78,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
         return None
     peer = _dst(pg, dst, group_dst)
     _check_tag(tag)
-    pg.backend.isend(buffer(tensor), peer, tag).wait()
+    _isend(pg, buffer(tensor), peer, tag).wait()
     return None
 
 
@@ -73,7 +90,7 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
         return -1
     peer = _src(pg, src, group_src)
     _check_tag(tag)
-    req = pg.backend.irecv(buffer(tensor), peer, tag)
+    req = _irecv(pg, buffer(tensor), peer, tag)
     req.wait()
     got = req.source if peer is None else peer
     if got < 0:

@@ -28,6 +28,9 @@ def _torch_table():
     global _torch_codes
     if _torch_codes is None:
         import torch
+
+        from . import profiling
+        profiling.refresh()
         _torch_codes = {
             torch.float16: D.FLOAT16, torch.bfloat16: D.BFLOAT16, torch.float32: D.FLOAT32,
             torch.float64: D.FLOAT64, torch.complex64: D.COMPLEX64,
