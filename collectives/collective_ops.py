@@ -33,6 +33,8 @@ def _launch(pg, async_op, outputs, name, steps):
     fn = Steps(name, steps) if len(steps) > 1 else steps[0][0]
     args = () if len(steps) > 1 else steps[0][1]
     if _prof._is_profiler_enabled:
+        if not async_op:
+            return _profiling.run(pg, name, fn, args)
         fn, args = _profiling.Recorded(pg, name, fn, args), ()
     if async_op:
         return Work(pg.submit(fn, *args), outputs, pg)

@@ -24,7 +24,7 @@ def _run(pg, fn, *args):
     """``pg.run(fn, *args)``; one profiler span, named after the backend call, while
     torch's profiler runs (as torch records the collectives under its object calls)."""
     if _prof._is_profiler_enabled:
-        pg.run(_profiling.Recorded(pg, fn.__name__, fn, args))
+        _profiling.run(pg, fn.__name__, fn, args)
     else:
         pg.run(fn, *args)
 

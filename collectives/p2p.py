@@ -36,16 +36,18 @@ def _src(pg, src, group_src):
     return peer
 
 
-def _isend(pg, buf, peer, tag):
+def _isend(pg, buf, peer, tag, anywhere=True):
+    """The backend's isend; while torch's profiler runs, one span until it is found done
+    (a blocking send's closes on its own thread: not ``anywhere``)."""
     if _prof._is_profiler_enabled:
-        return _profiling.RecordedRequest(pg, "send", pg.backend.isend, buf, peer, tag)
+        return _profiling.RecordedRequest(pg, "send", anywhere, pg.backend.isend, buf, peer, tag)
     return pg.backend.isend(buf, peer, tag)
 
 
-def _irecv(pg, buf, peer, tag):
+def _irecv(pg, buf, peer, tag, anywhere=True):
     if _prof._is_profiler_enabled:  # torch's gloo names these two kinds of receive
         name = "recv" if peer is not None else "recvAnySource"
-        return _profiling.RecordedRequest(pg, name, pg.backend.irecv, buf, peer, tag)
+        return _profiling.RecordedRequest(pg, name, anywhere, pg.backend.irecv, buf, peer, tag)
     return pg.backend.irecv(buf, peer, tag)
 
 
@@ -78,7 +80,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
         return None
     peer = _dst(pg, dst, group_dst)
     _check_tag(tag)
-    _isend(pg, buffer(tensor), peer, tag).wait()
+    _isend(pg, buffer(tensor), peer, tag, False).wait()
     return None
 
 
@@ -90,7 +92,7 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
         return -1
     peer = _src(pg, src, group_src)
     _check_tag(tag)
-    req = _irecv(pg, buffer(tensor), peer, tag)
+    req = _irecv(pg, buffer(tensor), peer, tag, False)
     req.wait()
     got = req.source if peer is None else peer
     if got < 0:
