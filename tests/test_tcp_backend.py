@@ -8,6 +8,8 @@ deadlocks; failures (a mismatched call, a peer that exits, a silent peer) raise
 DistBackendError on the other ranks within the timeout.
 """
 import os
+import select
+import socket
 import subprocess
 import sys
 import textwrap
@@ -531,3 +533,82 @@ def test_a_peer_that_exits_makes_the_others_raise_within_the_timeout(n, nbytes):
         assert out.startswith("RAISED"), (r, out, err)
         assert float(out.split()[1]) < 20, out
         assert "rank 1" in out, out
+
+
+# ---- the address peers connect to --------------------------------------------------------
+
+def _ipv4_interfaces():
+    """{interface: IPv4 address} for this machine's interfaces that have one."""
+    from collectives.backends.tcp import _interface_ipv4
+    found = {}
+    for _, name in socket.if_nameindex():
+        try:
+            found[name] = _interface_ipv4(name)
+        except ValueError:
+            pass
+    return found
+
+
+def _mesh_of_threads(size):
+    """connect_mesh on ``size`` threads of this process over one HashStore: (the
+    host:port each rank published, each rank's fds)."""
+    from collectives.backends.tcp import connect_mesh
+    from collectives.store import HashStore
+    store = HashStore()
+    fds, errors = [None] * size, []
+
+    def rank(r):
+        try:
+            fds[r] = connect_mesh(store, r, size, 10.0)[0]
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return [store.get(f"tcp/0/addr/{r}").decode() for r in range(size)], fds
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("var", ["COLLECTIVES_IFNAME", "GLOO_SOCKET_IFNAME"])
+def test_the_interface_variable_sets_the_address_peers_connect_to(var, monkeypatch):
+    """Every interface with an IPv4 address, named by our variable or by torch's gloo one
+    (there the first of a list); the ranks publish its address and connect through it."""
+    ifaces = _ipv4_interfaces()
+    assert "lo" in ifaces, ifaces
+    for other in ("COLLECTIVES_IFNAME", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(other, raising=False)
+    for name, addr in ifaces.items():
+        monkeypatch.setenv(var, name if var == "COLLECTIVES_IFNAME" else f"{name},lo")
+        published, fds = _mesh_of_threads(3)
+        assert {a.rpartition(":")[0] for a in published} == {addr}, (name, published)
+        try:
+            os.write(fds[0][2], b"x")  # rank 0's socket to rank 2 reaches rank 2
+            assert select.select([fds[2][0]], [], [], 5)[0]
+            assert os.read(fds[2][0], 1) == b"x"
+        finally:
+            for row in fds:
+                for fd in row:
+                    if fd >= 0:
+                        os.close(fd)
+
+
+def test_collectives_ifname_wins_over_torchs_and_a_bad_name_raises_before_the_store(monkeypatch):
+    from collectives.backends.tcp import advertised_host, connect_mesh
+    from collectives.store import HashStore
+    ifaces = _ipv4_interfaces()
+    others = [n for n in ifaces if n != "lo"]
+    monkeypatch.setenv("COLLECTIVES_IFNAME", "lo")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", others[0] if others else "no-such-if0")
+    assert advertised_host() == "127.0.0.1"
+    monkeypatch.delenv("COLLECTIVES_IFNAME")
+    for var in ("GLOO_SOCKET_IFNAME", "COLLECTIVES_IFNAME"):
+        monkeypatch.setenv(var, "no-such-if0,lo")  # the first of a list is the one used
+        store = HashStore()
+        with pytest.raises(ValueError, match=f"{var} names interface 'no-such-if0', which has no IPv4"):
+            connect_mesh(store, 1, 2, 5.0)
+        assert store.num_keys() == 0  # raised before any rank could wait for this one
+        monkeypatch.delenv(var)

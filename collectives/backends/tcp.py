@@ -7,8 +7,10 @@ the exchange loops, the reductions and the waits run in C with the GIL released
 irecv are posted at once and progress whenever any thread waits.
 
 Environment:
-    COLLECTIVES_IFNAME: interface whose IPv4 address peers connect to (else the
-        interface that routes to MASTER_ADDR; 127.0.0.1 when MASTER_ADDR is loopback).
+    COLLECTIVES_IFNAME: interface whose IPv4 address peers connect to; else torch's
+        GLOO_SOCKET_IFNAME (the first interface of a comma-separated list: we do not stripe
+        one job across several interfaces); else the interface that routes to MASTER_ADDR
+        (127.0.0.1 when MASTER_ADDR is loopback).
     COLLECTIVES_TCP_SPIN_US: how long a wait spins before blocking (default 20).
     COLLECTIVES_TCP_SOCKBUF: socket buffer bytes (default 4 MiB; 0 keeps the OS default).
     COLLECTIVES_TCP_RD_MAX, COLLECTIVES_TCP_TREE_MAX, COLLECTIVES_TCP_SEGMENT,
@@ -60,21 +62,24 @@ def _is_loopback(host):
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
-def _interface_ipv4(ifname):
-    """The IPv4 address of network interface ``ifname`` (Linux SIOCGIFADDR)."""
+def _interface_ipv4(ifname, var="COLLECTIVES_IFNAME"):
+    """The IPv4 address of network interface ``ifname`` (Linux SIOCGIFADDR); ``var`` is
+    the environment variable that named it, for the error."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))
         except OSError as e:
-            raise ValueError(f"COLLECTIVES_IFNAME={ifname!r} has no IPv4 address: {e}") from None
+            raise ValueError(f"{var} names interface {ifname!r}, which has no IPv4 address: "
+                             f"{e}") from None
     return socket.inet_ntoa(packed[20:24])
 
 
 def advertised_host():
     """The address this rank listens on and publishes to its peers."""
-    ifname = os.environ.get("COLLECTIVES_IFNAME")
-    if ifname:
-        return _interface_ipv4(ifname)
+    for var in ("COLLECTIVES_IFNAME", "GLOO_SOCKET_IFNAME"):
+        ifname = os.environ.get(var, "").split(",")[0].strip()
+        if ifname:
+            return _interface_ipv4(ifname, var)
     master = os.environ.get("MASTER_ADDR")
     if master:
         if _is_loopback(master):
@@ -130,10 +135,10 @@ def connect_mesh(store, rank, size, timeout):
         return fds, 0
     deadline = time.monotonic() + timeout
     bufsize = int(os.environ.get("COLLECTIVES_TCP_SOCKBUF", str(4 << 20)))
+    host = advertised_host()  # a bad interface name raises before the store sees this rank
     # a generation number keeps a second backend on the same store from reading stale keys
     gen = (int(store.add("tcp/init", 1)) - 1) // size
     prefix = f"tcp/{gen}"
-    host = advertised_host()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     socks = {}
     try:
