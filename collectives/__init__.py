@@ -42,6 +42,7 @@ from .reduce_op import ReduceOp, reduce_op, supports_complex
 from .work import Future, Work
 from ._breakpoint import breakpoint  # noqa: E402,A004  (torch's name)
 from .device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from .gloo import ProcessGroupGloo  # noqa: E402
 from .options import (  # noqa: E402
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
@@ -70,7 +71,7 @@ __all__ = [
     "P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send",
     "ReduceOp", "reduce_op", "supports_complex", "Future", "Work",
     "DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
-    "breakpoint", "DeviceMesh", "init_device_mesh", "record_comm",
+    "breakpoint", "DeviceMesh", "init_device_mesh", "record_comm", "ProcessGroupGloo",
     "AllgatherOptions", "AllreduceCoalescedOptions", "AllreduceOptions", "AllToAllOptions",
     "BarrierOptions", "BroadcastOptions", "GatherOptions", "ReduceOptions",
     "ReduceScatterOptions", "ScatterOptions",

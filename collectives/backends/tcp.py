@@ -123,7 +123,21 @@ def _tune_socket(sock, bufsize):
                 pass
 
 
-def connect_mesh(store, rank, size, timeout):
+def options_host(options):
+    """The address ``options`` names for this rank to listen on, or None: a dict's
+    ``host``, or the first device of torch-style ``ProcessGroupGloo.Options._devices``
+    (one device: a job is not striped across several)."""
+    if isinstance(options, dict):
+        host = options.get("host")
+    else:
+        devices = getattr(options, "_devices", None) or [None]
+        host = getattr(devices[0], "host", None)
+    if host is not None and not isinstance(host, str):
+        raise TypeError(f"the host in options must be an address string, got {host!r}")
+    return host or None
+
+
+def connect_mesh(store, rank, size, timeout, host=None):
     """Connect every pair of ranks through ``store``; returns (fds, group id).
 
     Each rank listens, publishes host:port, connects to every lower rank and
@@ -135,7 +149,7 @@ def connect_mesh(store, rank, size, timeout):
         return fds, 0
     deadline = time.monotonic() + timeout
     bufsize = int(os.environ.get("COLLECTIVES_TCP_SOCKBUF", str(4 << 20)))
-    host = advertised_host()  # a bad interface name raises before the store sees this rank
+    host = host or advertised_host()  # a bad interface name raises before the store sees us
     # a generation number keeps a second backend on the same store from reading stale keys
     gen = (int(store.add("tcp/init", 1)) - 1) // size
     prefix = f"tcp/{gen}"
@@ -261,7 +275,9 @@ class TcpBackend(Backend):
         rank, size: this rank and the group size.
         timeout: seconds (or timedelta) any operation may wait.
         options: optional dict of tuning overrides: spin_us, allreduce_rd_max,
-            tree_max, segment, direct_max (bytes), allreduce_direct_world.
+            tree_max, segment, direct_max (bytes), allreduce_direct_world; and ``host``,
+            the address to listen on and publish (else :func:`advertised_host`). A
+            ``ProcessGroupGloo.Options`` gives the host of its first device.
     """
 
     name = "gloo"
@@ -277,7 +293,7 @@ class TcpBackend(Backend):
         if secs <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         super().__init__(store, rank, size, secs, options)
-        fds, group = connect_mesh(store, rank, size, secs)
+        fds, group = connect_mesh(store, rank, size, secs, options_host(options))
         self._engine = _tcp.Engine(rank, size, fds, group, secs)
         self._inflight = set()
         self._prune_at = 64
@@ -428,4 +444,4 @@ class TcpBackend(Backend):
             self._inflight.clear()
 
 
-__all__ = ["TcpBackend", "TcpRequest", "advertised_host", "connect_mesh"]
+__all__ = ["TcpBackend", "TcpRequest", "advertised_host", "connect_mesh", "options_host"]
