@@ -59,6 +59,18 @@ def free_port():
     return pick()
 
 
+def ipv4_interfaces():
+    """{interface: IPv4 address} for this machine's network interfaces that have one."""
+    from collectives.backends.tcp import _interface_ipv4
+    found = {}
+    for _, name in socket.if_nameindex():
+        try:
+            found[name] = _interface_ipv4(name)
+        except ValueError:
+            pass
+    return found
+
+
 def mpiexec_path():
     """The mpiexec next to this interpreter (the mpich wheel's), else on PATH, else None."""
     cand = os.path.join(os.path.dirname(sys.executable), "mpiexec")

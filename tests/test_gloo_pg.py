@@ -14,7 +14,7 @@ import pytest
 
 import collectives as dist
 from collectives.store import HashStore
-from tests.ranks import get_pool
+from tests.ranks import get_pool, ipv4_interfaces
 
 
 def _store(ctx):
@@ -69,17 +69,6 @@ def group_case(ctx, transport, device):
     return out
 
 
-def _interfaces():
-    from collectives.backends.tcp import _interface_ipv4
-    found = {}
-    for _, name in socket.if_nameindex():
-        try:
-            found[name] = _interface_ipv4(name)
-        except ValueError:
-            pass
-    return found
-
-
 def _check(results, n):
     for r, out in enumerate(results):
         assert (out["rank"], out["size"], out["name"]) == (r, n, "gloo"), out
@@ -101,11 +90,11 @@ def test_groups_made_with_a_timeout_or_a_device_compute_and_listen_where_told(n)
         published = {out["published"] for out in results}
         assert published == ({None} if transport == "auto" else {"127.0.0.1"}), results
     # a device per interface, and by host name; the last group made wins no key of the others
-    devices = [("", name) for name in _interfaces()] + [("localhost", "lo"), ("127.0.0.1", "")]
+    devices = [("", name) for name in ipv4_interfaces()] + [("localhost", "lo"), ("127.0.0.1", "")]
     for device in devices:
         results = pool.run(group_case, "tcp", device, timeout=90)
         _check(results, n)
-        want = socket.gethostbyname(device[0]) if device[0] else _interfaces()[device[1]]
+        want = socket.gethostbyname(device[0]) if device[0] else ipv4_interfaces()[device[1]]
         assert {out["published"] for out in results} == {want}, (device, results)
         assert {out["group_name"] for out in results} == {f"mine-{device}"}
 

@@ -9,7 +9,6 @@ DistBackendError on the other ranks within the timeout.
 """
 import os
 import select
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,7 +27,7 @@ from hypothesis import strategies as st  # noqa: E402
 from collectives import dtypes as D  # noqa: E402
 from collectives.errors import DistBackendError  # noqa: E402
 from collectives.tensors import Buffer  # noqa: E402
-from tests.ranks import ROOT, get_pool  # noqa: E402
+from tests.ranks import ROOT, get_pool, ipv4_interfaces  # noqa: E402
 
 NP_OF = {D.FLOAT16: np.float16, D.BFLOAT16: np.uint16, D.FLOAT32: np.float32,
          D.FLOAT64: np.float64, D.COMPLEX64: np.complex64, D.COMPLEX128: np.complex128,
@@ -537,18 +536,6 @@ def test_a_peer_that_exits_makes_the_others_raise_within_the_timeout(n, nbytes):
 
 # ---- the address peers connect to --------------------------------------------------------
 
-def _ipv4_interfaces():
-    """{interface: IPv4 address} for this machine's interfaces that have one."""
-    from collectives.backends.tcp import _interface_ipv4
-    found = {}
-    for _, name in socket.if_nameindex():
-        try:
-            found[name] = _interface_ipv4(name)
-        except ValueError:
-            pass
-    return found
-
-
 def _mesh_of_threads(size):
     """connect_mesh on ``size`` threads of this process over one HashStore: (the
     host:port each rank published, each rank's fds)."""
@@ -577,7 +564,7 @@ def _mesh_of_threads(size):
 def test_the_interface_variable_sets_the_address_peers_connect_to(var, monkeypatch):
     """Every interface with an IPv4 address, named by our variable or by torch's gloo one
     (there the first of a list); the ranks publish its address and connect through it."""
-    ifaces = _ipv4_interfaces()
+    ifaces = ipv4_interfaces()
     assert "lo" in ifaces, ifaces
     for other in ("COLLECTIVES_IFNAME", "GLOO_SOCKET_IFNAME"):
         monkeypatch.delenv(other, raising=False)
@@ -599,7 +586,7 @@ def test_the_interface_variable_sets_the_address_peers_connect_to(var, monkeypat
 def test_collectives_ifname_wins_over_torchs_and_a_bad_name_raises_before_the_store(monkeypatch):
     from collectives.backends.tcp import advertised_host, connect_mesh
     from collectives.store import HashStore
-    ifaces = _ipv4_interfaces()
+    ifaces = ipv4_interfaces()
     others = [n for n in ifaces if n != "lo"]
     monkeypatch.setenv("COLLECTIVES_IFNAME", "lo")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", others[0] if others else "no-such-if0")
