@@ -25,6 +25,7 @@ import itertools
 import socket
 
 from .group import ProcessGroup
+from .rendezvous import _check_int
 from .store import PrefixStore, Store
 from .work import timeout_seconds
 
@@ -76,12 +77,6 @@ def _local_address(host, what):
     return addr
 
 
-def _int(value, name):
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return value
-
-
 class ProcessGroupGloo(ProcessGroup):
     """``ProcessGroupGloo(store, rank, size, timeout=timedelta(minutes=30))`` or
     ``ProcessGroupGloo(store, rank, size, options)``, as torch's.
@@ -101,8 +96,8 @@ class ProcessGroupGloo(ProcessGroup):
     def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
         if not isinstance(store, Store):
             raise TypeError(f"store must be a collectives Store, got {type(store).__name__}")
-        _int(rank, "rank")
-        _int(size, "size")
+        _check_int(rank, "rank")
+        _check_int(size, "size")
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         if not 0 <= rank < size:
