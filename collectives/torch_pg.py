@@ -130,34 +130,63 @@ class TorchWork(td._Work):
 
 
 class _Completer:
-    """One thread that completes torch futures, in the order their calls finished. Not
-    the progress thread that finished them: the futures' callbacks (DDP's, a comm hook's)
-    may issue and wait for collectives of their own, which the progress thread runs."""
+    """Threads that complete torch futures. Not the progress thread that finished their
+    calls: the futures' callbacks (DDP's, a comm hook's) may issue and wait for
+    collectives of their own, which the progress thread runs.
+
+    A thread waiting for calls takes the next one that finishes (with callbacks that
+    return promptly, one thread completes them all, in the order their calls finished).
+    When none is waiting, every thread is inside a callback, which may be waiting for this
+    very call (PowerSGD's hook waits, in its callback, on a call it issues there): a new
+    thread completes it, so no future waits on the thread that waits for it. torch's gloo
+    likewise runs callbacks on its worker threads. A thread idle for ``IDLE_S`` seconds
+    ends, unless a call was promised to it.
+    """
+
+    IDLE_S = 30.0
 
     def __init__(self):
         self._queue = None
         self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a call that no put() has promised them yet
 
     def put(self, work, fut):
-        if self._queue is None:
-            with self._lock:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # one waiting thread is this call's
+                start = False
+            else:
+                start = True
                 if self._queue is None:
                     import queue
-                    q = queue.SimpleQueue()
-                    threading.Thread(target=self._loop, args=(q,), daemon=True,
-                                     name="collectives-torch-futures").start()
-                    self._queue = q
-        self._queue.put((work, fut))
+                    self._queue = queue.SimpleQueue()
+        if start:
+            threading.Thread(target=self._loop, args=(work, fut), daemon=True,
+                             name="collectives-torch-futures").start()
+        else:
+            self._queue.put((work, fut))
 
-    @staticmethod
-    def _loop(q):
+    def _loop(self, work, fut):
+        import queue
+        q = self._queue
         while True:
-            work, fut = q.get()
             try:
                 work._settle(fut)
             except Exception:  # noqa: BLE001  (a callback's error must not stop the others)
                 import traceback
                 traceback.print_exc()
+            work = fut = None
+            with self._lock:
+                self._idle += 1
+            while True:
+                try:
+                    work, fut = q.get(timeout=self.IDLE_S)
+                    break
+                except queue.Empty:
+                    with self._lock:
+                        if self._idle:  # more threads wait than calls are promised: leave
+                            self._idle -= 1
+                            return
 
 
 _completer = _Completer()

@@ -9,7 +9,10 @@ Properties:
   gradients (from rank 0's initial parameters, which DDP broadcasts: every rank starts
   from different ones), and with rank 0's initial buffers after DDP's construction.
   FSDP (torch's FullyShardedDataParallel on the CPU, and ``fully_shard``) ends with the
-  same reference's parameters.
+  same reference's parameters. So does DDP with a comm hook: torch's allreduce hook, and
+  one whose futures' callbacks issue collectives and wait on their futures (1-3 levels
+  deep, or on a future taken before the callback ran), as PowerSGD's hook does; with
+  PowerSGD's own hook (lossy) every member ends with the same parameters.
 - torch.distributed's own functions (``torch.distributed.all_reduce``, ...), on torch's
   default group and on a ``torch.distributed.new_group`` subgroup, sync and async (waited
   on through ``wait()`` or the future), ``batch_isend_irecv`` around a ring of the members,
@@ -26,6 +29,9 @@ Properties:
   "collectives")`` runs on a collectives group over torch's store, and torch's
   ``destroy_process_group`` ends both.
 """
+import threading
+import time
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -98,6 +104,17 @@ def _train_ddp(ctx, case, group):
         model[1].running_mean.fill_(ctx.rank + 1.0)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=case["bucket_mb"],
                                                     process_group=group)
+    hook = case.get("hook")
+    if hook == "allreduce":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(group, default_hooks.allreduce_hook)
+    elif hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif hook == "nested":
+        ddp.register_comm_hook(group, _nested_hook(case["depth"], case["early"]))
     buffers = model[1].running_mean.clone().numpy()
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(case["steps"]):
@@ -111,6 +128,34 @@ def _train_ddp(ctx, case, group):
                 torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
     return buffers, [p.detach().numpy() for p in model.parameters()]
+
+
+def _nested_hook(depth, early):
+    """A DDP comm hook that averages a bucket as PowerSGD's hook waits: inside the
+    callback of the sum's future it issues collectives of its own and waits on their
+    futures, ``depth`` levels deep; with ``early`` the count it divides by was issued
+    (and its future taken) before the sum, and is waited on in the innermost callback."""
+    import torch.distributed as td
+
+    def hook(group, bucket):
+        buf = bucket.buffer()
+
+        def count():
+            return td.all_reduce(torch.ones(1, dtype=buf.dtype), group=group,
+                                 async_op=True).get_future()
+
+        first = count() if early else None
+
+        def level(k, total):
+            if k == depth:
+                return total.div_((first or count()).wait()[0])
+            z = td.all_reduce(torch.zeros(1, dtype=buf.dtype), group=group, async_op=True)
+            return z.get_future().then(lambda _f: level(k + 1, total)).wait()
+
+        fut = td.all_reduce(buf, group=group, async_op=True).get_future()
+        return fut.then(lambda f: level(1, f.value()[0]))
+
+    return hook
 
 
 def ddp_reference(case, ranks):
@@ -143,14 +188,23 @@ def _world_and_members(draw, subgroups=True):
 
 
 @st.composite
-def ddp_cases(draw, subgroups=True):
+def ddp_cases(draw, subgroups=True, hooks=False):
     world, members = _world_and_members(draw, subgroups)
-    return world, {
+    case = {
         "members": members,
         "width": draw(st.integers(1, 9)), "batch": draw(st.integers(2, 5)),
         "bucket_mb": draw(st.sampled_from([25.0, 1e-6])),  # one bucket, or one per parameter
         "steps": draw(st.integers(1, 3)), "accumulate": draw(st.integers(1, 2)),
         "seed": draw(st.integers(0, 2 ** 16))}
+    if hooks:
+        # a hook whose callbacks issue collectives (nested, PowerSGD's) gets one bucket: with
+        # several, they would race the next bucket's call for the order of calls on the ranks
+        case["hook"] = draw(st.sampled_from(["allreduce", "nested", "powersgd"]))
+        if case["hook"] == "nested":
+            case.update(depth=draw(st.integers(1, 3)), early=draw(st.booleans()), bucket_mb=25.0)
+        elif case["hook"] == "powersgd":  # its third synced step is its first compressed one
+            case.update(steps=3, bucket_mb=25.0)
+    return world, case
 
 
 @pytest.mark.timeout(600)
@@ -170,6 +224,26 @@ def test_ddp_trains_as_one_process_on_all_ranks_data(config, case):
                                       err_msg=f"rank {r} buffers")
         for k, (got, exp) in enumerate(zip(params, want)):
             np.testing.assert_allclose(got, exp, rtol=1e-9, atol=1e-12,
+                                       err_msg=f"rank {r} parameter {k} of {case}, world {world}")
+
+
+@pytest.mark.timeout(600)
+@settings(SETTINGS, max_examples=12)
+@given(case=ddp_cases(hooks=True))
+def test_ddp_comm_hooks_whose_callbacks_wait_on_collectives(config, case):
+    """torch's allreduce hook and a hook that waits on collectives inside its futures'
+    callbacks (as PowerSGD's does) train as one process; PowerSGD's (lossy) leaves every
+    member with the same parameters."""
+    world, case = case
+    results = backend_pool(config, world).run(ddp_case, case, timeout=60)
+    ranks = case["members"] if case["members"] is not None else list(range(world))
+    want = ddp_reference(case, ranks)
+    for r in ranks:
+        params = results[r][1]
+        exp = want if case["hook"] != "powersgd" else results[ranks[0]][1]
+        for k, (got, e) in enumerate(zip(params, exp)):
+            assert np.all(np.isfinite(got)), f"rank {r} parameter {k} of {case}"
+            np.testing.assert_allclose(got, e, rtol=1e-9, atol=1e-12,
                                        err_msg=f"rank {r} parameter {k} of {case}, world {world}")
 
 
@@ -214,6 +288,41 @@ def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor):
         for k, (got, exp) in enumerate(zip(params, want)):
             np.testing.assert_allclose(got, exp, rtol=1e-9, atol=1e-12,
                                        err_msg=f"rank {r} parameter {k} of {case}, world {world}")
+
+
+@pytest.mark.timeout(60)
+@given(depth=st.integers(1, 6), idle=st.sampled_from([0.05, 0.2]))
+@settings(max_examples=10, deadline=None)
+def test_futures_completer_settles_a_call_its_callback_waits_for_then_lets_threads_go(depth, idle):
+    """Without ranks: each call's settling (a future's callbacks) waits for the next call,
+    which it puts, ``depth`` deep; all settle, and the completer's threads end once idle."""
+    from collectives.torch_pg import _Completer
+
+    def ours():
+        return sum(t.name == "collectives-torch-futures" for t in threading.enumerate())
+
+    before = ours()
+    comp = _Completer()
+    comp.IDLE_S = idle
+    done = [threading.Event() for _ in range(depth + 1)]
+
+    class Call:
+        def __init__(self, k):
+            self.k = k
+
+        def _settle(self, _fut):
+            if self.k < depth:
+                comp.put(Call(self.k + 1), None)
+                assert done[self.k + 1].wait(10), f"call {self.k + 1} was never settled"
+            done[self.k].set()
+
+    comp.put(Call(0), None)
+    assert done[0].wait(20), f"call 0 of {depth + 1} nested ones was never settled"
+    deadline = time.monotonic() + 10
+    while ours() > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ours() == before, f"{ours() - before} threads left after {idle} s idle"
+    assert comp._idle == 0
 
 
 # ---- torch.distributed's functions on it --------------------------------------------------------
