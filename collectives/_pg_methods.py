@@ -208,6 +208,13 @@ class ProcessGroupMethods:
         _opts(opts, BarrierOptions, "opts")
         return _ops().barrier(group=self, async_op=True)
 
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """A barrier in which group rank 0 names the ranks that did not arrive within
+        ``timeout`` (a timedelta or seconds; default: the group's), all of them with
+        ``wait_all_ranks``; blocking, as torch's ``pg.monitored_barrier``."""
+        return _ops().monitored_barrier(group=self, timeout=timeout,
+                                        wait_all_ranks=wait_all_ranks)
+
     # ---- point to point --------------------------------------------------------------------
 
     def _one(self, tensors):

@@ -396,6 +396,10 @@ class TorchProcessGroup(td.ProcessGroup):
     def barrier(self, opts=None):
         return self._run(_opts(opts, _c10d.BarrierOptions), _ops.barrier, [])
 
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        _ops.monitored_barrier(group=self._group, timeout=_timeout(timeout),
+                               wait_all_ranks=wait_all_ranks)
+
     # ---- point to point ----------------------------------------------------------------------
 
     def send(self, tensors, dstRank, tag=0):  # noqa: N803  (torch's names)
@@ -505,6 +509,7 @@ class BridgedGroup(TorchProcessGroup, _groups.ProcessGroup):
     abort = shutdown
     name = _pg_methods.ProcessGroupMethods.name
     get_group_store = _pg_methods.ProcessGroupMethods.get_group_store
+    monitored_barrier = TorchProcessGroup.monitored_barrier
     send = _pg_methods.ProcessGroupMethods.send
     recv = _pg_methods.ProcessGroupMethods.recv
     recv_anysource = _pg_methods.ProcessGroupMethods.recv_anysource

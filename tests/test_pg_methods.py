@@ -182,6 +182,53 @@ def test_process_group_methods_match_numpy(config):
         assert "tensors must hold at least one tensor" in e[3]
 
 
+def monitored_case(ctx, absent, bridged):
+    """Run on every rank: ``pg.monitored_barrier`` on a new group of all ranks (torch's
+    too when ``bridged``), passed by all, then skipped by ``absent``; what each saw."""
+    import datetime
+    import os
+
+    import collectives as dist
+    if bridged:
+        import torch  # noqa: F401  (groups made while torch is imported are torch's too)
+    was = os.environ.get("COLLECTIVES_TORCH_BRIDGE")
+    os.environ["COLLECTIVES_TORCH_BRIDGE"] = "1" if bridged else "0"
+    try:
+        pg = dist.new_group(list(range(ctx.world_size)))
+    finally:
+        if was is None:
+            del os.environ["COLLECTIVES_TORCH_BRIDGE"]
+        else:
+            os.environ["COLLECTIVES_TORCH_BRIDGE"] = was
+    try:
+        assert (type(pg).__name__ == "BridgedGroup") == bridged, type(pg)
+        pg.monitored_barrier(datetime.timedelta(seconds=60))
+        pg.monitored_barrier(60, wait_all_ranks=True)
+        if ctx.rank == absent:
+            return "absent"
+        try:
+            pg.monitored_barrier(datetime.timedelta(seconds=1), wait_all_ranks=True)
+        except dist.DistError as e:
+            return str(e)
+        return "passed"
+    finally:
+        dist.destroy_process_group(pg)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("bridged", [False, True], ids=["plain", "torch"])
+def test_monitored_barrier_method_names_the_rank_that_did_not_come(config, bridged):
+    if bridged:
+        pytest.importorskip("torch")
+    absent = WORLD - 2
+    got = backend_pool(config, WORLD).run(monitored_case, absent, bridged, timeout=120)
+    assert got[absent] == "absent"
+    assert f"Rank {absent} failed to pass monitoredBarrier in 1000 ms" in got[0]
+    for r in range(1, WORLD):
+        if r != absent:
+            assert "got no answer from rank 0" in got[r], got[r]
+
+
 def test_options_have_torchs_fields_and_defaults():
     o = dist.ReduceOptions()
     assert (o.reduceOp, o.rootRank, o.rootTensor, o.asyncOp) == (dist.ReduceOp.SUM, 0, 0, True)

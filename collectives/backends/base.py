@@ -155,6 +155,8 @@ class Backend:
     #: whether the backend has ``all_gather_list(outs, inp)``: all_gather into one Buffer per
     #: rank (torch's list form) without a staging copy; where not, the front end stages
     gathers_into_list = False
+    #: the largest tag isend/irecv take (the front end's internal messages stay within it)
+    max_tag = 2**31 - 1
 
     def __init__(self, store, rank, size, timeout, options=None):
         self.store = store

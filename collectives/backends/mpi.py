@@ -346,6 +346,10 @@ class MpiBackend(Backend):
     BLOCKING = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
                 "reduce_scatter", "all_to_all", "barrier")
 
+    @property
+    def max_tag(self):
+        return _TAG_UB  # MPI_TAG_UB (2**29 - 1 with MPICH), known once MPI is loaded
+
     def __init__(self, comm, timeout, options=None):
         super().__init__(None, comm.Get_rank(), comm.Get_size(), timeout, options)
         self.comm = comm
