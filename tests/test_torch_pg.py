@@ -12,7 +12,8 @@ Properties:
   same reference's parameters. So does DDP with a comm hook: torch's allreduce hook, and
   one whose futures' callbacks issue collectives and wait on their futures (1-3 levels
   deep, or on a future taken before the callback ran), as PowerSGD's hook does; with
-  PowerSGD's own hook (lossy) every member ends with the same parameters.
+  PowerSGD's own hook (lossy) every member ends with the same parameters; and with
+  torch's ZeroRedundancyOptimizer over SGD in place of SGD.
 - torch.distributed's own functions (``torch.distributed.all_reduce``, ...), on torch's
   default group and on a ``torch.distributed.new_group`` subgroup, sync and async (waited
   on through ``wait()`` or the future), ``batch_isend_irecv`` around a ring of the members,
@@ -116,7 +117,12 @@ def _train_ddp(ctx, case, group):
     elif hook == "nested":
         ddp.register_comm_hook(group, _nested_hook(case["depth"], case["early"]))
     buffers = model[1].running_mean.clone().numpy()
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    if case.get("zero"):  # each member steps its shard of the parameters, then broadcasts it
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1,
+                                      process_group=group)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(case["steps"]):
         opt.zero_grad()
         for micro in range(case["accumulate"]):
@@ -200,6 +206,7 @@ def ddp_cases(draw, subgroups=True, hooks=False):
         # a hook whose callbacks issue collectives (nested, PowerSGD's) gets one bucket: with
         # several, they would race the next bucket's call for the order of calls on the ranks
         case["hook"] = draw(st.sampled_from(["allreduce", "nested", "powersgd"]))
+        case["zero"] = draw(st.booleans())  # ZeroRedundancyOptimizer over SGD
         if case["hook"] == "nested":
             case.update(depth=draw(st.integers(1, 3)), early=draw(st.booleans()), bucket_mb=25.0)
         elif case["hook"] == "powersgd":  # its third synced step is its first compressed one
@@ -232,8 +239,9 @@ def test_ddp_trains_as_one_process_on_all_ranks_data(config, case):
 @given(case=ddp_cases(hooks=True))
 def test_ddp_comm_hooks_whose_callbacks_wait_on_collectives(config, case):
     """torch's allreduce hook and a hook that waits on collectives inside its futures'
-    callbacks (as PowerSGD's does) train as one process; PowerSGD's (lossy) leaves every
-    member with the same parameters."""
+    callbacks (as PowerSGD's does) train as one process, with SGD or with torch's
+    ZeroRedundancyOptimizer over it; PowerSGD's (lossy) leaves every member with the same
+    parameters."""
     world, case = case
     results = backend_pool(config, world).run(ddp_case, case, timeout=60)
     ranks = case["members"] if case["members"] is not None else list(range(world))
