@@ -43,10 +43,11 @@ from torch.distributed import distributed_c10d as _c10d
 from . import collective_ops as _ops
 from . import multigpu as _mgpu
 from . import _pg_methods
+from . import options as _our_options
 from . import p2p as _p2p
 from ._pg_methods import _opts as _options
 from .errors import DistStoreError
-from .reduce_op import ReduceOp
+from .reduce_op import PremulSum, RedOpType, ReduceOp, _PremulSumMember
 from .store import Store
 
 _groups = importlib.import_module(f"{__package__}.group")  # (the package's `group` is dist.group)
@@ -449,20 +450,39 @@ _TORCH_ARGS = (_c10d.AllreduceOptions, _c10d.AllreduceCoalescedOptions, _c10d.Br
                _c10d.BarrierOptions)
 
 
+def _holds_torch_tensor(x):
+    """Whether ``x`` is a torch tensor, or a list (of lists) whose first entry is one."""
+    for _ in range(3):
+        if isinstance(x, torch.Tensor):
+            return True
+        if not isinstance(x, (list, tuple)) or not x:
+            return False
+        x = x[0]
+    return False
+
+
+_OUR_ARGS = (_our_options._Options, ReduceOp, RedOpType, PremulSum, _PremulSumMember)
+
+
 def _either(name):
-    """A method that runs as TorchProcessGroup's when given torch's options (torch's front
-    end and its C++ callers, DDP's reducer among them, always pass them: they get torch's
-    Work) and as collectives' own otherwise."""
+    """A method that runs as TorchProcessGroup's (returning torch's Work, whose future is
+    torch's) when given torch's options, as torch's front end and its C++ callers (DDP's
+    reducer among them) always pass them, or torch tensors and no options of ours, as a
+    comm hook's ``group.allreduce([bucket.buffer()])`` does; as collectives' own
+    otherwise (NumPy arrays, or our options or ReduceOp)."""
     theirs = getattr(TorchProcessGroup, name)
     ours = getattr(_pg_methods.ProcessGroupMethods, name, None) or theirs
 
     def method(self, *args, **kwargs):
-        for a in args:
+        values = args + tuple(kwargs.values())
+        for a in values:
             if isinstance(a, _TORCH_ARGS):
                 return theirs(self, *args, **kwargs)
-        for a in kwargs.values():
-            if isinstance(a, _TORCH_ARGS):
-                return theirs(self, *args, **kwargs)
+        for a in values:
+            if isinstance(a, _OUR_ARGS):
+                return ours(self, *args, **kwargs)
+        if values and _holds_torch_tensor(values[0]):
+            return theirs(self, *args, **kwargs)
         return ours(self, *args, **kwargs)
 
     method.__name__ = method.__qualname__ = name

@@ -9,7 +9,8 @@ Properties:
   gradients (from rank 0's initial parameters, which DDP broadcasts: every rank starts
   from different ones), and with rank 0's initial buffers after DDP's construction.
   FSDP (torch's FullyShardedDataParallel on the CPU, and ``fully_shard``) ends with the
-  same reference's parameters. So does DDP with a comm hook: torch's allreduce hook, and
+  same reference's parameters. So does DDP with a comm hook: torch's allreduce hook, one
+  calling the group's ``allreduce([bucket])`` method and chaining callbacks on it, and
   one whose futures' callbacks issue collectives and wait on their futures (1-3 levels
   deep, or on a future taken before the callback ran), as PowerSGD's hook does; with
   PowerSGD's own hook (lossy) every member ends with the same parameters; and with
@@ -116,6 +117,9 @@ def _train_ddp(ctx, case, group):
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif hook == "nested":
         ddp.register_comm_hook(group, _nested_hook(case["depth"], case["early"]))
+    elif hook == "method":
+        ddp.register_comm_hook(group or torch.distributed.distributed_c10d._get_default_group(),
+                               _method_hook)
     buffers = model[1].running_mean.clone().numpy()
     if case.get("zero"):  # each member steps its shard of the parameters, then broadcasts it
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -164,6 +168,13 @@ def _nested_hook(depth, early):
     return hook
 
 
+def _method_hook(group, bucket):
+    """torch's own test hook: the group's allreduce method without options (its future is
+    torch's), then callbacks chained on it."""
+    fut = group.allreduce([bucket.buffer()]).get_future()
+    return fut.then(lambda f: 2 * f.wait()[0]).then(lambda f: f.wait() / (2 * group.size()))
+
+
 def ddp_reference(case, ranks):
     """One process training on the data of ``ranks`` (global ranks), from the first one's
     initial parameters."""
@@ -205,8 +216,13 @@ def ddp_cases(draw, subgroups=True, hooks=False):
     if hooks:
         # a hook whose callbacks issue collectives (nested, PowerSGD's) gets one bucket: with
         # several, they would race the next bucket's call for the order of calls on the ranks
-        case["hook"] = draw(st.sampled_from(["allreduce", "nested", "powersgd"]))
+        case["hook"] = draw(st.sampled_from(["allreduce", "method", "nested", "powersgd"]))
         case["zero"] = draw(st.booleans())  # ZeroRedundancyOptimizer over SGD
+        if case["hook"] == "method" and members is None:
+            # a group made by dist.new_group once torch is imported is torch's too, and its
+            # methods must hand torch's code torch's Work (the pools' default group was made
+            # before torch was imported: torch sees it through a wrapper)
+            case["members"] = list(range(world))
         if case["hook"] == "nested":
             case.update(depth=draw(st.integers(1, 3)), early=draw(st.booleans()), bucket_mb=25.0)
         elif case["hook"] == "powersgd":  # its third synced step is its first compressed one
@@ -235,7 +251,7 @@ def test_ddp_trains_as_one_process_on_all_ranks_data(config, case):
 
 
 @pytest.mark.timeout(600)
-@settings(SETTINGS, max_examples=12)
+@settings(SETTINGS, max_examples=16)
 @given(case=ddp_cases(hooks=True))
 def test_ddp_comm_hooks_whose_callbacks_wait_on_collectives(config, case):
     """torch's allreduce hook and a hook that waits on collectives inside its futures'
