@@ -49,6 +49,7 @@ from ._pg_methods import _opts as _options
 from .errors import DistStoreError
 from .reduce_op import PremulSum, RedOpType, ReduceOp, _PremulSumMember
 from .store import Store
+from .work import timeout_seconds
 
 _groups = importlib.import_module(f"{__package__}.group")  # (the package's `group` is dist.group)
 
@@ -691,8 +692,10 @@ def _create_group(opts):
             _state.installing = None
         return _owned(_groups.world.default)
     world = _groups.world.default
-    if not ranks or ranks == world.ranks:
+    if (not ranks or ranks == world.ranks) and (
+            timeout is None or timeout_seconds(timeout) == world.timeout):
         return TorchProcessGroup(world, owned=False)  # a second name for it: another object
+    ranks = ranks or list(world.ranks)  # (all ranks with a timeout of their own: a group)
     # torch.distributed.new_group: only members get here, so only they meet; torch enters
     # the group in its table itself
     _state.for_torch = True

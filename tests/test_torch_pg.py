@@ -598,6 +598,41 @@ def test_torch_distributed_calls_match_numpy(config, case):
             assert sorted(sender) == [q for q in ranks if q != r]
 
 
+def group_timeout_case(ctx, secs):
+    """Run on every rank: torch's ``new_group`` of all ranks with a timeout of its own;
+    rank 0 alone calls barrier on it: (what it raised, after how long)."""
+    import datetime
+    import time
+    td = _bridged()
+    g = td.new_group(timeout=datetime.timedelta(seconds=secs))
+    got = None
+    try:
+        if ctx.rank == 0:
+            t0 = time.monotonic()
+            try:
+                td.barrier(group=g)
+                got = ("passed", "", time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001  (reported to the test)
+                got = (type(e).__name__, str(e), time.monotonic() - t0)
+        td.barrier()  # the others stay until rank 0 is done
+    finally:
+        td.destroy_process_group(g)
+    return got
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_torchs_new_group_of_all_ranks_keeps_its_own_timeout(config, world):
+    """It was the default group under another name, with the default group's timeout."""
+    if config == "mpi":
+        pytest.skip("on mpi a blocking collective past its timeout ends the job (the watchdog: "
+                    "MPI cannot cancel it)")
+    secs = 1.5
+    name, msg, took = backend_pool(config, world).run(group_timeout_case, secs, timeout=120)[0]
+    assert name in ("DistBackendError", "DistNetworkError", "DistError"), (name, msg)
+    assert secs - 0.1 <= took < secs + 5, f"raised after {took:.2f} s: {msg}"
+
+
 # ---- life: who sets up and tears down torch's default group ---------------------------------------
 
 def life_case(ctx, port, how):
