@@ -15,6 +15,16 @@ torch's own gloo has (sparse tensors, CUDA tensors without a GPU, its C++ built-
 hooks, debug wrappers) fail or skip. ``--as collectives`` runs with ``BACKEND=collectives``:
 torch then skips most of its tests (it gates them on the backend's name). Arguments
 after the options go to unittest (``-k PATTERN``, ``-v``...).
+
+Run on 2026-11-24, world 2, ``--as gloo``: 285 tests, 82 passed, 195 skipped (CUDA,
+torchvision, world sizes), 8 errors on the code of 18ef15c. Three were ours and are fixed
+(a comm hook calling ``group.allreduce([t])`` got our Work, not torch's: 8180f73; a
+full-world ``new_group`` ignored its timeout: 29dd35b); re-run, they pass but for the
+wording torch's test expects (" Timed out " in the message). Five stay, by design or
+torch's gating: ``test_get_backend`` (torch names the backend "collectives"),
+``test_monitored_barrier_gloo*`` (torch allows it on its own gloo only),
+``test_sparse_all_reduce_sum`` (sparse tensors are not supported). ``--as collectives``:
+66 passed, 219 skipped, none failed.
 """
 import argparse
 import os
