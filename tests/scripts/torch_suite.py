@@ -24,7 +24,11 @@ wording torch's test expects (" Timed out " in the message). Five stay, by desig
 torch's gating: ``test_get_backend`` (torch names the backend "collectives"),
 ``test_monitored_barrier_gloo*`` (torch allows it on its own gloo only),
 ``test_sparse_all_reduce_sum`` (sparse tensors are not supported). ``--as collectives``:
-66 passed, 219 skipped, none failed.
+66 passed, 219 skipped, none failed. World 3, as gloo, on 29dd35b (after the fixes), the
+collective, point-to-point, subgroup and DDP tests (``-k test_all_ -k test_broadcast -k
+test_reduce -k test_scatter -k test_gather -k test_send -k test_irecv -k test_isend -k
+test_batch_isend -k test_new_subgroups -k test_DistributedDataParallel -k
+test_ddp_uneven``): 159 tests, 66 passed, 93 skipped, none failed (9 min).
 """
 import argparse
 import os
