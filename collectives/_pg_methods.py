@@ -11,6 +11,7 @@ those take (torch tensors, NumPy arrays) and check it the same way.
 from .options import (
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
+from .work import timeout_seconds
 
 
 def _ops():
@@ -77,6 +78,15 @@ class ProcessGroupMethods:
 
     def get_group_store(self):
         return self.store
+
+    def set_timeout(self, timeout):
+        """torch's ``pg.set_timeout(timeout)``: the timeout (a timedelta or seconds, > 0)
+        of this group's later calls; calls already issued keep theirs."""
+        secs = timeout_seconds(timeout, "timeout", positive=True)
+        setter = getattr(self.backend, "set_timeout", None)
+        if setter is not None:
+            setter(secs)
+        self.timeout = secs
 
     def shutdown(self):
         from .group import destroy_process_group

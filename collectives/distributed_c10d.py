@@ -74,6 +74,15 @@ def _get_default_store():
     return world.store
 
 
+def _set_pg_timeout(timeout, group=None):
+    """torch's: the timeout of ``group``'s (default: the default group's) later calls."""
+    from .group import resolve
+    pg = resolve(group)
+    if pg is None:
+        raise ValueError("Invalid process group specified")
+    pg.set_timeout(timeout)
+
+
 def _get_default_timeout(backend):
     """torch's defaults: 10 minutes for nccl, 30 for the others (a timedelta)."""
     return default_pg_nccl_timeout if str(backend).lower() == "nccl" else default_pg_timeout

@@ -402,6 +402,9 @@ class TorchProcessGroup(td.ProcessGroup):
         _ops.monitored_barrier(group=self._group, timeout=_timeout(timeout),
                                wait_all_ranks=wait_all_ranks)
 
+    def set_timeout(self, timeout):
+        _pg_methods.ProcessGroupMethods.set_timeout(self._group, timeout)
+
     # ---- point to point ----------------------------------------------------------------------
 
     def send(self, tensors, dstRank, tag=0):  # noqa: N803  (torch's names)
@@ -531,6 +534,7 @@ class BridgedGroup(TorchProcessGroup, _groups.ProcessGroup):
     name = _pg_methods.ProcessGroupMethods.name
     get_group_store = _pg_methods.ProcessGroupMethods.get_group_store
     monitored_barrier = TorchProcessGroup.monitored_barrier
+    set_timeout = _pg_methods.ProcessGroupMethods.set_timeout
     send = _pg_methods.ProcessGroupMethods.send
     recv = _pg_methods.ProcessGroupMethods.recv
     recv_anysource = _pg_methods.ProcessGroupMethods.recv_anysource

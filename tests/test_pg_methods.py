@@ -182,10 +182,8 @@ def test_process_group_methods_match_numpy(config):
         assert "tensors must hold at least one tensor" in e[3]
 
 
-def monitored_case(ctx, absent, bridged):
-    """Run on every rank: ``pg.monitored_barrier`` on a new group of all ranks (torch's
-    too when ``bridged``), passed by all, then skipped by ``absent``; what each saw."""
-    import datetime
+def _all_ranks_group(bridged):
+    """A new group of all ranks: torch's too (a BridgedGroup) when ``bridged``."""
     import os
 
     import collectives as dist
@@ -194,14 +192,24 @@ def monitored_case(ctx, absent, bridged):
     was = os.environ.get("COLLECTIVES_TORCH_BRIDGE")
     os.environ["COLLECTIVES_TORCH_BRIDGE"] = "1" if bridged else "0"
     try:
-        pg = dist.new_group(list(range(ctx.world_size)))
+        pg = dist.new_group(list(range(dist.get_world_size())))
     finally:
         if was is None:
             del os.environ["COLLECTIVES_TORCH_BRIDGE"]
         else:
             os.environ["COLLECTIVES_TORCH_BRIDGE"] = was
+    assert (type(pg).__name__ == "BridgedGroup") == bridged, type(pg)
+    return pg
+
+
+def monitored_case(ctx, absent, bridged):
+    """Run on every rank: ``pg.monitored_barrier`` on a new group of all ranks (torch's
+    too when ``bridged``), passed by all, then skipped by ``absent``; what each saw."""
+    import datetime
+
+    import collectives as dist
+    pg = _all_ranks_group(bridged)
     try:
-        assert (type(pg).__name__ == "BridgedGroup") == bridged, type(pg)
         pg.monitored_barrier(datetime.timedelta(seconds=60))
         pg.monitored_barrier(60, wait_all_ranks=True)
         if ctx.rank == absent:
@@ -227,6 +235,68 @@ def test_monitored_barrier_method_names_the_rank_that_did_not_come(config, bridg
     for r in range(1, WORLD):
         if r != absent:
             assert "got no answer from rank 0" in got[r], got[r]
+
+
+def set_timeout_case(ctx, secs, bridged, lone):
+    """Run on every rank: misuse of ``pg.set_timeout`` on a new group of all ranks, then
+    ``set_timeout(secs)``, an all_reduce, and (``lone``) a barrier rank 0 calls alone:
+    (errors, timeout seen, all_reduce result, (what rank 0's barrier raised, after how
+    long))."""
+    import datetime
+    import time
+
+    import numpy as np
+
+    import collectives as dist
+    pg = _all_ranks_group(bridged)
+    try:
+        errors = []
+        for bad in (-1, 0, "soon", float("nan")):
+            try:
+                pg.set_timeout(bad)
+                errors.append(None)
+            except (TypeError, ValueError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        pg.set_timeout(datetime.timedelta(seconds=secs))
+        t = np.full(3, ctx.rank + 1.0)
+        dist.all_reduce(t, group=pg)
+        lone_got = None
+        if lone and ctx.rank == 0:
+            t0 = time.monotonic()
+            try:
+                dist.barrier(group=pg)
+                lone_got = ("passed", time.monotonic() - t0)
+            except dist.DistError as e:
+                lone_got = (type(e).__name__, time.monotonic() - t0)
+        if lone:
+            dist.barrier()  # the others stay until rank 0 is done
+        return errors, pg.timeout, t.tolist(), lone_got
+    finally:
+        dist.destroy_process_group(pg)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("config", [c for c in available_configs()
+                                    if c in ("gloo", "gloo-tcp", "gloo-hier", "mpi")])
+@pytest.mark.parametrize("bridged", [False, True], ids=["plain", "torch"])
+def test_set_timeout_bounds_the_groups_later_calls(config, bridged):
+    if bridged:
+        pytest.importorskip("torch")
+    lone = config != "mpi"  # on mpi a blocking collective past its timeout ends the job
+    secs = 1.5
+    got = backend_pool(config, WORLD).run(set_timeout_case, secs, bridged, lone, timeout=120)
+    total = sum(range(1, WORLD + 1))
+    for errors, timeout, summed, _ in got:
+        assert errors[0].startswith("ValueError") and "timeout" in errors[0], errors
+        assert errors[1].startswith("ValueError"), errors
+        assert errors[2].startswith("TypeError") and "timeout must be" in errors[2], errors
+        assert errors[3].startswith("ValueError"), errors
+        assert timeout == secs
+        assert summed == [float(total)] * 3
+    if lone:
+        name, took = got[0][3]
+        assert name != "passed", f"a barrier rank 0 called alone passed after {took:.2f} s"
+        assert secs - 0.1 <= took < secs + 5, f"rank 0's lone barrier raised after {took:.2f} s"
 
 
 def test_options_have_torchs_fields_and_defaults():

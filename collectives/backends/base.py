@@ -214,6 +214,11 @@ class Backend:
         raise NotImplementedError(f"{self.name} does not implement irecv")
 
     # ---- groups ---------------------------------------------------------------------
+    def set_timeout(self, timeout):
+        """Bound this backend's later calls by ``timeout`` seconds (calls already issued
+        keep theirs). Subclasses whose transports hold a timeout of their own pass it on."""
+        self.timeout = timeout
+
     def split(self, ranks, timeout, options=None):
         """Make the backend of a subgroup from this (parent) backend.
 

@@ -563,6 +563,10 @@ class MpiBackend(Backend):
         return send, recv, keep
 
     # ---- groups --------------------------------------------------------------------
+    def set_timeout(self, timeout):
+        super().set_timeout(timeout)
+        _watchdog.watch(self)  # it samples often enough for the new timeout
+
     def split(self, ranks, timeout, options=None):
         """The subgroup of ``ranks`` (this group's ranks, sorted) by ``MPI_Comm_split``,
         called on every rank of this group; None on non-members."""

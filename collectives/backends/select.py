@@ -234,6 +234,12 @@ class HierarchicalBackend(Backend):
     def irecv(self, buf, src, tag=0):
         return self.world.irecv(buf, src, tag)
 
+    def set_timeout(self, timeout):
+        super().set_timeout(timeout)
+        for part in (self.world, self.local, self.leaders):
+            if part is not None:
+                part.set_timeout(timeout)
+
     def interrupt(self):
         # no part may unmap or free anything yet: this backend's progress thread may be
         # inside one of them until shutdown joins it

@@ -244,6 +244,13 @@ class ShmBackend(Backend):
     def irecv(self, buf, src, tag=0):
         return self._engine().irecv(buf, src, tag)
 
+    def set_timeout(self, timeout):
+        super().set_timeout(timeout)
+        self._comm.set_timeout(float(timeout))
+        with self._p2p_lock:
+            if self._p2p is not None:
+                self._p2p.timeout = timeout
+
     # ---- lifetime -----------------------------------------------------------------------
     def interrupt(self):
         """Mark the segment aborted: running and queued work fails at once (the segment

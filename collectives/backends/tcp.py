@@ -432,6 +432,10 @@ class TcpBackend(Backend):
         """Sequence number of the last collective started on this group."""
         return self._engine.seq
 
+    def set_timeout(self, timeout):
+        super().set_timeout(timeout)
+        self._engine.set_timeout(float(timeout))
+
     def interrupt(self):
         """Close the connections: running and queued work fails at once."""
         self._engine.close()
