@@ -6,6 +6,7 @@ class ShmComm:
     rank: int
     size: int
     label: str
+    timeout: float
     def __init__(self, name: str, create: bool, rank: int, size: int, half_bytes: int,
                  ring_bytes: int, timeout: float, label: str = ...) -> None: ...
     def close(self) -> None: ...

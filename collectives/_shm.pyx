@@ -51,7 +51,7 @@ cdef extern from "shm_coll.h" nogil:
 
 
 _REASONS = {
-    SHM_ETIMEDOUT: "timed out waiting for",
+    SHM_ETIMEDOUT: "Timed out waiting",
     SHM_EPEERDEAD: "lost (process died)",
     SHM_EBROKEN: "group unusable after an earlier failure",
     SHM_EINVAL: "segment layout mismatch or bad argument",
@@ -83,9 +83,11 @@ cdef class ShmComm:
     cdef shm_comm *c
     cdef readonly int rank, size
     cdef readonly str label
+    cdef readonly double timeout
 
     def __cinit__(self, str name, bint create, int rank, int size, size_t half_bytes,
                   size_t ring_bytes, double timeout, str label="shm"):
+        self.timeout = timeout
         cdef int err = 0, rc
         cdef bytes bname = name.encode()
         cdef const char *cname = bname
@@ -115,8 +117,8 @@ cdef class ShmComm:
             peer = shm_comm_error_peer(self.c)
         reason = _REASONS.get(rc, f"error {rc}")
         who = f"peer rank {peer}" if peer >= 0 else "peers"
-        if rc == SHM_ETIMEDOUT:
-            msg = f"{reason} {who}"
+        if rc == SHM_ETIMEDOUT:  # torch gloo's words, which torch's tests match
+            msg = f"{reason} {self.timeout * 1000:.0f}ms for {who}"
         elif rc == SHM_EPEERDEAD:
             msg = f"{who} {reason}"
         else:
@@ -142,6 +144,7 @@ cdef class ShmComm:
 
     def set_timeout(self, double timeout):
         shm_comm_set_timeout(self._live("set_timeout"), timeout)
+        self.timeout = timeout
 
     def cma_probe(self):
         """Collective: whether every rank can read the others' memory (process_vm_readv).

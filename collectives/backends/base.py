@@ -30,6 +30,13 @@ import threading
 from ..errors import DistBackendError, DistError
 
 
+def timed_out(describe, timeout):
+    """The DistBackendError of a wait on ``describe`` that ran past ``timeout`` seconds
+    (in torch gloo's words, "Timed out waiting <n>ms", which torch's own tests match)."""
+    return DistBackendError(f"{describe} did not finish: Timed out waiting "
+                            f"{float(timeout) * 1000:.0f}ms")
+
+
 class Request:
     """An operation in flight. ``wait`` raises the operation's DistError, if any."""
 
@@ -113,7 +120,7 @@ class FutureRequest(Request):
         if timeout is None:
             timeout = self._default_timeout
         if not self._event.wait(timeout):
-            raise DistBackendError(f"{self._describe} did not finish within {timeout} s")
+            raise timed_out(self._describe, timeout)
         if self._exc is not None:
             raise self._exc
 

@@ -33,7 +33,7 @@ from .._frontend import disjoint_gather as _disjoint_gather
 from ..errors import DistBackendError
 from ..tensors import Buffer as _Buffer
 from ..tensors import _PyBuffer
-from .base import Backend, Request
+from .base import Backend, Request, timed_out
 
 INSTALL_HINT = 'pip install "collectives[mpi]"'
 
@@ -219,7 +219,7 @@ class MpiRequest(Request):
             if elapsed < self.SPIN_S:
                 continue
             if deadline is not None and now() > deadline:
-                raise DistBackendError(f"{self._describe} did not finish within {timeout} s")
+                raise timed_out(self._describe, timeout)
             if elapsed < self.YIELD_S:
                 os.sched_yield()
             else:  # a long wait: give the cores to the other ranks

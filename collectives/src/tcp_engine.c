@@ -120,6 +120,7 @@ struct tcp_engine {
     uint32_t cur_aux;
     uint64_t cur_total;
     double coll_deadline;
+    double coll_span;      /* the timeout coll_deadline was set from (for messages) */
     char coll_err[512];
     char poison[512];
     uint64_t poison_seq;  /* collectives from this sequence number on fail */
@@ -862,9 +863,10 @@ static void poll_once(tcp_engine *e, int ms)
 }
 
 /* Wait until every request in rs[0..n) finished; mutex held. On failure, cancels the
- * pending ones and fills err. coll: also fail when the running collective failed. */
-static int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, int coll,
-                       char *err, size_t errlen)
+ * pending ones and fills err. span: the timeout the deadline was set from (named in the
+ * message, in torch gloo's words). coll: also fail when the running collective failed. */
+static int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, double span,
+                       int coll, char *err, size_t errlen)
 {
     double t0 = now_s();
     const char *why = NULL;
@@ -884,8 +886,8 @@ static int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, int 
                 if (rs[i]->state == 0) {
                     char d[200];
                     describe_req(e, rs[i], d, sizeof d);
-                    fmt(tmsg, sizeof tmsg, "%s timed out after %.3g s (the peer did not answer)",
-                        d, e->timeout);
+                    fmt(tmsg, sizeof tmsg, "%s: Timed out waiting %.0fms (the peer did not answer)",
+                        d, span * 1000.0);
                     break;
                 }
             }
@@ -1139,8 +1141,8 @@ tcp_req *tcp_irecv(tcp_engine *e, void *buf, size_t len, int src, int32_t tag, c
 int tcp_req_wait(tcp_engine *e, tcp_req *r, double timeout_s, char *err, size_t errlen)
 {
     pthread_mutex_lock(&e->mu);
-    double deadline = now_s() + (timeout_s < 0 ? e->timeout : timeout_s);
-    int rc = wait_locked(e, &r, 1, deadline, 0, err, errlen);
+    double span = timeout_s < 0 ? e->timeout : timeout_s;
+    int rc = wait_locked(e, &r, 1, now_s() + span, span, 0, err, errlen);
     pthread_mutex_unlock(&e->mu);
     return rc;
 }
@@ -1227,6 +1229,7 @@ static int coll_begin(tcp_engine *e, int kind, uint32_t aux, uint64_t total, cha
     e->cur_aux = aux;
     e->cur_total = total;
     e->coll_err[0] = 0;
+    e->coll_span = e->timeout;
     e->coll_deadline = now_s() + e->timeout;
     /* frames that arrived early for this sequence number must agree on the call */
     for (int i = 0; i < e->size && !e->coll_err[0]; i++) {
@@ -1301,7 +1304,8 @@ static int cwait(tcp_engine *e, int lo, int hi, char *err, size_t errlen)
 {
     if (hi <= lo) return 0;
     pthread_mutex_lock(&e->mu);
-    int rc = wait_locked(e, e->cptr + lo, hi - lo, e->coll_deadline, 1, err, errlen);
+    int rc = wait_locked(e, e->cptr + lo, hi - lo, e->coll_deadline, e->coll_span, 1, err,
+                         errlen);
     pthread_mutex_unlock(&e->mu);
     return rc;
 }
