@@ -4,14 +4,18 @@
 Each returns a Work (the call is asynchronous, as torch's). Ranks given to them (opts.rootRank,
 ``root``, ``dstRank``, ``srcRank``) are ranks of this group, not global ones, as in torch.
 A list of several tensors per rank takes the ``*_multigpu`` meaning (every entry takes
-part), as torch's gloo does. ``opts.timeout`` is accepted and not applied: the group's
-timeout bounds every call. They run through the front-end functions, so they take what
-those take (torch tensors, NumPy arrays) and check it the same way.
+part), as torch's gloo does. An options struct's ``timeout``, where set, bounds that call
+instead of the group's timeout (torch's gloo does the same). They run through the
+front-end functions, so they take what those take (torch tensors, NumPy arrays) and check
+it the same way.
 """
+import functools
+import inspect
+
 from .options import (
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
-    BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
-from .work import timeout_seconds
+    BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions, _Options)
+from .work import option_timeout, per_call_timeout, timeout_seconds
 
 
 def _ops():
@@ -51,6 +55,24 @@ def _opts(value, cls, name, **fields):
         if v is not None:
             setattr(opts, k, v)
     return opts
+
+
+def _timed(method):
+    """``method`` (which takes ``opts``) run with ``opts.timeout`` as its call's own timeout
+    when ``opts`` is an options struct whose timeout is set."""
+    at = list(inspect.signature(method).parameters).index("opts") - 1  # after self
+
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        opts = kwargs["opts"] if "opts" in kwargs else args[at] if len(args) > at else None
+        if isinstance(opts, _Options):
+            secs = option_timeout(opts.timeout, "opts.timeout")
+            if secs is not None:
+                with per_call_timeout(secs):
+                    return method(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return timed
 
 
 def _root(pg, rank, name):
@@ -96,6 +118,7 @@ class ProcessGroupMethods:
 
     # ---- collectives -----------------------------------------------------------------------
 
+    @_timed
     def allreduce(self, tensors, opts=None):
         """``allreduce(tensors, AllreduceOptions())``, ``allreduce(tensors, op)`` or
         ``allreduce(tensor, op)``."""
@@ -105,11 +128,13 @@ class ProcessGroupMethods:
             return _mgpu().all_reduce_multigpu(ts, o.reduceOp, group=self, async_op=True)
         return _ops().all_reduce(ts[0], o.reduceOp, group=self, async_op=True)
 
+    @_timed
     def allreduce_coalesced(self, tensors, opts=None):
         o = _opts(opts, AllreduceCoalescedOptions, "opts")
         return _ops().all_reduce_coalesced(_tensors(tensors, "tensors"), o.reduceOp, group=self,
                                            async_op=True)
 
+    @_timed
     def broadcast(self, tensors, opts=None):
         """``broadcast(tensors, BroadcastOptions())`` or ``broadcast(tensor, root)``."""
         ts = _tensors(tensors, "tensors")
@@ -120,6 +145,7 @@ class ProcessGroupMethods:
                                               src_tensor=o.rootTensor)
         return _ops().broadcast(ts[0], group=self, async_op=True, group_src=root)
 
+    @_timed
     def reduce(self, tensors, opts=None, op=None):
         """``reduce(tensors, ReduceOptions())`` or ``reduce(tensor, root, op)``."""
         ts = _tensors(tensors, "tensors")
@@ -130,6 +156,7 @@ class ProcessGroupMethods:
                                            async_op=True, dst_tensor=o.rootTensor)
         return _ops().reduce(ts[0], op=o.reduceOp, group=self, async_op=True, group_dst=root)
 
+    @_timed
     def allgather(self, output_tensors, input_tensors, opts=None):
         """``allgather([[out per rank]], [inp], AllgatherOptions())`` or
         ``allgather([out per rank], inp)``."""
@@ -145,12 +172,14 @@ class ProcessGroupMethods:
             return _ops().all_gather(list(outs[0]), ins[0], group=self, async_op=True)
         return _ops().all_gather(list(output_tensors), input_tensors, group=self, async_op=True)
 
+    @_timed
     def _allgather_base(self, output, input, opts=None):  # noqa: A002
         _opts(opts, AllgatherOptions, "opts")
         return _ops().all_gather_into_tensor(output, input, group=self, async_op=True)
 
     all_gather_single = _allgather_base
 
+    @_timed
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         _opts(opts, AllgatherOptions, "opts")
         return _ops().all_gather_coalesced(output_lists, input_list, group=self, async_op=True)
@@ -167,6 +196,7 @@ class ProcessGroupMethods:
             return root, ts[0], list(many[0]) if self._rank == root else None
         return root, single, list(many) if self._rank == root else None
 
+    @_timed
     def gather(self, output_tensors, input_tensors, opts=None):
         """``gather([[out per rank]] or [], [inp], GatherOptions())`` or
         ``gather([out per rank] or [], inp, root)``."""
@@ -174,6 +204,7 @@ class ProcessGroupMethods:
                                        "input_tensors")
         return _ops().gather(inp, outs, group=self, async_op=True, group_dst=root)
 
+    @_timed
     def scatter(self, output_tensors, input_tensors, opts=None):
         """``scatter([out], [[in per rank]] or [], ScatterOptions())`` or
         ``scatter(out, [in per rank] or [], root)``."""
@@ -181,6 +212,7 @@ class ProcessGroupMethods:
                                       "output_tensors")
         return _ops().scatter(out, ins, group=self, async_op=True, group_src=root)
 
+    @_timed
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """``reduce_scatter([out], [[in per rank]], ReduceScatterOptions())`` or
         ``reduce_scatter(out, [in per rank], op)``."""
@@ -195,12 +227,14 @@ class ProcessGroupMethods:
         return _ops().reduce_scatter(output_tensors, list(input_tensors), o.reduceOp, group=self,
                                      async_op=True)
 
+    @_timed
     def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
         o = _opts(opts, ReduceScatterOptions, "opts")
         return _ops().reduce_scatter_tensor(output, input, o.reduceOp, group=self, async_op=True)
 
     reduce_scatter_single = _reduce_scatter_base
 
+    @_timed
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
                       opts=None):
         _opts(opts, AllToAllOptions, "opts")
@@ -209,11 +243,13 @@ class ProcessGroupMethods:
 
     all_to_all_single = alltoall_base
 
+    @_timed
     def alltoall(self, output_tensors, input_tensors, opts=None):
         _opts(opts, AllToAllOptions, "opts")
         return _ops().all_to_all(list(output_tensors), list(input_tensors), group=self,
                                  async_op=True)
 
+    @_timed
     def barrier(self, opts=None):
         _opts(opts, BarrierOptions, "opts")
         return _ops().barrier(group=self, async_op=True)

@@ -21,7 +21,7 @@ from .group import NOT_INITIALIZED, resolve, world
 from .group import current as _group
 from .reduce_op import ReduceOp
 from .tensors import Buffer
-from .work import Work, timeout_seconds
+from .work import Work, call_timeout, timed as _timed, timeout_seconds
 
 _prof = _profiling.tap  # torch's profiler module once torch is imported (profiling.bind)
 _profiling.bind(globals())
@@ -29,9 +29,38 @@ _profiling.bind(globals())
 _SUM = ReduceOp.SUM
 
 
-def _launch(pg, async_op, outputs, name, steps):
+class _WithTimeout:
+    """``fn(*args)`` with the backend's timeout set to ``secs`` while it runs (and back after):
+    a call's own timeout, as torch's ``barrier(timeout=...)`` and options' ``timeout``. It
+    runs in issue order with the group's other calls, so none of them sees ``secs``;
+    point-to-point waits that begin meanwhile do."""
+
+    __slots__ = ("be", "secs", "fn", "__name__")
+
+    def __init__(self, be, secs, fn):
+        self.be, self.secs, self.fn = be, secs, fn
+        self.__name__ = getattr(fn, "__name__", "operation")
+
+    def __call__(self, *args):
+        be = self.be
+        old = be.timeout
+        be.set_timeout(self.secs)
+        try:
+            return self.fn(*args)
+        finally:
+            try:
+                be.set_timeout(old)
+            except DistError:  # shut down meanwhile: no later call to bound
+                pass
+
+
+def _launch(pg, async_op, outputs, name, steps, timeout=None):
     fn = Steps(name, steps) if len(steps) > 1 else steps[0][0]
     args = () if len(steps) > 1 else steps[0][1]
+    if timeout is None:
+        timeout = call_timeout()
+    if timeout is not None:
+        fn = _WithTimeout(pg.backend, timeout, fn)
     if _prof._is_profiler_enabled:
         if not async_op:
             return _profiling.run(pg, name, fn, args)
@@ -63,7 +92,7 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
         return None
     buf = buffer(tensor)
     be = pg.backend
-    if op is _SUM and not _prof._is_profiler_enabled:
+    if op is _SUM and not _prof._is_profiler_enabled and not _timed.n:
         if not async_op:
             if pg.inline and not be._busy:
                 be.all_reduce(buf, D.SUM)
@@ -144,7 +173,8 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     pg = _group(group)
     if pg is None:
         return None
-    if type(src) is int and group_src is None and not async_op and not _prof._is_profiler_enabled:
+    if type(src) is int and group_src is None and not async_op and not _prof._is_profiler_enabled \
+            and not _timed.n:
         # the common blocking call: a plain global rank, resolved by one dict lookup
         root = pg.group_of_global.get(src)
         if root is not None:
@@ -196,7 +226,8 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
         return None
     inp = buffer(input_tensor, "input_tensor")
     out = buffer(output_tensor, "output_tensor")
-    if not async_op and disjoint_gather(out, inp, pg._size) and not _prof._is_profiler_enabled:
+    if not async_op and disjoint_gather(out, inp, pg._size) and not _prof._is_profiler_enabled \
+            and not _timed.n:
         # the common blocking call
         be = pg.backend
         if pg.inline and not be._busy:
@@ -411,14 +442,22 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 # ---- barriers ------------------------------------------------------------------------------
 
-def barrier(group=None, async_op=False, device_ids=None):
-    """Block until every rank of the group has reached this barrier."""
+def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+    """Block until every rank of the group has reached this barrier.
+
+    ``timeout`` (a timedelta or seconds, > 0) bounds this barrier instead of the group's
+    timeout; past it, DistBackendError ("Timed out waiting <n>ms ..."), as torch's gloo.
+    """
     pg = world.default if group is None else resolve(group)  # _group(group), inlined
+    if timeout is not None:
+        timeout = timeout_seconds(timeout, "timeout", positive=True)
     if pg is None:
         if group is None:
             raise ValueError(NOT_INITIALIZED)
         return None
-    if not async_op and not _prof._is_profiler_enabled:
+    if timeout is not None:
+        return _launch(pg, async_op, [], "barrier", [(pg.backend.barrier, ())], timeout)
+    if not async_op and not _prof._is_profiler_enabled and not _timed.n:
         be = pg.backend
         if pg.inline and not be._busy:
             be.barrier()

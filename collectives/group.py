@@ -5,6 +5,7 @@ group state (ranks, this rank's group rank, the backend's bound methods) is
 computed once here so the per-call path in collective_ops does no lookups.
 """
 import datetime
+import hashlib
 import importlib.util
 import os
 import sys
@@ -208,7 +209,7 @@ def _prefix(prefix, store):
 
 
 def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
-                       store=None, group_name="", pg_options=None, device_id=None):
+                       store=None, group_name="", pg_options=None, device_id=None, _ranks=None):
     """Initialise the default process group (as torch.distributed).
 
     Args:
@@ -219,10 +220,15 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         timeout: timedelta or seconds any single wait may take (default 30 minutes).
         world_size, rank: required with ``store`` or a tcp:// / file:// init_method.
         store: a Store all ranks share (excludes init_method).
+        _ranks: torch's private argument: the group is then named by the hash torch
+            gives those ranks (``group_name`` otherwise, default "default_pg").
 
     Example:
         >>> dist.init_process_group("gloo", rank=r, world_size=n)
     """
+    if _ranks:  # torch's _hash_ranks_to_str, with no group named yet
+        group_name = hashlib.sha1(f"{'_'.join(map(str, _ranks))}_0".encode(),
+                                  usedforsecurity=False).hexdigest()
     if world.default is not None:
         raise ValueError("trying to initialize the default process group twice!")
     name = _backend_name(backend)

@@ -155,8 +155,11 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
     return None
 
 
-def send_object_list(object_list, dst=None, group=None, device=None, group_dst=None):
-    """Send the objects of ``object_list`` to ``dst`` (pickled: trusted peers only)."""
+def send_object_list(object_list, dst=None, group=None, device=None, group_dst=None,
+                     use_batch=False):
+    """Send the objects of ``object_list`` to ``dst`` (pickled: trusted peers only).
+    ``use_batch`` (torch's choice of batch_isend_irecv over send) changes nothing here: the
+    backend's sends are posted without blocking either way."""
     from .p2p import _dst
     pg = _group(group)
     if pg is None:
@@ -173,9 +176,10 @@ def send_object_list(object_list, dst=None, group=None, device=None, group_dst=N
     return None
 
 
-def recv_object_list(object_list, src=None, group=None, device=None, group_src=None):
+def recv_object_list(object_list, src=None, group=None, device=None, group_src=None,
+                     use_batch=False):
     """Fill ``object_list`` with objects sent by ``src`` (None: any rank). Returns the sender's
-    global rank."""
+    global rank. ``use_batch`` changes nothing (as in send_object_list)."""
     from .p2p import _src
     pg = _group(group)
     if pg is None:

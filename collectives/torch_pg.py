@@ -49,7 +49,7 @@ from ._pg_methods import _opts as _options
 from .errors import DistStoreError
 from .reduce_op import PremulSum, RedOpType, ReduceOp, _PremulSumMember
 from .store import Store
-from .work import timeout_seconds
+from .work import option_timeout, per_call_timeout, timeout_seconds
 
 _groups = importlib.import_module(f"{__package__}.group")  # (the package's `group` is dist.group)
 
@@ -256,7 +256,12 @@ class TorchProcessGroup(td.ProcessGroup):
 
     def _run(self, opts, fn, outputs, *args, **kwargs):
         async_op = bool(opts.asyncOp)
-        work = fn(*args, group=self._group, async_op=async_op, **kwargs)
+        secs = option_timeout(opts.timeout, "opts.timeout")
+        if secs is None:
+            work = fn(*args, group=self._group, async_op=async_op, **kwargs)
+        else:  # this call's own timeout (torch's barrier(timeout=...) sets it)
+            with per_call_timeout(secs):
+                work = fn(*args, group=self._group, async_op=async_op, **kwargs)
         return TorchWork(work if async_op else None, outputs, self._group)
 
     # ---- collectives -------------------------------------------------------------------------
@@ -376,7 +381,10 @@ class TorchProcessGroup(td.ProcessGroup):
             raise ValueError(f"outputs and inputs must have the same length, got {len(outputs)} "
                              f"and {len(inputs)}")
         async_op = bool(opts.asyncOp)
-        works = [fn(o, i, *args, group=self._group, async_op=async_op) for o, i in zip(outputs, inputs)]
+        secs = option_timeout(opts.timeout, "opts.timeout")
+        with per_call_timeout(secs):
+            works = [fn(o, i, *args, group=self._group, async_op=async_op)
+                     for o, i in zip(outputs, inputs)]
         if not async_op or not works:
             return TorchWork(None, outputs, self._group)
         for w in works[:-1]:  # the group runs them in order: the last one done means all are

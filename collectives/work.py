@@ -27,6 +27,68 @@ def timeout_seconds(timeout, name="timeout", positive=False):
     return secs
 
 
+_UNSET = datetime.timedelta(milliseconds=-1)  # torch's "unset" timeout of an options struct
+
+
+def option_timeout(timeout, name):
+    """Seconds from an options struct's ``timeout``, or None where it is torch's "unset"
+    value (-1 ms: the group's timeout applies). ValueError/TypeError naming ``name``
+    for anything else that is not a positive duration."""
+    if timeout == _UNSET:
+        return None
+    return timeout_seconds(timeout, name, positive=True)
+
+
+class _PerCall(threading.local):
+    secs = None
+
+
+_per_call = _PerCall()
+
+
+class _TimedCount:
+    """``timed.n``: how many threads are issuing calls with their own timeout now. The
+    front end's blocking fast paths (which skip the per-call check) run only while it is 0."""
+
+    __slots__ = ("n", "lock")
+
+    def __init__(self):
+        self.n = 0
+        self.lock = threading.Lock()
+
+
+timed = _TimedCount()
+
+
+def call_timeout():
+    """The timeout (seconds) of the call the calling thread is issuing, or None."""
+    return _per_call.secs
+
+
+class per_call_timeout:  # noqa: N801  (a context manager, used like a function)
+    """``with per_call_timeout(secs):`` the collectives this thread issues inside take
+    ``secs`` as their own timeout instead of their group's (torch's per-call timeouts:
+    ``opts.timeout`` of a process group's methods). ``secs`` None changes nothing."""
+
+    __slots__ = ("secs", "prev")
+
+    def __init__(self, secs):
+        self.secs = secs
+
+    def __enter__(self):
+        if self.secs is not None:
+            self.prev = _per_call.secs
+            _per_call.secs = self.secs
+            with timed.lock:
+                timed.n += 1
+
+    def __exit__(self, *exc):
+        if self.secs is not None:
+            _per_call.secs = self.prev
+            with timed.lock:
+                timed.n -= 1
+
+
 class Future(concurrent.futures.Future):
     """A concurrent.futures.Future that torch-style code can also ``wait()``/``then()``/``value()``."""
 

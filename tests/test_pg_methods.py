@@ -20,8 +20,11 @@ def config(request):
     return request.param
 
 
-def methods_case(ctx):
-    """Run on every rank: every method on the subgroup; returns {label: result}."""
+def methods_case(ctx, timed):
+    """Run on every rank: every method on the subgroup; returns {label: result}. ``timed``:
+    every options struct carries a timeout of its own (the call runs with it)."""
+    import datetime
+
     import numpy as np
 
     import collectives as dist
@@ -34,11 +37,17 @@ def methods_case(ctx):
     v = lambda k=4: np.arange(k, dtype=np.float64) + 10 * (me + 1)  # noqa: E731
     out = {"name": pg.name(), "group_name": pg.group_name}
 
+    def opts(cls):
+        o = cls()
+        if timed:
+            o.timeout = datetime.timedelta(seconds=45)
+        return o
+
     t = v()
-    pg.allreduce([t], dist.AllreduceOptions()).wait()
+    pg.allreduce([t], opts(dist.AllreduceOptions)).wait()
     out["allreduce opts"] = t.tolist()
     t = v()
-    o = dist.AllreduceOptions()
+    o = opts(dist.AllreduceOptions)
     o.reduceOp = dist.ReduceOp.MAX
     pg.allreduce([t], o).wait()
     out["allreduce max"] = t.tolist()
@@ -50,7 +59,7 @@ def methods_case(ctx):
     out["allreduce_coalesced"] = [x.tolist() for x in ts]
 
     t = v()
-    o = dist.BroadcastOptions()
+    o = opts(dist.BroadcastOptions)
     o.rootRank = 2
     pg.broadcast([t], o).wait()
     out["broadcast opts"] = t.tolist()
@@ -59,7 +68,7 @@ def methods_case(ctx):
     out["broadcast root"] = t.tolist()
 
     t = v()
-    o = dist.ReduceOptions()
+    o = opts(dist.ReduceOptions)
     o.rootRank, o.reduceOp = 1, dist.ReduceOp.SUM
     pg.reduce([t], o).wait()
     out["reduce opts"] = t.tolist() if me == 1 else None
@@ -77,7 +86,7 @@ def methods_case(ctx):
     pg._allgather_base(big, v()).wait()
     out["_allgather_base"] = big.tolist()
 
-    o = dist.GatherOptions()
+    o = opts(dist.GatherOptions)
     o.rootRank = 0
     outs = [np.zeros(4) for _ in range(n)]
     pg.gather([outs] if me == 0 else [], [v()], o).wait()
@@ -86,7 +95,7 @@ def methods_case(ctx):
     pg.gather(outs if me == 2 else [], v(), 2).wait()
     out["gather root"] = [x.tolist() for x in outs] if me == 2 else None
 
-    o = dist.ScatterOptions()
+    o = opts(dist.ScatterOptions)
     o.rootRank = 1
     t = np.zeros(4)
     src = [np.full(4, 100.0 + q) for q in range(n)]
@@ -97,7 +106,7 @@ def methods_case(ctx):
     out["scatter root"] = t.tolist()
 
     t = np.zeros(4)
-    pg.reduce_scatter([t], [[v() + q for q in range(n)]], dist.ReduceScatterOptions()).wait()
+    pg.reduce_scatter([t], [[v() + q for q in range(n)]], opts(dist.ReduceScatterOptions)).wait()
     out["reduce_scatter opts"] = t.tolist()
     t = np.zeros(4)
     pg.reduce_scatter(t, [v() + q for q in range(n)], dist.ReduceOp.MAX).wait()
@@ -108,13 +117,13 @@ def methods_case(ctx):
 
     t = np.zeros(2 * n)
     pg.alltoall_base(t, np.concatenate([np.full(2, 10.0 * me + q) for q in range(n)]), [], [],
-                     dist.AllToAllOptions()).wait()
+                     opts(dist.AllToAllOptions)).wait()
     out["alltoall_base"] = t.tolist()
     outs = [np.zeros(1) for _ in range(n)]
     pg.alltoall(outs, [np.full(1, 10.0 * me + q) for q in range(n)]).wait()
     out["alltoall"] = [x.tolist() for x in outs]
 
-    pg.barrier(dist.BarrierOptions()).wait()
+    pg.barrier(opts(dist.BarrierOptions)).wait()
     if me == 0:
         pg.send([np.full(3, 7.0)], 2, 5).wait()
         pg.send([np.full(3, 8.0)], 1, 0).wait()
@@ -141,8 +150,9 @@ def methods_case(ctx):
 
 
 @pytest.mark.timeout(300)
-def test_process_group_methods_match_numpy(config):
-    results = backend_pool(config, WORLD).run(methods_case, timeout=120)
+@pytest.mark.parametrize("timed", [False, True], ids=["group-timeout", "own-timeout"])
+def test_process_group_methods_match_numpy(config, timed):
+    results = backend_pool(config, WORLD).run(methods_case, timed, timeout=120)
     assert results[0] is None
     n = len(MEMBERS)
     v = lambda me, k=4: np.arange(k, dtype=np.float64) + 10 * (me + 1)  # noqa: E731
@@ -309,3 +319,113 @@ def test_options_have_torchs_fields_and_defaults():
     assert dist.BroadcastOptions().rootRank == 0 and dist.ScatterOptions().rootRank == 0
     assert dist.AllreduceCoalescedOptions().reduceOp == dist.ReduceOp.SUM
     assert "reduceOp" in repr(dist.AllreduceOptions())
+
+
+def call_timeout_case(ctx, bridged, lone):
+    """Run on every rank: a call's own timeout (``barrier(timeout=...)``, an options struct's
+    ``timeout``) on new groups of all ranks whose own timeout is 300 s. Returns (misuse
+    errors, all_reduce result, {case: (what rank 0's lone call raised, after how long)})."""
+    import datetime
+    import time
+
+    import numpy as np
+
+    import collectives as dist
+    sec = datetime.timedelta(seconds=1)
+    errors = []
+    for call in (lambda: dist.barrier(timeout=-1), lambda: dist.barrier(timeout="soon"),
+                 lambda: dist.barrier(timeout=0)):
+        try:
+            call()
+            errors.append(None)
+        except (TypeError, ValueError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    pg = _all_ranks_group(bridged)
+    # passed by all: the call's timeout replaces the group's for that call only
+    pg.set_timeout(3)
+    dist.barrier(group=pg, timeout=30)
+    o = dist.AllreduceOptions()
+    o.timeout = datetime.timedelta(seconds=30)
+    t = np.full(3, ctx.rank + 1.0)
+    pg.allreduce([t], o).wait()
+    lone_got = {}
+
+    def lone_call(name, group, fn):
+        if ctx.rank == 0:
+            t0 = time.monotonic()
+            try:
+                fn()
+                lone_got[name] = ("passed", time.monotonic() - t0)
+            except dist.DistError as e:
+                lone_got[name] = (str(e), time.monotonic() - t0)
+        dist.barrier()  # the others stay in the group until rank 0 is done
+        dist.destroy_process_group(group)
+
+    if lone:  # rank 0 alone; each group is left broken by its timeout: a new one each time
+        lone_call("group timeout restored (3 s)", pg, lambda: dist.barrier(group=pg))
+        g = _all_ranks_group(bridged)
+        g.set_timeout(300)
+        lone_call("barrier(timeout=1)", g, lambda: dist.barrier(group=g, timeout=sec))
+        g = _all_ranks_group(bridged)
+        g.set_timeout(300)
+        b = dist.BarrierOptions()
+        b.timeout = sec
+        lone_call("pg.barrier(opts)", g, lambda: g.barrier(b).wait())
+        g = _all_ranks_group(bridged)
+        g.set_timeout(300)
+        o1 = dist.AllreduceOptions()
+        o1.timeout = sec
+        lone_call("pg.allreduce(opts)", g, lambda: g.allreduce([np.ones(5)], o1).wait())
+        if bridged:
+            import torch
+            import torch.distributed as td
+            g = _all_ranks_group(bridged)
+            g.set_timeout(300)
+            lone_call("torch barrier(timeout=1)", g, lambda: td.barrier(group=g, timeout=sec))
+            g = _all_ranks_group(bridged)
+            g.set_timeout(300)
+            lone_call("torch all_reduce opts", g,
+                      lambda: g.allreduce([torch.ones(5)], _torch_opts(sec)).wait())
+    else:
+        dist.destroy_process_group(pg)
+    o.timeout = datetime.timedelta(seconds=-5)
+    try:
+        dist.group.WORLD.allreduce([t], o)
+        errors.append(None)
+    except (TypeError, ValueError) as e:
+        errors.append(f"{type(e).__name__}: {e}")
+    return errors, t.tolist(), lone_got
+
+
+def _torch_opts(timeout):
+    import torch.distributed as td
+    o = td.AllreduceOptions()
+    o.timeout = timeout
+    return o
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("config", [c for c in available_configs()
+                                    if c in ("gloo", "gloo-tcp", "gloo-hier", "mpi")])
+@pytest.mark.parametrize("bridged", [False, True], ids=["plain", "torch"])
+def test_a_calls_own_timeout_bounds_that_call_only(config, bridged):
+    if bridged:
+        pytest.importorskip("torch")
+    lone = config != "mpi"  # on mpi a blocking collective past its timeout ends the job
+    got = backend_pool(config, WORLD).run(call_timeout_case, bridged, lone, timeout=120)
+    for errors, summed, _ in got:
+        assert errors[0].startswith("ValueError: timeout must be"), errors
+        assert errors[1].startswith("TypeError: timeout must be"), errors
+        assert errors[2].startswith("ValueError: timeout must be"), errors
+        assert errors[3].startswith("ValueError: opts.timeout must be"), errors
+        assert summed == [float(sum(range(1, WORLD + 1)))] * 3
+    if not lone:
+        return
+    cases = got[0][2]
+    assert len(cases) == (6 if bridged else 4), cases
+    for name, (msg, took) in cases.items():
+        want = 3.0 if name.startswith("group timeout") else 1.0
+        assert msg != "passed", f"{name}: rank 0's lone call passed after {took:.2f} s"
+        assert want - 0.1 <= took < want + 2, f"{name}: raised after {took:.2f} s: {msg}"
+        # torch gloo's words, which torch's own tests match
+        assert " Timed out " in msg and f"Timed out waiting {want * 1000:.0f}ms" in msg, msg
