@@ -275,7 +275,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     world.owned_store = owned
     world.groups.append(pg)
     _set_world(pg)
-    _torch_bridge(pg)
+    _torch_bridge(pg, _ranks)
 
 
 def _bridging():
@@ -297,7 +297,7 @@ def _group_class():
     return ProcessGroup
 
 
-def _torch_bridge(pg):
+def _torch_bridge(pg, ranks=None):
     """Give torch.distributed a default group that runs on ``pg`` (see
     collectives.torch_pg), when the program has imported torch: DistributedDataParallel
     and libraries calling torch.distributed then work unchanged."""
@@ -308,7 +308,7 @@ def _torch_bridge(pg):
         if not torch.distributed.is_available():
             return
         from . import torch_pg
-        torch_pg.install_default(pg)
+        torch_pg.install_default(pg, ranks)
     except Exception as e:  # noqa: BLE001  (collectives' own group is up and usable)
         warnings.warn(f"collectives: torch.distributed's default group was not set up over "
                       f"collectives ({type(e).__name__}: {e}); DistributedDataParallel and "

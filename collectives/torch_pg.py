@@ -734,10 +734,10 @@ def register():
         _registered = True
 
 
-def install_default(pg):
+def install_default(pg, ranks=None):
     """Make torch's default group a TorchProcessGroup over ``pg`` (collectives' default
-    group), unless torch's already exists; called by ``init_process_group``. Returns
-    whether it did."""
+    group), unless torch's already exists; called by ``init_process_group`` (``ranks``: its
+    ``_ranks``, which torch names the group by). Returns whether it did."""
     if getattr(_state, "installing", None) is not None or td.is_initialized():
         return False
     register()
@@ -745,7 +745,8 @@ def install_default(pg):
     _state.installing = pg                                         # ours met already
     try:
         td.init_process_group(BACKEND_NAME, store=td.HashStore(), rank=pg.rank(),
-                              world_size=pg.size(), timeout=timedelta(seconds=pg.timeout))
+                              world_size=pg.size(), timeout=timedelta(seconds=pg.timeout),
+                              **({"_ranks": list(ranks)} if ranks else {}))
     finally:
         _state.installing = None
         if barrier_env is not None:

@@ -231,6 +231,12 @@ def test_init_twice_unknown_backend_and_bad_arguments(world):
         dist.init_process_group("recorder", store=HashStore(), rank=0, world_size=1)
 
 
+def test_torchs_private_ranks_argument_names_the_world_group_as_torch(world):
+    import hashlib
+    dist.init_process_group("recorder", store=HashStore(), rank=0, world_size=1, _ranks=[0])
+    assert dist.group.WORLD.group_name == hashlib.sha1(b"0_0").hexdigest()
+
+
 def test_torch_style_device_backend_string_picks_the_cpu_entry(world):
     dist.init_process_group("cuda:nccl,cpu:recorder", store=HashStore(), rank=0, world_size=1)
     assert dist.get_backend() == "recorder"

@@ -18,6 +18,23 @@ def test_the_package_names_and_the_constants_are_there():
     assert c10d._get_default_timeout(collectives.Backend.GLOO) == datetime.timedelta(minutes=30)
 
 
+def test_every_function_takes_torchs_parameters_in_torchs_order():
+    """A program passing torch's keyword (or positional) arguments runs unchanged: each
+    function torch.distributed and collectives both have takes torch's parameters first."""
+    import inspect
+    td = pytest.importorskip("torch.distributed")
+    differ = []
+    for name in dir(td):
+        theirs = getattr(td, name)
+        if name.startswith("__") or not inspect.isfunction(theirs) or not hasattr(collectives, name):
+            continue
+        want = list(inspect.signature(theirs).parameters)
+        got = list(inspect.signature(getattr(collectives, name)).parameters)
+        if got[:len(want)] != want:
+            differ.append(f"{name}: torch {want}, ours {got}")
+    assert not differ, "\n".join(differ)
+
+
 def names_case(ctx):
     """Run on every rank of 3: the helpers, on the world and on a subgroup of ranks 2 and 0."""
     import warnings
