@@ -19,8 +19,10 @@ after the options go to unittest (``-k PATTERN``, ``-v``...).
 Run on 2026-11-24, world 2, ``--as gloo``: 285 tests, 82 passed, 195 skipped (CUDA,
 torchvision, world sizes), 8 errors on the code of 18ef15c. Three were ours and are fixed
 (a comm hook calling ``group.allreduce([t])`` got our Work, not torch's: 8180f73; a
-full-world ``new_group`` ignored its timeout: 29dd35b); re-run, they pass but for the
-wording torch's test expects (" Timed out " in the message). Five stay, by design or
+full-world ``new_group`` ignored its timeout: 29dd35b); the barrier-timeout tests then
+wanted gloo's wording (" Timed out " in the message), which timeout errors carry since
+90f27b2 (re-run with ``-k test_barrier -k test_get_backend -k test_monitored``: 18 tests, 3
+passed, 11 skipped, 4 errors, those below). Five stay, by design or
 torch's gating: ``test_get_backend`` (torch names the backend "collectives"),
 ``test_monitored_barrier_gloo*`` (torch allows it on its own gloo only),
 ``test_sparse_all_reduce_sum`` (sparse tensors are not supported). ``--as collectives``:
