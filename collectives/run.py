@@ -100,7 +100,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     p = _Parser(prog="collectives-run", allow_abbrev=False,
                 description="Start a distributed job: N processes per node, torchrun's flags.")
-    p.add("--nnodes", default="1", help="number of nodes, N or N:N (default 1)")
+    p.add("--nnodes", default="1",
+          help="number of nodes, N, or MIN:MAX with --rdzv-backend c10d (default 1)")
     p.add("-n", "--nproc-per-node", default="1",
           help="processes per node: an int, 'cpu'/'auto' (one per core) or 'gpu' (default 1)")
     p.add("--node-rank", type=int, default=0, help="this node's rank among the nodes (default 0)")
@@ -110,10 +111,16 @@ def build_parser():
                "29500 on several)")
     p.add("--standalone", action="store_true",
           help="single node, local master on a free port")
-    p.add("--rdzv-backend", default="static", help="static or c10d (endpoint = master)")
-    p.add("--rdzv-endpoint", default="", help="host:port of the master (as --master-addr/port)")
-    p.add("--rdzv-id", default="none", help="accepted for torchrun compatibility")
-    p.add("--rdzv-conf", default="", help="accepted for torchrun compatibility")
+    p.add("--rdzv-backend", default="static",
+          help="static (--node-rank numbers the nodes) or c10d (the launchers number "
+               "themselves through a store at --rdzv-endpoint; --nnodes may be MIN:MAX)")
+    p.add("--rdzv-endpoint", default="",
+          help="host:port of the rendezvous: the c10d store (default port 29400), or with "
+               "static the master (as --master-addr/port)")
+    p.add("--rdzv-id", default="none", help="the job's id (TORCHELASTIC_RUN_ID)")
+    p.add("--rdzv-conf", default="",
+          help="c10d: join_timeout=S,last_call_timeout=S,close_timeout=S (torchrun's keys; "
+               "defaults 600, 30, 30)")
     p.add("--max-restarts", type=int, default=0, help="restart every rank up to N times on failure")
     p.add("--monitor-interval", type=float, default=0.1, help="seconds between checks of the ranks")
     p.add("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
@@ -162,28 +169,42 @@ def _nnodes(value):
     try:
         lo, hi = int(lo), int(hi or lo)
     except ValueError:
-        raise ValueError(f"--nnodes must be N or N:N, got {value!r}") from None
-    if lo != hi:
-        raise ValueError(f"--nnodes={value}: elastic node ranges are not supported; give one number")
-    if lo < 1:
-        raise ValueError(f"--nnodes must be >= 1, got {lo}")
-    return lo
+        raise ValueError(f"--nnodes must be N or MIN:MAX, got {value!r}") from None
+    if lo < 1 or hi < lo:
+        raise ValueError(f"--nnodes must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX, got {value!r}")
+    return lo, hi
+
+
+RDZV_BACKENDS = ("static", "c10d")
+C10D_PORT = 29400  # torchrun's default rendezvous port
 
 
 class Config:
     """The launch, resolved from the command line."""
 
     def __init__(self, args):
-        self.nnodes = _nnodes(args.nnodes)
+        self.min_nodes, self.max_nodes = _nnodes(args.nnodes)
+        self.nnodes = self.max_nodes
         self.nproc = _nproc(args.nproc_per_node)
         self.node_rank = args.node_rank
+        if args.rdzv_backend not in RDZV_BACKENDS:
+            raise ValueError(f"--rdzv-backend must be one of {', '.join(RDZV_BACKENDS)}, "
+                             f"got {args.rdzv_backend!r}")
         if args.standalone:
-            if self.nnodes != 1:
-                raise ValueError(f"--standalone runs one node, got --nnodes={self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
+            if self.nnodes != 1 or self.min_nodes != 1:
+                raise ValueError(f"--standalone runs one node, got --nnodes={args.nnodes}")
+        self.dynamic = args.rdzv_backend == "c10d" and not args.standalone
+        if self.dynamic:
+            self._dynamic(args)
+        elif self.min_nodes != self.max_nodes:
+            raise ValueError(f"--nnodes={args.nnodes}: an elastic node range needs "
+                             f"--rdzv-backend c10d and --rdzv-endpoint")
+        if not 0 <= self.node_rank < self.nnodes and not self.dynamic:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         addr, port = args.master_addr, args.master_port
-        if args.rdzv_endpoint and not args.standalone:
+        if self.dynamic:
+            addr, port = self.rdzv_host, 0  # the round's (node 0 posts a free port)
+        elif args.rdzv_endpoint and not args.standalone:
             host, _, p = args.rdzv_endpoint.rpartition(":")
             if not host:
                 host, p = args.rdzv_endpoint, ""
@@ -201,10 +222,10 @@ class Config:
             port = 0 if self.nnodes == 1 else 29500
         if not 0 <= port <= 65535:
             raise ValueError(f"--master-port must be in [0, 65535], got {port}")
-        if port == 0 and self.nnodes > 1:
+        if port == 0 and self.nnodes > 1 and not self.dynamic:
             raise ValueError("--master-port 0 (a free port) works on one node only; "
                              "give the same port to every node")
-        self.auto_port = port == 0
+        self.auto_port = port == 0 and not self.dynamic
         self.master_port = port
         if args.module and args.no_python:
             raise ValueError("--module and --no-python cannot be used together")
@@ -234,6 +255,29 @@ class Config:
             self.cmd = [sys.executable, "-u", args.training_script]
         self.cmd += args.training_script_args
         self.world_size = self.nnodes * self.nproc
+
+    def _dynamic(self, args):
+        """--rdzv-backend c10d: where the launchers meet, and how long they wait."""
+        from ._agents import parse_conf
+        if not args.rdzv_endpoint:
+            raise ValueError("--rdzv-backend c10d needs --rdzv-endpoint host[:port]")
+        host, sep, p = args.rdzv_endpoint.rpartition(":")
+        if not sep or "]" in p:  # no port (or a bare IPv6 address)
+            host, p = args.rdzv_endpoint, ""
+        self.rdzv_host = host.strip("[]")
+        try:
+            self.rdzv_port = int(p) if p else C10D_PORT
+        except ValueError:
+            raise ValueError(f"--rdzv-endpoint must be host[:port], got {args.rdzv_endpoint!r}") \
+                from None
+        if not 1 <= self.rdzv_port <= 65535:
+            raise ValueError(f"--rdzv-endpoint port must be in [1, 65535], got {self.rdzv_port}")
+        self.rdzv_conf = parse_conf(args.rdzv_conf)
+
+    def set_round(self, node_rank, nnodes, master_port):
+        """The node rank, node count and ranks' port of a c10d rendezvous round."""
+        self.node_rank, self.nnodes, self.master_port = node_rank, nnodes, master_port
+        self.world_size = nnodes * self.nproc
 
     def env(self, local_rank, restart):
         rank = self.node_rank * self.nproc + local_rank
@@ -404,8 +448,10 @@ class Launcher:
                               _Stream(rank, self.err, cfg.prefix, show, logs[1], True)))
         return ranks
 
-    def supervise(self, ranks):
-        """Run until every rank has ended; returns the ranks that failed on their own."""
+    def supervise(self, ranks, watch=None):
+        """Run until every rank has ended; returns the ranks that failed on their own.
+        ``watch(now)``: a reason to stop every rank, or None (the c10d rendezvous: another
+        node failed, or a new round begins); the reason is left in ``self.stopped_for``."""
         cfg = self.cfg
         sel = selectors.DefaultSelector()
         for r in ranks:
@@ -417,6 +463,7 @@ class Launcher:
         killed = False
         forwarded = 0
         all_ended_at = None
+        self.stopped_for = None
         while True:
             for key, _ in sel.select(cfg.monitor_interval):
                 try:
@@ -446,7 +493,10 @@ class Launcher:
                         r.killed_by_us = True
                         _signal_group(r, sig)
                 stopping_since = stopping_since or now
-            if failed and stopping_since is None:
+            if watch is not None and stopping_since is None and not failed \
+                    and self.signal_received is None:
+                self.stopped_for = watch(now)
+            if (failed or self.stopped_for) and stopping_since is None:
                 stopping_since = now
                 for r in ranks:
                     if r.returncode is None:
@@ -491,6 +541,8 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             handlers[sig] = signal.signal(sig, self._on_signal)
         try:
+            if self.cfg.dynamic:
+                return self.run_c10d()
             for attempt in range(self.cfg.max_restarts + 1):
                 t0 = time.monotonic()
                 ranks = self.start(attempt)
@@ -509,6 +561,74 @@ class Launcher:
         finally:
             for sig, h in handlers.items():
                 signal.signal(sig, h)
+
+
+    @staticmethod
+    def _exit_code(rank):
+        rc = rank.returncode
+        return rc if 0 < rc < 256 else 128 + (-rc if rc < 0 else 1)
+
+    def run_c10d(self):
+        """The job's rounds under the c10d rendezvous (collectives/_agents.py)."""
+        from ._agents import NodeRendezvous, Stop
+        cfg = self.cfg
+        try:
+            rdzv = NodeRendezvous(cfg.rdzv_host, cfg.rdzv_port, cfg.run_id, cfg.min_nodes,
+                                  cfg.max_nodes, cfg.rdzv_conf, free_port)
+        except Stop as e:
+            self.note(str(e))
+            return 1
+        restarts = 0
+        try:
+            while True:
+                rdzv.join()
+                cfg.set_round(rdzv.node_rank, rdzv.nnodes, rdzv.master_port)
+                self.note(f"node {rdzv.node_rank} of {rdzv.nnodes} (round {rdzv.round}): ranks "
+                          f"{rdzv.node_rank * cfg.nproc}..{(rdzv.node_rank + 1) * cfg.nproc - 1} "
+                          f"of {cfg.world_size}")
+                t0 = time.monotonic()
+                ranks = self.start(restarts)
+                failed = self.supervise(ranks, rdzv.poll)
+                event = self.stopped_for
+                if self.signal_received is not None:
+                    name = signal.Signals(self.signal_received).name
+                    rdzv.fail(f"node {rdzv.node_rank}'s launcher received {name}")
+                    self.note(f"received {name}; stopped {len(ranks)} ranks")
+                    return 128 + self.signal_received
+                if failed:
+                    self.summary(failed, time.monotonic() - t0)
+                    first = failed[0]
+                    why = f"rank {first.rank} on node {rdzv.node_rank} failed with {first.describe()}"
+                    if restarts >= cfg.max_restarts:
+                        rdzv.fail(f"{why}; no restart left")
+                        return self._exit_code(first)
+                    event = ("restart", rdzv.restart("F", why))
+                elif event is None:
+                    event = rdzv.finish(lambda: self.signal_received is not None)
+                    if event is None:
+                        return 0
+                    if event[0] == "signal":
+                        name = signal.Signals(self.signal_received).name
+                        rdzv.fail(f"node {rdzv.node_rank}'s launcher received {name}")
+                        return 128 + self.signal_received
+                kind, why = event
+                if kind == "failed":
+                    self.note(f"stopping: {why}")
+                    return 1
+                if why.startswith("F"):
+                    if restarts >= cfg.max_restarts:  # (another node asked first)
+                        rdzv.fail(f"{why[3:]}; no restart left")
+                        self.note(f"stopping: {why[3:]}; no restart left")
+                        return 1
+                    restarts += 1
+                    self.note(f"restarting every rank ({restarts} of {cfg.max_restarts}): {why[3:]}")
+                else:
+                    self.note(f"restarting every rank in a new round: {why[3:]}")
+        except Stop as e:
+            self.note(f"stopping: {e}")
+            return 1
+        finally:
+            rdzv.close()
 
 
 def main(argv=None):

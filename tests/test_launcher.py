@@ -157,7 +157,13 @@ def test_module_and_no_python_forms():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args,match", [
-    (["--nnodes", "1:2"], "elastic"),
+    (["--nnodes", "1:2"], "elastic node range needs --rdzv-backend c10d"),
+    (["--nnodes", "2:1"], "MIN <= MAX"),
+    (["--rdzv-backend", "etcd"], "--rdzv-backend must be one of static, c10d"),
+    (["--rdzv-backend", "c10d"], "needs --rdzv-endpoint"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:x"], "host[:port]"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout=-1"],
+     "join_timeout must be >= 0"),
     (["--nproc-per-node", "0"], "nproc-per-node"),
     (["--nnodes", "2", "--node-rank", "2"], "node-rank"),
     (["--nnodes", "2", "--master-port", "0"], "master-port"),
@@ -276,3 +282,100 @@ def test_max_restarts_reruns_every_rank_after_a_failure(tmp_path):
     assert open(tmp_path / "rank1.out").read() == "ok 1\n"
     out = launch(["-n", "2", "--max-restarts", "1", "--no-python", "sh", "-c", "exit 5"])
     assert out.returncode == 5
+
+
+# ---- the c10d rendezvous: launchers that number their nodes themselves -----------------
+
+def launch_nodes(n, args, delays=None, timeout=90):
+    """``n`` launchers on this machine as ``n`` nodes (each its own faked host), with
+    ``--rdzv-backend c10d`` at a free port and ``args``; launcher i starts after
+    ``delays[i]`` seconds. Returns [(returncode, {rank: json line}, stderr)] per launcher."""
+    port = free_port()
+    procs = []
+    t0 = time.monotonic()
+    for i in range(n):
+        if delays:
+            time.sleep(max(0.0, t0 + delays[i] - time.monotonic()))
+        procs.append(start(["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                            "--rdzv-id", "job9"] + args,
+                           env=_env(COLLECTIVES_HOST_ID=f"node-{i}")))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            lines = {}
+            for line in rank_lines(out):
+                m = re.match(r"^\[(\d+)\] (\{.*\})$", line)
+                if m:
+                    lines[int(m.group(1))] = json.loads(m.group(2))
+            results.append((p.returncode, lines, err.decode()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_c10d_launchers_number_their_nodes_without_node_rank():
+    got = launch_nodes(3, ["--nnodes", "3", "-n", "2", "--rdzv-conf", "close_timeout=5",
+                           TARGET, "elastic"])
+    seen = {}
+    for rc, lines, err in got:
+        assert rc == 0, err
+        assert len(lines) == 2, err
+        for r, d in lines.items():
+            seen[r] = d
+    assert sorted(seen) == list(range(6))
+    nodes = sorted({d["node"] for d in seen.values()})
+    assert nodes == [0, 1, 2]
+    for r, d in seen.items():
+        assert d["rank"] == r == d["node"] * 2 + d["local"]
+        assert (d["world"], d["nodes"], d["restart"], d["sum"]) == (6, 3, 0, 21)
+    # the launcher that serves the store (the first to bind the endpoint) is node 0
+    assert any("node 0 of 3 (round 0)" in err for _, _, err in got)
+
+
+@pytest.mark.timeout(120)
+def test_c10d_a_failure_restarts_every_node_while_max_restarts_allows():
+    got = launch_nodes(2, ["--nnodes", "2", "-n", "1", "--max-restarts", "1",
+                           "--rdzv-conf", "close_timeout=5", TARGET, "elastic",
+                           "fail-node1-once"])
+    for rc, lines, err in got:
+        assert rc == 0, err
+        assert "restarting every rank (1 of 1): rank 1 on node 1 failed with exit code 7" in err
+        [d] = lines.values()
+        assert (d["world"], d["restart"], d["sum"]) == (2, 1, 3)
+    got = launch_nodes(2, ["--nnodes", "2", "-n", "1", "--rdzv-conf", "close_timeout=5",
+                           TARGET, "elastic", "fail-node1-once"])
+    codes = sorted(rc for rc, _, _ in got)
+    assert codes == [1, 7], got  # node 1 with its rank's code, node 0 with 1
+    assert any("stopping: rank 1 on node 1 failed with exit code 7; no restart left" in err
+               for _, _, err in got), got
+
+
+@pytest.mark.timeout(120)
+def test_c10d_elastic_range_starts_with_min_and_takes_a_late_node_in():
+    # MIN 1, MAX 2: the first node runs alone after last_call_timeout; the second joins
+    # 4 s later and both restart in a round of two (not counted as a restart)
+    args = ["--nnodes", "1:2", "-n", "1", "--rdzv-conf",
+            "last_call_timeout=1,close_timeout=5", TARGET, "elastic", "want-nodes", "2"]
+    got = launch_nodes(2, args, delays=[0, 4])
+    first, second = got
+    assert first[0] == 0 and second[0] == 0, got
+    assert "node 0 of 1 (round 0)" in first[2]
+    assert "restarting every rank in a new round: a node joined" in first[2]
+    assert "node 1 of 2 (round 1)" in second[2]
+    for _, lines, _ in got:
+        [d] = lines.values()
+        assert (d["world"], d["nodes"], d["restart"], d["sum"]) == (2, 2, 0, 3)
+
+
+@pytest.mark.timeout(60)
+def test_c10d_too_few_nodes_fail_after_join_timeout():
+    got = launch_nodes(1, ["--nnodes", "2", "-n", "1", "--rdzv-conf",
+                           "join_timeout=1,close_timeout=0", TARGET, "elastic"])
+    rc, lines, err = got[0]
+    assert rc == 1 and not lines, err
+    assert "only 1 of at least 2 nodes joined the rendezvous within join_timeout=1 s" in err

@@ -85,6 +85,27 @@ def main():
             if sys.argv[2:] == ["fail-once"] and restart == "0" and rank == 1:
                 sys.exit(3)  # torchrun --max-restarts starts every rank again
             dist.destroy_process_group()
+    elif mode == "elastic":  # elastic [fail-node1-once | want-nodes N]: one all_reduce
+        import numpy as np
+
+        import collectives as dist
+        restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if sys.argv[2:3] == ["fail-node1-once"] and os.environ["GROUP_RANK"] == "1" \
+                and restart == 0:
+            sys.exit(7)
+        if sys.argv[2:3] == ["want-nodes"] and \
+                int(os.environ["GROUP_WORLD_SIZE"]) < int(sys.argv[3]):
+            time.sleep(120)  # the launcher restarts us once the other node has come
+            sys.exit(3)
+        dist.init_process_group("gloo")
+        a = np.full(2, rank + 1, np.int64)
+        dist.all_reduce(a)
+        print(json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(),
+                          "node": int(os.environ["GROUP_RANK"]),
+                          "nodes": int(os.environ["GROUP_WORLD_SIZE"]),
+                          "local": int(os.environ["LOCAL_RANK"]), "restart": restart,
+                          "sum": int(a[0])}), flush=True)
+        dist.destroy_process_group()
     elif mode == "prompt":  # a prompt, an answer read from stdin, then the reply
         sys.stdout.write(f"rank {rank} asks> ")
         sys.stdout.flush()
