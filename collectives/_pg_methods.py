@@ -15,7 +15,8 @@ import inspect
 from .options import (
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions, _Options)
-from .work import option_timeout, per_call_timeout, timeout_seconds
+from .backends.base import DoneRequest
+from .work import Work, option_timeout, per_call_timeout, timeout_seconds
 
 
 def _ops():
@@ -179,6 +180,26 @@ class ProcessGroupMethods:
 
     all_gather_single = _allgather_base
 
+    def _issue_coalesced(self, fn, outputs, inputs, *args):
+        """``fn(output, input, *args)`` for each pair, all issued before any is waited for;
+        one Work for them all (the group runs them in order: the last done means all are)."""
+        outputs, inputs = list(outputs), list(inputs)
+        if len(outputs) != len(inputs):
+            raise ValueError(f"outputs and inputs must have the same length, got {len(outputs)} "
+                             f"and {len(inputs)}")
+        works = [fn(o, i, *args, group=self, async_op=True) for o, i in zip(outputs, inputs)]
+        if not works or works[-1] is None:
+            return Work(DoneRequest(), outputs, self)
+        return Work(works[-1]._req, outputs, self)
+
+    @_timed
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """``_allgather_base`` for each (output, input) pair, as one Work."""
+        _opts(opts, AllgatherOptions, "opts")
+        return self._issue_coalesced(_ops().all_gather_into_tensor, outputs, inputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
     @_timed
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         _opts(opts, AllgatherOptions, "opts")
@@ -233,6 +254,14 @@ class ProcessGroupMethods:
         return _ops().reduce_scatter_tensor(output, input, o.reduceOp, group=self, async_op=True)
 
     reduce_scatter_single = _reduce_scatter_base
+
+    @_timed
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """``_reduce_scatter_base`` for each (output, input) pair, as one Work."""
+        o = _opts(opts, ReduceScatterOptions, "opts")
+        return self._issue_coalesced(_ops().reduce_scatter_tensor, outputs, inputs, o.reduceOp)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     @_timed
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002

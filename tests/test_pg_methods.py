@@ -86,6 +86,10 @@ def methods_case(ctx, timed):
     pg._allgather_base(big, v()).wait()
     out["_allgather_base"] = big.tolist()
 
+    outs = [np.zeros(4 * n), np.zeros(2 * n)]
+    pg.allgather_into_tensor_coalesced(outs, [v(), v(2)], opts(dist.AllgatherOptions)).wait()
+    out["allgather_into_tensor_coalesced"] = [x.tolist() for x in outs]
+
     o = opts(dist.GatherOptions)
     o.rootRank = 0
     outs = [np.zeros(4) for _ in range(n)]
@@ -114,6 +118,11 @@ def methods_case(ctx, timed):
     t = np.zeros(4)
     pg._reduce_scatter_base(t, np.concatenate([v() + q for q in range(n)])).wait()
     out["_reduce_scatter_base"] = t.tolist()
+    outs = [np.zeros(4), np.zeros(2)]
+    pg.reduce_scatter_tensor_coalesced(
+        outs, [np.concatenate([v(k) + q for q in range(n)]) for k in (4, 2)],
+        opts(dist.ReduceScatterOptions)).wait()
+    out["reduce_scatter_tensor_coalesced"] = [x.tolist() for x in outs]
 
     t = np.zeros(2 * n)
     pg.alltoall_base(t, np.concatenate([np.full(2, 10.0 * me + q) for q in range(n)]), [], [],
@@ -179,6 +188,10 @@ def test_process_group_methods_match_numpy(config, timed):
         assert got["reduce_scatter opts"] == sum(x + g for x in every).tolist()
         assert got["reduce_scatter op"] == np.max([x + g for x in every], axis=0).tolist()
         assert got["_reduce_scatter_base"] == sum(x + g for x in every).tolist()
+        assert got["allgather_into_tensor_coalesced"] == [
+            np.concatenate(every).tolist(), np.concatenate([v(q, 2) for q in range(n)]).tolist()]
+        assert got["reduce_scatter_tensor_coalesced"] == [
+            sum(x + g for x in every).tolist(), sum(v(q, 2) + g for q in range(n)).tolist()]
         assert got["alltoall_base"] == [10.0 * q + g for q in range(n) for _ in range(2)]
         assert got["alltoall"] == [[10.0 * q + g] for q in range(n)]
         if g == 2:
