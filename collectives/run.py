@@ -270,8 +270,11 @@ class Config:
         except ValueError:
             raise ValueError(f"--rdzv-endpoint must be host[:port], got {args.rdzv_endpoint!r}") \
                 from None
-        if not 1 <= self.rdzv_port <= 65535:
-            raise ValueError(f"--rdzv-endpoint port must be in [1, 65535], got {self.rdzv_port}")
+        if not 0 <= self.rdzv_port <= 65535:
+            raise ValueError(f"--rdzv-endpoint port must be in [0, 65535], got {self.rdzv_port}")
+        if self.rdzv_port == 0 and self.max_nodes > 1:
+            raise ValueError("--rdzv-endpoint port 0 (a free port) works on one node only; "
+                             "give every node the same port")
         self.rdzv_conf = parse_conf(args.rdzv_conf)
 
     def set_round(self, node_rank, nnodes, master_port):

@@ -162,6 +162,7 @@ def test_module_and_no_python_forms():
     (["--rdzv-backend", "etcd"], "--rdzv-backend must be one of static, c10d"),
     (["--rdzv-backend", "c10d"], "needs --rdzv-endpoint"),
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:x"], "host[:port]"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:0", "--nnodes", "1:2"], "one node only"),
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout=-1"],
      "join_timeout must be >= 0"),
     (["--nproc-per-node", "0"], "nproc-per-node"),
@@ -370,6 +371,15 @@ def test_c10d_elastic_range_starts_with_min_and_takes_a_late_node_in():
     for _, lines, _ in got:
         [d] = lines.values()
         assert (d["world"], d["nodes"], d["restart"], d["sum"]) == (2, 2, 0, 3)
+
+
+@pytest.mark.timeout(60)
+def test_c10d_on_one_node_with_port_0_as_torchrun_is_often_run():
+    out = launch(["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nnodes=1",
+                  "--nproc-per-node=2", TARGET, "elastic"])
+    assert out.returncode == 0, out.stderr.decode()
+    got = [json.loads(line.split(" ", 1)[1]) for line in rank_lines(out.stdout)]
+    assert sorted((d["rank"], d["world"], d["sum"]) for d in got) == [(0, 2, 3), (1, 2, 3)]
 
 
 @pytest.mark.timeout(60)
