@@ -71,6 +71,17 @@ def rank_lines(text):
     return [ln for ln in text.decode().splitlines() if ln]
 
 
+def rank_json(text):
+    """{rank: the JSON object it printed} from a launcher's prefixed output; AssertionError
+    for any other line."""
+    got = {}
+    for line in rank_lines(text):
+        m = re.match(r"^\[(\d+)\] (\{.*\})$", line)
+        assert m, line
+        got[int(m.group(1))] = json.loads(m.group(2))
+    return got
+
+
 # ---- environment ------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
@@ -80,11 +91,7 @@ def test_each_rank_gets_torchruns_environment():
                   "--master-addr", "10.1.2.3", "--master_port", str(port), "--rdzv-id", "job7",
                   TARGET, "env"])
     assert out.returncode == 0, out.stderr.decode()
-    envs = {}
-    for line in rank_lines(out.stdout):
-        m = re.match(r"^\[(\d+)\] (\{.*\})$", line)
-        assert m, line
-        envs[int(m.group(1))] = json.loads(m.group(2))
+    envs = rank_json(out.stdout)
     assert sorted(envs) == [3, 4, 5]
     for rank, e in envs.items():
         assert e == {"RANK": str(rank), "LOCAL_RANK": str(rank - 3), "WORLD_SIZE": "6",
@@ -290,7 +297,8 @@ def test_max_restarts_reruns_every_rank_after_a_failure(tmp_path):
 def launch_nodes(n, args, delays=None, timeout=90):
     """``n`` launchers on this machine as ``n`` nodes (each its own faked host), with
     ``--rdzv-backend c10d`` at a free port and ``args``; launcher i starts after
-    ``delays[i]`` seconds. Returns [(returncode, {rank: json line}, stderr)] per launcher."""
+    ``delays[i]`` seconds. Returns [(returncode, {rank: its JSON line}, stderr)] per
+    launcher (the ranks print only JSON lines)."""
     port = free_port()
     procs = []
     t0 = time.monotonic()
@@ -304,12 +312,7 @@ def launch_nodes(n, args, delays=None, timeout=90):
     try:
         for p in procs:
             out, err = p.communicate(timeout=timeout)
-            lines = {}
-            for line in rank_lines(out):
-                m = re.match(r"^\[(\d+)\] (\{.*\})$", line)
-                if m:
-                    lines[int(m.group(1))] = json.loads(m.group(2))
-            results.append((p.returncode, lines, err.decode()))
+            results.append((p.returncode, rank_json(out), err.decode()))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -378,7 +381,7 @@ def test_c10d_on_one_node_with_port_0_as_torchrun_is_often_run():
     out = launch(["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nnodes=1",
                   "--nproc-per-node=2", TARGET, "elastic"])
     assert out.returncode == 0, out.stderr.decode()
-    got = [json.loads(line.split(" ", 1)[1]) for line in rank_lines(out.stdout)]
+    got = rank_json(out.stdout).values()
     assert sorted((d["rank"], d["world"], d["sum"]) for d in got) == [(0, 2, 3), (1, 2, 3)]
 
 
