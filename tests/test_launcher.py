@@ -300,25 +300,28 @@ def launch_nodes(n, args, delays=None, timeout=90):
     ``delays[i]`` seconds. Returns [(returncode, {rank: its JSON line}, stderr)] per
     launcher (the ranks print only JSON lines)."""
     port = free_port()
+    job = f"job-{os.getpid()}-{port}"  # launchers of another job never count as this one's
     procs = []
     t0 = time.monotonic()
     for i in range(n):
         if delays:
             time.sleep(max(0.0, t0 + delays[i] - time.monotonic()))
         procs.append(start(["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                            "--rdzv-id", "job9"] + args,
+                            "--rdzv-id", job] + args,
                            env=_env(COLLECTIVES_HOST_ID=f"node-{i}")))
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            results.append((p.returncode, rank_json(out), err.decode()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            break
+    hung = [i for i, p in enumerate(procs) if p.poll() is None]
+    for i in hung:
+        procs[i].kill()
+    ended = [(out, err, p.returncode) for p in procs for out, err in [p.communicate()]]
+    assert not hung, f"launchers {hung} still ran after {timeout} s:\n" + "\n".join(
+        f"--- launcher {i} (exit {rc}):\n{err.decode()}" for i, (_, err, rc) in enumerate(ended))
+    return [(rc, rank_json(out), err.decode()) for out, err, rc in ended]
 
 
 @pytest.mark.timeout(120)
