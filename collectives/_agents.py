@@ -102,6 +102,7 @@ class NodeRendezvous:
         self.round = None
         self.node_rank = None
         self.nnodes = None
+        self.nprocs = None
         self.master_port = None
         self._next_poll = 0.0
 
@@ -116,10 +117,10 @@ class NodeRendezvous:
 
     # ---- joining a round ---------------------------------------------------------------
 
-    def join(self):
-        """Join the next round (the current one, on first joining); returns once it has
-        closed with this node in it: sets ``round``, ``node_rank``, ``nnodes``,
-        ``master_port``."""
+    def join(self, nproc):
+        """Join the next round (the current one, on first joining) with ``nproc`` ranks;
+        returns once it has closed with this node in it: sets ``round``, ``node_rank``,
+        ``nnodes``, ``nprocs`` (every node's rank count, by node rank), ``master_port``."""
         s = self.store
         if self.is_host:
             rnd = 0 if self.round is None else self.round + 1
@@ -140,6 +141,9 @@ class NodeRendezvous:
             self.round, self.node_rank = rnd, idx
         self.nnodes = int(self._call(s.get, self._k(self.round, "nnodes")))
         self.master_port = int(self._call(s.get, self._k(self.round, "master_port")))
+        self._call(s.set, self._k(self.round, "nproc", self.node_rank), str(nproc))
+        self.nprocs = [int(self._call(s.get, self._k(self.round, "nproc", i)))
+                       for i in range(self.nnodes)]
         return self
 
     def _close(self, rnd):

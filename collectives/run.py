@@ -255,6 +255,7 @@ class Config:
             self.cmd = [sys.executable, "-u", args.training_script]
         self.cmd += args.training_script_args
         self.world_size = self.nnodes * self.nproc
+        self.rank_base = self.node_rank * self.nproc  # the global rank of local rank 0
 
     def _dynamic(self, args):
         """--rdzv-backend c10d: where the launchers meet, and how long they wait."""
@@ -277,13 +278,15 @@ class Config:
                              "give every node the same port")
         self.rdzv_conf = parse_conf(args.rdzv_conf)
 
-    def set_round(self, node_rank, nnodes, master_port):
-        """The node rank, node count and ranks' port of a c10d rendezvous round."""
-        self.node_rank, self.nnodes, self.master_port = node_rank, nnodes, master_port
-        self.world_size = nnodes * self.nproc
+    def set_round(self, node_rank, nprocs, master_port):
+        """A c10d rendezvous round: this node's rank, every node's --nproc-per-node (nodes
+        may differ), the ranks' port."""
+        self.node_rank, self.nnodes, self.master_port = node_rank, len(nprocs), master_port
+        self.rank_base = sum(nprocs[:node_rank])
+        self.world_size = sum(nprocs)
 
     def env(self, local_rank, restart):
-        rank = self.node_rank * self.nproc + local_rank
+        rank = self.rank_base + local_rank
         env = dict(os.environ)
         env.update({
             "RANK": str(rank), "LOCAL_RANK": str(local_rank),
@@ -429,7 +432,7 @@ class Launcher:
             cfg.master_port = free_port()
         ranks = []
         for local in range(cfg.nproc):
-            rank = cfg.node_rank * cfg.nproc + local
+            rank = cfg.rank_base + local
             show = cfg.show is None or local in cfg.show
             logs = [None, None]
             if cfg.log_dir:
@@ -584,11 +587,10 @@ class Launcher:
         restarts = 0
         try:
             while True:
-                rdzv.join()
-                cfg.set_round(rdzv.node_rank, rdzv.nnodes, rdzv.master_port)
+                rdzv.join(cfg.nproc)
+                cfg.set_round(rdzv.node_rank, rdzv.nprocs, rdzv.master_port)
                 self.note(f"node {rdzv.node_rank} of {rdzv.nnodes} (round {rdzv.round}): ranks "
-                          f"{rdzv.node_rank * cfg.nproc}..{(rdzv.node_rank + 1) * cfg.nproc - 1} "
-                          f"of {cfg.world_size}")
+                          f"{cfg.rank_base}..{cfg.rank_base + cfg.nproc - 1} of {cfg.world_size}")
                 t0 = time.monotonic()
                 ranks = self.start(restarts)
                 failed = self.supervise(ranks, rdzv.poll)

@@ -294,11 +294,11 @@ def test_max_restarts_reruns_every_rank_after_a_failure(tmp_path):
 
 # ---- the c10d rendezvous: launchers that number their nodes themselves -----------------
 
-def launch_nodes(n, args, delays=None, timeout=90):
+def launch_nodes(n, args, delays=None, timeout=90, per_node=None):
     """``n`` launchers on this machine as ``n`` nodes (each its own faked host), with
     ``--rdzv-backend c10d`` at a free port and ``args``; launcher i starts after
-    ``delays[i]`` seconds. Returns [(returncode, {rank: its JSON line}, stderr)] per
-    launcher (the ranks print only JSON lines)."""
+    ``delays[i]`` seconds, with ``per_node[i]`` before ``args``. Returns [(returncode,
+    {rank: its JSON line}, stderr)] per launcher (the ranks print only JSON lines)."""
     port = free_port()
     job = f"job-{os.getpid()}-{port}"  # launchers of another job never count as this one's
     procs = []
@@ -307,7 +307,7 @@ def launch_nodes(n, args, delays=None, timeout=90):
         if delays:
             time.sleep(max(0.0, t0 + delays[i] - time.monotonic()))
         procs.append(start(["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                            "--rdzv-id", job] + args,
+                            "--rdzv-id", job] + (per_node[i] if per_node else []) + args,
                            env=_env(COLLECTIVES_HOST_ID=f"node-{i}")))
     deadline = time.monotonic() + timeout
     for p in procs:
@@ -342,6 +342,22 @@ def test_c10d_launchers_number_their_nodes_without_node_rank():
         assert (d["world"], d["nodes"], d["restart"], d["sum"]) == (6, 3, 0, 21)
     # the launcher that serves the store (the first to bind the endpoint) is node 0
     assert any("node 0 of 3 (round 0)" in err for _, _, err in got)
+
+
+@pytest.mark.timeout(120)
+def test_c10d_nodes_may_start_different_numbers_of_ranks():
+    got = launch_nodes(2, ["--nnodes", "2", "--rdzv-conf", "close_timeout=5", TARGET, "elastic"],
+                       per_node=[["-n", "1"], ["-n", "2"]])
+    seen = {}
+    for rc, lines, err in got:
+        assert rc == 0, err
+        seen.update(lines)
+    assert sorted(seen) == [0, 1, 2]
+    for r, d in seen.items():
+        assert (d["rank"], d["world"], d["sum"]) == (r, 3, 6)
+    # node ranks in join order; each node's ranks follow the previous nodes' ones
+    assert [r for _, _, r in sorted((d["node"], d["local"], r) for r, d in seen.items())] \
+        == [0, 1, 2]
 
 
 @pytest.mark.timeout(120)
