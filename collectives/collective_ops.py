@@ -57,7 +57,7 @@ class _WithTimeout:
 def _launch(pg, async_op, outputs, name, steps, timeout=None):
     fn = Steps(name, steps) if len(steps) > 1 else steps[0][0]
     args = () if len(steps) > 1 else steps[0][1]
-    if timeout is None:
+    if timeout is None and _timed.n:  # some thread issues calls with their own timeout
         timeout = call_timeout()
     if timeout is not None:
         fn = _WithTimeout(pg.backend, timeout, fn)
