@@ -75,13 +75,15 @@ class Stop(Exception):
 class NodeRendezvous:
     """One launcher's side of the rendezvous (see the module's docstring)."""
 
-    def __init__(self, host, port, run_id, min_nodes, max_nodes, conf, free_port):
+    def __init__(self, host, port, run_id, min_nodes, max_nodes, conf, free_port,
+                 stopped=lambda: False):
         from .errors import DistError
         from .store import TCPStore
         self._DistError = DistError
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.conf = conf
         self.free_port = free_port
+        self.stopped = stopped  # true once the launcher got a signal: waits end
         self.host = host
         self.prefix = f"collectives-run/{run_id}/"
         tmo = timedelta(seconds=max(conf["join_timeout"], 1.0))
@@ -94,11 +96,18 @@ class NodeRendezvous:
                 self.is_host = True
             except DistError:  # another launcher on this host serves it
                 pass
-        if self.store is None:
+        deadline = time.monotonic() + conf["join_timeout"]
+        while self.store is None:  # in short tries, so that a signal ends the wait
             try:
-                self.store = TCPStore(host, port, None, False, tmo, wait_for_workers=False)
+                self.store = TCPStore(host, port, None, False, timedelta(seconds=1),
+                                      wait_for_workers=False)
+                self.store.set_timeout(tmo)
             except DistError as e:
-                raise Stop(f"cannot reach the rendezvous store at {host}:{port}: {e}") from e
+                if stopped() or time.monotonic() > deadline:
+                    why = "stopped by a signal" if stopped() else \
+                        f"join_timeout={conf['join_timeout']:g} s passed"
+                    raise Stop(f"cannot reach the rendezvous store at {host}:{port} ({why}): "
+                               f"{e}") from e
         self.round = None
         self.node_rank = None
         self.nnodes = None
@@ -115,6 +124,19 @@ class NodeRendezvous:
         except self._DistError as e:
             raise Stop(f"lost the rendezvous store at {self.host}: {e}") from e
 
+    def _get(self, key):
+        """The value at ``key`` once some launcher has set it; Stop when this launcher gets
+        a signal meanwhile, or after join_timeout."""
+        deadline = time.monotonic() + self.conf["join_timeout"]
+        while not self._call(self.store.check, [key]):
+            if self.stopped():
+                raise Stop("stopped by a signal while waiting for the other nodes")
+            if time.monotonic() > deadline:
+                raise Stop(f"the rendezvous did not go on within join_timeout="
+                           f"{self.conf['join_timeout']:g} s (waiting for {key!r})")
+            time.sleep(POLL_S)
+        return self._call(self.store.get, key)
+
     # ---- joining a round ---------------------------------------------------------------
 
     def join(self, nproc):
@@ -128,10 +150,10 @@ class NodeRendezvous:
             self._close(rnd)
             self.round, self.node_rank = rnd, 0
         else:
-            rnd = int(self._call(s.get, self._k("round"))) if self.round is None else self.round + 1
+            rnd = int(self._get(self._k("round"))) if self.round is None else self.round + 1
             while True:
                 idx = int(self._call(s.add, self._k(rnd, "clients"), 1))
-                nnodes = int(self._call(s.get, self._k(rnd, "nnodes")))
+                nnodes = int(self._get(self._k(rnd, "nnodes")))
                 self._check_failed()
                 if idx < nnodes:
                     break
@@ -139,11 +161,10 @@ class NodeRendezvous:
                 self._call(s.add, self._k(rnd, "late"), 1)
                 rnd += 1
             self.round, self.node_rank = rnd, idx
-        self.nnodes = int(self._call(s.get, self._k(self.round, "nnodes")))
-        self.master_port = int(self._call(s.get, self._k(self.round, "master_port")))
+        self.nnodes = int(self._get(self._k(self.round, "nnodes")))
+        self.master_port = int(self._get(self._k(self.round, "master_port")))
         self._call(s.set, self._k(self.round, "nproc", self.node_rank), str(nproc))
-        self.nprocs = [int(self._call(s.get, self._k(self.round, "nproc", i)))
-                       for i in range(self.nnodes)]
+        self.nprocs = [int(self._get(self._k(self.round, "nproc", i))) for i in range(self.nnodes)]
         return self
 
     def _close(self, rnd):
@@ -152,6 +173,7 @@ class NodeRendezvous:
         start = time.monotonic()
         enough_at = None
         while True:
+            self._check_failed()  # (a waiting launcher got a signal)
             n = 1 + int(self._call(s.add, self._k(rnd, "clients"), 0))
             now = time.monotonic()
             if n >= self.max_nodes:
@@ -160,7 +182,9 @@ class NodeRendezvous:
                 enough_at = enough_at or now
                 if now - enough_at >= self.conf["last_call_timeout"]:
                     break
-            elif now - start > self.conf["join_timeout"]:
+            elif now - start > self.conf["join_timeout"] or self.stopped():
+                if self.stopped():
+                    raise Stop("stopped by a signal while waiting for the other nodes")
                 self._call(s.set, self._k("failed"),
                            f"only {n} of {self.min_nodes} nodes joined within "
                            f"{self.conf['join_timeout']:g} s")
@@ -188,11 +212,12 @@ class NodeRendezvous:
             return ("failed", str(e))
 
     def _poll(self):
-        s, rnd = self.store, self.round
+        s, rnd, call = self.store, self.round, self._call
         self._check_failed()
-        if s.check([self._k(rnd, "restart")]):
-            return ("restart", s.get(self._k(rnd, "restart")).decode(errors="replace"))
-        if self.is_host and self.nnodes < self.max_nodes and int(s.add(self._k(rnd, "late"), 0)):
+        if call(s.check, [self._k(rnd, "restart")]):
+            return ("restart", call(s.get, self._k(rnd, "restart")).decode(errors="replace"))
+        if self.is_host and self.nnodes < self.max_nodes \
+                and int(call(s.add, self._k(rnd, "late"), 0)):
             why = self.restart("S", "a node joined")
             return ("restart", why)
         return None

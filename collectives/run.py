@@ -580,10 +580,11 @@ class Launcher:
         cfg = self.cfg
         try:
             rdzv = NodeRendezvous(cfg.rdzv_host, cfg.rdzv_port, cfg.run_id, cfg.min_nodes,
-                                  cfg.max_nodes, cfg.rdzv_conf, free_port)
+                                  cfg.max_nodes, cfg.rdzv_conf, free_port,
+                                  lambda: self.signal_received is not None)
         except Stop as e:
             self.note(str(e))
-            return 1
+            return 128 + self.signal_received if self.signal_received is not None else 1
         restarts = 0
         try:
             while True:
@@ -631,6 +632,9 @@ class Launcher:
                     self.note(f"restarting every rank in a new round: {why[3:]}")
         except Stop as e:
             self.note(f"stopping: {e}")
+            if self.signal_received is not None:
+                rdzv.fail(f"a launcher received {signal.Signals(self.signal_received).name}")
+                return 128 + self.signal_received
             return 1
         finally:
             rdzv.close()

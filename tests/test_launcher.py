@@ -411,3 +411,31 @@ def test_c10d_too_few_nodes_fail_after_join_timeout():
     rc, lines, err = got[0]
     assert rc == 1 and not lines, err
     assert "only 1 of at least 2 nodes joined the rendezvous within join_timeout=1 s" in err
+
+
+@pytest.mark.timeout(60)
+def test_c10d_a_signal_ends_launchers_waiting_for_nodes():
+    port = free_port()
+    args = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+            f"job-{os.getpid()}-{port}", "--rdzv-conf", "close_timeout=0", TARGET, "elastic"]
+
+    def interrupted(p):
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=20)
+        return p.returncode, time.monotonic() - t0, err.decode()
+
+    # node 0 alone, waiting for a second node
+    host = start(["--nnodes", "2"] + args)
+    time.sleep(2)
+    rc, took, err = interrupted(host)
+    assert rc == 130 and took < 5 and "stopped by a signal" in err, (rc, took, err)
+    # node 0 and node 1 waiting for a third: node 1 stops, and so does node 0
+    host = start(["--nnodes", "3"] + args, env=_env(COLLECTIVES_HOST_ID="node-0"))
+    time.sleep(1)
+    client = start(["--nnodes", "3"] + args, env=_env(COLLECTIVES_HOST_ID="node-1"))
+    time.sleep(2)
+    rc, took, err = interrupted(client)
+    assert rc == 130 and took < 5 and "stopped by a signal" in err, (rc, took, err)
+    out, err = host.communicate(timeout=20)
+    assert host.returncode == 1 and "received SIGINT" in err.decode(), err.decode()
