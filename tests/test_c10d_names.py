@@ -20,18 +20,38 @@ def test_the_package_names_and_the_constants_are_there():
 
 def test_every_function_takes_torchs_parameters_in_torchs_order():
     """A program passing torch's keyword (or positional) arguments runs unchanged: each
-    function torch.distributed and collectives both have takes torch's parameters first."""
+    public function (and DeviceMesh method) torch and collectives both have takes torch's
+    parameters first, in torch's order."""
+    import importlib
     import inspect
-    td = pytest.importorskip("torch.distributed")
+    import warnings
+    pytest.importorskip("torch.distributed")
+    pairs = [("torch.distributed", "collectives"),
+             ("torch.distributed.distributed_c10d", "collectives.distributed_c10d"),
+             ("torch.distributed.nn.functional", "collectives.nn"),
+             ("torch.distributed.device_mesh", "collectives.device_mesh")]
     differ = []
-    for name in dir(td):
-        theirs = getattr(td, name)
-        if name.startswith("__") or not inspect.isfunction(theirs) or not hasattr(collectives, name):
-            continue
-        want = list(inspect.signature(theirs).parameters)
-        got = list(inspect.signature(getattr(collectives, name)).parameters)
-        if got[:len(want)] != want:
-            differ.append(f"{name}: torch {want}, ours {got}")
+    checked = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecated names warn when read
+        for theirs_name, ours_name in pairs:
+            theirs_mod = importlib.import_module(theirs_name)
+            ours_mod = importlib.import_module(ours_name)
+            spaces = [(theirs_mod, ours_mod)]
+            if hasattr(theirs_mod, "DeviceMesh"):
+                spaces.append((theirs_mod.DeviceMesh, ours_mod.DeviceMesh))
+            for theirs_ns, ours_ns in spaces:
+                for name in dir(theirs_ns):
+                    theirs = getattr(theirs_ns, name)
+                    if name.startswith("__") or not inspect.isfunction(theirs) \
+                            or not hasattr(ours_ns, name):
+                        continue
+                    want = list(inspect.signature(theirs).parameters)
+                    got = list(inspect.signature(getattr(ours_ns, name)).parameters)
+                    checked += 1
+                    if got[:len(want)] != want:
+                        differ.append(f"{ours_name}.{name}: torch {want}, ours {got}")
+    assert checked > 120, checked  # (157 on torch 2.13)
     assert not differ, "\n".join(differ)
 
 
