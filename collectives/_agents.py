@@ -174,6 +174,8 @@ class NodeRendezvous:
         enough_at = None
         while True:
             self._check_failed()  # (a waiting launcher got a signal)
+            if self.stopped():
+                raise Stop("stopped by a signal while waiting for the other nodes")
             n = 1 + int(self._call(s.add, self._k(rnd, "clients"), 0))
             now = time.monotonic()
             if n >= self.max_nodes:
@@ -182,9 +184,7 @@ class NodeRendezvous:
                 enough_at = enough_at or now
                 if now - enough_at >= self.conf["last_call_timeout"]:
                     break
-            elif now - start > self.conf["join_timeout"] or self.stopped():
-                if self.stopped():
-                    raise Stop("stopped by a signal while waiting for the other nodes")
+            elif now - start > self.conf["join_timeout"]:
                 self._call(s.set, self._k("failed"),
                            f"only {n} of {self.min_nodes} nodes joined within "
                            f"{self.conf['join_timeout']:g} s")
