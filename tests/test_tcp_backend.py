@@ -503,7 +503,16 @@ DYING_RANK = textwrap.dedent("""
     except DistBackendError as e:
         print("RAISED %.3f %s" % (time.monotonic() - t0, e))
     sys.stdout.flush()
-    os._exit(0)   # rank 0 hosts the store: leave without waiting for anyone
+    # stay until every survivor has raised: one that leaves first resets its connections,
+    # and a slower survivor would then name it instead of rank 1
+    try:
+        store.add("raised", 1)
+        deadline = time.monotonic() + 20
+        while store.add("raised", 0) < n - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:
+        pass
+    os._exit(0)
 """)
 
 
