@@ -260,6 +260,15 @@ def test_monitored_barrier_method_names_the_rank_that_did_not_come(config, bridg
             assert "got no answer from rank 0" in got[r], got[r]
 
 
+def _every_timeout_config(test):
+    """``test(config, bridged)`` on every gloo configuration and mpi, on plain and on
+    torch-bridged groups, with a timeout."""
+    configs = [c for c in available_configs() if c in ("gloo", "gloo-tcp", "gloo-hier", "mpi")]
+    test = pytest.mark.parametrize("bridged", [False, True], ids=["plain", "torch"])(test)
+    test = pytest.mark.parametrize("config", configs)(test)
+    return pytest.mark.timeout(300)(test)
+
+
 def set_timeout_case(ctx, secs, bridged, lone):
     """Run on every rank: misuse of ``pg.set_timeout`` on a new group of all ranks, then
     ``set_timeout(secs)``, an all_reduce, and (``lone``) a barrier rank 0 calls alone:
@@ -298,10 +307,7 @@ def set_timeout_case(ctx, secs, bridged, lone):
         dist.destroy_process_group(pg)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("config", [c for c in available_configs()
-                                    if c in ("gloo", "gloo-tcp", "gloo-hier", "mpi")])
-@pytest.mark.parametrize("bridged", [False, True], ids=["plain", "torch"])
+@_every_timeout_config
 def test_set_timeout_bounds_the_groups_later_calls(config, bridged):
     if bridged:
         pytest.importorskip("torch")
@@ -417,10 +423,7 @@ def _torch_opts(timeout):
     return o
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("config", [c for c in available_configs()
-                                    if c in ("gloo", "gloo-tcp", "gloo-hier", "mpi")])
-@pytest.mark.parametrize("bridged", [False, True], ids=["plain", "torch"])
+@_every_timeout_config
 def test_a_calls_own_timeout_bounds_that_call_only(config, bridged):
     if bridged:
         pytest.importorskip("torch")
