@@ -531,7 +531,8 @@ static void match_coll(tcp_engine *e, int pi)
     new_unexpected(e, pi);
 }
 
-static void payload_done(tcp_engine *e, int pi)
+/* A payload ended. Returns 1 when that completed a request (a waiter may be done). */
+static int payload_done(tcp_engine *e, int pi)
 {
     peer_t *p = &e->peers[pi];
     int mode = p->mode;
@@ -542,6 +543,7 @@ static void payload_done(tcp_engine *e, int pi)
         tcp_req *r = p->rreq;
         p->rreq = NULL;
         req_complete(e, r);
+        return 1;
     } else if (mode == M_MSG) {
         tcp_msg *m = p->rmsg;
         p->rmsg = NULL;
@@ -552,6 +554,7 @@ static void payload_done(tcp_engine *e, int pi)
             r->claimed = NULL;
             msg_drop(e, pi, m);
             req_complete(e, r);
+            return 1;
         }
     } else if (mode == M_ERR) {
         p->errtext[p->h.len] = 0;
@@ -562,6 +565,7 @@ static void payload_done(tcp_engine *e, int pi)
         /* a failure of a later collective must not fail one this rank can still finish */
         if (e->coll_active && e->seq >= e->poison_seq) coll_set_err(e, e->poison);
     }
+    return 0;
 }
 
 static void on_header(tcp_engine *e, int pi)
@@ -604,7 +608,7 @@ static void on_header(tcp_engine *e, int pi)
         return;
     }
     if (p->dead) return;
-    if (p->left == 0) payload_done(e, pi);
+    if (p->left == 0) (void)payload_done(e, pi);
     else p->phase = 1;
 }
 
@@ -677,21 +681,24 @@ static void progress_recv_inner(tcp_engine *e, int pi)
             }
             p->rpos += m;
             p->left -= m;
-            if (!p->left) payload_done(e, pi);
+            if (!p->left && payload_done(e, pi) && p->rpos == p->rend) return;
             continue;
         }
         if (!budget) return;
         p->rpos = p->rend = 0;
         ssize_t k;
         int direct = p->dst && p->left >= 8192;
-        if (direct) k = recv(p->fd, p->dst, p->left, MSG_DONTWAIT);
+        if (direct) k = recv(p->fd, p->dst, p->left < budget ? p->left : budget, MSG_DONTWAIT);
         else k = recv(p->fd, p->stage, STAGE, MSG_DONTWAIT);
         if (k > 0) {
             budget = (size_t)k >= budget ? 0 : budget - (size_t)k;
             if (direct) {
                 p->dst += k;
                 p->left -= (size_t)k;
-                if (!p->left) payload_done(e, pi);
+                /* a request completed: leave what follows in the socket for now, so that a
+                 * frame its receiver has not posted yet (the next collective's, say) is
+                 * read straight into that receive once posted, not buffered and copied */
+                if (!p->left && payload_done(e, pi)) return;
             } else {
                 p->rend = (size_t)k;
             }
