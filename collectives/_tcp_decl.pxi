@@ -15,6 +15,7 @@ cdef extern from "tcp_engine.h" nogil:
         TCP_TUNE_SEGMENT
         TCP_TUNE_GATHER_DIRECT_MAX
         TCP_TUNE_ALLREDUCE_DIRECT_WORLD
+        TCP_TUNE_DUPLEX_CHUNK
 
     tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, double timeout_s)
     void tcp_set_tuning(tcp_engine *e, int key, int64_t value)

@@ -36,7 +36,8 @@ NP_OF = {D.FLOAT16: np.float16, D.BFLOAT16: np.uint16, D.FLOAT32: np.float32,
 REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 KINDS = REDUCING + ("broadcast", "all_gather", "gather", "scatter", "all_to_all", "barrier")
 # thresholds tiny enough that ring / chain / segmented paths run on small inputs
-TINY = {"allreduce_rd_max": 64, "tree_max": 64, "segment": 256, "direct_max": 64, "allreduce_direct_world": 1}
+TINY = {"allreduce_rd_max": 64, "tree_max": 64, "segment": 256, "direct_max": 64, "allreduce_direct_world": 1,
+        "duplex_chunk": 100}
 
 
 # ---- what runs on the ranks -------------------------------------------------------------

@@ -17,6 +17,9 @@ Environment:
     COLLECTIVES_TCP_DIRECT_MAX: algorithm thresholds in bytes (see ``tcp_engine.h``);
     COLLECTIVES_TCP_DIRECT_WORLD: large all_reduce uses the two-round direct exchange up to
         this world size (default 8), the ring above it.
+    COLLECTIVES_TCP_DUPLEX_CHUNK: bytes written per send call, and read per call while
+        sends to that peer wait, so both directions of an exchange flow (default 1 MiB;
+        0: no limit).
 """
 import fcntl
 import ipaddress
@@ -45,6 +48,7 @@ _TUNING = {
     "segment": ("COLLECTIVES_TCP_SEGMENT", "TUNE_SEGMENT"),
     "direct_max": ("COLLECTIVES_TCP_DIRECT_MAX", "TUNE_GATHER_DIRECT_MAX"),
     "allreduce_direct_world": ("COLLECTIVES_TCP_DIRECT_WORLD", "TUNE_ALLREDUCE_DIRECT_WORLD"),
+    "duplex_chunk": ("COLLECTIVES_TCP_DUPLEX_CHUNK", "TUNE_DUPLEX_CHUNK"),
 }
 
 

@@ -133,6 +133,7 @@ struct tcp_engine {
     double spin_s;
     size_t rd_max, tree_max, seg, direct_max;
     int use_lowat;
+    size_t duplex_chunk;   /* bytes per sendmsg, and per read while sends wait (0: no limit) */
     int direct_world;  /* large all_reduce: direct two-round exchange up to this world size, else ring */
 };
 
@@ -338,11 +339,15 @@ static void peer_dead_errno(tcp_engine *e, int pi, int err)
 
 /* ------------------------------------------------------------------ sending */
 
-/* Write as much of pi's send queue as the socket takes. */
+/* Write as much of pi's send queue as the socket takes, at most duplex_chunk bytes per
+ * call: the poller then reads before it writes more, so both directions of an exchange
+ * keep flowing (one large sendmsg fills the peer's buffers while the peer does the
+ * same, and each then drains the other's data alone, measured 1.5x slower at 16 MiB). */
 static void flush_peer(tcp_engine *e, int pi)
 {
     peer_t *p = &e->peers[pi];
-    while (p->sq_head && !p->dead) {
+    size_t quota = e->duplex_chunk ? e->duplex_chunk : (size_t)-1;
+    while (p->sq_head && !p->dead && quota) {
         tcp_req *r = p->sq_head;
         struct iovec iov[2];
         int n = 0;
@@ -357,6 +362,7 @@ static void flush_peer(tcp_engine *e, int pi)
             iov[n].iov_base = r->buf + (r->sent - HDR);
             iov[n++].iov_len = r->len - (r->sent - HDR);
         }
+        if (iov[n - 1].iov_len > quota) iov[n - 1].iov_len = quota;
         struct msghdr mh;
         memset(&mh, 0, sizeof mh);
         mh.msg_iov = iov;
@@ -369,6 +375,7 @@ static void flush_peer(tcp_engine *e, int pi)
             return;
         }
         r->sent += (size_t)k;
+        quota = (size_t)k >= quota ? 0 : quota - (size_t)k;
         if (r->sent == HDR + r->len) {
             req_list_remove(&p->sq_head, &p->sq_tail, r);
             req_complete(e, r);
@@ -645,7 +652,8 @@ static void progress_recv(tcp_engine *e, int pi)
 static void progress_recv_inner(tcp_engine *e, int pi)
 {
     peer_t *p = &e->peers[pi];
-    size_t budget = 16u << 20;
+    /* while sends to pi wait, read one chunk and let the poller write (see flush_peer) */
+    size_t budget = e->duplex_chunk && p->sq_head ? e->duplex_chunk : 16u << 20;
     while (!p->dead) {
         size_t avail = p->rend - p->rpos;
         if (p->phase == 0) {
@@ -971,6 +979,7 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     pthread_condattr_destroy(&ca);
     e->spin_s = 20e-6;
     e->use_lowat = !getenv("COLLECTIVES_TCP_NO_LOWAT");
+    e->duplex_chunk = 1024 * 1024;
     e->direct_world = 8;
     e->rd_max = 64 * 1024;
     e->tree_max = 64 * 1024;
@@ -997,6 +1006,7 @@ void tcp_set_tuning(tcp_engine *e, int key, int64_t v)
     case TCP_TUNE_SEGMENT: e->seg = v > 0 ? (size_t)v : 1; break;
     case TCP_TUNE_GATHER_DIRECT_MAX: e->direct_max = (size_t)v; break;
     case TCP_TUNE_ALLREDUCE_DIRECT_WORLD: e->direct_world = (int)v; break;
+    case TCP_TUNE_DUPLEX_CHUNK: e->duplex_chunk = v > 0 ? (size_t)v : 0; break;
     default: break;
     }
     pthread_mutex_unlock(&e->mu);
@@ -1011,6 +1021,7 @@ int64_t tcp_get_tuning(tcp_engine *e, int key)
     case TCP_TUNE_SEGMENT: return (int64_t)e->seg;
     case TCP_TUNE_GATHER_DIRECT_MAX: return (int64_t)e->direct_max;
     case TCP_TUNE_ALLREDUCE_DIRECT_WORLD: return e->direct_world;
+    case TCP_TUNE_DUPLEX_CHUNK: return (int64_t)e->duplex_chunk;
     default: return -1;
     }
 }

@@ -19,7 +19,8 @@ enum tcp_tuning {
     TCP_TUNE_BCAST_TREE_MAX = 2,   /* broadcast/reduce: binomial tree up to this many bytes */
     TCP_TUNE_SEGMENT = 3,          /* pipelining segment in bytes */
     TCP_TUNE_GATHER_DIRECT_MAX = 4, /* all_gather/reduce_scatter: one-round direct exchange up to this */
-    TCP_TUNE_ALLREDUCE_DIRECT_WORLD = 5 /* large all_reduce: direct exchange up to this world size, else ring */
+    TCP_TUNE_ALLREDUCE_DIRECT_WORLD = 5, /* large all_reduce: direct exchange up to this world size, else ring */
+    TCP_TUNE_DUPLEX_CHUNK = 6      /* bytes per write, and per read while writes wait (0: no limit) */
 };
 
 /* fds[size]: connected, non-blocking sockets (fds[rank] is ignored); the engine owns them. */
