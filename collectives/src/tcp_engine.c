@@ -1587,14 +1587,14 @@ static int direct_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int
         cancel_range(e, 0, k);
         return -1;
     }
-    memcpy(e->tmp + (size_t)r * nb, W + off * es, nb);
     const void *srcs[64];
     const void **sp = n <= 64 ? srcs : malloc(sizeof(void *) * (size_t)n);
     if (!sp) {
         cancel_range(e, 0, k);
         return oom(err, errlen);
     }
-    for (int j = 0; j < n; j++) sp[j] = e->tmp + (size_t)j * nb;
+    /* this rank's block is read where it is (the kernels allow dst among the sources) */
+    for (int j = 0; j < n; j++) sp[j] = j == r ? (const void *)(W + off * es) : e->tmp + (size_t)j * nb;
     coll_reduce_many(W + off * es, (const void *const *)sp, n, cnt, dtype, op);
     if (sp != srcs) free(sp);
     int k2 = k;
@@ -1794,12 +1794,18 @@ int tcp_reduce_scatter(tcp_engine *e, void *out, const void *in, size_t count, i
             rc = cxfer(e, k, err, errlen);
         }
         if (!rc) {
-            memcpy(e->tmp + (size_t)r * nb, (const char *)in + (size_t)r * nb, nb);
             const void *srcs[256];
             const void **sp = n <= 256 ? srcs : malloc(sizeof(void *) * (size_t)n);
             if (!sp) rc = oom(err, errlen);
             else {
-                for (int j = 0; j < n; j++) sp[j] = e->tmp + (size_t)j * nb;
+                /* this rank's slice is read where it is, unless out overlaps it elsewhere
+                 * (the kernels allow dst to be one of the sources, not to straddle one) */
+                const char *mine = (const char *)in + (size_t)r * nb, *o = out;
+                if (o != mine && o < mine + nb && mine < o + nb) {
+                    memcpy(e->tmp + (size_t)r * nb, mine, nb);
+                    mine = e->tmp + (size_t)r * nb;
+                }
+                for (int j = 0; j < n; j++) sp[j] = j == r ? mine : e->tmp + (size_t)j * nb;
                 coll_reduce_many(out, (const void *const *)sp, n, count, dtype, op);
                 if (sp != srcs) free(sp);
             }
