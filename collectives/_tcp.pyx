@@ -238,6 +238,8 @@ cdef class PendingOp:
             e = self.eng._eng()
             with nogil:
                 rc = tcp_req_wait(e, self.r, timeout, err, ERRLEN)
+            if rc == -2:  # timed out: still posted, a later wait may finish it
+                raise DistBackendError(err.decode("utf-8", "replace"))
             self._finish(rc, err)
         if self.state < 0:
             raise self.error

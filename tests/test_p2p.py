@@ -179,3 +179,46 @@ def test_each_pattern_on_three_ranks(config, pattern):
 def test_any_source_in_a_subgroup_names_global_ranks(config):
     run_and_check(config, 4, {"members": [1, 2, 3], "seed": 9, "dtype": "int64", "lib": "numpy",
                               "shape": (3,), "tag": 0, "pattern": "any_source"})
+
+
+def late_message_case(ctx):
+    """Run on every rank: rank 0's receive times out, then rank 1 sends two messages on
+    that tag. The receive that timed out is still posted (as on torch's gloo): waiting on it
+    again gets the first message, and the next receive the second."""
+    import datetime
+
+    import torch
+
+    import collectives as dist
+    tag = 4321
+    if ctx.rank == 0:
+        first, second = torch.zeros(3), torch.zeros(3)
+        work = dist.irecv(first, 1, tag=tag)
+        try:
+            work.wait(datetime.timedelta(milliseconds=300))
+        except Exception as e:  # noqa: BLE001  (the message is checked)
+            timed_out = f"{type(e).__name__}: {e}"
+        else:
+            timed_out = None
+        dist.barrier()  # rank 1 sends only now
+        work.wait()
+        assert work.is_completed() and work.is_success()
+        assert dist.recv(second, 1, tag=tag) == 1
+        return timed_out, first.tolist(), second.tolist()
+    if ctx.rank == 1:
+        dist.barrier()
+        dist.send(torch.tensor([1.0, 2.0, 3.0]), 0, tag=tag)
+        dist.send(torch.tensor([4.0, 5.0, 6.0]), 0, tag=tag)
+    else:
+        dist.barrier()
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_receive_whose_wait_timed_out_stays_posted(config):
+    results = backend_pool(config, 3).run(late_message_case, timeout=60)
+    timed_out, first, second = results[0]
+    assert timed_out is not None and "timed out" in timed_out.lower(), timed_out
+    if config != "store":  # the test suite's own custom backend words it its way
+        assert "Timed out waiting 300ms" in timed_out, timed_out
+    assert first == [1.0, 2.0, 3.0] and second == [4.0, 5.0, 6.0], (first, second)

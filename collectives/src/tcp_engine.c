@@ -879,7 +879,10 @@ static void poll_once(tcp_engine *e, int ms)
 
 /* Wait until every request in rs[0..n) finished; mutex held. On failure, cancels the
  * pending ones and fills err. span: the timeout the deadline was set from (named in the
- * message, in torch gloo's words). coll: also fail when the running collective failed. */
+ * message, in torch gloo's words). coll: also fail when the running collective failed,
+ * and withdraw the requests at the deadline; otherwise (point to point) a wait that runs
+ * out returns -2 and leaves them posted, as torch's gloo does: a message that arrives
+ * later still lands in its receive. */
 static int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, double span,
                        int coll, char *err, size_t errlen)
 {
@@ -907,6 +910,10 @@ static int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, doub
                 }
             }
             why = tmsg;
+            if (!coll) {
+                if (err) fmt(err, errlen, "%s", why);
+                return -2;
+            }
             goto fail;
         }
         if (!e->polling) {

@@ -36,7 +36,8 @@ uint64_t tcp_engine_seq(tcp_engine *e);
 /* Point to point. src -1 = any source. NULL with err on immediate failure. */
 tcp_req *tcp_isend(tcp_engine *e, const void *buf, size_t len, int dst, int32_t tag, char *err, size_t errlen);
 tcp_req *tcp_irecv(tcp_engine *e, void *buf, size_t len, int src, int32_t tag, char *err, size_t errlen);
-/* 0 done, -1 failed (err filled); timeout_s < 0: the engine's timeout. */
+/* 0 done, -1 failed (err filled), -2 timed out (err filled; the request stays posted and
+ * may be waited on again); timeout_s < 0: the engine's timeout. */
 int tcp_req_wait(tcp_engine *e, tcp_req *r, double timeout_s, char *err, size_t errlen);
 /* 1 done, 0 pending, -1 failed; makes non-blocking progress. */
 int tcp_req_test(tcp_engine *e, tcp_req *r, char *err, size_t errlen);
