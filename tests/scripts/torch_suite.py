@@ -23,7 +23,9 @@ full-world ``new_group`` ignored its timeout: 29dd35b); the barrier-timeout test
 wanted gloo's wording (" Timed out " in the message), which timeout errors carry since
 90f27b2 (re-run with ``-k test_barrier -k test_get_backend -k test_monitored``: 18 tests, 3
 passed, 11 skipped, 4 errors, those below; the whole suite again on cc5020d,
-2026-11-25: 285 tests, 85 passed, 195 skipped, 5 errors, 17 min). Five stay, by design or
+2026-11-25: 285 tests, 85 passed, 195 skipped, 5 errors, 17 min; the same with
+``COLLECTIVES_TRANSPORT=tcp`` on 6b322ea, so our TCP engine under torch's tests: 85
+passed, 195 skipped, the same 5 errors, 20 min). Five stay, by design or
 torch's gating: ``test_get_backend`` (torch names the backend "collectives"),
 ``test_monitored_barrier_gloo*`` (torch allows it on its own gloo only),
 ``test_sparse_all_reduce_sum`` (sparse tensors are not supported). ``--as collectives``:
