@@ -1,11 +1,14 @@
 """Type stubs for the shared-memory transport extension (collectives/_shm.pyx)."""
 
+from typing import List, Optional
+
 def unlink(name: str) -> bool: ...
 
 class ShmComm:
     rank: int
     size: int
     label: str
+    rank_names: Optional[List[int]]
     timeout: float
     def __init__(self, name: str, create: bool, rank: int, size: int, half_bytes: int,
                  ring_bytes: int, timeout: float, label: str = ...) -> None: ...

@@ -84,6 +84,7 @@ cdef class ShmComm:
     cdef readonly int rank, size
     cdef readonly str label
     cdef readonly double timeout
+    cdef public object rank_names  # rank r is called rank_names[r] in messages (None: r)
 
     def __cinit__(self, str name, bint create, int rank, int size, size_t half_bytes,
                   size_t ring_bytes, double timeout, str label="shm"):
@@ -115,8 +116,9 @@ cdef class ShmComm:
             raise DistBackendError(f"{self.label} {op}: communicator is closed")
         if peer < 0:
             peer = shm_comm_error_peer(self.c)
+        names = self.rank_names
         reason = _REASONS.get(rc, f"error {rc}")
-        who = f"peer rank {peer}" if peer >= 0 else "peers"
+        who = f"peer rank {names[peer] if names else peer}" if peer >= 0 else "peers"
         if rc == SHM_ETIMEDOUT:  # torch gloo's words, which torch's tests match
             msg = f"{reason} {self.timeout * 1000:.0f}ms for {who}"
         elif rc == SHM_EPEERDEAD:
@@ -124,7 +126,8 @@ cdef class ShmComm:
         else:
             msg = f"{reason}"
         raise DistBackendError(
-            f"{self.label} {op} failed at sequence {shm_comm_seq(self.c)} on rank {self.rank}: {msg}")
+            f"{self.label} {op} failed at sequence {shm_comm_seq(self.c)} on rank "
+            f"{names[self.rank] if names else self.rank}: {msg}")
 
     cdef inline shm_comm *_live(self, str op) except NULL:
         if self.c == NULL:

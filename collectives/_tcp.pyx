@@ -86,6 +86,24 @@ cdef class Engine:
     def set_timeout(self, double timeout):
         tcp_set_timeout(self._eng(), timeout)
 
+    def set_rank_names(self, names):
+        """Call rank r ``names[r]`` in messages (None: r), for an engine whose group sits
+        inside another one (the host leaders of a hierarchical group)."""
+        cdef tcp_engine *e = self._eng()
+        cdef int *cnames = NULL
+        if names is not None:
+            if len(names) != self.size:
+                raise ValueError(f"names must have {self.size} entries, got {len(names)}")
+            cnames = <int *>malloc(sizeof(int) * self.size)
+            if cnames == NULL:
+                raise MemoryError()
+            for i in range(self.size):
+                cnames[i] = int(names[i])
+        rc = tcp_set_rank_names(e, cnames)
+        free(cnames)
+        if rc != 0:
+            raise MemoryError()
+
     @property
     def seq(self):
         """Sequence number of the last collective started."""

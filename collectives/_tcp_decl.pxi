@@ -21,6 +21,7 @@ cdef extern from "tcp_engine.h" nogil:
     void tcp_set_tuning(tcp_engine *e, int key, int64_t value)
     int64_t tcp_get_tuning(tcp_engine *e, int key)
     void tcp_set_timeout(tcp_engine *e, double timeout_s)
+    int tcp_set_rank_names(tcp_engine *e, const int *names)
     void tcp_engine_close(tcp_engine *e)
     void tcp_engine_free(tcp_engine *e)
     uint64_t tcp_engine_seq(tcp_engine *e)

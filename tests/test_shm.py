@@ -426,6 +426,44 @@ def setup_hier(ctx, hosts):
     return setup_backend(ctx, "default")
 
 
+def timed_out_message(ctx, callers, tag):
+    """A fresh hierarchical group with a short timeout; the ranks in ``callers`` call
+    all_reduce, the others do not. Returns a caller's error message."""
+    from collectives.backends.select import create_default_backend
+    from collectives.errors import DistError
+    from collectives.store import PrefixStore
+    be = create_default_backend(PrefixStore(tag, ctx.state["store"]), ctx.rank,
+                                ctx.world_size, 1.5)
+    try:
+        if ctx.rank not in callers:
+            time.sleep(2.5)
+            return None
+        try:
+            be.all_reduce(to_buffer(np.ones(8, np.float32)), D.SUM)
+        except DistError as e:
+            return str(e)
+        return "no error"
+    finally:
+        be.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _has_tcp(), reason="the hierarchical mode needs the TCP backend")
+def test_a_hierarchical_groups_errors_name_the_groups_ranks():
+    """A host's shared-memory group and the leaders' TCP group number their ranks from 0;
+    their timeouts name the whole group's ranks (hosts a,a,b,b: host b's ranks are 2 and
+    3, its leader is the leaders' rank 1)."""
+    hosts = ("a", "a", "b", "b")
+    pool = get_pool(4, setup=setup_hier, setup_args=(hosts,), env=ENV_SMALL)
+    got = pool.run(timed_out_message, (0, 1), "names-a", timeout=60)
+    # rank 0, host a's leader, waits for host b's leader
+    assert "receiving from rank 2" in got[0], got[0]
+    got = pool.run(timed_out_message, (2, 3), "names-b", timeout=60)
+    # rank 3 waits in host b's shared memory for its leader, rank 2
+    assert "on rank 3" in got[3] and "peer rank 2" in got[3], got[3]
+    assert "receiving from rank 0" in got[2], got[2]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world,victim", [(2, 1), (4, 0), (4, 2)])
 def test_peer_killed_mid_collective_raises(world, victim):

@@ -61,9 +61,9 @@ def _prefixed(store, prefix):
     return PrefixStore(prefix, store)
 
 
-def _tcp(store, rank, size, timeout, options):
+def _tcp(store, rank, size, timeout, options, rank_names=None):
     from .tcp import TcpBackend
-    return TcpBackend(store, rank, size, timeout, options)
+    return TcpBackend(store, rank, size, timeout, options, rank_names=rank_names)
 
 
 def create_default_backend(store, rank, size, timeout, options=None):
@@ -136,11 +136,13 @@ class HierarchicalBackend(Backend):
         self.world = _tcp(_prefixed(store, "hier/world"), rank, size, timeout, options)
         self.local = ShmBackend(_prefixed(store, f"hier/host{self.host_index}"), local.index(rank),
                                 len(local), timeout, options,
-                                label=f"shm host {self.host_index} of group (size {size})")
+                                label=f"shm host {self.host_index} of group (size {size})",
+                                rank_names=local)
         self.leaders = None
         if self.is_leader:
             self.leaders = _tcp(_prefixed(store, "hier/leaders"), self.host_index,
-                                len(self.members), timeout, options)
+                                len(self.members), timeout, options,
+                                rank_names=[m[0] for m in self.members])
 
     # ---- helpers -------------------------------------------------------------------
     @staticmethod

@@ -143,13 +143,16 @@ class ShmBackend(Backend):
         timeout: seconds a single wait may take before DistBackendError.
         options: unused (accepted for the Backend interface).
         label: names the group in error messages.
+        rank_names: the rank each rank of this group is called by in error messages
+            (default: itself), for a group inside another one (a hierarchical group's
+            ranks on one host).
     """
 
     name = "shm"
     own_block_in_place = True
     gathers_into_list = True
 
-    def __init__(self, store, rank, size, timeout, options=None, label=None):
+    def __init__(self, store, rank, size, timeout, options=None, label=None, *, rank_names=None):
         super().__init__(store, rank, size, timeout, options)
         from .._shm import ShmComm, unlink
         half = _env_int("COLLECTIVES_SHM_HALF_BYTES", DEFAULT_HALF_BYTES)
@@ -176,6 +179,7 @@ class ShmBackend(Backend):
             value = value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
             name, _, tuning = value.partition(";")
             self._comm = ShmComm(name, False, rank, size, half, ring, tmo, self.label)
+        self._comm.rank_names = list(rank_names) if rank_names is not None else None
         try:
             self._comm.barrier()  # every rank has mapped the segment
         finally:

@@ -141,13 +141,17 @@ def options_host(options):
     return host or None
 
 
-def connect_mesh(store, rank, size, timeout, host=None):
+def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
     """Connect every pair of ranks through ``store``; returns (fds, group id).
 
     Each rank listens, publishes host:port, connects to every lower rank and
     accepts every higher one; a hello (magic, group id, rank, size) and an ack
-    check that both ends belong to the same group.
+    check that both ends belong to the same group. Messages call rank r
+    ``rank_names[r]`` when given.
     """
+    def nm(r):
+        return rank_names[r] if rank_names is not None else r
+
     fds = [-1] * size
     if size == 1:
         return fds, 0
@@ -179,8 +183,8 @@ def connect_mesh(store, rank, size, timeout, host=None):
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise DistNetworkError(f"tcp backend: rank {rank} could not connect to rank {peer} "
-                                           f"at {addr} within {timeout} s")
+                    raise DistNetworkError(f"tcp backend: rank {nm(rank)} could not connect to "
+                                           f"rank {nm(peer)} at {addr} within {timeout} s")
                 s.settimeout(remaining)
                 try:
                     s.connect((h, int(p)))
@@ -198,8 +202,8 @@ def connect_mesh(store, rank, size, timeout, host=None):
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = [r for r in range(rank + 1, size) if r not in socks]
-                    raise DistNetworkError(f"tcp backend: rank {rank} timed out after {timeout} s "
+                    missing = [nm(r) for r in range(rank + 1, size) if r not in socks]
+                    raise DistNetworkError(f"tcp backend: rank {nm(rank)} timed out after {timeout} s "
                                            f"waiting for ranks {missing} to connect")
                 listener.settimeout(remaining)
                 try:
@@ -219,16 +223,16 @@ def connect_mesh(store, rank, size, timeout, host=None):
                 socks[peer] = c
                 break
         for peer in range(rank):
-            magic, r = _ACK.unpack(_recv_exact(socks[peer], _ACK.size, deadline, f"rank {peer}'s ack"))
+            magic, r = _ACK.unpack(_recv_exact(socks[peer], _ACK.size, deadline, f"rank {nm(peer)}'s ack"))
             if magic != _MAGIC or r != peer:
-                raise DistNetworkError(f"tcp backend: bad handshake from rank {peer}")
+                raise DistNetworkError(f"tcp backend: bad handshake from rank {nm(peer)}")
         for peer, s in socks.items():
             s.setblocking(False)
             fds[peer] = s.detach()
         socks.clear()
         return fds, group
     except OSError as e:  # unreachable host, reset, bind failure: a network error, not a raw OSError
-        raise DistNetworkError(f"tcp backend: rank {rank} could not set up connections: {e}") from e
+        raise DistNetworkError(f"tcp backend: rank {nm(rank)} could not set up connections: {e}") from e
     finally:
         listener.close()
         for s in socks.values():
@@ -282,12 +286,15 @@ class TcpBackend(Backend):
             tree_max, segment, direct_max (bytes), allreduce_direct_world; and ``host``,
             the address to listen on and publish (else :func:`advertised_host`). A
             ``ProcessGroupGloo.Options`` gives the host of its first device.
+        rank_names: the rank each rank of this group is called by in error messages
+            (default: itself), for a group inside another one (a hierarchical group's
+            host leaders).
     """
 
     name = "gloo"
     own_block_in_place = True
 
-    def __init__(self, store, rank, size, timeout, options=None):
+    def __init__(self, store, rank, size, timeout, options=None, *, rank_names=None):
         from .. import _tcp
         secs = _seconds(timeout)
         if not isinstance(size, int) or size < 1:
@@ -297,8 +304,10 @@ class TcpBackend(Backend):
         if secs <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         super().__init__(store, rank, size, secs, options)
-        fds, group = connect_mesh(store, rank, size, secs, options_host(options))
+        fds, group = connect_mesh(store, rank, size, secs, options_host(options), rank_names)
         self._engine = _tcp.Engine(rank, size, fds, group, secs)
+        if rank_names is not None:
+            self._engine.set_rank_names(rank_names)
         self._inflight = set()
         self._prune_at = 64
         self._lock = threading.Lock()

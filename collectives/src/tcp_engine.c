@@ -102,6 +102,7 @@ struct tcp_engine {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int rank, size;
+    int *names;  /* the rank each engine rank is called by in messages (NULL: itself) */
     uint32_t group;
     double timeout;
     peer_t *peers;
@@ -146,6 +147,13 @@ static double now_s(void)
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* Rank r as messages call it: an engine inside another group (the host leaders of a
+ * hierarchical one) names its ranks by their ranks in that group. */
+static int RN(const tcp_engine *e, int r)
+{
+    return e->names && r >= 0 && r < e->size ? e->names[r] : r;
+}
+
 static void fmt(char *dst, size_t cap, const char *f, ...)
 {
     va_list ap;
@@ -188,14 +196,14 @@ static void describe_req(tcp_engine *e, const tcp_req *r, char *out, size_t cap)
 {
     if (r->kind == K_P2P) {
         if (r->is_send)
-            fmt(out, cap, "isend to rank %d (tag %d)", r->peer, r->tag);
+            fmt(out, cap, "isend to rank %d (tag %d)", RN(e, r->peer), r->tag);
         else if (r->peer < 0)
             fmt(out, cap, "irecv from any rank (tag %d)", r->tag);
         else
-            fmt(out, cap, "irecv from rank %d (tag %d)", r->peer, r->tag);
+            fmt(out, cap, "irecv from rank %d (tag %d)", RN(e, r->peer), r->tag);
     } else {
         fmt(out, cap, "%s #%llu (%s rank %d)", KNAMES[r->kind], (unsigned long long)r->seq,
-            r->is_send ? "sending to" : "receiving from", r->peer);
+            r->is_send ? "sending to" : "receiving from", RN(e, r->peer));
     }
     (void)e;
 }
@@ -333,7 +341,7 @@ static void peer_dead(tcp_engine *e, int pi, const char *why)
 static void peer_dead_errno(tcp_engine *e, int pi, int err)
 {
     char m[200];
-    fmt(m, sizeof m, "connection to rank %d failed: %s", pi, strerror(err));
+    fmt(m, sizeof m, "connection to rank %d failed: %s", RN(e, pi), strerror(err));
     peer_dead(e, pi, m);
 }
 
@@ -439,7 +447,7 @@ static int sig_mismatch(tcp_engine *e, const hdr_t *h, char *out, size_t cap)
     fmt(out, cap,
         "collective mismatch at sequence number %llu: this rank (%d) called %s(total=%llu, "
         "dtype=%u, op=%u, root=%u) but rank %%d called %s(total=%llu, dtype=%u, op=%u, root=%u)",
-        (unsigned long long)e->seq, e->rank, KNAMES[e->cur_kind],
+        (unsigned long long)e->seq, RN(e, e->rank), KNAMES[e->cur_kind],
         (unsigned long long)e->cur_total, e->cur_aux & 0xff, (e->cur_aux >> 8) & 0xff,
         e->cur_aux >> 16, h->kind < K_NKINDS ? KNAMES[h->kind] : "?",
         (unsigned long long)h->total, h->aux & 0xff, (h->aux >> 8) & 0xff, h->aux >> 16);
@@ -450,7 +458,7 @@ static void report_mismatch(tcp_engine *e, int pi, const hdr_t *h)
 {
     char f[600], m[600];
     sig_mismatch(e, h, f, sizeof f);
-    fmt(m, sizeof m, f, pi);
+    fmt(m, sizeof m, f, RN(e, pi));
     coll_set_err(e, m);
 }
 
@@ -502,7 +510,7 @@ static void match_p2p(tcp_engine *e, int pi)
     if (p->h.len > r->len) {
         char m[200];
         fmt(m, sizeof m, "the message from rank %d has %llu bytes, more than the %zu-byte buffer",
-            pi, (unsigned long long)p->h.len, r->len);
+            RN(e, pi), (unsigned long long)p->h.len, r->len);
         req_fail(e, r, m);
         return;
     }
@@ -526,7 +534,7 @@ static void match_coll(tcp_engine *e, int pi)
                 char m[300];
                 fmt(m, sizeof m, "%s #%llu: rank %d sent %llu bytes where this rank expects %zu "
                     "(different sizes on different ranks?)", KNAMES[e->cur_kind],
-                    (unsigned long long)e->seq, pi, (unsigned long long)h->len, r->len);
+                    (unsigned long long)e->seq, RN(e, pi), (unsigned long long)h->len, r->len);
                 req_fail(e, r, m);
                 coll_set_err(e, m);
                 return;
@@ -566,7 +574,7 @@ static int payload_done(tcp_engine *e, int pi)
     } else if (mode == M_ERR) {
         p->errtext[p->h.len] = 0;
         if (!e->poison[0] || p->h.seq < e->poison_seq) {
-            fmt(e->poison, sizeof e->poison, "rank %d reported: %s", pi, p->errtext);
+            fmt(e->poison, sizeof e->poison, "rank %d reported: %s", RN(e, pi), p->errtext);
             e->poison_seq = p->h.seq;
         }
         /* a failure of a later collective must not fail one this rank can still finish */
@@ -580,7 +588,7 @@ static void on_header(tcp_engine *e, int pi)
     peer_t *p = &e->peers[pi];
     char m[200];
     if (p->h.magic != MAGIC || p->h.group != e->group) {
-        fmt(m, sizeof m, "received a corrupted frame from rank %d (bad magic or group id)", pi);
+        fmt(m, sizeof m, "received a corrupted frame from rank %d (bad magic or group id)", RN(e, pi));
         peer_dead(e, pi, m);
         return;
     }
@@ -593,7 +601,7 @@ static void on_header(tcp_engine *e, int pi)
         break;
     case F_ERROR:
         if (p->h.len >= ERRTEXT) {
-            fmt(m, sizeof m, "received a corrupted error frame from rank %d", pi);
+            fmt(m, sizeof m, "received a corrupted error frame from rank %d", RN(e, pi));
             peer_dead(e, pi, m);
             return;
         }
@@ -604,13 +612,13 @@ static void on_header(tcp_engine *e, int pi)
         if (p->h.kind == K_P2P) match_p2p(e, pi);
         else if (p->h.kind < K_NKINDS) match_coll(e, pi);
         else {
-            fmt(m, sizeof m, "received a frame of unknown kind from rank %d", pi);
+            fmt(m, sizeof m, "received a frame of unknown kind from rank %d", RN(e, pi));
             peer_dead(e, pi, m);
             return;
         }
         break;
     default:
-        fmt(m, sizeof m, "received a corrupted frame from rank %d (bad frame type)", pi);
+        fmt(m, sizeof m, "received a corrupted frame from rank %d (bad frame type)", RN(e, pi));
         peer_dead(e, pi, m);
         return;
     }
@@ -624,9 +632,9 @@ static void peer_eof(tcp_engine *e, int pi)
     peer_t *p = &e->peers[pi];
     char m[200];
     if (p->closing && p->phase == 0)
-        fmt(m, sizeof m, "rank %d shut down its backend (clean close)", pi);
+        fmt(m, sizeof m, "rank %d shut down its backend (clean close)", RN(e, pi));
     else
-        fmt(m, sizeof m, "rank %d closed the connection unexpectedly (the process exited or crashed)", pi);
+        fmt(m, sizeof m, "rank %d closed the connection unexpectedly (the process exited or crashed)", RN(e, pi));
     peer_dead(e, pi, m);
 }
 
@@ -748,7 +756,7 @@ static void post_recv_locked(tcp_engine *e, tcp_req *r)
                                  best->h.total != e->cur_total)) {
             char f[600];
             sig_mismatch(e, &best->h, f, sizeof f);
-            fmt(msg, sizeof msg, f, pi);
+            fmt(msg, sizeof msg, f, RN(e, pi));
             msg_drop(e, pi, best);
             req_fail(e, r, msg);
             coll_set_err(e, msg);
@@ -756,7 +764,7 @@ static void post_recv_locked(tcp_engine *e, tcp_req *r)
         }
         if ((r->kind == K_P2P && best->h.len > r->len) || (r->kind != K_P2P && best->h.len != r->len)) {
             fmt(msg, sizeof msg, "rank %d sent %llu bytes where this rank expects %s%zu",
-                pi, (unsigned long long)best->h.len, r->kind == K_P2P ? "at most " : "", r->len);
+                RN(e, pi), (unsigned long long)best->h.len, r->kind == K_P2P ? "at most " : "", r->len);
             msg_drop(e, pi, best);
             req_fail(e, r, msg);
             if (r->kind != K_P2P) coll_set_err(e, msg);
@@ -1040,6 +1048,21 @@ void tcp_set_timeout(tcp_engine *e, double timeout_s)
     pthread_mutex_unlock(&e->mu);
 }
 
+int tcp_set_rank_names(tcp_engine *e, const int *names)
+{
+    int *copy = NULL;
+    if (names) {
+        copy = malloc(sizeof(int) * (size_t)e->size);
+        if (!copy) return -1;
+        memcpy(copy, names, sizeof(int) * (size_t)e->size);
+    }
+    pthread_mutex_lock(&e->mu);
+    free(e->names);
+    e->names = copy;
+    pthread_mutex_unlock(&e->mu);
+    return 0;
+}
+
 uint64_t tcp_engine_seq(tcp_engine *e)
 {
     return e->seq;
@@ -1112,6 +1135,7 @@ void tcp_engine_free(tcp_engine *e)
     free(e->peers);
     free(e->pfds);
     free(e->pidx);
+    free(e->names);
     free(e->creqs);
     free(e->cptr);
     free(e->scratch);
@@ -1284,7 +1308,7 @@ static int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
         }
         char m[ERRTEXT];
         fmt(m, sizeof m, "%s #%llu failed on rank %d: %s", KNAMES[e->cur_kind],
-            (unsigned long long)e->seq, e->rank, err);
+            (unsigned long long)e->seq, RN(e, e->rank), err);
         for (int i = 0; i < e->size; i++)
             if (i != e->rank && !e->peers[i].dead && !e->closed) send_control(e, i, F_ERROR, m);
     }

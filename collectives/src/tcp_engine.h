@@ -28,6 +28,8 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
 void tcp_set_tuning(tcp_engine *e, int key, int64_t value);
 int64_t tcp_get_tuning(tcp_engine *e, int key);
 void tcp_set_timeout(tcp_engine *e, double timeout_s);
+/* Name rank r as names[r] (size ints, copied; NULL: r) in messages; -1 if out of memory. */
+int tcp_set_rank_names(tcp_engine *e, const int *names);
 /* Flushes pending sends (bounded), tells peers, closes the sockets, fails pending requests. */
 void tcp_engine_close(tcp_engine *e);
 void tcp_engine_free(tcp_engine *e);
