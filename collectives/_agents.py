@@ -19,6 +19,12 @@ number themselves 1, 2... in the order they join. Launchers meet in rounds:
 * a node whose ranks all succeeded waits for the others; the job ends when every node's
   have. Node 0 keeps the store until the others have left (or ``close_timeout``).
 
+A store that stops answering (its node crashed, or the network between is cut: nothing
+resets the connection) ends the launcher's part of the job ``read_timeout`` seconds
+(default 60) after its last answer. Each request waits at most OP_TIMEOUT seconds and is
+tried again meanwhile, so a launcher stays responsive: it keeps relaying its ranks'
+output, notices their failures and obeys a signal while the store is silent.
+
 Keys live under ``collectives-run/<rdzv-id>/``.
 """
 import socket
@@ -26,14 +32,16 @@ import time
 from datetime import timedelta
 
 POLL_S = 0.05
+OP_TIMEOUT = 5.0  # seconds one request to the rendezvous store may wait for its answer
 
 # torchrun's --rdzv-conf keys this rendezvous reads, with torchrun's defaults
-CONF_DEFAULTS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "close_timeout": 30.0}
+CONF_DEFAULTS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "close_timeout": 30.0,
+                 "read_timeout": 60.0}
 
 
 def parse_conf(text):
     """``--rdzv-conf key=value,key=value``: the known keys as floats (the others torchrun
-    reads, such as ``is_host`` or ``read_timeout``, are accepted and left alone)."""
+    reads, such as ``is_host``, are accepted and left alone)."""
     conf = dict(CONF_DEFAULTS)
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = item.partition("=")
@@ -72,6 +80,10 @@ class Stop(Exception):
     and no restart is left, a launcher was stopped, the store was lost)."""
 
 
+class Silent(Exception):
+    """The rendezvous store did not answer one request in time (not yet for long)."""
+
+
 class NodeRendezvous:
     """One launcher's side of the rendezvous (see the module's docstring)."""
 
@@ -86,6 +98,11 @@ class NodeRendezvous:
         self.stopped = stopped  # true once the launcher got a signal: waits end
         self.host = host
         self.prefix = f"collectives-run/{run_id}/"
+        self.read_timeout = max(conf["read_timeout"], 0.1)
+        self.op_timeout = min(OP_TIMEOUT, self.read_timeout)
+        self.lost = None  # why the store is lost, once it is: no more requests then
+        self.silent = False  # the last request got no answer
+        self._last_answer = time.monotonic()
         tmo = timedelta(seconds=max(conf["join_timeout"], 1.0))
         self.is_host = False
         self.store = None
@@ -101,7 +118,6 @@ class NodeRendezvous:
             try:
                 self.store = TCPStore(host, port, None, False, timedelta(seconds=1),
                                       wait_for_workers=False)
-                self.store.set_timeout(tmo)
             except DistError as e:
                 if stopped() or time.monotonic() > deadline:
                     why = "stopped by a signal" if stopped() else \
@@ -118,11 +134,42 @@ class NodeRendezvous:
     def _k(self, *parts):
         return self.prefix + "/".join(str(p) for p in parts)
 
-    def _call(self, fn, *args):
-        try:
-            return fn(*args)
-        except self._DistError as e:
-            raise Stop(f"lost the rendezvous store at {self.host}: {e}") from e
+    def _call(self, fn, *args, once=False, wait=True, timeout=None):
+        """``fn(*args)`` on the store. A request that gets no answer within OP_TIMEOUT is
+        made again until ``read_timeout`` has passed (or a signal came); ``once``: a
+        request that must not be made twice (an add of 1) waits ``read_timeout`` once, or
+        ``timeout``. ``wait=False``: one try, then Silent, unless the store has not
+        answered for ``read_timeout``. Raises Stop when the store is lost."""
+        from .errors import DistNetworkError, DistStoreError
+        if self.lost:
+            raise Stop(self.lost)
+        deadline = (time.monotonic() if wait else self._last_answer) + self.read_timeout
+        if timeout is None:
+            timeout = self.read_timeout if once else self.op_timeout
+        while True:
+            self.store.set_timeout(timedelta(seconds=timeout))
+            try:
+                out = fn(*args)
+                self._last_answer = time.monotonic()
+                self.silent = False
+                return out
+            except (DistStoreError, DistNetworkError) as e:
+                silent = isinstance(e.__cause__, (socket.timeout, TimeoutError)) \
+                    or "could not connect" in str(e)
+                self.silent = silent
+                if not silent or once or time.monotonic() >= deadline:
+                    self.lost = f"lost the rendezvous store at {self.host}: " + (
+                        f"no answer within read_timeout={self.conf['read_timeout']:g} s"
+                        if silent else str(e))
+                    raise Stop(self.lost) from e
+                if not wait:
+                    raise Silent() from e
+                if self.stopped():
+                    raise Stop("stopped by a signal while the rendezvous store did not "
+                               "answer") from e
+            except self._DistError as e:
+                self.lost = f"lost the rendezvous store at {self.host}: {e}"
+                raise Stop(self.lost) from e
 
     def _get(self, key):
         """The value at ``key`` once some launcher has set it; Stop when this launcher gets
@@ -152,13 +199,13 @@ class NodeRendezvous:
         else:
             rnd = int(self._get(self._k("round"))) if self.round is None else self.round + 1
             while True:
-                idx = int(self._call(s.add, self._k(rnd, "clients"), 1))
+                idx = int(self._call(s.add, self._k(rnd, "clients"), 1, once=True))
                 nnodes = int(self._get(self._k(rnd, "nnodes")))
                 self._check_failed()
                 if idx < nnodes:
                     break
                 # too late for this round: wait in the next one (and ask for it)
-                self._call(s.add, self._k(rnd, "late"), 1)
+                self._call(s.add, self._k(rnd, "late"), 1, once=True)
                 rnd += 1
             self.round, self.node_rank = rnd, idx
         self.nnodes = int(self._get(self._k(self.round, "nnodes")))
@@ -208,12 +255,19 @@ class NodeRendezvous:
         self._next_poll = now + POLL_S * 2
         try:
             return self._poll()
+        except Silent:  # no news this time; the ranks run on until read_timeout
+            return None
         except Stop as e:
             return ("failed", str(e))
 
     def _poll(self):
-        s, rnd, call = self.store, self.round, self._call
-        self._check_failed()
+        s, rnd = self.store, self.round
+
+        def call(fn, *args):  # one try each: the launcher's loop must not stall
+            return self._call(fn, *args, wait=False)
+
+        if call(s.check, [self._k("failed")]):
+            raise Stop(call(s.get, self._k("failed")).decode(errors="replace"))
         if call(s.check, [self._k(rnd, "restart")]):
             return ("restart", call(s.get, self._k(rnd, "restart")).decode(errors="replace"))
         if self.is_host and self.nnodes < self.max_nodes \
@@ -232,10 +286,13 @@ class NodeRendezvous:
         return got.decode(errors="replace") if isinstance(got, bytes) else str(got)
 
     def fail(self, why):
-        """End the job on every node (no restart left, or this launcher was stopped)."""
+        """End the job on every node (no restart left, or this launcher was stopped); a
+        store that is lost, or did not answer the last request, is left alone."""
+        if self.silent:
+            return
         try:
-            self.store.compare_set(self._k("failed"), "", why)
-        except self._DistError:
+            self._call(self.store.compare_set, self._k("failed"), "", why, wait=False)
+        except (Stop, Silent):
             pass
 
     def finish(self, stopped):
@@ -243,7 +300,7 @@ class NodeRendezvous:
         job is done everywhere, or ``poll``'s answer when a round restart or a failure comes
         first. ``stopped()`` is true once the launcher got a signal."""
         s = self.store
-        self._call(s.add, self._k(self.round, "done"), 1)
+        self._call(s.add, self._k(self.round, "done"), 1, once=True)
         while True:
             if stopped():
                 return ("signal", "")
@@ -261,12 +318,13 @@ class NodeRendezvous:
         s = self.store
         try:
             if not self.is_host:
-                s.add(self._k("left"), 1)
+                if not self.silent:
+                    self._call(s.add, self._k("left"), 1, once=True, timeout=self.op_timeout)
             else:
                 deadline = time.monotonic() + self.conf["close_timeout"]
-                while int(s.add(self._k("left"), 0)) < (self.nnodes or 1) - 1 \
+                while int(self._call(s.add, self._k("left"), 0)) < (self.nnodes or 1) - 1 \
                         and time.monotonic() < deadline:
                     time.sleep(POLL_S)
-        except self._DistError:
+        except Stop:
             pass
         s.close()

@@ -119,8 +119,8 @@ def build_parser():
                "static the master (as --master-addr/port)")
     p.add("--rdzv-id", default="none", help="the job's id (TORCHELASTIC_RUN_ID)")
     p.add("--rdzv-conf", default="",
-          help="c10d: join_timeout=S,last_call_timeout=S,close_timeout=S (torchrun's keys; "
-               "defaults 600, 30, 30)")
+          help="c10d: join_timeout=S,last_call_timeout=S,close_timeout=S,read_timeout=S "
+               "(torchrun's keys; defaults 600, 30, 30, 60)")
     p.add("--max-restarts", type=int, default=0, help="restart every rank up to N times on failure")
     p.add("--monitor-interval", type=float, default=0.1, help="seconds between checks of the ranks")
     p.add("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],

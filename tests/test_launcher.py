@@ -439,3 +439,45 @@ def test_c10d_a_signal_ends_launchers_waiting_for_nodes():
     assert rc == 130 and took < 5 and "stopped by a signal" in err, (rc, took, err)
     out, err = host.communicate(timeout=20)
     assert host.returncode == 1 and "received SIGINT" in err.decode(), err.decode()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ending", ["read_timeout", "signal"])
+def test_c10d_a_silent_store_ends_the_other_nodes_part(tmp_path, ending):
+    """Node 0's launcher (the rendezvous store) frozen mid-job, as a crashed host or a cut
+    network leaves it: no connection is reset, no answer comes. Node 1's launcher stops
+    its ranks and exits read_timeout after the last answer; a signal that comes meanwhile
+    ends it within one request's wait (it relays its ranks' output all along)."""
+    port = free_port()
+    read_timeout = 3 if ending == "read_timeout" else 60
+    args = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+            f"job-{os.getpid()}-{port}", "--nnodes", "2", "-n", "1", "--rdzv-conf",
+            f"close_timeout=1,read_timeout={read_timeout}", TARGET, "sleep", str(tmp_path)]
+    host = start(args, env=_env(COLLECTIVES_HOST_ID="node-0"))
+    time.sleep(1)  # the first launcher serves the store
+    client = start(args, env=_env(COLLECTIVES_HOST_ID="node-1"))
+    try:
+        ranks = wait_for_pids(tmp_path, 4)  # two ranks and a child of each
+        os.kill(host.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        if ending == "signal":
+            time.sleep(1.0)
+            client.send_signal(signal.SIGTERM)
+        out, err = client.communicate(timeout=30)
+        took = time.monotonic() - t0
+        err = err.decode()
+        if ending == "read_timeout":
+            assert client.returncode == 1, err
+            assert "no answer within read_timeout=3 s" in err, err
+            assert 2.5 < took < 3 + 5 + 3, (took, err)  # + a request's wait + term_timeout
+        else:
+            assert client.returncode == 128 + signal.SIGTERM, err
+            assert took < 1 + 5 + 3, (took, err)
+        assert_all_gone({k: v for k, v in ranks.items() if k.endswith("1")})
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.send_signal(signal.SIGTERM)
+        host.communicate(timeout=30)
+        client.kill()
+        client.communicate()
+    assert_all_gone(ranks)

@@ -108,7 +108,7 @@ def results(procs, timeout):
 STATIC = ("static", lambda i: ["--node-rank", str(i), "--master-addr", ADDRS[0],
                                "--master-port", "29517"])
 C10D = ("c10d", lambda i: ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{ADDRS[0]}:29518",
-                           "--rdzv-conf", "close_timeout=5"])
+                           "--rdzv-conf", "close_timeout=5,read_timeout=5"])
 
 
 @pytest.mark.timeout(180)
@@ -126,10 +126,12 @@ def test_a_job_on_two_nodes_runs_every_collective(nodes, rdzv, tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_a_cut_link_between_nodes_makes_every_rank_raise_within_the_timeout(nodes, tmp_path):
+@pytest.mark.parametrize("rdzv", [STATIC, C10D], ids=lambda r: r[0])
+def test_a_cut_link_between_nodes_makes_every_rank_raise_within_the_timeout(nodes, rdzv,
+                                                                             tmp_path):
     """No process dies and no connection is reset: the packets stop. Every rank's
     all_reduce raises within the group timeout; the leaders name each other."""
-    procs = [start_node(ns, i, STATIC[1], "partition", tmp_path)
+    procs = [start_node(ns, i, rdzv[1], "partition", tmp_path)
              for i, (ns, _) in enumerate(nodes)]
     deadline = time.monotonic() + 90
     while len([f for f in os.listdir(tmp_path) if f.startswith("ready.")]) < 4:
@@ -143,6 +145,7 @@ def test_a_cut_link_between_nodes_makes_every_rank_raise_within_the_timeout(node
     cut = _run("ip", "-n", ns, "link", "set", link, "down")
     assert cut.returncode == 0, cut.stderr
     codes, got, out = results(procs, GROUP_TIMEOUT + GRACE + 20)
+    assert all(codes), out  # both launchers end the job as failed (a rank's code, or 1)
     assert sorted(got) == [0, 1, 2, 3], out
     for r in range(4):
         assert got[r]["raised"] in ("DistBackendError", "DistNetworkError"), got[r]

@@ -4,7 +4,7 @@ check: every collective and a ring of point-to-point messages, against a NumPy
     reference; prints one JSON line (host name, backend, mismatches).
 partition: all_reduce until it raises (the test cuts the link between the nodes once
     every rank has written DIR/ready.RANK); prints one JSON line (what was raised, and
-    how long after the last all_reduce that succeeded).
+    how long after the last all_reduce that succeeded), and exits with code 3.
 """
 import json
 import os
@@ -97,8 +97,9 @@ def main():
     print("RESULT " + json.dumps(result), flush=True)
     if mode == "check":
         dist.destroy_process_group()
-    else:
-        os._exit(0)  # the group is broken: nothing to shut down cleanly
+    else:  # the group is broken: nothing to shut down cleanly; fail as an uncaught error
+        time.sleep(1.5)  # would, once this node's other rank has raised too (the launcher
+        os._exit(3)      # stops a node's ranks when one fails)
 
 
 if __name__ == "__main__":
