@@ -10,7 +10,8 @@ get SIGTERM, then SIGKILL after ``--term-timeout`` seconds, and the launcher exi
 non-zero with a summary (the rank, its exit code or signal, its last stderr lines).
 SIGINT/SIGTERM/SIGHUP sent to the launcher are forwarded to every rank. Each rank
 runs in its own session, and its whole process group is signalled, so no
-grandchild outlives the launcher.
+grandchild outlives the launcher; a launcher killed by SIGKILL leaves that to a small
+reaper process it starts, which kills every rank's process group it left running.
 
 Example:
     collectives-run --nproc-per-node 4 train.py --epochs 3
@@ -404,6 +405,68 @@ class Rank:
         return f"exit code {rc}"
 
 
+# The reaper: reads "+PGID" / "-PGID" lines (a rank's process group started, or ended)
+# until the launcher's end of the pipe closes, then SIGKILLs the groups still listed.
+# Signals to the launcher's terminal or group do not end it: only the pipe does.
+_REAPER = r"""
+import os, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+fd, live, buf = int(sys.argv[1]), set(), b""
+while True:
+    data = os.read(fd, 4096)
+    if not data:
+        break
+    *lines, buf = (buf + data).split(b"\n")
+    for line in lines:
+        (live.add if line[:1] == b"+" else live.discard)(int(line[1:]))
+for pgid in live:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class _Reaper:
+    """Kills the ranks' process groups if the launcher dies without doing it (SIGKILL,
+    the OOM killer): a process of its own reads the groups from a pipe and kills those
+    still running once the pipe closes, which it does however the launcher ends. A group
+    is struck off once the launcher has killed it, so a reused number is never hit."""
+
+    def __init__(self):
+        self.fd = None
+        r, w = os.pipe()
+        try:
+            subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER, str(r)], pass_fds=(r,),
+                             start_new_session=True, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError:  # no reaper: the launcher still cleans up whenever it can
+            os.close(w)
+            w = None
+        finally:
+            os.close(r)
+        self.fd = w
+
+    def _send(self, line):
+        if self.fd is not None:
+            try:
+                os.write(self.fd, line.encode())
+            except OSError:
+                pass
+
+    def watch(self, rank):
+        self._send(f"+{rank.proc.pid}\n")
+
+    def forget(self, rank):
+        self._send(f"-{rank.proc.pid}\n")
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def _signal_group(rank, sig):
     try:
         os.killpg(rank.proc.pid, sig)
@@ -418,6 +481,7 @@ class Launcher:
         self.err = _Sink(sys.stderr.fileno())
         self.signal_received = None
         self.signal_count = 0
+        self.reaper = None
 
     def _on_signal(self, signum, frame):
         self.signal_received = signum
@@ -448,10 +512,13 @@ class Launcher:
             except OSError as e:
                 for r in ranks:
                     _signal_group(r, signal.SIGKILL)
+                    self._forget(r)
                 raise ValueError(f"cannot start {shlex.join(cfg.cmd)}: {e}") from e
             ranks.append(Rank(rank, local, proc,
                               _Stream(rank, self.out, cfg.prefix, show, logs[0], False),
                               _Stream(rank, self.err, cfg.prefix, show, logs[1], True)))
+            if self.reaper is not None:
+                self.reaper.watch(ranks[-1])
         return ranks
 
     def supervise(self, ranks, watch=None):
@@ -526,7 +593,12 @@ class Launcher:
         sel.close()
         for r in ranks:  # leave no grandchild behind
             _signal_group(r, signal.SIGKILL)
+            self._forget(r)
         return failed
+
+    def _forget(self, rank):
+        if self.reaper is not None:
+            self.reaper.forget(rank)
 
     def summary(self, failed, elapsed):
         first = failed[0]
@@ -546,6 +618,7 @@ class Launcher:
         handlers = {}
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             handlers[sig] = signal.signal(sig, self._on_signal)
+        self.reaper = _Reaper()
         try:
             if self.cfg.dynamic:
                 return self.run_c10d()
@@ -565,6 +638,7 @@ class Launcher:
             rc = failed[0].returncode
             return rc if 0 < rc < 256 else 128 + (-rc if rc < 0 else 1)
         finally:
+            self.reaper.close()
             for sig, h in handlers.items():
                 signal.signal(sig, h)
 

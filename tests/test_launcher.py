@@ -481,3 +481,18 @@ def test_c10d_a_silent_store_ends_the_other_nodes_part(tmp_path, ending):
         client.kill()
         client.communicate()
     assert_all_gone(ranks)
+
+
+@pytest.mark.timeout(60)
+def test_a_launcher_killed_by_sigkill_leaves_no_rank_behind(tmp_path):
+    """SIGKILL gives the launcher no chance to clean up: its reaper process kills every
+    rank's process group (the ranks and their children) once the launcher is gone."""
+    launcher = start(["-n", "2", TARGET, "sleep", str(tmp_path)])
+    try:
+        ranks = wait_for_pids(tmp_path, 4)  # two ranks and a child of each
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.communicate(timeout=10)
+        assert_all_gone(ranks, within=5.0)
+    finally:
+        launcher.kill()
+        launcher.communicate()
