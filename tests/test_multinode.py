@@ -59,10 +59,11 @@ def nodes():
                       ("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", link),
                       ("ip", "-n", ns, "link", "set", link, "up"),
                       ("ip", "-n", ns, "link", "set", "lo", "up")]
+        steps.append(("ip", "netns", "exec", names[0], "unshare", "--uts", "true"))
         for step in steps:
             p = _run(*step)
             if p.returncode:
-                pytest.skip(f"cannot join the namespaces ({' '.join(step)}): {p.stderr.strip()}")
+                pytest.skip(f"cannot set up the nodes ({' '.join(step)}): {p.stderr.strip()}")
         yield list(zip(names, links))
     finally:
         for ns in made:
