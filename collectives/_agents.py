@@ -241,9 +241,11 @@ class NodeRendezvous:
         self._call(s.set, self._k(rnd, "master_port"), str(self.free_port()))
         self._call(s.set, self._k(rnd, "nnodes"), str(min(n, self.max_nodes)))
 
-    def _check_failed(self):
-        if self._call(self.store.check, [self._k("failed")]):
-            raise Stop(self._call(self.store.get, self._k("failed")).decode(errors="replace"))
+    def _check_failed(self, wait=True):
+        """Stop if some launcher ended the job (``wait``: as ``_call``'s)."""
+        if self._call(self.store.check, [self._k("failed")], wait=wait):
+            raise Stop(self._call(self.store.get, self._k("failed"), wait=wait)
+                       .decode(errors="replace"))
 
     # ---- while the ranks run -----------------------------------------------------------
 
@@ -266,8 +268,7 @@ class NodeRendezvous:
         def call(fn, *args):  # one try each: the launcher's loop must not stall
             return self._call(fn, *args, wait=False)
 
-        if call(s.check, [self._k("failed")]):
-            raise Stop(call(s.get, self._k("failed")).decode(errors="replace"))
+        self._check_failed(wait=False)
         if call(s.check, [self._k(rnd, "restart")]):
             return ("restart", call(s.get, self._k(rnd, "restart")).decode(errors="replace"))
         if self.is_host and self.nnodes < self.max_nodes \

@@ -517,8 +517,7 @@ class Launcher:
             ranks.append(Rank(rank, local, proc,
                               _Stream(rank, self.out, cfg.prefix, show, logs[0], False),
                               _Stream(rank, self.err, cfg.prefix, show, logs[1], True)))
-            if self.reaper is not None:
-                self.reaper.watch(ranks[-1])
+            self._watch(ranks[-1])
         return ranks
 
     def supervise(self, ranks, watch=None):
@@ -595,6 +594,10 @@ class Launcher:
             _signal_group(r, signal.SIGKILL)
             self._forget(r)
         return failed
+
+    def _watch(self, rank):  # (no reaper when start() runs outside run())
+        if self.reaper is not None:
+            self.reaper.watch(rank)
 
     def _forget(self, rank):
         if self.reaper is not None:
