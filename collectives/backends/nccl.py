@@ -5,6 +5,12 @@ wheel), or any ``libnccl.so.2`` the loader finds (``COLLECTIVES_NCCL_LIB``
 names a path). Operations are enqueued on the tensor's device's current torch
 stream, as torch's ProcessGroupNCCL does; ``Request.wait`` synchronises it.
 
+The communicator is non-blocking (``ncclConfig_t.blocking = 0``): its setup and every
+call are polled, so a peer that never arrives or dies makes the others raise
+DistBackendError within the group's timeout instead of hanging. A watchdog thread
+aborts the communicator when work enqueued but never waited for outlives the timeout
+or NCCL reports an error; every later call on the group then raises.
+
 Limits, as NCCL's: no any-source receive, no BAND/BOR/BXOR, no int16 and no
 complex PRODUCT/MIN/MAX; these raise ValueError before anything is enqueued.
 """
@@ -12,6 +18,9 @@ import ctypes
 import glob
 import importlib.util
 import os
+import sys
+import threading
+import time
 
 from .. import dtypes as D
 from ..errors import DistBackendError
@@ -27,6 +36,10 @@ _NCCL_OP = {D.SUM: 0, D.PRODUCT: 1, D.MAX: 2, D.MIN: 3}
 # bool follows torch's gloo: SUM is OR (MAX), PRODUCT is AND (MIN)
 _BOOL_OP = {D.SUM: 2, D.PRODUCT: 3, D.MAX: 2, D.MIN: 3}
 _UNIQUE_ID_BYTES = 128
+_SUCCESS, _INVALID_USAGE, _IN_PROGRESS = 0, 5, 7
+_CONFIG_MAGIC = 0xCAFEBEEF
+_CONFIG_VERSION = 21700  # the oldest ncclConfig_t layout (NCCL 2.17); newer NCCLs read it
+_UNDEF_INT = -2**31
 
 _lib = None
 
@@ -55,6 +68,15 @@ def _load():
         else:
             raise RuntimeError("NCCL library not found (" + "; ".join(errors) + ")")
         lib.ncclGetErrorString.restype = ctypes.c_char_p
+        lib.ncclCommInitRankConfig.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                                               _UniqueId, ctypes.c_int,
+                                               ctypes.POINTER(_Config)]
+        lib.ncclCommGetAsyncError.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
+        lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+        if hasattr(lib, "ncclGetLastError"):
+            lib.ncclGetLastError.restype = ctypes.c_char_p
+            lib.ncclGetLastError.argtypes = [ctypes.c_void_p]
         _lib = lib
     return _lib
 
@@ -74,21 +96,53 @@ def is_available():
 
 
 class _UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * _UNIQUE_ID_BYTES)]
+    _fields_ = [("internal", ctypes.c_byte * _UNIQUE_ID_BYTES)]
+
+    def raw(self):
+        # not bytes(self.internal) of a c_char array: that stops at the first NUL byte
+        return ctypes.string_at(ctypes.addressof(self), _UNIQUE_ID_BYTES)
+
+
+class _Config(ctypes.Structure):
+    """ncclConfig_t as NCCL 2.17 laid it out (size and version tell NCCL which layout)."""
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("blocking", ctypes.c_int), ("cgaClusterSize", ctypes.c_int),
+                ("minCTAs", ctypes.c_int), ("maxCTAs", ctypes.c_int), ("netName", ctypes.c_char_p)]
+
+
+def _nonblocking_config():
+    return _Config(ctypes.sizeof(_Config), _CONFIG_MAGIC, _CONFIG_VERSION, 0,
+                   _UNDEF_INT, _UNDEF_INT, _UNDEF_INT, None)
+
+
+def _pause(spins):
+    """Spin a little, then sleep longer and longer (up to 1 ms) while polling."""
+    if spins > 100:
+        time.sleep(min(0.001, 2e-6 * (spins - 100)))
 
 
 class _StreamRequest(Request):
     """Finished when the stream it was enqueued on has reached it."""
 
-    def __init__(self, event, source=-1):
+    def __init__(self, backend, event, what, source=-1):
+        self._backend = backend
         self._event = event
+        self._what = what
         self._source = source
+        self._error = None
 
     def wait(self, timeout=None):
-        self._event.synchronize()
+        try:
+            self._backend._await(self._event, self._what, timeout)
+        except DistBackendError as e:
+            self._error = e
+            raise
 
     def test(self):
-        return self._event.query()
+        return self._error is not None or self._event.query()
+
+    def exception(self):
+        return self._error
 
     @property
     def source(self):
@@ -107,29 +161,132 @@ class NcclBackend(Backend):
         self._torch = torch
         self._lib = _load()
         self._device = torch.cuda.current_device()
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._comm = ctypes.c_void_p()
+        self._failed = None  # why the communicator was aborted
+        self._pending = []  # (event, deadline, what) enqueued and not yet seen finished
+        self._lock = threading.RLock()  # guards the communicator (see _enqueue)
+        self._plock = threading.Lock()  # guards _pending
+        self._watchdog = None
         uid = _UniqueId()
         if rank == 0:
             self._check(self._lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-            store.set("nccl/unique_id", bytes(uid.internal))
+            store.set("nccl/unique_id", uid.raw())
         else:
-            raw = store.get("nccl/unique_id")
+            raw = bytes(store.get("nccl/unique_id"))
+            if len(raw) != _UNIQUE_ID_BYTES:
+                raise DistBackendError(f"nccl: rank 0's unique id has {len(raw)} bytes, "
+                                       f"expected {_UNIQUE_ID_BYTES}")
             ctypes.memmove(ctypes.byref(uid), raw, _UNIQUE_ID_BYTES)
-        self._comm = ctypes.c_void_p()
-        self._check(self._lib.ncclCommInitRank(ctypes.byref(self._comm), size, uid, rank),
-                    "ncclCommInitRank")
+        config = _nonblocking_config()
+        code = self._lib.ncclCommInitRankConfig(ctypes.byref(self._comm), size, uid, rank,
+                                                ctypes.byref(config))
+        self._check(code, "ncclCommInitRankConfig")
+        if self._comm:
+            self._settle("communicator setup (ncclCommInitRankConfig)")
 
     # ---- helpers ---------------------------------------------------------------
+    def _error_text(self, code):
+        msg = self._lib.ncclGetErrorString(code).decode()
+        last = getattr(self._lib, "ncclGetLastError", None)
+        if last is not None:
+            detail = last(self._comm or None)
+            if detail:
+                msg += f" ({detail.decode(errors='replace').strip()})"
+        return f"{msg} (code {code})"
+
     def _check(self, code, what):
-        if code != 0:
-            msg = self._lib.ncclGetErrorString(code).decode()
-            raise DistBackendError(f"nccl {what} failed on rank {self.rank}: {msg} (code {code})")
+        """Raise for an NCCL error code; wait for a call a non-blocking communicator left
+        in progress."""
+        if code == _IN_PROGRESS:
+            self._settle(what)
+        elif code != _SUCCESS:
+            raise DistBackendError(f"nccl {what} failed on rank {self.rank}: "
+                                   f"{self._error_text(code)}")
+
+    def _state(self):
+        """NCCL's asynchronous state of the communicator (an error once it is aborted)."""
+        state = ctypes.c_int(0)
+        with self._lock:
+            if not self._comm:
+                return _INVALID_USAGE
+            code = self._lib.ncclCommGetAsyncError(self._comm, ctypes.byref(state))
+        return code if code != _SUCCESS else state.value
+
+    def _settle(self, what, timeout=None):
+        """Poll the communicator until its last call is no longer in progress."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        spins = 0
+        while True:
+            state = self._state()
+            if state == _SUCCESS:
+                return
+            if state != _IN_PROGRESS:
+                self._abort(f"{what}: {self._error_text(state)}")
+                raise DistBackendError(f"nccl {what} failed on rank {self.rank}: {self._failed}")
+            if time.monotonic() > deadline:
+                self._abort(f"{what}: timed out after {limit:g} s")
+                raise DistBackendError(f"nccl {what} on rank {self.rank}: Timed out after "
+                                       f"{limit:g} s (a peer died or never arrived?); "
+                                       f"the communicator was aborted")
+            spins += 1
+            _pause(spins)
+
+    def _abort(self, reason):
+        """Abort the communicator (its kernels return); later calls raise with ``reason``."""
+        with self._lock:
+            if self._failed is not None:
+                return
+            self._failed = reason
+            with self._plock:
+                self._pending = []
+            if self._comm:
+                comm, self._comm = self._comm, ctypes.c_void_p()
+                self._lib.ncclCommAbort(comm)
+
+    def _live(self):
+        if self._failed is not None:
+            raise DistBackendError(f"nccl communicator of rank {self.rank} was aborted: "
+                                   f"{self._failed}")
+
+    def _await(self, event, what, timeout=None):
+        """Wait for ``event`` (recorded after ``what``) within the timeout, watching the
+        communicator for errors; abort it on either."""
+        self._live()
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        spins = 0
+        while not event.query():
+            if self._failed is not None:
+                self._live()
+            state = self._state()
+            if state not in (_SUCCESS, _IN_PROGRESS):
+                self._abort(f"{what}: {self._error_text(state)}")
+                self._live()
+            if time.monotonic() > deadline:
+                self._abort(f"{what}: not finished within {limit:g} s")
+                raise DistBackendError(f"nccl {what} on rank {self.rank}: Timed out after "
+                                       f"{limit:g} s (a peer died or never arrived?); the "
+                                       f"communicator was aborted")
+            spins += 1
+            _pause(spins)
 
     def _stream(self):
+        """The device's current torch stream, as NCCL takes it."""
+        self._live()
+        if self._raw_stream is not None:  # the raw pointer, without a Stream object
+            return ctypes.c_void_p(self._raw_stream(self._device))
         return ctypes.c_void_p(self._torch.cuda.current_stream(self._device).cuda_stream)
 
+    @staticmethod
+    def _on_device(*bufs):
+        for buf in bufs:
+            if buf is not None and buf.device < 0:
+                raise ValueError("nccl backend needs CUDA tensors, got host memory")
+
     def _dtype(self, buf, op=None):
-        if buf.device < 0:
-            raise ValueError("nccl backend needs CUDA tensors, got host memory")
+        self._on_device(buf)
         if buf.dtype not in _NCCL_DTYPE:
             raise ValueError(f"nccl has no type for {D.DTYPE_NAMES[buf.dtype]}")
         count = buf.count * 2 if buf.dtype in D.COMPLEX else buf.count
@@ -142,62 +299,113 @@ class NcclBackend(Backend):
             raise ValueError(f"nccl has no {D.OP_NAMES[op]} reduction")
         return _NCCL_DTYPE[buf.dtype], count, table[op]
 
-    def _done(self, source=-1):
+    def _record(self, what):
+        """An event after the work just enqueued, watched until it finishes."""
         ev = self._torch.cuda.Event()
         ev.record(self._torch.cuda.current_stream(self._device))
-        return _StreamRequest(ev, source)
+        with self._plock:
+            self._pending.append((ev, time.monotonic() + self.timeout, what))
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="collectives-nccl-watchdog",
+                                                  daemon=True)
+                self._watchdog.start()
+        return ev
 
-    def _bytes(self, buf):
-        return _NCCL_DTYPE[D.UINT8], buf.nbytes
+    def _done(self, what, source=-1):
+        return _StreamRequest(self, self._record(what), what, source)
+
+    def _watch(self):
+        """Abort the communicator when enqueued work outlives the timeout or NCCL reports
+        an error, as torch's watchdog does; the ranks' next calls then raise."""
+        while not self._closed and self._failed is None:
+            time.sleep(0.05)
+            with self._plock:
+                pending = self._pending
+                self._pending = [p for p in pending if not p[0].query()]
+                late = next((p for p in self._pending if time.monotonic() > p[1]), None)
+            if not self._comm or self._failed is not None:
+                break
+            state = self._state()
+            if state not in (_SUCCESS, _IN_PROGRESS):
+                reason = f"watchdog: {self._error_text(state)}"
+            elif late is not None:
+                reason = f"watchdog: {late[2]} not finished within {self.timeout:g} s"
+            else:
+                continue
+            self._abort(reason)
+            print(f"collectives: rank {self.rank}: nccl communicator aborted ({reason}); the "
+                  f"output of unfinished collectives is undefined", file=sys.stderr, flush=True)
+
+    def _bytes(self, *bufs):
+        self._on_device(*bufs)
+        return _NCCL_DTYPE[D.UINT8], bufs[-1].nbytes
 
     # ---- collectives -------------------------------------------------------------
+    def _enqueue(self, what, call):
+        """``call(comm, stream)`` (NCCL calls on the communicator) under the communicator's
+        lock, which the watchdog's abort also takes: NCCL must never be handed a
+        communicator another thread is tearing down. Then an event watches the work."""
+        with self._lock:
+            self._live()
+            call(self._comm, self._stream())
+        return self._record(what)
+
     def all_reduce(self, buf, op):
         dt, n, rop = self._dtype(buf, op)
-        self._check(self._lib.ncclAllReduce(ctypes.c_void_p(buf.ptr), ctypes.c_void_p(buf.ptr),
-                                            ctypes.c_size_t(n), dt, rop, self._comm, self._stream()),
-                    "ncclAllReduce")
+        p = ctypes.c_void_p(buf.ptr)
+        self._enqueue("all_reduce", lambda comm, stream: self._check(
+            self._lib.ncclAllReduce(p, p, ctypes.c_size_t(n), dt, rop, comm, stream),
+            "ncclAllReduce"))
 
     def broadcast(self, buf, root):
         dt, n = self._bytes(buf)
-        self._check(self._lib.ncclBroadcast(ctypes.c_void_p(buf.ptr), ctypes.c_void_p(buf.ptr),
-                                            ctypes.c_size_t(n), dt, root, self._comm, self._stream()),
-                    "ncclBroadcast")
+        p = ctypes.c_void_p(buf.ptr)
+        self._enqueue("broadcast", lambda comm, stream: self._check(
+            self._lib.ncclBroadcast(p, p, ctypes.c_size_t(n), dt, root, comm, stream),
+            "ncclBroadcast"))
 
     def reduce(self, buf, op, root):
         dt, n, rop = self._dtype(buf, op)
+        p = ctypes.c_void_p(buf.ptr)
         # non-root buffers stay unchanged: NCCL writes recvbuff on root only
-        self._check(self._lib.ncclReduce(ctypes.c_void_p(buf.ptr), ctypes.c_void_p(buf.ptr),
-                                         ctypes.c_size_t(n), dt, rop, root, self._comm,
-                                         self._stream()), "ncclReduce")
+        self._enqueue("reduce", lambda comm, stream: self._check(
+            self._lib.ncclReduce(p, p, ctypes.c_size_t(n), dt, rop, root, comm, stream),
+            "ncclReduce"))
 
     def all_gather(self, out, inp):
-        dt, n = self._bytes(inp)
-        self._check(self._lib.ncclAllGather(ctypes.c_void_p(inp.ptr), ctypes.c_void_p(out.ptr),
-                                            ctypes.c_size_t(n), dt, self._comm, self._stream()),
-                    "ncclAllGather")
+        dt, n = self._bytes(out, inp)
+        self._enqueue("all_gather", lambda comm, stream: self._check(
+            self._lib.ncclAllGather(ctypes.c_void_p(inp.ptr), ctypes.c_void_p(out.ptr),
+                                    ctypes.c_size_t(n), dt, comm, stream), "ncclAllGather"))
 
     def reduce_scatter(self, out, inp, op):
+        self._on_device(inp)
         dt, n, rop = self._dtype(out, op)
-        self._check(self._lib.ncclReduceScatter(ctypes.c_void_p(inp.ptr), ctypes.c_void_p(out.ptr),
-                                                ctypes.c_size_t(n), dt, rop, self._comm,
-                                                self._stream()), "ncclReduceScatter")
+        self._enqueue("reduce_scatter", lambda comm, stream: self._check(
+            self._lib.ncclReduceScatter(ctypes.c_void_p(inp.ptr), ctypes.c_void_p(out.ptr),
+                                        ctypes.c_size_t(n), dt, rop, comm, stream),
+            "ncclReduceScatter"))
 
     def _grouped(self, sends, recvs, what):
         """sends/recvs: lists of (ptr, nbytes, peer); one ncclGroupStart/End around them."""
-        stream = self._stream()
         u8 = _NCCL_DTYPE[D.UINT8]
-        self._check(self._lib.ncclGroupStart(), "ncclGroupStart")
-        try:
-            for ptr, nbytes, peer in sends:
-                self._check(self._lib.ncclSend(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), u8,
-                                               peer, self._comm, stream), what)
-            for ptr, nbytes, peer in recvs:
-                self._check(self._lib.ncclRecv(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), u8,
-                                               peer, self._comm, stream), what)
-        finally:
-            self._check(self._lib.ncclGroupEnd(), "ncclGroupEnd")
+        lib = self._lib
+
+        def post(comm, stream):
+            self._check(lib.ncclGroupStart(), "ncclGroupStart")
+            try:
+                for ptr, nbytes, peer in sends:
+                    self._check(lib.ncclSend(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), u8,
+                                             peer, comm, stream), what)
+                for ptr, nbytes, peer in recvs:
+                    self._check(lib.ncclRecv(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), u8,
+                                             peer, comm, stream), what)
+            finally:
+                self._check(lib.ncclGroupEnd(), what)
+        return self._enqueue(what, post)
 
     def gather(self, out, inp, root):
+        self._on_device(out, inp)
         nb = inp.nbytes
         if self.rank == root:
             recvs = [(out.ptr + r * nb, nb, r) for r in range(self.size)]
@@ -206,11 +414,13 @@ class NcclBackend(Backend):
             self._grouped([(inp.ptr, nb, root)], [], "gather")
 
     def scatter(self, out, inp, root):
+        self._on_device(out, inp)
         nb = out.nbytes
         sends = [(inp.ptr + r * nb, nb, r) for r in range(self.size)] if self.rank == root else []
         self._grouped(sends, [(out.ptr, nb, root)], "scatter")
 
     def all_to_all(self, out, inp, out_counts, in_counts):
+        self._on_device(out, inp)
         isz = inp.itemsize
         sends, recvs, so, ro = [], [], 0, 0
         for r in range(self.size):
@@ -221,37 +431,54 @@ class NcclBackend(Backend):
         self._grouped(sends, recvs, "all_to_all")
 
     def barrier(self):
-        torch = self._torch
-        one = torch.ones(1, device=self._device)
-        self._check(self._lib.ncclAllReduce(ctypes.c_void_p(one.data_ptr()),
-                                            ctypes.c_void_p(one.data_ptr()), ctypes.c_size_t(1),
-                                            _NCCL_DTYPE[D.FLOAT32], 0, self._comm, self._stream()),
-                    "barrier")
-        torch.cuda.current_stream(self._device).synchronize()
+        one = self._torch.ones(1, device=self._device)
+        p = ctypes.c_void_p(one.data_ptr())
+        ev = self._enqueue("barrier", lambda comm, stream: self._check(
+            self._lib.ncclAllReduce(p, p, ctypes.c_size_t(1), _NCCL_DTYPE[D.FLOAT32], 0, comm,
+                                    stream), "barrier"))
+        self._await(ev, "barrier")
 
     # ---- point to point ------------------------------------------------------------
+    def batch_p2p(self, ops):
+        """``batch_isend_irecv``'s ops [(is_send, buf, peer, tag)] in one NCCL group, as torch
+        does (separate sends and receives on one stream can wait on each other forever)."""
+        for _, buf, peer, _ in ops:
+            self._on_device(buf)
+            if peer is None:
+                raise ValueError("nccl cannot receive from any source; pass src")
+        ev = self._grouped([(b.ptr, b.nbytes, q) for s, b, q, _ in ops if s],
+                           [(b.ptr, b.nbytes, q) for s, b, q, _ in ops if not s], "batch_isend_irecv")
+        return [_StreamRequest(self, ev, "batch_isend_irecv", -1 if s else q) for s, _, q, _ in ops]
+
     def isend(self, buf, dst, tag=0):
-        self._grouped([(buf.ptr, buf.nbytes, dst)], [], "send")
-        return self._done()
+        self._on_device(buf)
+        ev = self._grouped([(buf.ptr, buf.nbytes, dst)], [], "send")
+        return _StreamRequest(self, ev, "send")
 
     def irecv(self, buf, src, tag=0):
         if src is None:
             raise ValueError("nccl cannot receive from any source; pass src")
-        self._grouped([], [(buf.ptr, buf.nbytes, src)], "recv")
-        return self._done(src)
+        self._on_device(buf)
+        ev = self._grouped([], [(buf.ptr, buf.nbytes, src)], "recv")
+        return _StreamRequest(self, ev, "recv", src)
 
     def submit(self, fn, *args):
         # NCCL ops are already asynchronous on the stream: enqueue now, finish on wait
         fn(*args)
-        return self._done()
+        return self._done(getattr(fn, "__name__", "operation"))
 
     def run(self, fn, *args):
         return fn(*args)
 
     def shutdown(self):
-        if self._comm:
-            self._lib.ncclCommDestroy(self._comm)
-            self._comm = ctypes.c_void_p()
+        self._closed = True
+        dog = self._watchdog
+        if dog is not None and dog is not threading.current_thread():
+            dog.join()  # it looks at the closed flag every 50 ms
+        with self._lock:
+            if self._comm:
+                comm, self._comm = self._comm, ctypes.c_void_p()
+                self._lib.ncclCommDestroy(comm)
         super().shutdown()
 
 
