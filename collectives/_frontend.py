@@ -47,9 +47,17 @@ def _py_buffer(t, name="tensor"):
     elif _torch_tensor is None and is_torch_tensor(t):
         _learn_torch()
     b = to_buffer(t, name)
-    if b.device != -1 and not _cuda_backend_live():
-        check_device(b, name)  # host C code must never get a device pointer
+    if b.device != -1:
+        if not _cuda_backend_live():
+            check_device(b, name)  # host C code must never get a device pointer
+        global cuda_seen
+        cuda_seen = True
     return b
+
+
+#: whether a CUDA tensor was ever made a Buffer (a CUDA backend was live): until then the
+#: front end's per-call check that a host backend gets no CUDA memory is skipped
+cuda_seen = False
 
 
 try:
@@ -102,6 +110,64 @@ def check_device(b, name):
     if b.device != -1:
         raise ValueError(f"{name} is a CUDA tensor; this group's backend takes CPU tensors "
                          f"(use backend='nccl' for CUDA)")
+
+
+def check_devices(pg, bufs, name):
+    """ValueError unless ``bufs`` lie where ``pg``'s backend takes them: CUDA memory for a
+    backend that takes CUDA (nccl), host memory otherwise. Needed once a CUDA backend is
+    live: CUDA tensors then pass ``buffer``, and a host backend must never get one."""
+    cuda = getattr(pg.backend, "takes_cuda", False)
+    for b in bufs:
+        if b is not None and (b.device != -1) != cuda:
+            if cuda:
+                raise ValueError(f"{name} is in host memory; the {pg.backend_name} group "
+                                 f"takes CUDA tensors")
+            check_device(b, name)
+
+
+# ---- CUDA memory (only with a backend that takes it): torch ops on the current stream ---------
+
+class _CudaMemory:
+    """Raw device bytes, for ``torch.as_tensor`` (no copy)."""
+
+    def __init__(self, ptr, nbytes):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "version": 2}
+
+
+def device_view(buf):
+    """A torch tensor over ``buf``'s CUDA memory, of its dtype (no copy)."""
+    import torch
+    dtype = _torch_dtype(buf.dtype)
+    dev = torch.device("cuda", buf.device)
+    if not buf.count:
+        return torch.empty(0, dtype=dtype, device=dev)
+    with torch.cuda.device(dev):
+        raw = torch.as_tensor(_CudaMemory(buf.ptr, buf.nbytes), device=dev)
+    return raw.view(dtype)
+
+
+def _one_device(bufs, device=None):
+    """The device all of ``bufs`` lie on (-1: host memory); ValueError for a mix."""
+    if device is None:
+        device = bufs[0].device if bufs else -1
+    for b in bufs:
+        if b.device != device:
+            where = lambda d: "host memory" if d == -1 else f"CUDA device {d}"  # noqa: E731
+            raise ValueError(f"the tensors of one call must lie on one device, got {where(device)} "
+                             f"and {where(b.device)}")
+    return device
+
+
+def _torch_dtype(code):
+    from .tensors import _torch_table
+    return next(t for t, c in _torch_table().items() if c == code)
+
+
+def _device_empty(count, dtype, device):
+    import torch
+    t = torch.empty(count, dtype=_torch_dtype(dtype), device=torch.device("cuda", device))
+    return Buffer(t.data_ptr(), count, dtype, device, t)
 
 
 # ---- reduction plans ---------------------------------------------------------------------
@@ -169,6 +235,10 @@ _scale_impl = None
 def scale(buf, factor):
     """``buf *= factor`` in place (floating and complex dtypes)."""
     global _scale_impl
+    if buf.device != -1:
+        if buf.count:
+            device_view(buf).mul_(factor)
+        return
     if _scale_impl is None:
         _scale_impl = _load_scale()
     if buf.count:
@@ -238,6 +308,15 @@ def _flatten_kernels():
 def stage(bufs, dtype, copy_in):
     """A new Buffer holding all of ``bufs`` back to back (their data copied if ``copy_in``)."""
     total = sum(b.count for b in bufs)
+    device = _one_device(bufs)
+    if device != -1:
+        st = _device_empty(total, dtype, device)
+        if copy_in and total:
+            flat, off = st.obj, 0
+            for b in bufs:
+                flat[off:off + b.count].copy_(device_view(b))
+                off += b.count
+        return st
     st = empty_like_buffer(total, dtype)
     if copy_in and total:
         core = _flatten_kernels()
@@ -256,6 +335,13 @@ def unstage(st, bufs):
     """Copy consecutive slices of ``st`` back into ``bufs``."""
     if not st.count:
         return
+    if _one_device(bufs, st.device) != -1:
+        flat, off = device_view(st), 0
+        for b in bufs:
+            if b.count:
+                device_view(b).copy_(flat[off:off + b.count])
+            off += b.count
+        return
     core = _flatten_kernels()
     if core is not None:
         core.unflatten(st, bufs)
@@ -270,10 +356,17 @@ def unstage(st, bufs):
 
 def copy_into(dst, src):
     if dst.count:
-        dst.numpy()[...] = src.numpy()
+        if dst.device != -1:
+            device_view(dst).copy_(device_view(src))
+        else:
+            dst.numpy()[...] = src.numpy()
 
 
 def copy_of(buf):
+    if buf.device != -1:
+        st = _device_empty(buf.count, buf.dtype, buf.device)
+        copy_into(st, buf)
+        return st
     st = empty_like_buffer(buf.count, buf.dtype)
     copy_into(st, buf)
     return st

@@ -11,9 +11,10 @@ import time
 
 import numpy as np
 
+from . import _frontend as _fe
 from . import dtypes as D
 from . import profiling as _profiling
-from ._frontend import (Steps, buffer, buffers, check_like, contiguous_span, copy_into,
+from ._frontend import (Steps, buffer, buffers, check_devices, check_like, contiguous_span, copy_into,
                         copy_of, disjoint_gather, needs_own_copy, overlaps, reduce_plan, scale,
                         separate_blocks, settle, stage, unstage)
 from .errors import DistBackendError, DistError
@@ -55,6 +56,9 @@ class _WithTimeout:
 
 
 def _launch(pg, async_op, outputs, name, steps, timeout=None):
+    if _fe.cuda_seen:  # a CUDA tensor must not reach a host backend, nor host memory nccl
+        for _, args in steps:
+            check_devices(pg, [a for a in args if isinstance(a, Buffer)], name)
     fn = Steps(name, steps) if len(steps) > 1 else steps[0][0]
     args = () if len(steps) > 1 else steps[0][1]
     if timeout is None and _timed.n:  # some thread issues calls with their own timeout
@@ -92,6 +96,8 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
         return None
     buf = buffer(tensor)
     be = pg.backend
+    if buf.device != -1:
+        check_devices(pg, (buf,), "tensor")
     if op is _SUM and not _prof._is_profiler_enabled and not _timed.n:
         if not async_op:
             if pg.inline and not be._busy:
@@ -179,10 +185,13 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
         root = pg.group_of_global.get(src)
         if root is not None:
             be = pg.backend
+            buf = buffer(tensor)
+            if buf.device != -1:
+                check_devices(pg, (buf,), "tensor")
             if pg.inline and not be._busy:
-                be.broadcast(buffer(tensor), root)
+                be.broadcast(buf, root)
             else:
-                pg.run(be.broadcast, buffer(tensor), root)
+                pg.run(be.broadcast, buf, root)
             return None
     root = pg.peer(src, group_src, "src", default=0)
     buf = buffer(tensor)
@@ -230,6 +239,8 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
             and not _timed.n:
         # the common blocking call
         be = pg.backend
+        if inp.device != -1 or out.device != -1:
+            check_devices(pg, (out, inp), "output_tensor and input_tensor")
         if pg.inline and not be._busy:
             be.all_gather(out, inp)
         else:

@@ -22,11 +22,45 @@ _CODES = {np.dtype(np.uint8): D.UINT8, np.dtype(np.int64): D.INT64}
 
 def _run(pg, fn, *args):
     """``pg.run(fn, *args)``; one profiler span, named after the backend call, while
-    torch's profiler runs (as torch records the collectives under its object calls)."""
+    torch's profiler runs (as torch records the collectives under its object calls).
+    A backend that takes CUDA memory (nccl) gets copies on the current CUDA device, as
+    torch's object calls use it, and the host arrays get the results back."""
+    back = ()
+    if getattr(pg.backend, "takes_cuda", False):
+        args, back = _on_cuda(args)
     if _prof._is_profiler_enabled:
         _profiling.run(pg, fn.__name__, fn, args)
     else:
         pg.run(fn, *args)
+    for host, dev in back:
+        host[...] = dev.cpu().numpy()
+
+
+def _on_cuda(args):
+    """``args`` with each host Buffer replaced by a CUDA copy; [(host array, CUDA tensor)]."""
+    import torch
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out, back = [], []
+    for a in args:
+        if isinstance(a, Buffer) and a.device == -1:
+            host = a.obj
+            t = torch.from_numpy(host if host.flags.writeable else host.copy()).to(dev)
+            if host.flags.writeable:  # read-only ones are inputs (pickles)
+                back.append((host, t))
+            a = Buffer(t.data_ptr(), a.count, a.dtype, dev.index, t)
+        out.append(a)
+    return out, back
+
+
+def _p2p(pg, post, buf, peer):
+    """``post(buf, peer, 0).wait()``, through CUDA memory for a backend that takes it;
+    returns the Request."""
+    (dbuf,), back = _on_cuda((buf,)) if getattr(pg.backend, "takes_cuda", False) else ((buf,), ())
+    req = post(dbuf, peer, 0)
+    req.wait()
+    for host, dev in back:
+        host[...] = dev.cpu().numpy()
+    return req
 
 
 def _buf(a):
@@ -171,8 +205,8 @@ def send_object_list(object_list, dst=None, group=None, device=None, group_dst=N
     sizes = np.array([p.size for p in parts], np.int64)
     data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
     be = pg.backend
-    be.isend(_buf(sizes), peer, 0).wait()
-    be.isend(_buf(data), peer, 0).wait()
+    _p2p(pg, be.isend, _buf(sizes), peer)
+    _p2p(pg, be.isend, _buf(data), peer)
     return None
 
 
@@ -189,12 +223,11 @@ def recv_object_list(object_list, src=None, group=None, device=None, group_src=N
         raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
     be = pg.backend
     sizes = np.zeros(len(object_list), np.int64)
-    req = be.irecv(_buf(sizes), peer, 0)
-    req.wait()
+    req = _p2p(pg, be.irecv, _buf(sizes), peer)
     if peer is None:
         peer = req.source
     data = np.empty(int(sizes.sum()), np.uint8)
-    be.irecv(_buf(data), peer, 0).wait()
+    _p2p(pg, be.irecv, _buf(data), peer)
     off = 0
     for i in range(len(object_list)):
         object_list[i] = _unpickle(data[off:off + sizes[i]])

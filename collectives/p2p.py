@@ -4,7 +4,7 @@ Ranks given as ``dst``/``src`` are global ranks; ``group_dst``/``group_src`` are
 of ``group``. A blocking send is ``isend(...).wait()``.
 """
 from . import profiling as _profiling
-from ._frontend import buffer
+from ._frontend import buffer, check_devices
 from .group import current as _group
 from .work import Work
 
@@ -36,6 +36,13 @@ def _src(pg, src, group_src):
     return peer
 
 
+def _buffer(pg, tensor):
+    buf = buffer(tensor)
+    if buf.device != -1:  # a CUDA tensor must not reach a host backend
+        check_devices(pg, (buf,), "tensor")
+    return buf
+
+
 def _isend(pg, buf, peer, tag, anywhere=True):
     """The backend's isend; while torch's profiler runs, one span until it is found done
     (a blocking send's closes on its own thread: not ``anywhere``)."""
@@ -58,7 +65,7 @@ def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
         return None
     peer = _dst(pg, dst, group_dst)
     _check_tag(tag)
-    buf = buffer(tensor)
+    buf = _buffer(pg, tensor)
     return Work(_isend(pg, buf, peer, tag), [tensor], pg)
 
 
@@ -69,7 +76,7 @@ def irecv(tensor, src=None, group=None, tag=0, group_src=None):
         return None
     peer = _src(pg, src, group_src)
     _check_tag(tag)
-    buf = buffer(tensor)
+    buf = _buffer(pg, tensor)
     return Work(_irecv(pg, buf, peer, tag), [tensor], pg)
 
 
@@ -80,7 +87,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
         return None
     peer = _dst(pg, dst, group_dst)
     _check_tag(tag)
-    _isend(pg, buffer(tensor), peer, tag, False).wait()
+    _isend(pg, _buffer(pg, tensor), peer, tag, False).wait()
     return None
 
 
@@ -92,7 +99,7 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
         return -1
     peer = _src(pg, src, group_src)
     _check_tag(tag)
-    req = _irecv(pg, buffer(tensor), peer, tag, False)
+    req = _irecv(pg, _buffer(pg, tensor), peer, tag, False)
     req.wait()
     got = req.source if peer is None else peer
     if got < 0:
@@ -132,11 +139,19 @@ def batch_isend_irecv(p2p_op_list):
         if not isinstance(p, P2POp):
             raise TypeError(f"p2p_op_list[{i}] must be a P2POp, got {type(p).__name__}")
     # check everything before posting anything
+    batch, pgs = [], set()
     for p in p2p_op_list:
         pg = _group(p.group)
         if pg is not None:
-            (_dst if p.op is isend else _src)(pg, p.peer if p.group_peer is None else None, p.group_peer)
-            buffer(p.tensor)
+            peer = (_dst if p.op is isend else _src)(pg, p.peer if p.group_peer is None else None,
+                                                   p.group_peer)
+            batch.append((p.op is isend, _buffer(pg, p.tensor), peer, p.tag))
+            pgs.add(pg)
+    if len(pgs) == 1 and len(batch) == len(p2p_op_list) and not _prof._is_profiler_enabled:
+        pg = pgs.pop()
+        post = getattr(pg.backend, "batch_p2p", None)
+        if post is not None:  # one NCCL group: a ring of isend/irecv cannot deadlock
+            return [Work(req, [p.tensor], pg) for req, p in zip(post(batch), p2p_op_list)]
     works = []
     for p in p2p_op_list:
         if p.group_peer is None:
