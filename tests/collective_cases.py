@@ -103,11 +103,13 @@ def assert_close(got, want, dtype, what):
 # ---- rank side ------------------------------------------------------------------------------
 
 def to_lib(arr, dtype, lib):
+    """``lib``: 'numpy', 'torch' (CPU tensors) or 'cuda' (torch tensors on the current GPU)."""
     if lib == "numpy":
         return arr.astype(dtype, order="C")
     import torch
     t = torch.from_numpy(arr.copy(order="C"))
-    return t.to(getattr(torch, dtype)).contiguous()
+    t = t.to(getattr(torch, dtype)).contiguous()
+    return t.cuda() if lib == "cuda" else t
 
 
 def from_lib(t):
@@ -115,6 +117,7 @@ def from_lib(t):
     if isinstance(t, np.ndarray):
         return t.astype(np.float64) if t.dtype == np.float16 else t.copy()
     import torch
+    t = t.cpu()
     if t.dtype in (torch.float16, torch.bfloat16):
         return t.double().numpy()
     return t.numpy().copy()
@@ -124,6 +127,7 @@ def raw_bytes(t):
     if isinstance(t, np.ndarray):
         return t.tobytes()
     import torch
+    t = t.cpu()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     return t.numpy().tobytes()

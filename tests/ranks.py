@@ -280,7 +280,13 @@ CONFIGS = {
     # ranks on two faked hosts, interleaved (rank % 2): the hierarchical mode
     "gloo-hier": ("gloo", "spawn", {"COLLECTIVES_TEST_HOSTS": "2"}),
     "mpi": ("mpi", "mpiexec", {}),
+    # CUDA tensors through NCCL; ranks that share a GPU each name a host of their own to
+    # NCCL (NCCL_HOSTID), which refuses two ranks of one host on one device, so they talk
+    # through its socket transport on loopback. Run by tests/test_nccl.py only.
+    "nccl": ("nccl", "spawn", {"NCCL_SOCKET_IFNAME": "lo"}),
 }
+# configurations that take CUDA tensors: not in the generic suites' default list
+CUDA_CONFIGS = {"nccl"}
 
 
 def _has(path):
@@ -309,13 +315,16 @@ def config_available(name):
         if mpiexec_path() is None:
             return False, "no mpiexec on PATH"
         return _has("collectives/backends/mpi.py"), "collectives/backends/mpi.py missing"
+    if name == "nccl":
+        from collectives.backends import nccl
+        return nccl.is_available(), "needs torch with CUDA, a GPU and libnccl (none here)"
     return False, f"unknown configuration {name!r}"
 
 
 def available_configs():
     """Configurations to test: COLLECTIVES_TEST_CONFIGS (comma-separated) or all available."""
     wanted = os.environ.get("COLLECTIVES_TEST_CONFIGS")
-    names = wanted.split(",") if wanted else list(CONFIGS)
+    names = wanted.split(",") if wanted else [n for n in CONFIGS if n not in CUDA_CONFIGS]
     return [n for n in names if config_available(n)[0]]
 
 
@@ -328,10 +337,22 @@ def init_config(ctx, config):
     hosts = os.environ.get("COLLECTIVES_TEST_HOSTS")
     if hosts:  # fake that many hosts, ranks dealt out in turn
         os.environ["COLLECTIVES_HOST_ID"] = f"host{ctx.rank % int(hosts)}"
+    if backend == "nccl":
+        share_gpus(ctx.rank, ctx.world_size)
     collectives.init_process_group(backend, timeout=timedelta(seconds=GROUP_TIMEOUT))
     ctx.state["config"] = config
     ctx.state["atexit"].append(collectives.destroy_process_group)
     return collectives.get_rank()
+
+
+def share_gpus(rank, world_size):
+    """Give this rank a GPU (rank % count); where ranks outnumber GPUs, tell NCCL each rank
+    is a host of its own (see CONFIGS['nccl'])."""
+    import torch
+    count = torch.cuda.device_count()
+    torch.cuda.set_device(rank % count)
+    if world_size > count:
+        os.environ["NCCL_HOSTID"] = f"collectives-test-rank-{rank}"
 
 
 def backend_pool(config, world_size):
