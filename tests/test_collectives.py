@@ -33,18 +33,20 @@ SETTINGS = settings(max_examples=8, deadline=None, derandomize=False,
 
 
 @st.composite
-def steps(draw, kinds, n):
+def steps(draw, kinds, n, dtypes=DTYPES, ops=OPS_FOR, libs=("torch", "numpy"), shapes=SHAPES):
+    """One step; ``dtypes``, ``ops`` (per dtype family), ``libs`` and ``shapes`` narrow it
+    to what a backend takes (tests/test_nccl.py: CUDA tensors and NCCL's types and ops)."""
     kind = draw(st.sampled_from(kinds))
-    dtype = draw(st.sampled_from(DTYPES))
+    dtype = draw(st.sampled_from(dtypes))
     step = {
         "kind": kind, "dtype": dtype,
-        "lib": "torch" if dtype == "bfloat16" else draw(st.sampled_from(["torch", "numpy"])),
-        "shape": draw(st.sampled_from(SHAPES)),
+        "lib": "torch" if dtype == "bfloat16" and "torch" in libs else draw(st.sampled_from(libs)),
+        "shape": draw(st.sampled_from(shapes)),
         "root": draw(st.integers(0, n - 1)),
         "async": draw(st.booleans()),
     }
     if kind in REDUCING:
-        op = draw(st.sampled_from(OPS_FOR[family(dtype)]))
+        op = draw(st.sampled_from(ops[family(dtype)]))
         if op == "PREMUL_SUM" and kind == "all_reduce_coalesced":
             op = "SUM"
         step["op"] = op
@@ -54,8 +56,9 @@ def steps(draw, kinds, n):
 
 
 @st.composite
-def cases(draw, kinds):
-    world = draw(st.integers(1, 6))
+def cases(draw, kinds, max_world=6, **narrow):
+    """(world size, case); ``narrow`` goes to :func:`steps`."""
+    world = draw(st.integers(1, max_world))
     if world > 1 and draw(st.booleans()):
         members = sorted(draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world)))
     else:
@@ -65,7 +68,7 @@ def cases(draw, kinds):
         "members": members,
         "world": draw(st.booleans()) if n == world else False,
         "seed": draw(st.integers(0, 2**31)),
-        "steps": draw(st.lists(steps(kinds, n), min_size=1, max_size=3)),
+        "steps": draw(st.lists(steps(kinds, n, **narrow), min_size=1, max_size=3)),
         "wait_reversed": draw(st.booleans()),
     }
 

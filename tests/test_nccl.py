@@ -3,12 +3,12 @@ from datetime import timedelta
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import collectives as dist
 from collectives.backends import nccl
-from tests.collective_cases import FACTORS, check, family, run_case
+from tests.collective_cases import check, run_case
 from tests.ranks import backend_pool
+from tests.test_collectives import MOVING, REDUCING, SHAPES, cases
 
 needs_gpu = pytest.mark.skipif(not nccl.is_available(),
                                reason="needs a CUDA device and libnccl (none on this machine)")
@@ -72,42 +72,12 @@ NCCL_DTYPES = ["float16", "bfloat16", "float32", "float64", "complex64", "comple
 NCCL_OPS = {"float": ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM"],
             "complex": ["SUM", "AVG", "PREMUL_SUM"],  # NCCL reduces complex as pairs of reals
             "int": ["SUM", "PRODUCT", "MIN", "MAX"], "bool": ["SUM", "PRODUCT", "MIN", "MAX"]}
-KINDS = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_in_place",
-         "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_list_own", "all_gather_single",
-         "all_gather_in_place", "all_gather_coalesced", "gather", "scatter", "all_to_all",
-         "all_to_all_single", "barrier"]
-SHAPES = [(), (0,), (1,), (5,), (3, 2), (7,), (2, 0, 3), (1000,)]
 
 
-@st.composite
-def nccl_steps(draw, n):
-    kind = draw(st.sampled_from(KINDS))
-    dtype = draw(st.sampled_from(NCCL_DTYPES))
-    step = {"kind": kind, "dtype": dtype, "lib": "cuda", "shape": draw(st.sampled_from(SHAPES)),
-            "root": draw(st.integers(0, n - 1)), "async": draw(st.booleans())}
-    if kind in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single",
-                "reduce_scatter_in_place", "all_reduce_coalesced"):
-        op = draw(st.sampled_from(NCCL_OPS[family(dtype)]))
-        if op == "PREMUL_SUM" and kind == "all_reduce_coalesced":
-            op = "SUM"
-        step["op"] = op
-        if op == "PREMUL_SUM":
-            step["factor"] = draw(st.sampled_from(FACTORS))
-    return step
-
-
-@st.composite
-def nccl_cases(draw):
-    world = draw(st.integers(1, 4))
-    if world > 1 and draw(st.booleans()):
-        members = sorted(draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world)))
-    else:
-        members = list(range(world))
-    n = len(members)
-    return world, {"members": members, "world": draw(st.booleans()) if n == world else False,
-                   "seed": draw(st.integers(0, 2**31)),
-                   "steps": draw(st.lists(nccl_steps(n), min_size=1, max_size=3)),
-                   "wait_reversed": draw(st.booleans())}
+def nccl_cases():
+    """Every collective on CUDA tensors, worlds 1-4, NCCL's dtypes and ops."""
+    return cases(REDUCING + MOVING, max_world=4, dtypes=NCCL_DTYPES, ops=NCCL_OPS, libs=("cuda",),
+                 shapes=SHAPES + [(1000,)])
 
 
 @needs_gpu

@@ -215,23 +215,7 @@ class NcclBackend(Backend):
 
     def _settle(self, what, timeout=None):
         """Poll the communicator until its last call is no longer in progress."""
-        limit = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        spins = 0
-        while True:
-            state = self._state()
-            if state == _SUCCESS:
-                return
-            if state != _IN_PROGRESS:
-                self._abort(f"{what}: {self._error_text(state)}")
-                raise DistBackendError(f"nccl {what} failed on rank {self.rank}: {self._failed}")
-            if time.monotonic() > deadline:
-                self._abort(f"{what}: timed out after {limit:g} s")
-                raise DistBackendError(f"nccl {what} on rank {self.rank}: Timed out after "
-                                       f"{limit:g} s (a peer died or never arrived?); "
-                                       f"the communicator was aborted")
-            spins += 1
-            _pause(spins)
+        self._poll(what, lambda: self._state() == _SUCCESS, timeout)
 
     def _abort(self, reason):
         """Abort the communicator (its kernels return); later calls raise with ``reason``."""
@@ -251,15 +235,18 @@ class NcclBackend(Backend):
                                    f"{self._failed}")
 
     def _await(self, event, what, timeout=None):
-        """Wait for ``event`` (recorded after ``what``) within the timeout, watching the
-        communicator for errors; abort it on either."""
+        """Wait for ``event`` (recorded after ``what``) within the timeout."""
+        self._poll(what, event.query, timeout)
+
+    def _poll(self, what, finished, timeout=None):
+        """Poll until ``finished()``, watching the communicator: on NCCL's error, or past
+        the timeout, abort it and raise DistBackendError."""
         self._live()
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         spins = 0
-        while not event.query():
-            if self._failed is not None:
-                self._live()
+        while not finished():
+            self._live()  # the watchdog may have aborted it meanwhile
             state = self._state()
             if state not in (_SUCCESS, _IN_PROGRESS):
                 self._abort(f"{what}: {self._error_text(state)}")
