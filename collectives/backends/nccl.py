@@ -67,6 +67,8 @@ def _load():
                 errors.append(f"{path}: {e}")
         else:
             raise RuntimeError("NCCL library not found (" + "; ".join(errors) + ")")
+        if not hasattr(lib, "ncclCommInitRankConfig"):  # NCCL < 2.14: no non-blocking setup
+            raise RuntimeError(f"{path} is older than NCCL 2.14 (no ncclCommInitRankConfig)")
         lib.ncclGetErrorString.restype = ctypes.c_char_p
         lib.ncclCommInitRankConfig.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
                                                _UniqueId, ctypes.c_int,
