@@ -32,8 +32,7 @@ def _run(pg, fn, *args):
         _profiling.run(pg, fn.__name__, fn, args)
     else:
         pg.run(fn, *args)
-    for host, dev in back:
-        host[...] = dev.cpu().numpy()
+    _copy_back(back)
 
 
 def _on_cuda(args):
@@ -52,14 +51,20 @@ def _on_cuda(args):
     return out, back
 
 
+def _copy_back(back):
+    for host, dev in back:
+        host[...] = dev.cpu().numpy()
+
+
 def _p2p(pg, post, buf, peer):
     """``post(buf, peer, 0).wait()``, through CUDA memory for a backend that takes it;
     returns the Request."""
-    (dbuf,), back = _on_cuda((buf,)) if getattr(pg.backend, "takes_cuda", False) else ((buf,), ())
-    req = post(dbuf, peer, 0)
+    back = ()
+    if getattr(pg.backend, "takes_cuda", False):
+        (buf,), back = _on_cuda((buf,))
+    req = post(buf, peer, 0)
     req.wait()
-    for host, dev in back:
-        host[...] = dev.cpu().numpy()
+    _copy_back(back)
     return req
 
 
