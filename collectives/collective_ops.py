@@ -366,11 +366,24 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
 
 def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  # noqa: A002
     """Rank r's ``output`` gets the reduction of slice r of every rank's ``input``."""
-    pg = _group(group)
+    pg = world.default if group is None else resolve(group)  # _group(group), inlined
     if pg is None:
+        if group is None:
+            raise ValueError(NOT_INITIALIZED)
         return None
     out = buffer(output, "output")
     inp = buffer(input, "input")
+    if op is _SUM and not async_op and disjoint_gather(inp, out, pg._size) \
+            and not _prof._is_profiler_enabled and not _timed.n:
+        # the common blocking call (FSDP's gradients): as all_gather_single's
+        be = pg.backend
+        if inp.device != -1 or out.device != -1:
+            check_devices(pg, (out, inp), "output and input")
+        if pg.inline and not be._busy:
+            be.reduce_scatter(out, inp, D.SUM)
+        else:
+            pg.run(be.reduce_scatter, out, inp, D.SUM)
+        return None
     check_like(inp, out, "input", "output", out.count * pg._size)
     staged = None
     if needs_own_copy(pg, inp, out):
