@@ -22,8 +22,10 @@ loops, sample by sample. The table shows rank 0's median microseconds per call o
 all samples of all rounds.
 
 Sizes are bytes per rank of float32 data (all_gather: each rank's input; its output
-is world times larger). Bus bandwidth follows nccl-tests: all_reduce 2(n-1)/n * S/t,
-broadcast S/t, all_gather (n-1) * S/t (S = per-rank bytes); barrier has none.
+is world times larger; reduce_scatter, only with --ops: each rank's output, its input
+world times larger). Bus bandwidth follows nccl-tests: all_reduce 2(n-1)/n * S/t,
+broadcast S/t, all_gather and reduce_scatter (n-1) * S/t (S = per-rank bytes); barrier
+has none.
 Ratios are collectives / baseline, below 1 is faster: the median of per-sample
 ratios where the two ran side by side in the same launch (collectives:mpi vs
 mpi4py, collectives:gloo vs torch:gloo), else the ratio of medians. The mpi
@@ -48,6 +50,7 @@ ROOT = os.path.dirname(HERE)
 ALL_IMPLS = ["torch:gloo", "mpi4py", "collectives:gloo", "collectives:mpi"]
 EXTRA_IMPLS = ["backend:mpi"]
 OPS = ["all_reduce", "broadcast", "all_gather", "barrier"]
+EXTRA_OPS = ["reduce_scatter"]  # on request (--ops): the default table keeps its four
 SIZES = [4, 1024, 65536, 1 << 20, 16 << 20]
 BASELINES = ["torch:gloo", "mpi4py"]
 
@@ -57,7 +60,7 @@ def busbw_gbs(op, world, nbytes, us):
     if op == "barrier" or us <= 0:
         return None
     factor = {"all_reduce": 2 * (world - 1) / world, "broadcast": 1.0,
-              "all_gather": float(world - 1)}[op]
+              "all_gather": float(world - 1), "reduce_scatter": float(world - 1)}[op]
     return factor * nbytes / us / 1e3
 
 
@@ -86,6 +89,7 @@ class Impl:
             "all_reduce": lambda b, o: comm.Allreduce(in_place, b),
             "broadcast": lambda b, o: comm.Bcast(b, 0),
             "all_gather": lambda b, o: comm.Allgather(b, o),
+            "reduce_scatter": lambda b, o: comm.Reduce_scatter_block(o, b, MPI.SUM),
             "barrier": lambda b, o: comm.Barrier(),
         }
         self.barrier = comm.Barrier
@@ -105,6 +109,7 @@ class Impl:
             "all_reduce": lambda b, o: be.all_reduce(b, D.SUM),
             "broadcast": lambda b, o: be.broadcast(b, 0),
             "all_gather": lambda b, o: be.all_gather(o, b),
+            "reduce_scatter": lambda b, o: be.reduce_scatter(b, o, D.SUM),
             "barrier": lambda b, o: be.barrier(),
         }
         self.barrier = be.barrier
@@ -152,6 +157,7 @@ class Impl:
             "broadcast": lambda b, o: dist.broadcast(b, 0),
             "all_gather": (lambda b, o: gather(o, b)) if gather is not None
             else (lambda b, o: dist.all_gather(list(o.reshape(self.world, -1)), b)),
+            "reduce_scatter": lambda b, o: dist.reduce_scatter_tensor(b, o),
             "barrier": lambda b, o: dist.barrier(),
         }
         self.barrier = dist.barrier
@@ -184,7 +190,9 @@ def time_family(impls, op, nbytes, budget, samples):
     # one allocation that every implementation wraps: MPI's large-message path caches
     # per-buffer state, so separate arrays favoured whichever was allocated first
     base = np.ones(n, np.float32)  # written pages, as a real input (zeros stay unfaulted)
-    base_out = np.zeros(n * impls[0].world, np.float32) if op == "all_gather" else None
+    # all_gather's output, reduce_scatter's input (world blocks of ones)
+    base_out = (np.zeros if op == "all_gather" else np.ones)(n * impls[0].world, np.float32) \
+        if op in ("all_gather", "reduce_scatter") else None
     runs = []
     for impl in impls:
         buf = impl.wrap(base)
@@ -445,8 +453,8 @@ def main(argv=None):
             ap.error(f"--impls: unknown implementation {s!r}; expected some of "
                      f"{', '.join(ALL_IMPLS + EXTRA_IMPLS)}")
     for op in a.ops.split(","):
-        if op not in OPS:
-            ap.error(f"--ops: unknown op {op!r}; expected some of {', '.join(OPS)}")
+        if op not in OPS + EXTRA_OPS:
+            ap.error(f"--ops: unknown op {op!r}; expected some of {', '.join(OPS + EXTRA_OPS)}")
     worlds = [int(w) for w in a.worlds.split(",")]
     res = defaultdict(dict)  # (world, op, bytes, impl) -> {launch: [us per sample]}
     t0 = time.monotonic()
