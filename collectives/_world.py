@@ -106,6 +106,8 @@ class _World:
         self.groups = []
         self.group_count = 0
         self.local_counts = {}
+        # whether this world's groups are torch ProcessGroups too: decided once, at init
+        self.bridge = False
 
 
 world = _World()

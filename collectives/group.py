@@ -150,6 +150,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         pg_store = _prefix("default_pg", store)
     be = factory(pg_store, rank, world_size, tmo, pg_options)
+    world.bridge = _bridging()  # every group of this world follows (see _group_class)
     pg = _group_class()(be, range(world_size), rank, group_name or "default_pg", name, tmo, pg_store)
     world.store = store
     world.owned_store = owned
@@ -159,13 +160,23 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
 
 
 def _bridging():
-    """Whether the program has imported torch and leaves the bridge on (see _torch_bridge)."""
+    """Whether the program has imported torch and leaves the bridge on (see _torch_bridge).
+
+    Asked once, by init_process_group: the world remembers the answer (``world.bridge``),
+    and every group made until the world is destroyed (the default group, new_group,
+    split_group, shrink_group) is of the class it implies, whether torch was imported
+    before or after that group was made. A program that imports torch only after
+    init_process_group gets plain groups, until it puts torch's default group over the
+    world with ``collectives.torch_pg.install_default``: the groups made from then on
+    bridge (that call is the one other place the decision is made);
+    ``collectives.torch_pg.to_torch`` wraps a plain group for torch."""
     return "torch" in sys.modules and os.environ.get("COLLECTIVES_TORCH_BRIDGE", "1") != "0"
 
 
 def _group_class():
-    """The class of a new group: one that is torch's ProcessGroup too when bridging."""
-    if _bridging():
+    """The class of a new group: one that is torch's ProcessGroup too when the world
+    bridges (decided at init: see _bridging)."""
+    if world.bridge:
         try:
             import torch.distributed
             if torch.distributed.is_available():
@@ -181,7 +192,7 @@ def _torch_bridge(pg, ranks=None):
     """Give torch.distributed a default group that runs on ``pg`` (see
     collectives.torch_pg), when the program has imported torch: DistributedDataParallel
     and libraries calling torch.distributed then work unchanged."""
-    if not _bridging():
+    if not world.bridge:
         return
     try:
         import torch.distributed
