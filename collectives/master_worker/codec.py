@@ -108,7 +108,7 @@ def _enc(v, out, depth):
         name = v.dtype.name
         if name not in _ARRAY_DTYPES:
             raise CodecError(f"arrays of dtype {name} cannot be sent")
-        a = np.ascontiguousarray(v)
+        a = np.asarray(v, order="C")
         out.append(_ARRAY)
         _enc(name, out, depth + 1)
         _enc(tuple(a.shape), out, depth + 1)

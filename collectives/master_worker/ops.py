@@ -133,7 +133,7 @@ class NumpyLib:
 
     def host(self, a):
         """A contiguous host array with a's data (for sending)."""
-        return np.ascontiguousarray(a)
+        return np.asarray(a, order="C")
 
     def call(self, name, args):
         a = args[0]
@@ -197,7 +197,7 @@ class NumpyLib:
         if name == "clone":
             return a.copy()
         if name == "contiguous":
-            return np.ascontiguousarray(a)
+            return np.asarray(a, order="C")
         if name == "astype":
             if args[1] == "bfloat16":
                 raise TypeError("bfloat16 needs torch on the workers")

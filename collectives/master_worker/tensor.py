@@ -510,7 +510,7 @@ def send(data, node=None, device=None, dtype=None):
         if dtype is None and src.dtype == np.float64 and not isinstance(data, np.ndarray):
             src = src.astype(np.float32)  # torch's default for Python floats
         dt = dtype_name(src.dtype)
-        src = np.ascontiguousarray(src)
+        src = np.asarray(src, order="C")
         if not src.flags.writeable:  # the transport takes writable buffers only
             src = src.copy()
         shape = tuple(src.shape)
