@@ -54,69 +54,124 @@ def encode(value, out=None):
 
 
 def _enc(v, out, depth):
-    if depth > MAX_DEPTH:
-        raise CodecError("value nested too deeply to send")
-    t = type(v)
-    if v is None:
-        out.append(_NONE)
-    elif t is bool or t is np.bool_:
-        out.append(_TRUE if v else _FALSE)
-    elif t is int or isinstance(v, (int, np.integer)):
-        if not -2**63 <= int(v) < 2**63:
-            raise CodecError(f"integer {v} does not fit 64 bits")
-        out.append(_INT)
-        out += _I.pack(int(v))
-    elif t is float or isinstance(v, (float, np.floating)):
-        out.append(_FLOAT)
-        out += _D.pack(float(v))
-    elif isinstance(v, (complex, np.complexfloating)):
-        out.append(_COMPLEX)
-        out += _DD.pack(v.real, v.imag)
-    elif t is str:
-        b = v.encode()
-        out.append(_STR)
-        out += _U.pack(len(b))
-        out += b
-    elif isinstance(v, (bytes, bytearray, memoryview)):
-        b = bytes(v)
-        out.append(_BYTES)
-        out += _U.pack(len(b))
-        out += b
-    elif t is tuple or t is list:
-        out.append(_TUPLE if t is tuple else _LIST)
-        out += _U.pack(len(v))
-        for x in v:
-            _enc(x, out, depth + 1)
-    elif t is dict:
-        out.append(_DICT)
-        out += _U.pack(len(v))
-        for k, x in v.items():
-            if type(k) is not str:
-                raise CodecError(f"dict keys must be str to send, got {type(k).__name__}")
-            _enc(k, out, depth + 1)
-            _enc(x, out, depth + 1)
-    elif t is slice:
-        out.append(_SLICE)
-        for x in (v.start, v.stop, v.step):
-            _enc(x, out, depth + 1)
-    elif v is Ellipsis:
-        out.append(_ELLIPSIS)
-    elif t is Ref:
-        out.append(_HANDLE)
-        out += _I.pack(v.hid)
-    elif isinstance(v, np.ndarray):
-        name = v.dtype.name
-        if name not in _ARRAY_DTYPES:
-            raise CodecError(f"arrays of dtype {name} cannot be sent")
-        a = np.asarray(v, order="C")
-        out.append(_ARRAY)
-        _enc(name, out, depth + 1)
-        _enc(tuple(a.shape), out, depth + 1)
-        out += _U.pack(a.nbytes)
-        out += a.tobytes()
+    f = _ENCODERS.get(type(v))
+    if f is not None:
+        f(v, out, depth)
     else:
-        raise CodecError(f"a {t.__name__} is not plain data (send None, numbers, str, bytes, "
-                         "tuples, lists, dicts, slices, arrays or remote tensors)")
+        _enc_other(v, out, depth)
+
+
+def _enc_none(v, out, depth):
+    out.append(_NONE)
+
+
+def _enc_bool(v, out, depth):
+    out.append(_TRUE if v else _FALSE)
+
+
+def _enc_int(v, out, depth):
+    v = int(v)
+    if not -2**63 <= v < 2**63:
+        raise CodecError(f"integer {v} does not fit 64 bits")
+    out.append(_INT)
+    out += _I.pack(v)
+
+
+def _enc_float(v, out, depth):
+    out.append(_FLOAT)
+    out += _D.pack(float(v))
+
+
+def _enc_complex(v, out, depth):
+    out.append(_COMPLEX)
+    out += _DD.pack(v.real, v.imag)
+
+
+def _enc_str(v, out, depth):
+    b = v.encode()
+    out.append(_STR)
+    out += _U.pack(len(b))
+    out += b
+
+
+def _enc_bytes(v, out, depth):
+    b = bytes(v)
+    out.append(_BYTES)
+    out += _U.pack(len(b))
+    out += b
+
+
+def _enc_seq(v, out, depth):
+    if depth >= MAX_DEPTH:
+        raise CodecError("value nested too deeply to send")
+    out.append(_TUPLE if type(v) is tuple else _LIST)
+    out += _U.pack(len(v))
+    for x in v:
+        _enc(x, out, depth + 1)
+
+
+def _enc_dict(v, out, depth):
+    if depth >= MAX_DEPTH:
+        raise CodecError("value nested too deeply to send")
+    out.append(_DICT)
+    out += _U.pack(len(v))
+    for k, x in v.items():
+        if type(k) is not str:
+            raise CodecError(f"dict keys must be str to send, got {type(k).__name__}")
+        _enc_str(k, out, depth)
+        _enc(x, out, depth + 1)
+
+
+def _enc_slice(v, out, depth):
+    out.append(_SLICE)
+    for x in (v.start, v.stop, v.step):
+        _enc(x, out, depth + 1)
+
+
+def _enc_ellipsis(v, out, depth):
+    out.append(_ELLIPSIS)
+
+
+def _enc_ref(v, out, depth):
+    out.append(_HANDLE)
+    out += _I.pack(v.hid)
+
+
+def _enc_array(v, out, depth):
+    name = v.dtype.name
+    if name not in _ARRAY_DTYPES:
+        raise CodecError(f"arrays of dtype {name} cannot be sent")
+    a = np.asarray(v, order="C")
+    out.append(_ARRAY)
+    _enc_str(name, out, depth)
+    _enc_seq(tuple(a.shape), out, depth)
+    out += _U.pack(a.nbytes)
+    out += a.tobytes()
+
+
+_ENCODERS = {type(None): _enc_none, bool: _enc_bool, np.bool_: _enc_bool, int: _enc_int,
+             float: _enc_float, complex: _enc_complex, str: _enc_str, bytes: _enc_bytes,
+             bytearray: _enc_bytes, tuple: _enc_seq, list: _enc_seq, dict: _enc_dict,
+             slice: _enc_slice, type(Ellipsis): _enc_ellipsis, Ref: _enc_ref,
+             np.ndarray: _enc_array}
+
+
+def _enc_other(v, out, depth):
+    if isinstance(v, np.ndarray):
+        _enc_array(v, out, depth)
+    elif isinstance(v, np.integer) or (isinstance(v, int) and not isinstance(v, bool)):
+        _enc_int(v, out, depth)
+    elif isinstance(v, bool):
+        _enc_bool(v, out, depth)
+    elif isinstance(v, (float, np.floating)):
+        _enc_float(v, out, depth)
+    elif isinstance(v, (complex, np.complexfloating)):
+        _enc_complex(v, out, depth)
+    elif isinstance(v, memoryview):
+        _enc_bytes(v, out, depth)
+    else:
+        raise CodecError(f"a {type(v).__name__} is not plain data (send None, numbers, str, "
+                         "bytes, tuples, lists, dicts, slices, arrays or remote tensors)")
 
 
 def decode(buf, pos=0):

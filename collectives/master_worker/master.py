@@ -63,6 +63,8 @@ class Node:
         self.errors = []          # reported failures not yet raised
         self.lost = None          # the error that ended this node
         self.sends = []           # (request, buffer) in flight
+        self.unacked = 0          # commands since the last credit
+        self.credits = collections.deque()  # credit entries not yet waited for
 
     def __repr__(self):
         return f"node {self.index} (rank {self.rank})"
@@ -110,6 +112,23 @@ class Master:
             if len(node.frees) >= P.FREE_BATCH:
                 self._flush_frees(node)
             self._send_frame(node, frame(opcode, args))
+            self._credit(node)
+
+    def _credit(self, node):
+        """Flow control: every CREDIT commands ask the node to answer; more than two such
+        answers outstanding and the master waits for the oldest. The master stays at most
+        ~3 * CREDIT commands ahead, so transport memory stays bounded and every wait covers
+        a bounded amount of queued work."""
+        node.unacked += 1
+        if node.unacked < P.CREDIT:
+            return
+        node.unacked = 0
+        node.credits.append(self.expect(node, lambda ok, payload: None, "flow control"))
+        self._send_frame(node, frame(P.C_SYNC, (None,)))
+        while len(node.credits) > 2:
+            e = node.credits.popleft()
+            if not e.done:
+                self.resolve(node, e)
 
     def _send_frame(self, node, msg):
         if len(msg) > P.CMD_MAX:
@@ -169,6 +188,7 @@ class Master:
                 self._flush_frees(node)
             e = self.expect(node, handler, what, data)
             self._send_frame(node, frame(opcode, args))
+            self._credit(node)
             return e
 
     def resolve(self, node, entry):

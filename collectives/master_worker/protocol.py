@@ -21,4 +21,5 @@ T_CMD, T_REPLY, T_DATA, T_BIG, T_REPLY_BIG, T_W2W, T_W2W_DATA = (
 CMD_MAX = 16384    # a frame up to this size travels in one message
 REPLY_MAX = 16384
 FREE_BATCH = 512   # frees of collected handles go out in batches of this many
+CREDIT = 256      # the master asks for an answer every this many commands (flow control)
 POLL_S = 0.5       # a waiting side checks its peer's liveness this often
