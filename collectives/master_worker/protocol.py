@@ -13,10 +13,9 @@ COMMAND_NAMES = {
 # replies, worker -> master (tag REPLY): args are (payload, errors)
 R_OK, R_FAIL, R_BIG = 0, 1, 2
 
-# tags (all below 2**31): commands, replies, bulk data between master and worker, the
-# continuation of an oversized frame, and worker-to-worker moves
-T_CMD, T_REPLY, T_DATA, T_BIG, T_REPLY_BIG, T_W2W, T_W2W_DATA = (
-    0x6D770001, 0x6D770002, 0x6D770003, 0x6D770004, 0x6D770005, 0x6D770006, 0x6D770007)
+# tags (below 32767, the least MPI_TAG_UB MPI allows): commands, replies, bulk data
+# between master and worker, the continuation of an oversized frame, worker-to-worker moves
+T_CMD, T_REPLY, T_DATA, T_BIG, T_REPLY_BIG, T_W2W, T_W2W_DATA = range(32001, 32008)
 
 CMD_MAX = 16384    # a frame up to this size travels in one message
 REPLY_MAX = 16384
