@@ -16,7 +16,8 @@ import zlib
 
 import numpy as np
 
-from ..group import destroy_process_group, init_process_group, world
+from .. import collective_ops as coll
+from ..group import destroy_process_group, init_process_group, new_group, world
 from .._frontend import buffer
 from ..errors import DistBackendError, DistError
 from . import protocol as P
@@ -65,6 +66,7 @@ class Node:
         self.sends = []           # (request, buffer) in flight
         self.unacked = 0          # commands since the last credit
         self.credits = collections.deque()  # credit entries not yet waited for
+        self.pair = None          # the group {master, this node}, for bulk copies
 
     def __repr__(self):
         return f"node {self.index} (rank {self.rank})"
@@ -154,6 +156,22 @@ class Master:
                 raise DistBackendError(f"{node}: sending a tensor failed: {e}") from e
             if not req.test():
                 self._wait(node, req, "sending a tensor")
+
+    def pair(self, node):
+        """The 2-rank group {master, node} (made on first use, on both sides)."""
+        if node.pair is None:
+            self.command(node, P.C_PAIR, ())
+            node.pair = new_group([0, node.rank], use_local_synchronization=True)
+        return node.pair
+
+    def bulk(self, node, arr, src):
+        """Move ``arr`` between the master and ``node`` by a broadcast from ``src`` (a rank)
+        in their pair group: the shared-memory collective path, not the p2p rings."""
+        try:
+            coll.broadcast(arr, src=src, group=node.pair)
+        except DistError as e:
+            self._lose(node, e)
+            raise DistBackendError(f"{node}: bulk copy failed: {e}") from e
 
     def new_hid(self, node):
         node.next_hid += 1
@@ -356,7 +374,6 @@ def init_master_worker(backend="tcp", init_method="env://", world_size=-1, rank=
         destroy_process_group()
         world.master_worker = False
         raise ValueError("master-worker mode needs at least 2 ranks (a master and a worker)")
-    from .. import collective_ops as coll
     from ..backends.select import host_identity
     # rank 0 says how workers hold data and how to watch it; everyone says where it runs
     if library is None:

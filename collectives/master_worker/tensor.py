@@ -11,6 +11,7 @@ import threading
 import numpy as np
 
 from . import protocol as P
+from .._frontend import buffer
 from .codec import Ref
 from .master import get_master
 from .ops import OPCODE, check_shape, dtype_name
@@ -181,20 +182,33 @@ class RemoteTensor:
         """A local NumPy copy of the data (waits for the commands before it)."""
         ref = self._ref()
         m, nd = self._m, self._nd
-        shape, dtype, _ = self._info()
-        if dtype == "bfloat16":
-            import torch
-            out = torch.empty(shape, dtype=torch.bfloat16)
-        else:
-            out = np.empty(shape, dtype)
+        m.pair(nd)
+        meta = self._meta
+        out = bulk = None
+        if meta is not None:  # the receive is posted before the data can arrive
+            out = _host_empty(meta[0], meta[1])
+            bulk = _nbytes(out) >= P.BULK_MIN
 
         def handler(ok, payload):
+            nonlocal out
             if not ok:
+                if meta is None:  # the worker sent an empty data message: take it
+                    m._wait(nd, m.backend.irecv(buffer(_EMPTY), nd.rank, P.T_DATA), "get")
                 raise RuntimeError(f"node {nd.index}: get failed: {payload}")
             if payload[0] != "array":
+                if meta is None:
+                    m._wait(nd, m.backend.irecv(buffer(_EMPTY), nd.rank, P.T_DATA), "get")
                 return payload[1]
+            if meta is None:
+                self._meta = (tuple(payload[1]), payload[2], payload[3])
+                out = _host_empty(self._meta[0], self._meta[1])
+                if not payload[4]:
+                    m._wait(nd, m.backend.irecv(buffer(out), nd.rank, P.T_DATA), "get")
+            if payload[4]:
+                m.bulk(nd, out, nd.rank)
             return out
-        e = m.call(nd, P.C_GET, (ref.hid,), handler, "get", data=out)
+        e = m.call(nd, P.C_GET, (ref.hid, bulk), handler, "get",
+                   data=out if meta is not None and not bulk else None)
         try:
             return m.resolve(nd, e)
         finally:
@@ -446,6 +460,20 @@ class RemoteTensor:
         return RemoteTensor(m, dst, out, meta)
 
 
+_EMPTY = np.empty(0, np.uint8)
+
+
+def _nbytes(a):
+    return a.nbytes if isinstance(a, np.ndarray) else a.numel() * a.element_size()
+
+
+def _host_empty(shape, dtype):
+    if dtype == "bfloat16":
+        import torch
+        return torch.empty(shape, dtype=torch.bfloat16)
+    return np.empty(shape, dtype)
+
+
 def _one_elem_error():
     raise ValueError("only one-element tensors can be converted to Python scalars")
 
@@ -524,9 +552,15 @@ def send(data, node=None, device=None, dtype=None):
                 src = src.to(getattr(torch, want))
             dt = want
     dev = _device(device, nd)
+    bulk = _nbytes(src) >= P.BULK_MIN
+    if bulk:
+        m.pair(nd)
     out = m.new_hid(nd)
-    m.command(nd, P.C_PUT, (out, shape, dt, dev))
-    m.send_data(nd, src if isinstance(src, np.ndarray) else src)
+    m.command(nd, P.C_PUT, (out, shape, dt, dev, bulk))
+    if bulk:
+        m.bulk(nd, src, 0)
+    else:
+        m.send_data(nd, src)
     return RemoteTensor(m, nd, out, (shape, dt, dev))
 
 

@@ -77,6 +77,7 @@ class Worker:
         self.errors = []        # (seq, command, message, [failed hids]) not yet reported
         self.sends = []         # (request, buffer kept alive) in flight
         self.groups = {}        # tuple of ranks -> ProcessGroup among workers
+        self.pair = None        # the group {master, this worker}, for bulk copies
         self.seq = 0
         self.node = pg.rank() - 1
 
@@ -139,7 +140,7 @@ class Worker:
             elif op == P.C_PUT:
                 self.put(*args)
             elif op == P.C_GET:
-                self.get(args[0])
+                self.get(*args)
             elif op == P.C_META:
                 self.meta(args[0])
             elif op == P.C_OP:
@@ -152,6 +153,8 @@ class Worker:
                 self.collective(*args)
             elif op == P.C_RPC:
                 self.rpc(*args)
+            elif op == P.C_PAIR:
+                self.pair = new_group([0, self.pg.rank()], use_local_synchronization=True)
             elif op == P.C_SEED:
                 self.lib.seed(args[0])
             elif op == P.C_STATS:
@@ -162,7 +165,10 @@ class Worker:
         except (MasterGone, DistError):
             raise
         except Exception as e:  # a bug in this loop: report it, keep serving
-            self.fail(P.COMMAND_NAMES.get(op, str(op)), _describe(e), [])
+            what = P.COMMAND_NAMES.get(op, str(op))
+            self.fail(what, _describe(e), [])
+            if op in (P.C_SYNC, P.C_META, P.C_STATS, P.C_GET) or (op == P.C_RPC and args[-1]):
+                self.reply(f"{what} failed: {_describe(e)}", ok=False)  # the master waits
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def fail(self, what, message, hids):
@@ -199,26 +205,39 @@ class Worker:
             self.objs[out] = obj
 
     # ---- commands ----------------------------------------------------------------------------
-    def put(self, out, shape, dtype, device):
+    def put(self, out, shape, dtype, device, bulk=False):
         lib = self.lib
         host = lib.alloc("empty", shape, dtype, None, -1)
-        self.recv_into(host, 0, P.T_DATA, "receiving a tensor from the master")
+        if bulk:
+            _coll.broadcast(host, src=0, group=self.pair)
+        else:
+            self.recv_into(host, 0, P.T_DATA, "receiving a tensor from the master")
         self.run(out, "send", lambda: host if device < 0 else lib.call("cuda", (host, device)))
 
-    def get(self, hid):
+    def get(self, hid, bulk):
+        """Reply with the meta, then the data: by a broadcast in the pair group when
+        ``bulk`` (None: when large), else by p2p (an empty message when there is none)."""
         try:
             obj = self.resolve(Ref(hid))
             host = self.lib.host(obj) if self.lib.is_array(obj) else None
         except Exception as e:
             self.reply(_describe(e), ok=False)
-            self.isend(np.empty(0, np.uint8), 0, P.T_DATA)  # the master posted a receive
+            if not bulk:
+                self.isend(np.empty(0, np.uint8), 0, P.T_DATA)  # the master posted a receive
             return
         if host is None:
             self.reply(("value", _plain(self.lib, obj)))
-            self.isend(np.empty(0, np.uint8), 0, P.T_DATA)
+            if not bulk:
+                self.isend(np.empty(0, np.uint8), 0, P.T_DATA)
             return
-        self.reply(("array",) + self.lib.meta(obj))
-        self.isend(host, 0, P.T_DATA)
+        if bulk is None:
+            nbytes = host.nbytes if isinstance(host, np.ndarray) else host.numel() * host.element_size()
+            bulk = self.pair is not None and nbytes >= P.BULK_MIN
+        self.reply(("array",) + self.lib.meta(obj) + (bool(bulk),))
+        if bulk:  # the master joins once it has read the reply
+            _coll.broadcast(host, src=self.pg.rank(), group=self.pair)
+        else:
+            self.isend(host, 0, P.T_DATA)
 
     def meta(self, hid):
         try:
