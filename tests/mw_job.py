@@ -133,6 +133,58 @@ def seed_example():
     return out
 
 
+def misc_values(a, b):
+    """Indexing, assignment, matmul, transposes, moves between nodes, metadata."""
+    ra, rb = mw.send(a, node=0), mw.send(b, node=0)
+    out = {}
+    out["getitem"] = ra[1:, ::2].numpy()
+    out["fancy"] = ra[np.array([0, 2])].numpy()
+    out["mask"] = ra[ra > 0].numpy()
+    out["matmul"] = (ra @ rb).numpy()
+    out["t_matmul"] = (ra.t() @ ra).numpy()
+    out["reshape"] = ra.reshape(2, -1).view(-1, 2).numpy()
+    out["permute"] = ra.reshape(3, 2, 2).permute(2, 0, 1).numpy()
+    out["unsq"] = ra.unsqueeze(0).squeeze(0).shape
+    c = ra.clone()
+    c[0] = 7.0
+    c[1:, 1] = rb[:2, 0]
+    c += 1
+    out["setitem"] = c.numpy()
+    out["orig"] = ra.numpy()
+    moved = ra.to_node(1)
+    out["moved"] = (moved.get_node(), (moved * 2).numpy())
+    out["meta"] = (ra.shape, str(ra.dtype), ra.ndim, ra.numel(), len(ra), ra.size(1))
+    out["lazy_meta"] = ((ra @ rb).shape, (ra > 0).dtype.name)
+    out["reduce"] = (ra.sum().item(), ra.mean(1).numpy(), ra.max(0, True).numpy(),
+                     ra.argmax(1).numpy(), ra.std().item(), ra.var(0, correction=0).numpy())
+    out["unary"] = (ra.exp().numpy(), (-ra).relu().numpy(), ra.clamp(-0.5, 0.5).numpy(),
+                    (ra > 0).where(ra, 0.0).numpy())
+    out["scalar_left"] = ((2.0 - ra) / 4).numpy()
+    z = mw.zeros(3, dtype="int64", node=1)
+    z.fill_(5).mul_(3).sub_(1)
+    out["inplace_chain"] = z.numpy()
+    out["typed"] = [(f.__name__, f(2, node=1).numpy().dtype.name) for f in (
+        dist.FloatTensor, dist.DoubleTensor, dist.HalfTensor, dist.LongTensor, dist.IntTensor,
+        dist.ShortTensor, dist.CharTensor, dist.ByteTensor, dist.BoolTensor)]
+    out["from_data"] = dist.FloatTensor([1, 2, 3]).numpy()
+    out["full"] = mw.full((2, 2), 9, dtype="int16").numpy()
+    mw.manual_seed(3)
+    r1 = mw.rand(1000, node=0).numpy()
+    mw.manual_seed(3)
+    r2 = mw.rand(1000, node=0).numpy()
+    out["rand"] = (bool((r1 == r2).all()), float(r1.min()), float(r1.max()))
+    return out
+
+
+def torch_case():
+    """torch mode: get() is a torch tensor; the seed's .dist_send() method, opted in."""
+    import torch
+    mw.enable_dist_send()
+    t = torch.tensor([1.0, 2.0]).dist_send(node=0)
+    local = (t * 2).get()
+    return type(local).__name__, local.tolist(), (t.to_node(1) + 1).get_node(), str(t.dtype)[6:]
+
+
 def call(fn_name, *args):
     """Any attribute path of ``mw`` / ``dist`` for small checks, e.g. ('mw.num_nodes',)."""
     obj = {"mw": mw, "dist": dist, "np": np}[fn_name.split(".")[0]]

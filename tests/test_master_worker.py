@@ -265,6 +265,54 @@ def test_send_and_copy_back_every_dtype(job, dt):
     np.testing.assert_array_equal(job("echo", np.float32(3.5), 0), np.float32(3.5))
 
 
+@pytest.mark.timeout(120)
+def test_tensor_api_values(job):
+    a = np.arange(12, dtype=np.float32).reshape(3, 4) - 5
+    b = np.arange(8, dtype=np.float32).reshape(4, 2) / 3
+    out = job("misc_values", a, b)
+    eq = np.testing.assert_allclose
+    eq(out["getitem"], a[1:, ::2])
+    eq(out["fancy"], a[[0, 2]])
+    eq(out["mask"], a[a > 0])
+    eq(out["matmul"], a @ b, rtol=1e-6)
+    eq(out["t_matmul"], a.T @ a, rtol=1e-6)
+    eq(out["reshape"], a.reshape(-1, 2))
+    eq(out["permute"], a.reshape(3, 2, 2).transpose(2, 0, 1))
+    assert out["unsq"] == (3, 4)
+    c = a.copy()
+    c[0] = 7.0
+    c[1:, 1] = b[:2, 0]
+    c += 1
+    eq(out["setitem"], c)
+    eq(out["orig"], a)  # clone() copied
+    assert out["moved"][0] == 1
+    eq(out["moved"][1], a * 2)
+    assert out["meta"] == ((3, 4), "float32", 2, 12, 3, 4)
+    assert out["lazy_meta"] == ((3, 2), "bool")
+    s, m, mx, am, sd, var = out["reduce"]
+    assert s == a.sum() and sd == pytest.approx(a.std(ddof=1), rel=1e-5)
+    eq(m, a.mean(1))
+    eq(mx, a.max(0, keepdims=True))
+    eq(am, a.argmax(1))
+    eq(var, a.var(0), rtol=1e-6)
+    ex, relu, clamp, where = out["unary"]
+    eq(ex, np.exp(a), rtol=1e-6)
+    eq(relu, np.maximum(-a, 0))
+    eq(clamp, np.clip(a, -0.5, 0.5))
+    eq(where, np.where(a > 0, a, 0.0))
+    eq(out["scalar_left"], (2.0 - a) / 4)
+    eq(out["inplace_chain"], np.full(3, 14))
+    assert out["typed"] == [("FloatTensor", "float32"), ("DoubleTensor", "float64"),
+                            ("HalfTensor", "float16"), ("LongTensor", "int64"),
+                            ("IntTensor", "int32"), ("ShortTensor", "int16"),
+                            ("CharTensor", "int8"), ("ByteTensor", "uint8"),
+                            ("BoolTensor", "bool")]
+    eq(out["from_data"], np.array([1, 2, 3], np.float32))
+    assert out["full"].dtype == np.int16 and (out["full"] == 9).all()
+    same, lo, hi = out["rand"]
+    assert same and 0 <= lo < 0.01 and 0.99 < hi < 1
+
+
 # ---- errors: before anything is sent, and from the workers at sync points ------------------------
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case,exc,words", [
@@ -431,10 +479,22 @@ def test_seed_example_under_mpiexec(backend):
     assert "SEED OK (0, -1) (1, -1)" in p.stdout
 
 
+@pytest.mark.timeout(200)
+def test_example_trains_with_parameters_on_two_workers():
+    env = _env(3)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "collectives.run", "-n", "3",
+                        os.path.join(ROOT, "examples", "master_worker_train.py"), "--steps", "150"],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "max |w - w_true|" in p.stdout
+
+
 @pytest.mark.timeout(300)
 def test_torch_workers_hold_torch_tensors():
     pytest.importorskip("torch")
-    j = Job(2, {"MW_TEST_LIBRARY": "torch"})
+    j = Job(3, {"MW_TEST_LIBRARY": "torch"})
     try:
         a = np.arange(12, dtype=np.float32).reshape(3, 4)
         b = np.arange(4, dtype=np.float32)
@@ -443,6 +503,7 @@ def test_torch_workers_hold_torch_tensors():
         got = j("run_program", a, np.ones((3, 1), np.float32), prog, 0)
         np.testing.assert_array_equal(got, -(a.sum(1, keepdims=True) * 1).T)
         assert j("call", "mw.rpc_sync", 0, "describe", 1) == {"kind": "int", "extra": None}
+        assert j("torch_case") == ("Tensor", [2.0, 4.0], 1, "float32")
     finally:
         left = j.close()
     assert left == []
