@@ -49,8 +49,9 @@ def spawn(world, args, extra=None):
     """``world`` ranks of ``python -m tests.mw_job *args`` (env://), their own sessions."""
     env = _env(world, extra)
     procs = []
-    for r in range(world):
+    for r in range(world):  # "{rank}" in an extra value becomes the rank (fake hosts)
         e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+        e.update({k: v.format(rank=r) for k, v in (extra or {}).items() if "{rank}" in v})
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.mw_job", *args], env=e,
                                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))
@@ -429,6 +430,29 @@ def test_master_death_leaves_no_worker(how):
     assert not any(pid_running(p) for p in pids)
     if how == "sigint":  # an interrupted master shuts its workers down in order
         assert [p.returncode for p in procs[1:]] == [0, 0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env", [{"COLLECTIVES_TRANSPORT": "tcp"},
+                                 {"COLLECTIVES_HOST_ID": "fakehost{rank}"}],
+                         ids=["tcp", "three-hosts"])
+def test_seed_example_over_tcp(env):
+    procs = spawn(3, ["seed"], env)
+    assert reap(procs, 90) == []
+    out = procs[0].stdout.read()
+    assert [p.returncode for p in procs] == [0, 0, 0], procs[0].stderr.read()[-2000:]
+    assert "SEED OK (0, -1) (1, -1)" in out
+
+
+@pytest.mark.timeout(120)
+def test_master_crash_on_another_host_leaves_no_worker():
+    """Workers on other (faked) hosts cannot watch the master's pid: the closed TCP
+    connection ends them."""
+    procs = spawn(3, ["hang"], {"COLLECTIVES_HOST_ID": "fakehost{rank}"})
+    pids = _pids(procs[0])
+    os.kill(procs[0].pid, signal.SIGKILL)
+    assert reap(procs, 60) == [], "workers still running after the master was killed"
+    assert not any(pid_running(p) for p in pids)
 
 
 @pytest.mark.timeout(180)
