@@ -226,7 +226,7 @@ def test_op_sequences_match_numpy(job, case, node):
     a, b, prog = case
     got = job("run_program", a, b, prog, node)
     want = np.asarray(mw_job.interpret(prog, a.copy(), b.copy(), False))
-    assert got.dtype == want.dtype, (prog, got.dtype, want.dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape, (prog, got, want)
     np.testing.assert_array_equal(got, want)
 
 
@@ -249,7 +249,7 @@ def test_worker_collectives_match_numpy(job, n, dt, op, data):
         f = {"SUM": np.add, "MAX": np.maximum, "MIN": np.minimum}[op]
         want = [f(arrays[0], arrays[1]).astype(dt)] * 2
     for g, w in zip(got, want):
-        assert g.dtype == w.dtype
+        assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_array_equal(g, w)
 
 

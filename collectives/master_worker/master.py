@@ -9,6 +9,7 @@ raised at the sync point, naming the node and the command.
 import atexit
 import collections
 import datetime
+import itertools
 import os
 import sys
 import threading
@@ -57,7 +58,7 @@ class Node:
 
     def __init__(self, index, rank, pid, same_host, ncuda):
         self.index, self.rank, self.pid, self.same_host, self.ncuda = index, rank, pid, same_host, ncuda
-        self.next_hid = 0
+        self.hids = itertools.count(1)  # handle ids on this node (next() is atomic)
         self.frees = []
         self.failed = {}          # hid -> message
         self.pending = collections.deque()
@@ -174,8 +175,7 @@ class Master:
             raise DistBackendError(f"{node}: bulk copy failed: {e}") from e
 
     def new_hid(self, node):
-        node.next_hid += 1
-        return node.next_hid
+        return next(node.hids)
 
     # ---- replies -----------------------------------------------------------------------------
     def expect(self, node, handler, what, data=None):
