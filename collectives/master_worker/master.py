@@ -59,7 +59,7 @@ class Node:
     def __init__(self, index, rank, pid, same_host, ncuda):
         self.index, self.rank, self.pid, self.same_host, self.ncuda = index, rank, pid, same_host, ncuda
         self.hids = itertools.count(1)  # handle ids on this node (next() is atomic)
-        self.frees = []
+        self.frees = collections.deque()  # ids of collected handles (appended by __del__)
         self.failed = {}          # hid -> message
         self.pending = collections.deque()
         self.errors = []          # reported failures not yet raised
@@ -141,9 +141,11 @@ class Master:
             self._isend(node, np.frombuffer(msg, np.uint8), P.T_CMD)
 
     def _flush_frees(self, node):
-        ids, node.frees = node.frees, []
-        for h in ids:
+        ids, frees = [], node.frees
+        while frees:  # popleft is atomic: a handle collected meanwhile waits for the next batch
+            h = frees.popleft()
             node.failed.pop(h, None)
+            ids.append(h)
         self._send_frame(node, frame(P.C_FREE, (ids,)))
 
     def send_data(self, node, arr):

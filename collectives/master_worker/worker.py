@@ -271,7 +271,7 @@ class Worker:
             host = self.lib.host(obj)
             hdr = frame(0, self.lib.meta(obj)[:2])
         except Exception as e:
-            hdr, host = frame(1, _describe(e)), None
+            hdr, host = frame(1, _describe(e)[:2000]), None  # fits the receiver's header buffer
             self.fail(f"to_node (command {self.seq})", _describe(e), [])
         self.isend(np.frombuffer(hdr, np.uint8), dst, P.T_W2W)
         if host is not None:
