@@ -307,6 +307,16 @@ def rpc_case():
     return out
 
 
+def big_frames(n):
+    """Commands and replies larger than one frame (the continuation messages)."""
+    a, b = np.arange(n, dtype=np.float64), np.ones(n)
+    r = mw.rpc_sync(1, add_arrays, a, b)          # a big command and a big reply
+    t = mw.send(a, node=1)
+    idx = np.arange(0, n, 3)
+    picked = t[idx].numpy()                        # a big index array in the command
+    return r, picked
+
+
 def leak_case(n):
     before = mw.worker_stats(0)
     t0 = time.perf_counter()

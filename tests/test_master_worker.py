@@ -377,6 +377,14 @@ def test_rpc_registered_functions_only(job):
     assert "not plain data" in out["not_plain"]
 
 
+@pytest.mark.timeout(120)
+def test_commands_and_replies_larger_than_a_frame(job):
+    n = 50_000  # 400 KB arrays: past the 16 KiB frame, through the continuation tags
+    r, picked = job("big_frames", n)
+    np.testing.assert_array_equal(r, np.arange(n, dtype=np.float64) + 1)
+    np.testing.assert_array_equal(picked, np.arange(0, n, 3, dtype=np.float64))
+
+
 @pytest.mark.timeout(600)
 def test_worker_memory_flat_over_100k_dropped_tensors(job):
     job("leak_case", 2000)  # warm up the allocator and the free lists
