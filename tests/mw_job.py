@@ -282,6 +282,39 @@ def collectives_case(arrays, op):
     return [t.numpy() for t in ts]
 
 
+def collective_with_failed_input():
+    """An all_reduce whose input failed on one node: both nodes report it, quickly."""
+    bad = mw.ones(2, 2, node=1) @ mw.ones(3, 3, node=1)   # fails on node 1
+    good = mw.ones(4, node=0)
+    t0 = time.perf_counter()
+    mw.all_reduce([good, bad])
+    out = {}
+    for k in (0, 1):
+        try:
+            mw.synchronize(k)
+            out[k] = None
+        except mw.RemoteError as e:
+            out[k] = str(e)
+    out["secs"] = time.perf_counter() - t0
+    a, b = mw.ones(3, node=0), mw.ones(3, node=1) * 2    # the nodes still work
+    out["after"] = (a * 2).numpy().tolist(), b.numpy().tolist()
+    return out
+
+
+def collective_size_mismatch():
+    """all_reduce over tensors of different sizes: every node fails it, none reduces."""
+    a, b = mw.ones(4, node=0), mw.ones(5, node=1)
+    mw.all_reduce([a, b])
+    out = []
+    for k in (0, 1):
+        try:
+            mw.synchronize(k)
+            out.append(None)
+        except mw.RemoteError as e:
+            out.append(str(e))
+    return out, a.numpy().tolist()
+
+
 def rpc_case():
     out = {}
     out["sync"] = mw.rpc_sync(0, add_arrays, np.arange(3.0), np.ones(3))

@@ -254,6 +254,18 @@ def test_worker_collectives_match_numpy(job, n, dt, op, data):
 
 
 @pytest.mark.timeout(120)
+def test_collective_with_a_failed_input_fails_fast_on_every_node(job):
+    out = job("collective_with_failed_input")
+    assert out[1] is not None and "matmul" in out[1] and "node 1" in out[1]
+    assert out[0] is not None and "all_reduce" in out[0] and "node 0" in out[0]
+    assert out["secs"] < 20, out  # not the peers' 30 s timeout
+    assert out["after"] == ([2.0, 2.0, 2.0], [2.0, 2.0, 2.0])
+    errs, a = job("collective_size_mismatch")
+    assert all(e is not None and "differ in size" in e for e in errs), errs
+    assert a == [1.0] * 4  # untouched
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("dt", ["bool", "uint8", "int8", "int16", "int32", "int64", "float16",
                                 "float32", "float64", "complex64", "complex128"])
 def test_send_and_copy_back_every_dtype(job, dt):

@@ -20,6 +20,8 @@ from .codec import Ref, encode, frame, unframe
 from .ops import KIND, OPS, make_lib
 from .registry import lookup
 
+_DTYPE_CODES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+                "float32", "float64", "complex64", "complex128")
 _REDUCE_NAMES = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 
 
@@ -298,27 +300,51 @@ class Worker:
     def collective(self, kind, hid, ranks, opname, root, out):
         what = f"{kind} (command {self.seq})"
         g = self.group(tuple(ranks))  # every member makes it, in command order
+        lost = [out] if out >= 0 else []
+        # first a small agreement among the members: whether every input exists, and its
+        # size and dtype; a member whose input failed, or a mismatch, fails them all now
+        # (instead of peers waiting for it until their timeout, or reducing garbage)
+        t, why = None, None
         try:
             t = self.resolve(Ref(hid))
+            shape, dtype, _ = self.lib.meta(t)
             if opname not in _REDUCE_NAMES:
                 raise ValueError(f"unknown reduce op {opname!r}")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * (2 if dtype == "bfloat16" else
+                                                            np.dtype(dtype).itemsize)
+            code = _DTYPE_CODES.index(dtype)
+            flags = np.array([0, nbytes, -nbytes, code, -code], np.int64)
+        except Exception as e:
+            why = _describe(e)
+            flags = np.array([1, 0, 0, 0, 0], np.int64)
+        try:
+            _coll.all_reduce(flags, op=ReduceOp.MAX, group=g)
+        except DistError as e:
+            self.fail(what, _describe(e), lost)
+            return
+        if why is not None:
+            self.fail(what, why, lost)
+            return
+        if flags[0]:
+            self.fail(what, "another node's input to it failed", lost)
+            return
+        if flags[1] != -flags[2] or flags[3] != -flags[4]:
+            self.fail(what, "the nodes' tensors differ in size or dtype", lost)
+            return
+        try:
             if kind == "all_reduce":
                 _coll.all_reduce(t, op=getattr(ReduceOp, opname), group=g)
             elif kind == "broadcast":
                 _coll.broadcast(t, src=root, group=g)
             elif kind == "all_gather":
-                o = self.lib.alloc("empty", (len(ranks),) + tuple(self.lib.meta(t)[0]),
-                                   self.lib.meta(t)[1], None, -1)
+                shape, dtype, _ = self.lib.meta(t)
+                o = self.lib.alloc("empty", (len(ranks),) + tuple(shape), dtype, None, -1)
                 _coll.all_gather_into_tensor(o, t, group=g)
                 self.objs[out] = o
             else:
                 raise ValueError(f"unknown collective {kind!r}")
-        except DistError as e:
-            self.fail(what, _describe(e), [out] if out >= 0 else [])
         except Exception as e:
-            # the peers are in the collective: a local failure must not leave them waiting
-            # past their timeout more than once; report, and keep serving
-            self.fail(what, _describe(e), [out] if out >= 0 else [])
+            self.fail(what, _describe(e), lost)
 
     def rpc(self, name, out, args, kwargs, want_reply):
         what = f"rpc {name!r} (command {self.seq})"
