@@ -145,6 +145,7 @@ def misc_values(a, b):
     out["reshape"] = ra.reshape(2, -1).view(-1, 2).numpy()
     out["permute"] = ra.reshape(3, 2, 2).permute(2, 0, 1).numpy()
     out["unsq"] = ra.unsqueeze(0).squeeze(0).shape
+    out["rows"] = [row.numpy() for row in ra]
     c = ra.clone()
     c[0] = 7.0
     c[1:, 1] = rb[:2, 0]

@@ -292,6 +292,7 @@ def test_tensor_api_values(job):
     eq(out["reshape"], a.reshape(-1, 2))
     eq(out["permute"], a.reshape(3, 2, 2).transpose(2, 0, 1))
     assert out["unsq"] == (3, 4)
+    assert len(out["rows"]) == 3 and all((r == a[i]).all() for i, r in enumerate(out["rows"]))
     c = a.copy()
     c[0] = 7.0
     c[1:, 1] = b[:2, 0]

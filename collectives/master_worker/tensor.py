@@ -161,6 +161,10 @@ class RemoteTensor:
             raise TypeError("len() of a 0-d tensor")
         return s[0]
 
+    def __iter__(self):  # without it Python would index past the end forever (errors are async)
+        for i in range(len(self)):
+            yield self[i]
+
     def __repr__(self):
         if not self._hid:
             return f"RemoteTensor(node={self._nd.index}, freed)"
