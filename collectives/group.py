@@ -109,6 +109,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     if _ranks:  # torch's _hash_ranks_to_str, with no group named yet
         group_name = hashlib.sha1(f"{'_'.join(map(str, _ranks))}_0".encode(),
                                   usedforsecurity=False).hexdigest()
+    if getattr(world, "master_worker", False):  # set by master_worker.init_master_worker
+        raise RuntimeError("init_process_group: this process is in master-worker mode "
+                           "(init_master_worker); the two modes exclude each other")
     if world.default is not None:
         raise ValueError("trying to initialize the default process group twice!")
     name = _backend_name(backend)
