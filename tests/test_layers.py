@@ -21,7 +21,9 @@ def _modules():
 
 
 def _imports(name, path, known):
-    """Modules of the package that ``name`` imports anywhere in its source."""
+    """Modules of the package that ``name`` imports anywhere in its source. ``from . import
+    x`` runs the package's ``__init__`` before it finds ``x``, so it counts as importing
+    both (only the top package's ``__init__``, which gathers the public names, is exempt)."""
     tree = ast.parse(open(path).read(), path)
     is_pkg = path.endswith("__init__.py")
     base = name.split(".") if is_pkg else name.split(".")[:-1]
@@ -33,14 +35,15 @@ def _imports(name, path, known):
                 mod = ".".join(parts + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            # ``from . import dtypes`` imports the submodule, not the package
-            cands = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
+            cands = [mod] + [f"{mod}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             cands = [a.name for a in node.names]
         else:
             continue
         for c in cands:
-            if c in known and c != name:
+            while c and c not in known:
+                c = c.rpartition(".")[0]
+            if c and c != name and c != "collectives":
                 out.add(c)
     return out
 

@@ -21,7 +21,7 @@ from .. import collective_ops as coll
 from ..group import destroy_process_group, init_process_group, new_group, world
 from .._frontend import buffer
 from ..errors import DistBackendError, DistError
-from . import protocol as P
+import collectives.master_worker.protocol as P
 from .codec import frame, unframe
 from .worker import pid_alive, run_worker, wait_request
 

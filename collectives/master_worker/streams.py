@@ -5,7 +5,7 @@ import numpy as np
 
 from ..reduce_op import ReduceOp
 from ..work import Future
-from . import protocol as P
+import collectives.master_worker.protocol as P
 from .codec import Ref, encode
 from .master import get_master
 from .registry import name_of

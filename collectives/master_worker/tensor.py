@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from . import protocol as P
+import collectives.master_worker.protocol as P
 from .._frontend import buffer
 from .codec import Ref
 from .master import get_master

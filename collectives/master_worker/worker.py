@@ -15,7 +15,7 @@ from ..group import destroy_process_group, new_group
 from .._frontend import buffer
 from ..errors import DistError
 from ..reduce_op import ReduceOp
-from . import protocol as P
+import collectives.master_worker.protocol as P
 from .codec import Ref, encode, frame, unframe
 from .ops import KIND, OPS, make_lib
 from .registry import lookup
