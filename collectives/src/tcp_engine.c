@@ -26,32 +26,91 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <endian.h>
+
 #define MAGIC 0xC011u
 #define STAGE (256 * 1024)
 #define ERRTEXT 1024
 
-enum { F_DATA = 1, F_ERROR = 2, F_CLOSE = 3 };
-enum { K_P2P = 1, K_BARRIER, K_BROADCAST, K_ALLREDUCE, K_REDUCE, K_ALLGATHER, K_GATHER,
-       K_SCATTER, K_REDUCE_SCATTER, K_ALLTOALL, K_NKINDS };
-static const char *KNAMES[K_NKINDS] = {"?", "send/recv", "barrier", "broadcast", "all_reduce",
-                                       "reduce", "all_gather", "gather", "scatter",
-                                       "reduce_scatter", "all_to_all"};
+enum { F_DATA = 1, F_ERROR = 2, F_CLOSE = 3, F_MISMATCH = 4 };
+/* frame kinds: the collectives' codes equal collectives.fingerprint's kind codes */
+enum { K_BARRIER = 1, K_BROADCAST, K_ALLREDUCE, K_REDUCE, K_ALLGATHER, K_GATHER,
+       K_SCATTER, K_REDUCE_SCATTER, K_ALLTOALL, K_P2P, K_NKINDS };
+static const char *KNAMES[K_NKINDS] = {"?", "barrier", "broadcast", "all_reduce", "reduce",
+                                       "all_gather", "gather", "scatter", "reduce_scatter",
+                                       "all_to_all", "send/recv"};
 enum { W_NONE = 0, W_RQ, W_SQ, W_FILL, W_CLAIM };
 enum { M_DISCARD = 0, M_REQ, M_MSG, M_ERR };
 
+/* A frame header as this engine reads it; on the wire it is HDR bytes, little-endian, in
+ * this order (hdr_encode/hdr_decode), so ranks of any byte order agree. */
 typedef struct {
     uint16_t magic;
+    uint8_t version;  /* TCP_WIRE_VERSION */
     uint8_t ftype;
     uint8_t kind;
+    uint8_t dtype;    /* point to point: the sender's dtype code (TCP_NO_DTYPE: bytes) */
+    uint16_t flags;   /* 0 (reserved) */
     uint32_t group;
-    uint64_t seq;
     int32_t tag;
-    uint32_t aux;   /* dtype | op << 8 | root << 16 for collectives */
-    uint64_t total; /* element count (or bytes) of the whole collective */
-    uint64_t len;   /* payload bytes */
+    uint64_t seq;     /* collectives: the collective's number in the group */
+    uint64_t fp;      /* collectives: the sender's call fingerprint (collectives.fingerprint) */
+    uint64_t len;     /* payload bytes */
 } hdr_t;
-#define HDR ((size_t)sizeof(hdr_t))
-_Static_assert(sizeof(hdr_t) == 40, "frame header must be 40 bytes");
+#define HDR ((size_t)40)
+
+static void hdr_encode(const hdr_t *h, unsigned char *w)
+{
+    uint16_t u16;
+    uint32_t u32;
+    uint64_t u64;
+    u16 = htole16(h->magic); memcpy(w, &u16, 2);
+    w[2] = h->version;
+    w[3] = h->ftype;
+    w[4] = h->kind;
+    w[5] = h->dtype;
+    u16 = htole16(h->flags); memcpy(w + 6, &u16, 2);
+    u32 = htole32(h->group); memcpy(w + 8, &u32, 4);
+    u32 = htole32((uint32_t)h->tag); memcpy(w + 12, &u32, 4);
+    u64 = htole64(h->seq); memcpy(w + 16, &u64, 8);
+    u64 = htole64(h->fp); memcpy(w + 24, &u64, 8);
+    u64 = htole64(h->len); memcpy(w + 32, &u64, 8);
+}
+
+static void hdr_decode(const unsigned char *w, hdr_t *h)
+{
+    uint16_t u16;
+    uint32_t u32;
+    uint64_t u64;
+    memcpy(&u16, w, 2); h->magic = le16toh(u16);
+    h->version = w[2];
+    h->ftype = w[3];
+    h->kind = w[4];
+    h->dtype = w[5];
+    memcpy(&u16, w + 6, 2); h->flags = le16toh(u16);
+    memcpy(&u32, w + 8, 4); h->group = le32toh(u32);
+    memcpy(&u32, w + 12, 4); h->tag = (int32_t)le32toh(u32);
+    memcpy(&u64, w + 16, 8); h->seq = le64toh(u64);
+    memcpy(&u64, w + 24, 8); h->fp = le64toh(u64);
+    memcpy(&u64, w + 32, 8); h->len = le64toh(u64);
+}
+
+void tcp_wire_header(unsigned char *out, int ftype, int kind, int dtype, uint32_t group,
+                     int32_t tag, uint64_t seq, uint64_t fp, uint64_t len)
+{
+    hdr_t h = {MAGIC, TCP_WIRE_VERSION, (uint8_t)ftype, (uint8_t)kind, (uint8_t)dtype, 0,
+               group, tag, seq, fp, len};
+    hdr_encode(&h, out);
+}
+
+void tcp_wire_header_parse(const unsigned char *in, uint64_t *fields)
+{
+    hdr_t h;
+    hdr_decode(in, &h);
+    uint64_t f[11] = {h.magic, h.version, h.ftype, h.kind, h.dtype, h.flags, h.group,
+                      (uint64_t)(int64_t)h.tag, h.seq, h.fp, h.len};
+    memcpy(fields, f, sizeof f);
+}
 
 typedef struct tcp_msg tcp_msg;
 
@@ -59,14 +118,14 @@ struct tcp_req {
     tcp_req *next, *prev;
     int is_send, peer, kind;
     int32_t tag;
+    int dtype;     /* point to point: the buffer's dtype code */
     uint64_t seq;
-    uint32_t aux;
-    uint64_t total;
+    uint64_t fp;
     char *buf;
     size_t len, nbytes;
     int source, state, where, owned;
     tcp_msg *claimed;
-    hdr_t h;
+    unsigned char hw[HDR];  /* the header as sent (wire encoding) */
     size_t sent;
     char err[320];
 };
@@ -118,13 +177,20 @@ struct tcp_engine {
     /* the collective in flight */
     uint64_t seq;
     int coll_active, cur_kind;
-    uint32_t cur_aux;
-    uint64_t cur_total;
+    uint64_t cur_fp;       /* this rank's fingerprint of the collective in flight */
     double coll_deadline;
     double coll_span;      /* the timeout coll_deadline was set from (for messages) */
     char coll_err[512];
     char poison[512];
     uint64_t poison_seq;  /* collectives from this sequence number on fail */
+    /* the first fingerprint mismatch this rank saw or heard of (mm_seq 0: none) */
+    uint64_t mm_seq, mm_fp_a, mm_fp_b;
+    int mm_a, mm_b;       /* rank a called mm_fp_a, rank b mm_fp_b */
+    /* fingerprint frames of a rooted collective (see fp_post) */
+    tcp_req *fpreqs;
+    tcp_req **fpptr;
+    int nfp, fp_on;
+    unsigned char *data_to, *data_from;
     tcp_req *creqs;
     tcp_req **cptr;
     size_t ncreqs;
@@ -134,6 +200,7 @@ struct tcp_engine {
     double spin_s;
     size_t rd_max, tree_max, seg, direct_max;
     int use_lowat;
+    int fp_direct_world;  /* fingerprint frames: to every peer up to this world size, else rounds */
     size_t duplex_chunk;   /* bytes per sendmsg, and per read while sends wait (0: no limit) */
     int direct_world;  /* large all_reduce: direct two-round exchange up to this world size, else ring */
 };
@@ -360,7 +427,7 @@ static void flush_peer(tcp_engine *e, int pi)
         struct iovec iov[2];
         int n = 0;
         if (r->sent < HDR) {
-            iov[n].iov_base = (char *)&r->h + r->sent;
+            iov[n].iov_base = r->hw + r->sent;
             iov[n++].iov_len = HDR - r->sent;
             if (r->len) {
                 iov[n].iov_base = r->buf;
@@ -393,16 +460,9 @@ static void flush_peer(tcp_engine *e, int pi)
 
 static void fill_hdr(tcp_engine *e, tcp_req *r, int ftype)
 {
-    memset(&r->h, 0, sizeof r->h);
-    r->h.magic = MAGIC;
-    r->h.ftype = (uint8_t)ftype;
-    r->h.kind = (uint8_t)r->kind;
-    r->h.group = e->group;
-    r->h.seq = r->seq;
-    r->h.tag = r->tag;
-    r->h.aux = r->aux;
-    r->h.total = r->total;
-    r->h.len = r->len;
+    hdr_t h = {MAGIC, TCP_WIRE_VERSION, (uint8_t)ftype, (uint8_t)r->kind, (uint8_t)r->dtype, 0,
+               e->group, r->tag, r->seq, r->fp, r->len};
+    hdr_encode(&h, r->hw);
 }
 
 static void post_send_locked(tcp_engine *e, tcp_req *r)
@@ -421,9 +481,8 @@ static void post_send_locked(tcp_engine *e, tcp_req *r)
     if (p->sq_head) wake_poller(e);  /* the poller must add POLLOUT */
 }
 
-static void send_control(tcp_engine *e, int pi, int ftype, const char *text)
+static void send_control(tcp_engine *e, int pi, int ftype, uint64_t seq, const void *data, size_t len)
 {
-    size_t len = text ? strlen(text) : 0;
     if (len >= ERRTEXT) len = ERRTEXT - 1;
     tcp_req *r = calloc(1, sizeof(tcp_req) + len);
     if (!r) return;
@@ -431,35 +490,69 @@ static void send_control(tcp_engine *e, int pi, int ftype, const char *text)
     r->is_send = 1;
     r->peer = pi;
     r->kind = K_P2P;
-    r->seq = e->seq;
+    r->dtype = TCP_NO_DTYPE;
+    r->seq = seq;
     r->buf = (char *)(r + 1);
     r->len = len;
-    if (len) memcpy(r->buf, text, len);
+    if (len) memcpy(r->buf, data, len);
     fill_hdr(e, r, ftype);
     post_send_locked(e, r);
 }
 
 /* ---------------------------------------------------------------- receiving */
 
-static int sig_mismatch(tcp_engine *e, const hdr_t *h, char *out, size_t cap)
+/* The error text of a fingerprint mismatch: a placeholder that the Python layer replaces
+ * with collectives.fingerprint.mismatch_message of the record (tcp_mismatch). */
+#define MISMATCH_TEXT "{mismatch}"
+#define MISMATCH_LEN 24  /* F_MISMATCH payload: fp_a, fp_b (u64), a, b (u32), little-endian */
+
+/* Keep the earliest mismatch: rank a called fp_a, rank b fp_b, as collective seq; it
+ * poisons the group from that collective on. */
+static void record_mismatch(tcp_engine *e, uint64_t seq, int a, uint64_t fa, int b, uint64_t fb)
 {
-    if (h->kind == e->cur_kind && h->aux == e->cur_aux && h->total == e->cur_total) return 0;
-    fmt(out, cap,
-        "collective mismatch at sequence number %llu: this rank (%d) called %s(total=%llu, "
-        "dtype=%u, op=%u, root=%u) but rank %%d called %s(total=%llu, dtype=%u, op=%u, root=%u)",
-        (unsigned long long)e->seq, RN(e, e->rank), KNAMES[e->cur_kind],
-        (unsigned long long)e->cur_total, e->cur_aux & 0xff, (e->cur_aux >> 8) & 0xff,
-        e->cur_aux >> 16, h->kind < K_NKINDS ? KNAMES[h->kind] : "?",
-        (unsigned long long)h->total, h->aux & 0xff, (h->aux >> 8) & 0xff, h->aux >> 16);
-    return 1;
+    if (e->mm_seq && e->mm_seq <= seq) return;
+    e->mm_seq = seq;
+    e->mm_a = a;
+    e->mm_fp_a = fa;
+    e->mm_b = b;
+    e->mm_fp_b = fb;
+    if (!e->poison[0] || seq <= e->poison_seq) {
+        fmt(e->poison, sizeof e->poison, "%s", MISMATCH_TEXT);
+        e->poison_seq = seq;
+    }
 }
 
 static void report_mismatch(tcp_engine *e, int pi, const hdr_t *h)
 {
-    char f[600], m[600];
-    sig_mismatch(e, h, f, sizeof f);
-    fmt(m, sizeof m, f, RN(e, pi));
-    coll_set_err(e, m);
+    record_mismatch(e, h->seq, e->rank, e->cur_fp, pi, h->fp);
+    coll_set_err(e, MISMATCH_TEXT);
+}
+
+static void mismatch_encode(const tcp_engine *e, unsigned char *w)
+{
+    uint64_t u64;
+    uint32_t u32;
+    u64 = htole64(e->mm_fp_a); memcpy(w, &u64, 8);
+    u64 = htole64(e->mm_fp_b); memcpy(w + 8, &u64, 8);
+    u32 = htole32((uint32_t)e->mm_a); memcpy(w + 16, &u32, 4);
+    u32 = htole32((uint32_t)e->mm_b); memcpy(w + 20, &u32, 4);
+}
+
+/* An F_MISMATCH frame from pi arrived (payload in its errtext). */
+static void mismatch_decode(tcp_engine *e, int pi)
+{
+    peer_t *p = &e->peers[pi];
+    const unsigned char *w = (const unsigned char *)p->errtext;
+    uint64_t fa, fb;
+    uint32_t a, b;
+    memcpy(&fa, w, 8);
+    memcpy(&fb, w + 8, 8);
+    memcpy(&a, w + 16, 4);
+    memcpy(&b, w + 20, 4);
+    a = le32toh(a);
+    b = le32toh(b);
+    if (a >= (uint32_t)e->size || b >= (uint32_t)e->size) a = b = (uint32_t)pi;
+    record_mismatch(e, p->h.seq, (int)a, le64toh(fa), (int)b, le64toh(fb));
 }
 
 static void new_unexpected(tcp_engine *e, int pi)
@@ -496,6 +589,32 @@ static void fill_req(tcp_engine *e, int pi, tcp_req *r)
     p->mode = M_REQ;
 }
 
+/* "25 x {dtype:2} (100 bytes)": a payload as messages show it ({dtype:N} is replaced by the
+ * dtype's name in Python). */
+static void describe_payload(char *out, size_t cap, int dtype, uint64_t len)
+{
+    size_t es = dtype == TCP_NO_DTYPE ? 0 : coll_itemsize(dtype);
+    if (es && len % es == 0)
+        fmt(out, cap, "%llu x {dtype:%d} (%llu bytes)", (unsigned long long)(len / es), dtype,
+            (unsigned long long)len);
+    else
+        fmt(out, cap, "%llu bytes", (unsigned long long)len);
+}
+
+/* A point-to-point message must fill its receive exactly, with the receive's dtype (a byte
+ * buffer, TCP_NO_DTYPE, takes any): else 1 and the reason in out. */
+static int p2p_mismatch(tcp_engine *e, int pi, const hdr_t *h, const tcp_req *r, char *out, size_t cap)
+{
+    int dt_ok = h->dtype == r->dtype || h->dtype == TCP_NO_DTYPE || r->dtype == TCP_NO_DTYPE;
+    if (h->len == r->len && dt_ok) return 0;
+    char a[96], b[96];
+    describe_payload(a, sizeof a, h->dtype, h->len);
+    describe_payload(b, sizeof b, r->dtype, r->len);
+    fmt(out, cap, "rank %d sent %s; this receive expects %s (a different size or dtype on the "
+        "two sides)", RN(e, pi), a, b);
+    return 1;
+}
+
 static void match_p2p(tcp_engine *e, int pi)
 {
     peer_t *p = &e->peers[pi];
@@ -507,11 +626,9 @@ static void match_p2p(tcp_engine *e, int pi)
         return;
     }
     req_list_remove(&e->rq_head, &e->rq_tail, r);
-    if (p->h.len > r->len) {
-        char m[200];
-        fmt(m, sizeof m, "the message from rank %d has %llu bytes, more than the %zu-byte buffer",
-            RN(e, pi), (unsigned long long)p->h.len, r->len);
-        req_fail(e, r, m);
+    char m[300];
+    if (p2p_mismatch(e, pi, &p->h, r, m, sizeof m)) {
+        req_fail(e, r, m);  /* the message is consumed (discarded), as matching ordered it */
         return;
     }
     fill_req(e, pi, r);
@@ -523,8 +640,8 @@ static void match_coll(tcp_engine *e, int pi)
     const hdr_t *h = &p->h;
     if (h->seq < e->seq || (h->seq == e->seq && !e->coll_active)) return;  /* stale: discard */
     if (e->coll_active && h->seq == e->seq) {
-        if (h->kind != e->cur_kind || h->aux != e->cur_aux || h->total != e->cur_total) {
-            report_mismatch(e, pi, h);
+        if (h->fp != e->cur_fp || h->kind != e->cur_kind) {
+            report_mismatch(e, pi, h);  /* before any of its payload lands anywhere */
             return;
         }
         for (tcp_req *r = e->rq_head; r; r = r->next) {
@@ -573,7 +690,9 @@ static int payload_done(tcp_engine *e, int pi)
         }
     } else if (mode == M_ERR) {
         p->errtext[p->h.len] = 0;
-        if (!e->poison[0] || p->h.seq < e->poison_seq) {
+        if (p->h.ftype == F_MISMATCH) {
+            mismatch_decode(e, pi);
+        } else if (!e->poison[0] || p->h.seq < e->poison_seq) {
             fmt(e->poison, sizeof e->poison, "rank %d reported: %s", RN(e, pi), p->errtext);
             e->poison_seq = p->h.seq;
         }
@@ -592,6 +711,12 @@ static void on_header(tcp_engine *e, int pi)
         peer_dead(e, pi, m);
         return;
     }
+    if (p->h.version != TCP_WIRE_VERSION) {
+        fmt(m, sizeof m, "rank %d speaks wire protocol version %u, this rank version %u",
+            RN(e, pi), p->h.version, TCP_WIRE_VERSION);
+        peer_dead(e, pi, m);
+        return;
+    }
     p->left = p->h.len;
     p->dst = NULL;
     p->mode = M_DISCARD;
@@ -602,6 +727,15 @@ static void on_header(tcp_engine *e, int pi)
     case F_ERROR:
         if (p->h.len >= ERRTEXT) {
             fmt(m, sizeof m, "received a corrupted error frame from rank %d", RN(e, pi));
+            peer_dead(e, pi, m);
+            return;
+        }
+        p->mode = M_ERR;
+        p->dst = p->errtext;
+        break;
+    case F_MISMATCH:
+        if (p->h.len != MISMATCH_LEN) {
+            fmt(m, sizeof m, "received a corrupted mismatch frame from rank %d", RN(e, pi));
             peer_dead(e, pi, m);
             return;
         }
@@ -666,7 +800,7 @@ static void progress_recv_inner(tcp_engine *e, int pi)
         size_t avail = p->rend - p->rpos;
         if (p->phase == 0) {
             if (avail >= HDR) {
-                memcpy(&p->h, p->stage + p->rpos, HDR);
+                hdr_decode((const unsigned char *)p->stage + p->rpos, &p->h);
                 p->rpos += HDR;
                 on_header(e, pi);
                 continue;
@@ -752,19 +886,17 @@ static void post_recv_locked(tcp_engine *e, tcp_req *r)
     if (best) {
         int pi = best->peer;
         char msg[400];
-        if (r->kind != K_P2P && (best->h.kind != e->cur_kind || best->h.aux != e->cur_aux ||
-                                 best->h.total != e->cur_total)) {
-            char f[600];
-            sig_mismatch(e, &best->h, f, sizeof f);
-            fmt(msg, sizeof msg, f, RN(e, pi));
+        if (r->kind != K_P2P && (best->h.fp != e->cur_fp || best->h.kind != e->cur_kind)) {
+            report_mismatch(e, pi, &best->h);
             msg_drop(e, pi, best);
-            req_fail(e, r, msg);
-            coll_set_err(e, msg);
+            req_fail(e, r, MISMATCH_TEXT);
             return;
         }
-        if ((r->kind == K_P2P && best->h.len > r->len) || (r->kind != K_P2P && best->h.len != r->len)) {
-            fmt(msg, sizeof msg, "rank %d sent %llu bytes where this rank expects %s%zu",
-                RN(e, pi), (unsigned long long)best->h.len, r->kind == K_P2P ? "at most " : "", r->len);
+        if (r->kind == K_P2P ? p2p_mismatch(e, pi, &best->h, r, msg, sizeof msg) : best->h.len != r->len) {
+            if (r->kind != K_P2P)
+                fmt(msg, sizeof msg, "%s #%llu: rank %d sent %llu bytes where this rank expects %zu "
+                    "(different sizes on different ranks?)", KNAMES[e->cur_kind],
+                    (unsigned long long)e->seq, RN(e, pi), (unsigned long long)best->h.len, r->len);
             msg_drop(e, pi, best);
             req_fail(e, r, msg);
             if (r->kind != K_P2P) coll_set_err(e, msg);
@@ -899,6 +1031,8 @@ static int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, doub
     char tmsg[400];
     for (;;) {
         int all = 1;
+        /* a mismatch explains whatever else failed since (peers closing after it, say) */
+        if (coll && e->coll_err[0] && e->mm_seq && e->mm_seq <= e->seq) { why = e->coll_err; goto fail; }
         for (int i = 0; i < n; i++) {
             if (rs[i]->state < 0) { why = rs[i]->err; goto fail; }
             if (rs[i]->state == 0) all = 0;
@@ -977,7 +1111,10 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     e->peers = calloc((size_t)size, sizeof(peer_t));
     e->pfds = calloc((size_t)size + 1, sizeof(struct pollfd));
     e->pidx = calloc((size_t)size + 1, sizeof(int));
-    if (!e->peers || !e->pfds || !e->pidx || pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) goto bad;
+    e->fpreqs = calloc(2 * (size_t)size, sizeof(tcp_req));
+    e->fpptr = calloc(2 * (size_t)size, sizeof(tcp_req *));
+    e->data_to = calloc(2 * (size_t)size, 1);
+    if (!e->peers || !e->pfds || !e->pidx || !e->fpreqs || !e->fpptr || !e->data_to || pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) goto bad;
     for (int i = 0; i < size; i++) {
         peer_t *p = &e->peers[i];
         p->fd = i == rank ? -1 : fds[i];
@@ -993,7 +1130,9 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     pthread_cond_init(&e->cv, &ca);
     pthread_condattr_destroy(&ca);
     e->spin_s = 20e-6;
-    e->use_lowat = !getenv("COLLECTIVES_TCP_NO_LOWAT");
+    e->data_from = e->data_to + size;
+    e->use_lowat = 1;
+    e->fp_direct_world = 8;
     e->duplex_chunk = 1024 * 1024;
     e->direct_world = 8;
     e->rd_max = 64 * 1024;
@@ -1007,6 +1146,9 @@ bad:
     free(e->peers);
     free(e->pfds);
     free(e->pidx);
+    free(e->fpreqs);
+    free(e->fpptr);
+    free(e->data_to);
     free(e);
     return NULL;
 }
@@ -1022,6 +1164,8 @@ void tcp_set_tuning(tcp_engine *e, int key, int64_t v)
     case TCP_TUNE_GATHER_DIRECT_MAX: e->direct_max = (size_t)v; break;
     case TCP_TUNE_ALLREDUCE_DIRECT_WORLD: e->direct_world = (int)v; break;
     case TCP_TUNE_DUPLEX_CHUNK: e->duplex_chunk = v > 0 ? (size_t)v : 0; break;
+    case TCP_TUNE_LOWAT: e->use_lowat = v != 0; break;
+    case TCP_TUNE_FP_DIRECT_WORLD: e->fp_direct_world = (int)v; break;
     default: break;
     }
     pthread_mutex_unlock(&e->mu);
@@ -1037,6 +1181,8 @@ int64_t tcp_get_tuning(tcp_engine *e, int key)
     case TCP_TUNE_GATHER_DIRECT_MAX: return (int64_t)e->direct_max;
     case TCP_TUNE_ALLREDUCE_DIRECT_WORLD: return e->direct_world;
     case TCP_TUNE_DUPLEX_CHUNK: return (int64_t)e->duplex_chunk;
+    case TCP_TUNE_LOWAT: return e->use_lowat;
+    case TCP_TUNE_FP_DIRECT_WORLD: return e->fp_direct_world;
     default: return -1;
     }
 }
@@ -1068,6 +1214,21 @@ uint64_t tcp_engine_seq(tcp_engine *e)
     return e->seq;
 }
 
+int tcp_mismatch(tcp_engine *e, uint64_t *seq, int *a, uint64_t *fp_a, int *b, uint64_t *fp_b)
+{
+    pthread_mutex_lock(&e->mu);
+    int found = e->mm_seq != 0;
+    if (found) {
+        *seq = e->mm_seq;
+        *a = e->mm_a;
+        *fp_a = e->mm_fp_a;
+        *b = e->mm_b;
+        *fp_b = e->mm_fp_b;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return found;
+}
+
 void tcp_engine_close(tcp_engine *e)
 {
     pthread_mutex_lock(&e->mu);
@@ -1076,7 +1237,7 @@ void tcp_engine_close(tcp_engine *e)
         return;
     }
     for (int i = 0; i < e->size; i++)
-        if (i != e->rank && !e->peers[i].dead) send_control(e, i, F_CLOSE, NULL);
+        if (i != e->rank && !e->peers[i].dead) send_control(e, i, F_CLOSE, e->seq, NULL, 0);
     /* flush what is queued (bounded), so peers see every message and then a clean close */
     double deadline = now_s() + (e->timeout < 2.0 ? e->timeout : 2.0);
     for (;;) {
@@ -1138,6 +1299,9 @@ void tcp_engine_free(tcp_engine *e)
     free(e->names);
     free(e->creqs);
     free(e->cptr);
+    free(e->fpreqs);
+    free(e->fpptr);
+    free(e->data_to);
     free(e->scratch);
     free(e->tmp);
     free(e);
@@ -1145,8 +1309,8 @@ void tcp_engine_free(tcp_engine *e)
 
 /* ----------------------------------------------------------- point to point */
 
-static tcp_req *p2p_new(tcp_engine *e, int is_send, void *buf, size_t len, int peer, int32_t tag,
-                        char *err, size_t errlen)
+static tcp_req *p2p_new(tcp_engine *e, int is_send, void *buf, size_t len, int dtype, int peer,
+                        int32_t tag, char *err, size_t errlen)
 {
     tcp_req *r = calloc(1, sizeof *r);
     if (!r) {
@@ -1157,6 +1321,7 @@ static tcp_req *p2p_new(tcp_engine *e, int is_send, void *buf, size_t len, int p
     r->peer = peer;
     r->kind = K_P2P;
     r->tag = tag;
+    r->dtype = dtype;
     r->buf = buf;
     r->len = len;
     r->source = -1;
@@ -1177,14 +1342,16 @@ static tcp_req *p2p_new(tcp_engine *e, int is_send, void *buf, size_t len, int p
     return r;
 }
 
-tcp_req *tcp_isend(tcp_engine *e, const void *buf, size_t len, int dst, int32_t tag, char *err, size_t errlen)
+tcp_req *tcp_isend(tcp_engine *e, const void *buf, size_t len, int dtype, int dst, int32_t tag,
+                   char *err, size_t errlen)
 {
-    return p2p_new(e, 1, (void *)buf, len, dst, tag, err, errlen);
+    return p2p_new(e, 1, (void *)buf, len, dtype, dst, tag, err, errlen);
 }
 
-tcp_req *tcp_irecv(tcp_engine *e, void *buf, size_t len, int src, int32_t tag, char *err, size_t errlen)
+tcp_req *tcp_irecv(tcp_engine *e, void *buf, size_t len, int dtype, int src, int32_t tag,
+                   char *err, size_t errlen)
 {
-    return p2p_new(e, 0, buf, len, src, tag, err, errlen);
+    return p2p_new(e, 0, buf, len, dtype, src, tag, err, errlen);
 }
 
 int tcp_req_wait(tcp_engine *e, tcp_req *r, double timeout_s, char *err, size_t errlen)
@@ -1258,7 +1425,7 @@ static int ensure_reqs(tcp_engine *e, size_t n)
     return 0;
 }
 
-static int coll_begin(tcp_engine *e, int kind, uint32_t aux, uint64_t total, char *err, size_t errlen)
+static int coll_begin(tcp_engine *e, int kind, uint64_t fp, char *err, size_t errlen)
 {
     pthread_mutex_lock(&e->mu);
     if (e->closed) {
@@ -1267,24 +1434,30 @@ static int coll_begin(tcp_engine *e, int kind, uint32_t aux, uint64_t total, cha
         return -1;
     }
     if (e->poison[0] && e->seq + 1 >= e->poison_seq) {
-        fmt(err, errlen, "%s: collectives on this group are disabled after an earlier failure: %s",
-            KNAMES[kind], e->poison);
+        if (e->seq + 1 == e->poison_seq) {
+            /* a peer reported this very collective failed (a mismatch, say) before we began it */
+            e->seq++;
+            fmt(err, errlen, "%s", e->poison);
+        } else {
+            fmt(err, errlen, "%s: collectives on this group are disabled after an earlier failure: %s",
+                KNAMES[kind], e->poison);
+        }
         pthread_mutex_unlock(&e->mu);
         return -1;
     }
     e->seq++;
     e->coll_active = 1;
     e->cur_kind = kind;
-    e->cur_aux = aux;
-    e->cur_total = total;
+    e->cur_fp = fp;
     e->coll_err[0] = 0;
     e->coll_span = e->timeout;
     e->coll_deadline = now_s() + e->timeout;
+    e->nfp = 0;
+    e->fp_on = 0;
     /* frames that arrived early for this sequence number must agree on the call */
     for (int i = 0; i < e->size && !e->coll_err[0]; i++) {
         for (tcp_msg *m = e->peers[i].uq_head; m; m = m->next) {
-            if (m->h.kind != K_P2P && m->h.seq == e->seq &&
-                (m->h.kind != kind || m->h.aux != aux || m->h.total != total)) {
+            if (m->h.kind != K_P2P && m->h.seq == e->seq && (m->h.kind != kind || m->h.fp != fp)) {
                 report_mismatch(e, i, &m->h);
                 break;
             }
@@ -1306,11 +1479,19 @@ static int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
             fmt(e->poison, sizeof e->poison, "%s", err);
             e->poison_seq = e->seq;
         }
+        /* tell every peer, so that ranks still waiting raise now rather than at the timeout:
+         * the mismatch itself where one caused this (every rank then names the same calls) */
+        unsigned char mm[MISMATCH_LEN];
         char m[ERRTEXT];
-        fmt(m, sizeof m, "%s #%llu failed on rank %d: %s", KNAMES[e->cur_kind],
-            (unsigned long long)e->seq, RN(e, e->rank), err);
-        for (int i = 0; i < e->size; i++)
-            if (i != e->rank && !e->peers[i].dead && !e->closed) send_control(e, i, F_ERROR, m);
+        int is_mm = e->mm_seq && e->mm_seq <= e->seq;
+        if (is_mm) mismatch_encode(e, mm);
+        else fmt(m, sizeof m, "%s #%llu failed on rank %d: %s", KNAMES[e->cur_kind],
+                 (unsigned long long)e->seq, RN(e, e->rank), err);
+        for (int i = 0; i < e->size; i++) {
+            if (i == e->rank || e->peers[i].dead || e->closed) continue;
+            if (is_mm) send_control(e, i, F_MISMATCH, e->mm_seq, mm, MISMATCH_LEN);
+            else send_control(e, i, F_ERROR, e->seq, m, strlen(m));
+        }
     }
     e->coll_active = 0;
     pthread_mutex_unlock(&e->mu);
@@ -1326,8 +1507,8 @@ static tcp_req *cset(tcp_engine *e, int i, int is_send, int peer, int32_t tag, c
     r->kind = e->cur_kind;
     r->tag = tag;
     r->seq = e->seq;
-    r->aux = e->cur_aux;
-    r->total = e->cur_total;
+    r->fp = e->cur_fp;
+    r->dtype = TCP_NO_DTYPE;
     r->buf = (char *)buf;
     r->len = len;
     r->source = -1;
@@ -1383,6 +1564,109 @@ static inline size_t blk(size_t count, int n, int i)
 {
     size_t q = count / (size_t)n, r = count % (size_t)n;
     return q * (size_t)i + ((size_t)i < r ? (size_t)i : r);
+}
+
+/* ------------------------------------------------------ fingerprint frames */
+
+#define TAG_FP(round) ((int32_t)(-1 - (round)))  /* data tags (TAG) are never negative */
+
+static void fp_set(tcp_engine *e, int i, int is_send, int peer, int round)
+{
+    tcp_req *r = &e->fpreqs[i];
+    memset(r, 0, sizeof *r);
+    r->is_send = is_send;
+    r->peer = peer;
+    r->kind = e->cur_kind;
+    r->tag = TAG_FP(round);
+    r->seq = e->seq;
+    r->fp = e->cur_fp;
+    r->dtype = TCP_NO_DTYPE;
+    r->source = -1;
+    e->fpptr[i] = r;
+}
+
+/* Post fpreqs[0..n), receives first; mutex held. */
+static void fp_post_locked(tcp_engine *e, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (!e->fpreqs[i].is_send) post_recv_locked(e, &e->fpreqs[i]);
+    for (int i = 0; i < n; i++)
+        if (e->fpreqs[i].is_send) {
+            fill_hdr(e, &e->fpreqs[i], F_DATA);
+            post_send_locked(e, &e->fpreqs[i]);
+        }
+    e->nfp = n;
+}
+
+static void links_clear(tcp_engine *e)
+{
+    memset(e->data_to, 0, 2 * (size_t)e->size);
+}
+
+/* The binomial tree of bcast_tree and the small reduce, rooted at root: marks this rank's
+ * parent in up and its children in down. */
+static void tree_links(tcp_engine *e, int root, unsigned char *up, unsigned char *down)
+{
+    int n = e->size, vr = ((e->rank - root) % n + n) % n, mask = 1;
+    while (mask < n && !(vr & mask)) mask <<= 1;
+    if (vr) up[(vr - mask + root) % n] = 1;
+    for (mask >>= 1; mask > 0; mask >>= 1)
+        if (vr + mask < n) down[(vr + mask + root) % n] = 1;
+}
+
+/* Rooted collectives (broadcast, the small reduce, gather, scatter) leave ranks that only
+ * send, or that hear from one peer: alone, they would return before a mismatch elsewhere
+ * reached them. Fingerprint frames (a header, no payload) make every rank hear, directly or
+ * through a chain of checked frames, every peer's fingerprint before it returns. Up to
+ * fp_direct_world ranks: one frame to each peer this rank sends no data to (data_to) and
+ * one receive from each peer that sends it none (data_from), all posted now, in flight with
+ * the data (one extra latency at most, no extra round); above it, the rounds of a
+ * dissemination barrier (round k: to rank + 2^k, from rank - 2^k), round 0 now and the
+ * others in fp_finish, so the frames grow as n log n, not n^2. */
+static void fp_begin(tcp_engine *e)
+{
+    int n = e->size, r = e->rank, k = 0;
+    pthread_mutex_lock(&e->mu);
+    if (n <= e->fp_direct_world) {
+        for (int q = 0; q < n; q++) {
+            if (q == r) continue;
+            if (!e->data_from[q]) fp_set(e, k++, 0, q, 0);
+            if (!e->data_to[q]) fp_set(e, k++, 1, q, 0);
+        }
+    } else {
+        fp_set(e, k++, 0, (r - 1 + n) % n, 0);
+        fp_set(e, k++, 1, (r + 1) % n, 0);
+    }
+    fp_post_locked(e, k);
+    e->fp_on = 1;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Wait for the fingerprint frames (rc 0), or withdraw them (the collective failed). */
+static int fp_finish(tcp_engine *e, int rc, char *err, size_t errlen)
+{
+    int n = e->size, r = e->rank;
+    if (!e->fp_on) return rc;
+    pthread_mutex_lock(&e->mu);
+    e->fp_on = 0;
+    if (!rc && e->nfp)
+        rc = wait_locked(e, e->fpptr, e->nfp, e->coll_deadline, e->coll_span, 1, err, errlen);
+    if (n > e->fp_direct_world) {
+        for (int d = 2, round = 1; !rc && d < n; d <<= 1, round++) {
+            fp_set(e, 0, 0, ((r - d) % n + n) % n, round);
+            fp_set(e, 1, 1, (r + d) % n, round);
+            fp_post_locked(e, 2);
+            rc = wait_locked(e, e->fpptr, 2, e->coll_deadline, e->coll_span, 1, err, errlen);
+        }
+    }
+    for (int i = 0; i < e->nfp; i++)
+        if (e->fpreqs[i].state == 0) {
+            cancel_req(e, &e->fpreqs[i]);
+            e->fpreqs[i].state = -1;
+        }
+    e->nfp = 0;
+    pthread_mutex_unlock(&e->mu);
+    return rc;
 }
 
 static int oom(char *err, size_t errlen)
@@ -1466,11 +1750,11 @@ static int ring_ag(tcp_engine *e, char *W, size_t count, size_t es, int shift, i
 
 /* ------------------------------------------------------------- collectives */
 
-int tcp_barrier(tcp_engine *e, char *err, size_t errlen)
+int tcp_barrier(tcp_engine *e, uint64_t fp, char *err, size_t errlen)
 {
     int n = e->size, r = e->rank;
     if (n == 1) return 0;
-    if (coll_begin(e, K_BARRIER, 0, 0, err, errlen)) return -1;
+    if (coll_begin(e, K_BARRIER, fp, err, errlen)) return -1;
     int rc = 0;
     if (ensure_reqs(e, 2)) rc = oom(err, errlen);
     for (int k = 1, step = 0; !rc && k < n; k <<= 1, step++) {
@@ -1531,13 +1815,24 @@ static int bcast_chain(tcp_engine *e, char *buf, size_t nbytes, int root, char *
     return cwait(e, nrecv, k, err, errlen);
 }
 
-int tcp_broadcast(tcp_engine *e, void *buf, size_t nbytes, int root, char *err, size_t errlen)
+int tcp_broadcast(tcp_engine *e, void *buf, size_t nbytes, int root, uint64_t fp, char *err, size_t errlen)
 {
-    if (e->size == 1) return 0;
-    if (coll_begin(e, K_BROADCAST, (uint32_t)root << 16, nbytes, err, errlen)) return -1;
-    int rc;
-    if (nbytes <= e->tree_max || e->size == 2) rc = bcast_tree(e, buf, nbytes, root, err, errlen);
+    int n = e->size;
+    if (n == 1) return 0;
+    if (coll_begin(e, K_BROADCAST, fp, err, errlen)) return -1;
+    int rc, tree = nbytes <= e->tree_max || n == 2;
+    links_clear(e);
+    if (tree) {
+        tree_links(e, root, e->data_from, e->data_to);
+    } else {
+        int vr = mod(e->rank - root, n);
+        if (vr > 0) e->data_from[(vr - 1 + root) % n] = 1;
+        if (vr < n - 1) e->data_to[(vr + 1 + root) % n] = 1;
+    }
+    fp_begin(e);
+    if (tree) rc = bcast_tree(e, buf, nbytes, root, err, errlen);
     else rc = bcast_chain(e, buf, nbytes, root, err, errlen);
+    rc = fp_finish(e, rc, err, errlen);
     return coll_end(e, rc, err, errlen);
 }
 
@@ -1638,7 +1933,8 @@ static int direct_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int
     return 0;
 }
 
-int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, char *err, size_t errlen)
+int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, uint64_t fp, char *err,
+                  size_t errlen)
 {
     size_t es = coll_itemsize(dtype);
     if (!es) {
@@ -1646,7 +1942,7 @@ int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, cha
         return -1;
     }
     if (e->size == 1) return 0;
-    if (coll_begin(e, K_ALLREDUCE, (uint32_t)dtype | (uint32_t)op << 8, count, err, errlen)) return -1;
+    if (coll_begin(e, K_ALLREDUCE, fp, err, errlen)) return -1;
     int rc;
     if (count * es <= e->rd_max || count < (size_t)e->size)
         rc = rd_allreduce(e, buf, count, dtype, op, es, err, errlen);
@@ -1659,7 +1955,8 @@ int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, cha
     return coll_end(e, rc, err, errlen);
 }
 
-int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int root, char *err, size_t errlen)
+int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int root, uint64_t fp,
+               char *err, size_t errlen)
 {
     size_t es = coll_itemsize(dtype);
     if (!es) {
@@ -1668,9 +1965,7 @@ int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int ro
     }
     int n = e->size, r = e->rank;
     if (n == 1) return 0;
-    if (coll_begin(e, K_REDUCE, (uint32_t)dtype | (uint32_t)op << 8 | (uint32_t)root << 16, count,
-                   err, errlen))
-        return -1;
+    if (coll_begin(e, K_REDUCE, fp, err, errlen)) return -1;
     size_t nb = count * es;
     int rc = 0;
     char *acc = buf;
@@ -1681,8 +1976,14 @@ int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int ro
             memcpy(acc, buf, nb);
         }
     }
+    int tree = nb <= e->tree_max || count < (size_t)n;
+    if (!rc && tree) {  /* leaves only send: fingerprint frames (the ring hears everyone) */
+        links_clear(e);
+        tree_links(e, root, e->data_to, e->data_from);
+        fp_begin(e);
+    }
     if (rc) {
-    } else if (nb <= e->tree_max || count < (size_t)n) {
+    } else if (tree) {
         int vr = mod(r - root, n);
         if (ensure_buf(&e->tmp, &e->tmp_cap, nb) || ensure_reqs(e, 2)) rc = oom(err, errlen);
         for (int mask = 1, step = 0; !rc && mask < n; mask <<= 1, step++) {
@@ -1720,16 +2021,18 @@ int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int ro
             rc = cxfer(e, k, err, errlen);
         }
     }
+    rc = fp_finish(e, rc, err, errlen);
     return coll_end(e, rc, err, errlen);
 }
 
-int tcp_allgather(tcp_engine *e, void *out, const void *in, size_t nb, char *err, size_t errlen)
+int tcp_allgather(tcp_engine *e, void *out, const void *in, size_t nb, uint64_t fp, char *err,
+                  size_t errlen)
 {
     int n = e->size, r = e->rank;
     char *o = out;
     if ((const char *)in != o + (size_t)r * nb) memmove(o + (size_t)r * nb, in, nb);
     if (n == 1) return 0;
-    if (coll_begin(e, K_ALLGATHER, 0, nb, err, errlen)) return -1;
+    if (coll_begin(e, K_ALLGATHER, fp, err, errlen)) return -1;
     int rc = 0;
     if (nb * (size_t)n <= e->direct_max) {
         if (ensure_reqs(e, 2 * (size_t)n)) rc = oom(err, errlen);
@@ -1755,14 +2058,19 @@ int tcp_allgather(tcp_engine *e, void *out, const void *in, size_t nb, char *err
     return coll_end(e, rc, err, errlen);
 }
 
-int tcp_gather(tcp_engine *e, void *out, const void *in, size_t nb, int root, char *err, size_t errlen)
+int tcp_gather(tcp_engine *e, void *out, const void *in, size_t nb, int root, uint64_t fp, char *err,
+               size_t errlen)
 {
     int n = e->size, r = e->rank;
     if (r == root && (const char *)in != (char *)out + (size_t)r * nb)
         memmove((char *)out + (size_t)r * nb, in, nb);
     if (n == 1) return 0;
-    if (coll_begin(e, K_GATHER, (uint32_t)root << 16, nb, err, errlen)) return -1;
+    if (coll_begin(e, K_GATHER, fp, err, errlen)) return -1;
     int rc = 0, k = 0;
+    links_clear(e);
+    if (r == root) memset(e->data_from, 1, (size_t)n);
+    else e->data_to[root] = 1;
+    fp_begin(e);  /* the others only send */
     if (ensure_reqs(e, (size_t)n)) rc = oom(err, errlen);
     else if (r == root) {
         for (int j = 0; j < n; j++)
@@ -1771,17 +2079,23 @@ int tcp_gather(tcp_engine *e, void *out, const void *in, size_t nb, int root, ch
         cset(e, k++, 1, root, TAG(0, 0), in, nb);
     }
     if (!rc) rc = cxfer(e, k, err, errlen);
+    rc = fp_finish(e, rc, err, errlen);
     return coll_end(e, rc, err, errlen);
 }
 
-int tcp_scatter(tcp_engine *e, void *out, const void *in, size_t nb, int root, char *err, size_t errlen)
+int tcp_scatter(tcp_engine *e, void *out, const void *in, size_t nb, int root, uint64_t fp, char *err,
+                size_t errlen)
 {
     int n = e->size, r = e->rank;
     if (r == root && (char *)out != (const char *)in + (size_t)r * nb)
         memmove(out, (const char *)in + (size_t)r * nb, nb);
     if (n == 1) return 0;
-    if (coll_begin(e, K_SCATTER, (uint32_t)root << 16, nb, err, errlen)) return -1;
+    if (coll_begin(e, K_SCATTER, fp, err, errlen)) return -1;
     int rc = 0, k = 0;
+    links_clear(e);
+    if (r == root) memset(e->data_to, 1, (size_t)n);
+    else e->data_from[root] = 1;
+    fp_begin(e);  /* the root only sends, the others hear from it alone */
     if (ensure_reqs(e, (size_t)n)) rc = oom(err, errlen);
     else if (r == root) {
         for (int s = 1; s < n; s++) {
@@ -1792,11 +2106,12 @@ int tcp_scatter(tcp_engine *e, void *out, const void *in, size_t nb, int root, c
         cset(e, k++, 0, root, TAG(0, 0), out, nb);
     }
     if (!rc) rc = cxfer(e, k, err, errlen);
+    rc = fp_finish(e, rc, err, errlen);
     return coll_end(e, rc, err, errlen);
 }
 
 int tcp_reduce_scatter(tcp_engine *e, void *out, const void *in, size_t count, int dtype, int op,
-                       char *err, size_t errlen)
+                       uint64_t fp, char *err, size_t errlen)
 {
     size_t es = coll_itemsize(dtype);
     if (!es) {
@@ -1809,7 +2124,7 @@ int tcp_reduce_scatter(tcp_engine *e, void *out, const void *in, size_t count, i
         if (out != in) memmove(out, in, nb);
         return 0;
     }
-    if (coll_begin(e, K_REDUCE_SCATTER, (uint32_t)dtype | (uint32_t)op << 8, count, err, errlen)) return -1;
+    if (coll_begin(e, K_REDUCE_SCATTER, fp, err, errlen)) return -1;
     int rc = 0;
     if (nb * (size_t)n <= e->direct_max) {
         /* one round: everyone sends slice j to rank j, which reduces in rank order */
@@ -1853,7 +2168,7 @@ int tcp_reduce_scatter(tcp_engine *e, void *out, const void *in, size_t count, i
 }
 
 int tcp_alltoall(tcp_engine *e, void *out, const void *in, const size_t *out_bytes,
-                 const size_t *in_bytes, char *err, size_t errlen)
+                 const size_t *in_bytes, uint64_t fp, char *err, size_t errlen)
 {
     int n = e->size, r = e->rank;
     size_t ooff = 0, ioff = 0, myo = 0, myi = 0;
@@ -1867,7 +2182,7 @@ int tcp_alltoall(tcp_engine *e, void *out, const void *in, const size_t *out_byt
     if (own && (char *)out + myo != (const char *)in + myi)
         memmove((char *)out + myo, (const char *)in + myi, own);
     if (n == 1) return 0;
-    if (coll_begin(e, K_ALLTOALL, 0, 0, err, errlen)) return -1;
+    if (coll_begin(e, K_ALLTOALL, fp, err, errlen)) return -1;
     int rc = 0;
     if (ensure_reqs(e, 2 * (size_t)n)) rc = oom(err, errlen);
     if (!rc) {
