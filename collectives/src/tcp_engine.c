@@ -18,7 +18,8 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     e->fpreqs = calloc(2 * (size_t)size, sizeof(tcp_req));
     e->fpptr = calloc(2 * (size_t)size, sizeof(tcp_req *));
     e->data_to = calloc(2 * (size_t)size, 1);
-    if (!e->peers || !e->pfds || !e->pidx || !e->fpreqs || !e->fpptr || !e->data_to || pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) goto bad;
+    e->heard = calloc((size_t)size, sizeof(uint64_t));
+    if (!e->peers || !e->pfds || !e->pidx || !e->fpreqs || !e->fpptr || !e->data_to || !e->heard || pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) goto bad;
     for (int i = 0; i < size; i++) {
         peer_t *p = &e->peers[i];
         p->fd = i == rank ? -1 : fds[i];
@@ -53,6 +54,7 @@ bad:
     free(e->fpreqs);
     free(e->fpptr);
     free(e->data_to);
+    free(e->heard);
     free(e);
     return NULL;
 }
@@ -206,6 +208,7 @@ void tcp_engine_free(tcp_engine *e)
     free(e->fpreqs);
     free(e->fpptr);
     free(e->data_to);
+    free(e->heard);
     free(e->scratch);
     free(e->tmp);
     free(e);
@@ -327,6 +330,40 @@ TCP_HIDDEN int ensure_reqs(tcp_engine *e, size_t n)
     return 0;
 }
 
+/* After a mismatch failed collective seq here: send this rank's record to every peer, then
+ * wait (until deadline) for every live peer's report of that collective, so that every rank
+ * ends up holding the same record (record_mismatch keeps the lowest) and raises the same
+ * words. Only failing ranks wait, and only for ranks that fail too. Mutex held. */
+static void mm_settle(tcp_engine *e, double deadline)
+{
+    unsigned char mm[MISMATCH_LEN];
+    mismatch_encode(e, mm);
+    for (int i = 0; i < e->size; i++)
+        if (i != e->rank && !e->peers[i].dead && !e->closed)
+            send_control(e, i, F_MISMATCH, e->mm_seq, mm, MISMATCH_LEN);
+    for (;;) {
+        int all = 1;
+        for (int i = 0; i < e->size && all; i++)
+            if (i != e->rank && !e->peers[i].dead && e->heard[i] < e->seq) all = 0;
+        double t = now_s();
+        if (all || e->closed || t >= deadline) return;
+        if (!e->polling) {
+            e->polling = 1;
+            poll_once(e, 20);
+            e->polling = 0;
+            if (e->nwaiters) pthread_cond_broadcast(&e->cv);
+        } else {
+            double until = deadline < t + 0.05 ? deadline : t + 0.05;
+            struct timespec ts;
+            ts.tv_sec = (time_t)until;
+            ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+            e->nwaiters++;
+            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            e->nwaiters--;
+        }
+    }
+}
+
 TCP_HIDDEN int coll_begin(tcp_engine *e, int kind, uint64_t fp, char *err, size_t errlen)
 {
     pthread_mutex_lock(&e->mu);
@@ -340,9 +377,10 @@ TCP_HIDDEN int coll_begin(tcp_engine *e, int kind, uint64_t fp, char *err, size_
             /* a peer reported this very collective failed (a mismatch, say) before we began it */
             e->seq++;
             fmt(err, errlen, "%s", e->poison);
+            if (e->mm_seq == e->seq) mm_settle(e, now_s() + e->timeout);
         } else {
-            fmt(err, errlen, "%s: collectives on this group are disabled after an earlier failure: %s",
-                KNAMES[kind], e->poison);
+            fmt(err, errlen, "%s: group unusable after an earlier failure: %s", KNAMES[kind],
+                e->poison);
         }
         pthread_mutex_unlock(&e->mu);
         return -1;
@@ -383,16 +421,15 @@ TCP_HIDDEN int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
         }
         /* tell every peer, so that ranks still waiting raise now rather than at the timeout:
          * the mismatch itself where one caused this (every rank then names the same calls) */
-        unsigned char mm[MISMATCH_LEN];
-        char m[ERRTEXT];
-        int is_mm = e->mm_seq && e->mm_seq <= e->seq;
-        if (is_mm) mismatch_encode(e, mm);
-        else fmt(m, sizeof m, "%s #%llu failed on rank %d: %s", KNAMES[e->cur_kind],
-                 (unsigned long long)e->seq, RN(e, e->rank), err);
-        for (int i = 0; i < e->size; i++) {
-            if (i == e->rank || e->peers[i].dead || e->closed) continue;
-            if (is_mm) send_control(e, i, F_MISMATCH, e->mm_seq, mm, MISMATCH_LEN);
-            else send_control(e, i, F_ERROR, e->seq, m, strlen(m));
+        if (e->mm_seq && e->mm_seq <= e->seq) {
+            mm_settle(e, e->coll_deadline);
+        } else {
+            char m[ERRTEXT];
+            fmt(m, sizeof m, "%s #%llu failed on rank %d: %s", KNAMES[e->cur_kind],
+                (unsigned long long)e->seq, RN(e, e->rank), err);
+            for (int i = 0; i < e->size; i++)
+                if (i != e->rank && !e->peers[i].dead && !e->closed)
+                    send_control(e, i, F_ERROR, e->seq, m, strlen(m));
         }
     }
     e->coll_active = 0;

@@ -145,7 +145,8 @@ struct tcp_engine {
     uint64_t poison_seq;  /* collectives from this sequence number on fail */
     /* the first fingerprint mismatch this rank saw or heard of (mm_seq 0: none) */
     uint64_t mm_seq, mm_fp_a, mm_fp_b;
-    int mm_a, mm_b;       /* rank a called mm_fp_a, rank b mm_fp_b */
+    int mm_a, mm_b;       /* rank a called mm_fp_a, rank b mm_fp_b (a < b) */
+    uint64_t *heard;      /* per peer: the collective of the last failure it reported */
     /* fingerprint frames of a rooted collective (see fp_post) */
     tcp_req *fpreqs;
     tcp_req **fpptr;

@@ -337,10 +337,17 @@ TCP_HIDDEN void send_control(tcp_engine *e, int pi, int ftype, uint64_t seq, con
 
 
 /* Keep the earliest mismatch: rank a called fp_a, rank b fp_b, as collective seq; it
- * poisons the group from that collective on. */
+ * poisons the group from that collective on. A pair is kept lower rank first, and of two
+ * pairs at one collective the lower: once every rank has heard every other's record
+ * (mm_settle), all of them hold, and name, the same one. */
 static void record_mismatch(tcp_engine *e, uint64_t seq, int a, uint64_t fa, int b, uint64_t fb)
 {
-    if (e->mm_seq && e->mm_seq <= seq) return;
+    if (b < a) {
+        int t = a; a = b; b = t;
+        uint64_t u = fa; fa = fb; fb = u;
+    }
+    if (e->mm_seq && (e->mm_seq < seq || (e->mm_seq == seq && (e->mm_a < a || (e->mm_a == a && e->mm_b <= b)))))
+        return;
     e->mm_seq = seq;
     e->mm_a = a;
     e->mm_fp_a = fa;
@@ -520,6 +527,7 @@ static int payload_done(tcp_engine *e, int pi)
         }
     } else if (mode == M_ERR) {
         p->errtext[p->h.len] = 0;
+        if (p->h.seq > e->heard[pi]) e->heard[pi] = p->h.seq;
         if (p->h.ftype == F_MISMATCH) {
             mismatch_decode(e, pi);
         } else if (!e->poison[0] || p->h.seq < e->poison_seq) {
