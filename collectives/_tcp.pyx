@@ -31,9 +31,9 @@ TUNE_LOWAT = TCP_TUNE_LOWAT
 TUNE_FP_DIRECT_WORLD = TCP_TUNE_FP_DIRECT_WORLD
 WIRE_VERSION = TCP_WIRE_VERSION
 NO_DTYPE = TCP_NO_DTYPE
-HEADER_BYTES = 40
+HEADER_BYTES = 48
 HEADER_FIELDS = ("magic", "version", "ftype", "kind", "dtype", "flags", "group", "tag", "seq",
-                 "fp", "len")
+                 "fp", "aux", "len")
 
 _DTYPE_CODE = re.compile(r"\{dtype:(\d+)\}")
 
@@ -60,21 +60,21 @@ cdef int _check(int rc, char *err, eng) except -1:
 
 
 def wire_header(int ftype, int kind, int dtype, uint32_t group, int32_t tag, uint64_t seq,
-                uint64_t fp, uint64_t length):
-    """The 40 bytes the engine sends as a frame header (little-endian, this wire version)."""
-    cdef unsigned char out[40]
-    tcp_wire_header(out, ftype, kind, dtype, group, tag, seq, fp, length)
-    return bytes(out[:40])
+                uint64_t fp, uint64_t aux, uint64_t length):
+    """The 48 bytes the engine sends as a frame header (little-endian, this wire version)."""
+    cdef unsigned char out[48]
+    tcp_wire_header(out, ftype, kind, dtype, group, tag, seq, fp, aux, length)
+    return bytes(out[:48])
 
 
 def parse_wire_header(const unsigned char[:] data):
-    """The fields (:data:`HEADER_FIELDS`, in order) of a 40-byte frame header as the engine
+    """The fields (:data:`HEADER_FIELDS`, in order) of a 48-byte frame header as the engine
     reads it."""
-    cdef uint64_t f[11]
-    if data.shape[0] != 40:
-        raise ValueError(f"a frame header has 40 bytes, got {data.shape[0]}")
+    cdef uint64_t f[12]
+    if data.shape[0] != 48:
+        raise ValueError(f"a frame header has 48 bytes, got {data.shape[0]}")
     tcp_wire_header_parse(&data[0], f)
-    out = [f[i] for i in range(11)]
+    out = [f[i] for i in range(12)]
     out[7] = <int32_t>(<int64_t>f[7])  # tag is signed
     return tuple(out)
 

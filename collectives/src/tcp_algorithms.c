@@ -530,8 +530,10 @@ int tcp_alltoall(tcp_engine *e, void *out, const void *in, const size_t *out_byt
             int k = 0;
             for (int s = 1; s < n; s++) {
                 int to = (r + s) % n, from = mod(r - s, n);
-                cset(e, k++, 0, from, TAG(0, 0), (char *)out + oo[from], out_bytes[from]);
-                cset(e, k++, 1, to, TAG(0, 0), (const char *)in + io[to], in_bytes[to]);
+                /* aux: each frame says what its sender expects back, so that both ends of a
+                 * pair see a split that differs (the fingerprint names kind and dtype only) */
+                cset(e, k++, 0, from, TAG(0, 0), (char *)out + oo[from], out_bytes[from])->aux = in_bytes[from];
+                cset(e, k++, 1, to, TAG(0, 0), (const char *)in + io[to], in_bytes[to])->aux = out_bytes[to];
             }
             free(oo);
             rc = cxfer(e, k, err, errlen);

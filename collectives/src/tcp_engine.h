@@ -12,7 +12,7 @@
 typedef struct tcp_engine tcp_engine;
 typedef struct tcp_req tcp_req;
 
-/* Every frame starts with a 40-byte little-endian header carrying this version; a frame of
+/* Every frame starts with a 48-byte little-endian header carrying this version; a frame of
  * another version is refused (the connection hello checks it first). 1 was the native-endian
  * header without a version or fingerprints. */
 #define TCP_WIRE_VERSION 2
@@ -47,10 +47,10 @@ uint64_t tcp_engine_seq(tcp_engine *e);
 /* The first fingerprint mismatch this engine saw or was told of: 1 and rank a called fp_a
  * where rank b called fp_b as collective seq (errors then read "{mismatch}"); 0 if none. */
 int tcp_mismatch(tcp_engine *e, uint64_t *seq, int *a, uint64_t *fp_a, int *b, uint64_t *fp_b);
-/* The wire encoding of a frame header (40 bytes), and its 11 fields (magic, version, ftype,
- * kind, dtype, flags, group, tag, seq, fp, len) decoded from one: for tests and tools. */
+/* The wire encoding of a frame header (48 bytes), and its 12 fields (magic, version, ftype,
+ * kind, dtype, flags, group, tag, seq, fp, aux, len) decoded from one: for tests and tools. */
 void tcp_wire_header(unsigned char *out, int ftype, int kind, int dtype, uint32_t group,
-                     int32_t tag, uint64_t seq, uint64_t fp, uint64_t len);
+                     int32_t tag, uint64_t seq, uint64_t fp, uint64_t aux, uint64_t len);
 void tcp_wire_header_parse(const unsigned char *in, uint64_t *fields);
 
 /* Point to point. src -1 = any source. NULL with err on immediate failure. A message must

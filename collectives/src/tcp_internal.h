@@ -59,9 +59,10 @@ typedef struct {
     int32_t tag;
     uint64_t seq;     /* collectives: the collective's number in the group */
     uint64_t fp;      /* collectives: the sender's call fingerprint (collectives.fingerprint) */
+    uint64_t aux;     /* all_to_all: the bytes the sender expects back from the receiver */
     uint64_t len;     /* payload bytes */
 } hdr_t;
-#define HDR ((size_t)40)
+#define HDR ((size_t)48)
 
 /* The error text of a fingerprint mismatch: a placeholder that the Python layer replaces
  * with collectives.fingerprint.mismatch_message of the record (tcp_mismatch). */
@@ -81,6 +82,7 @@ struct tcp_req {
     int dtype;     /* point to point: the buffer's dtype code */
     uint64_t seq;
     uint64_t fp;
+    uint64_t aux;  /* a send: the header's aux; a receive: the aux expected (what we send back) */
     char *buf;
     size_t len, nbytes;
     int source, state, where, owned;

@@ -22,7 +22,8 @@ static void hdr_encode(const hdr_t *h, unsigned char *w)
     u32 = htole32((uint32_t)h->tag); memcpy(w + 12, &u32, 4);
     u64 = htole64(h->seq); memcpy(w + 16, &u64, 8);
     u64 = htole64(h->fp); memcpy(w + 24, &u64, 8);
-    u64 = htole64(h->len); memcpy(w + 32, &u64, 8);
+    u64 = htole64(h->aux); memcpy(w + 32, &u64, 8);
+    u64 = htole64(h->len); memcpy(w + 40, &u64, 8);
 }
 
 static void hdr_decode(const unsigned char *w, hdr_t *h)
@@ -40,14 +41,15 @@ static void hdr_decode(const unsigned char *w, hdr_t *h)
     memcpy(&u32, w + 12, 4); h->tag = (int32_t)le32toh(u32);
     memcpy(&u64, w + 16, 8); h->seq = le64toh(u64);
     memcpy(&u64, w + 24, 8); h->fp = le64toh(u64);
-    memcpy(&u64, w + 32, 8); h->len = le64toh(u64);
+    memcpy(&u64, w + 32, 8); h->aux = le64toh(u64);
+    memcpy(&u64, w + 40, 8); h->len = le64toh(u64);
 }
 
 void tcp_wire_header(unsigned char *out, int ftype, int kind, int dtype, uint32_t group,
-                     int32_t tag, uint64_t seq, uint64_t fp, uint64_t len)
+                     int32_t tag, uint64_t seq, uint64_t fp, uint64_t aux, uint64_t len)
 {
     hdr_t h = {MAGIC, TCP_WIRE_VERSION, (uint8_t)ftype, (uint8_t)kind, (uint8_t)dtype, 0,
-               group, tag, seq, fp, len};
+               group, tag, seq, fp, aux, len};
     hdr_encode(&h, out);
 }
 
@@ -55,8 +57,8 @@ void tcp_wire_header_parse(const unsigned char *in, uint64_t *fields)
 {
     hdr_t h;
     hdr_decode(in, &h);
-    uint64_t f[11] = {h.magic, h.version, h.ftype, h.kind, h.dtype, h.flags, h.group,
-                      (uint64_t)(int64_t)h.tag, h.seq, h.fp, h.len};
+    uint64_t f[12] = {h.magic, h.version, h.ftype, h.kind, h.dtype, h.flags, h.group,
+                      (uint64_t)(int64_t)h.tag, h.seq, h.fp, h.aux, h.len};
     memcpy(fields, f, sizeof f);
 }
 /* ------------------------------------------------------------------ helpers */
@@ -295,7 +297,7 @@ TCP_HIDDEN void flush_peer(tcp_engine *e, int pi)
 TCP_HIDDEN void fill_hdr(tcp_engine *e, tcp_req *r, int ftype)
 {
     hdr_t h = {MAGIC, TCP_WIRE_VERSION, (uint8_t)ftype, (uint8_t)r->kind, (uint8_t)r->dtype, 0,
-               e->group, r->tag, r->seq, r->fp, r->len};
+               e->group, r->tag, r->seq, r->fp, r->aux, r->len};
     hdr_encode(&h, r->hw);
 }
 
@@ -452,6 +454,39 @@ static int p2p_mismatch(tcp_engine *e, int pi, const hdr_t *h, const tcp_req *r,
     return 1;
 }
 
+/* A collective frame of another size than its receive, or (all_to_all) whose sender expects
+ * another size back than this rank sends it: 1 and the reason in out, worded alike at both
+ * ends of the pair ("rank 1 sends 4 x float32 (16 bytes) to rank 0, which expects 3 x ..."). */
+static int coll_size_mismatch(tcp_engine *e, int pi, const hdr_t *h, const tcp_req *r, char *out,
+                              size_t cap)
+{
+    uint64_t sends, expects;
+    int from, to;
+    if (h->len != r->len) {
+        from = pi, to = e->rank, sends = h->len, expects = r->len;
+    } else if (h->aux != r->aux) {
+        from = e->rank, to = pi, sends = r->aux, expects = h->aux;
+    } else {
+        return 0;
+    }
+    int dtype = (int)((e->cur_fp >> 4) & 0xF);  /* the fingerprint's dtype field */
+    char a[96], b[96];
+    describe_payload(a, sizeof a, dtype, sends);
+    describe_payload(b, sizeof b, dtype, expects);
+    fmt(out, cap, "%s #%llu: rank %d sends %s to rank %d, which expects %s (different sizes on "
+        "different ranks)", KNAMES[e->cur_kind], (unsigned long long)e->seq, RN(e, from), a,
+        RN(e, to), b);
+    return 1;
+}
+
+/* Fail r with exactly why (no description of r in front: both ends word it alike). */
+static void req_fail_as(tcp_req *r, const char *why)
+{
+    r->where = W_NONE;
+    r->state = -1;
+    fmt(r->err, sizeof r->err, "%s", why);
+}
+
 static void match_p2p(tcp_engine *e, int pi)
 {
     peer_t *p = &e->peers[pi];
@@ -484,12 +519,9 @@ static void match_coll(tcp_engine *e, int pi)
         for (tcp_req *r = e->rq_head; r; r = r->next) {
             if (r->kind == K_P2P || r->peer != pi || r->seq != h->seq || r->tag != h->tag) continue;
             req_list_remove(&e->rq_head, &e->rq_tail, r);
-            if (h->len != r->len) {
-                char m[300];
-                fmt(m, sizeof m, "%s #%llu: rank %d sent %llu bytes where this rank expects %zu "
-                    "(different sizes on different ranks?)", KNAMES[e->cur_kind],
-                    (unsigned long long)e->seq, RN(e, pi), (unsigned long long)h->len, r->len);
-                req_fail(e, r, m);
+            char m[300];
+            if (coll_size_mismatch(e, pi, h, r, m, sizeof m)) {
+                req_fail_as(r, m);
                 coll_set_err(e, m);
                 return;
             }
@@ -730,14 +762,15 @@ TCP_HIDDEN void post_recv_locked(tcp_engine *e, tcp_req *r)
             req_fail(e, r, MISMATCH_TEXT);
             return;
         }
-        if (r->kind == K_P2P ? p2p_mismatch(e, pi, &best->h, r, msg, sizeof msg) : best->h.len != r->len) {
-            if (r->kind != K_P2P)
-                fmt(msg, sizeof msg, "%s #%llu: rank %d sent %llu bytes where this rank expects %zu "
-                    "(different sizes on different ranks?)", KNAMES[e->cur_kind],
-                    (unsigned long long)e->seq, RN(e, pi), (unsigned long long)best->h.len, r->len);
+        if (r->kind == K_P2P ? p2p_mismatch(e, pi, &best->h, r, msg, sizeof msg)
+                             : coll_size_mismatch(e, pi, &best->h, r, msg, sizeof msg)) {
             msg_drop(e, pi, best);
-            req_fail(e, r, msg);
-            if (r->kind != K_P2P) coll_set_err(e, msg);
+            if (r->kind != K_P2P) {
+                req_fail_as(r, msg);
+                coll_set_err(e, msg);
+            } else {
+                req_fail(e, r, msg);
+            }
             return;
         }
         r->source = pi;
