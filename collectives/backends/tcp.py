@@ -298,20 +298,21 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None, version
                     c, _ = listener.accept()
                 except socket.timeout:
                     continue
+                g = peer = psize = None
                 try:
                     magic, pversion = _PREFIX.unpack(_recv_exact(c, _PREFIX.size, deadline, "a hello"))
-                    if magic == _MAGIC and pversion != version:
-                        who = "a peer at {}:{}".format(*c.getpeername()[:2])
-                        c.sendall(_PREFIX.pack(_MAGIC, version) + _ACK.pack(rank))  # it raises too
-                        _drain_close(c)
-                        raise _version_error(nm(rank), who, pversion, version)
-                    g, peer, psize = (_HELLO.unpack(_recv_exact(c, _HELLO.size, deadline, "a hello"))
-                                      if magic == _MAGIC else (None, None, None))
-                except DistNetworkError as e:
-                    if "wire protocol" in str(e):
-                        raise
+                    if magic == _MAGIC and pversion == version:
+                        g, peer, psize = _HELLO.unpack(_recv_exact(c, _HELLO.size, deadline, "a hello"))
+                except DistNetworkError:
                     c.close()
                     continue
+                if magic == _MAGIC and pversion != version:
+                    who = "a peer at {}:{}".format(*c.getpeername()[:2])
+                    try:
+                        c.sendall(_PREFIX.pack(_MAGIC, version) + _ACK.pack(rank))  # it raises too
+                    finally:
+                        _drain_close(c)
+                    raise _version_error(nm(rank), who, pversion, version)
                 if magic != _MAGIC or g != group or psize != size or not rank < peer < size or peer in socks:
                     c.close()  # a stray or stale connection: ignore it
                     continue
