@@ -20,9 +20,22 @@ Environment:
     COLLECTIVES_TCP_DUPLEX_CHUNK: bytes written per send call, and read per call while
         sends to that peer wait, so both directions of an exchange flow (default 1 MiB;
         0: no limit).
+    COLLECTIVES_TCP_NO_LOWAT: set (to anything) to keep SO_RCVLOWAT off.
+
+The settings that choose an algorithm (RD_MAX, TREE_MAX, SEGMENT, DIRECT_MAX, DIRECT_WORLD,
+and the ``fp_direct_world`` option) are rank 0's: it publishes them through the store at
+setup and every rank uses them, whatever its own environment says (ranks that picked
+different algorithms for one call would hang). The others are each rank's own.
+
+Every collective carries this rank's fingerprint of the call
+(:func:`collectives.fingerprint.pack` of kind, dtype, count, root, op) in each frame; a peer
+whose call differs makes the call raise :class:`DistBackendError` on every rank, naming both
+calls, and the group stays unusable. Point-to-point messages carry their dtype and size: a
+receive of another size or dtype raises instead of truncating or reinterpreting.
 """
 import fcntl
 import ipaddress
+import operator
 import os
 import secrets
 import socket
@@ -32,24 +45,74 @@ import time
 from datetime import timedelta
 
 from .. import dtypes as D
+from .. import fingerprint as F
 from ..errors import DistNetworkError
 from .base import Backend, Request
 
 _MAGIC = 0xC0117C90
-_HELLO = struct.Struct("<IIII")   # magic, group id, rank, size
-_ACK = struct.Struct("<II")       # magic, rank
+# the hello and the ack start with (magic, wire version) in every version, so that a peer
+# of another version is told apart before the rest is read
+_PREFIX = struct.Struct("<II")    # magic, wire version
+_HELLO = struct.Struct("<III")    # then: group id, rank, size
+_ACK = struct.Struct("<I")        # then: rank
 _OPS = frozenset({D.SUM, D.PRODUCT, D.MIN, D.MAX, D.BAND, D.BOR, D.BXOR})
 
-# option name -> (env var, tuning key name in collectives._tcp)
+# option name -> (env var or None, tuning key name in collectives._tcp, agreed across ranks)
 _TUNING = {
-    "spin_us": ("COLLECTIVES_TCP_SPIN_US", "TUNE_SPIN_US"),
-    "allreduce_rd_max": ("COLLECTIVES_TCP_RD_MAX", "TUNE_ALLREDUCE_RD_MAX"),
-    "tree_max": ("COLLECTIVES_TCP_TREE_MAX", "TUNE_BCAST_TREE_MAX"),
-    "segment": ("COLLECTIVES_TCP_SEGMENT", "TUNE_SEGMENT"),
-    "direct_max": ("COLLECTIVES_TCP_DIRECT_MAX", "TUNE_GATHER_DIRECT_MAX"),
-    "allreduce_direct_world": ("COLLECTIVES_TCP_DIRECT_WORLD", "TUNE_ALLREDUCE_DIRECT_WORLD"),
-    "duplex_chunk": ("COLLECTIVES_TCP_DUPLEX_CHUNK", "TUNE_DUPLEX_CHUNK"),
+    "spin_us": ("COLLECTIVES_TCP_SPIN_US", "TUNE_SPIN_US", False),
+    "allreduce_rd_max": ("COLLECTIVES_TCP_RD_MAX", "TUNE_ALLREDUCE_RD_MAX", True),
+    "tree_max": ("COLLECTIVES_TCP_TREE_MAX", "TUNE_BCAST_TREE_MAX", True),
+    "segment": ("COLLECTIVES_TCP_SEGMENT", "TUNE_SEGMENT", True),
+    "direct_max": ("COLLECTIVES_TCP_DIRECT_MAX", "TUNE_GATHER_DIRECT_MAX", True),
+    "allreduce_direct_world": ("COLLECTIVES_TCP_DIRECT_WORLD", "TUNE_ALLREDUCE_DIRECT_WORLD", True),
+    "fp_direct_world": (None, "TUNE_FP_DIRECT_WORLD", True),
+    "duplex_chunk": ("COLLECTIVES_TCP_DUPLEX_CHUNK", "TUNE_DUPLEX_CHUNK", False),
+    "lowat": ("COLLECTIVES_TCP_NO_LOWAT", "TUNE_LOWAT", False),
 }
+_AGREED = tuple(name for name, (_, _, agreed) in _TUNING.items() if agreed)
+
+
+def _env_tuning(name):
+    """The value of tuning option ``name`` in this rank's environment, or None (the engine's
+    default)."""
+    env = _TUNING[name][0]
+    if env is None:
+        return None
+    if name == "lowat":  # presence-only, as before: set means off
+        return 0 if env in os.environ else None
+    value = os.environ.get(env)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{env} must be an integer, got {value!r}") from None
+
+
+def _tuning_values(options):
+    """{option: value} this rank would use: ``options`` (a dict) over the environment."""
+    opts = options if isinstance(options, dict) else {}
+    values = {}
+    for name in _TUNING:
+        value = opts.get(name)
+        if value is None:
+            value = _env_tuning(name)
+        if value is not None:
+            try:
+                values[name] = operator.index(value)
+            except TypeError:
+                raise TypeError(f"tuning option {name} must be an int, got {value!r}") from None
+    return values
+
+
+def wire_version():
+    """The TCP engine's frame format version, which the connection hello carries."""
+    from .. import _tcp
+    return _tcp.WIRE_VERSION
+
+
+_pack = F.pack
+_BARRIER_FP = F.pack(F.BARRIER)
 
 
 def _seconds(timeout):
@@ -141,16 +204,41 @@ def options_host(options):
     return host or None
 
 
-def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
+def _drain_close(sock):
+    """Close after reading what the peer already sent (unread data would make the close a
+    reset, which could destroy the reply before the peer reads it)."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(0.2)
+        while sock.recv(4096):
+            pass
+    except OSError:
+        pass
+    sock.close()
+
+
+def _version_error(me, peer, theirs, ours):
+    return DistNetworkError(
+        f"tcp backend: rank {me} refused the connection with {peer}: different wire protocol "
+        f"versions ({peer}: {theirs}, rank {me}: {ours}); every rank of a job must run the same "
+        f"collectives release")
+
+
+def connect_mesh(store, rank, size, timeout, host=None, rank_names=None, version=None):
     """Connect every pair of ranks through ``store``; returns (fds, group id).
 
     Each rank listens, publishes host:port, connects to every lower rank and
-    accepts every higher one; a hello (magic, group id, rank, size) and an ack
-    check that both ends belong to the same group. Messages call rank r
-    ``rank_names[r]`` when given.
+    accepts every higher one; a hello (magic, wire version, group id, rank, size) and
+    an ack (magic, wire version, rank) check that both ends belong to the same group
+    and speak the same wire protocol (``version``, default :func:`wire_version`): a peer
+    of another version is refused with DistNetworkError on both sides. Messages call
+    rank r ``rank_names[r]`` when given.
     """
     def nm(r):
         return rank_names[r] if rank_names is not None else r
+
+    if version is None:
+        version = wire_version()
 
     fds = [-1] * size
     if size == 1:
@@ -197,7 +285,7 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
                     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                     socks[peer] = s
                     _tune_socket(s, bufsize)
-            s.sendall(_HELLO.pack(_MAGIC, group, rank, size))
+            s.sendall(_PREFIX.pack(_MAGIC, version) + _HELLO.pack(group, rank, size))
         for _ in range(rank + 1, size):
             while True:
                 remaining = deadline - time.monotonic()
@@ -210,20 +298,34 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
                     c, _ = listener.accept()
                 except socket.timeout:
                     continue
+                g = peer = psize = None
                 try:
-                    magic, g, peer, psize = _HELLO.unpack(_recv_exact(c, _HELLO.size, deadline, "a hello"))
+                    magic, pversion = _PREFIX.unpack(_recv_exact(c, _PREFIX.size, deadline, "a hello"))
+                    if magic == _MAGIC and pversion == version:
+                        g, peer, psize = _HELLO.unpack(_recv_exact(c, _HELLO.size, deadline, "a hello"))
                 except DistNetworkError:
                     c.close()
                     continue
+                if magic == _MAGIC and pversion != version:
+                    who = "a peer at {}:{}".format(*c.getpeername()[:2])
+                    try:
+                        c.sendall(_PREFIX.pack(_MAGIC, version) + _ACK.pack(rank))  # it raises too
+                    finally:
+                        _drain_close(c)
+                    raise _version_error(nm(rank), who, pversion, version)
                 if magic != _MAGIC or g != group or psize != size or not rank < peer < size or peer in socks:
                     c.close()  # a stray or stale connection: ignore it
                     continue
                 _tune_socket(c, bufsize)
-                c.sendall(_ACK.pack(_MAGIC, rank))
+                c.sendall(_PREFIX.pack(_MAGIC, version) + _ACK.pack(rank))
                 socks[peer] = c
                 break
         for peer in range(rank):
-            magic, r = _ACK.unpack(_recv_exact(socks[peer], _ACK.size, deadline, f"rank {nm(peer)}'s ack"))
+            what = f"rank {nm(peer)}'s ack"
+            magic, pversion = _PREFIX.unpack(_recv_exact(socks[peer], _PREFIX.size, deadline, what))
+            if magic == _MAGIC and pversion != version:
+                raise _version_error(nm(rank), f"rank {nm(peer)}", pversion, version)
+            (r,) = _ACK.unpack(_recv_exact(socks[peer], _ACK.size, deadline, what))
             if magic != _MAGIC or r != peer:
                 raise DistNetworkError(f"tcp backend: bad handshake from rank {nm(peer)}")
         for peer, s in socks.items():
@@ -283,9 +385,11 @@ class TcpBackend(Backend):
         rank, size: this rank and the group size.
         timeout: seconds (or timedelta) any operation may wait.
         options: optional dict of tuning overrides: spin_us, allreduce_rd_max,
-            tree_max, segment, direct_max (bytes), allreduce_direct_world; and ``host``,
-            the address to listen on and publish (else :func:`advertised_host`). A
-            ``ProcessGroupGloo.Options`` gives the host of its first device.
+            tree_max, segment, direct_max (bytes), allreduce_direct_world, fp_direct_world,
+            duplex_chunk, lowat; and ``host``, the address to listen on and publish (else
+            :func:`advertised_host`). A ``ProcessGroupGloo.Options`` gives the host of its
+            first device. The algorithm thresholds are rank 0's (published through the
+            store at setup); spin_us, duplex_chunk and lowat are each rank's own.
         rank_names: the rank each rank of this group is called by in error messages
             (default: itself), for a group inside another one (a hierarchical group's
             host leaders).
@@ -304,6 +408,7 @@ class TcpBackend(Backend):
         if secs <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         super().__init__(store, rank, size, secs, options)
+        values = _tuning_values(options)  # a malformed setting raises before any connection
         fds, group = connect_mesh(store, rank, size, secs, options_host(options), rank_names)
         self._engine = _tcp.Engine(rank, size, fds, group, secs)
         if rank_names is not None:
@@ -311,11 +416,28 @@ class TcpBackend(Backend):
         self._inflight = set()
         self._prune_at = 64
         self._lock = threading.Lock()
-        opts = options if isinstance(options, dict) else {}
-        for name, (env, key) in _TUNING.items():
-            value = opts.get(name, os.environ.get(env))
-            if value is not None:
-                self._engine.set_tuning(getattr(_tcp, key), int(value))
+        for name, value in values.items():
+            if rank == 0 or not _TUNING[name][2]:
+                self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), value)
+        if size > 1:
+            self._agree_tuning(store, rank, group)
+
+    def _agree_tuning(self, store, rank, group):
+        """Rank 0 publishes the algorithm thresholds it uses under this connection's group id
+        (unique per backend); the others take them: every rank picks the same algorithm for a
+        call whatever its own environment or options say (the shm backend does the same)."""
+        from .. import _tcp
+        key = f"tcp/tuning/{group}"
+        if rank == 0:
+            mine = ",".join(f"{n}={self._engine.get_tuning(getattr(_tcp, _TUNING[n][1]))}"
+                            for n in _AGREED)
+            store.set(key, mine.encode())
+            return
+        raw = store.get(key)
+        raw = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+        for item in raw.split(","):
+            name, _, value = item.partition("=")
+            self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), int(value))
 
     # ---- helpers ---------------------------------------------------------------------
     @staticmethod
@@ -334,12 +456,13 @@ class TcpBackend(Backend):
                              f"{D.DTYPE_NAMES.get(buf.dtype, buf.dtype)} by the tcp backend")
 
     def tuning(self):
-        """The algorithm thresholds in use, by option name."""
+        """The tuning values in use, by option name."""
         from .. import _tcp
-        return {name: self._engine.get_tuning(getattr(_tcp, key)) for name, (_, key) in _TUNING.items()}
+        return {name: self._engine.get_tuning(getattr(_tcp, key)) for name, (_, key, _) in _TUNING.items()}
 
     def set_tuning(self, **values):
-        """Override algorithm thresholds (same names as ``options``)."""
+        """Override tuning values (same names as ``options``) on this rank only: call it on
+        every rank alike for the algorithm thresholds."""
         from .. import _tcp
         for name, value in values.items():
             if name not in _TUNING:
@@ -347,51 +470,68 @@ class TcpBackend(Backend):
             self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), int(value))
 
     # ---- collectives --------------------------------------------------------------------
-    def broadcast(self, buf, root):
+    # fp: this rank's fingerprint of the call (fingerprint.pack); a caller that runs this
+    # backend as one level of another (the hierarchical one) may pass the word of the
+    # user's call instead, so that a mismatch names what the user called.
+    def broadcast(self, buf, root, fp=None):
         self._check_rank(root, "root")
-        self._engine.broadcast(buf.ptr, buf.nbytes, root)
+        if fp is None:
+            fp = _pack(F.BROADCAST, buf.dtype, buf.count, root)
+        self._engine.broadcast(buf.ptr, buf.nbytes, root, fp)
 
-    def all_reduce(self, buf, op):
+    def all_reduce(self, buf, op, fp=None):
         self._check_op(op, buf)
-        self._engine.all_reduce(buf.ptr, buf.count, buf.dtype, op)
+        if fp is None:
+            fp = _pack(F.ALL_REDUCE, buf.dtype, buf.count, -1, op)
+        self._engine.all_reduce(buf.ptr, buf.count, buf.dtype, op, fp)
 
-    def reduce(self, buf, op, root):
+    def reduce(self, buf, op, root, fp=None):
         self._check_rank(root, "root")
         self._check_op(op, buf)
-        self._engine.reduce(buf.ptr, buf.count, buf.dtype, op, root)
+        if fp is None:
+            fp = _pack(F.REDUCE, buf.dtype, buf.count, root, op)
+        self._engine.reduce(buf.ptr, buf.count, buf.dtype, op, root, fp)
 
-    def all_gather(self, out, inp):
+    def all_gather(self, out, inp, fp=None):
         if out.nbytes != inp.nbytes * self.size:
             raise ValueError(f"all_gather output must hold {self.size} x {inp.count} elements, "
                              f"got {out.count}")
-        self._engine.all_gather(out.ptr, inp.ptr, inp.nbytes)
+        if fp is None:
+            fp = _pack(F.ALL_GATHER, inp.dtype, inp.count)
+        self._engine.all_gather(out.ptr, inp.ptr, inp.nbytes, fp)
 
-    def gather(self, out, inp, root):
+    def gather(self, out, inp, root, fp=None):
         self._check_rank(root, "root")
+        if fp is None:
+            fp = _pack(F.GATHER, inp.dtype, inp.count, root)
         if self.rank == root:
             if out is None or out.nbytes != inp.nbytes * self.size:
                 raise ValueError(f"gather output on root must hold {self.size} x {inp.count} elements")
-            self._engine.gather(out.ptr, inp.ptr, inp.nbytes, root)
+            self._engine.gather(out.ptr, inp.ptr, inp.nbytes, root, fp)
         else:
-            self._engine.gather(0, inp.ptr, inp.nbytes, root)
+            self._engine.gather(0, inp.ptr, inp.nbytes, root, fp)
 
-    def scatter(self, out, inp, root):
+    def scatter(self, out, inp, root, fp=None):
         self._check_rank(root, "root")
+        if fp is None:
+            fp = _pack(F.SCATTER, out.dtype, out.count, root)
         if self.rank == root:
             if inp is None or inp.nbytes != out.nbytes * self.size:
                 raise ValueError(f"scatter input on root must hold {self.size} x {out.count} elements")
-            self._engine.scatter(out.ptr, inp.ptr, out.nbytes, root)
+            self._engine.scatter(out.ptr, inp.ptr, out.nbytes, root, fp)
         else:
-            self._engine.scatter(out.ptr, 0, out.nbytes, root)
+            self._engine.scatter(out.ptr, 0, out.nbytes, root, fp)
 
-    def reduce_scatter(self, out, inp, op):
+    def reduce_scatter(self, out, inp, op, fp=None):
         self._check_op(op, out)
         if inp.count != out.count * self.size:
             raise ValueError(f"reduce_scatter input must hold {self.size} x {out.count} elements, "
                              f"got {inp.count}")
-        self._engine.reduce_scatter(out.ptr, inp.ptr, out.count, out.dtype, op)
+        if fp is None:
+            fp = _pack(F.REDUCE_SCATTER, out.dtype, out.count, -1, op)
+        self._engine.reduce_scatter(out.ptr, inp.ptr, out.count, out.dtype, op, fp)
 
-    def all_to_all(self, out, inp, out_counts, in_counts):
+    def all_to_all(self, out, inp, out_counts, in_counts, fp=None):
         n = self.size
         if len(out_counts) != n or len(in_counts) != n:
             raise ValueError(f"out_counts and in_counts must have {n} entries")
@@ -399,12 +539,16 @@ class TcpBackend(Backend):
             raise ValueError("all_to_all counts exceed the buffers")
         if any(c < 0 for c in out_counts) or any(c < 0 for c in in_counts):
             raise ValueError("all_to_all counts must be non-negative")
+        # per-peer counts differ legally: the word names kind and dtype, and every frame's
+        # size is checked against what its receiver expects from that peer
+        if fp is None:
+            fp = _pack(F.ALL_TO_ALL, inp.dtype)
         isz = inp.itemsize
         self._engine.all_to_all(out.ptr, inp.ptr, [c * isz for c in out_counts],
-                                [c * isz for c in in_counts])
+                                [c * isz for c in in_counts], fp)
 
-    def barrier(self):
-        self._engine.barrier()
+    def barrier(self, fp=None):
+        self._engine.barrier(_BARRIER_FP if fp is None else fp)
 
     # ---- point to point ----------------------------------------------------------------
     def isend(self, buf, dst, tag=0):
@@ -412,7 +556,7 @@ class TcpBackend(Backend):
         if dst == self.rank:
             raise ValueError(f"dst must be a rank other than this one ({self.rank})")
         self._check_tag(tag)
-        op = self._engine.isend(buf.ptr, buf.nbytes, dst, tag, buf)
+        op = self._engine.isend(buf.ptr, buf.nbytes, buf.dtype, dst, tag, buf)
         self._track(op)
         return TcpRequest(op, self)
 
@@ -424,7 +568,7 @@ class TcpBackend(Backend):
         if self.size == 1:
             raise ValueError("irecv in a group of one rank would never complete")
         self._check_tag(tag)
-        op = self._engine.irecv(buf.ptr, buf.nbytes, -1 if src is None else src, tag, buf)
+        op = self._engine.irecv(buf.ptr, buf.nbytes, buf.dtype, -1 if src is None else src, tag, buf)
         self._track(op)
         return TcpRequest(op, self)
 
