@@ -12,23 +12,19 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
 from tests.collective_cases import DTYPES, FACTORS, OPS_FOR, check, family, run_case
 from tests.ranks import available_configs, backend_pool
 
 CONFIGS = available_configs()
 
 
-@pytest.fixture(scope="module", params=CONFIGS)
-def config(request):
-    """A backend configuration; module scope so that tests sharing one run back to back
-    (its rank pools stay warm)."""
-    return request.param
 REDUCING = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_in_place",
             "all_reduce_coalesced"]
 MOVING = ["broadcast", "all_gather", "all_gather_list_own", "all_gather_single", "all_gather_in_place",
           "all_gather_coalesced", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier"]
 SHAPES = [(), (0,), (1,), (5,), (3, 2), (7,), (2, 0, 3)]
-SETTINGS = settings(max_examples=8, deadline=None, derandomize=False,
+SETTINGS = settings(max_examples=examples(8), deadline=None, derandomize=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -328,7 +324,7 @@ def detail_case(ctx, seed):
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(world=st.integers(2, 4), seed=st.integers(0, 100))
 def test_detail_debug_level_refuses_mismatched_collectives_on_every_rank(config, world, seed):
     results = backend_pool(config, world).run(detail_case, seed, timeout=90)

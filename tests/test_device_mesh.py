@@ -13,15 +13,12 @@ from hypothesis import strategies as st
 
 import collectives as dist
 from collectives.device_mesh import MeshDimError
+from tests.profiles import examples
 from tests.ranks import available_configs, backend_pool, get_pool
 
 CONFIGS = [c for c in available_configs() if c in ("gloo", "mpi", "gloo-hier")]
-SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-
-@pytest.fixture(scope="module", params=CONFIGS)
-def config(request):
-    return request.param
 
 
 def _owned_groups(mesh, extra=()):

@@ -10,19 +10,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
 from tests.collective_cases import DTYPES, assert_close, from_lib, gen, to_lib, value_dtype
 from tests.ranks import available_configs, backend_pool
 
 CONFIGS = available_configs()
 
 
-@pytest.fixture(scope="module", params=CONFIGS)
-def config(request):
-    """A backend configuration; module scope so that tests sharing one run back to back
-    (its rank pools stay warm)."""
-    return request.param
 SHAPES = [(), (0,), (1,), (5,), (3, 2), (1000,)]
-SETTINGS = settings(max_examples=8, deadline=None,
+SETTINGS = settings(max_examples=examples(8), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PATTERNS = ["ring_isend_irecv", "ring_batch", "pairs_blocking", "any_source", "tags_reversed",
             "ordered_stream"]

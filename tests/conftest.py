@@ -1,0 +1,76 @@
+"""Shared fixtures, markers and hypothesis profiles of the test suite.
+
+Run it in pieces::
+
+    pytest -m "not slow"                    # the quick suite (a few minutes on 2 cores)
+    pytest -m "not slow and not mpi"        # ... without the mpiexec configuration
+    pytest -m faults                        # dead peers, cut links, timeouts
+    HYPOTHESIS_PROFILE=dev pytest ...       # fewer examples (profiles: ci, dev, thorough)
+    COLLECTIVES_TEST_CONFIGS=gloo pytest    # one backend configuration
+
+Markers (registered in pyproject.toml) are applied here by module and by name, so test
+modules need no decorators for them: ``mpi`` (ranks under mpiexec, or the mpi
+configuration), ``gpu`` (CUDA), ``multinode`` (network namespaces), ``faults`` (failure
+injection) and ``slow`` (the modules and tests that take most of the suite's time,
+measured with ``--durations``).
+"""
+import pytest
+
+from tests import profiles  # noqa: F401  (registers and loads the hypothesis profiles)
+from tests.ranks import available_configs
+
+# module -> markers for every test in it
+MODULE_MARKERS = {
+    "test_mpi_backend": ("mpi",),
+    "test_nccl": ("gpu",),
+    "test_multinode": ("multinode", "faults", "slow"),
+    "test_faults": ("faults",),
+}
+# tests (by function name, parameters aside) that are slow: measured with --durations on the
+# 2-core development machine, each takes 5 s or more (see docs/testing.md)
+SLOW_TESTS = {
+}
+# modules whose every test is slow
+SLOW_MODULES = {
+}
+# words in a test's name that mark a failure-injection test
+FAULT_WORDS = ("dies", "dead", "died", "kill", "timeout", "cut", "frozen", "crash", "never_arrives")
+
+
+@pytest.fixture(scope="module")
+def config(request):
+    """A backend configuration from the module's ``CONFIGS`` (default: every available
+    one); module scope, so that the tests sharing one run back to back on warm rank pools."""
+    return request.param
+
+
+def _parametrized_directly(metafunc, name):
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
+        names = names.split(",") if isinstance(names, str) else names
+        if name in [n.strip() for n in names]:
+            return True
+    return False
+
+
+def pytest_generate_tests(metafunc):
+    if "config" in metafunc.fixturenames and not _parametrized_directly(metafunc, "config"):
+        configs = getattr(metafunc.module, "CONFIGS", None)
+        if configs is None:
+            configs = available_configs()
+        metafunc.parametrize("config", list(configs), indirect=True, scope="module")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        for m in MODULE_MARKERS.get(module, ()):
+            item.add_marker(m)
+        name = getattr(item, "originalname", None) or item.name
+        if module in SLOW_MODULES or f"{module}::{name}" in SLOW_TESTS:
+            item.add_marker("slow")
+        if any(w in name for w in FAULT_WORDS):
+            item.add_marker("faults")
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("config") == "mpi":
+            item.add_marker("mpi")
