@@ -111,6 +111,7 @@ def no_calls():
 
 # ---- names ---------------------------------------------------------------------------------
 
+@needs_torch
 def test_reduce_op_members_are_int_codes_as_in_torch():
     import torch.distributed as tdist
     for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
@@ -121,6 +122,7 @@ def test_reduce_op_members_are_int_codes_as_in_torch():
     assert int(premul) == 8 == dist.ReduceOp.PREMUL_SUM and premul.factor == 0.25
 
 
+@needs_torch
 def test_torch_reduce_ops_are_taken_as_ours():
     """A program that spells its ops torch.distributed.ReduceOp.X gets the same reduction."""
     import torch.distributed as tdist
@@ -725,6 +727,7 @@ def test_a_blocking_call_that_times_out_in_the_queue_never_runs_later():
         dist.destroy_process_group()
 
 
+@needs_torch
 def test_debug_level_functions_match_torchs(monkeypatch, caplog):
     import torch.distributed as tdist
     assert [(m.name, int(m)) for m in dist.DebugLevel] == \
