@@ -23,15 +23,19 @@ from tests.ranks import available_configs
 MODULE_MARKERS = {
     "test_mpi_backend": ("mpi",),
     "test_nccl": ("gpu",),
-    "test_multinode": ("multinode", "faults", "slow"),
+    "test_multinode": ("multinode", "faults"),
     "test_faults": ("faults",),
 }
-# tests (by function name, parameters aside) that are slow: measured with --durations on the
-# 2-core development machine, each takes 5 s or more (see docs/testing.md)
+# The quick suite (-m "not slow") runs every configuration-parametrised test on one
+# configuration, PRIMARY (the default backend, gloo, where it is available); its runs on
+# the other configurations are marked slow.
+# Tests (module::function, every parameter) and modules that are slow on any
+# configuration: measured with --durations on the 2-core development machine (see
+# docs/testing.md).
 SLOW_TESTS = {
 }
-# modules whose every test is slow
 SLOW_MODULES = {
+    "test_multinode", "test_mpi_backend",
 }
 # words in a test's name that mark a failure-injection test
 FAULT_WORDS = ("dies", "dead", "died", "kill", "timeout", "cut", "frozen", "crash", "never_arrives")
@@ -61,7 +65,13 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("config", list(configs), indirect=True, scope="module")
 
 
+def _primary():
+    configs = available_configs()
+    return "gloo" if "gloo" in configs else (configs[0] if configs else None)
+
+
 def pytest_collection_modifyitems(config, items):
+    primary = _primary()
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module else ""
         for m in MODULE_MARKERS.get(module, ()):
@@ -72,5 +82,8 @@ def pytest_collection_modifyitems(config, items):
         if any(w in name for w in FAULT_WORDS):
             item.add_marker("faults")
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("config") == "mpi":
+        cfg = callspec.params.get("config") if callspec is not None else None
+        if cfg == "mpi":
             item.add_marker("mpi")
+        if cfg is not None and cfg != primary:
+            item.add_marker("slow")

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.profiles import examples
-from tests.collective_cases import DTYPES, FACTORS, OPS_FOR, check, family, run_case
+from tests.collective_cases import DTYPES, FACTORS, HAVE_TORCH, LIBS, OPS_FOR, check, family, run_case
 from tests.ranks import available_configs, backend_pool
 
 CONFIGS = available_configs()
@@ -29,7 +29,7 @@ SETTINGS = settings(max_examples=examples(8), deadline=None, derandomize=False,
 
 
 @st.composite
-def steps(draw, kinds, n, dtypes=DTYPES, ops=OPS_FOR, libs=("torch", "numpy"), shapes=SHAPES):
+def steps(draw, kinds, n, dtypes=DTYPES, ops=OPS_FOR, libs=LIBS, shapes=SHAPES):
     """One step; ``dtypes``, ``ops`` (per dtype family), ``libs`` and ``shapes`` narrow it
     to what a backend takes (tests/test_nccl.py: CUDA tensors and NCCL's types and ops)."""
     kind = draw(st.sampled_from(kinds))
@@ -344,7 +344,7 @@ def test_detail_debug_level_refuses_mismatched_collectives_on_every_rank(config,
 def test_every_dtype_all_reduce_sum_on_four_ranks(config):
     for dtype in DTYPES:
         case = {"members": [0, 1, 2, 3], "seed": 5, "wait_reversed": False,
-                "steps": [{"kind": "all_reduce", "dtype": dtype, "lib": "torch", "shape": (7,),
+                "steps": [{"kind": "all_reduce", "dtype": dtype, "lib": LIBS[0], "shape": (7,),
                            "root": 0, "async": False, "op": "SUM"}]}
         _run(config, 4, case)
 
@@ -354,7 +354,7 @@ def test_uneven_all_to_all_single_in_a_subgroup(config):
     case = {"members": [0, 2, 3], "seed": 11, "wait_reversed": True,
             "steps": [{"kind": "all_to_all_single", "dtype": "int32", "lib": "numpy", "shape": (1,),
                        "root": 0, "async": True},
-                      {"kind": "all_to_all", "dtype": "float64", "lib": "torch", "shape": (1,),
+                      {"kind": "all_to_all", "dtype": "float64", "lib": LIBS[0], "shape": (1,),
                        "root": 0, "async": False}]}
     _run(config, 4, case)
 
@@ -395,6 +395,7 @@ def multigpu_case(ctx, k):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAVE_TORCH, reason="the *_multigpu calls take lists of torch tensors")
 @pytest.mark.parametrize("k", [1, 2])
 def test_multigpu_variants_reduce_across_the_list_and_the_ranks(config, k):
     n = 3
