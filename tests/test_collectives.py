@@ -82,7 +82,7 @@ def _blocking_sum(world, members, kinds, dtype="float32", shape=(5,)):
         "members": members, "world": members == list(range(world)), "seed": 11,
         "steps": [dict({"kind": k, "dtype": dtype, "lib": lib, "shape": shape, "root": 0,
                         "async": False}, **({"op": "SUM"} if k in REDUCING else {}))
-                  for k in kinds for lib in ("torch", "numpy")],
+                  for k in kinds for lib in LIBS],
         "wait_reversed": False,
     }
 
