@@ -206,7 +206,7 @@ def test_the_ranks_left_shrink_the_world_and_go_on(config, victim, init, tmp_pat
         # the new world's ranks 0 and 2 are the old 0 and 3
         assert res["sub"] == (stay[0] + stay[2] if new in (0, 2) else r), res
         assert res["old_sub_destroyed"], res
-        if extra:
+        if extra.get("FAULT_TORCH"):
             assert (res["torch_size"], res["torch_sum"]) == (3, sum(stay)), res
 
 
