@@ -33,9 +33,26 @@ MODULE_MARKERS = {
 # configuration: measured with --durations on the 2-core development machine (see
 # docs/testing.md).
 SLOW_TESTS = {
+    "test_torch_pg::test_ddp_trains_as_one_process_on_all_ranks_data",
+    "test_torch_pg::test_ddp_comm_hooks_whose_callbacks_wait_on_collectives",
+    "test_torch_pg::test_who_sets_up_and_tears_down_torchs_default_group",
+    "test_torch_pg::test_fsdp_trains_as_one_process_on_all_ranks_data",
+    "test_torch_pg::test_a_peer_that_never_arrives_makes_torchs_calls_raise_within_the_timeout",
+    "test_nn::test_outputs_and_gradients_match_autograd_in_one_process",
+    "test_launcher::test_torchrun_starts_a_collectives_program",
+    "test_launcher::test_c10d_a_failure_restarts_every_node_while_max_restarts_allows",
+    "test_launcher::test_c10d_a_silent_store_ends_the_other_nodes_part",
+    "test_launcher::test_c10d_launchers_number_their_nodes_without_node_rank",
+    "test_launcher::test_c10d_elastic_range_starts_with_min_and_takes_a_late_node_in",
+    "test_launcher::test_c10d_nodes_may_start_different_numbers_of_ranks",
+    "test_launcher::test_c10d_a_signal_ends_launchers_waiting_for_nodes",
+    "test_faults::test_the_ranks_left_shrink_the_world_and_go_on",
+    "test_faults::test_other_ranks_raise_dist_error_within_the_timeout",
+    "test_rendezvous::test_ranks_meet_through_torchruns_agent_store",
+    "test_tcp_backend::test_a_few_megabytes_through_every_algorithm",
 }
 SLOW_MODULES = {
-    "test_multinode", "test_mpi_backend",
+    "test_multinode", "test_mpi_backend", "test_tutorial",
 }
 # words in a test's name that mark a failure-injection test
 FAULT_WORDS = ("dies", "dead", "died", "kill", "timeout", "cut", "frozen", "crash", "never_arrives")
