@@ -14,10 +14,10 @@ import pytest
 
 import collectives as dist
 from collectives.store import HashStore
-from tests.ranks import config_available, get_pool, ipv4_interfaces
+from tests.ranks import get_pool, ipv4_interfaces
+from tests.requires import needs_gloo
 
-_GLOO = config_available("gloo")
-pytestmark = pytest.mark.skipif(not _GLOO[0], reason=f"needs the gloo backend: {_GLOO[1]}")
+pytestmark = needs_gloo
 
 
 def _store(ctx):
