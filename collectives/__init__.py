@@ -2,6 +2,7 @@
 
 ``import collectives as dist`` in a program written for torch.distributed.
 """
+from . import config  # noqa: F401  (first: COLLECTIVES_NO_EXTENSIONS acts before any extension loads)
 from . import dtypes
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError
 

@@ -5,10 +5,18 @@ steps (one collective each, possibly ``async_op``). Every rank builds its inputs
 from ``(seed, rank, step, salt)``; the test process builds the same inputs for
 every rank and computes what each rank must end up with.
 """
+import importlib.util
+
 import numpy as np
 
+#: whether torch is installed: without it the cases draw NumPy arrays only (and no bfloat16,
+#: which NumPy has not)
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+LIBS = ("torch", "numpy") if HAVE_TORCH else ("numpy",)
 DTYPES = ["float16", "bfloat16", "float32", "float64", "complex64", "complex128",
           "int8", "uint8", "int16", "int32", "int64", "bool"]
+if not HAVE_TORCH:
+    DTYPES.remove("bfloat16")
 FLOATS = {"float16", "bfloat16", "float32", "float64"}
 COMPLEX = {"complex64", "complex128"}
 INTS = {"int8", "uint8", "int16", "int32", "int64"}

@@ -12,28 +12,24 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.collective_cases import DTYPES, FACTORS, OPS_FOR, check, family, run_case
+from tests.profiles import examples
+from tests.collective_cases import DTYPES, FACTORS, HAVE_TORCH, LIBS, OPS_FOR, check, family, run_case
 from tests.ranks import available_configs, backend_pool
 
 CONFIGS = available_configs()
 
 
-@pytest.fixture(scope="module", params=CONFIGS)
-def config(request):
-    """A backend configuration; module scope so that tests sharing one run back to back
-    (its rank pools stay warm)."""
-    return request.param
 REDUCING = ["all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_in_place",
             "all_reduce_coalesced"]
 MOVING = ["broadcast", "all_gather", "all_gather_list_own", "all_gather_single", "all_gather_in_place",
           "all_gather_coalesced", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier"]
 SHAPES = [(), (0,), (1,), (5,), (3, 2), (7,), (2, 0, 3)]
-SETTINGS = settings(max_examples=8, deadline=None, derandomize=False,
+SETTINGS = settings(max_examples=examples(8), deadline=None, derandomize=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @st.composite
-def steps(draw, kinds, n, dtypes=DTYPES, ops=OPS_FOR, libs=("torch", "numpy"), shapes=SHAPES):
+def steps(draw, kinds, n, dtypes=DTYPES, ops=OPS_FOR, libs=LIBS, shapes=SHAPES):
     """One step; ``dtypes``, ``ops`` (per dtype family), ``libs`` and ``shapes`` narrow it
     to what a backend takes (tests/test_nccl.py: CUDA tensors and NCCL's types and ops)."""
     kind = draw(st.sampled_from(kinds))
@@ -86,7 +82,7 @@ def _blocking_sum(world, members, kinds, dtype="float32", shape=(5,)):
         "members": members, "world": members == list(range(world)), "seed": 11,
         "steps": [dict({"kind": k, "dtype": dtype, "lib": lib, "shape": shape, "root": 0,
                         "async": False}, **({"op": "SUM"} if k in REDUCING else {}))
-                  for k in kinds for lib in ("torch", "numpy")],
+                  for k in kinds for lib in LIBS],
         "wait_reversed": False,
     }
 
@@ -328,7 +324,7 @@ def detail_case(ctx, seed):
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(world=st.integers(2, 4), seed=st.integers(0, 100))
 def test_detail_debug_level_refuses_mismatched_collectives_on_every_rank(config, world, seed):
     results = backend_pool(config, world).run(detail_case, seed, timeout=90)
@@ -348,7 +344,7 @@ def test_detail_debug_level_refuses_mismatched_collectives_on_every_rank(config,
 def test_every_dtype_all_reduce_sum_on_four_ranks(config):
     for dtype in DTYPES:
         case = {"members": [0, 1, 2, 3], "seed": 5, "wait_reversed": False,
-                "steps": [{"kind": "all_reduce", "dtype": dtype, "lib": "torch", "shape": (7,),
+                "steps": [{"kind": "all_reduce", "dtype": dtype, "lib": LIBS[0], "shape": (7,),
                            "root": 0, "async": False, "op": "SUM"}]}
         _run(config, 4, case)
 
@@ -358,7 +354,7 @@ def test_uneven_all_to_all_single_in_a_subgroup(config):
     case = {"members": [0, 2, 3], "seed": 11, "wait_reversed": True,
             "steps": [{"kind": "all_to_all_single", "dtype": "int32", "lib": "numpy", "shape": (1,),
                        "root": 0, "async": True},
-                      {"kind": "all_to_all", "dtype": "float64", "lib": "torch", "shape": (1,),
+                      {"kind": "all_to_all", "dtype": "float64", "lib": LIBS[0], "shape": (1,),
                        "root": 0, "async": False}]}
     _run(config, 4, case)
 
@@ -399,6 +395,7 @@ def multigpu_case(ctx, k):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAVE_TORCH, reason="the *_multigpu calls take lists of torch tensors")
 @pytest.mark.parametrize("k", [1, 2])
 def test_multigpu_variants_reduce_across_the_list_and_the_ranks(config, k):
     n = 3

@@ -13,15 +13,13 @@ from hypothesis import strategies as st
 
 import collectives as dist
 from collectives.device_mesh import MeshDimError
+from tests.profiles import examples
 from tests.ranks import available_configs, backend_pool, get_pool
+from tests.requires import needs_gloo
 
 CONFIGS = [c for c in available_configs() if c in ("gloo", "mpi", "gloo-hier")]
-SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-
-@pytest.fixture(scope="module", params=CONFIGS)
-def config(request):
-    return request.param
 
 
 def _owned_groups(mesh, extra=()):
@@ -280,6 +278,7 @@ def breakpoint_case(ctx, rank, skip, calls, seconds):
 
 
 @pytest.mark.timeout(300)
+@needs_gloo
 def test_breakpoint_stops_one_rank_and_the_others_wait_past_the_group_timeout():
     # the group timeout is 2 s and the debugger holds rank 1 for 3 s
     res = get_pool(3, init_short_timeout).run(breakpoint_case, 1, 1, 3, 3.0, timeout=120)

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.profiles import examples
 
 from collectives import _fallback as fb
 
@@ -48,7 +49,7 @@ item = st.tuples(st.booleans(), st.integers(0, 20), shape)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(items=st.lists(item, min_size=0, max_size=8), seed=st.integers(0, 2**32 - 1))
 def test_flatten_then_unflatten_is_the_identity(impl, items, seed):
     """flatten concatenates the bytes in order; unflatten into fresh buffers restores each one."""

@@ -15,6 +15,9 @@ import pytest
 import collectives as dist
 from collectives.store import HashStore
 from tests.ranks import get_pool, ipv4_interfaces
+from tests.requires import needs_gloo
+
+pytestmark = needs_gloo
 
 
 def _store(ctx):

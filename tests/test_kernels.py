@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.profiles import examples
 
 from collectives import _fallback as fb
 from collectives import dtypes as D
@@ -167,7 +168,7 @@ def pick_length(dtype, seed, sizer):
     return int(choices[sizer % len(choices)])
 
 
-FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---- reduce_into ---------------------------------------------------------------------
@@ -298,7 +299,7 @@ def test_reduce_many_numpy_sources_mixed_with_torch():
 
 
 # ---- scale -----------------------------------------------------------------------------
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(sorted(D.FLOATING | D.COMPLEX)), st.integers(0, 2**32 - 1),
        st.sampled_from([0.5, 0.25, 1 / 3, 1 / 7, -2.0, 1e-3, 3.0, 0.1]), st.integers(0, 10**6))
 def test_scale_equals_torch_mul(dtype, seed, factor, sizer):

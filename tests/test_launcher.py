@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.ranks import free_port
+from tests.requires import needs_gloo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "tests", "scripts", "launch_target.py")
@@ -396,6 +397,7 @@ def test_c10d_elastic_range_starts_with_min_and_takes_a_late_node_in():
 
 
 @pytest.mark.timeout(60)
+@needs_gloo
 def test_c10d_on_one_node_with_port_0_as_torchrun_is_often_run():
     out = launch(["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nnodes=1",
                   "--nproc-per-node=2", TARGET, "elastic"])

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from collectives import dtypes as D
 from collectives.tensors import Buffer
+from tests.profiles import examples
 from tests.ranks import ROOT, get_pool, mpiexec_path
 
 HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
@@ -34,7 +35,7 @@ NP = {D.FLOAT16: np.float16, D.BFLOAT16: np.uint16, D.FLOAT32: np.float32, D.FLO
 REDUCE_OPS = [D.SUM, D.PRODUCT, D.MIN, D.MAX, D.BAND, D.BOR, D.BXOR]
 HALF = (D.FLOAT16, D.BFLOAT16)
 VALID = [(dt, op) for dt in NP for op in REDUCE_OPS if D.op_valid(dt, op)]
-SETTINGS = settings(max_examples=25, deadline=None,
+SETTINGS = settings(max_examples=examples(25), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
@@ -53,7 +54,7 @@ NO_HALF = "float16/bfloat16 need reduce_ptr from collectives._core or collective
 CASE_PARAMS = [pytest.param(dt, op, id=f"{D.DTYPE_NAMES[dt]}-{D.OP_NAMES[op]}",
                             marks=pytest.mark.skipif(dt in HALF and not HAVE_HALF, reason=NO_HALF))
                for dt, op in VALID]
-FEW = settings(max_examples=6, deadline=None,
+FEW = settings(max_examples=examples(6), deadline=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 

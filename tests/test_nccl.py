@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 
 import collectives as dist
 from collectives.backends import nccl
+from tests.profiles import examples
 from tests.collective_cases import check, run_case
 from tests.ranks import backend_pool
 from tests.test_collectives import MOVING, REDUCING, SHAPES, cases
@@ -82,7 +83,7 @@ def nccl_cases():
 
 @needs_gpu
 @pytest.mark.timeout(900)
-@settings(max_examples=40, deadline=None, derandomize=False,
+@settings(max_examples=examples(40), deadline=None, derandomize=False,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(wc=nccl_cases())
 def test_every_collective_on_cuda_tensors_matches_numpy(wc):

@@ -10,15 +10,17 @@ by torch autograd on the same formula (torch.amax/amin split ties evenly).
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import collectives as dist
+from tests.profiles import examples
 from tests.ranks import available_configs, backend_pool
 
+torch = pytest.importorskip("torch", reason="autograd collectives need torch")
+
 CONFIGS = [c for c in available_configs() if c in ("gloo", "mpi")]
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 KINDS = REDUCING + ("broadcast", "gather", "scatter", "all_gather", "_all_gather_base",
@@ -26,10 +28,6 @@ KINDS = REDUCING + ("broadcast", "gather", "scatter", "all_gather", "_all_gather
 LISTS = ("scatter", "reduce_scatter", "all_to_all")  # each rank passes one tensor per rank
 OPS = ("SUM", "AVG", "PREMUL_SUM", "MAX", "MIN", "PRODUCT")
 
-
-@pytest.fixture(scope="module", params=CONFIGS)
-def config(request):
-    return request.param
 
 
 def data(seed, key, shape, dtype, ties):

@@ -7,17 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
 from tests.ranks import available_configs, backend_pool
 
 CONFIGS = available_configs()
 
 
-@pytest.fixture(scope="module", params=CONFIGS)
-def config(request):
-    """A backend configuration; module scope so that tests sharing one run back to back
-    (its rank pools stay warm)."""
-    return request.param
-SETTINGS = settings(max_examples=8, deadline=None,
+SETTINGS = settings(max_examples=examples(8), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 KINDS = ["all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
          "send_recv_object_list"]

@@ -10,19 +10,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.collective_cases import DTYPES, assert_close, from_lib, gen, to_lib, value_dtype
+from tests.profiles import examples
+from tests.collective_cases import (DTYPES, HAVE_TORCH, LIBS, assert_close, from_lib, gen, to_lib,
+                                    value_dtype)
 from tests.ranks import available_configs, backend_pool
 
 CONFIGS = available_configs()
 
 
-@pytest.fixture(scope="module", params=CONFIGS)
-def config(request):
-    """A backend configuration; module scope so that tests sharing one run back to back
-    (its rank pools stay warm)."""
-    return request.param
 SHAPES = [(), (0,), (1,), (5,), (3, 2), (1000,)]
-SETTINGS = settings(max_examples=8, deadline=None,
+SETTINGS = settings(max_examples=examples(8), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PATTERNS = ["ring_isend_irecv", "ring_batch", "pairs_blocking", "any_source", "tags_reversed",
             "ordered_stream"]
@@ -140,7 +137,7 @@ def cases(draw):
     dtype = draw(st.sampled_from(DTYPES))
     return world, {
         "members": members, "seed": draw(st.integers(0, 2**31)), "dtype": dtype,
-        "lib": "torch" if dtype == "bfloat16" else draw(st.sampled_from(["torch", "numpy"])),
+        "lib": "torch" if dtype == "bfloat16" else draw(st.sampled_from(LIBS)),
         "shape": draw(st.sampled_from(SHAPES)), "tag": draw(st.integers(0, 1000)),
         "pattern": draw(st.sampled_from(PATTERNS)),
     }
@@ -171,7 +168,7 @@ def test_messages_arrive_intact_in_order_and_by_tag(config, wc):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_each_pattern_on_three_ranks(config, pattern):
-    run_and_check(config, 3, {"members": [0, 1, 2], "seed": 3, "dtype": "float32", "lib": "torch",
+    run_and_check(config, 3, {"members": [0, 1, 2], "seed": 3, "dtype": "float32", "lib": LIBS[0],
                               "shape": (5,), "tag": 7, "pattern": pattern})
 
 
@@ -215,6 +212,7 @@ def late_message_case(ctx):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAVE_TORCH, reason="the case sends torch tensors")
 def test_a_receive_whose_wait_timed_out_stays_posted(config):
     results = backend_pool(config, 3).run(late_message_case, timeout=60)
     timed_out, first, second = results[0]

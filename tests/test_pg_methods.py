@@ -15,10 +15,6 @@ WORLD = 4
 MEMBERS = [1, 2, 3]  # global ranks of the subgroup: group rank = global rank - 1
 
 
-@pytest.fixture(scope="module", params=CONFIGS)
-def config(request):
-    return request.param
-
 
 def methods_case(ctx, timed):
     """Run on every rank: every method on the subgroup; returns {label: result}. ``timed``:

@@ -11,6 +11,7 @@ from collectives.errors import DistNetworkError, DistStoreError
 from collectives.rendezvous import env_local_rank, env_rank_world, meet
 from collectives.store import FileStore, HashStore, TCPStore
 from tests.ranks import free_port, get_pool, mpiexec_path
+from tests.requires import needs_gloo
 
 TORCH_POOL = {"COLLECTIVES_TEST_POOL": "imports torch"}  # keeps the plain pools torch-free
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
@@ -149,6 +150,7 @@ def init_again_on_the_same_port(ctx, port, rounds, with_torch):
 
 
 @pytest.mark.timeout(120)
+@needs_gloo
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("with_torch", [False, True], ids=["numpy", "torch"])
 def test_destroy_and_init_again_on_the_same_port(world, with_torch):
@@ -365,6 +367,7 @@ def test_rendezvous_passes_rank_and_world_size_to_the_handler_in_the_query(schem
 
 
 @pytest.mark.timeout(60)
+@needs_gloo
 def test_init_process_group_meets_through_a_registered_scheme(scheme):
     import numpy as np
 

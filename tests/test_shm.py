@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from collectives import dtypes as D
 from collectives.tensors import to_buffer
+from tests.profiles import examples
 from tests.ranks import RankError, free_port, get_pool
 
 pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
@@ -35,7 +36,7 @@ ENV_SMALL = {"COLLECTIVES_SHM_HALF_BYTES": str(SMALL_HALF), "COLLECTIVES_SHM_ONE
              "COLLECTIVES_SHM_CHUNK_BYTES": "8192"}
 # sizes (in elements) around the thresholds of the small-slot configuration
 SIZES = [0, 1, 2, 3, 7, 255, 256, 257, 511, 513, 1023, 2049, 4097, 12345]
-SETTINGS = settings(max_examples=30, deadline=None,
+SETTINGS = settings(max_examples=examples(30), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
@@ -886,7 +887,7 @@ def test_single_copy_ops_match_numpy_on_more_ranks_than_cores(world, data):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
-@settings(SETTINGS, max_examples=15)
+@settings(SETTINGS, max_examples=examples(15))
 @given(data=st.data())
 def test_two_copy_gather_streamed_into_output_matches_numpy(world, data):
     """The two-copy all_gather and gather with a 4 KiB "last-level cache", so that the
@@ -904,7 +905,7 @@ def test_two_copy_gather_streamed_into_output_matches_numpy(world, data):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3, 4])
-@settings(SETTINGS, max_examples=15)
+@settings(SETTINGS, max_examples=examples(15))
 @given(data=st.data())
 def test_streamed_segment_writes_match_numpy(world, data):
     """One- and two-shot all_reduce and reduce (two-shot: each rank reduces its slice in

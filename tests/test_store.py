@@ -20,6 +20,7 @@ from collectives.store import (
     OP_GET, OP_SET, PROTOCOL_VERSION, FileStore, HashStore, PrefixStore, QueueEmptyError, Store,
     TCPStore, encode_request,
 )
+from tests.profiles import examples
 from tests.ranks import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -204,8 +205,8 @@ def test_store_behaves_like_a_shared_dict(kind, tmp_path_factory):
     single dict would (torch's semantics for add, compare_set, append, ...)."""
     machine = _machine(kind)
     machine.factory = tmp_path_factory
-    examples = 6 if kind == "torch" else 25  # torch's stores are slow to start
-    machine.TestCase.settings = settings(max_examples=examples, stateful_step_count=25, deadline=None,
+    n = examples(6 if kind == "torch" else 25)  # torch's stores are slow to start
+    machine.TestCase.settings = settings(max_examples=n, stateful_step_count=25, deadline=None,
                                          suppress_health_check=list(HealthCheck))
     machine.TestCase().runTest()
 

@@ -27,6 +27,7 @@ from hypothesis import strategies as st  # noqa: E402
 from collectives import dtypes as D  # noqa: E402
 from collectives.errors import DistBackendError  # noqa: E402
 from collectives.tensors import Buffer  # noqa: E402
+from tests.profiles import examples  # noqa: E402
 from tests.ranks import ROOT, get_pool, ipv4_interfaces  # noqa: E402
 
 NP_OF = {D.FLOAT16: np.float16, D.BFLOAT16: np.uint16, D.FLOAT32: np.float32,
@@ -224,7 +225,7 @@ def collective_cases(draw):
 
 
 @pytest.mark.timeout(900)
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=list(HealthCheck))
 @given(collective_cases())
 def test_every_collective_equals_the_numpy_reference(case):
     check_collective(*case)

@@ -1,16 +1,21 @@
 """Buffer conversion: zero-copy views of the caller's memory, clear errors for what cannot be one."""
 import numpy as np
 import pytest
-import torch
-
 from collectives import dtypes as D
 from collectives.tensors import to_buffer, view_numpy
 
+try:
+    import torch
+except ImportError:  # a NumPy-only install: the tests that need torch skip
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="needs torch (pip install 'collectives[torch]')")
 
-@pytest.mark.parametrize("dtype,code", [(torch.float32, D.FLOAT32), (torch.bfloat16, D.BFLOAT16),
-                                        (torch.complex64, D.COMPLEX64), (torch.bool, D.BOOL)])
+
+@needs_torch
+@pytest.mark.parametrize("dtype,code", [("float32", D.FLOAT32), ("bfloat16", D.BFLOAT16),
+                                        ("complex64", D.COMPLEX64), ("bool", D.BOOL)])
 def test_torch_tensor_buffer_shares_memory(dtype, code):
-    t = torch.zeros(7, dtype=dtype)
+    t = torch.zeros(7, dtype=getattr(torch, dtype))
     b = to_buffer(t)
     assert (b.ptr, b.count, b.dtype, b.device) == (t.data_ptr(), 7, code, -1)
     assert b.nbytes == t.numel() * t.element_size()
@@ -26,25 +31,29 @@ def test_numpy_buffer_and_slices_view_the_right_elements():
     assert b.numpy().tolist() == a.tolist()
 
 
+@needs_torch
 def test_zero_d_and_empty():
     assert to_buffer(np.array(3.0)).count == 1
     assert to_buffer(torch.empty(0, 3)).count == 0
     assert view_numpy(0, 0, D.FLOAT32).size == 0
 
 
+@needs_torch
 def test_bfloat16_bits_view():
     t = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)
     assert to_buffer(t).numpy().tolist() == [0x3F80, 0xC000]
 
 
 @pytest.mark.parametrize("bad,exc,match", [
-    (np.arange(10.0)[::2], ValueError, "contiguous"),
-    (torch.arange(10.0)[::2], ValueError, "contiguous"),
-    (torch.ones(2, dtype=torch.complex64).conj(), ValueError, "conjugate"),
-    (np.array(["a"]), TypeError, "unsupported dtype"),
-    ([1, 2], TypeError, "torch.Tensor or numpy.ndarray"),
-])
+    (lambda: np.arange(10.0)[::2], ValueError, "contiguous"),
+    pytest.param(lambda: torch.arange(10.0)[::2], ValueError, "contiguous", marks=needs_torch),
+    pytest.param(lambda: torch.ones(2, dtype=torch.complex64).conj(), ValueError, "conjugate",
+                 marks=needs_torch),
+    (lambda: np.array(["a"]), TypeError, "unsupported dtype"),
+    (lambda: [1, 2], TypeError, "torch.Tensor or numpy.ndarray"),
+], ids=["numpy-strided", "torch-strided", "torch-conj", "numpy-str", "list"])
 def test_what_cannot_be_a_buffer_is_named(bad, exc, match):
+    bad = bad()
     with pytest.raises(exc, match=match):
         to_buffer(bad, "tensor")
 
@@ -53,6 +62,7 @@ def test_what_cannot_be_a_buffer_is_named(bad, exc, match):
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from tests.profiles import examples  # noqa: E402
 
 from collectives import _frontend, tensors  # noqa: E402
 from collectives.tensors import Buffer, _PyBuffer  # noqa: E402
@@ -137,13 +147,14 @@ def outcome(fn, a):
 
 
 @needs_ext
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(arrays())
 def test_fast_buffer_agrees_with_to_buffer(a):
     """The C path gives what to_buffer gives: the same Buffer or the same error."""
     assert outcome(_buffer.buffer, a) == outcome(to_buffer, a)
 
 
+@needs_torch
 @needs_ext
 @pytest.mark.parametrize("make", [
     lambda: torch.arange(5.0), lambda: torch.zeros(2, 3, dtype=torch.bfloat16),
@@ -156,7 +167,7 @@ def test_fast_buffer_agrees_with_to_buffer_for_torch(make):
     assert outcome(_buffer.buffer, t) == outcome(to_buffer, t)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.integers(0, 6), st.integers(0, 6), st.integers(1, 4), st.integers(-30, 30),
        st.sampled_from([D.FLOAT32, D.INT16]), st.booleans())
 def test_disjoint_gather_agrees_with_the_python_check(n_in, extra, size, offset, dt, same_dtype):
@@ -169,7 +180,7 @@ def test_disjoint_gather_agrees_with_the_python_check(n_in, extra, size, offset,
 
 
 @needs_ext
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.tuples(st.integers(-8, 40), st.integers(0, 6)), min_size=1, max_size=5),
        st.integers(-8, 40), st.integers(0, 6), st.integers(0, 4))
 def test_separate_blocks_agrees_with_the_python_check(blocks, in_at, in_count, rank):
@@ -181,19 +192,21 @@ def test_separate_blocks_agrees_with_the_python_check(blocks, in_at, in_count, r
     assert bool(_buffer.separate_blocks(outs, inp, rank)) == bool(want)
 
 
+@needs_torch
 @needs_ext
 @pytest.mark.parametrize("tensors,kw", [
-    ([np.ones(3, np.float32), torch.zeros(3)], {}),
-    ([np.ones(3, np.float32), np.ones(3, np.float64)], {}),
-    ([np.ones(3, np.float32), np.ones(4, np.float32)], {"count": 3}),
-    ([np.ones(3, np.float32)], {"length": 2}),
-    ([np.ones(3, np.float32), np.arange(6.0, dtype=np.float32)[::2]], {}),
-    ((torch.ones(2), torch.ones(2, dtype=torch.float64)), {"dtype": D.FLOAT32}),
-    (np.ones(3), {}),
-    ([], {}),
-])
+    (lambda: [np.ones(3, np.float32), torch.zeros(3)], {}),
+    (lambda: [np.ones(3, np.float32), np.ones(3, np.float64)], {}),
+    (lambda: [np.ones(3, np.float32), np.ones(4, np.float32)], {"count": 3}),
+    (lambda: [np.ones(3, np.float32)], {"length": 2}),
+    (lambda: [np.ones(3, np.float32), np.arange(6.0, dtype=np.float32)[::2]], {}),
+    (lambda: (torch.ones(2), torch.ones(2, dtype=torch.float64)), {"dtype": D.FLOAT32}),
+    (lambda: np.ones(3), {}),
+    (lambda: [], {}),
+], ids=["mixed-torch", "dtypes", "count", "length", "strided", "torch-tuple", "not-a-list", "empty"])
 def test_fast_buffers_agrees_with_the_python_list_path(tensors, kw):
     """The same Buffers, or the same exception and message, for lists of tensors."""
+    tensors = tensors()
     def run(f):
         try:
             return [(b.ptr, b.count, b.dtype) for b in f(tensors, "tensor_list", **kw)]

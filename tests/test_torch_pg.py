@@ -39,17 +39,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
 from tests.ranks import available_configs, backend_pool, free_port, get_pool
 
 torch = pytest.importorskip("torch")
 
 CONFIGS = [c for c in available_configs() if c in ("gloo", "mpi")]
-SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-
-@pytest.fixture(scope="module", params=CONFIGS)
-def config(request):
-    return request.param
 
 
 def _bridged():
@@ -251,7 +248,7 @@ def test_ddp_trains_as_one_process_on_all_ranks_data(config, case):
 
 
 @pytest.mark.timeout(600)
-@settings(SETTINGS, max_examples=16)
+@settings(SETTINGS, max_examples=examples(16))
 @given(case=ddp_cases(hooks=True))
 def test_ddp_comm_hooks_whose_callbacks_wait_on_collectives(config, case):
     """torch's allreduce hook and a hook that waits on collectives inside its futures'
@@ -301,7 +298,7 @@ def fsdp_case(ctx, case):
 
 
 @pytest.mark.timeout(600)
-@settings(SETTINGS, max_examples=8)
+@settings(SETTINGS, max_examples=examples(8))
 @given(case=ddp_cases(subgroups=False), flavor=st.sampled_from(["fsdp1", "fully_shard"]))
 def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor):
     world, case = case
@@ -316,7 +313,7 @@ def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor):
 
 @pytest.mark.timeout(60)
 @given(depth=st.integers(1, 6), idle=st.sampled_from([0.05, 0.2]))
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 def test_futures_completer_settles_a_call_its_callback_waits_for_then_lets_threads_go(depth, idle):
     """Without ranks: each call's settling (a future's callbacks) waits for the next call,
     which it puts, ``depth`` deep; all settle, and the completer's threads end once idle."""
@@ -578,7 +575,7 @@ def td_cases(draw):
 
 
 @pytest.mark.timeout(600)
-@settings(SETTINGS, max_examples=60)
+@settings(SETTINGS, max_examples=examples(60))
 @given(case=td_cases())
 def test_torch_distributed_calls_match_numpy(config, case):
     world, case = case

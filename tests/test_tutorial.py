@@ -13,10 +13,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
 import collectives
 from tests.ranks import free_port
+
+torch = pytest.importorskip("torch", reason="the tutorial programs are torch programs")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_IMPORT = "import torch.distributed as dist"

@@ -1,0 +1,395 @@
+"""The one registry of ``COLLECTIVES_*`` settings.
+
+Every environment variable the package, its build or its tests read is declared here
+once: its type, default, parser, whether the ranks of a group must agree on it, and a
+one-line doc. ``docs/configuration.md`` is generated from this table
+(``python -m collectives.config --markdown -o docs/configuration.md``; CI runs
+``--check``), and ``tests/test_config.py`` fails for any ``COLLECTIVES_*`` name in the
+source that is not declared, so docs and code cannot drift.
+
+Read a setting with :func:`get`::
+
+    from collectives import config
+    spin = config.get("COLLECTIVES_TCP_SPIN_US")   # int, the default when unset
+
+Parsing rules, the same for every setting of a type:
+
+* unset or empty: the default (``None`` means "chosen at run time", see the doc line);
+* ``bool``: ``0``, ``false``, ``no``, ``off`` (any case) are false, anything else true;
+* ``int``: a decimal integer (``_`` separators allowed), checked against its minimum;
+* ``choice``: one of the listed values (case-insensitive);
+* ``str``: the value, stripped.
+
+A value that does not parse raises ``ValueError`` naming the variable and what it
+accepts. "Agree" settings pick an algorithm or a layout: ranks of one group started with
+different values could pick different algorithms for one call, so they must be equal on
+every rank (where ``rank0`` is set, the backend uses rank 0's value for the whole group).
+
+``COLLECTIVES_NO_EXTENSIONS=1`` is acted on here, at import (the package imports this
+module first): it hides the compiled extensions so that every module takes the
+pure-Python/NumPy fallback it uses when they are not built.
+"""
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
+
+__all__ = ["Setting", "SETTINGS", "get", "declared", "settings", "markdown", "EXTENSIONS"]
+
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+#: the compiled extension modules (``collectives.<name>``) COLLECTIVES_NO_EXTENSIONS hides
+EXTENSIONS = ("_core", "_buffer", "_tcp", "_shm")
+
+KiB = 1024
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``COLLECTIVES_*`` environment variable.
+
+    Attributes:
+        name: the variable's name.
+        type: ``"bool"``, ``"int"``, ``"choice"`` or ``"str"``.
+        default: the value when unset or empty (``None``: chosen at run time, see ``doc``).
+        doc: one line: what it does (and what the default means, where it is not a value).
+        agree: whether every rank of a group must have the same value.
+        rank0: whether the backend takes rank 0's value for the whole group (so the others'
+            environments do not matter).
+        scope: ``"runtime"`` (read by the package), ``"build"`` (setup.py) or ``"test"``
+            (the test harness).
+        read_in: where it is read today (module or C file), for maintainers.
+        choices: the accepted values of a ``choice`` setting.
+        minimum: the smallest accepted ``int``.
+        unit: shown after int values in the docs (``"bytes"``, ``"us"``, ``"ns"``).
+    """
+
+    name: str
+    type: str
+    default: Any
+    doc: str
+    agree: bool = False
+    rank0: bool = False
+    scope: str = "runtime"
+    read_in: str = ""
+    choices: Tuple[str, ...] = ()
+    minimum: Optional[int] = 0
+    unit: str = ""
+
+    def parse(self, raw: Optional[str]):
+        """The value of this setting for the raw environment string ``raw`` (None: unset)."""
+        if raw is None or raw.strip() == "":
+            return self.default
+        return _PARSERS[self.type](self, raw.strip())
+
+
+def _bool(s, v):
+    return v.lower() not in _FALSE
+
+
+def _int(s, v):
+    try:
+        n = int(v, 10)
+    except ValueError:
+        raise ValueError(f"{s.name} must be an integer{_unit(s)}, got {v!r}") from None
+    if s.minimum is not None and n < s.minimum:
+        raise ValueError(f"{s.name} must be >= {s.minimum}{_unit(s)}, got {n}")
+    return n
+
+
+def _choice(s, v):
+    low = v.lower()
+    if low not in s.choices:
+        raise ValueError(f"{s.name} must be one of {', '.join(map(repr, s.choices))}, got {v!r}")
+    return low
+
+
+def _str(s, v):
+    return v
+
+
+def _unit(s):
+    return f" ({s.unit})" if s.unit else ""
+
+
+_PARSERS: "dict[str, Callable[[Setting, str], Any]]" = {
+    "bool": _bool, "int": _int, "choice": _choice, "str": _str}
+
+
+def _s(*args, **kw):
+    return Setting(*args, **kw)
+
+
+# ---- the registry: add a new setting HERE (and nowhere else) -----------------------------
+SETTINGS = (
+    # transport selection and addressing
+    _s("COLLECTIVES_TRANSPORT", "choice", "auto",
+       "Transport of the default backend ('gloo'): auto (shared memory within a host, the "
+       "hierarchical mode across hosts), tcp (our TCP transport across the whole group), shm "
+       "(shared memory only; init fails if the ranks span hosts).",
+       agree=True, choices=("auto", "tcp", "shm"), read_in="backends/select.py"),
+    _s("COLLECTIVES_HOST_ID", "str", None,
+       "This process's host identity: ranks with equal identities share memory. Default: host "
+       "name, boot id and IPC namespace. Tests and benchmarks set it to fake several hosts.",
+       read_in="backends/select.py"),
+    _s("COLLECTIVES_IFNAME", "str", None,
+       "Network interface whose IPv4 address TCP peers connect to (the first of a "
+       "comma-separated list). Default: torch's GLOO_SOCKET_IFNAME, else the interface that "
+       "routes to MASTER_ADDR. A name without an IPv4 address raises ValueError at init.",
+       read_in="backends/tcp.py, gloo.py"),
+    # the TCP engine
+    _s("COLLECTIVES_TCP_SPIN_US", "int", 20,
+       "How long a TCP wait polls before it blocks.", unit="us", read_in="backends/tcp.py"),
+    _s("COLLECTIVES_TCP_SOCKBUF", "int", 4 * MiB,
+       "Socket send/receive buffer size; 0 keeps the operating system's default.",
+       unit="bytes", read_in="backends/tcp.py"),
+    _s("COLLECTIVES_TCP_RD_MAX", "int", 64 * KiB,
+       "all_reduce uses recursive doubling up to this size, reduce-scatter + all-gather above.",
+       agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
+    _s("COLLECTIVES_TCP_TREE_MAX", "int", 64 * KiB,
+       "broadcast and reduce use a binomial tree up to this size, a pipelined chain above.",
+       agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
+    _s("COLLECTIVES_TCP_SEGMENT", "int", 1 * MiB,
+       "Pipelining segment of the large-message algorithms.",
+       agree=True, minimum=1, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
+    _s("COLLECTIVES_TCP_DIRECT_MAX", "int", 64 * KiB,
+       "all_gather and reduce_scatter use a one-round direct exchange up to this size.",
+       agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
+    _s("COLLECTIVES_TCP_DIRECT_WORLD", "int", 8,
+       "Large all_reduce uses the two-round direct exchange up to this world size, the ring "
+       "above it.", agree=True, read_in="backends/tcp.py -> tcp_engine.c"),
+    _s("COLLECTIVES_TCP_DUPLEX_CHUNK", "int", 1 * MiB,
+       "Bytes written per send call, and read per call while sends to that peer wait, so both "
+       "directions of an exchange flow; 0: no limit.", unit="bytes",
+       read_in="backends/tcp.py -> tcp_engine.c"),
+    _s("COLLECTIVES_TCP_NO_LOWAT", "bool", False,
+       "True: never raise SO_RCVLOWAT while a large payload arrives (by default poll wakes "
+       "once 256 KiB-1 MiB of it is there). Read in C, where today any value, even 0, "
+       "counts as set.", read_in="src/tcp_engine.c"),
+    # the shared-memory backend
+    _s("COLLECTIVES_SHM_HALF_BYTES", "int", 2 * MiB,
+       "Bytes per half data slot of the group's segment (at least 4096 and 64 + 128 x "
+       "world size). It sets the segment's layout.", agree=True, unit="bytes",
+       read_in="backends/shm.py"),
+    _s("COLLECTIVES_SHM_ONESHOT_MAX", "int", 64 * KiB,
+       "Largest all_reduce done one-shot (one synchronisation); two-shot above.",
+       agree=True, rank0=True, unit="bytes", read_in="backends/shm.py"),
+    _s("COLLECTIVES_SHM_CHUNK_BYTES", "int", 512 * KiB,
+       "Chunk of the two-shot all_reduce and reduce.",
+       agree=True, rank0=True, minimum=1, unit="bytes", read_in="backends/shm.py"),
+    _s("COLLECTIVES_SHM_CMA_MIN", "int", 256 * KiB,
+       "all_gather and gather blocks from this size go in one copy (process_vm_readv/writev) "
+       "where the ranks may read each other's memory; 0 turns it off.",
+       agree=True, rank0=True, unit="bytes", read_in="backends/shm.py"),
+    _s("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB,
+       "broadcast from this size goes in one copy; 0 turns it off.",
+       agree=True, rank0=True, unit="bytes", read_in="backends/shm.py"),
+    _s("COLLECTIVES_SHM_CMA_AR_MIN", "int", 0,
+       "all_reduce from this size goes in one copy; 0 (the default: two-shot measured "
+       "faster) turns it off.", agree=True, rank0=True, unit="bytes", read_in="backends/shm.py"),
+    _s("COLLECTIVES_SHM_STREAM", "choice", "2",
+       "How the segment is written for other ranks: 0 plain stores, 1 streaming "
+       "(non-temporal) stores, 2 streaming while the ranks' probes find their peers far "
+       "(another die or socket).", agree=True, rank0=True, choices=("0", "1", "2"),
+       read_in="backends/shm.py"),
+    _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False,
+       "Allow the single-copy paths with more ranks than cores (measured slower there; the "
+       "tests use it). Read in C, where today any value, even 0, counts as set.",
+       read_in="src/shm_coll.c"),
+    _s("COLLECTIVES_SHM_SPIN", "int", None,
+       "Polls before a waiting rank yields. Default: about 2 us worth when every rank has a "
+       "core, none when the ranks outnumber the cores.", read_in="src/shm_coll.c"),
+    _s("COLLECTIVES_SHM_YIELD_US", "int", None,
+       "How long a waiting rank yields before it sleeps on a futex. Default: 200 us when "
+       "every rank has a core, 20 us otherwise.", unit="us", read_in="src/shm_coll.c"),
+    _s("COLLECTIVES_SHM_FAR_NS", "int", 250,
+       "Cache-line round trip from which a peer counts as far (streaming stores pay off); "
+       "0 or less: the default.", minimum=None, unit="ns", read_in="src/shm_coll.c"),
+    _s("COLLECTIVES_SHM_LLC_BYTES", "int", None,
+       "Last-level cache size: an all_gather whose outputs (all ranks' together) fill it "
+       "writes the local block with streaming stores. Default: read from sysfs.",
+       unit="bytes", read_in="src/shm_coll.c"),
+    _s("COLLECTIVES_SHM_THP", "bool", True,
+       "Collapse buffers that peers copy by process_vm_readv/writev into huge pages "
+       "(MADV_COLLAPSE, Linux 6.1; they copy twice as fast); false turns it off.",
+       read_in="src/shm_coll.c"),
+    # other backends and torch
+    _s("COLLECTIVES_MPI_WATCHDOG", "bool", True,
+       "The mpi backend's watchdog: a blocking call stuck past the group timeout prints its "
+       "stack and calls MPI_Abort. False: such a call waits forever.",
+       read_in="backends/mpi.py"),
+    _s("COLLECTIVES_NCCL_LIB", "str", None,
+       "Path of the libnccl the nccl backend loads. Default: torch's nvidia-nccl wheel, else "
+       "any libnccl.so.2 the loader finds.", read_in="backends/nccl.py"),
+    _s("COLLECTIVES_TORCH_BRIDGE", "bool", True,
+       "Where torch is imported, our groups are torch.distributed ProcessGroups too and the "
+       "default group becomes torch's; false turns that off.",
+       agree=True, read_in="group.py, torch_pg.py"),
+    _s("COLLECTIVES_TORCH_BACKEND", "str", "gloo",
+       "Backend of the groups that torch.distributed.init_process_group('collectives') makes.",
+       agree=True, read_in="torch_pg.py"),
+    _s("COLLECTIVES_NO_EXTENSIONS", "bool", False,
+       "Hide the compiled extensions (_core, _buffer, _tcp, _shm): the package runs on its "
+       "pure-Python/NumPy fallback, as when they are not built (kernels and the mpi and "
+       "registered backends work; the gloo backend needs _tcp). For tests and debugging.",
+       agree=True, read_in="config.py"),
+    # build (setup.py)
+    _s("COLLECTIVES_ONLY", "str", None,
+       "Comma-separated extensions to build (e.g. _shm,_core); default all.",
+       scope="build", read_in="setup.py"),
+    _s("COLLECTIVES_MARCH_NATIVE", "bool", False,
+       "Compile with -march=native (not for wheels; the kernels dispatch at run time anyway).",
+       scope="build", read_in="setup.py"),
+    # tests (tests/ranks.py and the test modules)
+    _s("COLLECTIVES_TEST_CONFIGS", "str", None,
+       "Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, "
+       "mpi, nccl); default every available host configuration.",
+       scope="test", read_in="tests/ranks.py"),
+    _s("COLLECTIVES_TEST_START_TIMEOUT", "int", 120,
+       "Seconds a rank pool may take to start.", scope="test", minimum=1,
+       read_in="tests/ranks.py"),
+    _s("COLLECTIVES_TEST_GROUP_TIMEOUT", "int", 30,
+       "Group timeout (seconds) of the test pools' process groups.", scope="test", minimum=1,
+       read_in="tests/ranks.py"),
+    _s("COLLECTIVES_TEST_MAX_POOLS", "int", 8,
+       "Rank pools kept running at once (the least recently used is closed).",
+       scope="test", minimum=1, read_in="tests/ranks.py"),
+    _s("COLLECTIVES_TEST_HOSTS", "int", None,
+       "Fake this many hosts in a pool, ranks dealt out in turn (the gloo-hier "
+       "configuration).", scope="test", minimum=1, read_in="tests/ranks.py"),
+    _s("COLLECTIVES_TEST_POOL", "str", None,
+       "A label that keeps pools apart (tests give pools that import torch their own).",
+       scope="test", read_in="tests/ranks.py"),
+    _s("COLLECTIVES_POOL_ADDR", "str", None,
+       "Set by the test harness for its rank processes: where to connect back. Not for users.",
+       scope="test", read_in="tests/ranks.py"),
+    _s("COLLECTIVES_POOL_KEY", "str", None,
+       "Set by the test harness for its rank processes: the connection's key. Not for users.",
+       scope="test", read_in="tests/ranks.py"),
+)
+
+_BY_NAME = {s.name: s for s in SETTINGS}
+assert len(_BY_NAME) == len(SETTINGS), "a setting is declared twice"
+
+
+def declared(name):
+    """The :class:`Setting` called ``name``; KeyError naming the registry for any other."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not declared in collectives/config.py (declare every "
+                       f"COLLECTIVES_* setting there)") from None
+
+
+def get(name, environ=None):
+    """The parsed value of setting ``name`` from ``environ`` (default ``os.environ``).
+
+    Args:
+        name: a declared ``COLLECTIVES_*`` name.
+        environ: a mapping to read instead of the process environment.
+
+    Returns:
+        The value, of the setting's type; its default when unset or empty.
+
+    Raises:
+        KeyError: ``name`` is not declared.
+        ValueError: the value does not parse (the message names the variable).
+    """
+    s = declared(name)
+    env = os.environ if environ is None else environ
+    return s.parse(env.get(name))
+
+
+def settings(scope=None):
+    """The declared settings, in registry order (only ``scope``'s where given)."""
+    return tuple(s for s in SETTINGS if scope is None or s.scope == scope)
+
+
+# ---- COLLECTIVES_NO_EXTENSIONS ------------------------------------------------------------
+
+def _hide_extensions():
+    """Make ``import collectives.<ext>`` raise ImportError (a None entry in sys.modules is
+    Python's documented way), so every import site takes its fallback."""
+    pkg = __name__.rpartition(".")[0] or "collectives"
+    for ext in EXTENSIONS:
+        full = f"{pkg}.{ext}"
+        if sys.modules.get(full) is None:
+            sys.modules[full] = None
+
+
+if get("COLLECTIVES_NO_EXTENSIONS"):
+    _hide_extensions()
+
+
+# ---- the generated reference page --------------------------------------------------------
+
+_SCOPES = (
+    ("runtime", "Run time",
+     "Read by the package in every rank's process. Set them in the environment of the "
+     "launcher (`collectives-run`, `mpiexec`, `torchrun`), which passes it on to the ranks."),
+    ("build", "Build", "Read by `setup.py` while the extensions compile."),
+    ("test", "Tests", "Read by the test harness (`tests/ranks.py`) and the test modules."),
+)
+
+
+def _fmt_default(s):
+    if s.default is None:
+        return "(see text)" if s.scope == "runtime" or "Default" in s.doc else "unset"
+    if s.type == "bool":
+        return "true" if s.default else "false"
+    if s.type == "int" and s.unit == "bytes" and s.default and s.default % KiB == 0:
+        d = s.default
+        return f"{d // MiB} MiB" if d % MiB == 0 else f"{d // KiB} KiB"
+    return f"{s.default} {s.unit}".strip() if s.type == "int" else str(s.default)
+
+
+def _fmt_type(s):
+    if s.type == "choice":
+        return " \\| ".join(s.choices)
+    return f"int ({s.unit})" if s.unit else s.type
+
+
+def _fmt_agree(s):
+    if s.rank0:
+        return "rank 0's"
+    return "must agree" if s.agree else "per rank"
+
+
+def markdown():
+    """docs/configuration.md, generated from :data:`SETTINGS`."""
+    out = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated by `python -m collectives.config --markdown -o docs/configuration.md` "
+        "from collectives/config.py; do not edit by hand (CI checks it is current). -->",
+        "",
+        "Every `COLLECTIVES_*` environment variable, declared once in `collectives/config.py`."
+        " Parsing is the same for every setting of a type: unset or empty gives the default; a"
+        " bool is false for `0`, `false`, `no`, `off` (any case) and true otherwise; an int is a"
+        " decimal integer; a value that does not parse raises `ValueError` naming the variable.",
+        "",
+        "The *Group* column says whether the ranks of one group must be started with equal "
+        "values: *must agree* (the setting picks an algorithm or a layout, so ranks that differ "
+        "could pick different ones for one call), *rank 0's* (the backend sends rank 0's value "
+        "to the others at group creation, so only rank 0's environment counts), or *per rank*.",
+        "",
+        "Read a value from Python with `collectives.config.get(\"COLLECTIVES_TCP_SPIN_US\")`.",
+        "",
+    ]
+    for scope, title, intro in _SCOPES:
+        rows = settings(scope)
+        out += [f"## {title}", "", intro, "",
+                "| Setting | Type | Default | Group | What it does |",
+                "|---|---|---|---|---|"]
+        for s in rows:
+            doc = s.doc.replace("|", "\\|")
+            out.append(f"| `{s.name}` | {_fmt_type(s)} | {_fmt_default(s)} | {_fmt_agree(s)} | {doc} |")
+        out.append("")
+    out += ["## Where each is read", "",
+            "For maintainers: the call sites today (the registry's accessor replaces their own "
+            "parsing as they are switched over).", "",
+            "| Setting | Read in |", "|---|---|"]
+    out += [f"| `{s.name}` | {s.read_in} |" for s in SETTINGS]
+    out.append("")
+    return "\n".join(out)

@@ -1,0 +1,106 @@
+"""Shared fixtures, markers and hypothesis profiles of the test suite.
+
+Run it in pieces::
+
+    pytest -m "not slow"                    # the quick suite (a few minutes on 2 cores)
+    pytest -m "not slow and not mpi"        # ... without the mpiexec configuration
+    pytest -m faults                        # dead peers, cut links, timeouts
+    HYPOTHESIS_PROFILE=dev pytest ...       # fewer examples (profiles: ci, dev, thorough)
+    COLLECTIVES_TEST_CONFIGS=gloo pytest    # one backend configuration
+
+Markers (registered in pyproject.toml) are applied here by module and by name, so test
+modules need no decorators for them: ``mpi`` (ranks under mpiexec, or the mpi
+configuration), ``gpu`` (CUDA), ``multinode`` (network namespaces), ``faults`` (failure
+injection) and ``slow`` (the modules and tests that take most of the suite's time,
+measured with ``--durations``).
+"""
+import pytest
+
+from tests import profiles  # noqa: F401  (registers and loads the hypothesis profiles)
+from tests.ranks import available_configs
+
+# module -> markers for every test in it
+MODULE_MARKERS = {
+    "test_mpi_backend": ("mpi",),
+    "test_nccl": ("gpu",),
+    "test_multinode": ("multinode", "faults"),
+    "test_faults": ("faults",),
+}
+# The quick suite (-m "not slow") runs every configuration-parametrised test on one
+# configuration, PRIMARY (the default backend, gloo, where it is available); its runs on
+# the other configurations are marked slow.
+# Tests (module::function, every parameter) and modules that are slow on any
+# configuration: measured with --durations on the 2-core development machine (see
+# docs/testing.md).
+SLOW_TESTS = {
+    "test_torch_pg::test_ddp_trains_as_one_process_on_all_ranks_data",
+    "test_torch_pg::test_ddp_comm_hooks_whose_callbacks_wait_on_collectives",
+    "test_torch_pg::test_who_sets_up_and_tears_down_torchs_default_group",
+    "test_torch_pg::test_fsdp_trains_as_one_process_on_all_ranks_data",
+    "test_torch_pg::test_a_peer_that_never_arrives_makes_torchs_calls_raise_within_the_timeout",
+    "test_nn::test_outputs_and_gradients_match_autograd_in_one_process",
+    "test_launcher::test_torchrun_starts_a_collectives_program",
+    "test_launcher::test_c10d_a_failure_restarts_every_node_while_max_restarts_allows",
+    "test_launcher::test_c10d_a_silent_store_ends_the_other_nodes_part",
+    "test_launcher::test_c10d_launchers_number_their_nodes_without_node_rank",
+    "test_launcher::test_c10d_elastic_range_starts_with_min_and_takes_a_late_node_in",
+    "test_launcher::test_c10d_nodes_may_start_different_numbers_of_ranks",
+    "test_launcher::test_c10d_a_signal_ends_launchers_waiting_for_nodes",
+    "test_faults::test_the_ranks_left_shrink_the_world_and_go_on",
+    "test_faults::test_other_ranks_raise_dist_error_within_the_timeout",
+    "test_rendezvous::test_ranks_meet_through_torchruns_agent_store",
+    "test_tcp_backend::test_a_few_megabytes_through_every_algorithm",
+}
+SLOW_MODULES = {
+    "test_multinode", "test_mpi_backend", "test_tutorial",
+}
+# words in a test's name that mark a failure-injection test
+FAULT_WORDS = ("dies", "dead", "died", "kill", "timeout", "cut", "frozen", "crash", "never_arrives")
+
+
+@pytest.fixture(scope="module")
+def config(request):
+    """A backend configuration from the module's ``CONFIGS`` (default: every available
+    one); module scope, so that the tests sharing one run back to back on warm rank pools."""
+    return request.param
+
+
+def _parametrized_directly(metafunc, name):
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
+        names = names.split(",") if isinstance(names, str) else names
+        if name in [n.strip() for n in names]:
+            return True
+    return False
+
+
+def pytest_generate_tests(metafunc):
+    if "config" in metafunc.fixturenames and not _parametrized_directly(metafunc, "config"):
+        configs = getattr(metafunc.module, "CONFIGS", None)
+        if configs is None:
+            configs = available_configs()
+        metafunc.parametrize("config", list(configs), indirect=True, scope="module")
+
+
+def _primary():
+    configs = available_configs()
+    return "gloo" if "gloo" in configs else (configs[0] if configs else None)
+
+
+def pytest_collection_modifyitems(config, items):
+    primary = _primary()
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        for m in MODULE_MARKERS.get(module, ()):
+            item.add_marker(m)
+        name = getattr(item, "originalname", None) or item.name
+        if module in SLOW_MODULES or f"{module}::{name}" in SLOW_TESTS:
+            item.add_marker("slow")
+        if any(w in name for w in FAULT_WORDS):
+            item.add_marker("faults")
+        callspec = getattr(item, "callspec", None)
+        cfg = callspec.params.get("config") if callspec is not None else None
+        if cfg == "mpi":
+            item.add_marker("mpi")
+        if cfg is not None and cfg != primary:
+            item.add_marker("slow")
