@@ -16,7 +16,7 @@ from . import backends as _backends
 from . import debug as _debug
 from .errors import DistError
 from ._pg_methods import ProcessGroupMethods
-from . import _world
+from . import _world, config
 from ._world import (NOT_INITIALIZED, GroupBase, GroupMember, _set_world, current,  # noqa: F401
                      default_group, resolve, set_destroy_hook, world)
 from .work import timeout_seconds
@@ -173,7 +173,7 @@ def _bridging():
     world with ``collectives.torch_pg.install_default``: the groups made from then on
     bridge (that call is the one other place the decision is made);
     ``collectives.torch_pg.to_torch`` wraps a plain group for torch."""
-    return "torch" in sys.modules and os.environ.get("COLLECTIVES_TORCH_BRIDGE", "1") != "0"
+    return "torch" in sys.modules and config.get("COLLECTIVES_TORCH_BRIDGE")
 
 
 def _group_class():

@@ -42,7 +42,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 from . import collective_ops as _ops
 from . import multigpu as _mgpu
-from . import _pg_methods
+from . import _pg_methods, config
 from . import options as _our_options
 from . import p2p as _p2p
 from ._pg_methods import _opts as _options
@@ -697,7 +697,7 @@ def _create_group(opts):
         _state.installing = False  # our init must not install torch's group in turn
         try:
             _groups.init_process_group(
-                os.environ.get("COLLECTIVES_TORCH_BACKEND", "gloo"),
+                config.get("COLLECTIVES_TORCH_BACKEND"),
                 store=_FromTorchStore(opts.store, timeout), rank=opts.group_rank,
                 world_size=opts.group_size, timeout=timeout)
         finally:
@@ -751,7 +751,7 @@ def install_default(pg, ranks=None):
         _state.installing = None
         if barrier_env is not None:
             os.environ["TORCH_DIST_INIT_BARRIER"] = barrier_env
-    if pg is _groups.world.default and os.environ.get("COLLECTIVES_TORCH_BRIDGE", "1") != "0":
+    if pg is _groups.world.default and config.get("COLLECTIVES_TORCH_BRIDGE"):
         _groups.world.bridge = True  # torch now runs on this world: its later groups bridge too
     return True
 

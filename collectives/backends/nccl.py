@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 
+from .. import config
 from .. import dtypes as D
 from ..errors import DistBackendError
 from .base import Backend, Request
@@ -45,7 +46,7 @@ _lib = None
 
 
 def _library_paths():
-    env = os.environ.get("COLLECTIVES_NCCL_LIB")
+    env = config.get("COLLECTIVES_NCCL_LIB")
     if env:
         yield env
     spec = importlib.util.find_spec("nvidia")
