@@ -14,6 +14,7 @@ import zlib
 
 from . import backends as _backends
 from . import debug as _debug
+from . import flight_recorder as _flight
 from . import profiling as _profiling
 from .errors import DistError
 from ._pg_methods import ProcessGroupMethods
@@ -74,6 +75,7 @@ class ProcessGroup(ProcessGroupMethods):
         # themselves and skip the run() frame (~0.2 us of a ~1 us small-message call).
         self.inline = getattr(type(backend), "run", None) is _backends.Backend.run
         self.destroyed = False
+        self.fr = _flight.new_recorder(self)  # the flight recorder: this group's last calls
         _profiling.refresh()  # torch may have been imported since the last group was made
 
     def rank(self):
