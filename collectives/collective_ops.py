@@ -69,20 +69,14 @@ def _launch(pg, async_op, outputs, name, steps, call=(), timeout=None):
         timeout = call_timeout()
     if timeout is not None:
         fn = _WithTimeout(pg.backend, timeout, fn)
-    fr = pg.fr
-    s = fr.issue(name, *call)
-    fn = _flight.Tracked(fr, s, fn)
+    s = pg.fr.issue(name, *call)
     if _prof._is_profiler_enabled:
         if not async_op:
-            return _profiling.run(pg, name, fn, args)
+            return _profiling.run(pg, name, _flight.Tracked(pg.fr, s, fn), args)
         fn, args = _profiling.Recorded(pg, name, fn, args), ()
     if async_op:
-        return Work(pg.submit(fn, *args), outputs, pg)
-    try:
-        pg.run(fn, *args)
-    except DistError as e:
-        fr.fail(s, e)  # a wait that ran out before the call ran (Tracked saw the others)
-        raise
+        return Work(_flight.submit(pg, s, fn, *args), outputs, pg)
+    _flight.run(pg, s, fn, *args)
     return None
 
 
@@ -126,7 +120,7 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
             else:
                 _flight.run(pg, s, be.all_reduce, buf, D.SUM)
             return None
-        return Work(pg.submit(_flight.Tracked(fr, s, be.all_reduce), buf, D.SUM), [tensor], pg)
+        return Work(_flight.submit(pg, s, be.all_reduce, buf, D.SUM), [tensor], pg)
     code, pre, avg = reduce_plan(op, buf.dtype)
     steps = [(be.all_reduce, (buf, code))]
     if pre is not None:
@@ -276,7 +270,7 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
             check_devices(pg, (out, inp), "output_tensor and input_tensor")
         fr = pg.fr
         s = fr.seq + 1
-        fr.ring[s % fr.size] = (s, "all_gather_into_tensor", inp.count, inp.dtype, -1, -1, _now())
+        fr.ring[s % fr.size] = (s, "all_gather", inp.count, inp.dtype, -1, -1, _now())
         fr.seq = s
         if pg.inline and not be._busy:
             fr.started = s
@@ -293,7 +287,7 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
     if needs_own_copy(pg, out, inp):
         settle(pg)
         inp = copy_of(inp)
-    return _launch(pg, async_op, [output_tensor], "all_gather_into_tensor",
+    return _launch(pg, async_op, [output_tensor], "all_gather",
                    [(pg.backend.all_gather, (out, inp))], (inp.count, inp.dtype))
 
 
@@ -380,7 +374,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
 
 # ---- reduce_scatter ------------------------------------------------------------------------
 
-def _reduce_scatter(pg, out, inp, op, async_op, outputs, staged_from=None, name="reduce_scatter"):
+def _reduce_scatter(pg, out, inp, op, async_op, outputs, staged_from=None):
     code, pre, avg = reduce_plan(op, out.dtype)
     steps = []
     if pre is not None:
@@ -391,7 +385,7 @@ def _reduce_scatter(pg, out, inp, op, async_op, outputs, staged_from=None, name=
     steps.append((pg.backend.reduce_scatter, (out, inp, code)))
     if avg:
         steps.append((scale, (out, 1.0 / pg._size)))
-    return _launch(pg, async_op, outputs, name, steps, (out.count, out.dtype, -1, op))
+    return _launch(pg, async_op, outputs, "reduce_scatter", steps, (out.count, out.dtype, -1, op))
 
 
 def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
@@ -426,7 +420,7 @@ def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  
             check_devices(pg, (out, inp), "output and input")
         fr = pg.fr
         s = fr.seq + 1
-        fr.ring[s % fr.size] = (s, "reduce_scatter_tensor", out.count, out.dtype, -1, D.SUM, _now())
+        fr.ring[s % fr.size] = (s, "reduce_scatter", out.count, out.dtype, -1, D.SUM, _now())
         fr.seq = s
         if pg.inline and not be._busy:
             fr.started = s
@@ -444,7 +438,7 @@ def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  
     if needs_own_copy(pg, inp, out):
         settle(pg)
         inp = staged = copy_of(inp)
-    return _reduce_scatter(pg, out, inp, op, async_op, [output], staged, "reduce_scatter_tensor")
+    return _reduce_scatter(pg, out, inp, op, async_op, [output], staged)
 
 
 reduce_scatter_tensor = reduce_scatter_single
@@ -516,7 +510,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if overlaps(inp, out):
         settle(pg)
         inp = copy_of(inp)
-    return _launch(pg, async_op, [output], "all_to_all_single",
+    return _launch(pg, async_op, [output], "all_to_all",
                    [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))], (inp.count, inp.dtype))
 
 

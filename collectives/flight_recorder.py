@@ -280,6 +280,62 @@ def run(pg, s, fn, *args):
         raise
 
 
+def submit(pg, s, fn, *args):
+    """``pg.submit(fn, *args)`` as collective ``s`` (async). On the base progress thread
+    ``fn`` runs tracked; a backend with a submit of its own (mpi posts its non-blocking
+    collectives at once, nccl enqueues on its stream) gets ``fn`` itself, and the request
+    says when it is done."""
+    if getattr(type(pg.backend), "submit", None) is _base_submit():
+        return pg.submit(Tracked(pg.fr, s, fn), *args)
+    fr = pg.fr
+    if fr.started < s:
+        fr.started = s
+    return CollectiveRequest(pg.submit(fn, *args), fr, s)
+
+
+def _base_submit():
+    from .backends.base import Backend
+    return Backend.submit
+
+
+class CollectiveRequest:
+    """An async collective's request, posted by the backend itself: done (or failed) once
+    a wait or test sees it so."""
+
+    __slots__ = ("_req", "_fr", "_s")
+
+    def __init__(self, req, fr, s):
+        self._req, self._fr, self._s = req, fr, s
+
+    def _completed(self):
+        if self._fr.done < self._s:
+            self._fr.done = self._s
+
+    def wait(self, timeout=None):
+        try:
+            self._req.wait(timeout)
+        except DistError as e:
+            self._fr.fail(self._s, e)
+            raise
+        self._completed()
+
+    def test(self):
+        done = self._req.test()
+        if done and self._req.exception() is None:
+            self._completed()
+        return done
+
+    def exception(self):
+        return self._req.exception()
+
+    @property
+    def source(self):
+        return self._req.source
+
+    def __getattr__(self, name):
+        return getattr(self._req, name)
+
+
 def record(pg, kind, buf=None, root=-1, op=-1):
     """Record a collective on ``pg`` (``buf`` gives the count and dtype); its number."""
     if buf is None:
@@ -460,6 +516,7 @@ def snapshot(reason="on demand"):
 
 
 _dump_lock = threading.Lock()
+_last_dump = [float("-inf")]  # monotonic time of this process's last dump
 
 
 def dump(path=None, reason="on demand"):
@@ -478,6 +535,7 @@ def dump(path=None, reason="on demand"):
             with open(tmp, "w") as f:
                 f.write(data)
             os.replace(tmp, path)
+            _last_dump[0] = time.monotonic()
         return path
     except Exception as e:  # noqa: BLE001
         warnings.warn(f"collectives flight recorder: could not write a dump to {path}: {e!r}",
@@ -515,6 +573,7 @@ class _Progress:
         self.wake_r = None  # the signal wakeup pipe's read end (see _Signals)
         self.seen_requests = None
         self.signal_dump = 0.0
+        self.down = float("-inf")  # when the error path last found the store unreachable
 
     # -- the store --------------------------------------------------------------------
     def _store(self):
@@ -523,18 +582,22 @@ class _Progress:
         if root is None:
             return None
         if root is not self.store_of:
-            old, self.store, self.store_of = self.store, None, root
-            if old is not None and old is not root:
-                try:
-                    old.close()
-                except Exception:  # noqa: BLE001
-                    pass
+            self._forget_store()
+            self.store_of = root
             st = root.clone()
             if st is not root:
                 st.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
             self.store = st
             self.seen_requests = None
         return self.store
+
+    def _forget_store(self):
+        st, root, self.store, self.store_of = self.store, self.store_of, None, None
+        if st is not None and st is not root:
+            try:
+                st.close()  # its connection would keep a closed master serving (linger)
+            except Exception:  # noqa: BLE001
+                pass
 
     def ensure_started(self):
         with self.lock:
@@ -559,13 +622,14 @@ class _Progress:
             else:
                 time.sleep(TICK_S)
             frs = live_recorders()
-            with self.lock:
-                if not frs:
+            if not frs:
+                with self.lock:
                     from .group import world
-                    if world.default is None:
+                    if world.default is None and not live_recorders():
                         self.thread = None  # a later group starts another
+                        self._forget_store()
                         return
-                    continue
+                continue
             try:
                 st = self._store()
                 if st is None:
@@ -616,7 +680,8 @@ class _Progress:
                 why = why.decode() if isinstance(why, (bytes, bytearray)) else str(why)
             except Exception:  # noqa: BLE001
                 why = "another rank's call failed"
-            dump(reason=f"requested by another rank: {why}")
+            if time.monotonic() - _last_dump[0] > POLL_S + TICK_S:  # else this rank's is fresh
+                dump(reason=f"requested by another rank: {why}")
             for k in range(first, n + 1):
                 st.add(f"{KEY}/ack/{k}", 1)
 
@@ -625,13 +690,11 @@ class _Progress:
         """Ask every rank's daemon for a dump and wait (briefly) until they wrote one."""
         try:
             st = self._store()
-            if st is None:
+            if st is None or time.monotonic() - self.down < 2 * STORE_TIMEOUT_S:
                 return
             why = f"rank {global_rank()}: {fr.describe_seq(s)} in group {fr.name} failed"
             n = int(st.add(f"{KEY}/dump", 1))
             st.set(f"{KEY}/dump/{n}", why)
-            if self.seen_requests is not None and self.seen_requests == n - 1:
-                self.seen_requests = n  # this rank's daemon need not dump again
             acks = int(st.add(f"{KEY}/ack/{n}", 1))
             deadline = time.monotonic() + ACK_WAIT_S
             want = _world_size or len(fr.ranks)
@@ -670,6 +733,7 @@ class _Progress:
         try:
             posts = self.read(fr)
         except Exception as e:  # noqa: BLE001
+            self.down = time.monotonic()  # no dump requests through it either
             return f"{head} (the other ranks' progress could not be read: {e}). "
         if posts is None:
             return f"{head} (no store to read the other ranks' progress from). "

@@ -26,6 +26,10 @@ COUNT = 100
 # mpiexec ends the whole job when a rank dies, and MPI cannot interrupt a blocked
 # collective: a skipped one hangs there. The fault scenarios need spawned ranks.
 FAULT_CONFIGS = [c for c in available_configs() if CONFIGS[c][1] == "spawn" and c != "store"]
+if "mpi" in available_configs():
+    FAULT_CONFIGS.append(pytest.param("mpi", marks=pytest.mark.skip(
+        reason="MPI cannot interrupt a blocked collective (the others would hang in the skipped "
+               "one) and mpiexec ends the job when a rank dies; test_mpi_dumps_on_demand covers mpi")))
 
 
 # ---- the ranks' side ------------------------------------------------------------------
@@ -251,6 +255,49 @@ def test_sigusr1_dumps_a_rank_blocked_in_a_collective(tmp_path, own_handler):
             p.communicate()
 
 
+MPI_PROGRAM = """
+import os, sys
+import numpy as np
+import collectives as dist
+dist.init_process_group("mpi")
+t = np.ones(8, np.float32)
+dist.all_reduce(t)
+dist.broadcast(t, 1)
+dist.barrier()
+w = dist.all_reduce(t, async_op=True)  # posted natively (Iallreduce), not queued
+assert type(w._req._req).__name__ == "MpiRequest", type(w._req._req)
+w.wait()
+if dist.get_rank() == 0:
+    dist.send(t, 1)
+elif dist.get_rank() == 1:
+    dist.recv(t, 0)
+print(dist.dump_flight_recorder(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_mpi_dumps_on_demand(tmp_path):
+    """mpi under mpiexec (no store): the recorder records and dumps, and the trace reads it."""
+    if "mpi" not in available_configs():
+        pytest.skip("the mpi configuration is not available (mpi4py and mpiexec)")
+    from tests.ranks import mpiexec_path
+    prefix = str(tmp_path / "mpi-rank")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", COLLECTIVES_FR_DUMP=prefix)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_FR_DUMP_TEMP_FILE"):
+        env.pop(k, None)
+    p = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, "-c", MPI_PROGRAM], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(p.stdout.split()) == [f"{prefix}{r}" for r in range(3)], p.stdout
+    out = trace(prefix)
+    assert "group default_pg (ranks [0, 1, 2]): every rank that dumped completed #4; the ranks did " \
+           "not part" in out, out
+    assert "#2 broadcast(src=1, float32, 8)  completed" in out, out
+    assert "send(peer=1, tag=0, float32, 8)  completed" in out, out
+    assert "recv(peer=0, tag=0, float32, 8)  completed" in out, out
+
+
 # ---- one process: the recorder itself --------------------------------------------------
 
 @pytest.fixture
@@ -282,8 +329,8 @@ def test_every_front_end_call_is_recorded_with_what_was_called(world1, tmp_path)
     g = d["groups"]["default_pg"]
     calls = [e["call"] for e in g["entries"]]
     assert calls == ["all_reduce(float32, 6, op=SUM)", "all_reduce(float32, 6, op=MAX)",
-                     "broadcast(src=0, float32, 6)", "barrier()", "all_gather_into_tensor(float32, 6)",
-                     "reduce_scatter_tensor(float32, 6, op=SUM)", "all_reduce(float32, 6, op=SUM)",
+                     "broadcast(src=0, float32, 6)", "barrier()", "all_gather(float32, 6)",
+                     "reduce_scatter(float32, 6, op=SUM)", "all_reduce(float32, 6, op=SUM)",
                      "reduce(dst=0, float32, 6, op=MIN)", "all_gather(int64, 1)",
                      calls[9]], calls
     assert calls[9].startswith("all_gather(uint8, ")  # the pickle, padded
