@@ -71,11 +71,19 @@ def load(where):
     return by_rank, notes
 
 
+def _by_seq(g):
+    """One rank's group record's entries by sequence number (made once, kept in it)."""
+    idx = g.get("_by_seq")
+    if idx is None:
+        idx = g["_by_seq"] = {e["seq"]: e for e in g.get("entries", ())}
+    return idx
+
+
 def _state_at(g, s):
     """(state, call, error) of collective ``s`` in one rank's group record."""
-    for e in g.get("entries", ()):
-        if e["seq"] == s:
-            return e["state"], e["call"], e.get("error")
+    e = _by_seq(g).get(s)
+    if e is not None:
+        return e["state"], e["call"], e.get("error")
     if s > g["issued"]:
         return "not issued", None, None
     err = g.get("failed", {}).get(str(s))
@@ -85,10 +93,8 @@ def _state_at(g, s):
 
 
 def _call_at(g, s):
-    for e in g.get("entries", ()):
-        if e["seq"] == s:
-            return e["call"]
-    return None
+    e = _by_seq(g).get(s)
+    return None if e is None else e["call"]
 
 
 def group_verdict(name, members, recs):
