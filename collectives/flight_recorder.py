@@ -50,10 +50,10 @@ DEFAULT_BUFFER_SIZE = 256
 P2P_BUFFER_SIZE = 64  # point-to-point entries kept per group
 TICK_S = 0.5  # the daemon's period: progress that changed is posted within it
 HEARTBEAT_S = 2.0  # unchanged progress is posted again this often (a silent rank is dead or stuck)
-POLL_S = 1.0  # how often the daemon looks for another rank's dump request
+POLL_S = 0.5  # how often the daemon looks for another rank's dump request
 STALE_S = 2 * HEARTBEAT_S + 1.5  # a post older than this: the rank died or is stuck
 STORE_TIMEOUT_S = 3.0  # any store call of the recorder (the error path waits at most this much)
-ACK_WAIT_S = 2.0  # a failing rank waits up to this long for the others to write their dumps
+ACK_WAIT_S = 1.5  # a failing rank waits up to this long for the others to write their dumps
 KEEP_ENDED = 16  # recorders of destroyed groups kept for later dumps
 KEY = "collectives_fr"  # the store keys' prefix
 
@@ -572,7 +572,7 @@ class _Progress:
         self.job = None
         self.wake_r = None  # the signal wakeup pipe's read end (see _Signals)
         self.seen_requests = None
-        self.signal_dump = 0.0
+        self.sig_daemon = self.sig_main = 0  # SIGUSR1s the daemon, the main thread has seen
         self.down = float("-inf")  # when the error path last found the store unreachable
 
     # -- the store --------------------------------------------------------------------
@@ -641,7 +641,7 @@ class _Progress:
                 if state != posted or t - last_post >= HEARTBEAT_S:
                     self.post(st, state)
                     posted, last_post = state, t
-                if t - last_poll >= POLL_S:
+                if t - last_poll >= POLL_S - 0.1:  # (ticks come a little early or late)
                     last_poll = t
                     self._poll_requests(st)
             except Exception as e:  # noqa: BLE001  (store gone: the job is ending)
@@ -654,9 +654,13 @@ class _Progress:
             got = os.read(r, 512)
         except OSError:
             return
-        if int(signal.SIGUSR1) in got and time.monotonic() - self.signal_dump > 1.0:
-            self.signal_dump = time.monotonic()
-            dump(reason="SIGUSR1")
+        n = got.count(int(signal.SIGUSR1))
+        if n:
+            # each signal dumps once: here (at once), or in the main thread's handler if that
+            # ran first (it runs when the main thread is back in Python, which may be late)
+            self.sig_daemon += n
+            if self.sig_daemon > self.sig_main:
+                dump(reason="SIGUSR1")
 
     def agree_job(self, st):
         mine = f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
@@ -787,6 +791,8 @@ class _Signals:
         self.installed = True
         try:
             prev = signal.getsignal(signal.SIGUSR1)
+            if prev is not signal.SIG_DFL and not callable(prev):
+                return  # ignored on purpose (SIG_IGN), or handled outside Python: left alone
             self.previous = prev if callable(prev) else None
             signal.signal(signal.SIGUSR1, self._handler)
             r, w = os.pipe()
@@ -807,8 +813,8 @@ class _Signals:
             _log.debug("collectives flight recorder: no SIGUSR1 handler: %r", e)
 
     def _handler(self, signum, frame):
-        if time.monotonic() - _progress.signal_dump > 1.0:  # the daemon may have dumped already
-            _progress.signal_dump = time.monotonic()
+        _progress.sig_main += 1
+        if _progress.sig_main > _progress.sig_daemon:  # the daemon did not dump for this one
             dump(reason="SIGUSR1")
         if self.previous is not None:
             self.previous(signum, frame)

@@ -75,15 +75,18 @@ def worker():
     os._exit(0)
 
 
+SIGNAL_TIMEOUT = 6.0
+
+
 def sigusr1_worker():
-    """Rank 0 waits in a barrier rank 1 never joins (a long timeout); the test sends it
-    SIGUSR1 meanwhile. FR_OWN_HANDLER: the program has a SIGUSR1 handler of its own."""
+    """Rank 0 waits in a barrier rank 1 never joins; the test sends it SIGUSR1 meanwhile.
+    FR_OWN_HANDLER: the program has a SIGUSR1 handler of its own."""
     from datetime import timedelta
 
     import collectives as dist
     if os.environ.get("FR_OWN_HANDLER"):
         signal.signal(signal.SIGUSR1, lambda *_: print(json.dumps({"own_handler": True}), flush=True))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=SIGNAL_TIMEOUT))
     t = np.ones(4, np.float32)
     dist.all_reduce(t)
     print(json.dumps({"ready": True}), flush=True)
@@ -93,7 +96,7 @@ def sigusr1_worker():
         except dist.DistError:
             pass
     else:
-        time.sleep(60)
+        time.sleep(SIGNAL_TIMEOUT + 10)
     os._exit(0)
 
 
@@ -236,10 +239,10 @@ def test_sigusr1_dumps_a_rank_blocked_in_a_collective(tmp_path, own_handler):
         time.sleep(0.5)  # in the barrier by now
         p0.send_signal(signal.SIGUSR1)
         path = f"{prefix}0"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + SIGNAL_TIMEOUT - 1.5
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert os.path.exists(path), "no dump within 10 s of SIGUSR1"
+        assert os.path.exists(path), "no dump while the rank waited in the barrier"
         with open(path) as f:
             d = json.load(f)
         assert d["reason"] == "SIGUSR1" and d["rank"] == 0, d
@@ -247,8 +250,9 @@ def test_sigusr1_dumps_a_rank_blocked_in_a_collective(tmp_path, own_handler):
         assert (g["issued"], g["completed"]) == (2, 1), g
         assert g["entries"][-1]["call"] == "barrier()" and g["entries"][-1]["state"] == "started", g
         assert p0.poll() is None  # still waiting: the signal did not end it
-        if own_handler:  # runs once the main thread gets the GIL back (the barrier's timeout)
-            p0.kill()
+        if own_handler:  # it runs once the main thread is back in Python (the barrier's timeout)
+            out, _ = p0.communicate(timeout=60)
+            assert '{"own_handler": true}' in out, out
     finally:
         for p in procs:
             if p.poll() is None:
