@@ -381,3 +381,73 @@ def test_trace_says_so_when_there_are_no_dumps(tmp_path):
 
 if __name__ == "__main__":
     globals()[os.environ.get("FR_MAIN", "worker")]()
+
+
+# ---- collectives-trace's verdict, as a property over drawn histories ---------------------
+
+def _dumps_of(histories, world):
+    """Dumps (as collectives-trace reads them) of ranks whose recorders saw ``histories``:
+    rank -> (calls issued [(kind, count, dtype, root, op)], number completed, failed seq)."""
+    from collectives import flight_recorder as fr
+    dumps = {}
+    for r, (calls, done, failed) in histories.items():
+        rec = fr.Recorder("default_pg", list(range(world)), r, "gloo")
+        for call in calls:
+            s = rec.issue(*call)
+            rec.started = s
+            if s <= done:
+                rec.done = s
+        if failed:
+            rec.failures[failed] = (f"rank {r} failed", 0.0)
+        dumps[r] = {"format": fr.FORMAT, "version": fr.VERSION, "rank": r, "world_size": world,
+                    "job": "j", "time": 0.0, "groups": {"default_pg": rec.snapshot(0)}}
+    return dumps
+
+
+def test_the_verdict_names_the_first_collective_not_every_rank_completed():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from collectives import trace
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.data())
+    def check(data):
+        world = data.draw(st.integers(2, 5), label="world")
+        n = data.draw(st.integers(1, 6), label="collectives everyone issues")
+        common = [("all_reduce", 4, 2, -1, 0)] * n
+        histories, part = {}, None
+        for r in range(world):
+            issued = data.draw(st.integers(max(0, n - 2), n), label=f"rank {r} issued")
+            done = data.draw(st.integers(max(0, issued - 1), issued), label=f"rank {r} completed")
+            calls = list(common[:issued])
+            odd = data.draw(st.booleans(), label=f"rank {r} calls another collective last") and issued
+            if odd:
+                calls[-1] = ("broadcast", 4, 2, r, -1)
+            histories[r] = (calls, done, 0)
+        dumps = _dumps_of(histories, world)
+        v = trace.analyse(dumps)["groups"][0]
+        # the reference: the first number some rank issued and another did not complete, or
+        # whose calls differ
+        for s in range(1, max(len(h[0]) for h in histories.values()) + 1):
+            states = [(h[1] >= s, h[0][s - 1] if s <= len(h[0]) else None) for h in histories.values()]
+            calls = {c for _, c in states if c is not None}
+            if not all(done for done, _ in states) or len(calls) > 1:
+                part = s
+                break
+        if part is None:
+            assert v["seq"] is None, v
+            return
+        assert v["seq"] == part, (v, histories)
+        assert v["missing"] == [r for r, h in histories.items() if len(h[0]) < part], v
+        called = {}
+        for r, h in histories.items():
+            if len(h[0]) >= part:
+                called.setdefault(trace_call(h[0][part - 1]), []).append(r)
+        assert v["calls"] == called, (v, histories)
+
+    def trace_call(call):
+        from collectives import flight_recorder as fr
+        return fr.describe((0,) + call)
+
+    check()
