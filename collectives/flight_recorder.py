@@ -186,7 +186,7 @@ class Recorder:
         return f"{describe(e, self.ranks)} #{s}" if e is not None else f"collective #{s}"
 
     def state(self, s):
-        if s in self.failures:
+        if s in self.failures:  # (a lookup is safe while another thread adds)
             return FAILED
         if s <= self.done:
             return COMPLETED
@@ -199,12 +199,13 @@ class Recorder:
         seq, done = self.seq, self.done
         last = self.entry(seq)
         fin = self.entry(done)
-        failed = max(self.failures) if self.failures else 0
+        failed = max(dict(self.failures), default=0)  # (a copy: another thread may add one)
         return [seq, done, describe(last, self.ranks) if last else None,
                 describe(fin, self.ranks) if fin else None, failed]
 
     def snapshot(self, offset_ns):
         """This group's part of a dump (``offset_ns`` turns entry times into wall time)."""
+        failures = dict(self.failures)  # a copy: the group's thread may add one meanwhile
         entries = []
         for e in sorted((e for e in self.ring if e is not None), key=lambda e: e[0]):
             s, kind, count, dtype, root, op, t = e[:7]
@@ -212,8 +213,8 @@ class Recorder:
                     "dtype": D.DTYPE_NAMES.get(dtype), "root": self.ranks[root] if 0 <= root < len(
                         self.ranks) else None, "op": D.OP_NAMES.get(op) if op >= 0 else None,
                     "state": self.state(s), "time_issued": (t + offset_ns) / 1e9}
-            if s in self.failures:
-                item["error"] = self.failures[s][0]
+            if s in failures:
+                item["error"] = failures[s][0]
             if len(e) > 7:
                 item["stack"] = [{"file": f, "line": ln, "function": fn} for f, ln, fn in e[7]]
             entries.append(item)
@@ -231,7 +232,7 @@ class Recorder:
         return {"ranks": self.ranks, "rank": self.rank, "backend": self.backend,
                 "destroyed": self.ended, "issued": self.seq, "started": self.started,
                 "completed": self.done, "buffer_size": self.size,
-                "failed": {str(s): err for s, (err, _) in self.failures.items()},
+                "failed": {str(s): err for s, (err, _) in failures.items()},
                 "entries": entries, "p2p": p2p}
 
 
