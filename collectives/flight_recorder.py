@@ -671,7 +671,7 @@ class _Progress:
 
     def post(self, st, state):
         st.set(f"{KEY}/progress/{global_rank()}",
-               json.dumps({"t": time.time(), "pid": os.getpid(), "groups": state}))
+               json.dumps({"t": time.time(), "pid": os.getpid(), "host": _HOST, "groups": state}))
 
     def _poll_requests(self, st):
         n = int(st.add(f"{KEY}/dump", 0))
@@ -727,7 +727,8 @@ class _Progress:
                 continue
             raw = st.get(key)
             post = json.loads(raw.decode() if isinstance(raw, (bytes, bytearray)) else raw)
-            out[g] = (max(0.0, time.time() - post["t"]), post["groups"].get(fr.name))
+            out[g] = (max(0.0, time.time() - post["t"]), post["groups"].get(fr.name),
+                      _gone(post.get("host"), post.get("pid")))
         return out
 
     def explain(self, fr, s, text):
@@ -749,8 +750,10 @@ class _Progress:
                 notes.append(f"rank {g} posted no progress")
                 missing.append(g)
                 continue
-            age, (issued, done, last, fin, failed) = post
+            age, (issued, done, last, fin, failed), gone = post
             stale = f" (posted {age:.0f} s ago: dead or stuck?)" if age > STALE_S else ""
+            if gone:
+                stale = f" (its process {gone} is gone: it died)"
             if issued < s:
                 missing.append(g)
                 where = f"last completed #{done} {fin}" if done else "completed no collective"
@@ -769,6 +772,31 @@ class _Progress:
 
 
 _progress = _Progress()
+
+
+def _host():
+    """This host and pid namespace: where a peer's pid can be looked up."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = "?"
+    return f"{socket.gethostname()}|{ns}"
+
+
+_HOST = _host()
+
+
+def _gone(host, pid):
+    """``pid`` where that process of this host no longer exists, else None."""
+    if host != _HOST or "?" in _HOST or not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return pid
+    except OSError:  # exists (another user's, say)
+        return None
+    return None
 
 
 # ---- SIGUSR1 ----------------------------------------------------------------------------

@@ -451,3 +451,12 @@ def test_the_verdict_names_the_first_collective_not_every_rank_completed():
         return fr.describe((0,) + call)
 
     check()
+
+
+def test_a_peer_process_that_is_gone_is_told_from_one_that_lives():
+    from collectives import flight_recorder as fr
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert fr._gone(fr._HOST, p.pid) == p.pid
+    assert fr._gone(fr._HOST, os.getpid()) is None
+    assert fr._gone("another host|pid:[1]", p.pid) is None  # not ours to look up
