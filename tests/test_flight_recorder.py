@@ -305,6 +305,52 @@ def test_mpi_dumps_on_demand(tmp_path):
     assert "recv(peer=0, tag=0, float32, 8)  completed" in out, out
 
 
+MPI_HANG = """
+import time
+from datetime import timedelta
+import numpy as np
+import collectives as dist
+dist.init_process_group("mpi", timeout=timedelta(seconds=2))
+t = np.ones(8, np.float32)
+dist.all_reduce(t)
+if dist.get_rank() == 0:
+    dist.barrier()  # rank 1 never joins: the watchdog ends the job past the timeout
+else:
+    time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_mpi_watchdog_dumps_before_it_ends_the_job(tmp_path):
+    """MPI cannot time a blocked collective out: the watchdog ends the job, and the rank
+    whose call hung leaves its dump first."""
+    if "mpi" not in available_configs():
+        pytest.skip("the mpi configuration is not available (mpi4py and mpiexec)")
+    from tests.ranks import mpiexec_path
+    prefix = str(tmp_path / "hang-rank")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", COLLECTIVES_FR_DUMP=prefix)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_FR_DUMP_TEMP_FILE",
+              "COLLECTIVES_MPI_WATCHDOG"):
+        env.pop(k, None)
+    p = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, "-c", MPI_HANG], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode != 0
+    assert f"flight recorder dump: {prefix}0" in err, err
+    with open(f"{prefix}0") as f:
+        d = json.load(f)
+    assert d["reason"].startswith("mpi watchdog: barrier ran"), d["reason"]
+    out = trace(prefix)
+    assert "no dump from rank 1 (died or never dumped)" in out, out
+    assert "the ranks part at collective #2" in out and "ranks {0} called barrier()" in out, out
+    assert "in #2 when they dumped: ranks {0}" in out, out
+
+
 # ---- one process: the recorder itself --------------------------------------------------
 
 @pytest.fixture
