@@ -30,7 +30,8 @@ FAULT_CONFIGS = [c for c in available_configs() if CONFIGS[c][1] == "spawn" and 
 if "mpi" in available_configs():
     FAULT_CONFIGS.append(pytest.param("mpi", marks=pytest.mark.skip(
         reason="MPI cannot interrupt a blocked collective (the others would hang in the skipped "
-               "one) and mpiexec ends the job when a rank dies; test_mpi_dumps_on_demand covers mpi")))
+               "one) and mpiexec ends the job when a rank dies; test_mpi_dumps_on_demand and "
+               "test_mpi_watchdog_dumps_before_it_ends_the_job cover mpi")))
 
 
 # ---- the ranks' side ------------------------------------------------------------------
