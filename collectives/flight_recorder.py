@@ -484,7 +484,10 @@ def job_id():
             _log.debug("collectives flight recorder: no job id from the store: %r", e)
     if _progress.job:
         return _progress.job
-    return _safe(f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', 'job')}")
+    if os.environ.get("MASTER_PORT"):
+        return _safe(f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ['MASTER_PORT']}")
+    # no store (mpi under mpiexec): the ranks of one host share their launcher's proxy
+    return _safe(f"{socket.gethostname()}-{os.getppid()}")
 
 
 def _safe(name):
