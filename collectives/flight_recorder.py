@@ -418,6 +418,7 @@ def new_recorder(pg):
         _prune()
         _live.append((weakref.ref(pg), fr))
     if ENABLED:
+        _progress.agree_job(pg.store)
         _progress.ensure_started()
         _signals.install()
     return fr
@@ -475,13 +476,6 @@ def job_id():
         v = os.environ.get(var, "").strip()
         if v and v != "none":
             return _safe(v)
-    if _progress.job is None:
-        try:
-            st = _progress._store()
-            if st is not None:
-                _progress.agree_job(st)
-        except Exception as e:  # noqa: BLE001
-            _log.debug("collectives flight recorder: no job id from the store: %r", e)
     if _progress.job:
         return _progress.job
     if os.environ.get("MASTER_PORT"):
@@ -571,9 +565,11 @@ class _Progress:
         self.thread = None
         self.pid = None
         self.lock = threading.Lock()
+        self.store_lock = threading.RLock()
         self.store = None  # a clone of the world's store, with a short timeout
         self.store_of = None  # the world store it was cloned from
         self.job = None
+        self.job_root = None  # the store the job's name was agreed through
         self.wake_r = None  # the signal wakeup pipe's read end (see _Signals)
         self.seen_requests = None
         self.sig_daemon = self.sig_main = 0  # SIGUSR1s the daemon, the main thread has seen
@@ -582,21 +578,22 @@ class _Progress:
     # -- the store --------------------------------------------------------------------
     def _store(self):
         from .group import world
-        root = world.store
-        if root is None:
-            return None
-        if root is not self.store_of:
-            self._forget_store()
-            self.store_of = root
-            st = root.clone()
-            if st is not root:
-                st.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-            self.store = st
-            self.seen_requests = None
-        return self.store
+        with self.store_lock:  # the daemon and a failing call may both ask first
+            root = world.store
+            if root is None:
+                return None
+            if root is not self.store_of:
+                self._forget_store()
+                st = root.clone()
+                if st is not root:
+                    st.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+                self.store, self.store_of = st, root
+                self.seen_requests = None
+            return self.store
 
     def _forget_store(self):
-        st, root, self.store, self.store_of = self.store, self.store_of, None, None
+        with self.store_lock:
+            st, root, self.store, self.store_of = self.store, self.store_of, None, None
         if st is not None and st is not root:
             try:
                 st.close()  # its connection would keep a closed master serving (linger)
@@ -614,9 +611,13 @@ class _Progress:
 
     def _loop(self):
         posted, last_post, last_poll = None, 0.0, 0.0
+        first = True
         while True:
             r = self.wake_r
-            if r is not None:
+            if first:  # agree on the job's name and post at once
+                first = False
+                time.sleep(0.05)  # (init_process_group sets the world's store just after the group)
+            elif r is not None:
                 try:
                     ready, _, _ = select.select([r], [], [], TICK_S)
                 except (OSError, ValueError):
@@ -638,8 +639,6 @@ class _Progress:
                 st = self._store()
                 if st is None:
                     continue
-                if self.job is None:
-                    self.agree_job(st)
                 t = time.monotonic()
                 state = {fr.name: fr.progress() for fr in frs}
                 if state != posted or t - last_post >= HEARTBEAT_S:
@@ -667,10 +666,22 @@ class _Progress:
                 dump(reason="SIGUSR1")
 
     def agree_job(self, st):
+        """Agree with the other ranks on the job's name, through a new group's store ``st``
+        (at init: the first group is the default one, the same on every rank; again only
+        once the world's store is another one, after a new init)."""
+        if st is None:
+            return
+        root = getattr(st, "underlying_store", st)
+        if self.job is not None and self.job_root is root:
+            return
         mine = f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
-        got = st.compare_set(f"{KEY}/job", "", mine)
+        try:
+            got = st.compare_set(f"{KEY}/job", "", mine)
+        except Exception as e:  # noqa: BLE001  (then the job's name comes from its address)
+            _log.debug("collectives flight recorder: no job name from the store: %r", e)
+            return
         got = got.decode() if isinstance(got, (bytes, bytearray)) else str(got)
-        self.job = _safe(got or mine)
+        self.job, self.job_root = _safe(got or mine), root
 
     def post(self, st, state):
         st.set(f"{KEY}/progress/{global_rank()}",
