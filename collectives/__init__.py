@@ -38,6 +38,7 @@ from .objects import (
     all_gather_object, broadcast_object_list, gather_object, recv_object_list, scatter_object_list,
     send_object_list)
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .flight_recorder import dump_flight_recorder  # noqa: E402
 from .profiling import record_comm
 from .reduce_op import ReduceOp, reduce_op, supports_complex
 from .work import Future, Work
@@ -51,7 +52,7 @@ from .options import (  # noqa: E402
 # the front end's public names (the lead's section extends this with its own)
 __all__ = [
     "FileStore", "HashStore", "PrefixStore", "QueueEmptyError", "Store", "TCPStore",
-    "register_rendezvous_handler", "rendezvous",
+    "register_rendezvous_handler", "rendezvous", "dump_flight_recorder",
     "DistBackendError", "DistError", "DistNetworkError", "DistStoreError", "dtypes", "register_backend",
     "_all_gather_base", "_reduce_scatter_base", "all_gather", "all_gather_coalesced",
     "all_gather_into_tensor",

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _frontend as _fe
 from . import dtypes as D
+from . import flight_recorder as _flight
 from . import profiling as _profiling
 from ._frontend import (Steps, buffer, buffers, check_devices, check_like, contiguous_span, copy_into,
                         copy_of, disjoint_gather, needs_own_copy, overlaps, reduce_plan, scale,
@@ -28,6 +29,7 @@ _prof = _profiling.tap  # torch's profiler module once torch is imported (profil
 _profiling.bind(globals())
 
 _SUM = ReduceOp.SUM
+_now = _flight.now
 
 
 class _WithTimeout:
@@ -55,7 +57,9 @@ class _WithTimeout:
                 pass
 
 
-def _launch(pg, async_op, outputs, name, steps, timeout=None):
+def _launch(pg, async_op, outputs, name, steps, call=(), timeout=None):
+    """Run ``steps`` as collective ``name``; ``call`` is (count, dtype, root, op) for the
+    flight recorder."""
     if _fe.cuda_seen:  # a CUDA tensor must not reach a host backend, nor host memory nccl
         for _, args in steps:
             check_devices(pg, [a for a in args if isinstance(a, Buffer)], name)
@@ -65,13 +69,14 @@ def _launch(pg, async_op, outputs, name, steps, timeout=None):
         timeout = call_timeout()
     if timeout is not None:
         fn = _WithTimeout(pg.backend, timeout, fn)
+    s = pg.fr.issue(name, *call)
     if _prof._is_profiler_enabled:
         if not async_op:
-            return _profiling.run(pg, name, fn, args)
+            return _profiling.run(pg, name, _flight.Tracked(pg.fr, s, fn), args)
         fn, args = _profiling.Recorded(pg, name, fn, args), ()
     if async_op:
-        return Work(pg.submit(fn, *args), outputs, pg)
-    pg.run(fn, *args)
+        return Work(_flight.submit(pg, s, fn, *args), outputs, pg)
+    _flight.run(pg, s, fn, *args)
     return None
 
 
@@ -99,20 +104,30 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
     if buf.device != -1:
         check_devices(pg, (buf,), "tensor")
     if op is _SUM and not _prof._is_profiler_enabled and not _timed.n:
+        fr = pg.fr  # the flight recorder, inline (see flight_recorder.Recorder)
+        s = fr.seq + 1
+        fr.ring[s % fr.size] = (s, "all_reduce", buf.count, buf.dtype, -1, D.SUM, _now())
+        fr.seq = s
         if not async_op:
             if pg.inline and not be._busy:
-                be.all_reduce(buf, D.SUM)
+                fr.started = s
+                try:
+                    be.all_reduce(buf, D.SUM)
+                except DistError as e:
+                    fr.fail(s, e)
+                    raise
+                fr.done = s
             else:
-                pg.run(be.all_reduce, buf, D.SUM)
+                _flight.run(pg, s, be.all_reduce, buf, D.SUM)
             return None
-        return Work(pg.submit(be.all_reduce, buf, D.SUM), [tensor], pg)
+        return Work(_flight.submit(pg, s, be.all_reduce, buf, D.SUM), [tensor], pg)
     code, pre, avg = reduce_plan(op, buf.dtype)
     steps = [(be.all_reduce, (buf, code))]
     if pre is not None:
         steps.insert(0, (scale, (buf, pre)))
     elif avg:
         steps.append((scale, (buf, 1.0 / pg._size)))
-    return _launch(pg, async_op, [tensor], "all_reduce", steps)
+    return _launch(pg, async_op, [tensor], "all_reduce", steps, (buf.count, buf.dtype, -1, op))
 
 
 def _some_buffers(tensors, name):
@@ -149,7 +164,8 @@ def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
         steps.append((scale, (flat, 1.0 / pg._size)))
     if flat.obj is not bufs:
         steps.append((unstage, (flat, bufs)))
-    return _launch(pg, async_op, list(tensors), "all_reduce_coalesced", steps)
+    return _launch(pg, async_op, list(tensors), "all_reduce_coalesced", steps,
+                   (flat.count, flat.dtype, -1, op))
 
 
 def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None):
@@ -171,7 +187,7 @@ def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None
         steps = [(be.reduce, (buf, code, root))]
         if avg and pg._rank == root:
             steps.append((scale, (buf, 1.0 / pg._size)))
-    return _launch(pg, async_op, [tensor], "reduce", steps)
+    return _launch(pg, async_op, [tensor], "reduce", steps, (buf.count, buf.dtype, root, op))
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
@@ -188,14 +204,25 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
             buf = buffer(tensor)
             if buf.device != -1:
                 check_devices(pg, (buf,), "tensor")
+            fr = pg.fr
+            s = fr.seq + 1
+            fr.ring[s % fr.size] = (s, "broadcast", buf.count, buf.dtype, root, -1, _now())
+            fr.seq = s
             if pg.inline and not be._busy:
-                be.broadcast(buf, root)
+                fr.started = s
+                try:
+                    be.broadcast(buf, root)
+                except DistError as e:
+                    fr.fail(s, e)
+                    raise
+                fr.done = s
             else:
-                pg.run(be.broadcast, buf, root)
+                _flight.run(pg, s, be.broadcast, buf, root)
             return None
     root = pg.peer(src, group_src, "src", default=0)
     buf = buffer(tensor)
-    return _launch(pg, async_op, [tensor], "broadcast", [(pg.backend.broadcast, (buf, root))])
+    return _launch(pg, async_op, [tensor], "broadcast", [(pg.backend.broadcast, (buf, root))],
+                   (buf.count, buf.dtype, root))
 
 
 # ---- gathers ----------------------------------------------------------------------------
@@ -218,12 +245,12 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     if pg.backend.gathers_into_list and separate_blocks(outs, inp, pg._rank):
         # separate tensors, as torch programs allocate them: the backend fills each one
         return _launch(pg, async_op, list(tensor_list), "all_gather",
-                       [(pg.backend.all_gather_list, (outs, inp))])
+                       [(pg.backend.all_gather_list, (outs, inp))], (inp.count, inp.dtype))
     out, copy_out = _output_span(outs, inp.dtype, inp)
     steps = [(pg.backend.all_gather, (out, inp))]
     if copy_out:
         steps.append((unstage, (out, outs)))
-    return _launch(pg, async_op, list(tensor_list), "all_gather", steps)
+    return _launch(pg, async_op, list(tensor_list), "all_gather", steps, (inp.count, inp.dtype))
 
 
 def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
@@ -241,16 +268,27 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
         be = pg.backend
         if inp.device != -1 or out.device != -1:
             check_devices(pg, (out, inp), "output_tensor and input_tensor")
+        fr = pg.fr
+        s = fr.seq + 1
+        fr.ring[s % fr.size] = (s, "all_gather", inp.count, inp.dtype, -1, -1, _now())
+        fr.seq = s
         if pg.inline and not be._busy:
-            be.all_gather(out, inp)
+            fr.started = s
+            try:
+                be.all_gather(out, inp)
+            except DistError as e:
+                fr.fail(s, e)
+                raise
+            fr.done = s
         else:
-            pg.run(be.all_gather, out, inp)
+            _flight.run(pg, s, be.all_gather, out, inp)
         return None
     check_like(out, inp, "output_tensor", "input_tensor", inp.count * pg._size)
     if needs_own_copy(pg, out, inp):
         settle(pg)
         inp = copy_of(inp)
-    return _launch(pg, async_op, [output_tensor], "all_gather", [(pg.backend.all_gather, (out, inp))])
+    return _launch(pg, async_op, [output_tensor], "all_gather",
+                   [(pg.backend.all_gather, (out, inp))], (inp.count, inp.dtype))
 
 
 all_gather_into_tensor = all_gather_single
@@ -284,7 +322,7 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
     if copy_out:
         steps.append((unstage, (out, outs)))
     return _launch(pg, async_op, [t for tensors in output_tensor_lists for t in tensors],
-                   "all_gather_coalesced", steps)
+                   "all_gather_coalesced", steps, (inp.count, dtype))
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
@@ -308,7 +346,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
             raise ValueError("Argument ``gather_list`` must NOT be specified on non-destination ranks.")
         steps = [(pg.backend.gather, (None, inp, root))]
         outputs = []
-    return _launch(pg, async_op, outputs, "gather", steps)
+    return _launch(pg, async_op, outputs, "gather", steps, (inp.count, inp.dtype, root))
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
@@ -330,7 +368,8 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
         if scatter_list:
             raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
         inp = None
-    return _launch(pg, async_op, [tensor], "scatter", [(pg.backend.scatter, (out, inp, root))])
+    return _launch(pg, async_op, [tensor], "scatter", [(pg.backend.scatter, (out, inp, root))],
+                   (out.count, out.dtype, root))
 
 
 # ---- reduce_scatter ------------------------------------------------------------------------
@@ -346,7 +385,7 @@ def _reduce_scatter(pg, out, inp, op, async_op, outputs, staged_from=None):
     steps.append((pg.backend.reduce_scatter, (out, inp, code)))
     if avg:
         steps.append((scale, (out, 1.0 / pg._size)))
-    return _launch(pg, async_op, outputs, "reduce_scatter", steps)
+    return _launch(pg, async_op, outputs, "reduce_scatter", steps, (out.count, out.dtype, -1, op))
 
 
 def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
@@ -379,10 +418,20 @@ def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  
         be = pg.backend
         if inp.device != -1 or out.device != -1:
             check_devices(pg, (out, inp), "output and input")
+        fr = pg.fr
+        s = fr.seq + 1
+        fr.ring[s % fr.size] = (s, "reduce_scatter", out.count, out.dtype, -1, D.SUM, _now())
+        fr.seq = s
         if pg.inline and not be._busy:
-            be.reduce_scatter(out, inp, D.SUM)
+            fr.started = s
+            try:
+                be.reduce_scatter(out, inp, D.SUM)
+            except DistError as e:
+                fr.fail(s, e)
+                raise
+            fr.done = s
         else:
-            pg.run(be.reduce_scatter, out, inp, D.SUM)
+            _flight.run(pg, s, be.reduce_scatter, out, inp, D.SUM)
         return None
     check_like(inp, out, "input", "output", out.count * pg._size)
     staged = None
@@ -419,7 +468,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     steps = [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))]
     if copy_out:
         steps.append((unstage, (out, outs)))
-    return _launch(pg, async_op, list(output_tensor_list), "all_to_all", steps)
+    return _launch(pg, async_op, list(output_tensor_list), "all_to_all", steps,
+                   (sum(in_counts), ins[0].dtype))
 
 
 def _rows(t):
@@ -461,7 +511,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         settle(pg)
         inp = copy_of(inp)
     return _launch(pg, async_op, [output], "all_to_all",
-                   [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))])
+                   [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))], (inp.count, inp.dtype))
 
 
 # ---- barriers ------------------------------------------------------------------------------
@@ -480,13 +530,23 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
             raise ValueError(NOT_INITIALIZED)
         return None
     if timeout is not None:
-        return _launch(pg, async_op, [], "barrier", [(pg.backend.barrier, ())], timeout)
+        return _launch(pg, async_op, [], "barrier", [(pg.backend.barrier, ())], timeout=timeout)
     if not async_op and not _prof._is_profiler_enabled and not _timed.n:
         be = pg.backend
+        fr = pg.fr
+        s = fr.seq + 1
+        fr.ring[s % fr.size] = (s, "barrier", 0, -1, -1, -1, _now())
+        fr.seq = s
         if pg.inline and not be._busy:
-            be.barrier()
+            fr.started = s
+            try:
+                be.barrier()
+            except DistError as e:
+                fr.fail(s, e)
+                raise
+            fr.done = s
         else:
-            pg.run(be.barrier)
+            _flight.run(pg, s, be.barrier)
         return None
     return _launch(pg, async_op, [], "barrier", [(pg.backend.barrier, ())])
 
@@ -507,10 +567,22 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
         return None
     tmo = timeout_seconds(timeout)
     tmo = pg.timeout if tmo is None else tmo
+    if pg._size == 1:
+        return None
+    fr = pg.fr
+    s = fr.started = fr.issue("monitored_barrier")
+    try:
+        _monitored_barrier(pg, tmo, wait_all_ranks)
+    except DistError as e:
+        fr.fail(s, e)
+        raise
+    fr.done = s
+    return None
+
+
+def _monitored_barrier(pg, tmo, wait_all_ranks):
     n, me, be = pg._size, pg._rank, pg.backend
     tag = min(_MONITOR_TAG, be.max_tag)
-    if n == 1:
-        return None
     token = np.zeros(1, np.int64)
     buf = Buffer(token.ctypes.data, 1, D.INT64, -1, token)
     if me != 0:

@@ -9,6 +9,7 @@ import pickle
 import numpy as np
 
 from . import dtypes as D
+from . import flight_recorder as _flight
 from . import profiling as _profiling
 from ._world import current as _group
 from .tensors import Buffer
@@ -28,10 +29,13 @@ def _run(pg, fn, *args):
     back = ()
     if getattr(pg.backend, "takes_cuda", False):
         args, back = _on_cuda(args)
+    buf = args[1] if fn.__name__ in ("all_gather", "gather") else args[0]  # the same on every rank
+    root = args[-1] if type(args[-1]) is int else -1
+    s = _flight.record(pg, fn.__name__, buf, root)
     if _prof._is_profiler_enabled:
-        _profiling.run(pg, fn.__name__, fn, args)
+        _profiling.run(pg, fn.__name__, _flight.Tracked(pg.fr, s, fn), args)
     else:
-        pg.run(fn, *args)
+        _flight.run(pg, s, fn, *args)
     _copy_back(back)
 
 
@@ -62,7 +66,8 @@ def _p2p(pg, post, buf, peer):
     back = ()
     if getattr(pg.backend, "takes_cuda", False):
         (buf,), back = _on_cuda((buf,))
-    req = post(buf, peer, 0)
+    req = _flight.p2p(pg, "send" if post.__name__ == "isend" else "recv", post(buf, peer, 0), peer,
+                      0, buf)
     req.wait()
     _copy_back(back)
     return req

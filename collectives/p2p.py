@@ -3,6 +3,7 @@
 Ranks given as ``dst``/``src`` are global ranks; ``group_dst``/``group_src`` are ranks
 of ``group``. A blocking send is ``isend(...).wait()``.
 """
+from . import flight_recorder as _flight
 from . import profiling as _profiling
 from ._frontend import buffer, check_devices
 from ._world import current as _group
@@ -44,18 +45,23 @@ def _buffer(pg, tensor):
 
 
 def _isend(pg, buf, peer, tag, anywhere=True):
-    """The backend's isend; while torch's profiler runs, one span until it is found done
-    (a blocking send's closes on its own thread: not ``anywhere``)."""
+    """The backend's isend, recorded by the flight recorder ("send" when blocking: not
+    ``anywhere``); while torch's profiler runs, one span until it is found done (a
+    blocking send's closes on its own thread)."""
     if _prof._is_profiler_enabled:
-        return _profiling.RecordedRequest(pg, "send", anywhere, pg.backend.isend, buf, peer, tag)
-    return pg.backend.isend(buf, peer, tag)
+        req = _profiling.RecordedRequest(pg, "send", anywhere, pg.backend.isend, buf, peer, tag)
+    else:
+        req = pg.backend.isend(buf, peer, tag)
+    return _flight.p2p(pg, "isend" if anywhere else "send", req, peer, tag, buf)
 
 
 def _irecv(pg, buf, peer, tag, anywhere=True):
     if _prof._is_profiler_enabled:  # torch's gloo names these two kinds of receive
         name = "recv" if peer is not None else "recvAnySource"
-        return _profiling.RecordedRequest(pg, name, anywhere, pg.backend.irecv, buf, peer, tag)
-    return pg.backend.irecv(buf, peer, tag)
+        req = _profiling.RecordedRequest(pg, name, anywhere, pg.backend.irecv, buf, peer, tag)
+    else:
+        req = pg.backend.irecv(buf, peer, tag)
+    return _flight.p2p(pg, "irecv" if anywhere else "recv", req, peer, tag, buf)
 
 
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None):

@@ -229,6 +229,18 @@ SETTINGS = (
     _s("COLLECTIVES_TORCH_BACKEND", "str", "gloo",
        "Backend of the groups that torch.distributed.init_process_group('collectives') makes.",
        agree=True, read_in="torch_pg.py"),
+    # the flight recorder (collectives/flight_recorder.py; torch's TORCH_FR_* names first)
+    _s("COLLECTIVES_FR_BUFFER_SIZE", "int", 256,
+       "Collectives the flight recorder keeps per group (torch's TORCH_FR_BUFFER_SIZE, where "
+       "set, comes first); 0 turns the recorder, its dumps and progress posts off.",
+       read_in="flight_recorder.py"),
+    _s("COLLECTIVES_FR_DUMP", "str", None,
+       "Path prefix of the flight recorder's dumps, the global rank appended (torch's "
+       "TORCH_FR_DUMP_TEMP_FILE, where set, comes first). Default: a file in the temp "
+       "directory named after the job.", read_in="flight_recorder.py"),
+    _s("COLLECTIVES_FR_STACK", "bool", False,
+       "Record the Python stack of every call in the flight recorder (costly).",
+       read_in="flight_recorder.py"),
     _s("COLLECTIVES_NO_EXTENSIONS", "bool", False,
        "Hide the compiled extensions (_core, _buffer, _tcp, _shm): the package runs on its "
        "pure-Python/NumPy fallback, as when they are not built (kernels and the mpi and "
