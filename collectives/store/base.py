@@ -110,6 +110,8 @@ class Store:
     Keys reach the ``_`` methods already checked; values already bytes; timeouts in seconds.
     """
 
+    _auth_key = None  # the job's key (bytes) where the store carries one: see collectives.auth
+
     def __init__(self, timeout=DEFAULT_TIMEOUT):
         self._timeout = to_seconds(timeout)
 

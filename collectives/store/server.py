@@ -2,12 +2,14 @@
 import collections
 import errno
 import heapq
+import ipaddress
 import os
 import selectors
 import socket
 import threading
 import time
 
+from .. import auth
 from ..errors import DistStoreError
 from .base import _add, _compare_set
 from .wire import (
@@ -18,11 +20,48 @@ from .wire import (
 )
 
 
-class _Conn:
-    __slots__ = ("sock", "inbuf", "outbuf", "waiter", "closing", "writing")
+MAX_PENDING = 256  # connections authenticating at once; a flood evicts the oldest
+ACCEPT_PAUSE = 0.05  # seconds without accepting when the process is out of descriptors
 
-    def __init__(self, sock):
+
+def listen_socket(host, port):
+    """A listening socket for ``host``: an address binds that address only (127.0.0.1
+    listens on loopback, not on every interface), a name that resolves only to loopback
+    addresses binds the first of them, and None, "", "0.0.0.0", "::" or any other name
+    bind every interface (IPv4 and IPv6 where the host has both), as torch's TCPStore."""
+    addr = _bind_address(host)
+    if addr is None:
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True,
+                                        backlog=1024)
+        return socket.create_server(("", port), backlog=1024)
+    family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
+    return socket.create_server((str(addr), port), family=family, backlog=1024)
+
+
+def _bind_address(host):
+    if not host:
+        return None
+    try:
+        addr = ipaddress.ip_address(host.strip("[]").split("%")[0])
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError:
+            return None
+        addrs = [ipaddress.ip_address(i[4][0].split("%")[0]) for i in infos]
+        if addrs and all(a.is_loopback for a in addrs):
+            return sorted(addrs, key=lambda a: a.version)[0]
+        return None
+    return None if addr.is_unspecified else addr
+
+
+class _Conn:
+    __slots__ = ("sock", "inbuf", "outbuf", "waiter", "closing", "writing", "hs")
+
+    def __init__(self, sock, hs=None):
         self.sock = sock
+        self.hs = hs  # the authentication handshake still under way, or None
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.waiter = None
@@ -53,15 +92,16 @@ class StoreServer:
     A malformed frame gets an error reply and its connection is closed.
     """
 
-    def __init__(self, port=0, listen_fd=None):
+    def __init__(self, port=0, listen_fd=None, host=None, auth_key=None):
         if listen_fd is not None:
             self._lsock = socket.socket(fileno=os.dup(listen_fd))
-        elif socket.has_dualstack_ipv6():
-            self._lsock = socket.create_server(("", port), family=socket.AF_INET6,
-                                               dualstack_ipv6=True, backlog=1024)
         else:
-            self._lsock = socket.create_server(("", port), backlog=1024)
+            self._lsock = listen_socket(host, port)
         self._lsock.setblocking(False)
+        self._key = auth_key
+        self._pending = {}  # connections still authenticating, oldest first
+        self._refusals = auth.RefusalLog(f"store server on port {self._lsock.getsockname()[1]}")
+        self._accept_paused = None  # out of fds: accept again at this time
         self.port = self._lsock.getsockname()[1]
         self._data = {}
         self._queues = {}  # key -> deque of values
@@ -108,7 +148,8 @@ class StoreServer:
                 if self._stopping:
                     if listening:  # free the port for a new master right away
                         listening = False
-                        self._sel.unregister(self._lsock)
+                        if self._accept_paused is None:
+                            self._sel.unregister(self._lsock)
                         self._lsock.close()
                         self._unlistened.set()
                     until = self._linger_until
@@ -118,6 +159,10 @@ class StoreServer:
                 if self._deadlines:
                     left = max(0.0, self._deadlines[0][0] - time.monotonic())
                     timeout = left if timeout is None else min(timeout, left)
+                for until in self._handshake_deadline(), self._accept_paused:
+                    if until is not None and listening:
+                        left = max(0.0, until - time.monotonic())
+                        timeout = left if timeout is None else min(timeout, left)
                 for key, mask in self._sel.select(timeout):
                     if key.data == "listen":
                         if listening:
@@ -134,6 +179,8 @@ class StoreServer:
                         if mask & selectors.EVENT_READ and conn.sock is not None:
                             self._read(conn)
                 self._expire()
+                if listening:
+                    self._expire_handshakes()
         finally:
             for conn in list(self._conns):
                 self._close(conn)
@@ -150,15 +197,75 @@ class StoreServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
-                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
-                               errno.ECONNABORTED):
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # out of descriptors: stop accepting a moment (the listening socket stays
+                    # readable, and polling it would spin), and shed the oldest handshakes
+                    self._sel.unregister(self._lsock)
+                    self._accept_paused = time.monotonic() + ACCEPT_PAUSE
+                    for conn in list(self._pending)[:len(self._pending) // 2 + 1]:
+                        self._refuse(conn, "too many connections authenticating at once")
                     return
+                if e.errno == errno.ECONNABORTED:
+                    continue
                 raise
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock)
+            conn = _Conn(sock, None if self._key is None else auth.ServerHandshake(self._key))
             self._conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
+            if conn.hs is not None:
+                if len(self._pending) >= MAX_PENDING:  # a flood: the oldest one goes
+                    self._refuse(next(iter(self._pending)), "too many connections authenticating at once")
+                self._pending[conn] = None
+
+    # -- authentication -------------------------------------------------------------------
+    def _handshake_deadline(self):
+        for conn in self._pending:  # the oldest: every handshake gets the same time
+            return conn.hs.deadline
+        return None
+
+    def _expire_handshakes(self):
+        if self._accept_paused is not None and time.monotonic() >= self._accept_paused:
+            self._accept_paused = None
+            self._sel.register(self._lsock, selectors.EVENT_READ, "listen")
+        now = time.monotonic()
+        while self._pending:
+            conn = next(iter(self._pending))
+            if conn.hs.deadline > now:
+                break
+            self._refuse(conn, f"no authentication within {auth.HANDSHAKE_TIMEOUT:g} s")
+
+    def _refuse(self, conn, why, reply=b""):
+        self._pending.pop(conn, None)
+        self._refusals.refused(auth.peer_name(conn.sock), why)
+        conn.hs = None
+        conn.inbuf.clear()
+        conn.closing = True
+        if reply:
+            conn.outbuf += reply
+            self._flush(conn)
+        else:
+            self._close(conn)
+
+    def _authenticate(self, conn, data):
+        """Feed the handshake; returns the bytes that follow it once it succeeded, else None."""
+        hs = conn.hs
+        plain_frame = hs.nc is None and data[:1] != auth.MAGIC[:1]
+        out, done, rest = hs.feed(data)
+        if done is None or done is True:
+            if out:
+                conn.outbuf += out
+                self._flush(conn)
+            if done is None:
+                return None
+            self._pending.pop(conn, None)
+            conn.hs = None
+            return rest
+        if plain_frame:  # a client without a key: tell it in the store's own words
+            out = _encode_reply(ST_REJECTED, [f"{auth.REFUSED_MARK}: this store server has a key "
+                                              f"and the client sent none".encode()])
+        self._refuse(conn, done, out)
+        return None
 
     def _close(self, conn):
         if conn.sock is None:
@@ -167,6 +274,7 @@ class StoreServer:
         if w is not None:
             self._drop_waiter(w)
         self._conns.discard(conn)
+        self._pending.pop(conn, None)
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -187,6 +295,10 @@ class StoreServer:
         if not data:
             self._close(conn)
             return
+        if conn.hs is not None:
+            data = self._authenticate(conn, data)
+            if not data:
+                return
         conn.inbuf += data
         self._process(conn)
 

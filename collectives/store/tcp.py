@@ -4,6 +4,7 @@ import threading
 import time
 import weakref
 
+from .. import auth
 from ..errors import DistNetworkError, DistStoreError
 from .base import _INIT_KEY, DEFAULT_TIMEOUT, QueueEmptyError, Store, _deadline, _timeout_error
 from .server import _SERVERS, _SERVERS_LOCK, StoreServer, _close_socks, _release_server
@@ -28,15 +29,24 @@ class TCPStore(Store):
         multi_tenant: masters on the same port in one process share one server.
         master_listen_fd: an already listening socket for the server.
         use_libuv: accepted and ignored (torch compatibility).
+        auth_key: the job's shared secret (str or bytes; keyword only, not in torch's
+            signature). The server admits only clients that prove they hold it, and a
+            client talks only to a server that proves the same (HMAC-SHA256
+            challenge-response; the key never crosses the wire). None (the default) takes
+            COLLECTIVES_AUTH_KEY (set by collectives-run); with neither, no authentication,
+            as torch's TCPStore.
 
     Raises:
-        DistNetworkError: the server could not be reached within the timeout.
+        DistNetworkError: the server could not be reached within the timeout, or the
+            two ends do not hold the same key (:class:`collectives.auth.AuthError`).
         DistStoreError: a blocking operation timed out (naming the keys).
     """
 
     def __init__(self, host_name, port, world_size=None, is_master=False, timeout=DEFAULT_TIMEOUT,
-                 wait_for_workers=True, multi_tenant=False, master_listen_fd=None, use_libuv=True):
+                 wait_for_workers=True, multi_tenant=False, master_listen_fd=None, use_libuv=True,
+                 *, auth_key=None):
         super().__init__(timeout)
+        self._auth_key = auth.resolve_key(auth_key)
         if not isinstance(host_name, str) or not host_name:
             raise TypeError(f"host_name must be a non-empty str, got {host_name!r}")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
@@ -55,7 +65,8 @@ class TCPStore(Store):
         self._server = None
         self._multi_tenant = bool(multi_tenant)
         if is_master:
-            self._server = self._start_server(port, master_listen_fd, self._multi_tenant)
+            self._server = self._start_server(port, master_listen_fd, self._multi_tenant,
+                                              host_name, self._auth_key)
             port = self._server.port
             self._server_finalizer = weakref.finalize(self, _release_server, self._server,
                                                       self._multi_tenant)
@@ -73,24 +84,26 @@ class TCPStore(Store):
             raise
 
     @staticmethod
-    def _start_server(port, listen_fd, multi_tenant):
+    def _start_server(port, listen_fd, multi_tenant, host, key):
         shared = multi_tenant and port
         if shared:
             with _SERVERS_LOCK:
                 server = _SERVERS.get(port)
                 if server is not None:
+                    _same_key(server, key)
                     server.refs += 1
                     return server
         # Started outside the lock: Thread.start waits for the new thread, which may run
         # the cyclic GC on its first allocation, and so a finalizer of a dropped store,
         # _release_server, which takes the lock (a test once hung there for good).
         try:
-            server = StoreServer(port, listen_fd)
+            server = StoreServer(port, listen_fd, host, key)
         except OSError as e:
             if shared:  # another thread of this process may have just started it
                 with _SERVERS_LOCK:
                     other = _SERVERS.get(port)
                     if other is not None:
+                        _same_key(other, key)
                         other.refs += 1
                         return other
             raise DistNetworkError(f"TCPStore master could not listen on port {port}: {e}") from e
@@ -123,6 +136,21 @@ class TCPStore(Store):
                 pause = min(pause * 2, 0.1)
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._auth_key is None:
+                return sock
+            where = f"TCPStore {self.host}:{self._port}"
+            hs_deadline = time.monotonic() + (auth.HANDSHAKE_TIMEOUT if left is None
+                                              else min(left, auth.HANDSHAKE_TIMEOUT))
+            try:
+                auth.client_handshake(sock, self._auth_key, hs_deadline, where)
+            except OSError as e:  # the server went away mid-handshake (a restart): try again
+                sock.close()
+                last = e
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            sock.settimeout(None)
             return sock
 
     def _wait_for_workers(self, is_master):
@@ -165,6 +193,11 @@ class TCPStore(Store):
             raise DistNetworkError(f"TCPStore {self.host}:{self._port}: connection lost: {e}") from e
         if status == ST_REJECTED:
             sock.close()
+            if out and out[0].startswith(auth.REFUSED_MARK.encode()):
+                raise auth.AuthError(
+                    f"TCPStore {self.host}:{self._port} refused this client: authentication "
+                    f"required (the server has a key and this process none: set "
+                    f"{auth.ENV_KEY} or pass auth_key=)")
         else:
             with self._lock:
                 if self._closed or len(self._idle) >= 4:
@@ -256,7 +289,8 @@ class TCPStore(Store):
 
     def clone(self):
         """Another client of the same server (for use from another thread)."""
-        return TCPStore(self.host, self._port, None, False, self._timeout, False)
+        return TCPStore(self.host, self._port, None, False, self._timeout, False,
+                        auth_key=self._auth_key)
 
     def close(self):
         """Close this client's connection (and, on the master, stop serving once no
@@ -267,6 +301,12 @@ class TCPStore(Store):
         if self._server is not None:
             self._server = None
             self._server_finalizer()
+
+
+def _same_key(server, key):
+    if server._key != key:
+        raise ValueError(f"multi_tenant TCPStore on port {server.port}: the server this process "
+                         f"already runs there has a different auth_key")
 
 
 class _TimedOut:
