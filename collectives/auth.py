@@ -67,9 +67,9 @@ def resolve_key(auth_key=None):
     return check_key(auth_key) if auth_key is not None else env_key()
 
 
-def key_of(store):
+def key_of(store, env=True):
     """The key a group met with: the first one along ``store``'s PrefixStore chain, else
-    COLLECTIVES_AUTH_KEY's, else None."""
+    (with ``env``) COLLECTIVES_AUTH_KEY's, else None."""
     seen = 0
     while store is not None and seen < 64:
         key = getattr(store, "_auth_key", None)
@@ -77,7 +77,7 @@ def key_of(store):
             return key
         store = getattr(store, "underlying_store", None)
         seen += 1
-    return env_key()
+    return env_key() if env else None
 
 
 def _mac(key, role, nc, ns):

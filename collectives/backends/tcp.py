@@ -32,8 +32,10 @@ import time
 from datetime import timedelta
 
 from .. import dtypes as D
+from .. import auth
 from ..errors import DistNetworkError
 from .base import Backend, Request
+from .mesh_accept import accept_peers
 
 _MAGIC = 0xC0117C90
 _HELLO = struct.Struct("<IIII")   # magic, group id, rank, size
@@ -117,6 +119,10 @@ def _recv_exact(sock, n, deadline, what):
     return data
 
 
+def _family(host):
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _tune_socket(sock, bufsize):
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if bufsize > 0:
@@ -146,8 +152,10 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
 
     Each rank listens, publishes host:port, connects to every lower rank and
     accepts every higher one; a hello (magic, group id, rank, size) and an ack
-    check that both ends belong to the same group. Messages call rank r
-    ``rank_names[r]`` when given.
+    check that both ends belong to the same group. With a key (the store's, or
+    COLLECTIVES_AUTH_KEY: collectives.auth.key_of) every connection first passes the
+    mutual challenge-response; the accepting side never waits on one connection
+    (backends/mesh_accept.py). Messages call rank r ``rank_names[r]`` when given.
     """
     def nm(r):
         return rank_names[r] if rank_names is not None else r
@@ -161,7 +169,10 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
     # a generation number keeps a second backend on the same store from reading stale keys
     gen = (int(store.add("tcp/init", 1)) - 1) // size
     prefix = f"tcp/{gen}"
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # -- authentication (security): the key, and who is refused, told once in a log --
+    key = auth.key_of(store)
+    refusals = auth.RefusalLog(f"tcp backend rank {nm(rank)}'s listener")
+    listener = socket.socket(_family(host), socket.SOCK_STREAM)
     socks = {}
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -177,7 +188,7 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
         for peer in range(rank):
             addr = store.get(f"{prefix}/addr/{peer}").decode()
             h, _, p = addr.rpartition(":")
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s = socket.socket(_family(h), socket.SOCK_STREAM)
             socks[peer] = s
             _tune_socket(s, bufsize)
             while True:
@@ -194,34 +205,34 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
                         continue
                     time.sleep(0.01)
                     s.close()
-                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    s = socket.socket(_family(h), socket.SOCK_STREAM)
                     socks[peer] = s
                     _tune_socket(s, bufsize)
+            if key is not None:  # (security) prove the key before the hello
+                auth.client_handshake(s, key, deadline, f"tcp backend: rank {nm(rank)} connecting "
+                                                        f"to rank {nm(peer)} at {addr}")
             s.sendall(_HELLO.pack(_MAGIC, group, rank, size))
-        for _ in range(rank + 1, size):
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = [nm(r) for r in range(rank + 1, size) if r not in socks]
-                    raise DistNetworkError(f"tcp backend: rank {nm(rank)} timed out after {timeout} s "
-                                           f"waiting for ranks {missing} to connect")
-                listener.settimeout(remaining)
-                try:
-                    c, _ = listener.accept()
-                except socket.timeout:
-                    continue
-                try:
-                    magic, g, peer, psize = _HELLO.unpack(_recv_exact(c, _HELLO.size, deadline, "a hello"))
-                except DistNetworkError:
-                    c.close()
-                    continue
-                if magic != _MAGIC or g != group or psize != size or not rank < peer < size or peer in socks:
-                    c.close()  # a stray or stale connection: ignore it
-                    continue
-                _tune_socket(c, bufsize)
-                c.sendall(_ACK.pack(_MAGIC, rank))
-                socks[peer] = c
-                break
+
+        def check_hello(data):
+            """The peer a hello names, or None for a stray or stale connection."""
+            magic, g, peer, psize = _HELLO.unpack(data)
+            if magic != _MAGIC or g != group or psize != size or not rank < peer < size:
+                return None
+            return peer
+
+        # (security) accepting never waits on one connection: strangers are turned away
+        accepted, turned_away = accept_peers(listener, size - rank - 1, deadline, key,
+                                             _HELLO.size, check_hello, refusals)
+        socks.update(accepted)
+        if len(accepted) < size - rank - 1:
+            missing = [nm(r) for r in range(rank + 1, size) if r not in socks]
+            extra = f" ({turned_away} connections were turned away, e.g. without the job's key)" \
+                if turned_away else ""
+            raise DistNetworkError(f"tcp backend: rank {nm(rank)} timed out after {timeout} s "
+                                   f"waiting for ranks {missing} to connect{extra}")
+        for c in accepted.values():
+            _tune_socket(c, bufsize)
+            c.sendall(_ACK.pack(_MAGIC, rank))
         for peer in range(rank):
             magic, r = _ACK.unpack(_recv_exact(socks[peer], _ACK.size, deadline, f"rank {nm(peer)}'s ack"))
             if magic != _MAGIC or r != peer:
