@@ -138,12 +138,12 @@ class ServerHandshake:
 
     __slots__ = ("key", "nc", "ns", "buf", "deadline")
 
-    def __init__(self, key, timeout=HANDSHAKE_TIMEOUT):
+    def __init__(self, key, timeout=None):
         self.key = key
         self.nc = None
         self.ns = os.urandom(NONCE)
         self.buf = b""
-        self.deadline = time.monotonic() + timeout
+        self.deadline = time.monotonic() + (HANDSHAKE_TIMEOUT if timeout is None else timeout)
 
     def feed(self, data):
         self.buf += data
