@@ -178,7 +178,7 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         _tune_socket(listener, bufsize)
         listener.bind((host, 0))
-        listener.listen(max(size, 16))
+        listener.listen(max(size, 128))  # (security) room for strangers before accepting
         if rank == 0:
             group = secrets.randbits(32)
             store.set(f"{prefix}/group", str(group).encode())
