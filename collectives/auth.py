@@ -40,7 +40,7 @@ OK, REFUSED = b"\x01", b"\x00"
 HANDSHAKE_TIMEOUT = 10.0  # seconds a server gives a connection to authenticate
 REFUSED_MARK = "authentication required"  # starts the store server's refusal of a keyless frame
 
-_log = logging.getLogger("collectives.auth")
+log = logging.getLogger("collectives.auth")
 
 
 def check_key(key, name="auth_key"):
@@ -184,7 +184,7 @@ class RefusalLog:
                 return
             quiet, self.quiet, self.last = self.quiet, 0, now
         more = f" ({quiet} more refused since the last message)" if quiet else ""
-        _log.warning("%s refused a connection from %s: %s%s", self.what, peer, why, more)
+        log.warning("%s refused a connection from %s: %s%s", self.what, peer, why, more)
 
 
 def peer_name(sock):

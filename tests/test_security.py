@@ -665,3 +665,13 @@ def test_the_c10d_rendezvous_across_two_nodes_uses_the_key(nodes, tmp_path):  # 
     codes, got, out = mn.results(procs, 90)
     assert codes[1] != 0 and "refused this launcher" in out and "different key" in out, out
     assert got == {}, out
+
+
+def test_an_address_not_of_this_host_falls_back_to_every_interface(caplog):
+    with caplog.at_level(logging.WARNING, logger="collectives.auth"):
+        server = store_server.StoreServer(0, None, "192.0.2.1")  # TEST-NET-1: never local
+    try:
+        assert server._lsock.getsockname()[0] in ("::", "0.0.0.0")
+        assert "not an address of this host" in caplog.text
+    finally:
+        server.stop()

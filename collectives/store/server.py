@@ -36,7 +36,16 @@ def listen_socket(host, port):
                                         backlog=1024)
         return socket.create_server(("", port), backlog=1024)
     family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
-    return socket.create_server((str(addr), port), family=family, backlog=1024)
+    try:
+        return socket.create_server((str(addr), port), family=family, backlog=1024)
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise
+    # not an address of this host (one that NAT or a published container port leads here):
+    # torch's behaviour, every interface, and a line that says so
+    auth.log.warning("TCPStore: %s is not an address of this host; listening on every "
+                     "interface instead", addr)
+    return listen_socket(None, port)
 
 
 def _bind_address(host):
