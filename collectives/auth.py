@@ -106,10 +106,14 @@ def _recv_exact(sock, n, deadline, where):
     return bytes(buf)
 
 
-def client_handshake(sock, key, deadline, where):
+def client_handshake(sock, key, deadline, where, wait_ok=True):
     """Authenticate a freshly connected blocking socket as the client. Raises AuthError
     (the ends hold different keys, or the server has none), DistNetworkError on a timeout,
-    OSError when the connection breaks (the caller may try again)."""
+    OSError when the connection breaks (the caller may try again).
+
+    ``wait_ok=False`` returns once the client's proof is sent, so that its first message
+    travels right behind it (one round trip saved); the caller must then call
+    :func:`read_ok` before it reads anything else from the socket."""
     nc = os.urandom(NONCE)
     sock.sendall(MAGIC + nc)
     head = _recv_exact(sock, len(MAGIC), deadline, where)
@@ -124,7 +128,17 @@ def client_handshake(sock, key, deadline, where):
     if not hmac.compare_digest(smac, _mac(key, b"server", nc, ns)):
         raise AuthError(f"{where}: authentication failed: the server holds a different key "
                         f"({ENV_KEY} / auth_key differ between this process and the server)")
-    if _recv_exact(sock, 1, deadline, where) != OK:
+    if wait_ok:
+        read_ok(sock, deadline, where)
+
+
+def read_ok(sock, deadline, where):
+    """The server's verdict on the client's proof (see ``client_handshake``)."""
+    try:
+        verdict = _recv_exact(sock, 1, deadline, where)
+    except ConnectionResetError:
+        verdict = b""
+    if verdict != OK:
         raise AuthError(f"{where}: authentication failed: the server refused this client's proof")
 
 

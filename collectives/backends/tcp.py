@@ -208,9 +208,9 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
                     s = socket.socket(_family(h), socket.SOCK_STREAM)
                     socks[peer] = s
                     _tune_socket(s, bufsize)
-            if key is not None:  # (security) prove the key before the hello
+            if key is not None:  # (security) prove the key; the hello follows the proof
                 auth.client_handshake(s, key, deadline, f"tcp backend: rank {nm(rank)} connecting "
-                                                        f"to rank {nm(peer)} at {addr}")
+                                                        f"to rank {nm(peer)} at {addr}", wait_ok=False)
             s.sendall(_HELLO.pack(_MAGIC, group, rank, size))
 
         def check_hello(data):
@@ -234,6 +234,9 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
             _tune_socket(c, bufsize)
             c.sendall(_ACK.pack(_MAGIC, rank))
         for peer in range(rank):
+            if key is not None:  # (security) the verdict on our proof comes before the ack
+                auth.read_ok(socks[peer], deadline, f"tcp backend: rank {nm(rank)} connecting to "
+                                                    f"rank {nm(peer)}")
             magic, r = _ACK.unpack(_recv_exact(socks[peer], _ACK.size, deadline, f"rank {nm(peer)}'s ack"))
             if magic != _MAGIC or r != peer:
                 raise DistNetworkError(f"tcp backend: bad handshake from rank {nm(peer)}")

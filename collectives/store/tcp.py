@@ -73,6 +73,7 @@ class TCPStore(Store):
         self._port = port
         # idle connections: a thread parked in get() must not block another thread's set()
         self._idle = []
+        self._unconfirmed = weakref.WeakSet()  # sockets whose proof's verdict is still unread
         self._closed = False
         weakref.finalize(self, _close_socks, self._idle)
         try:
@@ -142,7 +143,7 @@ class TCPStore(Store):
             hs_deadline = time.monotonic() + (auth.HANDSHAKE_TIMEOUT if left is None
                                               else min(left, auth.HANDSHAKE_TIMEOUT))
             try:
-                auth.client_handshake(sock, self._auth_key, hs_deadline, where)
+                auth.client_handshake(sock, self._auth_key, hs_deadline, where, wait_ok=False)
             except OSError as e:  # the server went away mid-handshake (a restart): try again
                 sock.close()
                 last = e
@@ -151,6 +152,7 @@ class TCPStore(Store):
                 sock.close()
                 raise
             sock.settimeout(None)
+            self._unconfirmed.add(sock)  # the first request follows the proof: see _request
             return sock
 
     def _wait_for_workers(self, is_master):
@@ -184,6 +186,14 @@ class TCPStore(Store):
         try:
             sock.settimeout(sock_timeout)
             sock.sendall(frame)
+            if sock in self._unconfirmed:
+                self._unconfirmed.discard(sock)
+                try:
+                    auth.read_ok(sock, time.monotonic() + max(auth.HANDSHAKE_TIMEOUT, self._timeout),
+                                 f"TCPStore {self.host}:{self._port}")
+                except DistNetworkError:
+                    sock.close()
+                    raise
             status, out = self._read_reply(sock)
         except (OSError, EOFError) as e:
             sock.close()  # the stream may be out of step: the next request reconnects

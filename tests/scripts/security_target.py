@@ -28,9 +28,9 @@ handshakes = {"store": 0, "mesh": 0}
 real_handshake = auth.client_handshake
 
 
-def counting_handshake(sock, key, deadline, where):
+def counting_handshake(sock, key, deadline, where, **kwargs):
     handshakes["mesh" if where.startswith("tcp backend") else "store"] += 1
-    return real_handshake(sock, key, deadline, where)
+    return real_handshake(sock, key, deadline, where, **kwargs)
 
 
 auth.client_handshake = counting_handshake
