@@ -675,3 +675,40 @@ def test_an_address_not_of_this_host_falls_back_to_every_interface(caplog):
         assert "not an address of this host" in caplog.text
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_never_reads_its_replies_does_not_grow_the_server():
+    master = TCPStore("127.0.0.1", 0, None, True, timeout=5)
+    value = os.urandom(1 << 20)
+    master.set("big", value)
+    master.set("alive", "yes")
+    s = _raw(master.port)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    n = 100  # 100 MiB of replies asked for, none read yet
+    request = encode_request(OP_GET, [b"big", b"1000"])
+    sender = threading.Thread(target=lambda: s.sendall(request * n), daemon=True)
+    sender.start()
+    time.sleep(1.0)
+    conns = [c for c in master._server._conns if c.outbuf]
+    assert conns and max(len(c.outbuf) for c in conns) <= store_server.OUT_HIGH + len(value) + 64
+    _still_serves(master.port, key=None)  # the others are served meanwhile
+    got = 0
+    s.settimeout(10)
+    while got < n:  # then every reply arrives, whole and in order
+        assert _recv_exact(s, 4) == struct.pack("!I", 9 + len(value))  # status, nargs, length
+        body = _recv_exact(s, 9 + len(value))
+        assert body[0] == 0 and body[9:] == value
+        got += 1
+    sender.join(10)
+    s.close()
+    master.close()
+
+
+def _recv_exact(s, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        assert chunk, "the server hung up"
+        buf += chunk
+    return buf

@@ -20,6 +20,7 @@ from .wire import (
 )
 
 
+OUT_HIGH = 8 << 20  # replies buffered for one client beyond which it is not read from
 MAX_PENDING = 256  # connections authenticating at once; a flood evicts the oldest
 ACCEPT_PAUSE = 0.05  # seconds without accepting when the process is out of descriptors
 
@@ -66,7 +67,7 @@ def _bind_address(host):
 
 
 class _Conn:
-    __slots__ = ("sock", "inbuf", "outbuf", "waiter", "closing", "writing", "hs")
+    __slots__ = ("sock", "inbuf", "outbuf", "waiter", "closing", "events", "hs")
 
     def __init__(self, sock, hs=None):
         self.sock = sock
@@ -75,7 +76,7 @@ class _Conn:
         self.outbuf = bytearray()
         self.waiter = None
         self.closing = False  # close once outbuf is flushed
-        self.writing = False
+        self.events = selectors.EVENT_READ  # what the selector watches for
 
 
 class _Waiter:
@@ -314,6 +315,8 @@ class StoreServer:
     def _process(self, conn):
         buf = conn.inbuf
         while conn.waiter is None and not conn.closing and conn.sock is not None:
+            if len(conn.outbuf) >= OUT_HIGH:  # a client that does not read its replies: wait
+                return
             if len(buf) < 4:
                 return
             n, = _HDR.unpack_from(buf)
@@ -363,10 +366,16 @@ class StoreServer:
                 return
             del conn.outbuf[:n]
         want = bool(conn.outbuf)
-        if want != conn.writing:
-            conn.writing = want
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0)
+        # a client that does not read its replies is not read from either (its requests
+        # would only pile up more replies): memory stays bounded per connection
+        events = (selectors.EVENT_READ if len(conn.outbuf) < OUT_HIGH else 0) | \
+            (selectors.EVENT_WRITE if want else 0)
+        if events != conn.events:
+            resumed = not conn.events & selectors.EVENT_READ and events & selectors.EVENT_READ
+            conn.events = events
             self._sel.modify(conn.sock, events, conn)
+            if resumed:
+                self._process(conn)  # requests it sent before it stopped reading
         if not want and conn.closing:
             self._close(conn)
 
