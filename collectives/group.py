@@ -259,7 +259,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                              f"launcher's rank {r} of {n}")
         rank, world_size, store, pg_store = r, n, None, None
     else:
-        from .rendezvous import custom_scheme, meet, rendezvous
+        from .rendezvous import carry_key, custom_scheme, meet, rendezvous
         from .store import Store
         if custom_scheme(init_method):  # torch's registry: the handler's first answer
             store, rank, world_size = next(rendezvous(
@@ -267,6 +267,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             if not isinstance(store, Store):
                 raise TypeError(f"the rendezvous handler for {init_method!r} must yield "
                                 f"(Store, rank, world_size), got a {type(store).__name__}")
+            if auth_key is not None:  # the transport's connections authenticate with it
+                from . import auth
+                carry_key(store, auth.check_key(auth_key))
         else:
             given = store
             store, rank, world_size = meet(init_method, rank, world_size, timeout=tmo, store=store,

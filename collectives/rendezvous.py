@@ -201,7 +201,7 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
         if world_arg is None:
             raise ValueError("world_size must be given (>= 1) when store is given")
         _check_rank(rank_arg, world_arg)
-        _carry_key(store, key, auth_key is not None)
+        carry_key(store, key, auth_key is not None)
         return store, rank_arg, world_arg
 
     if init_method is None:
@@ -245,7 +245,7 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
     return _fresh_tcp_store(host, port, world, rank, secs, key), rank, world
 
 
-def _carry_key(store, key, explicit):
+def carry_key(store, key, explicit=True):
     """A store given to ``meet`` with an explicit ``auth_key`` carries it for the transport;
     one that has a different key already is an error."""
     if not explicit:

@@ -712,3 +712,21 @@ def _recv_exact(s, n):
         assert chunk, "the server hung up"
         buf += chunk
     return buf
+
+
+@pytest.mark.timeout(30)
+def test_meet_carries_an_explicit_key_on_every_kind_of_store(tmp_path):
+    from collectives.rendezvous import meet
+    store, _, _ = meet(f"file://{tmp_path}/f", 0, 1, auth_key="file key")
+    assert auth.key_of(store, env=False) == b"file key"
+    given = HashStore()
+    store, _, _ = meet(store=given, rank=0, world_size=2, auth_key=b"given key")
+    assert store is given and auth.key_of(PrefixStore("g", store), env=False) == b"given key"
+    keyed = TCPStore("127.0.0.1", 0, None, True, timeout=5, auth_key=KEY)
+    with pytest.raises(ValueError, match="auth_key differs"):
+        meet(store=keyed, rank=0, world_size=2, auth_key="another")
+    store, _, _ = meet("tcp://127.0.0.1:0", 0, 1, auth_key=KEY)  # the TCPStore authenticates
+    with pytest.raises(AuthError):
+        TCPStore("127.0.0.1", store.port, timeout=5, auth_key="wrong")
+    store.close()
+    keyed.close()
