@@ -114,8 +114,20 @@ def client_handshake(sock, key, deadline, where, wait_ok=True):
     ``wait_ok=False`` returns once the client's proof is sent, so that its first message
     travels right behind it (one round trip saved); the caller must then call
     :func:`read_ok` before it reads anything else from the socket."""
+    client_finish(sock, key, client_hello(sock), deadline, where, wait_ok)
+
+
+def client_hello(sock):
+    """The client's first message; returns its nonce for :func:`client_finish` (a client
+    with several servers to reach sends every hello first, then waits for the answers
+    together)."""
     nc = os.urandom(NONCE)
     sock.sendall(MAGIC + nc)
+    return nc
+
+
+def client_finish(sock, key, nc, deadline, where, wait_ok=True):
+    """The rest of :func:`client_handshake` after :func:`client_hello`."""
     head = _recv_exact(sock, len(MAGIC), deadline, where)
     if head != MAGIC:
         raise AuthError(f"{where}: authentication failed: the server does not authenticate "

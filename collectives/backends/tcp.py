@@ -172,6 +172,7 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
     # -- authentication (security): the key, and who is refused, told once in a log --
     key = auth.key_of(store)
     refusals = auth.RefusalLog(f"tcp backend rank {nm(rank)}'s listener")
+    nonces = {}
     listener = socket.socket(_family(host), socket.SOCK_STREAM)
     socks = {}
     try:
@@ -208,10 +209,14 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
                     s = socket.socket(_family(h), socket.SOCK_STREAM)
                     socks[peer] = s
                     _tune_socket(s, bufsize)
-            if key is not None:  # (security) prove the key; the hello follows the proof
-                auth.client_handshake(s, key, deadline, f"tcp backend: rank {nm(rank)} connecting "
-                                                        f"to rank {nm(peer)} at {addr}", wait_ok=False)
-            s.sendall(_HELLO.pack(_MAGIC, group, rank, size))
+            if key is None:
+                s.sendall(_HELLO.pack(_MAGIC, group, rank, size))
+            else:  # (security) every peer's handshake starts now; answers are awaited together
+                nonces[peer] = (auth.client_hello(s), addr)
+        for peer, (nc, addr) in nonces.items():  # (security) prove the key; the hello follows
+            auth.client_finish(socks[peer], key, nc, deadline, f"tcp backend: rank {nm(rank)} "
+                               f"connecting to rank {nm(peer)} at {addr}", wait_ok=False)
+            socks[peer].sendall(_HELLO.pack(_MAGIC, group, rank, size))
 
         def check_hello(data):
             """The peer a hello names, or None for a stray or stale connection."""

@@ -25,15 +25,15 @@ from collectives.backends import tcp
 mode, init, directory = sys.argv[1], sys.argv[2], sys.argv[3]
 rank = int(os.environ["RANK"])
 handshakes = {"store": 0, "mesh": 0}
-real_handshake = auth.client_handshake
+real_finish = auth.client_finish
 
 
-def counting_handshake(sock, key, deadline, where, **kwargs):
+def counting_finish(sock, key, nc, deadline, where, *args, **kwargs):
     handshakes["mesh" if where.startswith("tcp backend") else "store"] += 1
-    return real_handshake(sock, key, deadline, where, **kwargs)
+    return real_finish(sock, key, nc, deadline, where, *args, **kwargs)
 
 
-auth.client_handshake = counting_handshake
+auth.client_finish = counting_finish  # every client handshake ends here
 
 if mode == "attack":
     real_accept = tcp.accept_peers
