@@ -689,8 +689,12 @@ def test_a_client_that_never_reads_its_replies_does_not_grow_the_server():
     request = encode_request(OP_GET, [b"big", b"1000"])
     sender = threading.Thread(target=lambda: s.sendall(request * n), daemon=True)
     sender.start()
-    time.sleep(1.0)
-    conns = [c for c in master._server._conns if c.outbuf]
+    deadline = time.monotonic() + 20
+    while not any(len(c.outbuf) >= store_server.OUT_HIGH for c in list(master._server._conns)):
+        assert time.monotonic() < deadline, "the server never buffered 8 MiB of replies"
+        time.sleep(0.05)
+    time.sleep(0.3)  # it would go on buffering now, were it still reading
+    conns = [c for c in list(master._server._conns) if c.outbuf]
     assert conns and max(len(c.outbuf) for c in conns) <= store_server.OUT_HIGH + len(value) + 64
     _still_serves(master.port, key=None)  # the others are served meanwhile
     got = 0
