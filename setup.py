@@ -21,7 +21,8 @@ if os.environ.get("COLLECTIVES_MARCH_NATIVE") == "1":
 MODULES = {
     "_core": [],
     "_buffer": None,
-    "_tcp": ["collectives/src/tcp_engine.c"],
+    "_tcp": ["collectives/src/tcp_transport.c", "collectives/src/tcp_engine.c",
+             "collectives/src/tcp_algorithms.c"],
     "_shm": ["collectives/src/shm_coll.c"],
 }
 KERNEL_SOURCES = ["collectives/src/reduce_kernels.c"]

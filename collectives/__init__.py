@@ -77,6 +77,21 @@ __all__ = [
     "ReduceScatterOptions", "ScatterOptions",
 ]
 
+# ---- master-worker mode (issue 31): names that do not clash with the process-group API;
+# the rest (send, zeros, all_reduce over remote tensors...) live in collectives.master_worker
+from .master_worker import (  # noqa: E402
+    BoolTensor, ByteTensor, CharTensor, DoubleTensor, Event, FloatTensor, HalfTensor, IntTensor,
+    LongTensor, RemoteError, RemoteTensor, ShortTensor, init_master_worker, node,
+    register_function, remote, rpc_async, rpc_sync)
+from .master_worker import send as dist_send  # noqa: E402
+from . import master_worker  # noqa: E402
+__all__ += [
+    "BoolTensor", "ByteTensor", "CharTensor", "DoubleTensor", "Event", "FloatTensor",
+    "HalfTensor", "IntTensor", "LongTensor", "RemoteError", "RemoteTensor", "ShortTensor",
+    "dist_send", "init_master_worker", "master_worker", "node", "register_function", "remote",
+    "rpc_async", "rpc_sync"]
+# ---- end of master-worker mode -------------------------------------------------------------
+
 set_debug_level_from_env()  # as torch.distributed does at import
 
 

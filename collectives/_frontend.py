@@ -11,7 +11,8 @@ import numpy as np
 from . import dtypes as D
 from .errors import DistError
 from .reduce_op import PremulSum, op_code
-from .tensors import _NP_CODES, Buffer, empty_like_buffer, is_torch_tensor, to_buffer
+from .tensors import (_NP_CODES, Buffer, disjoint_gather, empty_like_buffer,  # noqa: F401
+                      is_torch_tensor, overlaps, to_buffer)
 
 _torch_tensor = None      # torch.Tensor once seen (torch is never imported here)
 _torch_codes = {}
@@ -73,7 +74,7 @@ else:
 
 def _cuda_backend_live():
     """Whether some live group's backend takes CUDA memory (nccl); only asked for CUDA tensors."""
-    from .group import world
+    from ._world import world
     return any(getattr(pg.backend, "takes_cuda", False) for pg in world.groups)
 
 
@@ -260,10 +261,6 @@ def contiguous_span(bufs):
     return Buffer(first.ptr, sum(b.count for b in bufs), first.dtype, first.device, bufs)
 
 
-def overlaps(a, b):
-    return a.count and b.count and a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
-
-
 def needs_own_copy(pg, whole, part):
     """Whether ``part`` (all_gather's input, reduce_scatter's output) overlaps ``whole`` in a
     way the backend cannot take: anything but exactly this rank's block of a backend with
@@ -280,11 +277,6 @@ def _py_separate_blocks(outs, inp, rank):
         overlaps(b, inp) and not (q == rank and b.ptr == inp.ptr) for q, b in enumerate(outs))
 
 
-def _py_disjoint_gather(out, inp, size):
-    return out.dtype == inp.dtype and out.count == inp.count * size and not overlaps(out, inp)
-
-
-disjoint_gather = _py_disjoint_gather if _fast is None else _fast.disjoint_gather
 separate_blocks = _py_separate_blocks if _fast is None else _fast.separate_blocks
 if _fast is not None:
     _fast._set_slow_list(_py_buffers)

@@ -15,23 +15,12 @@ import inspect
 from .options import (
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions, _Options)
+from . import _world
+from . import collective_ops as _c
+from . import multigpu as _mg
+from . import p2p as _pp
 from .backends.base import DoneRequest
 from .work import Work, option_timeout, per_call_timeout, timeout_seconds
-
-
-def _ops():
-    from . import collective_ops
-    return collective_ops
-
-
-def _mgpu():
-    from . import multigpu
-    return multigpu
-
-
-def _p2p():
-    from . import p2p
-    return p2p
 
 
 def _tensors(x, name):
@@ -112,8 +101,7 @@ class ProcessGroupMethods:
         self.timeout = secs
 
     def shutdown(self):
-        from .group import destroy_process_group
-        destroy_process_group(self)
+        _world.destroy(self)
 
     abort = shutdown
 
@@ -126,13 +114,13 @@ class ProcessGroupMethods:
         ts = _tensors(tensors, "tensors")
         o = _opts(opts, AllreduceOptions, "opts", reduceOp=opts)
         if len(ts) > 1:
-            return _mgpu().all_reduce_multigpu(ts, o.reduceOp, group=self, async_op=True)
-        return _ops().all_reduce(ts[0], o.reduceOp, group=self, async_op=True)
+            return _mg.all_reduce_multigpu(ts, o.reduceOp, group=self, async_op=True)
+        return _c.all_reduce(ts[0], o.reduceOp, group=self, async_op=True)
 
     @_timed
     def allreduce_coalesced(self, tensors, opts=None):
         o = _opts(opts, AllreduceCoalescedOptions, "opts")
-        return _ops().all_reduce_coalesced(_tensors(tensors, "tensors"), o.reduceOp, group=self,
+        return _c.all_reduce_coalesced(_tensors(tensors, "tensors"), o.reduceOp, group=self,
                                            async_op=True)
 
     @_timed
@@ -142,9 +130,9 @@ class ProcessGroupMethods:
         o = _opts(opts, BroadcastOptions, "opts", rootRank=opts)
         root = _root(self, o.rootRank, "rootRank")
         if len(ts) > 1:
-            return _mgpu().broadcast_multigpu(ts, self.ranks[root], group=self, async_op=True,
+            return _mg.broadcast_multigpu(ts, self.ranks[root], group=self, async_op=True,
                                               src_tensor=o.rootTensor)
-        return _ops().broadcast(ts[0], group=self, async_op=True, group_src=root)
+        return _c.broadcast(ts[0], group=self, async_op=True, group_src=root)
 
     @_timed
     def reduce(self, tensors, opts=None, op=None):
@@ -153,9 +141,9 @@ class ProcessGroupMethods:
         o = _opts(opts, ReduceOptions, "opts", rootRank=opts, reduceOp=op)
         root = _root(self, o.rootRank, "rootRank")
         if len(ts) > 1:
-            return _mgpu().reduce_multigpu(ts, self.ranks[root], o.reduceOp, group=self,
+            return _mg.reduce_multigpu(ts, self.ranks[root], o.reduceOp, group=self,
                                            async_op=True, dst_tensor=o.rootTensor)
-        return _ops().reduce(ts[0], op=o.reduceOp, group=self, async_op=True, group_dst=root)
+        return _c.reduce(ts[0], op=o.reduceOp, group=self, async_op=True, group_dst=root)
 
     @_timed
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -166,17 +154,17 @@ class ProcessGroupMethods:
             ins = _tensors(input_tensors, "input_tensors")
             outs = list(output_tensors)
             if len(ins) > 1:
-                return _mgpu().all_gather_multigpu(outs, ins, group=self, async_op=True)
+                return _mg.all_gather_multigpu(outs, ins, group=self, async_op=True)
             if len(outs) != 1 or not isinstance(outs[0], (list, tuple)):
                 raise ValueError("output_tensors must be a list holding one list of tensors "
                                  "(one per rank) for each input tensor")
-            return _ops().all_gather(list(outs[0]), ins[0], group=self, async_op=True)
-        return _ops().all_gather(list(output_tensors), input_tensors, group=self, async_op=True)
+            return _c.all_gather(list(outs[0]), ins[0], group=self, async_op=True)
+        return _c.all_gather(list(output_tensors), input_tensors, group=self, async_op=True)
 
     @_timed
     def _allgather_base(self, output, input, opts=None):  # noqa: A002
         _opts(opts, AllgatherOptions, "opts")
-        return _ops().all_gather_into_tensor(output, input, group=self, async_op=True)
+        return _c.all_gather_into_tensor(output, input, group=self, async_op=True)
 
     all_gather_single = _allgather_base
 
@@ -196,14 +184,14 @@ class ProcessGroupMethods:
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """``_allgather_base`` for each (output, input) pair, as one Work."""
         _opts(opts, AllgatherOptions, "opts")
-        return self._issue_coalesced(_ops().all_gather_into_tensor, outputs, inputs)
+        return self._issue_coalesced(_c.all_gather_into_tensor, outputs, inputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     @_timed
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         _opts(opts, AllgatherOptions, "opts")
-        return _ops().all_gather_coalesced(output_lists, input_list, group=self, async_op=True)
+        return _c.all_gather_coalesced(output_lists, input_list, group=self, async_op=True)
 
     def _rooted(self, single, many, opts, cls, single_name):
         """(root, the one tensor, the root's list or None) from gather's and scatter's two
@@ -223,7 +211,7 @@ class ProcessGroupMethods:
         ``gather([out per rank] or [], inp, root)``."""
         root, inp, outs = self._rooted(input_tensors, output_tensors, opts, GatherOptions,
                                        "input_tensors")
-        return _ops().gather(inp, outs, group=self, async_op=True, group_dst=root)
+        return _c.gather(inp, outs, group=self, async_op=True, group_dst=root)
 
     @_timed
     def scatter(self, output_tensors, input_tensors, opts=None):
@@ -231,7 +219,7 @@ class ProcessGroupMethods:
         ``scatter(out, [in per rank] or [], root)``."""
         root, out, ins = self._rooted(output_tensors, input_tensors, opts, ScatterOptions,
                                       "output_tensors")
-        return _ops().scatter(out, ins, group=self, async_op=True, group_src=root)
+        return _c.scatter(out, ins, group=self, async_op=True, group_src=root)
 
     @_timed
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -241,17 +229,17 @@ class ProcessGroupMethods:
         if isinstance(output_tensors, (list, tuple)):
             outs = _tensors(output_tensors, "output_tensors")
             if len(outs) > 1:
-                return _mgpu().reduce_scatter_multigpu(outs, list(input_tensors), o.reduceOp,
+                return _mg.reduce_scatter_multigpu(outs, list(input_tensors), o.reduceOp,
                                                        group=self, async_op=True)
-            return _ops().reduce_scatter(outs[0], list(input_tensors[0]), o.reduceOp, group=self,
+            return _c.reduce_scatter(outs[0], list(input_tensors[0]), o.reduceOp, group=self,
                                          async_op=True)
-        return _ops().reduce_scatter(output_tensors, list(input_tensors), o.reduceOp, group=self,
+        return _c.reduce_scatter(output_tensors, list(input_tensors), o.reduceOp, group=self,
                                      async_op=True)
 
     @_timed
     def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
         o = _opts(opts, ReduceScatterOptions, "opts")
-        return _ops().reduce_scatter_tensor(output, input, o.reduceOp, group=self, async_op=True)
+        return _c.reduce_scatter_tensor(output, input, o.reduceOp, group=self, async_op=True)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -259,7 +247,7 @@ class ProcessGroupMethods:
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         """``_reduce_scatter_base`` for each (output, input) pair, as one Work."""
         o = _opts(opts, ReduceScatterOptions, "opts")
-        return self._issue_coalesced(_ops().reduce_scatter_tensor, outputs, inputs, o.reduceOp)
+        return self._issue_coalesced(_c.reduce_scatter_tensor, outputs, inputs, o.reduceOp)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -267,7 +255,7 @@ class ProcessGroupMethods:
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
                       opts=None):
         _opts(opts, AllToAllOptions, "opts")
-        return _ops().all_to_all_single(output, input, list(output_split_sizes) or None,
+        return _c.all_to_all_single(output, input, list(output_split_sizes) or None,
                                         list(input_split_sizes) or None, group=self, async_op=True)
 
     all_to_all_single = alltoall_base
@@ -275,19 +263,19 @@ class ProcessGroupMethods:
     @_timed
     def alltoall(self, output_tensors, input_tensors, opts=None):
         _opts(opts, AllToAllOptions, "opts")
-        return _ops().all_to_all(list(output_tensors), list(input_tensors), group=self,
+        return _c.all_to_all(list(output_tensors), list(input_tensors), group=self,
                                  async_op=True)
 
     @_timed
     def barrier(self, opts=None):
         _opts(opts, BarrierOptions, "opts")
-        return _ops().barrier(group=self, async_op=True)
+        return _c.barrier(group=self, async_op=True)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         """A barrier in which group rank 0 names the ranks that did not arrive within
         ``timeout`` (a timedelta or seconds; default: the group's), all of them with
         ``wait_all_ranks``; blocking, as torch's ``pg.monitored_barrier``."""
-        return _ops().monitored_barrier(group=self, timeout=timeout,
+        return _c.monitored_barrier(group=self, timeout=timeout,
                                         wait_all_ranks=wait_all_ranks)
 
     # ---- point to point --------------------------------------------------------------------
@@ -299,13 +287,13 @@ class ProcessGroupMethods:
         return ts[0]
 
     def send(self, tensors, dstRank, tag=0):  # noqa: N803  (torch's names)
-        return _p2p().isend(self._one(tensors), group=self, tag=tag,
+        return _pp.isend(self._one(tensors), group=self, tag=tag,
                             group_dst=_root(self, dstRank, "dstRank"))
 
     def recv(self, tensors, srcRank, tag=0):  # noqa: N803
-        return _p2p().irecv(self._one(tensors), group=self, tag=tag,
+        return _pp.irecv(self._one(tensors), group=self, tag=tag,
                             group_src=_root(self, srcRank, "srcRank"))
 
     def recv_anysource(self, tensors, tag=0):
         """A receive from any rank of the group; ``work.source_rank()`` names the sender."""
-        return _p2p().irecv(self._one(tensors), group=self, tag=tag)
+        return _pp.irecv(self._one(tensors), group=self, tag=tag)

@@ -2,12 +2,19 @@
 """The TCP transport engine (collectives/src/tcp_engine.c) for the 'gloo' backend.
 
 Thin wrappers: arguments are prepared with the GIL held, then each call runs in
-one ``with nogil:`` block; a failure comes back as DistBackendError.
+one ``with nogil:`` block; a failure comes back as DistBackendError. Every collective
+takes ``fp``, this rank's fingerprint of the call (:func:`collectives.fingerprint.pack`);
+a peer whose fingerprint differs fails the call on every rank with
+:func:`collectives.fingerprint.mismatch_message`.
 """
+import re
+
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
+from .dtypes import DTYPE_NAMES
 from .errors import DistBackendError
+from .fingerprint import mismatch_message
 
 include "_tcp_decl.pxi"
 
@@ -20,12 +27,56 @@ TUNE_SEGMENT = TCP_TUNE_SEGMENT
 TUNE_GATHER_DIRECT_MAX = TCP_TUNE_GATHER_DIRECT_MAX
 TUNE_ALLREDUCE_DIRECT_WORLD = TCP_TUNE_ALLREDUCE_DIRECT_WORLD
 TUNE_DUPLEX_CHUNK = TCP_TUNE_DUPLEX_CHUNK
+TUNE_LOWAT = TCP_TUNE_LOWAT
+TUNE_FP_DIRECT_WORLD = TCP_TUNE_FP_DIRECT_WORLD
+WIRE_VERSION = TCP_WIRE_VERSION
+NO_DTYPE = TCP_NO_DTYPE
+HEADER_BYTES = 48
+HEADER_FIELDS = ("magic", "version", "ftype", "kind", "dtype", "flags", "group", "tag", "seq",
+                 "fp", "aux", "len")
+
+_DTYPE_CODE = re.compile(r"\{dtype:(\d+)\}")
 
 
-cdef int _check(int rc, char *err) except -1:
+def _dtype_name(m):
+    return DTYPE_NAMES.get(int(m.group(1)), f"dtype {m.group(1)}")
+
+
+cdef str _text(char *err, eng):
+    """The engine's error text for users: dtype codes named, and a fingerprint mismatch
+    ("{mismatch}") spelled out from the engine's record."""
+    msg = err.decode("utf-8", "replace")
+    if "{dtype:" in msg:
+        msg = _DTYPE_CODE.sub(_dtype_name, msg)
+    if "{mismatch}" in msg and eng is not None:
+        msg = msg.replace("{mismatch}", eng.mismatch_message() or "a peer called a different collective")
+    return msg
+
+
+cdef int _check(int rc, char *err, eng) except -1:
     if rc != 0:
-        raise DistBackendError(err.decode("utf-8", "replace"))
+        raise DistBackendError(_text(err, eng))
     return 0
+
+
+def wire_header(int ftype, int kind, int dtype, uint32_t group, int32_t tag, uint64_t seq,
+                uint64_t fp, uint64_t aux, uint64_t length):
+    """The 48 bytes the engine sends as a frame header (little-endian, this wire version)."""
+    cdef unsigned char out[48]
+    tcp_wire_header(out, ftype, kind, dtype, group, tag, seq, fp, aux, length)
+    return bytes(out[:48])
+
+
+def parse_wire_header(const unsigned char[:] data):
+    """The fields (:data:`HEADER_FIELDS`, in order) of a 48-byte frame header as the engine
+    reads it."""
+    cdef uint64_t f[12]
+    if data.shape[0] != 48:
+        raise ValueError(f"a frame header has 48 bytes, got {data.shape[0]}")
+    tcp_wire_header_parse(&data[0], f)
+    out = [f[i] for i in range(12)]
+    out[7] = <int32_t>(<int64_t>f[7])  # tag is signed
+    return tuple(out)
 
 
 cdef class Engine:
@@ -41,6 +92,7 @@ cdef class Engine:
     cdef tcp_engine *e
     cdef readonly int rank
     cdef readonly int size
+    cdef object names
 
     def __cinit__(self, int rank, int size, fds, uint32_t group, double timeout):
         if size < 1 or not 0 <= rank < size:
@@ -103,78 +155,98 @@ cdef class Engine:
         free(cnames)
         if rc != 0:
             raise MemoryError()
+        self.names = list(names) if names is not None else None
+
+    def mismatch(self):
+        """(seq, a, fp_a, b, fp_b) of the first fingerprint mismatch this engine saw or was
+        told of (rank a called fp_a where rank b called fp_b), or None."""
+        cdef uint64_t seq = 0, fa = 0, fb = 0
+        cdef int a = 0, b = 0
+        if self.e == NULL or not tcp_mismatch(self.e, &seq, &a, &fa, &b, &fb):
+            return None
+        return seq, a, fa, b, fb
+
+    def mismatch_message(self):
+        """:func:`collectives.fingerprint.mismatch_message` of :meth:`mismatch` (None if none)."""
+        mm = self.mismatch()
+        if mm is None:
+            return None
+        seq, a, fa, b, fb = mm
+        names = self.names
+        return mismatch_message(seq, a, fa, b, fb,
+                                rank_name=(lambda r: names[r]) if names is not None else None)
 
     @property
     def seq(self):
         """Sequence number of the last collective started."""
         return tcp_engine_seq(self._eng())
 
-    # ---- collectives ---------------------------------------------------------
-    def barrier(self):
+    # ---- collectives (fp: this rank's fingerprint of the call) ----------------------
+    def barrier(self, uint64_t fp):
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef int rc
         with nogil:
-            rc = tcp_barrier(e, err, ERRLEN)
-        _check(rc, err)
+            rc = tcp_barrier(e, fp, err, ERRLEN)
+        _check(rc, err, self)
 
-    def broadcast(self, uintptr_t ptr, size_t nbytes, int root):
+    def broadcast(self, uintptr_t ptr, size_t nbytes, int root, uint64_t fp):
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef int rc
         with nogil:
-            rc = tcp_broadcast(e, <void *>ptr, nbytes, root, err, ERRLEN)
-        _check(rc, err)
+            rc = tcp_broadcast(e, <void *>ptr, nbytes, root, fp, err, ERRLEN)
+        _check(rc, err, self)
 
-    def all_reduce(self, uintptr_t ptr, size_t count, int dtype, int op):
+    def all_reduce(self, uintptr_t ptr, size_t count, int dtype, int op, uint64_t fp):
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef int rc
         with nogil:
-            rc = tcp_allreduce(e, <void *>ptr, count, dtype, op, err, ERRLEN)
-        _check(rc, err)
+            rc = tcp_allreduce(e, <void *>ptr, count, dtype, op, fp, err, ERRLEN)
+        _check(rc, err, self)
 
-    def reduce(self, uintptr_t ptr, size_t count, int dtype, int op, int root):
+    def reduce(self, uintptr_t ptr, size_t count, int dtype, int op, int root, uint64_t fp):
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef int rc
         with nogil:
-            rc = tcp_reduce(e, <void *>ptr, count, dtype, op, root, err, ERRLEN)
-        _check(rc, err)
+            rc = tcp_reduce(e, <void *>ptr, count, dtype, op, root, fp, err, ERRLEN)
+        _check(rc, err, self)
 
-    def all_gather(self, uintptr_t out, uintptr_t inp, size_t nbytes):
+    def all_gather(self, uintptr_t out, uintptr_t inp, size_t nbytes, uint64_t fp):
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef int rc
         with nogil:
-            rc = tcp_allgather(e, <void *>out, <const void *>inp, nbytes, err, ERRLEN)
-        _check(rc, err)
+            rc = tcp_allgather(e, <void *>out, <const void *>inp, nbytes, fp, err, ERRLEN)
+        _check(rc, err, self)
 
-    def gather(self, uintptr_t out, uintptr_t inp, size_t nbytes, int root):
+    def gather(self, uintptr_t out, uintptr_t inp, size_t nbytes, int root, uint64_t fp):
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef int rc
         with nogil:
-            rc = tcp_gather(e, <void *>out, <const void *>inp, nbytes, root, err, ERRLEN)
-        _check(rc, err)
+            rc = tcp_gather(e, <void *>out, <const void *>inp, nbytes, root, fp, err, ERRLEN)
+        _check(rc, err, self)
 
-    def scatter(self, uintptr_t out, uintptr_t inp, size_t nbytes, int root):
+    def scatter(self, uintptr_t out, uintptr_t inp, size_t nbytes, int root, uint64_t fp):
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef int rc
         with nogil:
-            rc = tcp_scatter(e, <void *>out, <const void *>inp, nbytes, root, err, ERRLEN)
-        _check(rc, err)
+            rc = tcp_scatter(e, <void *>out, <const void *>inp, nbytes, root, fp, err, ERRLEN)
+        _check(rc, err, self)
 
-    def reduce_scatter(self, uintptr_t out, uintptr_t inp, size_t count, int dtype, int op):
+    def reduce_scatter(self, uintptr_t out, uintptr_t inp, size_t count, int dtype, int op, uint64_t fp):
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef int rc
         with nogil:
-            rc = tcp_reduce_scatter(e, <void *>out, <const void *>inp, count, dtype, op, err, ERRLEN)
-        _check(rc, err)
+            rc = tcp_reduce_scatter(e, <void *>out, <const void *>inp, count, dtype, op, fp, err, ERRLEN)
+        _check(rc, err, self)
 
-    def all_to_all(self, uintptr_t out, uintptr_t inp, out_bytes, in_bytes):
+    def all_to_all(self, uintptr_t out, uintptr_t inp, out_bytes, in_bytes, uint64_t fp):
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef int rc
@@ -189,31 +261,33 @@ cdef class Engine:
             ob[i] = out_bytes[i]
             ib[i] = in_bytes[i]
         with nogil:
-            rc = tcp_alltoall(e, <void *>out, <const void *>inp, ob, ib, err, ERRLEN)
+            rc = tcp_alltoall(e, <void *>out, <const void *>inp, ob, ib, fp, err, ERRLEN)
         free(ob)
-        _check(rc, err)
+        _check(rc, err, self)
 
     # ---- point to point ------------------------------------------------------
-    def isend(self, uintptr_t ptr, size_t nbytes, int dst, int32_t tag, keep=None):
-        """Post a send of ``nbytes`` at ``ptr``; ``keep`` is held until it finishes."""
+    def isend(self, uintptr_t ptr, size_t nbytes, int dtype, int dst, int32_t tag, keep=None):
+        """Post a send of ``nbytes`` of ``dtype`` (a dtype code, :data:`NO_DTYPE`: bytes) at
+        ``ptr``; ``keep`` is held until it finishes."""
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef tcp_req *r
         with nogil:
-            r = tcp_isend(e, <const void *>ptr, nbytes, dst, tag, err, ERRLEN)
+            r = tcp_isend(e, <const void *>ptr, nbytes, dtype, dst, tag, err, ERRLEN)
         if r == NULL:
-            _check(-1, err)
+            _check(-1, err, self)
         return PendingOp._make(self, r, keep)
 
-    def irecv(self, uintptr_t ptr, size_t nbytes, int src, int32_t tag, keep=None):
-        """Post a receive into ``nbytes`` at ``ptr`` from ``src`` (-1: any rank)."""
+    def irecv(self, uintptr_t ptr, size_t nbytes, int dtype, int src, int32_t tag, keep=None):
+        """Post a receive into ``nbytes`` of ``dtype`` at ``ptr`` from ``src`` (-1: any rank);
+        a message of another size or dtype fails it."""
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef tcp_req *r
         with nogil:
-            r = tcp_irecv(e, <void *>ptr, nbytes, src, tag, err, ERRLEN)
+            r = tcp_irecv(e, <void *>ptr, nbytes, dtype, src, tag, err, ERRLEN)
         if r == NULL:
-            _check(-1, err)
+            _check(-1, err, self)
         return PendingOp._make(self, r, keep)
 
 
@@ -244,7 +318,7 @@ cdef class PendingOp:
             self.state = 1
         else:
             self.state = -1
-            self.error = DistBackendError(err.decode("utf-8", "replace"))
+            self.error = DistBackendError(_text(err, self.eng))
         self.keep = None
 
     def wait(self, double timeout=-1.0):
@@ -257,7 +331,7 @@ cdef class PendingOp:
             with nogil:
                 rc = tcp_req_wait(e, self.r, timeout, err, ERRLEN)
             if rc == -2:  # timed out: still posted, a later wait may finish it
-                raise DistBackendError(err.decode("utf-8", "replace"))
+                raise DistBackendError(_text(err, self.eng))
             self._finish(rc, err)
         if self.state < 0:
             raise self.error

@@ -18,8 +18,8 @@ from ._frontend import (Steps, buffer, buffers, check_devices, check_like, conti
                         copy_of, disjoint_gather, needs_own_copy, overlaps, reduce_plan, scale,
                         separate_blocks, settle, stage, unstage)
 from .errors import DistBackendError, DistError
-from .group import NOT_INITIALIZED, resolve, world
-from .group import current as _group
+from ._world import NOT_INITIALIZED, resolve, world
+from ._world import current as _group
 from .reduce_op import ReduceOp
 from .tensors import Buffer
 from .work import Work, call_timeout, timed as _timed, timeout_seconds

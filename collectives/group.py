@@ -14,15 +14,15 @@ import zlib
 
 from . import backends as _backends
 from . import debug as _debug
-from . import profiling as _profiling
 from .errors import DistError
 from ._pg_methods import ProcessGroupMethods
+from . import _world
+from ._world import (NOT_INITIALIZED, GroupBase, GroupMember, _set_world, current,  # noqa: F401
+                     default_group, resolve, set_destroy_hook, world)
 from .work import timeout_seconds
 
 DEFAULT_TIMEOUT = 1800.0  # torch's default for CPU backends (30 minutes)
 default_pg_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)  # dist.default_pg_timeout
-NOT_INITIALIZED = ("Default process group has not been initialized, "
-                   "please make sure to call init_process_group.")
 
 
 class Backend(str):
@@ -47,7 +47,10 @@ class Backend(str):
         setattr(Backend, name.upper(), name.lower())
 
 
-class ProcessGroup(ProcessGroupMethods):
+group = _world.group  # dist.group.WORLD
+
+
+class ProcessGroup(GroupBase, ProcessGroupMethods):
     """A group of ranks sharing one backend instance.
 
     ``rank()``/``size()``, ``name()`` (the backend's), ``group_name`` and the collective
@@ -57,130 +60,7 @@ class ProcessGroup(ProcessGroupMethods):
 
     def __init__(self, backend, ranks, rank, name, backend_name, timeout, store):
         backend = _debug.on_new_group(backend, name, ranks, rank, backend_name)
-        self.backend = backend
-        self.ranks = list(ranks)
-        self._rank = rank
-        self._size = len(self.ranks)
-        self.group_name = name
-        self.backend_name = backend_name
-        self.timeout = timeout
-        self.store = store
-        self.group_of_global = {g: i for i, g in enumerate(self.ranks)}
-        # bound once: the blocking path calls these directly
-        self.run = backend.run
-        self.submit = backend.submit
-        # the backend runs a blocking call with base Backend.run: straight in the caller's
-        # thread while nothing is queued. The hot front-end calls then test ``_busy``
-        # themselves and skip the run() frame (~0.2 us of a ~1 us small-message call).
-        self.inline = getattr(type(backend), "run", None) is _backends.Backend.run
-        self.destroyed = False
-        _profiling.refresh()  # torch may have been imported since the last group was made
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
-
-    def group_rank(self, global_rank, name):
-        """The group rank of ``global_rank``; ValueError naming ``name`` if not a member."""
-        r = self.group_of_global.get(global_rank)
-        if r is None:
-            raise ValueError(f"{name}={global_rank!r} is not a rank of group {self.group_name!r} "
-                             f"(its global ranks are {self.ranks})")
-        return r
-
-    def check_group_rank(self, group_rank, name):
-        if not isinstance(group_rank, int) or not 0 <= group_rank < self._size:
-            raise ValueError(f"{name} must be a group rank in [0, {self._size}), got {group_rank!r}")
-        return group_rank
-
-    def peer(self, global_rank, group_rank, name, default=None):
-        """Resolve a (global, group) pair of peer arguments to a group rank; one may be given."""
-        if group_rank is not None:
-            if global_rank is not None:
-                raise ValueError(f"give either {name} or group_{name}, not both")
-            return self.check_group_rank(group_rank, f"group_{name}")
-        if global_rank is None:
-            if default is None:
-                raise ValueError(f"{name} must be given (a global rank)")
-            global_rank = default
-        if not isinstance(global_rank, int) or isinstance(global_rank, bool):
-            raise TypeError(f"{name} must be an int rank, got {type(global_rank).__name__}")
-        return self.group_rank(global_rank, name)
-
-    def __repr__(self):
-        return (f"ProcessGroup(name={self.group_name!r}, backend={self.backend_name!r}, "
-                f"ranks={self.ranks}, rank={self._rank})")
-
-
-class GroupMember:
-    """``GroupMember.WORLD`` (the default group, None before init) and ``NON_GROUP_MEMBER``."""
-
-    WORLD = None
-    NON_GROUP_MEMBER = -100
-
-
-class group:  # noqa: N801  (torch spells it dist.group.WORLD)
-    WORLD = None
-
-
-class _World:
-    """The default group and everything new_group needs (one instance: ``world``)."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.default = None
-        self.store = None
-        self.owned_store = False
-        self.groups = []
-        self.group_count = 0
-        self.local_counts = {}
-
-
-world = _World()
-
-
-def _set_world(pg):
-    world.default = pg
-    GroupMember.WORLD = pg
-    group.WORLD = pg
-
-
-def default_group():
-    pg = world.default
-    if pg is None:
-        raise ValueError(NOT_INITIALIZED)
-    return pg
-
-
-def resolve(grp):
-    """The ProcessGroup for a user's ``group`` argument; None if this rank is not a member."""
-    if grp is None:
-        pg = world.default
-        if pg is None:
-            raise ValueError(NOT_INITIALIZED)
-        return pg
-    if isinstance(grp, ProcessGroup):
-        if grp.destroyed:
-            raise ValueError(f"group {grp.group_name!r} has been destroyed")
-        return grp
-    if grp is GroupMember.NON_GROUP_MEMBER or grp == GroupMember.NON_GROUP_MEMBER:
-        return None
-    inner = getattr(grp, "collectives_group", None)  # torch's group over one of ours (torch_pg)
-    if isinstance(inner, ProcessGroup):
-        return resolve(inner)
-    raise TypeError(f"group must be a ProcessGroup, None or GroupMember.WORLD, got {type(grp).__name__}")
-
-
-def current(grp):
-    """``resolve(grp)`` with the default group's case first: the entry of every operation."""
-    pg = world.default if grp is None else resolve(grp)
-    if pg is None and grp is None:
-        raise ValueError(NOT_INITIALIZED)
-    return pg
+        super().__init__(backend, ranks, rank, name, backend_name, timeout, store)
 
 
 # ---- initialisation ------------------------------------------------------------------
@@ -234,6 +114,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     if _ranks:  # torch's _hash_ranks_to_str, with no group named yet
         group_name = hashlib.sha1(f"{'_'.join(map(str, _ranks))}_0".encode(),
                                   usedforsecurity=False).hexdigest()
+    if getattr(world, "master_worker", False):  # set by master_worker.init_master_worker
+        raise RuntimeError("init_process_group: this process is in master-worker mode "
+                           "(init_master_worker); the two modes exclude each other")
     if world.default is not None:
         raise ValueError("trying to initialize the default process group twice!")
     name = _backend_name(backend)
@@ -279,6 +162,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         pg_store = _prefix("default_pg", store)
     be = factory(pg_store, rank, world_size, tmo, pg_options)
+    world.bridge = _bridging()  # every group of this world follows (see _group_class)
     pg = _group_class()(be, range(world_size), rank, group_name or "default_pg", name, tmo, pg_store)
     world.store = store
     world.owned_store = owned
@@ -288,13 +172,23 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
 
 
 def _bridging():
-    """Whether the program has imported torch and leaves the bridge on (see _torch_bridge)."""
+    """Whether the program has imported torch and leaves the bridge on (see _torch_bridge).
+
+    Asked once, by init_process_group: the world remembers the answer (``world.bridge``),
+    and every group made until the world is destroyed (the default group, new_group,
+    split_group, shrink_group) is of the class it implies, whether torch was imported
+    before or after that group was made. A program that imports torch only after
+    init_process_group gets plain groups, until it puts torch's default group over the
+    world with ``collectives.torch_pg.install_default``: the groups made from then on
+    bridge (that call is the one other place the decision is made);
+    ``collectives.torch_pg.to_torch`` wraps a plain group for torch."""
     return "torch" in sys.modules and os.environ.get("COLLECTIVES_TORCH_BRIDGE", "1") != "0"
 
 
 def _group_class():
-    """The class of a new group: one that is torch's ProcessGroup too when bridging."""
-    if _bridging():
+    """The class of a new group: one that is torch's ProcessGroup too when the world
+    bridges (decided at init: see _bridging)."""
+    if world.bridge:
         try:
             import torch.distributed
             if torch.distributed.is_available():
@@ -310,7 +204,7 @@ def _torch_bridge(pg, ranks=None):
     """Give torch.distributed a default group that runs on ``pg`` (see
     collectives.torch_pg), when the program has imported torch: DistributedDataParallel
     and libraries calling torch.distributed then work unchanged."""
-    if not _bridging():
+    if not world.bridge:
         return
     try:
         import torch.distributed
@@ -802,3 +696,6 @@ def is_backend_available(backend):
 
 def is_torchelastic_launched():
     return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+set_destroy_hook(destroy_process_group)

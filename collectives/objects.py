@@ -14,7 +14,7 @@ import numpy as np
 from . import dtypes as D
 from . import profiling as _profiling
 from . import safe_pickle
-from .group import current as _group
+from ._world import current as _group
 from .tensors import Buffer
 
 _prof = _profiling.tap  # torch's profiler module once torch is imported (profiling.bind)

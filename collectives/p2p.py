@@ -5,7 +5,7 @@ of ``group``. A blocking send is ``isend(...).wait()``.
 """
 from . import profiling as _profiling
 from ._frontend import buffer, check_devices
-from .group import current as _group
+from ._world import current as _group
 from .work import Work
 
 _prof = _profiling.tap  # torch's profiler module once torch is imported (profiling.bind)

@@ -188,3 +188,18 @@ def empty_like_buffer(count, dtype):
     """A new host Buffer of ``count`` elements of ``dtype``, backed by NumPy."""
     arr = np.empty(count, _NP_OF_CODE[dtype])
     return Buffer(arr.__array_interface__["data"][0], count, dtype, -1, arr)
+
+
+def overlaps(a, b):
+    """Whether Buffers ``a`` and ``b`` share a byte."""
+    return a.count and b.count and a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
+
+
+def _py_disjoint_gather(out, inp, size):
+    return out.dtype == inp.dtype and out.count == inp.count * size and not overlaps(out, inp)
+
+
+try:  # whether a gather of ``size`` blocks like ``inp`` fits ``out`` without overlapping it
+    from ._buffer import disjoint_gather
+except ImportError:  # extensions not built
+    disjoint_gather = _py_disjoint_gather

@@ -751,6 +751,8 @@ def install_default(pg, ranks=None):
         _state.installing = None
         if barrier_env is not None:
             os.environ["TORCH_DIST_INIT_BARRIER"] = barrier_env
+    if pg is _groups.world.default and os.environ.get("COLLECTIVES_TORCH_BRIDGE", "1") != "0":
+        _groups.world.bridge = True  # torch now runs on this world: its later groups bridge too
     return True
 
 

@@ -29,7 +29,7 @@ import time
 import traceback
 
 from .. import dtypes as D
-from .._frontend import disjoint_gather as _disjoint_gather
+from ..tensors import disjoint_gather as _disjoint_gather
 from ..errors import DistBackendError
 from ..tensors import Buffer as _Buffer
 from ..tensors import _PyBuffer

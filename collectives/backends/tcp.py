@@ -20,9 +20,22 @@ Environment:
     COLLECTIVES_TCP_DUPLEX_CHUNK: bytes written per send call, and read per call while
         sends to that peer wait, so both directions of an exchange flow (default 1 MiB;
         0: no limit).
+    COLLECTIVES_TCP_NO_LOWAT: set (to anything) to keep SO_RCVLOWAT off.
+
+The settings that choose an algorithm (RD_MAX, TREE_MAX, SEGMENT, DIRECT_MAX, DIRECT_WORLD,
+and the ``fp_direct_world`` option) are rank 0's: it publishes them through the store at
+setup and every rank uses them, whatever its own environment says (ranks that picked
+different algorithms for one call would hang). The others are each rank's own.
+
+Every collective carries this rank's fingerprint of the call
+(:func:`collectives.fingerprint.pack` of kind, dtype, count, root, op) in each frame; a peer
+whose call differs makes the call raise :class:`DistBackendError` on every rank, naming both
+calls, and the group stays unusable. Point-to-point messages carry their dtype and size: a
+receive of another size or dtype raises instead of truncating or reinterpreting.
 """
 import fcntl
 import ipaddress
+import operator
 import os
 import secrets
 import socket
@@ -33,25 +46,75 @@ from datetime import timedelta
 
 from .. import dtypes as D
 from .. import auth
+from .. import fingerprint as F
 from ..errors import DistNetworkError
 from .base import Backend, Request
-from .mesh_accept import accept_peers
+from .mesh_accept import MORE, accept_peers
 
 _MAGIC = 0xC0117C90
-_HELLO = struct.Struct("<IIII")   # magic, group id, rank, size
-_ACK = struct.Struct("<II")       # magic, rank
+# the hello and the ack start with (magic, wire version) in every version, so that a peer
+# of another version is told apart before the rest is read
+_PREFIX = struct.Struct("<II")    # magic, wire version
+_HELLO = struct.Struct("<III")    # then: group id, rank, size
+_ACK = struct.Struct("<I")        # then: rank
 _OPS = frozenset({D.SUM, D.PRODUCT, D.MIN, D.MAX, D.BAND, D.BOR, D.BXOR})
 
-# option name -> (env var, tuning key name in collectives._tcp)
+# option name -> (env var or None, tuning key name in collectives._tcp, agreed across ranks)
 _TUNING = {
-    "spin_us": ("COLLECTIVES_TCP_SPIN_US", "TUNE_SPIN_US"),
-    "allreduce_rd_max": ("COLLECTIVES_TCP_RD_MAX", "TUNE_ALLREDUCE_RD_MAX"),
-    "tree_max": ("COLLECTIVES_TCP_TREE_MAX", "TUNE_BCAST_TREE_MAX"),
-    "segment": ("COLLECTIVES_TCP_SEGMENT", "TUNE_SEGMENT"),
-    "direct_max": ("COLLECTIVES_TCP_DIRECT_MAX", "TUNE_GATHER_DIRECT_MAX"),
-    "allreduce_direct_world": ("COLLECTIVES_TCP_DIRECT_WORLD", "TUNE_ALLREDUCE_DIRECT_WORLD"),
-    "duplex_chunk": ("COLLECTIVES_TCP_DUPLEX_CHUNK", "TUNE_DUPLEX_CHUNK"),
+    "spin_us": ("COLLECTIVES_TCP_SPIN_US", "TUNE_SPIN_US", False),
+    "allreduce_rd_max": ("COLLECTIVES_TCP_RD_MAX", "TUNE_ALLREDUCE_RD_MAX", True),
+    "tree_max": ("COLLECTIVES_TCP_TREE_MAX", "TUNE_BCAST_TREE_MAX", True),
+    "segment": ("COLLECTIVES_TCP_SEGMENT", "TUNE_SEGMENT", True),
+    "direct_max": ("COLLECTIVES_TCP_DIRECT_MAX", "TUNE_GATHER_DIRECT_MAX", True),
+    "allreduce_direct_world": ("COLLECTIVES_TCP_DIRECT_WORLD", "TUNE_ALLREDUCE_DIRECT_WORLD", True),
+    "fp_direct_world": (None, "TUNE_FP_DIRECT_WORLD", True),
+    "duplex_chunk": ("COLLECTIVES_TCP_DUPLEX_CHUNK", "TUNE_DUPLEX_CHUNK", False),
+    "lowat": ("COLLECTIVES_TCP_NO_LOWAT", "TUNE_LOWAT", False),
 }
+_AGREED = tuple(name for name, (_, _, agreed) in _TUNING.items() if agreed)
+
+
+def _env_tuning(name):
+    """The value of tuning option ``name`` in this rank's environment, or None (the engine's
+    default)."""
+    env = _TUNING[name][0]
+    if env is None:
+        return None
+    if name == "lowat":  # presence-only, as before: set means off
+        return 0 if env in os.environ else None
+    value = os.environ.get(env)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{env} must be an integer, got {value!r}") from None
+
+
+def _tuning_values(options):
+    """{option: value} this rank would use: ``options`` (a dict) over the environment."""
+    opts = options if isinstance(options, dict) else {}
+    values = {}
+    for name in _TUNING:
+        value = opts.get(name)
+        if value is None:
+            value = _env_tuning(name)
+        if value is not None:
+            try:
+                values[name] = operator.index(value)
+            except TypeError:
+                raise TypeError(f"tuning option {name} must be an int, got {value!r}") from None
+    return values
+
+
+def wire_version():
+    """The TCP engine's frame format version, which the connection hello carries."""
+    from .. import _tcp
+    return _tcp.WIRE_VERSION
+
+
+_pack = F.pack
+_BARRIER_FP = F.pack(F.BARRIER)
 
 
 def _seconds(timeout):
@@ -147,18 +210,43 @@ def options_host(options):
     return host or None
 
 
-def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
+def _drain_close(sock):
+    """Close after reading what the peer already sent (unread data would make the close a
+    reset, which could destroy the reply before the peer reads it)."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(0.2)
+        while sock.recv(4096):
+            pass
+    except OSError:
+        pass
+    sock.close()
+
+
+def _version_error(me, peer, theirs, ours):
+    return DistNetworkError(
+        f"tcp backend: rank {me} refused the connection with {peer}: different wire protocol "
+        f"versions ({peer}: {theirs}, rank {me}: {ours}); every rank of a job must run the same "
+        f"collectives release")
+
+
+def connect_mesh(store, rank, size, timeout, host=None, rank_names=None, version=None):
     """Connect every pair of ranks through ``store``; returns (fds, group id).
 
     Each rank listens, publishes host:port, connects to every lower rank and
-    accepts every higher one; a hello (magic, group id, rank, size) and an ack
-    check that both ends belong to the same group. With a key (the store's, or
-    COLLECTIVES_AUTH_KEY: collectives.auth.key_of) every connection first passes the
-    mutual challenge-response; the accepting side never waits on one connection
-    (backends/mesh_accept.py). Messages call rank r ``rank_names[r]`` when given.
+    accepts every higher one; a hello (magic, wire version, group id, rank, size) and
+    an ack (magic, wire version, rank) check that both ends belong to the same group
+    and speak the same wire protocol (``version``, default :func:`wire_version`): a peer
+    of another version is refused with DistNetworkError on both sides. With a key (the
+    store's, or COLLECTIVES_AUTH_KEY: collectives.auth.key_of) every connection first
+    passes the mutual challenge-response; the accepting side never waits on one
+    connection (backends/mesh_accept.py). Messages call rank r ``rank_names[r]`` when given.
     """
     def nm(r):
         return rank_names[r] if rank_names is not None else r
+
+    if version is None:
+        version = wire_version()
 
     fds = [-1] * size
     if size == 1:
@@ -186,6 +274,7 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
         else:
             group = int(store.get(f"{prefix}/group"))
         store.set(f"{prefix}/addr/{rank}", f"{host}:{listener.getsockname()[1]}".encode())
+        hello = _PREFIX.pack(_MAGIC, version) + _HELLO.pack(group, rank, size)
         for peer in range(rank):
             addr = store.get(f"{prefix}/addr/{peer}").decode()
             h, _, p = addr.rpartition(":")
@@ -210,24 +299,42 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
                     socks[peer] = s
                     _tune_socket(s, bufsize)
             if key is None:
-                s.sendall(_HELLO.pack(_MAGIC, group, rank, size))
+                s.sendall(hello)
             else:  # (security) every peer's handshake starts now; answers are awaited together
                 nonces[peer] = (auth.client_hello(s), addr)
         for peer, (nc, addr) in nonces.items():  # (security) prove the key; the hello follows
             auth.client_finish(socks[peer], key, nc, deadline, f"tcp backend: rank {nm(rank)} "
                                f"connecting to rank {nm(peer)} at {addr}", wait_ok=False)
-            socks[peer].sendall(_HELLO.pack(_MAGIC, group, rank, size))
+            socks[peer].sendall(hello)
 
-        def check_hello(data):
-            """The peer a hello names, or None for a stray or stale connection."""
-            magic, g, peer, psize = _HELLO.unpack(data)
-            if magic != _MAGIC or g != group or psize != size or not rank < peer < size:
+        def check_hello(buf, c):
+            """The peer a hello names, MORE to wait for the rest, or None for a stray or
+            stale connection; a peer of another wire version is told, then refused."""
+            if len(buf) < _PREFIX.size:
+                return MORE
+            magic, pversion = _PREFIX.unpack_from(buf)
+            if magic != _MAGIC:
+                return None
+            if pversion != version:
+                who = "a peer at {}:{}".format(*c.getpeername()[:2])
+                try:
+                    c.setblocking(True)
+                    c.sendall(_PREFIX.pack(_MAGIC, version) + _ACK.pack(rank))  # it raises too
+                finally:
+                    _drain_close(c)
+                raise _version_error(nm(rank), who, pversion, version)
+            if len(buf) < _PREFIX.size + _HELLO.size:
+                return MORE
+            if len(buf) > _PREFIX.size + _HELLO.size:
+                return None
+            g, peer, psize = _HELLO.unpack_from(buf, _PREFIX.size)
+            if g != group or psize != size or not rank < peer < size:
                 return None
             return peer
 
         # (security) accepting never waits on one connection: strangers are turned away
         accepted, turned_away = accept_peers(listener, size - rank - 1, deadline, key,
-                                             _HELLO.size, check_hello, refusals)
+                                             check_hello, refusals)
         socks.update(accepted)
         if len(accepted) < size - rank - 1:
             missing = [nm(r) for r in range(rank + 1, size) if r not in socks]
@@ -237,12 +344,16 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None):
                                    f"waiting for ranks {missing} to connect{extra}")
         for c in accepted.values():
             _tune_socket(c, bufsize)
-            c.sendall(_ACK.pack(_MAGIC, rank))
+            c.sendall(_PREFIX.pack(_MAGIC, version) + _ACK.pack(rank))
         for peer in range(rank):
             if key is not None:  # (security) the verdict on our proof comes before the ack
                 auth.read_ok(socks[peer], deadline, f"tcp backend: rank {nm(rank)} connecting to "
                                                     f"rank {nm(peer)}")
-            magic, r = _ACK.unpack(_recv_exact(socks[peer], _ACK.size, deadline, f"rank {nm(peer)}'s ack"))
+            what = f"rank {nm(peer)}'s ack"
+            magic, pversion = _PREFIX.unpack(_recv_exact(socks[peer], _PREFIX.size, deadline, what))
+            if magic == _MAGIC and pversion != version:
+                raise _version_error(nm(rank), f"rank {nm(peer)}", pversion, version)
+            (r,) = _ACK.unpack(_recv_exact(socks[peer], _ACK.size, deadline, what))
             if magic != _MAGIC or r != peer:
                 raise DistNetworkError(f"tcp backend: bad handshake from rank {nm(peer)}")
         for peer, s in socks.items():
@@ -302,9 +413,11 @@ class TcpBackend(Backend):
         rank, size: this rank and the group size.
         timeout: seconds (or timedelta) any operation may wait.
         options: optional dict of tuning overrides: spin_us, allreduce_rd_max,
-            tree_max, segment, direct_max (bytes), allreduce_direct_world; and ``host``,
-            the address to listen on and publish (else :func:`advertised_host`). A
-            ``ProcessGroupGloo.Options`` gives the host of its first device.
+            tree_max, segment, direct_max (bytes), allreduce_direct_world, fp_direct_world,
+            duplex_chunk, lowat; and ``host``, the address to listen on and publish (else
+            :func:`advertised_host`). A ``ProcessGroupGloo.Options`` gives the host of its
+            first device. The algorithm thresholds are rank 0's (published through the
+            store at setup); spin_us, duplex_chunk and lowat are each rank's own.
         rank_names: the rank each rank of this group is called by in error messages
             (default: itself), for a group inside another one (a hierarchical group's
             host leaders).
@@ -323,6 +436,7 @@ class TcpBackend(Backend):
         if secs <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         super().__init__(store, rank, size, secs, options)
+        values = _tuning_values(options)  # a malformed setting raises before any connection
         fds, group = connect_mesh(store, rank, size, secs, options_host(options), rank_names)
         self._engine = _tcp.Engine(rank, size, fds, group, secs)
         if rank_names is not None:
@@ -330,11 +444,28 @@ class TcpBackend(Backend):
         self._inflight = set()
         self._prune_at = 64
         self._lock = threading.Lock()
-        opts = options if isinstance(options, dict) else {}
-        for name, (env, key) in _TUNING.items():
-            value = opts.get(name, os.environ.get(env))
-            if value is not None:
-                self._engine.set_tuning(getattr(_tcp, key), int(value))
+        for name, value in values.items():
+            if rank == 0 or not _TUNING[name][2]:
+                self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), value)
+        if size > 1:
+            self._agree_tuning(store, rank, group)
+
+    def _agree_tuning(self, store, rank, group):
+        """Rank 0 publishes the algorithm thresholds it uses under this connection's group id
+        (unique per backend); the others take them: every rank picks the same algorithm for a
+        call whatever its own environment or options say (the shm backend does the same)."""
+        from .. import _tcp
+        key = f"tcp/tuning/{group}"
+        if rank == 0:
+            mine = ",".join(f"{n}={self._engine.get_tuning(getattr(_tcp, _TUNING[n][1]))}"
+                            for n in _AGREED)
+            store.set(key, mine.encode())
+            return
+        raw = store.get(key)
+        raw = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+        for item in raw.split(","):
+            name, _, value = item.partition("=")
+            self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), int(value))
 
     # ---- helpers ---------------------------------------------------------------------
     @staticmethod
@@ -353,12 +484,13 @@ class TcpBackend(Backend):
                              f"{D.DTYPE_NAMES.get(buf.dtype, buf.dtype)} by the tcp backend")
 
     def tuning(self):
-        """The algorithm thresholds in use, by option name."""
+        """The tuning values in use, by option name."""
         from .. import _tcp
-        return {name: self._engine.get_tuning(getattr(_tcp, key)) for name, (_, key) in _TUNING.items()}
+        return {name: self._engine.get_tuning(getattr(_tcp, key)) for name, (_, key, _) in _TUNING.items()}
 
     def set_tuning(self, **values):
-        """Override algorithm thresholds (same names as ``options``)."""
+        """Override tuning values (same names as ``options``) on this rank only: call it on
+        every rank alike for the algorithm thresholds."""
         from .. import _tcp
         for name, value in values.items():
             if name not in _TUNING:
@@ -366,51 +498,68 @@ class TcpBackend(Backend):
             self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), int(value))
 
     # ---- collectives --------------------------------------------------------------------
-    def broadcast(self, buf, root):
+    # fp: this rank's fingerprint of the call (fingerprint.pack); a caller that runs this
+    # backend as one level of another (the hierarchical one) may pass the word of the
+    # user's call instead, so that a mismatch names what the user called.
+    def broadcast(self, buf, root, fp=None):
         self._check_rank(root, "root")
-        self._engine.broadcast(buf.ptr, buf.nbytes, root)
+        if fp is None:
+            fp = _pack(F.BROADCAST, buf.dtype, buf.count, root)
+        self._engine.broadcast(buf.ptr, buf.nbytes, root, fp)
 
-    def all_reduce(self, buf, op):
+    def all_reduce(self, buf, op, fp=None):
         self._check_op(op, buf)
-        self._engine.all_reduce(buf.ptr, buf.count, buf.dtype, op)
+        if fp is None:
+            fp = _pack(F.ALL_REDUCE, buf.dtype, buf.count, -1, op)
+        self._engine.all_reduce(buf.ptr, buf.count, buf.dtype, op, fp)
 
-    def reduce(self, buf, op, root):
+    def reduce(self, buf, op, root, fp=None):
         self._check_rank(root, "root")
         self._check_op(op, buf)
-        self._engine.reduce(buf.ptr, buf.count, buf.dtype, op, root)
+        if fp is None:
+            fp = _pack(F.REDUCE, buf.dtype, buf.count, root, op)
+        self._engine.reduce(buf.ptr, buf.count, buf.dtype, op, root, fp)
 
-    def all_gather(self, out, inp):
+    def all_gather(self, out, inp, fp=None):
         if out.nbytes != inp.nbytes * self.size:
             raise ValueError(f"all_gather output must hold {self.size} x {inp.count} elements, "
                              f"got {out.count}")
-        self._engine.all_gather(out.ptr, inp.ptr, inp.nbytes)
+        if fp is None:
+            fp = _pack(F.ALL_GATHER, inp.dtype, inp.count)
+        self._engine.all_gather(out.ptr, inp.ptr, inp.nbytes, fp)
 
-    def gather(self, out, inp, root):
+    def gather(self, out, inp, root, fp=None):
         self._check_rank(root, "root")
+        if fp is None:
+            fp = _pack(F.GATHER, inp.dtype, inp.count, root)
         if self.rank == root:
             if out is None or out.nbytes != inp.nbytes * self.size:
                 raise ValueError(f"gather output on root must hold {self.size} x {inp.count} elements")
-            self._engine.gather(out.ptr, inp.ptr, inp.nbytes, root)
+            self._engine.gather(out.ptr, inp.ptr, inp.nbytes, root, fp)
         else:
-            self._engine.gather(0, inp.ptr, inp.nbytes, root)
+            self._engine.gather(0, inp.ptr, inp.nbytes, root, fp)
 
-    def scatter(self, out, inp, root):
+    def scatter(self, out, inp, root, fp=None):
         self._check_rank(root, "root")
+        if fp is None:
+            fp = _pack(F.SCATTER, out.dtype, out.count, root)
         if self.rank == root:
             if inp is None or inp.nbytes != out.nbytes * self.size:
                 raise ValueError(f"scatter input on root must hold {self.size} x {out.count} elements")
-            self._engine.scatter(out.ptr, inp.ptr, out.nbytes, root)
+            self._engine.scatter(out.ptr, inp.ptr, out.nbytes, root, fp)
         else:
-            self._engine.scatter(out.ptr, 0, out.nbytes, root)
+            self._engine.scatter(out.ptr, 0, out.nbytes, root, fp)
 
-    def reduce_scatter(self, out, inp, op):
+    def reduce_scatter(self, out, inp, op, fp=None):
         self._check_op(op, out)
         if inp.count != out.count * self.size:
             raise ValueError(f"reduce_scatter input must hold {self.size} x {out.count} elements, "
                              f"got {inp.count}")
-        self._engine.reduce_scatter(out.ptr, inp.ptr, out.count, out.dtype, op)
+        if fp is None:
+            fp = _pack(F.REDUCE_SCATTER, out.dtype, out.count, -1, op)
+        self._engine.reduce_scatter(out.ptr, inp.ptr, out.count, out.dtype, op, fp)
 
-    def all_to_all(self, out, inp, out_counts, in_counts):
+    def all_to_all(self, out, inp, out_counts, in_counts, fp=None):
         n = self.size
         if len(out_counts) != n or len(in_counts) != n:
             raise ValueError(f"out_counts and in_counts must have {n} entries")
@@ -418,12 +567,16 @@ class TcpBackend(Backend):
             raise ValueError("all_to_all counts exceed the buffers")
         if any(c < 0 for c in out_counts) or any(c < 0 for c in in_counts):
             raise ValueError("all_to_all counts must be non-negative")
+        # per-peer counts differ legally: the word names kind and dtype, and every frame's
+        # size is checked against what its receiver expects from that peer
+        if fp is None:
+            fp = _pack(F.ALL_TO_ALL, inp.dtype)
         isz = inp.itemsize
         self._engine.all_to_all(out.ptr, inp.ptr, [c * isz for c in out_counts],
-                                [c * isz for c in in_counts])
+                                [c * isz for c in in_counts], fp)
 
-    def barrier(self):
-        self._engine.barrier()
+    def barrier(self, fp=None):
+        self._engine.barrier(_BARRIER_FP if fp is None else fp)
 
     # ---- point to point ----------------------------------------------------------------
     def isend(self, buf, dst, tag=0):
@@ -431,7 +584,7 @@ class TcpBackend(Backend):
         if dst == self.rank:
             raise ValueError(f"dst must be a rank other than this one ({self.rank})")
         self._check_tag(tag)
-        op = self._engine.isend(buf.ptr, buf.nbytes, dst, tag, buf)
+        op = self._engine.isend(buf.ptr, buf.nbytes, buf.dtype, dst, tag, buf)
         self._track(op)
         return TcpRequest(op, self)
 
@@ -443,7 +596,7 @@ class TcpBackend(Backend):
         if self.size == 1:
             raise ValueError("irecv in a group of one rank would never complete")
         self._check_tag(tag)
-        op = self._engine.irecv(buf.ptr, buf.nbytes, -1 if src is None else src, tag, buf)
+        op = self._engine.irecv(buf.ptr, buf.nbytes, buf.dtype, -1 if src is None else src, tag, buf)
         self._track(op)
         return TcpRequest(op, self)
 

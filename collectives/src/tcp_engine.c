@@ -1,968 +1,6 @@
-/* TCP transport engine: framed messages over one socket per peer, a poll-driven
- * full-duplex progress loop shared by every waiting thread, and the collectives.
- *
- * Threading: one mutex guards all state. A waiting thread that finds nobody
- * polling becomes the poller: it polls every socket (mutex released while in
- * poll), then reads and writes under the mutex, completing anyone's requests.
- * Other waiters sleep on a condition variable. Waits spin (poll timeout 0) for
- * spin_s, then block, so ranks that outnumber cores stay fast.
- */
-#define _GNU_SOURCE
-#include "tcp_engine.h"
-#include "reduce_kernels.h"
-
-#include <errno.h>
-#include <fcntl.h>
-#include <math.h>
-#include <poll.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
-#include <sys/uio.h>
-#include <time.h>
-#include <unistd.h>
-
-#define MAGIC 0xC011u
-#define STAGE (256 * 1024)
-#define ERRTEXT 1024
-
-enum { F_DATA = 1, F_ERROR = 2, F_CLOSE = 3 };
-enum { K_P2P = 1, K_BARRIER, K_BROADCAST, K_ALLREDUCE, K_REDUCE, K_ALLGATHER, K_GATHER,
-       K_SCATTER, K_REDUCE_SCATTER, K_ALLTOALL, K_NKINDS };
-static const char *KNAMES[K_NKINDS] = {"?", "send/recv", "barrier", "broadcast", "all_reduce",
-                                       "reduce", "all_gather", "gather", "scatter",
-                                       "reduce_scatter", "all_to_all"};
-enum { W_NONE = 0, W_RQ, W_SQ, W_FILL, W_CLAIM };
-enum { M_DISCARD = 0, M_REQ, M_MSG, M_ERR };
-
-typedef struct {
-    uint16_t magic;
-    uint8_t ftype;
-    uint8_t kind;
-    uint32_t group;
-    uint64_t seq;
-    int32_t tag;
-    uint32_t aux;   /* dtype | op << 8 | root << 16 for collectives */
-    uint64_t total; /* element count (or bytes) of the whole collective */
-    uint64_t len;   /* payload bytes */
-} hdr_t;
-#define HDR ((size_t)sizeof(hdr_t))
-_Static_assert(sizeof(hdr_t) == 40, "frame header must be 40 bytes");
-
-typedef struct tcp_msg tcp_msg;
-
-struct tcp_req {
-    tcp_req *next, *prev;
-    int is_send, peer, kind;
-    int32_t tag;
-    uint64_t seq;
-    uint32_t aux;
-    uint64_t total;
-    char *buf;
-    size_t len, nbytes;
-    int source, state, where, owned;
-    tcp_msg *claimed;
-    hdr_t h;
-    size_t sent;
-    char err[320];
-};
-
-struct tcp_msg {
-    tcp_msg *next, *prev;
-    hdr_t h;
-    int peer, complete;
-    char *data;
-    size_t cap;
-    uint64_t arrival;
-    tcp_req *claim;
-};
-
-typedef struct {
-    int fd, dead, closing;
-    int lowat;  /* SO_RCVLOWAT in force: poll wakes once a large payload has mostly arrived */
-    char deadmsg[256];
-    char *stage;
-    size_t rpos, rend;
-    int phase, mode;
-    hdr_t h;
-    char *dst;
-    size_t left;
-    tcp_req *rreq;
-    tcp_msg *rmsg;
-    char errtext[ERRTEXT];
-    tcp_req *sq_head, *sq_tail;
-    tcp_msg *uq_head, *uq_tail;
-} peer_t;
-
-struct tcp_engine {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int rank, size;
-    int *names;  /* the rank each engine rank is called by in messages (NULL: itself) */
-    uint32_t group;
-    double timeout;
-    peer_t *peers;
-    tcp_req *rq_head, *rq_tail;
-    int polling, nwaiters, closed;
-    int wake[2];
-    struct pollfd *pfds;
-    int *pidx;
-    uint64_t arrivals;
-    /* payload buffers of consumed unexpected messages, kept for reuse (no page faults) */
-    char *spare[4];
-    size_t spare_cap[4];
-    /* the collective in flight */
-    uint64_t seq;
-    int coll_active, cur_kind;
-    uint32_t cur_aux;
-    uint64_t cur_total;
-    double coll_deadline;
-    double coll_span;      /* the timeout coll_deadline was set from (for messages) */
-    char coll_err[512];
-    char poison[512];
-    uint64_t poison_seq;  /* collectives from this sequence number on fail */
-    tcp_req *creqs;
-    tcp_req **cptr;
-    size_t ncreqs;
-    char *scratch, *tmp;
-    size_t scratch_cap, tmp_cap;
-    /* tuning */
-    double spin_s;
-    size_t rd_max, tree_max, seg, direct_max;
-    int use_lowat;
-    size_t duplex_chunk;   /* bytes per sendmsg, and per read while sends wait (0: no limit) */
-    int direct_world;  /* large all_reduce: direct two-round exchange up to this world size, else ring */
-};
-
-/* ------------------------------------------------------------------ helpers */
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-/* Rank r as messages call it: an engine inside another group (the host leaders of a
- * hierarchical one) names its ranks by their ranks in that group. */
-static int RN(const tcp_engine *e, int r)
-{
-    return e->names && r >= 0 && r < e->size ? e->names[r] : r;
-}
-
-static void fmt(char *dst, size_t cap, const char *f, ...)
-{
-    va_list ap;
-    va_start(ap, f);
-    vsnprintf(dst, cap, f, ap);
-    va_end(ap);
-}
-
-static void req_list_append(tcp_req **head, tcp_req **tail, tcp_req *r)
-{
-    r->next = NULL;
-    r->prev = *tail;
-    if (*tail) (*tail)->next = r; else *head = r;
-    *tail = r;
-}
-
-static void req_list_remove(tcp_req **head, tcp_req **tail, tcp_req *r)
-{
-    if (r->prev) r->prev->next = r->next; else *head = r->next;
-    if (r->next) r->next->prev = r->prev; else *tail = r->prev;
-    r->next = r->prev = NULL;
-}
-
-static void msg_list_append(peer_t *p, tcp_msg *m)
-{
-    m->next = NULL;
-    m->prev = p->uq_tail;
-    if (p->uq_tail) p->uq_tail->next = m; else p->uq_head = m;
-    p->uq_tail = m;
-}
-
-static void msg_list_remove(peer_t *p, tcp_msg *m)
-{
-    if (m->prev) m->prev->next = m->next; else p->uq_head = m->next;
-    if (m->next) m->next->prev = m->prev; else p->uq_tail = m->prev;
-    m->next = m->prev = NULL;
-}
-
-static void describe_req(tcp_engine *e, const tcp_req *r, char *out, size_t cap)
-{
-    if (r->kind == K_P2P) {
-        if (r->is_send)
-            fmt(out, cap, "isend to rank %d (tag %d)", RN(e, r->peer), r->tag);
-        else if (r->peer < 0)
-            fmt(out, cap, "irecv from any rank (tag %d)", r->tag);
-        else
-            fmt(out, cap, "irecv from rank %d (tag %d)", RN(e, r->peer), r->tag);
-    } else {
-        fmt(out, cap, "%s #%llu (%s rank %d)", KNAMES[r->kind], (unsigned long long)r->seq,
-            r->is_send ? "sending to" : "receiving from", RN(e, r->peer));
-    }
-    (void)e;
-}
-
-static void wake_poller(tcp_engine *e)
-{
-    if (e->polling) {
-        char c = 1;
-        ssize_t k = write(e->wake[1], &c, 1);
-        (void)k;
-    }
-}
-
-static void req_complete(tcp_engine *e, tcp_req *r)
-{
-    r->where = W_NONE;
-    r->state = 1;
-    if (r->owned) free(r);
-    (void)e;
-}
-
-static void req_fail(tcp_engine *e, tcp_req *r, const char *why)
-{
-    char d[160];
-    describe_req(e, r, d, sizeof d);
-    r->where = W_NONE;
-    r->state = -1;
-    fmt(r->err, sizeof r->err, "%s failed: %s", d, why);
-    if (r->owned) free(r);
-}
-
-static void coll_set_err(tcp_engine *e, const char *msg)
-{
-    if (!e->coll_err[0]) fmt(e->coll_err, sizeof e->coll_err, "%s", msg);
-    if (e->nwaiters) pthread_cond_broadcast(&e->cv);
-    wake_poller(e);
-}
-
-/* ------------------------------------------------------------ peer failure */
-
-#define SPARE_MIN (64 * 1024)
-
-static void spare_put(tcp_engine *e, char *d, size_t cap)
-{
-    if (!d) return;
-    if (cap >= SPARE_MIN) {
-        int best = -1;
-        for (int i = 0; i < 4; i++) {  /* keep the largest buffers */
-            if (!e->spare[i]) { best = i; break; }
-            if (best < 0 || e->spare_cap[i] < e->spare_cap[best]) best = i;
-        }
-        if (!e->spare[best] || e->spare_cap[best] < cap) {
-            free(e->spare[best]);
-            e->spare[best] = d;
-            e->spare_cap[best] = cap;
-            return;
-        }
-    }
-    free(d);
-}
-
-static char *spare_get(tcp_engine *e, size_t len, size_t *cap)
-{
-    int best = -1;
-    for (int i = 0; i < 4; i++)
-        if (e->spare[i] && e->spare_cap[i] >= len && (best < 0 || e->spare_cap[i] < e->spare_cap[best]))
-            best = i;
-    if (best >= 0) {
-        char *d = e->spare[best];
-        *cap = e->spare_cap[best];
-        e->spare[best] = NULL;
-        return d;
-    }
-    *cap = len;
-    return malloc(len);
-}
-
-static void msg_drop(tcp_engine *e, int pi, tcp_msg *m)
-{
-    peer_t *p = &e->peers[pi];
-    if (p->rmsg == m) {  /* still arriving: skip the rest of it */
-        p->rmsg = NULL;
-        p->mode = M_DISCARD;
-        p->dst = NULL;
-    }
-    msg_list_remove(p, m);
-    spare_put(e, m->data, m->cap);
-    free(m);
-}
-
-static void peer_dead(tcp_engine *e, int pi, const char *why)
-{
-    peer_t *p = &e->peers[pi];
-    if (p->dead) return;
-    p->dead = 1;
-    fmt(p->deadmsg, sizeof p->deadmsg, "%s", why);
-    if (p->fd >= 0) shutdown(p->fd, SHUT_RDWR);
-    if (p->rreq) {
-        tcp_req *r = p->rreq;
-        p->rreq = NULL;
-        req_fail(e, r, why);
-    }
-    if (p->rmsg) {
-        tcp_msg *m = p->rmsg;
-        if (m->claim) {
-            m->claim->claimed = NULL;
-            req_fail(e, m->claim, why);
-        }
-        msg_drop(e, pi, m);
-    }
-    p->phase = 0;
-    p->mode = M_DISCARD;
-    p->dst = NULL;
-    p->rpos = p->rend = 0;
-    while (p->sq_head) {
-        tcp_req *r = p->sq_head;
-        req_list_remove(&p->sq_head, &p->sq_tail, r);
-        req_fail(e, r, why);
-    }
-    int alive = 0;
-    for (int i = 0; i < e->size; i++)
-        if (i != e->rank && !e->peers[i].dead) alive++;
-    tcp_req *r = e->rq_head;
-    while (r) {
-        tcp_req *nx = r->next;
-        if (r->peer == pi || (r->peer < 0 && !alive)) {
-            req_list_remove(&e->rq_head, &e->rq_tail, r);
-            req_fail(e, r, r->peer < 0 ? "every peer has closed its connection" : why);
-        }
-        r = nx;
-    }
-    if (e->nwaiters) pthread_cond_broadcast(&e->cv);
-}
-
-static void peer_dead_errno(tcp_engine *e, int pi, int err)
-{
-    char m[200];
-    fmt(m, sizeof m, "connection to rank %d failed: %s", RN(e, pi), strerror(err));
-    peer_dead(e, pi, m);
-}
-
-/* ------------------------------------------------------------------ sending */
-
-/* Write as much of pi's send queue as the socket takes, at most duplex_chunk bytes per
- * call: the poller then reads before it writes more, so both directions of an exchange
- * keep flowing (one large sendmsg fills the peer's buffers while the peer does the
- * same, and each then drains the other's data alone, measured 1.5x slower at 16 MiB). */
-static void flush_peer(tcp_engine *e, int pi)
-{
-    peer_t *p = &e->peers[pi];
-    size_t quota = e->duplex_chunk ? e->duplex_chunk : (size_t)-1;
-    while (p->sq_head && !p->dead && quota) {
-        tcp_req *r = p->sq_head;
-        struct iovec iov[2];
-        int n = 0;
-        if (r->sent < HDR) {
-            iov[n].iov_base = (char *)&r->h + r->sent;
-            iov[n++].iov_len = HDR - r->sent;
-            if (r->len) {
-                iov[n].iov_base = r->buf;
-                iov[n++].iov_len = r->len;
-            }
-        } else {
-            iov[n].iov_base = r->buf + (r->sent - HDR);
-            iov[n++].iov_len = r->len - (r->sent - HDR);
-        }
-        if (iov[n - 1].iov_len > quota) iov[n - 1].iov_len = quota;
-        struct msghdr mh;
-        memset(&mh, 0, sizeof mh);
-        mh.msg_iov = iov;
-        mh.msg_iovlen = n;
-        ssize_t k = sendmsg(p->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-            peer_dead_errno(e, pi, errno);
-            return;
-        }
-        r->sent += (size_t)k;
-        quota = (size_t)k >= quota ? 0 : quota - (size_t)k;
-        if (r->sent == HDR + r->len) {
-            req_list_remove(&p->sq_head, &p->sq_tail, r);
-            req_complete(e, r);
-        }
-    }
-}
-
-static void fill_hdr(tcp_engine *e, tcp_req *r, int ftype)
-{
-    memset(&r->h, 0, sizeof r->h);
-    r->h.magic = MAGIC;
-    r->h.ftype = (uint8_t)ftype;
-    r->h.kind = (uint8_t)r->kind;
-    r->h.group = e->group;
-    r->h.seq = r->seq;
-    r->h.tag = r->tag;
-    r->h.aux = r->aux;
-    r->h.total = r->total;
-    r->h.len = r->len;
-}
-
-static void post_send_locked(tcp_engine *e, tcp_req *r)
-{
-    peer_t *p = &e->peers[r->peer];
-    r->state = 0;
-    r->sent = 0;
-    if (p->dead) {
-        req_fail(e, r, p->deadmsg);
-        return;
-    }
-    int first = p->sq_head == NULL;
-    r->where = W_SQ;
-    req_list_append(&p->sq_head, &p->sq_tail, r);
-    if (first) flush_peer(e, r->peer);
-    if (p->sq_head) wake_poller(e);  /* the poller must add POLLOUT */
-}
-
-static void send_control(tcp_engine *e, int pi, int ftype, const char *text)
-{
-    size_t len = text ? strlen(text) : 0;
-    if (len >= ERRTEXT) len = ERRTEXT - 1;
-    tcp_req *r = calloc(1, sizeof(tcp_req) + len);
-    if (!r) return;
-    r->owned = 1;
-    r->is_send = 1;
-    r->peer = pi;
-    r->kind = K_P2P;
-    r->seq = e->seq;
-    r->buf = (char *)(r + 1);
-    r->len = len;
-    if (len) memcpy(r->buf, text, len);
-    fill_hdr(e, r, ftype);
-    post_send_locked(e, r);
-}
-
-/* ---------------------------------------------------------------- receiving */
-
-static int sig_mismatch(tcp_engine *e, const hdr_t *h, char *out, size_t cap)
-{
-    if (h->kind == e->cur_kind && h->aux == e->cur_aux && h->total == e->cur_total) return 0;
-    fmt(out, cap,
-        "collective mismatch at sequence number %llu: this rank (%d) called %s(total=%llu, "
-        "dtype=%u, op=%u, root=%u) but rank %%d called %s(total=%llu, dtype=%u, op=%u, root=%u)",
-        (unsigned long long)e->seq, RN(e, e->rank), KNAMES[e->cur_kind],
-        (unsigned long long)e->cur_total, e->cur_aux & 0xff, (e->cur_aux >> 8) & 0xff,
-        e->cur_aux >> 16, h->kind < K_NKINDS ? KNAMES[h->kind] : "?",
-        (unsigned long long)h->total, h->aux & 0xff, (h->aux >> 8) & 0xff, h->aux >> 16);
-    return 1;
-}
-
-static void report_mismatch(tcp_engine *e, int pi, const hdr_t *h)
-{
-    char f[600], m[600];
-    sig_mismatch(e, h, f, sizeof f);
-    fmt(m, sizeof m, f, RN(e, pi));
-    coll_set_err(e, m);
-}
-
-static void new_unexpected(tcp_engine *e, int pi)
-{
-    peer_t *p = &e->peers[pi];
-    tcp_msg *m = calloc(1, sizeof *m);
-    size_t cap = 0;
-    char *d = p->h.len ? spare_get(e, p->h.len, &cap) : NULL;
-    if (!m || (p->h.len && !d)) {
-        free(m);
-        free(d);
-        peer_dead(e, pi, "out of memory buffering an unexpected message");
-        return;
-    }
-    m->h = p->h;
-    m->peer = pi;
-    m->data = d;
-    m->cap = cap;
-    m->arrival = ++e->arrivals;
-    msg_list_append(p, m);
-    p->rmsg = m;
-    p->dst = d;
-    p->mode = M_MSG;
-}
-
-static void fill_req(tcp_engine *e, int pi, tcp_req *r)
-{
-    peer_t *p = &e->peers[pi];
-    r->source = pi;
-    r->nbytes = p->h.len;
-    r->where = W_FILL;
-    p->rreq = r;
-    p->dst = r->buf;
-    p->mode = M_REQ;
-}
-
-static void match_p2p(tcp_engine *e, int pi)
-{
-    peer_t *p = &e->peers[pi];
-    tcp_req *r;
-    for (r = e->rq_head; r; r = r->next)
-        if (r->kind == K_P2P && (r->peer == pi || r->peer < 0) && r->tag == p->h.tag) break;
-    if (!r) {
-        new_unexpected(e, pi);
-        return;
-    }
-    req_list_remove(&e->rq_head, &e->rq_tail, r);
-    if (p->h.len > r->len) {
-        char m[200];
-        fmt(m, sizeof m, "the message from rank %d has %llu bytes, more than the %zu-byte buffer",
-            RN(e, pi), (unsigned long long)p->h.len, r->len);
-        req_fail(e, r, m);
-        return;
-    }
-    fill_req(e, pi, r);
-}
-
-static void match_coll(tcp_engine *e, int pi)
-{
-    peer_t *p = &e->peers[pi];
-    const hdr_t *h = &p->h;
-    if (h->seq < e->seq || (h->seq == e->seq && !e->coll_active)) return;  /* stale: discard */
-    if (e->coll_active && h->seq == e->seq) {
-        if (h->kind != e->cur_kind || h->aux != e->cur_aux || h->total != e->cur_total) {
-            report_mismatch(e, pi, h);
-            return;
-        }
-        for (tcp_req *r = e->rq_head; r; r = r->next) {
-            if (r->kind == K_P2P || r->peer != pi || r->seq != h->seq || r->tag != h->tag) continue;
-            req_list_remove(&e->rq_head, &e->rq_tail, r);
-            if (h->len != r->len) {
-                char m[300];
-                fmt(m, sizeof m, "%s #%llu: rank %d sent %llu bytes where this rank expects %zu "
-                    "(different sizes on different ranks?)", KNAMES[e->cur_kind],
-                    (unsigned long long)e->seq, RN(e, pi), (unsigned long long)h->len, r->len);
-                req_fail(e, r, m);
-                coll_set_err(e, m);
-                return;
-            }
-            fill_req(e, pi, r);
-            return;
-        }
-    }
-    new_unexpected(e, pi);
-}
-
-/* A payload ended. Returns 1 when that completed a request (a waiter may be done). */
-static int payload_done(tcp_engine *e, int pi)
-{
-    peer_t *p = &e->peers[pi];
-    int mode = p->mode;
-    p->phase = 0;
-    p->mode = M_DISCARD;
-    p->dst = NULL;
-    if (mode == M_REQ) {
-        tcp_req *r = p->rreq;
-        p->rreq = NULL;
-        req_complete(e, r);
-        return 1;
-    } else if (mode == M_MSG) {
-        tcp_msg *m = p->rmsg;
-        p->rmsg = NULL;
-        m->complete = 1;
-        if (m->claim) {
-            tcp_req *r = m->claim;
-            if (m->h.len) memcpy(r->buf, m->data, m->h.len);
-            r->claimed = NULL;
-            msg_drop(e, pi, m);
-            req_complete(e, r);
-            return 1;
-        }
-    } else if (mode == M_ERR) {
-        p->errtext[p->h.len] = 0;
-        if (!e->poison[0] || p->h.seq < e->poison_seq) {
-            fmt(e->poison, sizeof e->poison, "rank %d reported: %s", RN(e, pi), p->errtext);
-            e->poison_seq = p->h.seq;
-        }
-        /* a failure of a later collective must not fail one this rank can still finish */
-        if (e->coll_active && e->seq >= e->poison_seq) coll_set_err(e, e->poison);
-    }
-    return 0;
-}
-
-static void on_header(tcp_engine *e, int pi)
-{
-    peer_t *p = &e->peers[pi];
-    char m[200];
-    if (p->h.magic != MAGIC || p->h.group != e->group) {
-        fmt(m, sizeof m, "received a corrupted frame from rank %d (bad magic or group id)", RN(e, pi));
-        peer_dead(e, pi, m);
-        return;
-    }
-    p->left = p->h.len;
-    p->dst = NULL;
-    p->mode = M_DISCARD;
-    switch (p->h.ftype) {
-    case F_CLOSE:
-        p->closing = 1;
-        break;
-    case F_ERROR:
-        if (p->h.len >= ERRTEXT) {
-            fmt(m, sizeof m, "received a corrupted error frame from rank %d", RN(e, pi));
-            peer_dead(e, pi, m);
-            return;
-        }
-        p->mode = M_ERR;
-        p->dst = p->errtext;
-        break;
-    case F_DATA:
-        if (p->h.kind == K_P2P) match_p2p(e, pi);
-        else if (p->h.kind < K_NKINDS) match_coll(e, pi);
-        else {
-            fmt(m, sizeof m, "received a frame of unknown kind from rank %d", RN(e, pi));
-            peer_dead(e, pi, m);
-            return;
-        }
-        break;
-    default:
-        fmt(m, sizeof m, "received a corrupted frame from rank %d (bad frame type)", RN(e, pi));
-        peer_dead(e, pi, m);
-        return;
-    }
-    if (p->dead) return;
-    if (p->left == 0) (void)payload_done(e, pi);
-    else p->phase = 1;
-}
-
-static void peer_eof(tcp_engine *e, int pi)
-{
-    peer_t *p = &e->peers[pi];
-    char m[200];
-    if (p->closing && p->phase == 0)
-        fmt(m, sizeof m, "rank %d shut down its backend (clean close)", RN(e, pi));
-    else
-        fmt(m, sizeof m, "rank %d closed the connection unexpectedly (the process exited or crashed)", RN(e, pi));
-    peer_dead(e, pi, m);
-}
-
-#define LOWAT_MIN (256 * 1024)
-#define LOWAT_MAX (1024 * 1024)
-
-static void progress_recv_inner(tcp_engine *e, int pi);
-
-/* Read what pi's socket holds (bounded), parsing frames and filling buffers; then
- * ask poll to wake us only when a good part of a large payload is there (never more
- * than the rest of the current frame, so a wake-up always comes). */
-static void progress_recv(tcp_engine *e, int pi)
-{
-    peer_t *p = &e->peers[pi];
-    progress_recv_inner(e, pi);
-    if (p->dead) return;
-    int want = 1;
-    if (e->use_lowat && p->phase == 1 && p->left >= LOWAT_MIN) want = p->left < LOWAT_MAX ? (int)p->left : LOWAT_MAX;
-    if (want != p->lowat && setsockopt(p->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) == 0)
-        p->lowat = want;
-}
-
-static void progress_recv_inner(tcp_engine *e, int pi)
-{
-    peer_t *p = &e->peers[pi];
-    /* while sends to pi wait, read one chunk and let the poller write (see flush_peer) */
-    size_t budget = e->duplex_chunk && p->sq_head ? e->duplex_chunk : 16u << 20;
-    while (!p->dead) {
-        size_t avail = p->rend - p->rpos;
-        if (p->phase == 0) {
-            if (avail >= HDR) {
-                memcpy(&p->h, p->stage + p->rpos, HDR);
-                p->rpos += HDR;
-                on_header(e, pi);
-                continue;
-            }
-            if (!budget) return;
-            if (p->rpos) {
-                memmove(p->stage, p->stage + p->rpos, avail);
-                p->rpos = 0;
-                p->rend = avail;
-            }
-            ssize_t k = recv(p->fd, p->stage + p->rend, STAGE - p->rend, MSG_DONTWAIT);
-            if (k > 0) {
-                p->rend += (size_t)k;
-                budget = (size_t)k >= budget ? 0 : budget - (size_t)k;
-                continue;
-            }
-            if (k == 0) { peer_eof(e, pi); return; }
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-            peer_dead_errno(e, pi, errno);
-            return;
-        }
-        if (avail) {
-            size_t m = avail < p->left ? avail : p->left;
-            if (p->dst) {
-                memcpy(p->dst, p->stage + p->rpos, m);
-                p->dst += m;
-            }
-            p->rpos += m;
-            p->left -= m;
-            if (!p->left && payload_done(e, pi) && p->rpos == p->rend) return;
-            continue;
-        }
-        if (!budget) return;
-        p->rpos = p->rend = 0;
-        ssize_t k;
-        int direct = p->dst && p->left >= 8192;
-        if (direct) k = recv(p->fd, p->dst, p->left < budget ? p->left : budget, MSG_DONTWAIT);
-        else k = recv(p->fd, p->stage, STAGE, MSG_DONTWAIT);
-        if (k > 0) {
-            budget = (size_t)k >= budget ? 0 : budget - (size_t)k;
-            if (direct) {
-                p->dst += k;
-                p->left -= (size_t)k;
-                /* a request completed: leave what follows in the socket for now, so that a
-                 * frame its receiver has not posted yet (the next collective's, say) is
-                 * read straight into that receive once posted, not buffered and copied */
-                if (!p->left && payload_done(e, pi)) return;
-            } else {
-                p->rend = (size_t)k;
-            }
-            continue;
-        }
-        if (k == 0) { peer_eof(e, pi); return; }
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-        peer_dead_errno(e, pi, errno);
-        return;
-    }
-}
-
-/* Post a receive: take a matching unexpected message if one arrived, else queue it. */
-static void post_recv_locked(tcp_engine *e, tcp_req *r)
-{
-    r->state = 0;
-    r->nbytes = 0;
-    r->source = -1;
-    r->claimed = NULL;
-    tcp_msg *best = NULL;
-    int lo = r->peer < 0 ? 0 : r->peer, hi = r->peer < 0 ? e->size - 1 : r->peer;
-    for (int pi = lo; pi <= hi; pi++) {
-        if (pi == e->rank) continue;
-        for (tcp_msg *m = e->peers[pi].uq_head; m; m = m->next) {
-            if (m->claim) continue;
-            int ok = r->kind == K_P2P ? (m->h.kind == K_P2P && m->h.tag == r->tag)
-                                      : (m->h.kind != K_P2P && m->h.seq == r->seq && m->h.tag == r->tag);
-            if (ok) {
-                if (!best || m->arrival < best->arrival) best = m;
-                break;
-            }
-        }
-    }
-    if (best) {
-        int pi = best->peer;
-        char msg[400];
-        if (r->kind != K_P2P && (best->h.kind != e->cur_kind || best->h.aux != e->cur_aux ||
-                                 best->h.total != e->cur_total)) {
-            char f[600];
-            sig_mismatch(e, &best->h, f, sizeof f);
-            fmt(msg, sizeof msg, f, RN(e, pi));
-            msg_drop(e, pi, best);
-            req_fail(e, r, msg);
-            coll_set_err(e, msg);
-            return;
-        }
-        if ((r->kind == K_P2P && best->h.len > r->len) || (r->kind != K_P2P && best->h.len != r->len)) {
-            fmt(msg, sizeof msg, "rank %d sent %llu bytes where this rank expects %s%zu",
-                RN(e, pi), (unsigned long long)best->h.len, r->kind == K_P2P ? "at most " : "", r->len);
-            msg_drop(e, pi, best);
-            req_fail(e, r, msg);
-            if (r->kind != K_P2P) coll_set_err(e, msg);
-            return;
-        }
-        r->source = pi;
-        r->nbytes = best->h.len;
-        if (best->complete) {
-            if (best->h.len) memcpy(r->buf, best->data, best->h.len);
-            msg_drop(e, pi, best);
-            r->state = 1;
-            r->where = W_NONE;
-        } else {
-            best->claim = r;
-            r->claimed = best;
-            r->where = W_CLAIM;
-        }
-        return;
-    }
-    if (r->peer >= 0 && e->peers[r->peer].dead) {
-        req_fail(e, r, e->peers[r->peer].deadmsg);
-        return;
-    }
-    if (r->peer < 0) {
-        int alive = 0;
-        for (int i = 0; i < e->size; i++)
-            if (i != e->rank && !e->peers[i].dead) alive++;
-        if (!alive) {
-            req_fail(e, r, "every peer has closed its connection");
-            return;
-        }
-    }
-    r->where = W_RQ;
-    req_list_append(&e->rq_head, &e->rq_tail, r);
-}
-
-/* Withdraw a pending request (timeout, failure of its collective, or free). */
-static void cancel_req(tcp_engine *e, tcp_req *r)
-{
-    switch (r->where) {
-    case W_RQ:
-        req_list_remove(&e->rq_head, &e->rq_tail, r);
-        break;
-    case W_FILL: {
-        peer_t *p = &e->peers[r->source];
-        if (p->rreq == r) {
-            p->rreq = NULL;
-            p->mode = M_DISCARD;
-            p->dst = NULL;
-        }
-        break;
-    }
-    case W_CLAIM:
-        if (r->claimed) r->claimed->claim = NULL;
-        r->claimed = NULL;
-        break;
-    case W_SQ: {
-        peer_t *p = &e->peers[r->peer];
-        if (r->sent == 0) {
-            req_list_remove(&p->sq_head, &p->sq_tail, r);
-        } else {
-            /* half written: finish the frame from an engine-owned copy so the stream stays framed */
-            tcp_req *c = malloc(sizeof(tcp_req) + r->len);
-            if (!c) {
-                req_list_remove(&p->sq_head, &p->sq_tail, r);
-                peer_dead(e, r->peer, "out of memory while cancelling a send");
-                break;
-            }
-            *c = *r;
-            c->buf = (char *)(c + 1);
-            if (r->len) memcpy(c->buf, r->buf, r->len);
-            c->owned = 1;
-            if (c->prev) c->prev->next = c; else p->sq_head = c;
-            if (c->next) c->next->prev = c; else p->sq_tail = c;
-            r->next = r->prev = NULL;
-        }
-        break;
-    }
-    default:
-        break;
-    }
-    r->where = W_NONE;
-}
-
-/* --------------------------------------------------------------- progress */
-
-/* One poll pass; called by the poller with the mutex held (released inside poll). */
-static void poll_once(tcp_engine *e, int ms)
-{
-    int np = 0;
-    e->pfds[np].fd = e->wake[0];
-    e->pfds[np].events = POLLIN;
-    e->pidx[np++] = -1;
-    for (int i = 0; i < e->size; i++) {
-        peer_t *p = &e->peers[i];
-        if (i == e->rank || p->dead) continue;
-        e->pfds[np].fd = p->fd;
-        e->pfds[np].events = POLLIN | (p->sq_head ? POLLOUT : 0);
-        e->pidx[np++] = i;
-    }
-    pthread_mutex_unlock(&e->mu);
-    int k = poll(e->pfds, (nfds_t)np, ms);
-    pthread_mutex_lock(&e->mu);
-    if (k <= 0 || e->closed) return;
-    for (int j = 0; j < np; j++) {
-        short rev = e->pfds[j].revents;
-        if (!rev) continue;
-        int pi = e->pidx[j];
-        if (pi < 0) {
-            char buf[64];
-            while (read(e->wake[0], buf, sizeof buf) > 0) {}
-            continue;
-        }
-        peer_t *p = &e->peers[pi];
-        if (p->dead || p->fd != e->pfds[j].fd) continue;
-        if (rev & POLLOUT) flush_peer(e, pi);
-        if (rev & (POLLIN | POLLHUP | POLLERR | POLLNVAL)) progress_recv(e, pi);
-    }
-}
-
-/* Wait until every request in rs[0..n) finished; mutex held. On failure, cancels the
- * pending ones and fills err. span: the timeout the deadline was set from (named in the
- * message, in torch gloo's words). coll: also fail when the running collective failed,
- * and withdraw the requests at the deadline; otherwise (point to point) a wait that runs
- * out returns -2 and leaves them posted, as torch's gloo does: a message that arrives
- * later still lands in its receive. */
-static int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, double span,
-                       int coll, char *err, size_t errlen)
-{
-    double t0 = now_s();
-    const char *why = NULL;
-    char tmsg[400];
-    for (;;) {
-        int all = 1;
-        for (int i = 0; i < n; i++) {
-            if (rs[i]->state < 0) { why = rs[i]->err; goto fail; }
-            if (rs[i]->state == 0) all = 0;
-        }
-        if (all) return 0;
-        if (coll && e->coll_err[0]) { why = e->coll_err; goto fail; }
-        if (e->closed) { why = "the backend was shut down"; goto fail; }
-        double t = now_s();
-        if (t >= deadline) {
-            for (int i = 0; i < n; i++) {
-                if (rs[i]->state == 0) {
-                    char d[200];
-                    describe_req(e, rs[i], d, sizeof d);
-                    fmt(tmsg, sizeof tmsg, "%s: Timed out waiting %.0fms (the peer did not answer)",
-                        d, span * 1000.0);
-                    break;
-                }
-            }
-            why = tmsg;
-            if (!coll) {
-                if (err) fmt(err, errlen, "%s", why);
-                return -2;
-            }
-            goto fail;
-        }
-        if (!e->polling) {
-            e->polling = 1;
-            int ms = 0;
-            if (t - t0 >= e->spin_s) {
-                double rem = deadline - t;
-                if (rem > 1.0) rem = 1.0;
-                ms = (int)ceil(rem * 1000.0);
-                if (ms < 1) ms = 1;
-            }
-            poll_once(e, ms);
-            e->polling = 0;
-            if (e->nwaiters) pthread_cond_broadcast(&e->cv);
-            if (!ms) {
-                /* spinning: let ranks that share our core run (they are often whom we wait for) */
-                pthread_mutex_unlock(&e->mu);
-                sched_yield();
-                pthread_mutex_lock(&e->mu);
-            }
-        } else {
-            double until = deadline < t + 0.05 ? deadline : t + 0.05;
-            struct timespec ts;
-            ts.tv_sec = (time_t)until;
-            ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
-            e->nwaiters++;
-            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
-            e->nwaiters--;
-        }
-    }
-fail:
-    if (err) fmt(err, errlen, "%s", why);
-    for (int i = 0; i < n; i++) {
-        if (rs[i]->state == 0) {
-            cancel_req(e, rs[i]);
-            rs[i]->state = -1;
-            fmt(rs[i]->err, sizeof rs[i]->err, "%s", err ? err : "cancelled");
-        }
-    }
-    return -1;
-}
+/* TCP engine: lifecycle, point to point, and the collective plumbing every algorithm uses
+ * (sequence numbers, request sets, fingerprint frames, abort frames); see tcp_internal.h. */
+#include "tcp_internal.h"
 
 /* --------------------------------------------------------------- lifecycle */
 
@@ -977,7 +15,11 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     e->peers = calloc((size_t)size, sizeof(peer_t));
     e->pfds = calloc((size_t)size + 1, sizeof(struct pollfd));
     e->pidx = calloc((size_t)size + 1, sizeof(int));
-    if (!e->peers || !e->pfds || !e->pidx || pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) goto bad;
+    e->fpreqs = calloc(2 * (size_t)size, sizeof(tcp_req));
+    e->fpptr = calloc(2 * (size_t)size, sizeof(tcp_req *));
+    e->data_to = calloc(2 * (size_t)size, 1);
+    e->heard = calloc((size_t)size, sizeof(uint64_t));
+    if (!e->peers || !e->pfds || !e->pidx || !e->fpreqs || !e->fpptr || !e->data_to || !e->heard || pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) goto bad;
     for (int i = 0; i < size; i++) {
         peer_t *p = &e->peers[i];
         p->fd = i == rank ? -1 : fds[i];
@@ -993,7 +35,9 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     pthread_cond_init(&e->cv, &ca);
     pthread_condattr_destroy(&ca);
     e->spin_s = 20e-6;
-    e->use_lowat = !getenv("COLLECTIVES_TCP_NO_LOWAT");
+    e->data_from = e->data_to + size;
+    e->use_lowat = 1;
+    e->fp_direct_world = 8;
     e->duplex_chunk = 1024 * 1024;
     e->direct_world = 8;
     e->rd_max = 64 * 1024;
@@ -1007,6 +51,10 @@ bad:
     free(e->peers);
     free(e->pfds);
     free(e->pidx);
+    free(e->fpreqs);
+    free(e->fpptr);
+    free(e->data_to);
+    free(e->heard);
     free(e);
     return NULL;
 }
@@ -1022,6 +70,8 @@ void tcp_set_tuning(tcp_engine *e, int key, int64_t v)
     case TCP_TUNE_GATHER_DIRECT_MAX: e->direct_max = (size_t)v; break;
     case TCP_TUNE_ALLREDUCE_DIRECT_WORLD: e->direct_world = (int)v; break;
     case TCP_TUNE_DUPLEX_CHUNK: e->duplex_chunk = v > 0 ? (size_t)v : 0; break;
+    case TCP_TUNE_LOWAT: e->use_lowat = v != 0; break;
+    case TCP_TUNE_FP_DIRECT_WORLD: e->fp_direct_world = (int)v; break;
     default: break;
     }
     pthread_mutex_unlock(&e->mu);
@@ -1037,6 +87,8 @@ int64_t tcp_get_tuning(tcp_engine *e, int key)
     case TCP_TUNE_GATHER_DIRECT_MAX: return (int64_t)e->direct_max;
     case TCP_TUNE_ALLREDUCE_DIRECT_WORLD: return e->direct_world;
     case TCP_TUNE_DUPLEX_CHUNK: return (int64_t)e->duplex_chunk;
+    case TCP_TUNE_LOWAT: return e->use_lowat;
+    case TCP_TUNE_FP_DIRECT_WORLD: return e->fp_direct_world;
     default: return -1;
     }
 }
@@ -1068,6 +120,21 @@ uint64_t tcp_engine_seq(tcp_engine *e)
     return e->seq;
 }
 
+int tcp_mismatch(tcp_engine *e, uint64_t *seq, int *a, uint64_t *fp_a, int *b, uint64_t *fp_b)
+{
+    pthread_mutex_lock(&e->mu);
+    int found = e->mm_seq != 0;
+    if (found) {
+        *seq = e->mm_seq;
+        *a = e->mm_a;
+        *fp_a = e->mm_fp_a;
+        *b = e->mm_b;
+        *fp_b = e->mm_fp_b;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return found;
+}
+
 void tcp_engine_close(tcp_engine *e)
 {
     pthread_mutex_lock(&e->mu);
@@ -1076,7 +143,7 @@ void tcp_engine_close(tcp_engine *e)
         return;
     }
     for (int i = 0; i < e->size; i++)
-        if (i != e->rank && !e->peers[i].dead) send_control(e, i, F_CLOSE, NULL);
+        if (i != e->rank && !e->peers[i].dead) send_control(e, i, F_CLOSE, e->seq, NULL, 0);
     /* flush what is queued (bounded), so peers see every message and then a clean close */
     double deadline = now_s() + (e->timeout < 2.0 ? e->timeout : 2.0);
     for (;;) {
@@ -1138,6 +205,10 @@ void tcp_engine_free(tcp_engine *e)
     free(e->names);
     free(e->creqs);
     free(e->cptr);
+    free(e->fpreqs);
+    free(e->fpptr);
+    free(e->data_to);
+    free(e->heard);
     free(e->scratch);
     free(e->tmp);
     free(e);
@@ -1145,8 +216,8 @@ void tcp_engine_free(tcp_engine *e)
 
 /* ----------------------------------------------------------- point to point */
 
-static tcp_req *p2p_new(tcp_engine *e, int is_send, void *buf, size_t len, int peer, int32_t tag,
-                        char *err, size_t errlen)
+static tcp_req *p2p_new(tcp_engine *e, int is_send, void *buf, size_t len, int dtype, int peer,
+                        int32_t tag, char *err, size_t errlen)
 {
     tcp_req *r = calloc(1, sizeof *r);
     if (!r) {
@@ -1157,6 +228,7 @@ static tcp_req *p2p_new(tcp_engine *e, int is_send, void *buf, size_t len, int p
     r->peer = peer;
     r->kind = K_P2P;
     r->tag = tag;
+    r->dtype = dtype;
     r->buf = buf;
     r->len = len;
     r->source = -1;
@@ -1177,14 +249,16 @@ static tcp_req *p2p_new(tcp_engine *e, int is_send, void *buf, size_t len, int p
     return r;
 }
 
-tcp_req *tcp_isend(tcp_engine *e, const void *buf, size_t len, int dst, int32_t tag, char *err, size_t errlen)
+tcp_req *tcp_isend(tcp_engine *e, const void *buf, size_t len, int dtype, int dst, int32_t tag,
+                   char *err, size_t errlen)
 {
-    return p2p_new(e, 1, (void *)buf, len, dst, tag, err, errlen);
+    return p2p_new(e, 1, (void *)buf, len, dtype, dst, tag, err, errlen);
 }
 
-tcp_req *tcp_irecv(tcp_engine *e, void *buf, size_t len, int src, int32_t tag, char *err, size_t errlen)
+tcp_req *tcp_irecv(tcp_engine *e, void *buf, size_t len, int dtype, int src, int32_t tag,
+                   char *err, size_t errlen)
 {
-    return p2p_new(e, 0, buf, len, src, tag, err, errlen);
+    return p2p_new(e, 0, buf, len, dtype, src, tag, err, errlen);
 }
 
 int tcp_req_wait(tcp_engine *e, tcp_req *r, double timeout_s, char *err, size_t errlen)
@@ -1222,12 +296,10 @@ void tcp_req_free(tcp_engine *e, tcp_req *r)
     pthread_mutex_unlock(&e->mu);
     free(r);
 }
-
 /* ------------------------------------------------------ collective plumbing */
 
-#define TAG(step, seg) ((int32_t)(((uint32_t)(step) << 16) | (uint32_t)(seg)))
 
-static int ensure_buf(char **p, size_t *cap, size_t need)
+TCP_HIDDEN int ensure_buf(char **p, size_t *cap, size_t need)
 {
     if (need <= *cap) return 0;
     size_t n = need < 4096 ? 4096 : need;
@@ -1239,7 +311,7 @@ static int ensure_buf(char **p, size_t *cap, size_t need)
     return 0;
 }
 
-static int ensure_reqs(tcp_engine *e, size_t n)
+TCP_HIDDEN int ensure_reqs(tcp_engine *e, size_t n)
 {
     if (n <= e->ncreqs) return 0;
     size_t m = n < 64 ? 64 : n;
@@ -1258,7 +330,41 @@ static int ensure_reqs(tcp_engine *e, size_t n)
     return 0;
 }
 
-static int coll_begin(tcp_engine *e, int kind, uint32_t aux, uint64_t total, char *err, size_t errlen)
+/* After a mismatch failed collective seq here: send this rank's record to every peer, then
+ * wait (until deadline) for every live peer's report of that collective, so that every rank
+ * ends up holding the same record (record_mismatch keeps the lowest) and raises the same
+ * words. Only failing ranks wait, and only for ranks that fail too. Mutex held. */
+static void mm_settle(tcp_engine *e, double deadline)
+{
+    unsigned char mm[MISMATCH_LEN];
+    mismatch_encode(e, mm);
+    for (int i = 0; i < e->size; i++)
+        if (i != e->rank && !e->peers[i].dead && !e->closed)
+            send_control(e, i, F_MISMATCH, e->mm_seq, mm, MISMATCH_LEN);
+    for (;;) {
+        int all = 1;
+        for (int i = 0; i < e->size && all; i++)
+            if (i != e->rank && !e->peers[i].dead && e->heard[i] < e->seq) all = 0;
+        double t = now_s();
+        if (all || e->closed || t >= deadline) return;
+        if (!e->polling) {
+            e->polling = 1;
+            poll_once(e, 20);
+            e->polling = 0;
+            if (e->nwaiters) pthread_cond_broadcast(&e->cv);
+        } else {
+            double until = deadline < t + 0.05 ? deadline : t + 0.05;
+            struct timespec ts;
+            ts.tv_sec = (time_t)until;
+            ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+            e->nwaiters++;
+            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            e->nwaiters--;
+        }
+    }
+}
+
+TCP_HIDDEN int coll_begin(tcp_engine *e, int kind, uint64_t fp, char *err, size_t errlen)
 {
     pthread_mutex_lock(&e->mu);
     if (e->closed) {
@@ -1267,24 +373,31 @@ static int coll_begin(tcp_engine *e, int kind, uint32_t aux, uint64_t total, cha
         return -1;
     }
     if (e->poison[0] && e->seq + 1 >= e->poison_seq) {
-        fmt(err, errlen, "%s: collectives on this group are disabled after an earlier failure: %s",
-            KNAMES[kind], e->poison);
+        if (e->seq + 1 == e->poison_seq) {
+            /* a peer reported this very collective failed (a mismatch, say) before we began it */
+            e->seq++;
+            fmt(err, errlen, "%s", e->poison);
+            if (e->mm_seq == e->seq) mm_settle(e, now_s() + e->timeout);
+        } else {
+            fmt(err, errlen, "%s: group unusable after an earlier failure: %s", KNAMES[kind],
+                e->poison);
+        }
         pthread_mutex_unlock(&e->mu);
         return -1;
     }
     e->seq++;
     e->coll_active = 1;
     e->cur_kind = kind;
-    e->cur_aux = aux;
-    e->cur_total = total;
+    e->cur_fp = fp;
     e->coll_err[0] = 0;
     e->coll_span = e->timeout;
     e->coll_deadline = now_s() + e->timeout;
+    e->nfp = 0;
+    e->fp_on = 0;
     /* frames that arrived early for this sequence number must agree on the call */
     for (int i = 0; i < e->size && !e->coll_err[0]; i++) {
         for (tcp_msg *m = e->peers[i].uq_head; m; m = m->next) {
-            if (m->h.kind != K_P2P && m->h.seq == e->seq &&
-                (m->h.kind != kind || m->h.aux != aux || m->h.total != total)) {
+            if (m->h.kind != K_P2P && m->h.seq == e->seq && (m->h.kind != kind || m->h.fp != fp)) {
                 report_mismatch(e, i, &m->h);
                 break;
             }
@@ -1294,7 +407,7 @@ static int coll_begin(tcp_engine *e, int kind, uint32_t aux, uint64_t total, cha
     return 0;
 }
 
-static int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
+TCP_HIDDEN int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
 {
     pthread_mutex_lock(&e->mu);
     if (rc == 0 && e->coll_err[0]) {
@@ -1306,18 +419,25 @@ static int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
             fmt(e->poison, sizeof e->poison, "%s", err);
             e->poison_seq = e->seq;
         }
-        char m[ERRTEXT];
-        fmt(m, sizeof m, "%s #%llu failed on rank %d: %s", KNAMES[e->cur_kind],
-            (unsigned long long)e->seq, RN(e, e->rank), err);
-        for (int i = 0; i < e->size; i++)
-            if (i != e->rank && !e->peers[i].dead && !e->closed) send_control(e, i, F_ERROR, m);
+        /* tell every peer, so that ranks still waiting raise now rather than at the timeout:
+         * the mismatch itself where one caused this (every rank then names the same calls) */
+        if (e->mm_seq && e->mm_seq <= e->seq) {
+            mm_settle(e, e->coll_deadline);
+        } else {
+            char m[ERRTEXT];
+            fmt(m, sizeof m, "%s #%llu failed on rank %d: %s", KNAMES[e->cur_kind],
+                (unsigned long long)e->seq, RN(e, e->rank), err);
+            for (int i = 0; i < e->size; i++)
+                if (i != e->rank && !e->peers[i].dead && !e->closed)
+                    send_control(e, i, F_ERROR, e->seq, m, strlen(m));
+        }
     }
     e->coll_active = 0;
     pthread_mutex_unlock(&e->mu);
     return rc;
 }
 
-static tcp_req *cset(tcp_engine *e, int i, int is_send, int peer, int32_t tag, const void *buf, size_t len)
+TCP_HIDDEN tcp_req *cset(tcp_engine *e, int i, int is_send, int peer, int32_t tag, const void *buf, size_t len)
 {
     tcp_req *r = &e->creqs[i];
     memset(r, 0, sizeof *r);
@@ -1326,8 +446,8 @@ static tcp_req *cset(tcp_engine *e, int i, int is_send, int peer, int32_t tag, c
     r->kind = e->cur_kind;
     r->tag = tag;
     r->seq = e->seq;
-    r->aux = e->cur_aux;
-    r->total = e->cur_total;
+    r->fp = e->cur_fp;
+    r->dtype = TCP_NO_DTYPE;
     r->buf = (char *)buf;
     r->len = len;
     r->source = -1;
@@ -1336,7 +456,7 @@ static tcp_req *cset(tcp_engine *e, int i, int is_send, int peer, int32_t tag, c
 }
 
 /* Post creqs[lo..hi): receives first, so arriving data lands in place. */
-static void cpost(tcp_engine *e, int lo, int hi)
+TCP_HIDDEN void cpost(tcp_engine *e, int lo, int hi)
 {
     pthread_mutex_lock(&e->mu);
     for (int i = lo; i < hi; i++)
@@ -1349,7 +469,7 @@ static void cpost(tcp_engine *e, int lo, int hi)
     pthread_mutex_unlock(&e->mu);
 }
 
-static int cwait(tcp_engine *e, int lo, int hi, char *err, size_t errlen)
+TCP_HIDDEN int cwait(tcp_engine *e, int lo, int hi, char *err, size_t errlen)
 {
     if (hi <= lo) return 0;
     pthread_mutex_lock(&e->mu);
@@ -1359,7 +479,7 @@ static int cwait(tcp_engine *e, int lo, int hi, char *err, size_t errlen)
     return rc;
 }
 
-static void cancel_range(tcp_engine *e, int lo, int hi)
+TCP_HIDDEN void cancel_range(tcp_engine *e, int lo, int hi)
 {
     pthread_mutex_lock(&e->mu);
     for (int i = lo; i < hi; i++)
@@ -1370,526 +490,112 @@ static void cancel_range(tcp_engine *e, int lo, int hi)
     pthread_mutex_unlock(&e->mu);
 }
 
-static int cxfer(tcp_engine *e, int n, char *err, size_t errlen)
+TCP_HIDDEN int cxfer(tcp_engine *e, int n, char *err, size_t errlen)
 {
     cpost(e, 0, n);
     return cwait(e, 0, n, err, errlen);
 }
 
-static inline int mod(int a, int n) { return ((a % n) + n) % n; }
 
-/* First element of block i when count elements are split into n near-equal blocks. */
-static inline size_t blk(size_t count, int n, int i)
+
+/* ------------------------------------------------------ fingerprint frames */
+
+
+static void fp_set(tcp_engine *e, int i, int is_send, int peer, int round)
 {
-    size_t q = count / (size_t)n, r = count % (size_t)n;
-    return q * (size_t)i + ((size_t)i < r ? (size_t)i : r);
+    tcp_req *r = &e->fpreqs[i];
+    memset(r, 0, sizeof *r);
+    r->is_send = is_send;
+    r->peer = peer;
+    r->kind = e->cur_kind;
+    r->tag = TAG_FP(round);
+    r->seq = e->seq;
+    r->fp = e->cur_fp;
+    r->dtype = TCP_NO_DTYPE;
+    r->source = -1;
+    e->fpptr[i] = r;
 }
 
-static int oom(char *err, size_t errlen)
+/* Post fpreqs[0..n), receives first; mutex held. */
+static void fp_post_locked(tcp_engine *e, int n)
 {
-    fmt(err, errlen, "out of memory for the collective's scratch buffers");
-    return -1;
+    for (int i = 0; i < n; i++)
+        if (!e->fpreqs[i].is_send) post_recv_locked(e, &e->fpreqs[i]);
+    for (int i = 0; i < n; i++)
+        if (e->fpreqs[i].is_send) {
+            fill_hdr(e, &e->fpreqs[i], F_DATA);
+            post_send_locked(e, &e->fpreqs[i]);
+        }
+    e->nfp = n;
 }
 
-/* Ring reduce-scatter on W (count elements, n blocks): at step s this rank sends block
- * r-s+shift to the next rank and reduces block r-s-1+shift from the previous one, in
- * segments so that reducing segment k overlaps receiving k+1. Afterwards this rank
- * holds the full reduction of block r+1+shift. */
-static int ring_rs(tcp_engine *e, char *W, size_t count, int dtype, int op, size_t es, int shift,
-                   int step0, char *err, size_t errlen)
+TCP_HIDDEN void links_clear(tcp_engine *e)
 {
-    int n = e->size, r = e->rank, next = (r + 1) % n, prev = (r - 1 + n) % n;
-    size_t seg_el = e->seg / es;
-    if (!seg_el) seg_el = 1;
-    size_t maxblk = count / (size_t)n + 1;
-    if (maxblk / seg_el >= 65535) seg_el = maxblk / 65535 + 1;  /* segment index fits the tag */
-    size_t maxseg = (maxblk + seg_el - 1) / seg_el;
-    if (ensure_buf(&e->tmp, &e->tmp_cap, maxblk * es) || ensure_reqs(e, 2 * maxseg + 2))
-        return oom(err, errlen);
-    for (int s = 0; s < n - 1; s++) {
-        int sb = mod(r - s + shift, n), rb = mod(r - s - 1 + shift, n);
-        size_t soff = blk(count, n, sb), scnt = blk(count, n, sb + 1) - soff;
-        size_t roff = blk(count, n, rb), rcnt = blk(count, n, rb + 1) - roff;
-        int nrs = (int)((rcnt + seg_el - 1) / seg_el), nss = (int)((scnt + seg_el - 1) / seg_el);
-        int k = 0;
-        for (int j = 0; j < nrs; j++) {
-            size_t o = (size_t)j * seg_el, c = rcnt - o < seg_el ? rcnt - o : seg_el;
-            cset(e, k++, 0, prev, TAG(step0 + s, j), e->tmp + o * es, c * es);
-        }
-        for (int j = 0; j < nss; j++) {
-            size_t o = (size_t)j * seg_el, c = scnt - o < seg_el ? scnt - o : seg_el;
-            cset(e, k++, 1, next, TAG(step0 + s, j), W + (soff + o) * es, c * es);
-        }
-        cpost(e, 0, k);
-        for (int j = 0; j < nrs; j++) {
-            if (cwait(e, j, j + 1, err, errlen)) {
-                cancel_range(e, 0, k);
-                return -1;
-            }
-            size_t o = (size_t)j * seg_el, c = rcnt - o < seg_el ? rcnt - o : seg_el;
-            coll_reduce(W + (roff + o) * es, e->tmp + o * es, c, dtype, op);
-        }
-        if (cwait(e, nrs, k, err, errlen)) return -1;
-    }
-    return 0;
+    memset(e->data_to, 0, 2 * (size_t)e->size);
 }
 
-/* Ring all-gather of blocks: this rank starts holding block r+1+shift. */
-static int ring_ag(tcp_engine *e, char *W, size_t count, size_t es, int shift, int step0,
-                   char *err, size_t errlen)
+/* The binomial tree of bcast_tree and the small reduce, rooted at root: marks this rank's
+ * parent in up and its children in down. */
+TCP_HIDDEN void tree_links(tcp_engine *e, int root, unsigned char *up, unsigned char *down)
 {
-    int n = e->size, r = e->rank, next = (r + 1) % n, prev = (r - 1 + n) % n;
-    if (ensure_reqs(e, 2 * (size_t)n)) return oom(err, errlen);
-    /* every block arrives straight into W (posted up front); block s is forwarded once in */
-    for (int s = 0; s < n - 1; s++) {
-        int rb = mod(r + shift - s, n);
-        size_t roff = blk(count, n, rb), rcnt = blk(count, n, rb + 1) - roff;
-        cset(e, s, 0, prev, TAG(step0 + s, 0), W + roff * es, rcnt * es);
-    }
-    cpost(e, 0, n - 1);
-    for (int s = 0; s < n - 1; s++) {
-        if (s > 0 && cwait(e, s - 1, s, err, errlen)) {
-            cancel_range(e, 0, n - 1 + s);
-            return -1;
-        }
-        int sb = mod(r + 1 + shift - s, n);
-        size_t soff = blk(count, n, sb), scnt = blk(count, n, sb + 1) - soff;
-        cset(e, n - 1 + s, 1, next, TAG(step0 + s, 0), W + soff * es, scnt * es);
-        cpost(e, n - 1 + s, n + s);
-    }
-    if (cwait(e, 0, 2 * n - 2, err, errlen)) {
-        cancel_range(e, 0, 2 * n - 2);
-        return -1;
-    }
-    return 0;
-}
-
-/* ------------------------------------------------------------- collectives */
-
-int tcp_barrier(tcp_engine *e, char *err, size_t errlen)
-{
-    int n = e->size, r = e->rank;
-    if (n == 1) return 0;
-    if (coll_begin(e, K_BARRIER, 0, 0, err, errlen)) return -1;
-    int rc = 0;
-    if (ensure_reqs(e, 2)) rc = oom(err, errlen);
-    for (int k = 1, step = 0; !rc && k < n; k <<= 1, step++) {
-        cset(e, 0, 0, mod(r - k, n), TAG(step, 0), NULL, 0);
-        cset(e, 1, 1, (r + k) % n, TAG(step, 0), NULL, 0);
-        rc = cxfer(e, 2, err, errlen);
-    }
-    return coll_end(e, rc, err, errlen);
-}
-
-static int bcast_tree(tcp_engine *e, char *buf, size_t nbytes, int root, char *err, size_t errlen)
-{
-    int n = e->size, vr = mod(e->rank - root, n), mask = 1;
-    if (ensure_reqs(e, 40)) return oom(err, errlen);
-    while (mask < n) {
-        if (vr & mask) {
-            cset(e, 0, 0, (vr - mask + root) % n, TAG(0, 0), buf, nbytes);
-            if (cxfer(e, 1, err, errlen)) return -1;
-            break;
-        }
-        mask <<= 1;
-    }
-    int k = 0;
+    int n = e->size, vr = ((e->rank - root) % n + n) % n, mask = 1;
+    while (mask < n && !(vr & mask)) mask <<= 1;
+    if (vr) up[(vr - mask + root) % n] = 1;
     for (mask >>= 1; mask > 0; mask >>= 1)
-        if (vr + mask < n) cset(e, k++, 1, (vr + mask + root) % n, TAG(0, 0), buf, nbytes);
-    return cxfer(e, k, err, errlen);
+        if (vr + mask < n) down[(vr + mask + root) % n] = 1;
 }
 
-static int bcast_chain(tcp_engine *e, char *buf, size_t nbytes, int root, char *err, size_t errlen)
+/* Rooted collectives (broadcast, the small reduce, gather, scatter) leave ranks that only
+ * send, or that hear from one peer: alone, they would return before a mismatch elsewhere
+ * reached them. Fingerprint frames (a header, no payload) make every rank hear, directly or
+ * through a chain of checked frames, every peer's fingerprint before it returns. Up to
+ * fp_direct_world ranks: one frame to each peer this rank sends no data to (data_to) and
+ * one receive from each peer that sends it none (data_from), all posted now, in flight with
+ * the data (one extra latency at most, no extra round); above it, the rounds of a
+ * dissemination barrier (round k: to rank + 2^k, from rank - 2^k), round 0 now and the
+ * others in fp_finish, so the frames grow as n log n, not n^2. */
+TCP_HIDDEN void fp_begin(tcp_engine *e)
 {
-    int n = e->size, vr = mod(e->rank - root, n);
-    int prev = (vr - 1 + root + n) % n, next = (vr + 1 + root) % n;
-    size_t seg = e->seg;
-    if (nbytes / seg >= 65535) seg = nbytes / 65535 + 1;
-    size_t nseg = (nbytes + seg - 1) / seg;
-    if (ensure_reqs(e, 2 * nseg + 2)) return oom(err, errlen);
-    int k = 0;
-    if (vr > 0) {
-        for (size_t j = 0; j < nseg; j++) {
-            size_t o = j * seg, c = nbytes - o < seg ? nbytes - o : seg;
-            cset(e, k++, 0, prev, TAG(0, j), buf + o, c);
-        }
-        cpost(e, 0, k);
-    }
-    int nrecv = k;
-    for (size_t j = 0; j < nseg; j++) {
-        if (vr > 0 && cwait(e, (int)j, (int)j + 1, err, errlen)) {
-            cancel_range(e, 0, k);
-            return -1;
-        }
-        if (vr < n - 1) {
-            size_t o = j * seg, c = nbytes - o < seg ? nbytes - o : seg;
-            cset(e, k, 1, next, TAG(0, j), buf + o, c);
-            cpost(e, k, k + 1);
-            k++;
-        }
-    }
-    return cwait(e, nrecv, k, err, errlen);
-}
-
-int tcp_broadcast(tcp_engine *e, void *buf, size_t nbytes, int root, char *err, size_t errlen)
-{
-    if (e->size == 1) return 0;
-    if (coll_begin(e, K_BROADCAST, (uint32_t)root << 16, nbytes, err, errlen)) return -1;
-    int rc;
-    if (nbytes <= e->tree_max || e->size == 2) rc = bcast_tree(e, buf, nbytes, root, err, errlen);
-    else rc = bcast_chain(e, buf, nbytes, root, err, errlen);
-    return coll_end(e, rc, err, errlen);
-}
-
-/* Recursive doubling; every step combines as op(lower rank's value, higher's), so all
- * ranks compute bitwise-identical results even for non-commutative NaN handling. */
-static int rd_allreduce(tcp_engine *e, char *buf, size_t count, int dtype, int op, size_t es,
-                        char *err, size_t errlen)
-{
-    int n = e->size, r = e->rank, p2 = 1;
-    while (p2 * 2 <= n) p2 *= 2;
-    int rem = n - p2, vr;
-    size_t nb = count * es;
-    if (ensure_buf(&e->tmp, &e->tmp_cap, nb) || ensure_reqs(e, 4)) return oom(err, errlen);
-    if (r < 2 * rem) {
-        if (r % 2 == 0) {
-            cset(e, 0, 1, r + 1, TAG(0, 0), buf, nb);
-            cset(e, 1, 0, r + 1, TAG(100, 0), buf, nb);
-            return cxfer(e, 2, err, errlen);
-        }
-        cset(e, 0, 0, r - 1, TAG(0, 0), e->tmp, nb);
-        if (cxfer(e, 1, err, errlen)) return -1;
-        coll_reduce(e->tmp, buf, count, dtype, op);
-        memcpy(buf, e->tmp, nb);
-        vr = r / 2;
-    } else {
-        vr = r - rem;
-    }
-    for (int mask = 1, step = 1; mask < p2; mask <<= 1, step++) {
-        int vp = vr ^ mask, partner = vp < rem ? 2 * vp + 1 : vp + rem;
-        cset(e, 0, 0, partner, TAG(step, 0), e->tmp, nb);
-        cset(e, 1, 1, partner, TAG(step, 0), buf, nb);
-        if (cxfer(e, 2, err, errlen)) return -1;
-        if (vr < vp) {
-            coll_reduce(buf, e->tmp, count, dtype, op);
-        } else {
-            coll_reduce(e->tmp, buf, count, dtype, op);
-            memcpy(buf, e->tmp, nb);
-        }
-    }
-    if (r < 2 * rem) {
-        cset(e, 0, 1, r - 1, TAG(100, 0), buf, nb);
-        return cxfer(e, 1, err, errlen);
-    }
-    return 0;
-}
-
-/* Large all_reduce in two rounds: every rank sends block j to rank j, which reduces the
- * n copies in rank order (one pass) and sends the result to everyone. Same bytes per
- * rank as a ring, but no chain of n-1 dependent steps (ranks often outnumber cores). */
-static int direct_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int op, size_t es,
-                            char *err, size_t errlen)
-{
-    int n = e->size, r = e->rank;
-    size_t off = blk(count, n, r), cnt = blk(count, n, r + 1) - off, nb = cnt * es;
-    if (ensure_buf(&e->tmp, &e->tmp_cap, nb * (size_t)n) || ensure_reqs(e, 4 * (size_t)n))
-        return oom(err, errlen);
-    int k = 0;
-    /* every receive is posted up front: the result blocks land in W directly (a peer
-     * sends them only after it has all of our blocks, so our sends are done by then) */
-    for (int s = 1; s < n; s++) {
-        int from = mod(r - s, n);
-        cset(e, k++, 0, from, TAG(0, 0), e->tmp + (size_t)from * nb, nb);
-    }
-    int ag0 = k;
-    for (int s = 1; s < n; s++) {
-        int from = mod(r - s, n);
-        size_t o = blk(count, n, from), c = blk(count, n, from + 1) - o;
-        cset(e, k++, 0, from, TAG(1, 0), W + o * es, c * es);
-    }
-    int sends0 = k;
-    for (int s = 1; s < n; s++) {
-        int to = (r + s) % n;
-        size_t o = blk(count, n, to), c = blk(count, n, to + 1) - o;
-        cset(e, k++, 1, to, TAG(0, 0), W + o * es, c * es);
-    }
-    cpost(e, 0, k);
-    if (cwait(e, 0, ag0, err, errlen) || cwait(e, sends0, k, err, errlen)) {
-        cancel_range(e, 0, k);
-        return -1;
-    }
-    const void *srcs[64];
-    const void **sp = n <= 64 ? srcs : malloc(sizeof(void *) * (size_t)n);
-    if (!sp) {
-        cancel_range(e, 0, k);
-        return oom(err, errlen);
-    }
-    /* this rank's block is read where it is (the kernels allow dst among the sources) */
-    for (int j = 0; j < n; j++) sp[j] = j == r ? (const void *)(W + off * es) : e->tmp + (size_t)j * nb;
-    coll_reduce_many(W + off * es, (const void *const *)sp, n, cnt, dtype, op);
-    if (sp != srcs) free(sp);
-    int k2 = k;
-    for (int s = 1; s < n; s++) cset(e, k++, 1, (r + s) % n, TAG(1, 0), W + off * es, nb);
-    cpost(e, k2, k);
-    if (cwait(e, ag0, sends0, err, errlen) || cwait(e, k2, k, err, errlen)) {
-        cancel_range(e, 0, k);
-        return -1;
-    }
-    return 0;
-}
-
-int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, char *err, size_t errlen)
-{
-    size_t es = coll_itemsize(dtype);
-    if (!es) {
-        fmt(err, errlen, "all_reduce: unknown dtype code %d", dtype);
-        return -1;
-    }
-    if (e->size == 1) return 0;
-    if (coll_begin(e, K_ALLREDUCE, (uint32_t)dtype | (uint32_t)op << 8, count, err, errlen)) return -1;
-    int rc;
-    if (count * es <= e->rd_max || count < (size_t)e->size)
-        rc = rd_allreduce(e, buf, count, dtype, op, es, err, errlen);
-    else if (e->size <= e->direct_world)
-        rc = direct_allreduce(e, buf, count, dtype, op, es, err, errlen);
-    else {
-        rc = ring_rs(e, buf, count, dtype, op, es, 0, 0, err, errlen);
-        if (!rc) rc = ring_ag(e, buf, count, es, 0, e->size, err, errlen);
-    }
-    return coll_end(e, rc, err, errlen);
-}
-
-int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int root, char *err, size_t errlen)
-{
-    size_t es = coll_itemsize(dtype);
-    if (!es) {
-        fmt(err, errlen, "reduce: unknown dtype code %d", dtype);
-        return -1;
-    }
-    int n = e->size, r = e->rank;
-    if (n == 1) return 0;
-    if (coll_begin(e, K_REDUCE, (uint32_t)dtype | (uint32_t)op << 8 | (uint32_t)root << 16, count,
-                   err, errlen))
-        return -1;
-    size_t nb = count * es;
-    int rc = 0;
-    char *acc = buf;
-    if (r != root) {
-        if (ensure_buf(&e->scratch, &e->scratch_cap, nb)) rc = oom(err, errlen);
-        else {
-            acc = e->scratch;
-            memcpy(acc, buf, nb);
-        }
-    }
-    if (rc) {
-    } else if (nb <= e->tree_max || count < (size_t)n) {
-        int vr = mod(r - root, n);
-        if (ensure_buf(&e->tmp, &e->tmp_cap, nb) || ensure_reqs(e, 2)) rc = oom(err, errlen);
-        for (int mask = 1, step = 0; !rc && mask < n; mask <<= 1, step++) {
-            if (vr & mask) {
-                cset(e, 0, 1, (vr - mask + root) % n, TAG(step, 0), acc, nb);
-                rc = cxfer(e, 1, err, errlen);
-                break;
-            }
-            if (vr + mask < n) {
-                cset(e, 0, 0, (vr + mask + root) % n, TAG(step, 0), e->tmp, nb);
-                rc = cxfer(e, 1, err, errlen);
-                if (!rc) coll_reduce(acc, e->tmp, count, dtype, op);
-            }
+    int n = e->size, r = e->rank, k = 0;
+    pthread_mutex_lock(&e->mu);
+    if (n <= e->fp_direct_world) {
+        for (int q = 0; q < n; q++) {
+            if (q == r) continue;
+            if (!e->data_from[q]) fp_set(e, k++, 0, q, 0);
+            if (!e->data_to[q]) fp_set(e, k++, 1, q, 0);
         }
     } else {
-        rc = ring_rs(e, acc, count, dtype, op, es, 0, 0, err, errlen);
-        if (!rc) {
-            /* this rank holds block r+1; send it to root */
-            if (ensure_reqs(e, (size_t)n + 2)) rc = oom(err, errlen);
-        }
-        if (!rc) {
-            int k = 0;
-            if (r == root) {
-                for (int c = 0; c < n; c++) {
-                    int owner = mod(c - 1, n);
-                    if (owner == r) continue;
-                    size_t off = blk(count, n, c), cnt = blk(count, n, c + 1) - off;
-                    cset(e, k++, 0, owner, TAG(n, 0), (char *)buf + off * es, cnt * es);
-                }
-            } else {
-                int c = (r + 1) % n;
-                size_t off = blk(count, n, c), cnt = blk(count, n, c + 1) - off;
-                cset(e, k++, 1, root, TAG(n, 0), acc + off * es, cnt * es);
-            }
-            rc = cxfer(e, k, err, errlen);
-        }
+        fp_set(e, k++, 0, (r - 1 + n) % n, 0);
+        fp_set(e, k++, 1, (r + 1) % n, 0);
     }
-    return coll_end(e, rc, err, errlen);
+    fp_post_locked(e, k);
+    e->fp_on = 1;
+    pthread_mutex_unlock(&e->mu);
 }
 
-int tcp_allgather(tcp_engine *e, void *out, const void *in, size_t nb, char *err, size_t errlen)
+/* Wait for the fingerprint frames (rc 0), or withdraw them (the collective failed). */
+TCP_HIDDEN int fp_finish(tcp_engine *e, int rc, char *err, size_t errlen)
 {
     int n = e->size, r = e->rank;
-    char *o = out;
-    if ((const char *)in != o + (size_t)r * nb) memmove(o + (size_t)r * nb, in, nb);
-    if (n == 1) return 0;
-    if (coll_begin(e, K_ALLGATHER, 0, nb, err, errlen)) return -1;
-    int rc = 0;
-    if (nb * (size_t)n <= e->direct_max) {
-        if (ensure_reqs(e, 2 * (size_t)n)) rc = oom(err, errlen);
-        else {
-            int k = 0;
-            for (int s = 1; s < n; s++) {
-                int to = (r + s) % n, from = mod(r - s, n);
-                cset(e, k++, 0, from, TAG(0, 0), o + (size_t)from * nb, nb);
-                cset(e, k++, 1, to, TAG(0, 0), o + (size_t)r * nb, nb);
-            }
-            rc = cxfer(e, k, err, errlen);
-        }
-    } else {
-        if (ensure_reqs(e, 2)) rc = oom(err, errlen);
-        int next = (r + 1) % n, prev = mod(r - 1, n);
-        for (int s = 0; !rc && s < n - 1; s++) {
-            int sb = mod(r - s, n), rb = mod(r - s - 1, n);
-            cset(e, 0, 0, prev, TAG(s, 0), o + (size_t)rb * nb, nb);
-            cset(e, 1, 1, next, TAG(s, 0), o + (size_t)sb * nb, nb);
-            rc = cxfer(e, 2, err, errlen);
+    if (!e->fp_on) return rc;
+    pthread_mutex_lock(&e->mu);
+    e->fp_on = 0;
+    if (!rc && e->nfp)
+        rc = wait_locked(e, e->fpptr, e->nfp, e->coll_deadline, e->coll_span, 1, err, errlen);
+    if (n > e->fp_direct_world) {
+        for (int d = 2, round = 1; !rc && d < n; d <<= 1, round++) {
+            fp_set(e, 0, 0, ((r - d) % n + n) % n, round);
+            fp_set(e, 1, 1, (r + d) % n, round);
+            fp_post_locked(e, 2);
+            rc = wait_locked(e, e->fpptr, 2, e->coll_deadline, e->coll_span, 1, err, errlen);
         }
     }
-    return coll_end(e, rc, err, errlen);
-}
-
-int tcp_gather(tcp_engine *e, void *out, const void *in, size_t nb, int root, char *err, size_t errlen)
-{
-    int n = e->size, r = e->rank;
-    if (r == root && (const char *)in != (char *)out + (size_t)r * nb)
-        memmove((char *)out + (size_t)r * nb, in, nb);
-    if (n == 1) return 0;
-    if (coll_begin(e, K_GATHER, (uint32_t)root << 16, nb, err, errlen)) return -1;
-    int rc = 0, k = 0;
-    if (ensure_reqs(e, (size_t)n)) rc = oom(err, errlen);
-    else if (r == root) {
-        for (int j = 0; j < n; j++)
-            if (j != r) cset(e, k++, 0, j, TAG(0, 0), (char *)out + (size_t)j * nb, nb);
-    } else {
-        cset(e, k++, 1, root, TAG(0, 0), in, nb);
-    }
-    if (!rc) rc = cxfer(e, k, err, errlen);
-    return coll_end(e, rc, err, errlen);
-}
-
-int tcp_scatter(tcp_engine *e, void *out, const void *in, size_t nb, int root, char *err, size_t errlen)
-{
-    int n = e->size, r = e->rank;
-    if (r == root && (char *)out != (const char *)in + (size_t)r * nb)
-        memmove(out, (const char *)in + (size_t)r * nb, nb);
-    if (n == 1) return 0;
-    if (coll_begin(e, K_SCATTER, (uint32_t)root << 16, nb, err, errlen)) return -1;
-    int rc = 0, k = 0;
-    if (ensure_reqs(e, (size_t)n)) rc = oom(err, errlen);
-    else if (r == root) {
-        for (int s = 1; s < n; s++) {
-            int j = (r + s) % n;
-            cset(e, k++, 1, j, TAG(0, 0), (const char *)in + (size_t)j * nb, nb);
+    for (int i = 0; i < e->nfp; i++)
+        if (e->fpreqs[i].state == 0) {
+            cancel_req(e, &e->fpreqs[i]);
+            e->fpreqs[i].state = -1;
         }
-    } else {
-        cset(e, k++, 0, root, TAG(0, 0), out, nb);
-    }
-    if (!rc) rc = cxfer(e, k, err, errlen);
-    return coll_end(e, rc, err, errlen);
-}
-
-int tcp_reduce_scatter(tcp_engine *e, void *out, const void *in, size_t count, int dtype, int op,
-                       char *err, size_t errlen)
-{
-    size_t es = coll_itemsize(dtype);
-    if (!es) {
-        fmt(err, errlen, "reduce_scatter: unknown dtype code %d", dtype);
-        return -1;
-    }
-    int n = e->size, r = e->rank;
-    size_t nb = count * es;
-    if (n == 1) {
-        if (out != in) memmove(out, in, nb);
-        return 0;
-    }
-    if (coll_begin(e, K_REDUCE_SCATTER, (uint32_t)dtype | (uint32_t)op << 8, count, err, errlen)) return -1;
-    int rc = 0;
-    if (nb * (size_t)n <= e->direct_max) {
-        /* one round: everyone sends slice j to rank j, which reduces in rank order */
-        if (ensure_buf(&e->tmp, &e->tmp_cap, nb * (size_t)n) || ensure_reqs(e, 2 * (size_t)n))
-            rc = oom(err, errlen);
-        if (!rc) {
-            int k = 0;
-            for (int s = 1; s < n; s++) {
-                int to = (r + s) % n, from = mod(r - s, n);
-                cset(e, k++, 0, from, TAG(0, 0), e->tmp + (size_t)from * nb, nb);
-                cset(e, k++, 1, to, TAG(0, 0), (const char *)in + (size_t)to * nb, nb);
-            }
-            rc = cxfer(e, k, err, errlen);
-        }
-        if (!rc) {
-            const void *srcs[256];
-            const void **sp = n <= 256 ? srcs : malloc(sizeof(void *) * (size_t)n);
-            if (!sp) rc = oom(err, errlen);
-            else {
-                /* this rank's slice is read where it is, unless out overlaps it elsewhere
-                 * (the kernels allow dst to be one of the sources, not to straddle one) */
-                const char *mine = (const char *)in + (size_t)r * nb, *o = out;
-                if (o != mine && o < mine + nb && mine < o + nb) {
-                    memcpy(e->tmp + (size_t)r * nb, mine, nb);
-                    mine = e->tmp + (size_t)r * nb;
-                }
-                for (int j = 0; j < n; j++) sp[j] = j == r ? mine : e->tmp + (size_t)j * nb;
-                coll_reduce_many(out, (const void *const *)sp, n, count, dtype, op);
-                if (sp != srcs) free(sp);
-            }
-        }
-    } else {
-        if (ensure_buf(&e->scratch, &e->scratch_cap, nb * (size_t)n)) rc = oom(err, errlen);
-        if (!rc) {
-            memcpy(e->scratch, in, nb * (size_t)n);
-            rc = ring_rs(e, e->scratch, count * (size_t)n, dtype, op, es, -1, 0, err, errlen);
-        }
-        if (!rc) memcpy(out, e->scratch + (size_t)r * nb, nb);
-    }
-    return coll_end(e, rc, err, errlen);
-}
-
-int tcp_alltoall(tcp_engine *e, void *out, const void *in, const size_t *out_bytes,
-                 const size_t *in_bytes, char *err, size_t errlen)
-{
-    int n = e->size, r = e->rank;
-    size_t ooff = 0, ioff = 0, myo = 0, myi = 0;
-    for (int j = 0; j < r; j++) {
-        ooff += out_bytes[j];
-        ioff += in_bytes[j];
-    }
-    myo = ooff;
-    myi = ioff;
-    size_t own = in_bytes[r] < out_bytes[r] ? in_bytes[r] : out_bytes[r];
-    if (own && (char *)out + myo != (const char *)in + myi)
-        memmove((char *)out + myo, (const char *)in + myi, own);
-    if (n == 1) return 0;
-    if (coll_begin(e, K_ALLTOALL, 0, 0, err, errlen)) return -1;
-    int rc = 0;
-    if (ensure_reqs(e, 2 * (size_t)n)) rc = oom(err, errlen);
-    if (!rc) {
-        size_t *oo = malloc(sizeof(size_t) * 2 * (size_t)n);
-        if (!oo) rc = oom(err, errlen);
-        else {
-            size_t *io = oo + n, a = 0, b = 0;
-            for (int j = 0; j < n; j++) {
-                oo[j] = a;
-                io[j] = b;
-                a += out_bytes[j];
-                b += in_bytes[j];
-            }
-            int k = 0;
-            for (int s = 1; s < n; s++) {
-                int to = (r + s) % n, from = mod(r - s, n);
-                cset(e, k++, 0, from, TAG(0, 0), (char *)out + oo[from], out_bytes[from]);
-                cset(e, k++, 1, to, TAG(0, 0), (const char *)in + io[to], in_bytes[to]);
-            }
-            free(oo);
-            rc = cxfer(e, k, err, errlen);
-        }
-    }
-    return coll_end(e, rc, err, errlen);
+    e->nfp = 0;
+    pthread_mutex_unlock(&e->mu);
+    return rc;
 }

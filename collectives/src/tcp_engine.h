@@ -12,6 +12,13 @@
 typedef struct tcp_engine tcp_engine;
 typedef struct tcp_req tcp_req;
 
+/* Every frame starts with a 48-byte little-endian header carrying this version; a frame of
+ * another version is refused (the connection hello checks it first). 1 was the native-endian
+ * header without a version or fingerprints. */
+#define TCP_WIRE_VERSION 2
+/* dtype code of bytes without a dtype (collectives.fingerprint.NO_DTYPE) */
+#define TCP_NO_DTYPE 15
+
 /* Tuning knobs (tcp_set_tuning keys). */
 enum tcp_tuning {
     TCP_TUNE_SPIN_US = 0,          /* spin this long (poll with timeout 0) before blocking */
@@ -20,7 +27,10 @@ enum tcp_tuning {
     TCP_TUNE_SEGMENT = 3,          /* pipelining segment in bytes */
     TCP_TUNE_GATHER_DIRECT_MAX = 4, /* all_gather/reduce_scatter: one-round direct exchange up to this */
     TCP_TUNE_ALLREDUCE_DIRECT_WORLD = 5, /* large all_reduce: direct exchange up to this world size, else ring */
-    TCP_TUNE_DUPLEX_CHUNK = 6      /* bytes per write, and per read while writes wait (0: no limit) */
+    TCP_TUNE_DUPLEX_CHUNK = 6,     /* bytes per write, and per read while writes wait (0: no limit) */
+    TCP_TUNE_LOWAT = 7,            /* 1: SO_RCVLOWAT wakes a large receive late (default), 0: off */
+    TCP_TUNE_FP_DIRECT_WORLD = 8   /* rooted collectives: fingerprint frames to every peer up to
+                                      this world size, dissemination rounds above it */
 };
 
 /* fds[size]: connected, non-blocking sockets (fds[rank] is ignored); the engine owns them. */
@@ -34,10 +44,22 @@ int tcp_set_rank_names(tcp_engine *e, const int *names);
 void tcp_engine_close(tcp_engine *e);
 void tcp_engine_free(tcp_engine *e);
 uint64_t tcp_engine_seq(tcp_engine *e);
+/* The first fingerprint mismatch this engine saw or was told of: 1 and rank a called fp_a
+ * where rank b called fp_b as collective seq (errors then read "{mismatch}"); 0 if none. */
+int tcp_mismatch(tcp_engine *e, uint64_t *seq, int *a, uint64_t *fp_a, int *b, uint64_t *fp_b);
+/* The wire encoding of a frame header (48 bytes), and its 12 fields (magic, version, ftype,
+ * kind, dtype, flags, group, tag, seq, fp, aux, len) decoded from one: for tests and tools. */
+void tcp_wire_header(unsigned char *out, int ftype, int kind, int dtype, uint32_t group,
+                     int32_t tag, uint64_t seq, uint64_t fp, uint64_t aux, uint64_t len);
+void tcp_wire_header_parse(const unsigned char *in, uint64_t *fields);
 
-/* Point to point. src -1 = any source. NULL with err on immediate failure. */
-tcp_req *tcp_isend(tcp_engine *e, const void *buf, size_t len, int dst, int32_t tag, char *err, size_t errlen);
-tcp_req *tcp_irecv(tcp_engine *e, void *buf, size_t len, int src, int32_t tag, char *err, size_t errlen);
+/* Point to point. src -1 = any source. NULL with err on immediate failure. A message must
+ * match its receive's size exactly and its dtype (TCP_NO_DTYPE on either side: any), else
+ * the receive fails naming both. */
+tcp_req *tcp_isend(tcp_engine *e, const void *buf, size_t len, int dtype, int dst, int32_t tag,
+                   char *err, size_t errlen);
+tcp_req *tcp_irecv(tcp_engine *e, void *buf, size_t len, int dtype, int src, int32_t tag,
+                   char *err, size_t errlen);
 /* 0 done, -1 failed (err filled), -2 timed out (err filled; the request stays posted and
  * may be waited on again); timeout_s < 0: the engine's timeout. */
 int tcp_req_wait(tcp_engine *e, tcp_req *r, double timeout_s, char *err, size_t errlen);
@@ -47,17 +69,25 @@ int tcp_req_source(tcp_req *r);
 size_t tcp_req_nbytes(tcp_req *r);
 void tcp_req_free(tcp_engine *e, tcp_req *r);
 
-/* Collectives (blocking, one at a time per engine). Sizes in bytes unless named count. */
-int tcp_barrier(tcp_engine *e, char *err, size_t errlen);
-int tcp_broadcast(tcp_engine *e, void *buf, size_t nbytes, int root, char *err, size_t errlen);
-int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, char *err, size_t errlen);
-int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int root, char *err, size_t errlen);
-int tcp_allgather(tcp_engine *e, void *out, const void *in, size_t nbytes, char *err, size_t errlen);
-int tcp_gather(tcp_engine *e, void *out, const void *in, size_t nbytes, int root, char *err, size_t errlen);
-int tcp_scatter(tcp_engine *e, void *out, const void *in, size_t nbytes, int root, char *err, size_t errlen);
+/* Collectives (blocking, one at a time per engine). Sizes in bytes unless named count. fp is
+ * this rank's fingerprint of the call (collectives.fingerprint.pack); every frame carries it,
+ * and a peer's that differs fails the collective on every rank ("{mismatch}", tcp_mismatch)
+ * before its data lands in or is reduced into the caller's buffer. */
+int tcp_barrier(tcp_engine *e, uint64_t fp, char *err, size_t errlen);
+int tcp_broadcast(tcp_engine *e, void *buf, size_t nbytes, int root, uint64_t fp, char *err, size_t errlen);
+int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, uint64_t fp, char *err,
+                  size_t errlen);
+int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int root, uint64_t fp,
+               char *err, size_t errlen);
+int tcp_allgather(tcp_engine *e, void *out, const void *in, size_t nbytes, uint64_t fp, char *err,
+                  size_t errlen);
+int tcp_gather(tcp_engine *e, void *out, const void *in, size_t nbytes, int root, uint64_t fp, char *err,
+               size_t errlen);
+int tcp_scatter(tcp_engine *e, void *out, const void *in, size_t nbytes, int root, uint64_t fp, char *err,
+                size_t errlen);
 int tcp_reduce_scatter(tcp_engine *e, void *out, const void *in, size_t count, int dtype, int op,
-                       char *err, size_t errlen);
+                       uint64_t fp, char *err, size_t errlen);
 int tcp_alltoall(tcp_engine *e, void *out, const void *in, const size_t *out_bytes,
-                 const size_t *in_bytes, char *err, size_t errlen);
+                 const size_t *in_bytes, uint64_t fp, char *err, size_t errlen);
 
 #endif

@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""A cost model of the TCP transport's collectives between hosts (alpha-beta / Hockney).
+
+Every algorithm the TCP engine runs (``collectives/src/tcp_engine.c``) is a sequence of
+rounds; in a round each host sends and receives at most one message per peer, and a
+round costs ``alpha + (messages - 1) * msg + bytes / (eta * rate)``, and each call
+``call`` more: ``alpha`` the per-round cost (wake-up, kernel, wire latency), ``msg`` the
+cost of each further message of a round, ``rate`` the link's line rate and ``eta`` the
+fraction of it left for payload (Ethernet, IP and TCP headers: 1448 of each 1514 bytes,
+~0.956, less whatever the stack loses). A host sends its messages of one round back to
+back on its own link, so the bytes of a round are the sum over that host's messages.
+The parameters are fitted to measured emulated-link runs (``bench/netlab.py --json``),
+and the model is then used past this machine. It predicts the time per call of a loop
+of calls, as the benchmarks measure it (a broadcast's root does not wait for its
+receivers, so its rounds overlap the next call's).
+
+    python bench/model.py --fit bench/results/netlab-1gbit.json     # fit, check, predict
+    python bench/model.py --params 50e-6,20e-6,10e-6,0.94 --rates 10gbit,100gbit --hosts 64,256,1024
+
+``choose()`` mirrors the engine's choice of algorithm (same thresholds as its defaults);
+``ALTERNATIVES`` lists algorithms the engine does not have, so the tables show what
+each would gain at scale.
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+
+# the TCP engine's defaults (tcp_engine.c: tcp_engine_new)
+RD_MAX = 64 * 1024          # all_reduce: recursive doubling up to this many bytes
+TREE_MAX = 64 * 1024        # broadcast/reduce: binomial tree up to this many bytes
+SEGMENT = 1024 * 1024       # pipelining segment
+DIRECT_MAX = 64 * 1024      # all_gather/reduce_scatter: direct exchange up to n*bytes
+DIRECT_WORLD = 8            # large all_reduce: two-round direct exchange up to this world
+
+
+def _log2c(n):
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def rounds(algo, n, s):
+    """[(rounds, messages per round, bytes per round on the busiest link)] of ``algo`` on
+    ``n`` hosts with ``s`` bytes per rank (all_gather: each rank's input; reduce_scatter:
+    each rank's output), as one call of a loop of calls sees it: a broadcast's root does
+    not wait for its receivers, so back-to-back broadcasts overlap and a loop's time per
+    call is set by the busiest link (the root's for a tree; every link for a chain)."""
+    if n <= 1:
+        return []
+    p2 = 1 << int(math.floor(math.log2(n)))
+    extra = 2 if p2 != n else 0  # recursive doubling folds the ranks past a power of two
+    if algo == "rd":                     # recursive doubling: log2 rounds of the whole buffer
+        return [(_log2c(p2) + extra, 1, s)]
+    if algo == "direct_ar":              # reduce-scatter and all-gather, each one direct round
+        return [(2, n - 1, (n - 1) / n * s)]
+    if algo == "ring_ar":
+        return [(2 * (n - 1), 1, s / n)]
+    if algo == "rabenseifner":           # halving-doubling: 2 log2 n rounds, halving bytes
+        k = _log2c(p2)
+        per = [(2, 1, s / 2 ** (i + 1)) for i in range(k)]
+        return per + ([(extra, 1, s)] if extra else [])
+    if algo == "tree":                   # binomial tree: the root sends log2 n copies
+        return [(1, _log2c(n), _log2c(n) * s)]
+    if algo == "chain":                  # pipelined chain: every link carries s once
+        seg = min(SEGMENT, s) or 1
+        return [(1, math.ceil(s / seg), s)]
+    if algo == "scatter_ag":             # broadcast as scatter (tree) + ring all_gather
+        return [(_log2c(n), 1, s / 2), (n - 1, 1, s / n)]
+    if algo == "direct_gather":          # n-1 messages of s out of each host, one round
+        return [(1, n - 1, (n - 1) * s)]
+    if algo == "ring_gather":
+        return [(n - 1, 1, s)]
+    if algo == "bruck":                  # all_gather in log2 n rounds, doubling
+        return [(1, 1, s * 2 ** i) for i in range(_log2c(n))]
+    if algo == "direct_a2a":
+        return [(1, n - 1, (n - 1) / n * s)]
+    raise ValueError(f"unknown algorithm {algo!r}")
+
+
+def choose(op, n, s):
+    """The algorithm the TCP engine runs for ``op`` on ``n`` ranks, ``s`` bytes per rank."""
+    if op == "all_reduce":
+        if s <= RD_MAX:
+            return "rd"
+        return "direct_ar" if n <= DIRECT_WORLD else "ring_ar"
+    if op == "broadcast":
+        return "tree" if (s <= TREE_MAX or n == 2) else "chain"
+    if op in ("all_gather", "reduce_scatter"):
+        return "direct_gather" if s * n <= DIRECT_MAX else "ring_gather"
+    if op == "all_to_all":
+        return "direct_a2a"
+    raise ValueError(f"unknown op {op!r}")
+
+
+# a broadcast's root does not wait for its receivers: in a loop its rounds overlap the
+# next call's, and only the busiest link's bytes and the messages count
+PIPELINED = frozenset({"tree", "chain"})
+
+ALTERNATIVES = {"all_reduce": ["rd", "direct_ar", "ring_ar", "rabenseifner"],
+                "broadcast": ["tree", "chain", "scatter_ag"],
+                "all_gather": ["direct_gather", "ring_gather", "bruck"],
+                "reduce_scatter": ["direct_gather", "ring_gather"],
+                "all_to_all": ["direct_a2a"]}
+
+
+class Params:
+    """The model's parameters: ``alpha`` seconds per round (wake-up, kernel, wire latency),
+    ``msg`` seconds per message beyond the first of a round, ``call`` seconds per call
+    (front end), ``eta`` the fraction of the line rate left for payload."""
+
+    def __init__(self, alpha=50e-6, msg=20e-6, call=10e-6, eta=0.94):
+        self.alpha, self.msg, self.call, self.eta = alpha, msg, call, eta
+
+    def __repr__(self):
+        return (f"alpha = {self.alpha * 1e6:.1f} us, msg = {self.msg * 1e6:.1f} us, "
+                f"call = {self.call * 1e6:.1f} us, eta = {self.eta:.3f}")
+
+
+def predict(op, n, s, p, bps, algo=None):
+    """Seconds per call of ``op`` on ``n`` hosts, ``s`` bytes per rank, links of ``bps``
+    bit/s, parameters ``p`` (:class:`Params`)."""
+    algo = algo or choose(op, n, s)
+    beta = 8 / (p.eta * bps)
+    t = p.call if n > 1 else 0.0
+    alpha = 0.0 if algo in PIPELINED else p.alpha
+    for count, msgs, nbytes in rounds(algo, n, s):
+        t += count * (alpha + (msgs - 1) * p.msg + nbytes * beta)
+    return t
+
+
+def bound(op, n, s, bps):
+    """The link bound in seconds (bench/netlab.py's)."""
+    factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0, "all_gather": n - 1,
+              "reduce_scatter": n - 1, "all_to_all": (n - 1) / n}[op]
+    return factor * s * 8 / bps if n > 1 else 0.0
+
+
+def fit(rows, bps):
+    """:class:`Params` minimising the squared log error over the measured rows (each cell
+    weighs the same, from 4 B to 16 MiB), by coordinate descent."""
+    def err(p):
+        return sum(math.log(predict(r["op"], r["hosts"], r["nbytes"], p, bps) * 1e6 / r["us"]) ** 2
+                   for r in rows)
+    p = Params()
+    best = err(p)
+    step = 0.5
+    while step > 0.002:
+        improved = False
+        for name in ("alpha", "msg", "call", "eta"):
+            for f in (1 + step, 1 / (1 + step)):
+                old = getattr(p, name)
+                new = min(old * f, 0.999) if name == "eta" else old * f
+                setattr(p, name, new)
+                v = err(p)
+                if v < best:
+                    best, improved = v, True
+                else:
+                    setattr(p, name, old)
+        if not improved:
+            step /= 2
+    return p
+
+
+def medians(rows, impl="collectives"):
+    cells = {}
+    for r in rows:
+        if r.get("impl", impl) == impl:
+            cells.setdefault((r["op"], r["hosts"], r["nbytes"]), []).append(r["us"])
+    return [{"op": op, "hosts": h, "nbytes": b, "us": statistics.median(v)}
+            for (op, h, b), v in sorted(cells.items())]
+
+
+def check(rows, p, bps, min_bytes=1 << 20):
+    """Per measured cell: measured, predicted, error; the worst error at >= min_bytes."""
+    lines, worst = [], 0.0
+    for r in rows:
+        t = predict(r["op"], r["hosts"], r["nbytes"], p, bps) * 1e6
+        e = (t - r["us"]) / r["us"]
+        if r["nbytes"] >= min_bytes:
+            worst = max(worst, abs(e))
+        lines.append(f"{r['hosts']:>5} {r['op']:<15} {r['nbytes']:>10} {r['us']:>12.1f} "
+                     f"{t:>12.1f} {e:>+7.1%} {choose(r['op'], r['hosts'], r['nbytes']):>14}")
+    return lines, worst
+
+
+def table(ops, hosts_list, sizes, rates, p):
+    out = []
+    for rate in rates:
+        bps = parse_rate(rate)
+        for n in hosts_list:
+            for op in ops:
+                for s in sizes:
+                    algo = choose(op, n, s)
+                    t = predict(op, n, s, p, bps)
+                    alts = {a: predict(op, n, s, p, bps, a) for a in ALTERNATIVES[op]}
+                    best = min(alts, key=alts.get)
+                    out.append({"rate": rate, "hosts": n, "op": op, "nbytes": s, "algo": algo,
+                                "us": t * 1e6, "bound_us": bound(op, n, s, bps) * 1e6,
+                                "best_algo": best, "best_us": alts[best] * 1e6})
+    return out
+
+
+def parse_rate(rate):
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for suffix, m in units.items():
+        if rate.endswith(suffix):
+            return float(rate[:-len(suffix)]) * m
+    return float(rate)
+
+
+def fmt_size(b):
+    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= m:
+            return f"{b / m:g} {unit}"
+    return f"{b} B"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fit", help="a bench/netlab.py --json file to calibrate from")
+    ap.add_argument("--params", help="alpha,msg,call,eta (seconds; skips fitting)")
+    ap.add_argument("--rates", default="10gbit,100gbit")
+    ap.add_argument("--hosts", default="64,256,1024")
+    ap.add_argument("--ops", default="all_reduce,broadcast,all_gather")
+    ap.add_argument("--sizes", default="4,65536,1048576,16777216,268435456")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--json", help="write the fit and the prediction table here")
+    args = ap.parse_args(argv)
+    p = None
+    if args.params:
+        p = Params(*[float(x) for x in args.params.split(",")])
+    check_rows = []
+    if args.fit:
+        with open(args.fit) as f:
+            run = json.load(f)
+        rows = medians(run["rows"])
+        if p is None:
+            p = fit(rows, run["bps"])
+        print(f"fitted to {args.fit} ({run['rate']}): {p}")
+        lines, worst = check(rows, p, run["bps"])
+        check_rows = lines
+        print(f"{'hosts':>5} {'op':<15} {'bytes':>10} {'measured us':>12} {'model us':>12} "
+              f"{'error':>7} {'algorithm':>14}")
+        print("\n".join(lines))
+        print(f"worst error at >= 1 MiB: {worst:.1%}")
+    if p is None:
+        ap.error("give --fit FILE or --params ALPHA,MSG,CALL,ETA")
+    rows = table(args.ops.split(","), [int(h) for h in args.hosts.split(",")],
+                 [int(s) for s in args.sizes.split(",")], args.rates.split(","), p)
+    sep = " | " if args.markdown else "  "
+    head = ["rate", "hosts", "op", "size", "algorithm", "model", "link bound", "best algorithm",
+            "best"]
+    if args.markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+    else:
+        print(sep.join(head))
+    for r in rows:
+        cells = [r["rate"], str(r["hosts"]), r["op"], fmt_size(r["nbytes"]), r["algo"],
+                 _ms(r["us"]), _ms(r["bound_us"]), r["best_algo"], _ms(r["best_us"])]
+        print(("| " + " | ".join(cells) + " |") if args.markdown else sep.join(cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"params": vars(p), "check": check_rows, "rows": rows}, f, indent=1)
+    return 0
+
+
+def _ms(us):
+    return f"{us / 1000:.3f} ms" if us >= 1000 else f"{us:.1f} us"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+/* TCP collectives: the algorithms over the engine's request sets (tcp_internal.h). */
+#include "tcp_internal.h"
+
+static int oom(char *err, size_t errlen)
+{
+    fmt(err, errlen, "out of memory for the collective's scratch buffers");
+    return -1;
+}
+
+/* Ring reduce-scatter on W (count elements, n blocks): at step s this rank sends block
+ * r-s+shift to the next rank and reduces block r-s-1+shift from the previous one, in
+ * segments so that reducing segment k overlaps receiving k+1. Afterwards this rank
+ * holds the full reduction of block r+1+shift. */
+static int ring_rs(tcp_engine *e, char *W, size_t count, int dtype, int op, size_t es, int shift,
+                   int step0, char *err, size_t errlen)
+{
+    int n = e->size, r = e->rank, next = (r + 1) % n, prev = (r - 1 + n) % n;
+    size_t seg_el = e->seg / es;
+    if (!seg_el) seg_el = 1;
+    size_t maxblk = count / (size_t)n + 1;
+    if (maxblk / seg_el >= 65535) seg_el = maxblk / 65535 + 1;  /* segment index fits the tag */
+    size_t maxseg = (maxblk + seg_el - 1) / seg_el;
+    if (ensure_buf(&e->tmp, &e->tmp_cap, maxblk * es) || ensure_reqs(e, 2 * maxseg + 2))
+        return oom(err, errlen);
+    for (int s = 0; s < n - 1; s++) {
+        int sb = mod(r - s + shift, n), rb = mod(r - s - 1 + shift, n);
+        size_t soff = blk(count, n, sb), scnt = blk(count, n, sb + 1) - soff;
+        size_t roff = blk(count, n, rb), rcnt = blk(count, n, rb + 1) - roff;
+        int nrs = (int)((rcnt + seg_el - 1) / seg_el), nss = (int)((scnt + seg_el - 1) / seg_el);
+        int k = 0;
+        for (int j = 0; j < nrs; j++) {
+            size_t o = (size_t)j * seg_el, c = rcnt - o < seg_el ? rcnt - o : seg_el;
+            cset(e, k++, 0, prev, TAG(step0 + s, j), e->tmp + o * es, c * es);
+        }
+        for (int j = 0; j < nss; j++) {
+            size_t o = (size_t)j * seg_el, c = scnt - o < seg_el ? scnt - o : seg_el;
+            cset(e, k++, 1, next, TAG(step0 + s, j), W + (soff + o) * es, c * es);
+        }
+        cpost(e, 0, k);
+        for (int j = 0; j < nrs; j++) {
+            if (cwait(e, j, j + 1, err, errlen)) {
+                cancel_range(e, 0, k);
+                return -1;
+            }
+            size_t o = (size_t)j * seg_el, c = rcnt - o < seg_el ? rcnt - o : seg_el;
+            coll_reduce(W + (roff + o) * es, e->tmp + o * es, c, dtype, op);
+        }
+        if (cwait(e, nrs, k, err, errlen)) return -1;
+    }
+    return 0;
+}
+
+/* Ring all-gather of blocks: this rank starts holding block r+1+shift. */
+static int ring_ag(tcp_engine *e, char *W, size_t count, size_t es, int shift, int step0,
+                   char *err, size_t errlen)
+{
+    int n = e->size, r = e->rank, next = (r + 1) % n, prev = (r - 1 + n) % n;
+    if (ensure_reqs(e, 2 * (size_t)n)) return oom(err, errlen);
+    /* every block arrives straight into W (posted up front); block s is forwarded once in */
+    for (int s = 0; s < n - 1; s++) {
+        int rb = mod(r + shift - s, n);
+        size_t roff = blk(count, n, rb), rcnt = blk(count, n, rb + 1) - roff;
+        cset(e, s, 0, prev, TAG(step0 + s, 0), W + roff * es, rcnt * es);
+    }
+    cpost(e, 0, n - 1);
+    for (int s = 0; s < n - 1; s++) {
+        if (s > 0 && cwait(e, s - 1, s, err, errlen)) {
+            cancel_range(e, 0, n - 1 + s);
+            return -1;
+        }
+        int sb = mod(r + 1 + shift - s, n);
+        size_t soff = blk(count, n, sb), scnt = blk(count, n, sb + 1) - soff;
+        cset(e, n - 1 + s, 1, next, TAG(step0 + s, 0), W + soff * es, scnt * es);
+        cpost(e, n - 1 + s, n + s);
+    }
+    if (cwait(e, 0, 2 * n - 2, err, errlen)) {
+        cancel_range(e, 0, 2 * n - 2);
+        return -1;
+    }
+    return 0;
+}
+/* ------------------------------------------------------------- collectives */
+
+int tcp_barrier(tcp_engine *e, uint64_t fp, char *err, size_t errlen)
+{
+    int n = e->size, r = e->rank;
+    if (n == 1) return 0;
+    if (coll_begin(e, K_BARRIER, fp, err, errlen)) return -1;
+    int rc = 0;
+    if (ensure_reqs(e, 2)) rc = oom(err, errlen);
+    for (int k = 1, step = 0; !rc && k < n; k <<= 1, step++) {
+        cset(e, 0, 0, mod(r - k, n), TAG(step, 0), NULL, 0);
+        cset(e, 1, 1, (r + k) % n, TAG(step, 0), NULL, 0);
+        rc = cxfer(e, 2, err, errlen);
+    }
+    return coll_end(e, rc, err, errlen);
+}
+
+static int bcast_tree(tcp_engine *e, char *buf, size_t nbytes, int root, char *err, size_t errlen)
+{
+    int n = e->size, vr = mod(e->rank - root, n), mask = 1;
+    if (ensure_reqs(e, 40)) return oom(err, errlen);
+    while (mask < n) {
+        if (vr & mask) {
+            cset(e, 0, 0, (vr - mask + root) % n, TAG(0, 0), buf, nbytes);
+            if (cxfer(e, 1, err, errlen)) return -1;
+            break;
+        }
+        mask <<= 1;
+    }
+    int k = 0;
+    for (mask >>= 1; mask > 0; mask >>= 1)
+        if (vr + mask < n) cset(e, k++, 1, (vr + mask + root) % n, TAG(0, 0), buf, nbytes);
+    return cxfer(e, k, err, errlen);
+}
+
+static int bcast_chain(tcp_engine *e, char *buf, size_t nbytes, int root, char *err, size_t errlen)
+{
+    int n = e->size, vr = mod(e->rank - root, n);
+    int prev = (vr - 1 + root + n) % n, next = (vr + 1 + root) % n;
+    size_t seg = e->seg;
+    if (nbytes / seg >= 65535) seg = nbytes / 65535 + 1;
+    size_t nseg = (nbytes + seg - 1) / seg;
+    if (ensure_reqs(e, 2 * nseg + 2)) return oom(err, errlen);
+    int k = 0;
+    if (vr > 0) {
+        for (size_t j = 0; j < nseg; j++) {
+            size_t o = j * seg, c = nbytes - o < seg ? nbytes - o : seg;
+            cset(e, k++, 0, prev, TAG(0, j), buf + o, c);
+        }
+        cpost(e, 0, k);
+    }
+    int nrecv = k;
+    for (size_t j = 0; j < nseg; j++) {
+        if (vr > 0 && cwait(e, (int)j, (int)j + 1, err, errlen)) {
+            cancel_range(e, 0, k);
+            return -1;
+        }
+        if (vr < n - 1) {
+            size_t o = j * seg, c = nbytes - o < seg ? nbytes - o : seg;
+            cset(e, k, 1, next, TAG(0, j), buf + o, c);
+            cpost(e, k, k + 1);
+            k++;
+        }
+    }
+    return cwait(e, nrecv, k, err, errlen);
+}
+
+int tcp_broadcast(tcp_engine *e, void *buf, size_t nbytes, int root, uint64_t fp, char *err, size_t errlen)
+{
+    int n = e->size;
+    if (n == 1) return 0;
+    if (coll_begin(e, K_BROADCAST, fp, err, errlen)) return -1;
+    int rc, tree = nbytes <= e->tree_max || n == 2;
+    links_clear(e);
+    if (tree) {
+        tree_links(e, root, e->data_from, e->data_to);
+    } else {
+        int vr = mod(e->rank - root, n);
+        if (vr > 0) e->data_from[(vr - 1 + root) % n] = 1;
+        if (vr < n - 1) e->data_to[(vr + 1 + root) % n] = 1;
+    }
+    fp_begin(e);
+    if (tree) rc = bcast_tree(e, buf, nbytes, root, err, errlen);
+    else rc = bcast_chain(e, buf, nbytes, root, err, errlen);
+    rc = fp_finish(e, rc, err, errlen);
+    return coll_end(e, rc, err, errlen);
+}
+
+/* Recursive doubling; every step combines as op(lower rank's value, higher's), so all
+ * ranks compute bitwise-identical results even for non-commutative NaN handling. */
+static int rd_allreduce(tcp_engine *e, char *buf, size_t count, int dtype, int op, size_t es,
+                        char *err, size_t errlen)
+{
+    int n = e->size, r = e->rank, p2 = 1;
+    while (p2 * 2 <= n) p2 *= 2;
+    int rem = n - p2, vr;
+    size_t nb = count * es;
+    if (ensure_buf(&e->tmp, &e->tmp_cap, nb) || ensure_reqs(e, 4)) return oom(err, errlen);
+    if (r < 2 * rem) {
+        if (r % 2 == 0) {
+            cset(e, 0, 1, r + 1, TAG(0, 0), buf, nb);
+            cset(e, 1, 0, r + 1, TAG(100, 0), buf, nb);
+            return cxfer(e, 2, err, errlen);
+        }
+        cset(e, 0, 0, r - 1, TAG(0, 0), e->tmp, nb);
+        if (cxfer(e, 1, err, errlen)) return -1;
+        coll_reduce(e->tmp, buf, count, dtype, op);
+        memcpy(buf, e->tmp, nb);
+        vr = r / 2;
+    } else {
+        vr = r - rem;
+    }
+    for (int mask = 1, step = 1; mask < p2; mask <<= 1, step++) {
+        int vp = vr ^ mask, partner = vp < rem ? 2 * vp + 1 : vp + rem;
+        cset(e, 0, 0, partner, TAG(step, 0), e->tmp, nb);
+        cset(e, 1, 1, partner, TAG(step, 0), buf, nb);
+        if (cxfer(e, 2, err, errlen)) return -1;
+        if (vr < vp) {
+            coll_reduce(buf, e->tmp, count, dtype, op);
+        } else {
+            coll_reduce(e->tmp, buf, count, dtype, op);
+            memcpy(buf, e->tmp, nb);
+        }
+    }
+    if (r < 2 * rem) {
+        cset(e, 0, 1, r - 1, TAG(100, 0), buf, nb);
+        return cxfer(e, 1, err, errlen);
+    }
+    return 0;
+}
+
+/* Large all_reduce in two rounds: every rank sends block j to rank j, which reduces the
+ * n copies in rank order (one pass) and sends the result to everyone. Same bytes per
+ * rank as a ring, but no chain of n-1 dependent steps (ranks often outnumber cores). */
+static int direct_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int op, size_t es,
+                            char *err, size_t errlen)
+{
+    int n = e->size, r = e->rank;
+    size_t off = blk(count, n, r), cnt = blk(count, n, r + 1) - off, nb = cnt * es;
+    if (ensure_buf(&e->tmp, &e->tmp_cap, nb * (size_t)n) || ensure_reqs(e, 4 * (size_t)n))
+        return oom(err, errlen);
+    int k = 0;
+    /* every receive is posted up front: the result blocks land in W directly (a peer
+     * sends them only after it has all of our blocks, so our sends are done by then) */
+    for (int s = 1; s < n; s++) {
+        int from = mod(r - s, n);
+        cset(e, k++, 0, from, TAG(0, 0), e->tmp + (size_t)from * nb, nb);
+    }
+    int ag0 = k;
+    for (int s = 1; s < n; s++) {
+        int from = mod(r - s, n);
+        size_t o = blk(count, n, from), c = blk(count, n, from + 1) - o;
+        cset(e, k++, 0, from, TAG(1, 0), W + o * es, c * es);
+    }
+    int sends0 = k;
+    for (int s = 1; s < n; s++) {
+        int to = (r + s) % n;
+        size_t o = blk(count, n, to), c = blk(count, n, to + 1) - o;
+        cset(e, k++, 1, to, TAG(0, 0), W + o * es, c * es);
+    }
+    cpost(e, 0, k);
+    if (cwait(e, 0, ag0, err, errlen) || cwait(e, sends0, k, err, errlen)) {
+        cancel_range(e, 0, k);
+        return -1;
+    }
+    const void *srcs[64];
+    const void **sp = n <= 64 ? srcs : malloc(sizeof(void *) * (size_t)n);
+    if (!sp) {
+        cancel_range(e, 0, k);
+        return oom(err, errlen);
+    }
+    /* this rank's block is read where it is (the kernels allow dst among the sources) */
+    for (int j = 0; j < n; j++) sp[j] = j == r ? (const void *)(W + off * es) : e->tmp + (size_t)j * nb;
+    coll_reduce_many(W + off * es, (const void *const *)sp, n, cnt, dtype, op);
+    if (sp != srcs) free(sp);
+    int k2 = k;
+    for (int s = 1; s < n; s++) cset(e, k++, 1, (r + s) % n, TAG(1, 0), W + off * es, nb);
+    cpost(e, k2, k);
+    if (cwait(e, ag0, sends0, err, errlen) || cwait(e, k2, k, err, errlen)) {
+        cancel_range(e, 0, k);
+        return -1;
+    }
+    return 0;
+}
+
+int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, uint64_t fp, char *err,
+                  size_t errlen)
+{
+    size_t es = coll_itemsize(dtype);
+    if (!es) {
+        fmt(err, errlen, "all_reduce: unknown dtype code %d", dtype);
+        return -1;
+    }
+    if (e->size == 1) return 0;
+    if (coll_begin(e, K_ALLREDUCE, fp, err, errlen)) return -1;
+    int rc;
+    if (count * es <= e->rd_max || count < (size_t)e->size)
+        rc = rd_allreduce(e, buf, count, dtype, op, es, err, errlen);
+    else if (e->size <= e->direct_world)
+        rc = direct_allreduce(e, buf, count, dtype, op, es, err, errlen);
+    else {
+        rc = ring_rs(e, buf, count, dtype, op, es, 0, 0, err, errlen);
+        if (!rc) rc = ring_ag(e, buf, count, es, 0, e->size, err, errlen);
+    }
+    return coll_end(e, rc, err, errlen);
+}
+
+int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int root, uint64_t fp,
+               char *err, size_t errlen)
+{
+    size_t es = coll_itemsize(dtype);
+    if (!es) {
+        fmt(err, errlen, "reduce: unknown dtype code %d", dtype);
+        return -1;
+    }
+    int n = e->size, r = e->rank;
+    if (n == 1) return 0;
+    if (coll_begin(e, K_REDUCE, fp, err, errlen)) return -1;
+    size_t nb = count * es;
+    int rc = 0;
+    char *acc = buf;
+    if (r != root) {
+        if (ensure_buf(&e->scratch, &e->scratch_cap, nb)) rc = oom(err, errlen);
+        else {
+            acc = e->scratch;
+            memcpy(acc, buf, nb);
+        }
+    }
+    int tree = nb <= e->tree_max || count < (size_t)n;
+    if (!rc && tree) {  /* leaves only send: fingerprint frames (the ring hears everyone) */
+        links_clear(e);
+        tree_links(e, root, e->data_to, e->data_from);
+        fp_begin(e);
+    }
+    if (rc) {
+    } else if (tree) {
+        int vr = mod(r - root, n);
+        if (ensure_buf(&e->tmp, &e->tmp_cap, nb) || ensure_reqs(e, 2)) rc = oom(err, errlen);
+        for (int mask = 1, step = 0; !rc && mask < n; mask <<= 1, step++) {
+            if (vr & mask) {
+                cset(e, 0, 1, (vr - mask + root) % n, TAG(step, 0), acc, nb);
+                rc = cxfer(e, 1, err, errlen);
+                break;
+            }
+            if (vr + mask < n) {
+                cset(e, 0, 0, (vr + mask + root) % n, TAG(step, 0), e->tmp, nb);
+                rc = cxfer(e, 1, err, errlen);
+                if (!rc) coll_reduce(acc, e->tmp, count, dtype, op);
+            }
+        }
+    } else {
+        rc = ring_rs(e, acc, count, dtype, op, es, 0, 0, err, errlen);
+        if (!rc) {
+            /* this rank holds block r+1; send it to root */
+            if (ensure_reqs(e, (size_t)n + 2)) rc = oom(err, errlen);
+        }
+        if (!rc) {
+            int k = 0;
+            if (r == root) {
+                for (int c = 0; c < n; c++) {
+                    int owner = mod(c - 1, n);
+                    if (owner == r) continue;
+                    size_t off = blk(count, n, c), cnt = blk(count, n, c + 1) - off;
+                    cset(e, k++, 0, owner, TAG(n, 0), (char *)buf + off * es, cnt * es);
+                }
+            } else {
+                int c = (r + 1) % n;
+                size_t off = blk(count, n, c), cnt = blk(count, n, c + 1) - off;
+                cset(e, k++, 1, root, TAG(n, 0), acc + off * es, cnt * es);
+            }
+            rc = cxfer(e, k, err, errlen);
+        }
+    }
+    rc = fp_finish(e, rc, err, errlen);
+    return coll_end(e, rc, err, errlen);
+}
+
+int tcp_allgather(tcp_engine *e, void *out, const void *in, size_t nb, uint64_t fp, char *err,
+                  size_t errlen)
+{
+    int n = e->size, r = e->rank;
+    char *o = out;
+    if ((const char *)in != o + (size_t)r * nb) memmove(o + (size_t)r * nb, in, nb);
+    if (n == 1) return 0;
+    if (coll_begin(e, K_ALLGATHER, fp, err, errlen)) return -1;
+    int rc = 0;
+    if (nb * (size_t)n <= e->direct_max) {
+        if (ensure_reqs(e, 2 * (size_t)n)) rc = oom(err, errlen);
+        else {
+            int k = 0;
+            for (int s = 1; s < n; s++) {
+                int to = (r + s) % n, from = mod(r - s, n);
+                cset(e, k++, 0, from, TAG(0, 0), o + (size_t)from * nb, nb);
+                cset(e, k++, 1, to, TAG(0, 0), o + (size_t)r * nb, nb);
+            }
+            rc = cxfer(e, k, err, errlen);
+        }
+    } else {
+        if (ensure_reqs(e, 2)) rc = oom(err, errlen);
+        int next = (r + 1) % n, prev = mod(r - 1, n);
+        for (int s = 0; !rc && s < n - 1; s++) {
+            int sb = mod(r - s, n), rb = mod(r - s - 1, n);
+            cset(e, 0, 0, prev, TAG(s, 0), o + (size_t)rb * nb, nb);
+            cset(e, 1, 1, next, TAG(s, 0), o + (size_t)sb * nb, nb);
+            rc = cxfer(e, 2, err, errlen);
+        }
+    }
+    return coll_end(e, rc, err, errlen);
+}
+
+int tcp_gather(tcp_engine *e, void *out, const void *in, size_t nb, int root, uint64_t fp, char *err,
+               size_t errlen)
+{
+    int n = e->size, r = e->rank;
+    if (r == root && (const char *)in != (char *)out + (size_t)r * nb)
+        memmove((char *)out + (size_t)r * nb, in, nb);
+    if (n == 1) return 0;
+    if (coll_begin(e, K_GATHER, fp, err, errlen)) return -1;
+    int rc = 0, k = 0;
+    links_clear(e);
+    if (r == root) memset(e->data_from, 1, (size_t)n);
+    else e->data_to[root] = 1;
+    fp_begin(e);  /* the others only send */
+    if (ensure_reqs(e, (size_t)n)) rc = oom(err, errlen);
+    else if (r == root) {
+        for (int j = 0; j < n; j++)
+            if (j != r) cset(e, k++, 0, j, TAG(0, 0), (char *)out + (size_t)j * nb, nb);
+    } else {
+        cset(e, k++, 1, root, TAG(0, 0), in, nb);
+    }
+    if (!rc) rc = cxfer(e, k, err, errlen);
+    rc = fp_finish(e, rc, err, errlen);
+    return coll_end(e, rc, err, errlen);
+}
+
+int tcp_scatter(tcp_engine *e, void *out, const void *in, size_t nb, int root, uint64_t fp, char *err,
+                size_t errlen)
+{
+    int n = e->size, r = e->rank;
+    if (r == root && (char *)out != (const char *)in + (size_t)r * nb)
+        memmove(out, (const char *)in + (size_t)r * nb, nb);
+    if (n == 1) return 0;
+    if (coll_begin(e, K_SCATTER, fp, err, errlen)) return -1;
+    int rc = 0, k = 0;
+    links_clear(e);
+    if (r == root) memset(e->data_to, 1, (size_t)n);
+    else e->data_from[root] = 1;
+    fp_begin(e);  /* the root only sends, the others hear from it alone */
+    if (ensure_reqs(e, (size_t)n)) rc = oom(err, errlen);
+    else if (r == root) {
+        for (int s = 1; s < n; s++) {
+            int j = (r + s) % n;
+            cset(e, k++, 1, j, TAG(0, 0), (const char *)in + (size_t)j * nb, nb);
+        }
+    } else {
+        cset(e, k++, 0, root, TAG(0, 0), out, nb);
+    }
+    if (!rc) rc = cxfer(e, k, err, errlen);
+    rc = fp_finish(e, rc, err, errlen);
+    return coll_end(e, rc, err, errlen);
+}
+
+int tcp_reduce_scatter(tcp_engine *e, void *out, const void *in, size_t count, int dtype, int op,
+                       uint64_t fp, char *err, size_t errlen)
+{
+    size_t es = coll_itemsize(dtype);
+    if (!es) {
+        fmt(err, errlen, "reduce_scatter: unknown dtype code %d", dtype);
+        return -1;
+    }
+    int n = e->size, r = e->rank;
+    size_t nb = count * es;
+    if (n == 1) {
+        if (out != in) memmove(out, in, nb);
+        return 0;
+    }
+    if (coll_begin(e, K_REDUCE_SCATTER, fp, err, errlen)) return -1;
+    int rc = 0;
+    if (nb * (size_t)n <= e->direct_max) {
+        /* one round: everyone sends slice j to rank j, which reduces in rank order */
+        if (ensure_buf(&e->tmp, &e->tmp_cap, nb * (size_t)n) || ensure_reqs(e, 2 * (size_t)n))
+            rc = oom(err, errlen);
+        if (!rc) {
+            int k = 0;
+            for (int s = 1; s < n; s++) {
+                int to = (r + s) % n, from = mod(r - s, n);
+                cset(e, k++, 0, from, TAG(0, 0), e->tmp + (size_t)from * nb, nb);
+                cset(e, k++, 1, to, TAG(0, 0), (const char *)in + (size_t)to * nb, nb);
+            }
+            rc = cxfer(e, k, err, errlen);
+        }
+        if (!rc) {
+            const void *srcs[256];
+            const void **sp = n <= 256 ? srcs : malloc(sizeof(void *) * (size_t)n);
+            if (!sp) rc = oom(err, errlen);
+            else {
+                /* this rank's slice is read where it is, unless out overlaps it elsewhere
+                 * (the kernels allow dst to be one of the sources, not to straddle one) */
+                const char *mine = (const char *)in + (size_t)r * nb, *o = out;
+                if (o != mine && o < mine + nb && mine < o + nb) {
+                    memcpy(e->tmp + (size_t)r * nb, mine, nb);
+                    mine = e->tmp + (size_t)r * nb;
+                }
+                for (int j = 0; j < n; j++) sp[j] = j == r ? mine : e->tmp + (size_t)j * nb;
+                coll_reduce_many(out, (const void *const *)sp, n, count, dtype, op);
+                if (sp != srcs) free(sp);
+            }
+        }
+    } else {
+        if (ensure_buf(&e->scratch, &e->scratch_cap, nb * (size_t)n)) rc = oom(err, errlen);
+        if (!rc) {
+            memcpy(e->scratch, in, nb * (size_t)n);
+            rc = ring_rs(e, e->scratch, count * (size_t)n, dtype, op, es, -1, 0, err, errlen);
+        }
+        if (!rc) memcpy(out, e->scratch + (size_t)r * nb, nb);
+    }
+    return coll_end(e, rc, err, errlen);
+}
+
+int tcp_alltoall(tcp_engine *e, void *out, const void *in, const size_t *out_bytes,
+                 const size_t *in_bytes, uint64_t fp, char *err, size_t errlen)
+{
+    int n = e->size, r = e->rank;
+    size_t ooff = 0, ioff = 0, myo = 0, myi = 0;
+    for (int j = 0; j < r; j++) {
+        ooff += out_bytes[j];
+        ioff += in_bytes[j];
+    }
+    myo = ooff;
+    myi = ioff;
+    size_t own = in_bytes[r] < out_bytes[r] ? in_bytes[r] : out_bytes[r];
+    if (own && (char *)out + myo != (const char *)in + myi)
+        memmove((char *)out + myo, (const char *)in + myi, own);
+    if (n == 1) return 0;
+    if (coll_begin(e, K_ALLTOALL, fp, err, errlen)) return -1;
+    int rc = 0;
+    if (ensure_reqs(e, 2 * (size_t)n)) rc = oom(err, errlen);
+    if (!rc) {
+        size_t *oo = malloc(sizeof(size_t) * 2 * (size_t)n);
+        if (!oo) rc = oom(err, errlen);
+        else {
+            size_t *io = oo + n, a = 0, b = 0;
+            for (int j = 0; j < n; j++) {
+                oo[j] = a;
+                io[j] = b;
+                a += out_bytes[j];
+                b += in_bytes[j];
+            }
+            int k = 0;
+            for (int s = 1; s < n; s++) {
+                int to = (r + s) % n, from = mod(r - s, n);
+                /* aux: each frame says what its sender expects back, so that both ends of a
+                 * pair see a split that differs (the fingerprint names kind and dtype only) */
+                cset(e, k++, 0, from, TAG(0, 0), (char *)out + oo[from], out_bytes[from])->aux = in_bytes[from];
+                cset(e, k++, 1, to, TAG(0, 0), (const char *)in + io[to], in_bytes[to])->aux = out_bytes[to];
+            }
+            free(oo);
+            rc = cxfer(e, k, err, errlen);
+        }
+    }
+    return coll_end(e, rc, err, errlen);
+}

@@ -1,0 +1,92 @@
+"""The package's modules import only downward: no import cycle, counting the imports made
+inside functions (issue: a cycle closed by deferred imports is still a cycle to read)."""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "collectives")
+
+
+def _modules():
+    mods = {}
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py") or f.endswith(".pyx"):  # extensions: leaves
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, ROOT).rsplit(".", 1)[0].replace(os.sep, ".")
+                if rel.endswith(".__init__"):
+                    rel = rel[:-len(".__init__")]
+                mods[rel] = path
+    return mods
+
+
+def _imports(name, path, known):
+    """Modules of the package that ``name`` imports anywhere in its source. ``from . import
+    x`` runs the package's ``__init__`` before it finds ``x``, so it counts as importing
+    both (only the top package's ``__init__``, which gathers the public names, is exempt)."""
+    tree = ast.parse(open(path).read(), path)
+    is_pkg = path.endswith("__init__.py")
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base[:len(base) - node.level + 1]
+                mod = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            cands = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            cands = [a.name for a in node.names]
+        else:
+            continue
+        for c in cands:
+            while c and c not in known:
+                c = c.rpartition(".")[0]
+            if c and c != name and c != "collectives":
+                out.add(c)
+    return out
+
+
+def _cycles(graph):
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, comps, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return comps
+
+
+def test_no_module_imports_back_up_the_package():
+    mods = _modules()
+    # the package's __init__ gathers the public names: importing it from below is not a
+    # layer going up only when nothing below does it, so it counts like any other module
+    graph = {m: _imports(m, p, mods) if p.endswith(".py") else set() for m, p in mods.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

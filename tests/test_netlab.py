@@ -1,0 +1,88 @@
+"""The emulated cluster of bench/netlab.py, and bench/model.py's agreement with the engine.
+
+The lab test builds two rate-limited "hosts" (network namespaces on a bridge), runs a
+collectives-run job across them that checks every collective against NumPy, and checks
+that nothing of the lab is left afterwards. It needs root, ``ip``, ``tc`` and
+``unshare`` and is skipped with the reason otherwise. Timings are not asserted here
+(they are bench/netlab.py's to report).
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.ranks import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import model  # noqa: E402
+import netlab  # noqa: E402
+
+OPS = "all_reduce,broadcast,all_gather,reduce_scatter,all_to_all"
+
+
+def test_the_model_chooses_as_the_engine_does():
+    """bench/model.py's thresholds are the TCP engine's defaults, so its choice of
+    algorithm is the code's."""
+    from collectives.backends.tcp import TcpBackend
+    from collectives.store import HashStore
+    tuning = TcpBackend(HashStore(), 0, 1, 10).tuning()
+    assert tuning["allreduce_rd_max"] == model.RD_MAX
+    assert tuning["tree_max"] == model.TREE_MAX
+    assert tuning["segment"] == model.SEGMENT
+    assert tuning["direct_max"] == model.DIRECT_MAX
+    assert tuning["allreduce_direct_world"] == model.DIRECT_WORLD
+
+
+def test_the_model_reaches_the_link_bound_for_large_messages():
+    """With no latency the bandwidth terms are the link bound: the bound is what the
+    model's large-message algorithms move over the busiest link."""
+    p = model.Params(alpha=0.0, msg=0.0, call=0.0, eta=1.0)
+    s = 1 << 30
+    for n in (2, 4, 8, 64):
+        for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"):
+            t = model.predict(op, n, s, p, 1e9)
+            assert t == pytest.approx(model.bound(op, n, s, 1e9), rel=1e-2), (op, n)
+            assert model.bound(op, n, s, 1e9) == pytest.approx(
+                netlab.bound_s(op, n, s, 1e9)), (op, n)
+
+
+def test_the_model_fits_what_it_generated():
+    """Fitting recovers the parameters of synthetic measurements made by the model."""
+    truth = model.Params(alpha=80e-6, msg=30e-6, call=15e-6, eta=0.9)
+    rows = [{"op": op, "hosts": n, "nbytes": s, "us": model.predict(op, n, s, truth, 1e9) * 1e6}
+            for op in ("all_reduce", "broadcast", "all_gather") for n in (2, 4, 8)
+            for s in (4, 1024, 65536, 1 << 20, 16 << 20)]
+    got = model.fit(rows, 1e9)
+    _, worst = model.check(rows, got, 1e9, min_bytes=0)
+    assert worst < 0.02, got
+
+
+def _missing():
+    why = netlab.missing()
+    if why:
+        return why
+    if shutil.which("unshare") is None:
+        return "needs util-linux's 'unshare'"
+    return None
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks_per_host", [1, 2], ids=["tcp", "hierarchical"])
+def test_a_job_over_rate_limited_links_is_correct_and_the_lab_is_removed(tmp_path, ranks_per_host):
+    why = _missing()
+    if why:
+        pytest.skip(why)
+    args = argparse.Namespace(ops=OPS, sizes="4,64k", budget=0.05, ranks_per_host=ranks_per_host,
+                              rdzv="static", job_timeout=150)
+    with netlab.Lab(2, "200mbit", tag=f"nlt{os.getpid() % 10000}") as lab:
+        names = list(lab.names) + [lab.switch]
+        res = netlab.launch(lab, "collectives", args, 29721, str(tmp_path / "out.json"),
+                            verify=True)
+    assert res["bad"] == [], res["bad"]
+    assert {r["op"] for r in res["rows"]} == set(OPS.split(","))
+    assert all(r["world"] == 2 * ranks_per_host and r["us"] > 0 for r in res["rows"]), res["rows"]
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in left for n in names), left
