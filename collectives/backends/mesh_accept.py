@@ -14,6 +14,7 @@ import time
 from .. import auth
 
 MAX_PENDING = 64
+MORE = object()  # check()'s answer while a hello is not whole yet
 
 
 class _Pending:
@@ -26,11 +27,13 @@ class _Pending:
         self.deadline = deadline
 
 
-def accept_peers(listener, count, deadline, key, hello_size, check, refusals):
+def accept_peers(listener, count, deadline, key, check, refusals):
     """Accept connections on ``listener`` until ``count`` peers are in, or ``deadline``.
 
-    Each connection first authenticates with ``key`` (unless None), then sends exactly
-    ``hello_size`` bytes that ``check(hello)`` maps to a peer id (None: not one of ours).
+    Each connection first authenticates with ``key`` (unless None), then sends a hello
+    that ``check(bytes so far, socket)`` maps to a peer id, MORE (not whole yet) or None
+    (not one of ours); ``check`` may also raise (it then owns the socket), which ends the
+    wait with that error.
 
     Returns:
         ({peer: blocking socket}, number of connections turned away); fewer than
@@ -88,9 +91,19 @@ def accept_peers(listener, count, deadline, key, hello_size, check, refusals):
                         continue
                     p.hs = None
                 p.buf += data
-                if len(p.buf) < hello_size:
+                try:
+                    peer = check(p.buf, p.sock)
+                except BaseException:
+                    pending.pop(p.sock, None)
+                    try:
+                        sel.unregister(p.sock)
+                    except (KeyError, ValueError):
+                        pass
+                    raise
+                if peer is MORE:
+                    if len(p.buf) > 4096:  # no hello is this long
+                        drop(p, "not a peer of this group (an endless hello)")
                     continue
-                peer = check(p.buf) if len(p.buf) == hello_size else None
                 if peer is None or peer in got:
                     drop(p, "not a peer of this group (a stray, stale or garbled hello)")
                     continue
