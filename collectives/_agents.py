@@ -88,7 +88,8 @@ class NodeRendezvous:
     """One launcher's side of the rendezvous (see the module's docstring)."""
 
     def __init__(self, host, port, run_id, min_nodes, max_nodes, conf, free_port,
-                 stopped=lambda: False):
+                 stopped=lambda: False, auth_key=None):
+        from .auth import AuthError
         from .errors import DistError
         from .store import TCPStore
         self._DistError = DistError
@@ -109,7 +110,7 @@ class NodeRendezvous:
         if is_local(host):
             try:
                 self.store = TCPStore(host, port, None, True, tmo, wait_for_workers=False,
-                                      multi_tenant=False)
+                                      multi_tenant=False, auth_key=auth_key)
                 self.is_host = True
             except DistError:  # another launcher on this host serves it
                 pass
@@ -117,7 +118,9 @@ class NodeRendezvous:
         while self.store is None:  # in short tries, so that a signal ends the wait
             try:
                 self.store = TCPStore(host, port, None, False, timedelta(seconds=1),
-                                      wait_for_workers=False)
+                                      wait_for_workers=False, auth_key=auth_key)
+            except AuthError as e:  # (security) trying again will not help
+                raise Stop(f"the rendezvous store at {host}:{port} refused this launcher: {e}") from e
             except DistError as e:
                 if stopped() or time.monotonic() > deadline:
                     why = "stopped by a signal" if stopped() else \

@@ -91,7 +91,8 @@ def _prefix(prefix, store):
 
 
 def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
-                       store=None, group_name="", pg_options=None, device_id=None, _ranks=None):
+                       store=None, group_name="", pg_options=None, device_id=None, _ranks=None,
+                       *, auth_key=None):
     """Initialise the default process group (as torch.distributed).
 
     Args:
@@ -104,6 +105,10 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         store: a Store all ranks share (excludes init_method).
         _ranks: torch's private argument: the group is then named by the hash torch
             gives those ranks (``group_name`` otherwise, default "default_pg").
+        auth_key: the job's shared key (str or bytes; keyword only, not torch's): the
+            store and the TCP transport admit only processes that prove they hold it.
+            Default: COLLECTIVES_AUTH_KEY (collectives-run sets it); with neither, no
+            authentication (torch's behaviour). See docs/security.md.
 
     Example:
         >>> dist.init_process_group("gloo", rank=r, world_size=n)
@@ -139,7 +144,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                              f"launcher's rank {r} of {n}")
         rank, world_size, store, pg_store = r, n, None, None
     else:
-        from .rendezvous import custom_scheme, meet, rendezvous
+        from .rendezvous import carry_key, custom_scheme, meet, rendezvous
         from .store import Store
         if custom_scheme(init_method):  # torch's registry: the handler's first answer
             store, rank, world_size = next(rendezvous(
@@ -147,9 +152,13 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             if not isinstance(store, Store):
                 raise TypeError(f"the rendezvous handler for {init_method!r} must yield "
                                 f"(Store, rank, world_size), got a {type(store).__name__}")
+            if auth_key is not None:  # the transport's connections authenticate with it
+                from . import auth
+                carry_key(store, auth.check_key(auth_key))
         else:
             given = store
-            store, rank, world_size = meet(init_method, rank, world_size, timeout=tmo, store=store)
+            store, rank, world_size = meet(init_method, rank, world_size, timeout=tmo, store=store,
+                                           auth_key=auth_key)
             owned = given is None  # env://, tcp://, file://: ours to close at destroy
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")

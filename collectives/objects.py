@@ -2,7 +2,10 @@
 scatter_object_list, send_object_list, recv_object_list.
 
 Objects travel as pickles. Unpickling runs code chosen by the sender: use these
-only between trusted peers, exactly as with torch.distributed.
+only between trusted peers, exactly as with torch.distributed (under collectives-run,
+only processes holding the job's key are peers). ``safe=True`` on any of these calls, or
+COLLECTIVES_SAFE_OBJECTS=1, unpickles in safe mode: plain data, NumPy arrays and torch
+tensors only, anything else refused (:mod:`collectives.safe_pickle`).
 """
 import pickle
 
@@ -11,6 +14,7 @@ import numpy as np
 from . import dtypes as D
 from . import flight_recorder as _flight
 from . import profiling as _profiling
+from . import safe_pickle
 from ._world import current as _group
 from .tensors import Buffer
 
@@ -81,8 +85,8 @@ def _pickle(obj):
     return np.frombuffer(pickle.dumps(obj), np.uint8)
 
 
-def _unpickle(a):
-    return pickle.loads(a.tobytes())
+def _unpickle(a, safe, pg, r):
+    return safe_pickle.loads(a.tobytes(), safe, f"rank {pg.ranks[r]}")
 
 
 def _output_list(lst, n, name):
@@ -104,8 +108,10 @@ def _padded(data, length):
     return out
 
 
-def all_gather_object(object_list, obj, group=None):
-    """``object_list[r]`` becomes rank r's ``obj``, on every rank (pickled: trusted peers only)."""
+def all_gather_object(object_list, obj, group=None, *, safe=None):
+    """``object_list[r]`` becomes rank r's ``obj``, on every rank (pickled: trusted peers only;
+    ``safe``: see the module docstring)."""
+    safe = safe_pickle.check_safe(safe)
     pg = _group(group)
     if pg is None:
         return None
@@ -117,12 +123,15 @@ def all_gather_object(object_list, obj, group=None):
     out = np.empty(n * width, np.uint8)
     _run(pg, pg.backend.all_gather, _buf(out), _buf(_padded(data, width)))
     for r in range(n):
-        object_list[r] = _unpickle(out[r * width:r * width + sizes[r]])
+        object_list[r] = _unpickle(out[r * width:r * width + sizes[r]], safe, pg, r)
     return None
 
 
-def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
-    """``object_gather_list[r]`` on ``dst`` becomes rank r's ``obj`` (pickled: trusted peers only)."""
+def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None, *,
+                  safe=None):
+    """``object_gather_list[r]`` on ``dst`` becomes rank r's ``obj`` (pickled: trusted peers
+    only; ``safe``: see the module docstring)."""
+    safe = safe_pickle.check_safe(safe)
     pg = _group(group)
     if pg is None:
         return None
@@ -141,12 +150,15 @@ def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=
     _run(pg, pg.backend.gather, None if out is None else _buf(out), _buf(_padded(data, width)), root)
     if out is not None:
         for r in range(n):
-            object_gather_list[r] = _unpickle(out[r * width:r * width + sizes[r]])
+            object_gather_list[r] = _unpickle(out[r * width:r * width + sizes[r]], safe, pg, r)
     return None
 
 
-def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
-    """Every rank's ``object_list`` entries become ``src``'s (same length on every rank)."""
+def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None, *,
+                          safe=None):
+    """Every rank's ``object_list`` entries become ``src``'s (same length on every rank;
+    ``safe``: see the module docstring)."""
+    safe = safe_pickle.check_safe(safe)
     pg = _group(group)
     if pg is None:
         return None
@@ -167,14 +179,16 @@ def broadcast_object_list(object_list, src=None, group=None, device=None, group_
     if pg._rank != root:
         off = 0
         for i in range(k):
-            object_list[i] = _unpickle(data[off:off + sizes[i]])
+            object_list[i] = _unpickle(data[off:off + sizes[i]], safe, pg, root)
             off += int(sizes[i])
     return None
 
 
 def scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=None,
-                        group=None, group_src=None):
-    """``scatter_object_output_list[0]`` on rank r becomes ``src``'s ``scatter_object_input_list[r]``."""
+                        group=None, group_src=None, *, safe=None):
+    """``scatter_object_output_list[0]`` on rank r becomes ``src``'s
+    ``scatter_object_input_list[r]`` (``safe``: see the module docstring)."""
+    safe = safe_pickle.check_safe(safe)
     pg = _group(group)
     if pg is None:
         return None
@@ -195,7 +209,7 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
         inp = _buf(np.concatenate([_padded(p, width) for p in parts]))
     out = np.empty(width, np.uint8)
     _run(pg, be.scatter, _buf(out), inp, root)
-    scatter_object_output_list[0] = _unpickle(out[:sizes[pg._rank]])
+    scatter_object_output_list[0] = _unpickle(out[:sizes[pg._rank]], safe, pg, root)
     return None
 
 
@@ -221,10 +235,12 @@ def send_object_list(object_list, dst=None, group=None, device=None, group_dst=N
 
 
 def recv_object_list(object_list, src=None, group=None, device=None, group_src=None,
-                     use_batch=False):
+                     use_batch=False, *, safe=None):
     """Fill ``object_list`` with objects sent by ``src`` (None: any rank). Returns the sender's
-    global rank. ``use_batch`` changes nothing (as in send_object_list)."""
+    global rank. ``use_batch`` changes nothing (as in send_object_list); ``safe``: see the
+    module docstring."""
     from .p2p import _src
+    safe = safe_pickle.check_safe(safe)
     pg = _group(group)
     if pg is None:
         return -1
@@ -240,7 +256,7 @@ def recv_object_list(object_list, src=None, group=None, device=None, group_src=N
     _p2p(pg, be.irecv, _buf(data), peer)
     off = 0
     for i in range(len(object_list)):
-        object_list[i] = _unpickle(data[off:off + sizes[i]])
+        object_list[i] = _unpickle(data[off:off + sizes[i]], safe, pg, peer)
         off += int(sizes[i])
     return pg.ranks[peer]
 

@@ -27,6 +27,7 @@ import time
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
+from . import auth
 from .errors import DistError, DistNetworkError, DistStoreError
 from .store import DEFAULT_TIMEOUT, FileStore, Store, TCPStore, to_seconds
 
@@ -151,7 +152,7 @@ def _check_port(port, world_size, where):
 
 
 def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, store=None,
-         environ=None):
+         environ=None, auth_key=None):
     """Meet the other ranks: ``(store, rank, world_size)``.
 
     Args:
@@ -164,6 +165,10 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
         store: an existing Store shared by all ranks (then ``rank`` and ``world_size``
             are required and ``init_method`` must be None).
         environ: the environment to read (default ``os.environ``).
+        auth_key: the job's key (str or bytes), else COLLECTIVES_AUTH_KEY's (see
+            :mod:`collectives.auth`): the TCPStore authenticates with it, and the returned
+            store carries it for the TCP transport's connections (a FileStore or given
+            store too). None and no COLLECTIVES_AUTH_KEY: no authentication.
 
     Returns:
         (store, rank, world_size). With env:// and tcp://, rank 0 is the TCPStore master
@@ -176,6 +181,7 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
     """
     environ = os.environ if environ is None else environ
     secs = to_seconds(timeout)
+    key = auth.check_key(auth_key) if auth_key is not None else auth.env_key(environ)
     rank_arg = _check_int(rank, "rank")
     world_arg = _check_int(world_size, "world_size")
     if rank_arg < -1:
@@ -195,6 +201,7 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
         if world_arg is None:
             raise ValueError("world_size must be given (>= 1) when store is given")
         _check_rank(rank_arg, world_arg)
+        carry_key(store, key, auth_key is not None)
         return store, rank_arg, world_arg
 
     if init_method is None:
@@ -217,6 +224,7 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
             raise ValueError(f"file:// rendezvous needs a path, got {init_method!r}")
         store = FileStore(path, world)
         store.set_timeout(timedelta(seconds=secs))
+        store._auth_key = key  # for the transport: a file has no handshake of its own
         return store, rank, world
 
     if scheme == "env":
@@ -233,8 +241,20 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
         _check_port(port, world, "the tcp:// URL's port")
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return _via_agent_store(host, port, world, rank, secs, restart), rank, world
-    return _fresh_tcp_store(host, port, world, rank, secs), rank, world
+        return _via_agent_store(host, port, world, rank, secs, restart, key), rank, world
+    return _fresh_tcp_store(host, port, world, rank, secs, key), rank, world
+
+
+def carry_key(store, key, explicit=True):
+    """A store given to ``meet`` with an explicit ``auth_key`` carries it for the transport;
+    one that has a different key already is an error."""
+    if not explicit:
+        return  # the transport finds COLLECTIVES_AUTH_KEY (or the store's own key) itself
+    have = auth.key_of(store, env=False)
+    if have is None:
+        store._auth_key = key
+    elif have != key:
+        raise ValueError("auth_key differs from the key the given store already has; pass one key")
 
 
 # torchrun's agent already serves a (torch) TCPStore on MASTER_PORT and tells its workers
@@ -248,7 +268,7 @@ _AGENT_PORT_KEY = "collectives/rendezvous/port"
 _agent_meetings = 0
 
 
-def _via_agent_store(host, port, world, rank, secs, restart):
+def _via_agent_store(host, port, world, rank, secs, restart, key):
     global _agent_meetings
     try:
         import torch.distributed as td
@@ -268,7 +288,8 @@ def _via_agent_store(host, port, world, rank, secs, restart):
         raise DistNetworkError(f"TORCHELASTIC_USE_AGENT_STORE=True: could not join torchrun's "
                                f"agent store at {host}:{port} within {secs:g} s: {e}") from e
     if rank == 0:
-        store = TCPStore(host, 0, world, True, timedelta(seconds=secs), wait_for_workers=False)
+        store = TCPStore(host, 0, world, True, timedelta(seconds=secs), wait_for_workers=False,
+                         auth_key=key)
         try:
             agent.set(key, str(store.port))
             store._wait_for_workers(True)
@@ -282,7 +303,7 @@ def _via_agent_store(host, port, world, rank, secs, restart):
         raise DistStoreError(f"TORCHELASTIC_USE_AGENT_STORE=True: rank 0 did not post its "
                              f"store's port (key {key!r}) in torchrun's agent store at "
                              f"{host}:{port} within {secs:g} s: {e}") from e
-    return TCPStore(host, mine, world, False, timedelta(seconds=secs))
+    return TCPStore(host, mine, world, False, timedelta(seconds=secs), auth_key=key)
 
 
 # Rank 0 names every TCPStore server it starts for a rendezvous, and destroying a group
@@ -301,12 +322,12 @@ def retire(store):
         _retired.add(name)
 
 
-def _fresh_tcp_store(host, port, world, rank, secs):
+def _fresh_tcp_store(host, port, world, rank, secs, key):
     deadline = time.monotonic() + secs
     pause = 0.005
     while True:
         store = TCPStore(host, port, world, rank == 0, timedelta(seconds=secs),
-                         wait_for_workers=True)
+                         wait_for_workers=True, auth_key=key)
         if rank == 0:
             sid = secrets.token_hex(8).encode()
             store.set(_SERVER_ID_KEY, sid)

@@ -21,6 +21,7 @@ import argparse
 import collections
 import errno
 import os
+import secrets
 import selectors
 import shlex
 import signal
@@ -28,6 +29,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from .auth import ENV_KEY, env_key
 
 TAIL_LINES = 20
 MAX_LINE = 1 << 16  # a longer run of bytes without a newline is written as it is
@@ -138,6 +141,10 @@ def build_parser():
     p.add("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     p.add("--term-timeout", type=float, default=3.0,
           help="seconds between SIGTERM and SIGKILL when stopping ranks (default 3)")
+    p.add("--auth-key-file", default=None, metavar="PATH",
+          help="file holding the job's shared key (the same file on every node); default: "
+               "COLLECTIVES_AUTH_KEY if set, else a random key per job on one node, and no "
+               "authentication for a job across nodes")
     p.add_argument("training_script", help="script, module (with -m) or program (with --no-python)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -174,6 +181,34 @@ def _nnodes(value):
     if lo < 1 or hi < lo:
         raise ValueError(f"--nnodes must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX, got {value!r}")
     return lo, hi
+
+
+def _job_key(path, one_node):
+    """The job's key (str) and a note for the launcher to print, or None: --auth-key-file's
+    content, else COLLECTIVES_AUTH_KEY's, else a random key when the job runs on this node
+    only (a job across nodes needs every node to hold the same key: without one given, it
+    runs without authentication, and the note says so)."""
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(1 << 16)
+        except OSError as e:
+            raise ValueError(f"--auth-key-file: cannot read {path!r}: {e.strerror}") from None
+        try:
+            key = raw.decode().strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"--auth-key-file {path!r} must hold text (e.g. from "
+                             f"'openssl rand -hex 32'), not binary data") from None
+        if not key:
+            raise ValueError(f"--auth-key-file {path!r} is empty")
+        return key, None
+    key = env_key()
+    if key:
+        return key.decode(errors="surrogateescape"), None
+    if one_node:
+        return secrets.token_hex(32), None
+    return None, (f"this job spans nodes and no key was given (--auth-key-file or {ENV_KEY}): "
+                  f"its store and connections accept anyone who can reach them")
 
 
 RDZV_BACKENDS = ("static", "c10d")
@@ -257,6 +292,8 @@ class Config:
         self.cmd += args.training_script_args
         self.world_size = self.nnodes * self.nproc
         self.rank_base = self.node_rank * self.nproc  # the global rank of local rank 0
+        self.auth_key, self.auth_note = _job_key(args.auth_key_file,
+                                                 self.nnodes == 1 and not self.dynamic)
 
     def _dynamic(self, args):
         """--rdzv-backend c10d: where the launchers meet, and how long they wait."""
@@ -300,6 +337,8 @@ class Config:
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
             "TORCHELASTIC_RUN_ID": self.run_id,  # is_torchelastic_launched() is True, as under torchrun
         })
+        if self.auth_key is not None:  # (security) through the environment, never argv or a log
+            env[ENV_KEY] = self.auth_key
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the launcher as they are printed
         if self.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"
@@ -622,6 +661,8 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             handlers[sig] = signal.signal(sig, self._on_signal)
         self.reaper = _Reaper()
+        if self.cfg.auth_note:
+            self.note(self.cfg.auth_note)
         try:
             if self.cfg.dynamic:
                 return self.run_c10d()
@@ -658,7 +699,7 @@ class Launcher:
         try:
             rdzv = NodeRendezvous(cfg.rdzv_host, cfg.rdzv_port, cfg.run_id, cfg.min_nodes,
                                   cfg.max_nodes, cfg.rdzv_conf, free_port,
-                                  lambda: self.signal_received is not None)
+                                  lambda: self.signal_received is not None, cfg.auth_key)
         except Stop as e:
             self.note(str(e))
             return 128 + self.signal_received if self.signal_received is not None else 1

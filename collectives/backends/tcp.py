@@ -45,9 +45,11 @@ import time
 from datetime import timedelta
 
 from .. import dtypes as D
+from .. import auth
 from .. import fingerprint as F
 from ..errors import DistNetworkError
 from .base import Backend, Request
+from .mesh_accept import MORE, accept_peers
 
 _MAGIC = 0xC0117C90
 # the hello and the ack start with (magic, wire version) in every version, so that a peer
@@ -180,6 +182,10 @@ def _recv_exact(sock, n, deadline, what):
     return data
 
 
+def _family(host):
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _tune_socket(sock, bufsize):
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if bufsize > 0:
@@ -231,8 +237,10 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None, version
     accepts every higher one; a hello (magic, wire version, group id, rank, size) and
     an ack (magic, wire version, rank) check that both ends belong to the same group
     and speak the same wire protocol (``version``, default :func:`wire_version`): a peer
-    of another version is refused with DistNetworkError on both sides. Messages call
-    rank r ``rank_names[r]`` when given.
+    of another version is refused with DistNetworkError on both sides. With a key (the
+    store's, or COLLECTIVES_AUTH_KEY: collectives.auth.key_of) every connection first
+    passes the mutual challenge-response; the accepting side never waits on one
+    connection (backends/mesh_accept.py). Messages call rank r ``rank_names[r]`` when given.
     """
     def nm(r):
         return rank_names[r] if rank_names is not None else r
@@ -249,23 +257,28 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None, version
     # a generation number keeps a second backend on the same store from reading stale keys
     gen = (int(store.add("tcp/init", 1)) - 1) // size
     prefix = f"tcp/{gen}"
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # -- authentication (security): the key, and who is refused, told once in a log --
+    key = auth.key_of(store)
+    refusals = auth.RefusalLog(f"tcp backend rank {nm(rank)}'s listener")
+    nonces = {}
+    listener = socket.socket(_family(host), socket.SOCK_STREAM)
     socks = {}
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         _tune_socket(listener, bufsize)
         listener.bind((host, 0))
-        listener.listen(max(size, 16))
+        listener.listen(max(size, 128))  # (security) room for strangers before accepting
         if rank == 0:
             group = secrets.randbits(32)
             store.set(f"{prefix}/group", str(group).encode())
         else:
             group = int(store.get(f"{prefix}/group"))
         store.set(f"{prefix}/addr/{rank}", f"{host}:{listener.getsockname()[1]}".encode())
+        hello = _PREFIX.pack(_MAGIC, version) + _HELLO.pack(group, rank, size)
         for peer in range(rank):
             addr = store.get(f"{prefix}/addr/{peer}").decode()
             h, _, p = addr.rpartition(":")
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s = socket.socket(_family(h), socket.SOCK_STREAM)
             socks[peer] = s
             _tune_socket(s, bufsize)
             while True:
@@ -282,45 +295,60 @@ def connect_mesh(store, rank, size, timeout, host=None, rank_names=None, version
                         continue
                     time.sleep(0.01)
                     s.close()
-                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    s = socket.socket(_family(h), socket.SOCK_STREAM)
                     socks[peer] = s
                     _tune_socket(s, bufsize)
-            s.sendall(_PREFIX.pack(_MAGIC, version) + _HELLO.pack(group, rank, size))
-        for _ in range(rank + 1, size):
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = [nm(r) for r in range(rank + 1, size) if r not in socks]
-                    raise DistNetworkError(f"tcp backend: rank {nm(rank)} timed out after {timeout} s "
-                                           f"waiting for ranks {missing} to connect")
-                listener.settimeout(remaining)
+            if key is None:
+                s.sendall(hello)
+            else:  # (security) every peer's handshake starts now; answers are awaited together
+                nonces[peer] = (auth.client_hello(s), addr)
+        for peer, (nc, addr) in nonces.items():  # (security) prove the key; the hello follows
+            auth.client_finish(socks[peer], key, nc, deadline, f"tcp backend: rank {nm(rank)} "
+                               f"connecting to rank {nm(peer)} at {addr}", wait_ok=False)
+            socks[peer].sendall(hello)
+
+        def check_hello(buf, c):
+            """The peer a hello names, MORE to wait for the rest, or None for a stray or
+            stale connection; a peer of another wire version is told, then refused."""
+            if len(buf) < _PREFIX.size:
+                return MORE
+            magic, pversion = _PREFIX.unpack_from(buf)
+            if magic != _MAGIC:
+                return None
+            if pversion != version:
+                who = "a peer at {}:{}".format(*c.getpeername()[:2])
                 try:
-                    c, _ = listener.accept()
-                except socket.timeout:
-                    continue
-                g = peer = psize = None
-                try:
-                    magic, pversion = _PREFIX.unpack(_recv_exact(c, _PREFIX.size, deadline, "a hello"))
-                    if magic == _MAGIC and pversion == version:
-                        g, peer, psize = _HELLO.unpack(_recv_exact(c, _HELLO.size, deadline, "a hello"))
-                except DistNetworkError:
-                    c.close()
-                    continue
-                if magic == _MAGIC and pversion != version:
-                    who = "a peer at {}:{}".format(*c.getpeername()[:2])
-                    try:
-                        c.sendall(_PREFIX.pack(_MAGIC, version) + _ACK.pack(rank))  # it raises too
-                    finally:
-                        _drain_close(c)
-                    raise _version_error(nm(rank), who, pversion, version)
-                if magic != _MAGIC or g != group or psize != size or not rank < peer < size or peer in socks:
-                    c.close()  # a stray or stale connection: ignore it
-                    continue
-                _tune_socket(c, bufsize)
-                c.sendall(_PREFIX.pack(_MAGIC, version) + _ACK.pack(rank))
-                socks[peer] = c
-                break
+                    c.setblocking(True)
+                    c.sendall(_PREFIX.pack(_MAGIC, version) + _ACK.pack(rank))  # it raises too
+                finally:
+                    _drain_close(c)
+                raise _version_error(nm(rank), who, pversion, version)
+            if len(buf) < _PREFIX.size + _HELLO.size:
+                return MORE
+            if len(buf) > _PREFIX.size + _HELLO.size:
+                return None
+            g, peer, psize = _HELLO.unpack_from(buf, _PREFIX.size)
+            if g != group or psize != size or not rank < peer < size:
+                return None
+            return peer
+
+        # (security) accepting never waits on one connection: strangers are turned away
+        accepted, turned_away = accept_peers(listener, size - rank - 1, deadline, key,
+                                             check_hello, refusals)
+        socks.update(accepted)
+        if len(accepted) < size - rank - 1:
+            missing = [nm(r) for r in range(rank + 1, size) if r not in socks]
+            extra = f" ({turned_away} connections were turned away, e.g. without the job's key)" \
+                if turned_away else ""
+            raise DistNetworkError(f"tcp backend: rank {nm(rank)} timed out after {timeout} s "
+                                   f"waiting for ranks {missing} to connect{extra}")
+        for c in accepted.values():
+            _tune_socket(c, bufsize)
+            c.sendall(_PREFIX.pack(_MAGIC, version) + _ACK.pack(rank))
         for peer in range(rank):
+            if key is not None:  # (security) the verdict on our proof comes before the ack
+                auth.read_ok(socks[peer], deadline, f"tcp backend: rank {nm(rank)} connecting to "
+                                                    f"rank {nm(peer)}")
             what = f"rank {nm(peer)}'s ack"
             magic, pversion = _PREFIX.unpack(_recv_exact(socks[peer], _PREFIX.size, deadline, what))
             if magic == _MAGIC and pversion != version:

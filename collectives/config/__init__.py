@@ -229,6 +229,16 @@ SETTINGS = (
     _s("COLLECTIVES_TORCH_BACKEND", "str", "gloo",
        "Backend of the groups that torch.distributed.init_process_group('collectives') makes.",
        agree=True, read_in="torch_pg.py"),
+    # security (docs/security.md)
+    _s("COLLECTIVES_AUTH_KEY", "str", None,
+       "The job's shared key: every store and rank-to-rank connection opens with an "
+       "HMAC-SHA256 challenge-response on it, and a peer without it is refused. "
+       "collectives-run sets a random one for a single-node job (or takes --auth-key-file). "
+       "Default: no key, no handshake (torch's behaviour).", agree=True, read_in="auth.py"),
+    _s("COLLECTIVES_SAFE_OBJECTS", "bool", False,
+       "The object calls (broadcast_object_list, all_gather_object, ...) unpickle with an "
+       "allow-list (plain data, NumPy arrays, torch tensors) instead of full pickle; per "
+       "call: safe=True.", read_in="safe_pickle.py"),
     # the flight recorder (collectives/flight_recorder.py; torch's TORCH_FR_* names first)
     _s("COLLECTIVES_FR_BUFFER_SIZE", "int", 256,
        "Collectives the flight recorder keeps per group (torch's TORCH_FR_BUFFER_SIZE, where "
