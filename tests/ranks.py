@@ -404,3 +404,9 @@ def _worker_main():
 
 if __name__ == "__main__":
     _worker_main()
+
+
+def error_text(e):
+    """An error's message without the flight recorder's note (which names this rank's own
+    dump file), so ranks that failed alike compare equal."""
+    return str(e).split(" [flight recorder: ")[0]

@@ -140,10 +140,10 @@ SETTINGS = (
        read_in="backends/tcp.py, gloo.py"),
     # the TCP engine
     _s("COLLECTIVES_TCP_SPIN_US", "int", 20,
-       "How long a TCP wait polls before it blocks.", unit="us", read_in="backends/tcp.py"),
+       "How long a TCP wait polls before it blocks.", unit="us", read_in="backends/tcp.py, backends/mesh.py"),
     _s("COLLECTIVES_TCP_SOCKBUF", "int", 4 * MiB,
        "Socket send/receive buffer size; 0 keeps the operating system's default.",
-       unit="bytes", read_in="backends/tcp.py"),
+       unit="bytes", read_in="backends/tcp.py, backends/mesh.py"),
     _s("COLLECTIVES_TCP_RD_MAX", "int", 64 * KiB,
        "all_reduce uses recursive doubling up to this size, reduce-scatter + all-gather above.",
        agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
