@@ -202,21 +202,20 @@ def test_process_group_methods_match_numpy(config, timed):
 
 
 def _all_ranks_group(bridged):
-    """A new group of all ranks: torch's too (a BridgedGroup) when ``bridged``."""
-    import os
+    """A new group of all ranks: torch's too (a BridgedGroup) when ``bridged``.
 
+    Whether a world's groups bridge is decided once (at init, or by torch_pg.install_default);
+    this test sets that decision around the one new_group call, to try both classes."""
     import collectives as dist
+    from collectives._world import world
     if bridged:
-        import torch  # noqa: F401  (groups made while torch is imported are torch's too)
-    was = os.environ.get("COLLECTIVES_TORCH_BRIDGE")
-    os.environ["COLLECTIVES_TORCH_BRIDGE"] = "1" if bridged else "0"
+        import torch  # noqa: F401  (a BridgedGroup is torch's ProcessGroup too)
+    was = world.bridge
+    world.bridge = bridged
     try:
         pg = dist.new_group(list(range(dist.get_world_size())))
     finally:
-        if was is None:
-            del os.environ["COLLECTIVES_TORCH_BRIDGE"]
-        else:
-            os.environ["COLLECTIVES_TORCH_BRIDGE"] = was
+        world.bridge = was
     assert (type(pg).__name__ == "BridgedGroup") == bridged, type(pg)
     return pg
 
