@@ -185,6 +185,7 @@ class ShmBackend(Backend):
         finally:
             if rank == 0:
                 unlink(name)
+        self._comm.coll_base = self._comm.coll  # error messages count the user's collectives
         (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min,
          stream) = map(int, tuning.split(","))
         if stream not in (0, 1, 2):  # every rank sees rank 0's value: all raise alike
@@ -201,37 +202,52 @@ class ShmBackend(Backend):
         self._p2p_lock = threading.Lock()
 
     # ---- collectives ---------------------------------------------------------------
-    def broadcast(self, buf, root):
-        self._comm.broadcast(buf.ptr, buf.nbytes, root)
+    # Each call carries its fingerprint (kind, dtype, element count, root, op; computed in
+    # _shm from these arguments, or ``fp``, a collectives.fingerprint.pack word, where a
+    # caller such as the hierarchical backend passes the original call's): a rank whose
+    # peer called something else raises DistBackendError naming both calls, on every rank.
+    def broadcast(self, buf, root, fp=0):
+        self._comm.broadcast(buf.ptr, buf.nbytes, root, buf.dtype, buf.count, fp)
 
-    def all_reduce(self, buf, op):
-        self._comm.all_reduce(buf.ptr, buf.count, buf.dtype, op)
+    def all_reduce(self, buf, op, fp=0):
+        self._comm.all_reduce(buf.ptr, buf.count, buf.dtype, op, fp)
 
-    def reduce(self, buf, op, root):
-        self._comm.reduce(buf.ptr, buf.count, buf.dtype, op, root)
+    def reduce(self, buf, op, root, fp=0):
+        self._comm.reduce(buf.ptr, buf.count, buf.dtype, op, root, fp)
 
-    def all_gather(self, out, inp):
-        self._comm.all_gather(out.ptr, inp.ptr, inp.nbytes)
+    def all_gather(self, out, inp, fp=0):
+        self._comm.all_gather(out.ptr, inp.ptr, inp.nbytes, inp.dtype, inp.count, fp)
 
-    def all_gather_list(self, outs, inp):
-        self._comm.all_gather_list([b.ptr for b in outs], inp.ptr, inp.nbytes)
+    def all_gather_list(self, outs, inp, fp=0):
+        self._comm.all_gather_list([b.ptr for b in outs], inp.ptr, inp.nbytes, inp.dtype,
+                                   inp.count, fp)
 
-    def gather(self, out, inp, root):
-        self._comm.gather(out.ptr if out is not None else 0, inp.ptr, inp.nbytes, root)
+    def gather(self, out, inp, root, fp=0):
+        self._comm.gather(out.ptr if out is not None else 0, inp.ptr, inp.nbytes, root,
+                          inp.dtype, inp.count, fp)
 
-    def scatter(self, out, inp, root):
-        self._comm.scatter(out.ptr, inp.ptr if inp is not None else 0, out.nbytes, root)
+    def scatter(self, out, inp, root, fp=0):
+        self._comm.scatter(out.ptr, inp.ptr if inp is not None else 0, out.nbytes, root,
+                           out.dtype, out.count, fp)
 
-    def reduce_scatter(self, out, inp, op):
-        self._comm.reduce_scatter(out.ptr, inp.ptr, out.count, out.dtype, op)
+    def reduce_scatter(self, out, inp, op, fp=0):
+        self._comm.reduce_scatter(out.ptr, inp.ptr, out.count, out.dtype, op, fp)
 
-    def all_to_all(self, out, inp, out_counts, in_counts):
+    def all_to_all(self, out, inp, out_counts, in_counts, fp=0):
+        # per-rank counts differ legally: the word holds kind and dtype, and every rank
+        # checks that what each peer sends it is what it expects from that peer
         isz = out.itemsize
         self._comm.all_to_all(out.ptr, inp.ptr, [c * isz for c in out_counts],
-                              [c * isz for c in in_counts])
+                              [c * isz for c in in_counts], out.dtype, fp)
 
-    def barrier(self):
-        self._comm.barrier()
+    def barrier(self, fp=0):
+        self._comm.barrier(fp)
+
+    def fail_group(self, message):
+        """Record ``message`` as this group's failure (unless one is recorded already) and
+        make every rank's current and later calls on it raise it: for a caller whose own
+        part of a collective failed elsewhere (the hierarchical backend's leaders)."""
+        self._comm.poison(message)
 
     # ---- point to point --------------------------------------------------------------
     def _engine(self):
