@@ -31,10 +31,13 @@ import threading
 
 import numpy as np
 
+from .. import dtypes as D
 from ..errors import DistBackendError, DistError
 from .base import Backend, DoneRequest, FutureRequest
 
-_HDR = struct.Struct("<qq")  # tag, payload bytes
+# a message's header: tag, payload bytes, dtype code (a receive must match both: one of
+# another size or dtype raises on the receiver instead of truncating or reinterpreting)
+_HDR = struct.Struct("<qqi4x")
 
 # Thresholds from measurements on the (busy, 2-core) development machines. one-shot up
 # to 64 KiB (one synchronisation). Two-shot chunks of 512 KiB: 4 ranks, two-shot
@@ -300,7 +303,7 @@ class _P2PEngine:
         self.sends = collections.deque()  # (dst, hdr, buf, req), issue order
         self.sending = 0                  # queued or in flight on the sender thread
         self.posted = []                  # [src or None, tag, buf, req], post order
-        self.unexpected = []              # (src, tag, np.uint8 array), arrival order
+        self.unexpected = []              # (src, tag, (dtype, np.uint8 array)), arrival order
         self.error = None
         self.closed = False
         self.sender = threading.Thread(target=self._send_loop, daemon=True,
@@ -311,7 +314,7 @@ class _P2PEngine:
         self.receiver.start()
 
     def isend(self, buf, dst, tag):
-        hdr = _HDR.pack(tag, buf.nbytes)
+        hdr = _HDR.pack(tag, buf.nbytes, buf.dtype)
         with self.lock:
             if self.error is not None:
                 raise self.error
@@ -355,13 +358,28 @@ class _P2PEngine:
             self.posted.append([src, tag, buf, req])
         return req
 
-    def _deliver(self, buf, data, src, tag):
-        """Copy an unexpected message into buf; the exception to report, or None."""
-        if data.nbytes > buf.nbytes:
-            return DistBackendError(f"{self.label} irecv from rank {src} (tag {tag}): message of "
-                                    f"{data.nbytes} bytes does not fit the {buf.nbytes}-byte buffer")
+    def _mismatch(self, buf, nbytes, dtype, src, tag):
+        """The error of a receive into ``buf`` of a message of another size or dtype, or None."""
+        if nbytes == buf.nbytes and dtype == buf.dtype:
+            return None
+
+        def what(nb, dt):
+            isz = D.ITEMSIZE.get(dt)
+            name = D.DTYPE_NAMES.get(dt, f"dtype {dt}")
+            return f"{nb // isz} {name} ({nb} bytes)" if isz else f"{nb} bytes of {name}"
+        names = self.comm.rank_names
+        return DistBackendError(
+            f"{self.label} irecv from rank {names[src] if names else src} (tag {tag}): the "
+            f"message holds {what(nbytes, dtype)} but the receive takes {what(buf.nbytes, buf.dtype)}")
+
+    def _deliver(self, buf, msg, src, tag):
+        """Copy an unexpected message (dtype, data) into buf; the exception to report, or None."""
+        dtype, data = msg
+        exc = self._mismatch(buf, data.nbytes, dtype, src, tag)
+        if exc is not None:
+            return exc
         if data.nbytes:
-            buf.bytes_view()[:data.nbytes] = data
+            buf.bytes_view()[:] = data
         return None
 
     def _match(self, src, tag):
@@ -378,25 +396,27 @@ class _P2PEngine:
                 src = comm.p2p_poll(_HDR.size, 0.2)
                 if src < 0:
                     continue
-                tag, nbytes = _HDR.unpack(comm.p2p_read_bytes(src, _HDR.size))
+                tag, nbytes, dtype = _HDR.unpack(comm.p2p_read_bytes(src, _HDR.size))
                 with self.lock:
                     match = self._match(src, tag)
-                if match is not None and nbytes <= match[2].nbytes:
-                    comm.p2p_read(src, match[2].ptr, nbytes)
-                    match[3].set_result(src)
+                if match is not None:
+                    exc = self._mismatch(match[2], nbytes, dtype, src, tag)
+                    if exc is None:
+                        comm.p2p_read(src, match[2].ptr, nbytes)
+                        match[3].set_result(src)
+                    else:  # the message is consumed, the buffer left as it was
+                        comm.p2p_read(src, 0, nbytes)
+                        match[3].set_exception(exc)
                     continue
                 data = np.empty(nbytes, np.uint8)
                 if nbytes:
                     comm.p2p_read(src, data.ctypes.data, nbytes)
-                if match is not None:  # too large for the posted buffer
-                    match[3].set_exception(self._deliver(match[2], data, src, tag))
-                    continue
                 with self.lock:  # a receive may have been posted while we read
                     match = self._match(src, tag)
                     if match is None:
-                        self.unexpected.append((src, tag, data))
+                        self.unexpected.append((src, tag, (dtype, data)))
                 if match is not None:
-                    exc = self._deliver(match[2], data, src, tag)
+                    exc = self._deliver(match[2], (dtype, data), src, tag)
                     if exc is None:
                         match[3].set_result(src)
                     else:
