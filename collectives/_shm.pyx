@@ -116,6 +116,7 @@ cdef class ShmComm:
     cdef public object rank_names  # rank r is called rank_names[r] in messages (None: r)
     cdef public long coll_base     # collectives before the user's first (numbering in messages)
     cdef public uint64_t last_fp   # this rank's latest fingerprint word
+    cdef bint reported             # this rank raised the recorded failure already
 
     def __cinit__(self, str name, bint create, int rank, int size, size_t half_bytes,
                   size_t ring_bytes, double timeout, str label="shm"):
@@ -151,7 +152,10 @@ cdef class ShmComm:
         if rc == SHM_EFAILED or rc == SHM_EBROKEN:
             record = self.failure()
             if record is not None:
-                if rc == SHM_EFAILED:
+                # the call at which this rank learns of it raises the record itself (a rank
+                # may learn it at entry, when others failed the call before it arrived)
+                if not self.reported:
+                    self.reported = True
                     raise DistBackendError(record)
                 raise DistBackendError(
                     f"{self.label} {op}: group unusable after an earlier failure: {record}")

@@ -1509,9 +1509,9 @@ out:
     return fail(c, rc);
 }
 
-/* all_to_all's half: a header (rounds, then the bytes this rank sends to each rank), then
- * one part of p bytes per rank */
-static inline size_t a2a_header(int n) { return round_up(8 + 8 * (size_t)n, CL); }
+/* all_to_all's half: a header (rounds, then the bytes this rank sends to each rank, then
+ * the bytes it expects from each), then one part of p bytes per rank */
+static inline size_t a2a_header(int n) { return round_up(8 + 16 * (size_t)n, CL); }
 
 int shm_all_to_all(shm_comm *c, void *out, const void *in, const size_t *out_bytes,
                    const size_t *in_bytes, uint64_t fp)
@@ -1547,8 +1547,10 @@ int shm_all_to_all(shm_comm *c, void *out, const void *in, const size_t *out_byt
         char *mine = HALF(c, me, h);
         if (t == 0) {  /* round 0 also agrees on the number of rounds, and on the sizes */
             ((uint64_t *)mine)[0] = my_rounds;
-            for (int q = 0; q < n; q++)
+            for (int q = 0; q < n; q++) {
                 ((uint64_t *)mine)[1 + q] = in_bytes[q];
+                ((uint64_t *)mine)[1 + n + q] = out_bytes[q];
+            }
         }
         size_t o = (size_t)t * p;
         for (int q = 0; q < n; q++)
@@ -1560,13 +1562,15 @@ int shm_all_to_all(shm_comm *c, void *out, const void *in, const size_t *out_byt
         c->free_after[h] = s;
         if ((rc = t == 0 ? fp_check_all(c, s) : wait_posts(c, s)))
             break;
-        if (t == 0)  /* what q sends me must be what I expect from q, before I copy any */
+        /* what q sends r must be what r expects from q, for every pair (so every rank finds
+         * the same first bad pair, and none returns), before anyone copies any */
+        for (int r = 0; t == 0 && r < n && !rc; r++)
             for (int q = 0; q < n; q++) {
-                uint64_t sent = ((const uint64_t *)HALF(c, q, h))[1 + me];
-                if (q != me && sent != out_bytes[q]) {
-                    record_fail(c, SHM_FAIL_COUNTS, c->coll, me, q, (uint64_t)out_bytes[q], sent,
-                                NULL);
-                    c->err_peer = q;
+                uint64_t sent = ((const uint64_t *)HALF(c, q, h))[1 + r];
+                uint64_t want = ((const uint64_t *)HALF(c, r, h))[1 + n + q];
+                if (sent != want) {
+                    record_fail(c, SHM_FAIL_COUNTS, c->coll, r, q, want, sent, NULL);
+                    c->err_peer = q == me ? r : q;
                     rc = SHM_EFAILED;
                     break;
                 }
