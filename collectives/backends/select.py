@@ -13,10 +13,12 @@ containers that share a hostname but not memory are told apart. Then:
 * COLLECTIVES_TRANSPORT=tcp forces the TCP backend (=shm insists on shared
   memory, failing if the ranks span hosts); the default is auto.
 """
+import inspect
 import os
 import socket
 
-from ..errors import DistBackendError
+from .. import fingerprint as F
+from ..errors import DistBackendError, DistError
 from .base import Backend
 
 TRANSPORT_ENV = "COLLECTIVES_TRANSPORT"
@@ -113,6 +115,17 @@ class HierarchicalBackend(Backend):
     group's TCP time at 1-16 MiB, and gathering or scattering through the leaders 2-3x
     (every rank's block crosses to or from the root either way); and a receive from any
     source must see every sender on one transport.
+
+    Fingerprints: every part of a collective carries the fingerprint of the ORIGINAL call
+    (kind, dtype, count, root, op; collectives.fingerprint), so ranks of one host that
+    called different collectives raise in the shared-memory part, naming both calls as the
+    group's ranks and collective number, and leaders whose hosts called different ones
+    raise in the TCP part. A failure in one part reaches the ranks waiting in another: a
+    leader whose TCP part failed records the error in its host's segment (its host's ranks
+    raise it), and a leader whose host found a mismatch makes the other leaders' TCP part
+    fail with the mismatched call (where the TCP backend takes fingerprints). Buffers are
+    not guaranteed untouched by a mismatch between hosts: a host's ranks have reduced into
+    their leader's buffer by the time the leaders compare.
     """
 
     name = "gloo-hier"
@@ -143,6 +156,48 @@ class HierarchicalBackend(Backend):
             self.leaders = _tcp(_prefixed(store, "hier/leaders"), self.host_index,
                                 len(self.members), timeout, options,
                                 rank_names=[m[0] for m in self.members])
+        # whether the TCP backend's collectives carry a caller's fingerprint (fp=)
+        self._tcp_fp = "fp" in inspect.signature(self.world.all_reduce).parameters
+        self._seq = 0      # this group's collectives so far (the numbering in messages)
+        self._word = 0     # the fingerprint of the collective running now
+
+    # ---- fingerprints: every part carries the original call's -------------------------
+    def _begin(self, word):
+        self._seq += 1
+        self._word = word
+        self.local.number_next(self._seq)
+
+    def _local(self, method, *args):
+        """A shared-memory part. On a leader whose host found a mismatch, the other leaders'
+        TCP part is made to fail too (they would wait for this leader until the timeout)."""
+        try:
+            method(*args, fp=self._word)
+        except DistError:
+            self._tell_leaders()
+            raise
+
+    def _tell_leaders(self):
+        if self.leaders is None or not self._tcp_fp:
+            return
+        odd = self.local.mismatched_word(self._word)
+        if odd is None:
+            return
+        try:  # a call whose fingerprint is the host's odd one: the leaders compare and raise
+            self.leaders.barrier(fp=odd)
+        except DistError:
+            pass
+
+    def _leaders(self, method, *args):
+        """The TCP part among leaders. On failure, this host's ranks (waiting for this
+        leader in the next shared-memory part) raise the same error."""
+        try:
+            if self._tcp_fp:
+                method(*args, fp=self._word)
+            else:
+                method(*args)
+        except DistError as e:
+            self.local.fail_group(str(e))
+            raise
 
     # ---- helpers -------------------------------------------------------------------
     @staticmethod
@@ -155,79 +210,90 @@ class HierarchicalBackend(Backend):
 
     # ---- collectives ---------------------------------------------------------------
     def all_reduce(self, buf, op):
-        self.local.reduce(buf, op, 0)
+        self._begin(F.pack(F.ALL_REDUCE, buf.dtype, buf.count, -1, op))
+        self._local(self.local.reduce, buf, op, 0)
         if self.leaders is not None:
-            self.leaders.all_reduce(buf, op)
-        self.local.broadcast(buf, 0)
+            self._leaders(self.leaders.all_reduce, buf, op)
+        self._local(self.local.broadcast, buf, 0)
 
     def broadcast(self, buf, root):
+        self._begin(F.pack(F.BROADCAST, buf.dtype, buf.count, root))
         rh = self.host_of[root]
         if self.host_index == rh:
-            self.local.broadcast(buf, self.local_index[root])
+            self._local(self.local.broadcast, buf, self.local_index[root])
             if self.leaders is not None:
-                self.leaders.broadcast(buf, rh)
+                self._leaders(self.leaders.broadcast, buf, rh)
         else:
             if self.leaders is not None:
-                self.leaders.broadcast(buf, rh)
-            self.local.broadcast(buf, 0)
+                self._leaders(self.leaders.broadcast, buf, rh)
+            self._local(self.local.broadcast, buf, 0)
 
     def reduce(self, buf, op, root):
+        self._begin(F.pack(F.REDUCE, buf.dtype, buf.count, root, op))
         # the leaders reduce into scratch unless they are the root: the others' buf stays
         rh = self.host_of[root]
         acc = buf
         if self.is_leader and self.rank != root:
             acc = self._scratch(buf.count, buf.dtype, like=buf)
-        self.local.reduce(acc, op, 0)
+        self._local(self.local.reduce, acc, op, 0)
         if self.leaders is not None:
-            self.leaders.reduce(acc, op, rh)
+            self._leaders(self.leaders.reduce, acc, op, rh)
         if self.host_index == rh and self.local_index[root]:
             # leader to root in one shared-memory broadcast (faster here than a send
             # through the segment's rings); the other local ranks take it into scratch
             if self.is_leader:
-                self.local.broadcast(acc, 0)
+                self._local(self.local.broadcast, acc, 0)
             else:
-                self.local.broadcast(buf if self.rank == root else
-                                     self._scratch(buf.count, buf.dtype), 0)
+                self._local(self.local.broadcast, buf if self.rank == root else
+                            self._scratch(buf.count, buf.dtype), 0)
 
     def all_gather(self, out, inp):
         c = inp.count
         if not self.blocked or not c:
+            self._seq += 1
             return self.world.all_gather(out, inp)
+        self._begin(F.pack(F.ALL_GATHER, inp.dtype, c))
         n_local = len(self.local_ranks)
         start = self.host_index * n_local * c  # this host's blocks: a slice of out
         mine = out.slice(start, start + n_local * c)
-        self.local.gather(mine if self.is_leader else None, inp, 0)
+        self._local(self.local.gather, mine if self.is_leader else None, inp, 0)
         if self.leaders is not None:
-            self.leaders.all_gather(out, mine)
-        self.local.broadcast(out, 0)
+            self._leaders(self.leaders.all_gather, out, mine)
+        self._local(self.local.broadcast, out, 0)
 
     def gather(self, out, inp, root):
+        self._seq += 1
         self.world.gather(out, inp, root)
 
     def scatter(self, out, inp, root):
+        self._seq += 1
         self.world.scatter(out, inp, root)
 
     def reduce_scatter(self, out, inp, op):
         c = out.count
         if not self.blocked or not c:
+            self._seq += 1
             return self.world.reduce_scatter(out, inp, op)
+        self._begin(F.pack(F.REDUCE_SCATTER, out.dtype, c, -1, op))
         n_local = len(self.local_ranks)
         acc = self._scratch(inp.count, inp.dtype, like=inp) if self.is_leader else inp
-        self.local.reduce(acc, op, 0)  # the others' inp stays as it was
+        self._local(self.local.reduce, acc, op, 0)  # the others' inp stays as it was
         host = None
         if self.leaders is not None:
             start = self.host_index * n_local * c  # this host's part: a slice of acc
             host = acc.slice(start, start + n_local * c)
-            self.leaders.reduce_scatter(host, acc, op)
-        self.local.scatter(out, host, 0)
+            self._leaders(self.leaders.reduce_scatter, host, acc, op)
+        self._local(self.local.scatter, out, host, 0)
 
     def barrier(self):
-        self.local.barrier()
+        self._begin(F.pack(F.BARRIER))
+        self._local(self.local.barrier)
         if self.leaders is not None:
-            self.leaders.barrier()
-        self.local.barrier()
+            self._leaders(self.leaders.barrier)
+        self._local(self.local.barrier)
 
     def all_to_all(self, out, inp, out_counts, in_counts):
+        self._seq += 1
         self.world.all_to_all(out, inp, out_counts, in_counts)
 
     def isend(self, buf, dst, tag=0):

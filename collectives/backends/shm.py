@@ -246,6 +246,23 @@ class ShmBackend(Backend):
     def barrier(self, fp=0):
         self._comm.barrier(fp)
 
+    def number_next(self, seq):
+        """Error messages call this backend's next collective the caller's collective #seq
+        (a hierarchical group's local part numbers its calls as the whole group does)."""
+        self._comm.coll_base = self._comm.coll + 1 - seq
+
+    def failure(self):
+        """The group's recorded failure (the same text on every rank), or None."""
+        return self._comm.failure()
+
+    def mismatched_word(self, mine):
+        """The fingerprint word that differed from ``mine`` in the recorded mismatch, or None."""
+        rec = self._comm.failure_words()
+        if rec is None or rec[0] != 2:
+            return None
+        _, _, _, wa, _, wb = rec
+        return wb if wa == mine else wa
+
     def fail_group(self, message):
         """Record ``message`` as this group's failure (unless one is recorded already) and
         make every rank's current and later calls on it raise it: for a caller whose own
