@@ -20,6 +20,19 @@ through the buffer protocol; the pure-Python one goes as
   MPI_Abort once such a call has run past its group's timeout, naming the call and
   printing where it was made (as torch's NCCL watchdog tears a stuck job down). Waits
   on requests (async ops, isend/irecv) raise DistBackendError at the timeout.
+* Call fingerprints (always on): every blocking collective, and every async one run
+  through the progress thread, starts a persistent MPI_Allreduce (MIN) of its fingerprint
+  word and the word's complement (collectives.fingerprint.pack: kind, dtype, count, root,
+  op) on a duplicate of the group's communicator just before MPI's own call, and waits for
+  it right after: the two overlap. Where any rank's word differs, every rank raises
+  DistBackendError naming both calls (an allgather of the words, on mismatch only) at that
+  call, and the group stays unusable. MPI moves the data itself, so this checks after the
+  data call: a mismatch that MPI completes (other dtype or op, equal bytes; a count
+  difference MPI reports as truncation) raises with both calls named, though buffers may
+  hold the mismatched data; one that hangs inside MPI (other root or kind) is ended by
+  the watchdog, whose message then names both calls too. Natively posted async calls
+  (``async_op=True`` with nothing queued) are not checked; the DETAIL debug mode checks
+  everything before the data moves.
 """
 import importlib.util
 import os
@@ -28,7 +41,10 @@ import threading
 import time
 import traceback
 
+import numpy as np
+
 from .. import dtypes as D
+from .. import fingerprint as F
 from .._frontend import disjoint_gather as _disjoint_gather
 from ..errors import DistBackendError
 from ..tensors import Buffer as _Buffer
@@ -269,8 +285,10 @@ class _Watchdog:
             if tmo:  # sample often enough to act within a quarter timeout of the deadline
                 self.period = max(self.MIN_PERIOD_S, min(self.period, tmo / 4))
             if self._thread is None:
+                # the method that makes MPI's call: name, or _name behind the fingerprint check
                 self._codes = frozenset(
-                    getattr(MpiBackend, name).__code__ for name in MpiBackend.BLOCKING)
+                    getattr(MpiBackend, m).__code__ for name in MpiBackend.BLOCKING
+                    for m in (name, "_" + name) if hasattr(MpiBackend, m))
                 self._thread = threading.Thread(target=self._loop, name="collectives-mpi-watchdog",
                                                 daemon=True)
                 self._thread.start()
@@ -299,18 +317,97 @@ class _Watchdog:
     @staticmethod
     def _abort(backend, frame, took):
         rank = _MPI.COMM_WORLD.Get_rank()
+        check = getattr(backend, "_fp", None)
+        verdict = check.verdict() if check is not None else None
         sys.stderr.write(
             f"collectives: rank {rank}: the mpi {frame.f_code.co_name} (group rank {backend.rank} "
             f"of {backend.size}) has not finished after {took:.1f} s, past the group timeout "
-            f"({backend.timeout} s): a peer never called it, or called another collective. "
-            f"MPI cannot time out a blocking call, so this rank calls MPI_Abort, which ends "
-            f"every process of the job. The call was made at:\n"
+            f"({backend.timeout} s): "
+            + (f"{verdict}. " if verdict else "a peer never called it, or called another collective. ")
+            + "MPI cannot time out a blocking call, so this rank calls MPI_Abort, which ends "
+            "every process of the job. The call was made at:\n"
             + "".join(traceback.format_stack(frame)))
         sys.stderr.flush()
         backend.comm.Abort(1)
 
 
 _watchdog = _Watchdog()
+
+_MASK64 = (1 << 64) - 1
+_pack = F.pack
+_BARRIER_WORD = F.pack(F.BARRIER)
+
+
+class _FingerprintCheck:
+    """The always-on check of a group's collective calls (see the module docstring): a
+    persistent MIN all_reduce of (word, ~word) on a duplicate communicator, so MIN and MAX
+    of every rank's word in one small exchange that overlaps MPI's own call."""
+
+    def __init__(self, comm, label):
+        MPI = _MPI
+        self.comm = comm.Dup()
+        self.label = label
+        self.send = np.zeros(2, np.uint64)
+        self.recv = np.zeros(2, np.uint64)
+        self.req = self.comm.Allreduce_init([self.send, MPI.UINT64_T], [self.recv, MPI.UINT64_T],
+                                            MPI.MIN)
+        self.seq = 0        # collectives checked so far (the numbering in messages)
+        self.word = 0       # the word of the one in flight
+        self.active = False
+        self.broken = None  # the error of a mismatch found: every later call raises it
+
+    def start(self, word):
+        if self.broken is not None:
+            raise DistBackendError(f"{self.label}: group unusable after an earlier failure: "
+                                   f"{self.broken}")
+        self.seq += 1
+        self.word = word
+        send = self.send
+        send[0] = word
+        send[1] = word ^ _MASK64
+        self.req.Start()
+        self.active = True
+
+    def finish(self):
+        self.req.Wait()
+        self.active = False
+        recv = self.recv
+        if recv[0] != self.word or recv[1] != self.word ^ _MASK64:
+            self._raise()
+
+    def fail(self, exc):
+        """MPI's own call raised ``exc``: the mismatch, if there is one, explains it."""
+        if self.active:
+            self.finish()
+        raise DistBackendError(f"{self.label} collective #{self.seq} failed: {exc}") from exc
+
+    def verdict(self):
+        """The mismatch, if the exchange in flight has completed and found one (for the
+        watchdog, from its thread while the caller is stuck inside MPI's call), else None."""
+        if not self.active or not self.req.Test():
+            return None
+        self.active = False
+        recv, w = self.recv, self.word
+        if recv[0] == w and recv[1] == w ^ _MASK64:
+            return None
+        low, high = int(recv[0]), int(recv[1]) ^ _MASK64
+        other = high if w == low else low
+        return (f"ranks called different collectives as collective #{self.seq} in "
+                f"{self.label}: this rank {F.describe_word(w)}, another "
+                f"{F.describe_word(other)}")
+
+    def _raise(self):
+        words = self.comm.allgather(self.word)  # every rank is here: all saw MIN != MAX
+        q = next(r for r, w in enumerate(words) if w != words[0])
+        self.broken = F.mismatch_message(self.seq, 0, words[0], q, words[q], self.label)
+        raise DistBackendError(self.broken)
+
+    def free(self):
+        for obj in (self.req, self.comm):
+            try:
+                obj.Free()
+            except _MPI.Exception:
+                pass
 
 
 class _AsyncCall:
@@ -353,6 +450,7 @@ class MpiBackend(Backend):
     def __init__(self, comm, timeout, options=None):
         super().__init__(None, comm.Get_rank(), comm.Get_size(), timeout, options)
         self.comm = comm
+        self._fp = _FingerprintCheck(comm, f"mpi group (size {self.size})")
         _watchdog.watch(self)
         self._allreduce = comm.Allreduce
         self._bcast = comm.Bcast
@@ -378,21 +476,49 @@ class MpiBackend(Backend):
     # ---- blocking collectives: one MPI call each ------------------------------------
     # The hot ones are written out flat: every attribute lookup and call is ~50 ns
     # against a 4-byte MPI_Allreduce of ~1 us.
+    # Each starts the fingerprint check, makes MPI's call, and finishes the check (see the
+    # module docstring); _checked does it for the less hot ones.
     def all_reduce(self, buf, op):
-        if self._async_mode:
-            return self._iall_reduce(buf, op).wait()
         dt = buf.dtype
-        self._allreduce(_IN_PLACE,
-                        [buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]],
-                        _OPS[dt * 16 + op] or _half_op(dt, op))
+        fp = self._fp
+        fp.start(_pack(3, dt, buf.count, -1, op))  # fingerprint.ALL_REDUCE
+        try:
+            if self._async_mode:
+                self._iall_reduce(buf, op).wait()
+            else:
+                self._allreduce(_IN_PLACE, [buf if _EXPORTS else _fromaddress(
+                    buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]],
+                    _OPS[dt * 16 + op] or _half_op(dt, op))
+        except (_MPI.Exception, DistBackendError) as e:
+            fp.fail(e)
+        fp.finish()
 
     def broadcast(self, buf, root):
-        if self._async_mode:
-            return self._ibroadcast(buf, root).wait()
-        self._bcast([buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize),
-                     _DATATYPE[buf.dtype]], root)
+        fp = self._fp
+        fp.start(_pack(2, buf.dtype, buf.count, root))  # fingerprint.BROADCAST
+        try:
+            if self._async_mode:
+                self._ibroadcast(buf, root).wait()
+            else:
+                self._bcast([buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize),
+                             _DATATYPE[buf.dtype]], root)
+        except (_MPI.Exception, DistBackendError) as e:
+            fp.fail(e)
+        fp.finish()
+
+    def _checked(self, word, fn, *args):
+        fp = self._fp
+        fp.start(word)
+        try:
+            fn(*args)
+        except (_MPI.Exception, DistBackendError) as e:
+            fp.fail(e)
+        fp.finish()
 
     def reduce(self, buf, op, root):
+        self._checked(_pack(F.REDUCE, buf.dtype, buf.count, root, op), self._reduce, buf, op, root)
+
+    def _reduce(self, buf, op, root):
         if self._async_mode:
             return self._ireduce(buf, op, root).wait()
         # root reduces in place; the others' buf is MPI's send buffer, which MPI never writes
@@ -405,6 +531,9 @@ class MpiBackend(Backend):
             self.comm.Reduce(spec, None, mpi_op, root)
 
     def all_gather(self, out, inp):
+        self._checked(_pack(F.ALL_GATHER, inp.dtype, inp.count), self._all_gather, out, inp)
+
+    def _all_gather(self, out, inp):
         if self._async_mode:
             return self._iall_gather(out, inp).wait()
         dt = _DATATYPE[inp.dtype]
@@ -425,6 +554,9 @@ class MpiBackend(Backend):
         del keep
 
     def gather(self, out, inp, root):
+        self._checked(_pack(F.GATHER, inp.dtype, inp.count, root), self._gather, out, inp, root)
+
+    def _gather(self, out, inp, root):
         if self._async_mode:
             return self._igather(out, inp, root).wait()
         if self.rank == root:
@@ -434,6 +566,9 @@ class MpiBackend(Backend):
             self.comm.Gather(_spec(inp), None, root)
 
     def scatter(self, out, inp, root):
+        self._checked(_pack(F.SCATTER, out.dtype, out.count, root), self._scatter, out, inp, root)
+
+    def _scatter(self, out, inp, root):
         if self._async_mode:
             return self._iscatter(out, inp, root).wait()
         if self.rank == root:
@@ -443,18 +578,29 @@ class MpiBackend(Backend):
             self.comm.Scatter(None, _spec(out), root)
 
     def reduce_scatter(self, out, inp, op):
+        self._checked(_pack(F.REDUCE_SCATTER, out.dtype, out.count, -1, op), self._reduce_scatter,
+                      out, inp, op)
+
+    def _reduce_scatter(self, out, inp, op):
         if self._async_mode:
             return self._ireduce_scatter(out, inp, op).wait()
         send, _keep = self._send_spec(out, inp)
         self.comm.Reduce_scatter_block(send, _spec(out), _mpi_op(out.dtype, op))
 
     def all_to_all(self, out, inp, out_counts, in_counts):
+        self._checked(_pack(F.ALL_TO_ALL, inp.dtype), self._all_to_all, out, inp, out_counts,
+                      in_counts)
+
+    def _all_to_all(self, out, inp, out_counts, in_counts):
         if self._async_mode:
             return self._iall_to_all(out, inp, out_counts, in_counts).wait()
         send, recv, _keep = self._alltoall_specs(out, inp, out_counts, in_counts)
         self.comm.Alltoallv(send, recv)
 
     def barrier(self):
+        self._checked(_BARRIER_WORD, self._barrier)
+
+    def _barrier(self):
         if self._async_mode:
             return self._ibarrier().wait()
         self.comm.Barrier()
@@ -604,6 +750,7 @@ class MpiBackend(Backend):
         super().shutdown()
         comm, self.comm = self.comm, None
         if comm is not None and _MPI is not None and not _MPI.Is_finalized():
+            self._fp.free()
             try:
                 comm.Free()
             except _MPI.Exception:
