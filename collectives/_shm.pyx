@@ -199,7 +199,10 @@ cdef class ShmComm:
             # the lower rank first, whichever saw it: the same words on every rank
             if a > b:
                 a, b, wa, wb = b, a, wb, wa
-            return _fp.mismatch_message(seq, a, wa, b, wb, self.label, nm)
+            # ranks by their names; roots as the words carry them (a hierarchical group
+            # passes its own calls' words, whose roots are already the group's ranks)
+            return _fp.mismatch_message(seq, nm(a) if nm else a, wa, nm(b) if nm else b, wb,
+                                        self.label)
         if st == SHM_FAIL_COUNTS:
             dtype = (self.last_fp >> 4) & 0xF
             isz = _D.ITEMSIZE.get(dtype, 1)

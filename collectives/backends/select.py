@@ -13,6 +13,7 @@ containers that share a hostname but not memory are told apart. Then:
 * COLLECTIVES_TRANSPORT=tcp forces the TCP backend (=shm insists on shared
   memory, failing if the ranks span hosts); the default is auto.
 """
+import functools
 import inspect
 import os
 import socket
@@ -89,6 +90,22 @@ def create_default_backend(store, rank, size, timeout, options=None):
     return HierarchicalBackend(store, rank, size, timeout, options, hosts)
 
 
+def _breaks_group(method):
+    """A hierarchical collective: a failure in any part leaves the group unusable, and its
+    later collectives say so (the parts may be left in different states)."""
+    @functools.wraps(method)
+    def run(self, *args):
+        if self._failed is not None:
+            raise DistBackendError(f"{self.name} group (size {self.size}) {method.__name__}: "
+                                   f"group unusable after an earlier failure: {self._failed}")
+        try:
+            return method(self, *args)
+        except DistError as e:
+            self._failed = str(e)
+            raise
+    return run
+
+
 class HierarchicalBackend(Backend):
     """A group spanning hosts: shared memory within a host, TCP between hosts.
 
@@ -123,7 +140,12 @@ class HierarchicalBackend(Backend):
     raise in the TCP part. A failure in one part reaches the ranks waiting in another: a
     leader whose TCP part failed records the error in its host's segment (its host's ranks
     raise it), and a leader whose host found a mismatch makes the other leaders' TCP part
-    fail with the mismatched call (where the TCP backend takes fingerprints). Buffers are
+    fail with the mismatched call (where the TCP backend takes fingerprints). A host whose
+    first shared-memory part would come after the leaders' (a broadcast's other hosts), and
+    every call made over the whole group's TCP backend, compare first within the host and
+    among the leaders (a barrier carrying the call's fingerprint): every host has compared
+    before any leader goes on, and a rank that made a call hierarchically meets one that
+    made another over the whole group in one exchange. Buffers are
     not guaranteed untouched by a mismatch between hosts: a host's ranks have reduced into
     their leader's buffer by the time the leaders compare.
     """
@@ -160,6 +182,7 @@ class HierarchicalBackend(Backend):
         self._tcp_fp = "fp" in inspect.signature(self.world.all_reduce).parameters
         self._seq = 0      # this group's collectives so far (the numbering in messages)
         self._word = 0     # the fingerprint of the collective running now
+        self._failed = None  # the first collective's failure: the group is unusable after it
 
     # ---- fingerprints: every part carries the original call's -------------------------
     def _begin(self, word):
@@ -187,6 +210,23 @@ class HierarchicalBackend(Backend):
         except DistError:
             pass
 
+    def _whole(self, word):
+        """Before a call over the whole group's TCP backend: compare within each host and
+        among the leaders first, so that a rank that made the call hierarchically and one
+        that made it over the whole group (a mismatch) meet in one exchange."""
+        self._begin(word)
+        self._local(self.local.barrier)
+        if self.leaders is not None:
+            self._leaders(self.leaders.barrier)
+        self._verdict()
+
+    def _verdict(self):
+        """A last shared-memory step (a barrier carrying the call's fingerprint) for a call
+        whose host would otherwise finish before its leader's TCP part: a failure there,
+        recorded in the segment by the leader, reaches the host's ranks within the call."""
+        if len(self.local_ranks) > 1:
+            self._local(self.local.barrier)
+
     def _leaders(self, method, *args):
         """The TCP part among leaders. On failure, this host's ranks (waiting for this
         leader in the next shared-memory part) raise the same error."""
@@ -209,6 +249,7 @@ class HierarchicalBackend(Backend):
         return buf
 
     # ---- collectives ---------------------------------------------------------------
+    @_breaks_group
     def all_reduce(self, buf, op):
         self._begin(F.pack(F.ALL_REDUCE, buf.dtype, buf.count, -1, op))
         self._local(self.local.reduce, buf, op, 0)
@@ -216,6 +257,7 @@ class HierarchicalBackend(Backend):
             self._leaders(self.leaders.all_reduce, buf, op)
         self._local(self.local.broadcast, buf, 0)
 
+    @_breaks_group
     def broadcast(self, buf, root):
         self._begin(F.pack(F.BROADCAST, buf.dtype, buf.count, root))
         rh = self.host_of[root]
@@ -223,11 +265,16 @@ class HierarchicalBackend(Backend):
             self._local(self.local.broadcast, buf, self.local_index[root])
             if self.leaders is not None:
                 self._leaders(self.leaders.broadcast, buf, rh)
+            self._verdict()
         else:
+            # the host's ranks compare before its leader takes part among the leaders:
+            # else a host could find a mismatch only after the others had returned
+            self._local(self.local.barrier)
             if self.leaders is not None:
                 self._leaders(self.leaders.broadcast, buf, rh)
             self._local(self.local.broadcast, buf, 0)
 
+    @_breaks_group
     def reduce(self, buf, op, root):
         self._begin(F.pack(F.REDUCE, buf.dtype, buf.count, root, op))
         # the leaders reduce into scratch unless they are the root: the others' buf stays
@@ -246,13 +293,17 @@ class HierarchicalBackend(Backend):
             else:
                 self._local(self.local.broadcast, buf if self.rank == root else
                             self._scratch(buf.count, buf.dtype), 0)
+        else:
+            self._verdict()
 
+    @_breaks_group
     def all_gather(self, out, inp):
         c = inp.count
+        word = F.pack(F.ALL_GATHER, inp.dtype, c)
         if not self.blocked or not c:
-            self._seq += 1
+            self._whole(word)
             return self.world.all_gather(out, inp)
-        self._begin(F.pack(F.ALL_GATHER, inp.dtype, c))
+        self._begin(word)
         n_local = len(self.local_ranks)
         start = self.host_index * n_local * c  # this host's blocks: a slice of out
         mine = out.slice(start, start + n_local * c)
@@ -261,20 +312,24 @@ class HierarchicalBackend(Backend):
             self._leaders(self.leaders.all_gather, out, mine)
         self._local(self.local.broadcast, out, 0)
 
+    @_breaks_group
     def gather(self, out, inp, root):
-        self._seq += 1
+        self._whole(F.pack(F.GATHER, inp.dtype, inp.count, root))
         self.world.gather(out, inp, root)
 
+    @_breaks_group
     def scatter(self, out, inp, root):
-        self._seq += 1
+        self._whole(F.pack(F.SCATTER, out.dtype, out.count, root))
         self.world.scatter(out, inp, root)
 
+    @_breaks_group
     def reduce_scatter(self, out, inp, op):
         c = out.count
+        word = F.pack(F.REDUCE_SCATTER, out.dtype, c, -1, op)
         if not self.blocked or not c:
-            self._seq += 1
+            self._whole(word)
             return self.world.reduce_scatter(out, inp, op)
-        self._begin(F.pack(F.REDUCE_SCATTER, out.dtype, c, -1, op))
+        self._begin(word)
         n_local = len(self.local_ranks)
         acc = self._scratch(inp.count, inp.dtype, like=inp) if self.is_leader else inp
         self._local(self.local.reduce, acc, op, 0)  # the others' inp stays as it was
@@ -285,6 +340,7 @@ class HierarchicalBackend(Backend):
             self._leaders(self.leaders.reduce_scatter, host, acc, op)
         self._local(self.local.scatter, out, host, 0)
 
+    @_breaks_group
     def barrier(self):
         self._begin(F.pack(F.BARRIER))
         self._local(self.local.barrier)
@@ -292,8 +348,9 @@ class HierarchicalBackend(Backend):
             self._leaders(self.leaders.barrier)
         self._local(self.local.barrier)
 
+    @_breaks_group
     def all_to_all(self, out, inp, out_counts, in_counts):
-        self._seq += 1
+        self._whole(F.pack(F.ALL_TO_ALL, inp.dtype))
         self.world.all_to_all(out, inp, out_counts, in_counts)
 
     def isend(self, buf, dst, tag=0):
