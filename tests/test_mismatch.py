@@ -425,3 +425,15 @@ def test_p2p_receive_of_another_size_or_dtype_raises(config, name, send, recv):
     assert send[0] in err and recv[0] in err and str(send[1]) in err and str(recv[1]) in err, err
     assert kept, "the receive buffer was written"
     assert nxt == [7, 7, 7], "the stream after a refused message is intact"
+
+
+# ---- the encoding ---------------------------------------------------------------------------
+
+@given(kind=st.integers(1, 11), dtype=st.integers(0, 15), count=st.integers(0, 2**45),
+       root=st.integers(-1, 5000), op=st.integers(-1, 8))
+@settings(max_examples=200, deadline=None)
+def test_the_shm_engine_packs_words_as_fingerprint_pack(kind, dtype, count, root, op):
+    """The words _shm computes from a call's arguments are fingerprint.pack's."""
+    _shm = pytest.importorskip("collectives._shm")
+    import collectives.fingerprint as F
+    assert _shm.pack(kind, dtype, count, root, op) == F.pack(kind, dtype, count, root, op)

@@ -55,6 +55,7 @@ typedef struct {
     fp_slot_t fp[2];  /* used in post only */
     char pad[CL - 8 - 2 * sizeof(fp_slot_t)];
 } ctr_t;
+_Static_assert(sizeof(ctr_t) == CL, "a counter and its fingerprint slots fill one cache line");
 
 typedef struct {
     ctr_t post;   /* last step whose data this rank published */
