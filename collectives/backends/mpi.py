@@ -20,19 +20,20 @@ through the buffer protocol; the pure-Python one goes as
   MPI_Abort once such a call has run past its group's timeout, naming the call and
   printing where it was made (as torch's NCCL watchdog tears a stuck job down). Waits
   on requests (async ops, isend/irecv) raise DistBackendError at the timeout.
-* Call fingerprints (always on): every blocking collective, and every async one run
-  through the progress thread, starts a persistent MPI_Allreduce (MIN) of its fingerprint
-  word and the word's complement (collectives.fingerprint.pack: kind, dtype, count, root,
-  op) on a duplicate of the group's communicator just before MPI's own call, and waits for
-  it right after: the two overlap. Where any rank's word differs, every rank raises
-  DistBackendError naming both calls (an allgather of the words, on mismatch only) at that
-  call, and the group stays unusable. MPI moves the data itself, so this checks after the
-  data call: a mismatch that MPI completes (other dtype or op, equal bytes; a count
-  difference MPI reports as truncation) raises with both calls named, though buffers may
-  hold the mismatched data; one that hangs inside MPI (other root or kind) is ended by
-  the watchdog, whose message then names both calls too. Natively posted async calls
-  (``async_op=True`` with nothing queued) are not checked; the DETAIL debug mode checks
-  everything before the data moves.
+* Call fingerprints (always on): every blocking collective starts a persistent
+  MPI_Allreduce (MIN) of its fingerprint word and the word's complement
+  (collectives.fingerprint.pack: kind, dtype, count, root, op) on a duplicate of the
+  group's communicator just before MPI's own call, and waits for it right after: the two
+  overlap. Where any rank's word differs, every rank raises DistBackendError naming both
+  calls (an allgather of the words, on mismatch only) at that call, and the group stays
+  unusable. MPI moves the data itself, so this checks after the data call: a mismatch
+  that MPI completes (another dtype or op of equal bytes) raises with both calls named,
+  though buffers may hold the mismatched data; a count difference MPICH reports as a
+  fatal truncation error, which ends the job; one that hangs inside MPI (another root or
+  kind) is ended by the watchdog, whose message then names both calls. Async calls (``async_op=True``)
+  are not checked: MPI may post them natively, where nothing runs after the call, and
+  every rank must start the same checks in the same order (every rank agrees on
+  async_op). The DETAIL debug mode checks everything before the data moves.
 """
 import importlib.util
 import os
@@ -479,34 +480,34 @@ class MpiBackend(Backend):
     # Each starts the fingerprint check, makes MPI's call, and finishes the check (see the
     # module docstring); _checked does it for the less hot ones.
     def all_reduce(self, buf, op):
+        if self._async_mode:  # async calls are not checked: natively posted ones cannot be
+            return self._iall_reduce(buf, op).wait()
         dt = buf.dtype
         fp = self._fp
         fp.start(_pack(3, dt, buf.count, -1, op))  # fingerprint.ALL_REDUCE
         try:
-            if self._async_mode:
-                self._iall_reduce(buf, op).wait()
-            else:
-                self._allreduce(_IN_PLACE, [buf if _EXPORTS else _fromaddress(
-                    buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]],
-                    _OPS[dt * 16 + op] or _half_op(dt, op))
-        except (_MPI.Exception, DistBackendError) as e:
+            self._allreduce(_IN_PLACE, [buf if _EXPORTS else _fromaddress(
+                buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]],
+                _OPS[dt * 16 + op] or _half_op(dt, op))
+        except _MPI.Exception as e:
             fp.fail(e)
         fp.finish()
 
     def broadcast(self, buf, root):
+        if self._async_mode:
+            return self._ibroadcast(buf, root).wait()
         fp = self._fp
         fp.start(_pack(2, buf.dtype, buf.count, root))  # fingerprint.BROADCAST
         try:
-            if self._async_mode:
-                self._ibroadcast(buf, root).wait()
-            else:
-                self._bcast([buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize),
-                             _DATATYPE[buf.dtype]], root)
-        except (_MPI.Exception, DistBackendError) as e:
+            self._bcast([buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize),
+                         _DATATYPE[buf.dtype]], root)
+        except _MPI.Exception as e:
             fp.fail(e)
         fp.finish()
 
     def _checked(self, word, fn, *args):
+        if self._async_mode:  # as in all_reduce: async calls are not checked
+            return fn(*args)
         fp = self._fp
         fp.start(word)
         try:
