@@ -20,22 +20,22 @@ through the buffer protocol; the pure-Python one goes as
   MPI_Abort once such a call has run past its group's timeout, naming the call and
   printing where it was made (as torch's NCCL watchdog tears a stuck job down). Waits
   on requests (async ops, isend/irecv) raise DistBackendError at the timeout.
-* Call fingerprints (always on): every blocking collective's fingerprint word
-  (collectives.fingerprint.pack: kind, dtype, count, root, op) goes into a running digest
-  and a ring of the last 64 words; every 64th blocking call of a group first compares
-  the ranks' digests (one small MIN all_reduce of (digest, ~digest) on a duplicate of the
-  group's communicator) and, where they differ, every rank raises DistBackendError naming
-  the first pair of calls that differed and its collective number (an allgather of the
-  rings, on mismatch only); the group then stays unusable. So every mismatch among calls
-  MPI completes (another dtype or op of equal bytes, such as an int32 broadcast received
-  as float32) raises within 64 calls, at the same call on every rank, though MPI moved
-  the mismatched data. A count difference MPICH reports as a fatal truncation error,
-  which ends the job; a call that hangs inside MPI (another root or kind) is ended by
-  the watchdog. Async calls (``async_op=True``) are not checked: MPI may post them
-  natively, and every rank must count the same calls (every rank agrees on async_op).
-  A check at every call, before the data moves, is the DETAIL debug mode. Comparing at
-  every call (an overlapped MPI_Allreduce_init exchange) measured 2-7x MPICH's time for
-  4 B-1 KiB all_reduce/broadcast at world 2 and up to 200x at world 4 on 2 cores.
+* Call fingerprints (always on): every blocking collective appends its fingerprint
+  (collectives.fingerprint.pack's fields: kind, dtype, count, root, op) to the group's
+  log; every 64th blocking call first compares a hash of the ranks' logs (one small MIN
+  all_reduce of (hash, ~hash) on a duplicate of the group's communicator) and, where they
+  differ, every rank raises DistBackendError naming the first pair of calls that differed
+  and its collective number (an allgather of the logs, on mismatch only); the group then
+  stays unusable. So every mismatch among calls MPI completes (another dtype or op of
+  equal bytes, such as an int32 broadcast received as float32) raises within 64 calls,
+  at the same call on every rank, though MPI has moved the mismatched data. A count
+  difference MPICH reports as a fatal truncation error, which ends the job; a call that
+  hangs inside MPI (another root or kind) is ended by the watchdog. Async calls
+  (``async_op=True``) are not checked: MPI may post them natively, and every rank must
+  count the same calls (every rank agrees on async_op). A check at every call, before the
+  data moves, is the DETAIL debug mode. Comparing at every call (an overlapped persistent
+  MPI_Allreduce_init) measured 2-7x MPICH's time for 4 B-1 KiB all_reduce/broadcast at
+  world 2 and up to 200x at world 4 (2 loaded cores).
 """
 import importlib.util
 import os
@@ -336,58 +336,57 @@ _watchdog = _Watchdog()
 
 _MASK64 = (1 << 64) - 1
 _pack = F.pack
-_BARRIER_WORD = F.pack(F.BARRIER)
-_FNV_PRIME = 0x100000001B3
+_BARRIER_ENTRY = (F.BARRIER, F.NO_DTYPE, 0, -1, -1)
+
+
+class _Unusable:
+    """The call log of a group whose calls differed: every later call raises."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def append(self, entry):
+        raise DistBackendError(f"group unusable after an earlier failure: {self.message}")
 
 
 class _FingerprintCheck:
     """The always-on check of a group's blocking collective calls (see the module
-    docstring): every call's word goes into a running digest and a ring of the last
-    CHECK_EVERY words; every CHECK_EVERY-th call first compares the digests (one MIN
-    all_reduce of (digest, ~digest) on a duplicate communicator) and, where they differ,
-    the rings (an allgather, on mismatch only), to name the first call that differed."""
+    docstring). Each call appends (kind, dtype, count, root, op), fingerprint.pack's
+    arguments, to ``log`` (a tuple and an append: ~0.1 us); every CHECK_EVERY-th call the
+    ranks compare a hash of their logs (one MIN all_reduce of (hash, ~hash) on a duplicate
+    communicator) and, where they differ, the logs themselves (an allgather, on mismatch
+    only), to name the first pair of calls that differed."""
 
     CHECK_EVERY = 64
 
     def __init__(self, comm, label):
         self.comm = comm.Dup()
         self.label = label
-        self.ring = [0] * self.CHECK_EVERY
-        self.digest = 0
-        self.seq = 0        # blocking collectives so far (the numbering in messages)
+        self.log = []
+        self.done = 0       # calls compared so far (the numbering in messages)
         self.buf = np.zeros(2, np.uint64)
-        self.broken = None  # the error of a mismatch found: every later call raises it
 
-    def note(self, word):
-        """Before MPI's call for a collective whose fingerprint is ``word``."""
-        if self.broken is not None:
-            raise DistBackendError(f"{self.label}: group unusable after an earlier failure: "
-                                   f"{self.broken}")
-        seq = self.seq = self.seq + 1
-        i = seq % self.CHECK_EVERY
-        self.ring[i] = word
-        self.digest = ((self.digest ^ word) * _FNV_PRIME) & _MASK64
-        if i == 0:
-            self._compare()
-
-    def _compare(self):
-        buf, d = self.buf, self.digest
-        buf[0] = d
-        buf[1] = d ^ _MASK64
+    def compare(self, backend):
+        log, self.log = self.log, []
+        first, self.done = self.done, self.done + len(log)
+        h = hash(tuple(log)) & _MASK64  # ints and tuples of ints hash alike in every process
+        buf = self.buf
+        buf[0] = h
+        buf[1] = h ^ _MASK64
         self.comm.Allreduce(_IN_PLACE, [buf, _MPI.UINT64_T], _MPI.MIN)
-        if buf[0] == d and buf[1] == d ^ _MASK64:
+        if buf[0] == h and buf[1] == h ^ _MASK64:
+            backend._fp_log = self.log
             return
-        rings = self.comm.allgather(self.ring)  # every rank is here: all saw MIN != MAX
-        n = self.CHECK_EVERY
-        for s in range(self.seq - n + 1, self.seq + 1):
-            words = [r[s % n] for r in rings]
-            q = next((r for r, w in enumerate(words) if w != words[0]), None)
+        logs = self.comm.allgather(log)  # every rank is here: all saw MIN != MAX
+        message = f"ranks called different collectives in {self.label}"
+        for i, entries in enumerate(zip(*logs)):
+            q = next((r for r, e in enumerate(entries) if e != entries[0]), None)
             if q is not None:
-                self.broken = F.mismatch_message(s, 0, words[0], q, words[q], self.label)
+                message = F.mismatch_message(first + i + 1, 0, _pack(*entries[0]), q,
+                                             _pack(*entries[q]), self.label)
                 break
-        else:  # the digests differed before these calls: cannot be after a passed compare
-            self.broken = f"ranks called different collectives in {self.label} before #{self.seq}"
-        raise DistBackendError(self.broken)
+        backend._fp_log = _Unusable(message)
+        raise DistBackendError(message)
 
     def free(self):
         try:
@@ -437,6 +436,7 @@ class MpiBackend(Backend):
         super().__init__(None, comm.Get_rank(), comm.Get_size(), timeout, options)
         self.comm = comm
         self._fp = _FingerprintCheck(comm, f"mpi group (size {self.size})")
+        self._fp_log = self._fp.log  # this group's calls since the last comparison
         _watchdog.watch(self)
         self._allreduce = comm.Allreduce
         self._bcast = comm.Bcast
@@ -468,7 +468,10 @@ class MpiBackend(Backend):
         if self._async_mode:  # async calls are not checked: natively posted ones cannot be
             return self._iall_reduce(buf, op).wait()
         dt = buf.dtype
-        self._fp.note(_pack(3, dt, buf.count, -1, op))  # fingerprint.ALL_REDUCE
+        log = self._fp_log
+        log.append((3, dt, buf.count, -1, op))  # fingerprint.ALL_REDUCE
+        if len(log) >= 64:  # _FingerprintCheck.CHECK_EVERY
+            self._fp.compare(self)
         self._allreduce(_IN_PLACE, [buf if _EXPORTS else _fromaddress(
             buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]],
             _OPS[dt * 16 + op] or _half_op(dt, op))
@@ -476,18 +479,24 @@ class MpiBackend(Backend):
     def broadcast(self, buf, root):
         if self._async_mode:
             return self._ibroadcast(buf, root).wait()
-        self._fp.note(_pack(2, buf.dtype, buf.count, root))  # fingerprint.BROADCAST
+        log = self._fp_log
+        log.append((2, buf.dtype, buf.count, root, -1))  # fingerprint.BROADCAST
+        if len(log) >= 64:
+            self._fp.compare(self)
         self._bcast([buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize),
                      _DATATYPE[buf.dtype]], root)
 
-    def _checked(self, word, fn, *args):
+    def _checked(self, entry, fn, *args):
         if self._async_mode:  # as in all_reduce: async calls are not checked
             return fn(*args)
-        self._fp.note(word)
+        log = self._fp_log
+        log.append(entry)
+        if len(log) >= 64:
+            self._fp.compare(self)
         fn(*args)
 
     def reduce(self, buf, op, root):
-        self._checked(_pack(F.REDUCE, buf.dtype, buf.count, root, op), self._reduce, buf, op, root)
+        self._checked((F.REDUCE, buf.dtype, buf.count, root, op), self._reduce, buf, op, root)
 
     def _reduce(self, buf, op, root):
         if self._async_mode:
@@ -502,7 +511,7 @@ class MpiBackend(Backend):
             self.comm.Reduce(spec, None, mpi_op, root)
 
     def all_gather(self, out, inp):
-        self._checked(_pack(F.ALL_GATHER, inp.dtype, inp.count), self._all_gather, out, inp)
+        self._checked((F.ALL_GATHER, inp.dtype, inp.count, -1, -1), self._all_gather, out, inp)
 
     def _all_gather(self, out, inp):
         if self._async_mode:
@@ -525,7 +534,7 @@ class MpiBackend(Backend):
         del keep
 
     def gather(self, out, inp, root):
-        self._checked(_pack(F.GATHER, inp.dtype, inp.count, root), self._gather, out, inp, root)
+        self._checked((F.GATHER, inp.dtype, inp.count, root, -1), self._gather, out, inp, root)
 
     def _gather(self, out, inp, root):
         if self._async_mode:
@@ -537,7 +546,7 @@ class MpiBackend(Backend):
             self.comm.Gather(_spec(inp), None, root)
 
     def scatter(self, out, inp, root):
-        self._checked(_pack(F.SCATTER, out.dtype, out.count, root), self._scatter, out, inp, root)
+        self._checked((F.SCATTER, out.dtype, out.count, root, -1), self._scatter, out, inp, root)
 
     def _scatter(self, out, inp, root):
         if self._async_mode:
@@ -549,7 +558,7 @@ class MpiBackend(Backend):
             self.comm.Scatter(None, _spec(out), root)
 
     def reduce_scatter(self, out, inp, op):
-        self._checked(_pack(F.REDUCE_SCATTER, out.dtype, out.count, -1, op), self._reduce_scatter,
+        self._checked((F.REDUCE_SCATTER, out.dtype, out.count, -1, op), self._reduce_scatter,
                       out, inp, op)
 
     def _reduce_scatter(self, out, inp, op):
@@ -559,7 +568,7 @@ class MpiBackend(Backend):
         self.comm.Reduce_scatter_block(send, _spec(out), _mpi_op(out.dtype, op))
 
     def all_to_all(self, out, inp, out_counts, in_counts):
-        self._checked(_pack(F.ALL_TO_ALL, inp.dtype), self._all_to_all, out, inp, out_counts,
+        self._checked((F.ALL_TO_ALL, inp.dtype, 0, -1, -1), self._all_to_all, out, inp, out_counts,
                       in_counts)
 
     def _all_to_all(self, out, inp, out_counts, in_counts):
@@ -569,7 +578,7 @@ class MpiBackend(Backend):
         self.comm.Alltoallv(send, recv)
 
     def barrier(self):
-        self._checked(_BARRIER_WORD, self._barrier)
+        self._checked(_BARRIER_ENTRY, self._barrier)
 
     def _barrier(self):
         if self._async_mode:
