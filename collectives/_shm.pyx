@@ -4,9 +4,11 @@
 Every collective runs in C with the GIL released (src/shm_coll.c); this module
 only converts arguments and turns error codes into DistBackendError.
 """
-from libc.stdint cimport uint32_t
+from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
+from . import dtypes as _D
+from . import fingerprint as _fp
 from .errors import DistBackendError
 
 
@@ -14,6 +16,7 @@ cdef extern from "shm_coll.h" nogil:
     ctypedef struct shm_comm:
         pass
     int SHM_OK, SHM_ETIMEDOUT, SHM_EPEERDEAD, SHM_EBROKEN, SHM_ESYS, SHM_EINVAL, SHM_ECLOSED
+    int SHM_EFAILED, SHM_FAIL_NONE, SHM_FAIL_MISMATCH, SHM_FAIL_COUNTS, SHM_FAIL_TEXT_SET
     int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int size,
                       size_t half_bytes, size_t ring_bytes, double timeout_s, int *sys_errno)
     void shm_comm_close(shm_comm *c)
@@ -30,17 +33,23 @@ cdef extern from "shm_coll.h" nogil:
     uint32_t shm_comm_seq(const shm_comm *c)
     size_t shm_comm_half_bytes(const shm_comm *c)
     void shm_comm_abort(shm_comm *c)
-    int shm_barrier(shm_comm *c)
-    int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root)
-    int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op)
-    int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root)
-    int shm_all_gather(shm_comm *c, void *out, const void *inp, size_t nbytes)
-    int shm_all_gather_list(shm_comm *c, void *const *outs, const void *inp, size_t nbytes)
-    int shm_gather(shm_comm *c, void *out, const void *inp, size_t nbytes, int root)
-    int shm_scatter(shm_comm *c, void *out, const void *inp, size_t nbytes, int root)
-    int shm_reduce_scatter(shm_comm *c, void *out, const void *inp, size_t count, int dtype, int op)
+    uint32_t shm_comm_coll(const shm_comm *c)
+    int shm_comm_fail_record(const shm_comm *c, uint32_t *k, int *a, int *b, uint64_t *wa,
+                             uint64_t *wb, const char **text)
+    int shm_comm_poison(shm_comm *c, const char *text)
+    int shm_barrier(shm_comm *c, uint64_t fp)
+    int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
+    int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp)
+    int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root, uint64_t fp)
+    int shm_all_gather(shm_comm *c, void *out, const void *inp, size_t nbytes, uint64_t fp)
+    int shm_all_gather_list(shm_comm *c, void *const *outs, const void *inp, size_t nbytes,
+                            uint64_t fp)
+    int shm_gather(shm_comm *c, void *out, const void *inp, size_t nbytes, int root, uint64_t fp)
+    int shm_scatter(shm_comm *c, void *out, const void *inp, size_t nbytes, int root, uint64_t fp)
+    int shm_reduce_scatter(shm_comm *c, void *out, const void *inp, size_t count, int dtype, int op,
+                           uint64_t fp)
     int shm_all_to_all(shm_comm *c, void *out, const void *inp, const size_t *out_bytes,
-                       const size_t *in_bytes)
+                       const size_t *in_bytes, uint64_t fp)
     int shm_p2p_try_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const void *buf,
                          size_t nbytes)
     int shm_p2p_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const void *buf,
@@ -57,9 +66,29 @@ _REASONS = {
     SHM_EINVAL: "segment layout mismatch or bad argument",
     SHM_ECLOSED: "communicator shut down",
     SHM_ESYS: "a system call or an allocation failed",
+    SHM_EFAILED: "the group failed",
     -1: "unknown dtype",
     -2: "op not defined for dtype",
 }
+
+
+cdef int K_BARRIER = _fp.BARRIER, K_BROADCAST = _fp.BROADCAST, K_ALL_REDUCE = _fp.ALL_REDUCE
+cdef int K_REDUCE = _fp.REDUCE, K_ALL_GATHER = _fp.ALL_GATHER, K_GATHER = _fp.GATHER
+cdef int K_SCATTER = _fp.SCATTER, K_REDUCE_SCATTER = _fp.REDUCE_SCATTER
+cdef int K_ALL_TO_ALL = _fp.ALL_TO_ALL, NO_DTYPE = _fp.NO_DTYPE
+
+
+cdef inline uint64_t _pack(int kind, int dtype, uint64_t count, int root, int op) noexcept:
+    """collectives.fingerprint.pack, in C (a call's fingerprint costs nanoseconds)."""
+    return (<uint64_t>(kind & 0xF) | (<uint64_t>(dtype & 0xF) << 4)
+            | (<uint64_t>((op + 1) & 0xF) << 8) | (<uint64_t>((root + 1) & 0xFFF) << 12)
+            | ((count & ((<uint64_t>1 << 40) - 1)) << 24))
+
+
+def pack(int kind, int dtype=NO_DTYPE, uint64_t count=0, int root=-1, int op=-1):
+    """The word the collectives below compute when not given one (tests compare it with
+    collectives.fingerprint.pack)."""
+    return _pack(kind, dtype, count, root, op)
 
 
 def unlink(name):
@@ -85,6 +114,9 @@ cdef class ShmComm:
     cdef readonly str label
     cdef readonly double timeout
     cdef public object rank_names  # rank r is called rank_names[r] in messages (None: r)
+    cdef public long coll_base     # collectives before the user's first (numbering in messages)
+    cdef public uint64_t last_fp   # this rank's latest fingerprint word
+    cdef bint reported             # this rank raised the recorded failure already
 
     def __cinit__(self, str name, bint create, int rank, int size, size_t half_bytes,
                   size_t ring_bytes, double timeout, str label="shm"):
@@ -117,6 +149,16 @@ cdef class ShmComm:
         if peer < 0:
             peer = shm_comm_error_peer(self.c)
         names = self.rank_names
+        if rc == SHM_EFAILED or rc == SHM_EBROKEN:
+            record = self.failure()
+            if record is not None:
+                # the call at which this rank learns of it raises the record itself (a rank
+                # may learn it at entry, when others failed the call before it arrived)
+                if not self.reported:
+                    self.reported = True
+                    raise DistBackendError(record)
+                raise DistBackendError(
+                    f"{self.label} {op}: group unusable after an earlier failure: {record}")
         reason = _REASONS.get(rc, f"error {rc}")
         who = f"peer rank {names[peer] if names else peer}" if peer >= 0 else "peers"
         if rc == SHM_ETIMEDOUT:  # torch gloo's words, which torch's tests match
@@ -133,6 +175,73 @@ cdef class ShmComm:
         if self.c == NULL:
             raise DistBackendError(f"{self.label} {op}: communicator is closed")
         return self.c
+
+    def failure(self):
+        """The description of the group's recorded failure (the same on every rank), or None.
+
+        Waits briefly for a record being written by another rank."""
+        cdef uint32_t k = 0
+        cdef int a = 0, b = 0, st = SHM_FAIL_NONE, i
+        cdef uint64_t wa = 0, wb = 0
+        cdef const char *text = NULL
+        if self.c == NULL:
+            return None
+        for i in range(1000):
+            st = shm_comm_fail_record(self.c, &k, &a, &b, &wa, &wb, &text)
+            if st != SHM_FAIL_NONE or i == 999:
+                break
+            import time
+            time.sleep(0.001)
+        names = self.rank_names
+        nm = (lambda r: names[r]) if names else None
+        seq = k - self.coll_base
+        if st == SHM_FAIL_MISMATCH:
+            # the lower rank first, whichever saw it: the same words on every rank
+            if a > b:
+                a, b, wa, wb = b, a, wb, wa
+            # ranks by their names; roots as the words carry them (a hierarchical group
+            # passes its own calls' words, whose roots are already the group's ranks)
+            return _fp.mismatch_message(seq, nm(a) if nm else a, wa, nm(b) if nm else b, wb,
+                                        self.label)
+        if st == SHM_FAIL_COUNTS:
+            dtype = (self.last_fp >> 4) & 0xF
+            isz = _D.ITEMSIZE.get(dtype, 1)
+            dname = f"{_D.DTYPE_NAMES[dtype]} elements" if dtype in _D.ITEMSIZE else "bytes"
+            an = nm(a) if nm else a
+            bn = nm(b) if nm else b
+            return (f"collectives called with different arguments in group {self.label}: in "
+                    f"all_to_all (collective #{seq}) rank {bn} sends {wb // isz} {dname} to rank "
+                    f"{an}, which expects {wa // isz} from it")
+        if st == SHM_FAIL_TEXT_SET:
+            return text.decode("utf-8", "replace")
+        return None
+
+    def failure_words(self):
+        """(state, collective number, rank a, word a, rank b, word b) of the recorded failure
+        (state: 2 fingerprint mismatch, 3 all_to_all counts, 4 text), or None."""
+        cdef uint32_t k = 0
+        cdef int a = 0, b = 0, st
+        cdef uint64_t wa = 0, wb = 0
+        cdef const char *text = NULL
+        if self.c == NULL:
+            return None
+        st = shm_comm_fail_record(self.c, &k, &a, &b, &wa, &wb, &text)
+        if st == SHM_FAIL_NONE:
+            return None
+        return st, k - self.coll_base, a, wa, b, wb
+
+    def poison(self, str text):
+        """Record ``text`` as the group's failure (unless one is recorded already) and make
+        every rank's current and later calls on it raise it. Returns whether it was first."""
+        cdef bytes b = text.encode("utf-8", "replace")
+        if self.c == NULL:
+            return False
+        return bool(shm_comm_poison(self.c, b))
+
+    @property
+    def coll(self):
+        """Fingerprinted collectives started so far on this rank."""
+        return shm_comm_coll(self._live("coll"))
 
     def close(self):
         """Unmap the segment (idempotent)."""
@@ -198,42 +307,62 @@ cdef class ShmComm:
         return shm_comm_seq(self._live("seq"))
 
     # ---- collectives on raw pointers ------------------------------------------
-    def barrier(self):
+    # fp: the caller's fingerprint of the call (collectives.fingerprint.pack); every rank
+    # compares every peer's with its own (see shm_coll.h)
+    def barrier(self, uint64_t fp=0):
         cdef shm_comm *c = self._live("barrier")
         cdef int rc
+        if fp == 0:
+            fp = _pack(K_BARRIER, NO_DTYPE, 0, -1, -1)
+        self.last_fp = fp
         with nogil:
-            rc = shm_barrier(c)
+            rc = shm_barrier(c, fp)
         self._check(rc, "barrier")
 
-    def broadcast(self, size_t ptr, size_t nbytes, int root):
+    def broadcast(self, size_t ptr, size_t nbytes, int root, int dtype=NO_DTYPE,
+                  uint64_t count=0, uint64_t fp=0):
         cdef shm_comm *c = self._live("broadcast")
         cdef int rc
+        if fp == 0:
+            fp = _pack(K_BROADCAST, dtype, count, root, -1)
+        self.last_fp = fp
         with nogil:
-            rc = shm_broadcast(c, <void *>ptr, nbytes, root)
+            rc = shm_broadcast(c, <void *>ptr, nbytes, root, fp)
         self._check(rc, "broadcast")
 
-    def all_reduce(self, size_t ptr, size_t count, int dtype, int op):
+    def all_reduce(self, size_t ptr, size_t count, int dtype, int op, uint64_t fp=0):
         cdef shm_comm *c = self._live("all_reduce")
         cdef int rc
+        if fp == 0:
+            fp = _pack(K_ALL_REDUCE, dtype, count, -1, op)
+        self.last_fp = fp
         with nogil:
-            rc = shm_all_reduce(c, <void *>ptr, count, dtype, op)
+            rc = shm_all_reduce(c, <void *>ptr, count, dtype, op, fp)
         self._check(rc, "all_reduce")
 
-    def reduce(self, size_t ptr, size_t count, int dtype, int op, int root):
+    def reduce(self, size_t ptr, size_t count, int dtype, int op, int root, uint64_t fp=0):
         cdef shm_comm *c = self._live("reduce")
         cdef int rc
+        if fp == 0:
+            fp = _pack(K_REDUCE, dtype, count, root, op)
+        self.last_fp = fp
         with nogil:
-            rc = shm_reduce(c, <void *>ptr, count, dtype, op, root)
+            rc = shm_reduce(c, <void *>ptr, count, dtype, op, root, fp)
         self._check(rc, "reduce")
 
-    def all_gather(self, size_t out, size_t inp, size_t nbytes):
+    def all_gather(self, size_t out, size_t inp, size_t nbytes, int dtype=NO_DTYPE,
+                   uint64_t count=0, uint64_t fp=0):
         cdef shm_comm *c = self._live("all_gather")
         cdef int rc
+        if fp == 0:
+            fp = _pack(K_ALL_GATHER, dtype, count, -1, -1)
+        self.last_fp = fp
         with nogil:
-            rc = shm_all_gather(c, <void *>out, <const void *>inp, nbytes)
+            rc = shm_all_gather(c, <void *>out, <const void *>inp, nbytes, fp)
         self._check(rc, "all_gather")
 
-    def all_gather_list(self, outs, size_t inp, size_t nbytes):
+    def all_gather_list(self, outs, size_t inp, size_t nbytes, int dtype=NO_DTYPE,
+                        uint64_t count=0, uint64_t fp=0):
         """all_gather into separate blocks: ``outs`` holds one address per rank."""
         cdef shm_comm *c = self._live("all_gather")
         cdef int rc, i, n = self.size
@@ -242,37 +371,53 @@ cdef class ShmComm:
         cdef void **o = <void **>malloc(n * sizeof(void *))
         if o == NULL:
             raise MemoryError()
+        if fp == 0:
+            fp = _pack(K_ALL_GATHER, dtype, count, -1, -1)
+        self.last_fp = fp
         try:
             for i in range(n):
                 o[i] = <void *><size_t>outs[i]
             with nogil:
-                rc = shm_all_gather_list(c, <void *const *>o, <const void *>inp, nbytes)
+                rc = shm_all_gather_list(c, <void *const *>o, <const void *>inp, nbytes, fp)
         finally:
             free(o)
         self._check(rc, "all_gather")
 
-    def gather(self, size_t out, size_t inp, size_t nbytes, int root):
+    def gather(self, size_t out, size_t inp, size_t nbytes, int root, int dtype=NO_DTYPE,
+               uint64_t count=0, uint64_t fp=0):
         cdef shm_comm *c = self._live("gather")
         cdef int rc
+        if fp == 0:
+            fp = _pack(K_GATHER, dtype, count, root, -1)
+        self.last_fp = fp
         with nogil:
-            rc = shm_gather(c, <void *>out, <const void *>inp, nbytes, root)
+            rc = shm_gather(c, <void *>out, <const void *>inp, nbytes, root, fp)
         self._check(rc, "gather")
 
-    def scatter(self, size_t out, size_t inp, size_t nbytes, int root):
+    def scatter(self, size_t out, size_t inp, size_t nbytes, int root, int dtype=NO_DTYPE,
+                uint64_t count=0, uint64_t fp=0):
         cdef shm_comm *c = self._live("scatter")
         cdef int rc
+        if fp == 0:
+            fp = _pack(K_SCATTER, dtype, count, root, -1)
+        self.last_fp = fp
         with nogil:
-            rc = shm_scatter(c, <void *>out, <const void *>inp, nbytes, root)
+            rc = shm_scatter(c, <void *>out, <const void *>inp, nbytes, root, fp)
         self._check(rc, "scatter")
 
-    def reduce_scatter(self, size_t out, size_t inp, size_t count, int dtype, int op):
+    def reduce_scatter(self, size_t out, size_t inp, size_t count, int dtype, int op,
+                       uint64_t fp=0):
         cdef shm_comm *c = self._live("reduce_scatter")
         cdef int rc
+        if fp == 0:
+            fp = _pack(K_REDUCE_SCATTER, dtype, count, -1, op)
+        self.last_fp = fp
         with nogil:
-            rc = shm_reduce_scatter(c, <void *>out, <const void *>inp, count, dtype, op)
+            rc = shm_reduce_scatter(c, <void *>out, <const void *>inp, count, dtype, op, fp)
         self._check(rc, "reduce_scatter")
 
-    def all_to_all(self, size_t out, size_t inp, out_bytes, in_bytes):
+    def all_to_all(self, size_t out, size_t inp, out_bytes, in_bytes, int dtype=NO_DTYPE,
+                   uint64_t fp=0):
         cdef shm_comm *c = self._live("all_to_all")
         cdef int rc, i, n = self.size
         if len(out_bytes) != n or len(in_bytes) != n:
@@ -281,12 +426,15 @@ cdef class ShmComm:
         if ob == NULL:
             raise MemoryError()
         cdef size_t *ib = ob + n
+        if fp == 0:
+            fp = _pack(K_ALL_TO_ALL, dtype, 0, -1, -1)
+        self.last_fp = fp
         try:
             for i in range(n):
                 ob[i] = out_bytes[i]
                 ib[i] = in_bytes[i]
             with nogil:
-                rc = shm_all_to_all(c, <void *>out, <const void *>inp, ob, ib)
+                rc = shm_all_to_all(c, <void *>out, <const void *>inp, ob, ib, fp)
         finally:
             free(ob)
         self._check(rc, "all_to_all")

@@ -64,7 +64,7 @@ def describe(kind, dtype=NO_DTYPE, count=0, root=-1, op=-1, rank_name=None):
         parts.append(f"{_ROOT_ARG.get(kind, 'root')}={shown}")
     if dtype != NO_DTYPE:
         parts.append(D.DTYPE_NAMES.get(dtype, f"dtype {dtype}"))
-    if kind != BARRIER:
+    if kind not in (BARRIER, ALL_TO_ALL):  # all_to_all's counts are per peer, not in the word
         parts.append(str(count) if dtype != NO_DTYPE else f"{count} bytes")
     if op >= 0:
         parts.append(f"op={D.OP_NAMES.get(op, op)}")

@@ -13,10 +13,13 @@ containers that share a hostname but not memory are told apart. Then:
 * COLLECTIVES_TRANSPORT=tcp forces the TCP backend (=shm insists on shared
   memory, failing if the ranks span hosts); the default is auto.
 """
+import functools
+import inspect
 import os
 import socket
 
-from ..errors import DistBackendError
+from .. import fingerprint as F
+from ..errors import DistBackendError, DistError
 from .base import Backend
 
 TRANSPORT_ENV = "COLLECTIVES_TRANSPORT"
@@ -87,6 +90,22 @@ def create_default_backend(store, rank, size, timeout, options=None):
     return HierarchicalBackend(store, rank, size, timeout, options, hosts)
 
 
+def _breaks_group(method):
+    """A hierarchical collective: a failure in any part leaves the group unusable, and its
+    later collectives say so (the parts may be left in different states)."""
+    @functools.wraps(method)
+    def run(self, *args):
+        if self._failed is not None:
+            raise DistBackendError(f"{self.name} group (size {self.size}) {method.__name__}: "
+                                   f"group unusable after an earlier failure: {self._failed}")
+        try:
+            return method(self, *args)
+        except DistError as e:
+            self._failed = str(e)
+            raise
+    return run
+
+
 class HierarchicalBackend(Backend):
     """A group spanning hosts: shared memory within a host, TCP between hosts.
 
@@ -113,6 +132,22 @@ class HierarchicalBackend(Backend):
     group's TCP time at 1-16 MiB, and gathering or scattering through the leaders 2-3x
     (every rank's block crosses to or from the root either way); and a receive from any
     source must see every sender on one transport.
+
+    Fingerprints: every part of a collective carries the fingerprint of the ORIGINAL call
+    (kind, dtype, count, root, op; collectives.fingerprint), so ranks of one host that
+    called different collectives raise in the shared-memory part, naming both calls as the
+    group's ranks and collective number, and leaders whose hosts called different ones
+    raise in the TCP part. A failure in one part reaches the ranks waiting in another: a
+    leader whose TCP part failed records the error in its host's segment (its host's ranks
+    raise it), and a leader whose host found a mismatch makes the other leaders' TCP part
+    fail with the mismatched call (where the TCP backend takes fingerprints). A host whose
+    first shared-memory part would come after the leaders' (a broadcast's other hosts), and
+    every call made over the whole group's TCP backend, compare first within the host and
+    among the leaders (a barrier carrying the call's fingerprint): every host has compared
+    before any leader goes on, and a rank that made a call hierarchically meets one that
+    made another over the whole group in one exchange. Buffers are
+    not guaranteed untouched by a mismatch between hosts: a host's ranks have reduced into
+    their leader's buffer by the time the leaders compare.
     """
 
     name = "gloo-hier"
@@ -143,6 +178,66 @@ class HierarchicalBackend(Backend):
             self.leaders = _tcp(_prefixed(store, "hier/leaders"), self.host_index,
                                 len(self.members), timeout, options,
                                 rank_names=[m[0] for m in self.members])
+        # whether the TCP backend's collectives carry a caller's fingerprint (fp=)
+        self._tcp_fp = "fp" in inspect.signature(self.world.all_reduce).parameters
+        self._seq = 0      # this group's collectives so far (the numbering in messages)
+        self._word = 0     # the fingerprint of the collective running now
+        self._failed = None  # the first collective's failure: the group is unusable after it
+
+    # ---- fingerprints: every part carries the original call's -------------------------
+    def _begin(self, word):
+        self._seq += 1
+        self._word = word
+        self.local.number_next(self._seq)
+
+    def _local(self, method, *args):
+        """A shared-memory part. On a leader whose host found a mismatch, the other leaders'
+        TCP part is made to fail too (they would wait for this leader until the timeout)."""
+        try:
+            method(*args, fp=self._word)
+        except DistError:
+            self._tell_leaders()
+            raise
+
+    def _tell_leaders(self):
+        if self.leaders is None or not self._tcp_fp:
+            return
+        odd = self.local.mismatched_word(self._word)
+        if odd is None:
+            return
+        try:  # a call whose fingerprint is the host's odd one: the leaders compare and raise
+            self.leaders.barrier(fp=odd)
+        except DistError:
+            pass
+
+    def _whole(self, word):
+        """Before a call over the whole group's TCP backend: compare within each host and
+        among the leaders first, so that a rank that made the call hierarchically and one
+        that made it over the whole group (a mismatch) meet in one exchange."""
+        self._begin(word)
+        self._local(self.local.barrier)
+        if self.leaders is not None:
+            self._leaders(self.leaders.barrier)
+        self._verdict()
+
+    def _verdict(self):
+        """A last shared-memory step (a barrier carrying the call's fingerprint) for a call
+        whose host would otherwise finish before its leader's TCP part: a failure there,
+        recorded in the segment by the leader, reaches the host's ranks within the call."""
+        if len(self.local_ranks) > 1:
+            self._local(self.local.barrier)
+
+    def _leaders(self, method, *args):
+        """The TCP part among leaders. On failure, this host's ranks (waiting for this
+        leader in the next shared-memory part) raise the same error."""
+        try:
+            if self._tcp_fp:
+                method(*args, fp=self._word)
+            else:
+                method(*args)
+        except DistError as e:
+            self.local.fail_group(str(e))
+            raise
 
     # ---- helpers -------------------------------------------------------------------
     @staticmethod
@@ -154,80 +249,108 @@ class HierarchicalBackend(Backend):
         return buf
 
     # ---- collectives ---------------------------------------------------------------
+    @_breaks_group
     def all_reduce(self, buf, op):
-        self.local.reduce(buf, op, 0)
+        self._begin(F.pack(F.ALL_REDUCE, buf.dtype, buf.count, -1, op))
+        self._local(self.local.reduce, buf, op, 0)
         if self.leaders is not None:
-            self.leaders.all_reduce(buf, op)
-        self.local.broadcast(buf, 0)
+            self._leaders(self.leaders.all_reduce, buf, op)
+        self._local(self.local.broadcast, buf, 0)
 
+    @_breaks_group
     def broadcast(self, buf, root):
+        self._begin(F.pack(F.BROADCAST, buf.dtype, buf.count, root))
         rh = self.host_of[root]
         if self.host_index == rh:
-            self.local.broadcast(buf, self.local_index[root])
+            self._local(self.local.broadcast, buf, self.local_index[root])
             if self.leaders is not None:
-                self.leaders.broadcast(buf, rh)
+                self._leaders(self.leaders.broadcast, buf, rh)
+            self._verdict()
         else:
+            # the host's ranks compare before its leader takes part among the leaders:
+            # else a host could find a mismatch only after the others had returned
+            self._local(self.local.barrier)
             if self.leaders is not None:
-                self.leaders.broadcast(buf, rh)
-            self.local.broadcast(buf, 0)
+                self._leaders(self.leaders.broadcast, buf, rh)
+            self._local(self.local.broadcast, buf, 0)
 
+    @_breaks_group
     def reduce(self, buf, op, root):
+        self._begin(F.pack(F.REDUCE, buf.dtype, buf.count, root, op))
         # the leaders reduce into scratch unless they are the root: the others' buf stays
         rh = self.host_of[root]
         acc = buf
         if self.is_leader and self.rank != root:
             acc = self._scratch(buf.count, buf.dtype, like=buf)
-        self.local.reduce(acc, op, 0)
+        self._local(self.local.reduce, acc, op, 0)
         if self.leaders is not None:
-            self.leaders.reduce(acc, op, rh)
+            self._leaders(self.leaders.reduce, acc, op, rh)
         if self.host_index == rh and self.local_index[root]:
             # leader to root in one shared-memory broadcast (faster here than a send
             # through the segment's rings); the other local ranks take it into scratch
             if self.is_leader:
-                self.local.broadcast(acc, 0)
+                self._local(self.local.broadcast, acc, 0)
             else:
-                self.local.broadcast(buf if self.rank == root else
-                                     self._scratch(buf.count, buf.dtype), 0)
+                self._local(self.local.broadcast, buf if self.rank == root else
+                            self._scratch(buf.count, buf.dtype), 0)
+        else:
+            self._verdict()
 
+    @_breaks_group
     def all_gather(self, out, inp):
         c = inp.count
+        word = F.pack(F.ALL_GATHER, inp.dtype, c)
         if not self.blocked or not c:
+            self._whole(word)
             return self.world.all_gather(out, inp)
+        self._begin(word)
         n_local = len(self.local_ranks)
         start = self.host_index * n_local * c  # this host's blocks: a slice of out
         mine = out.slice(start, start + n_local * c)
-        self.local.gather(mine if self.is_leader else None, inp, 0)
+        self._local(self.local.gather, mine if self.is_leader else None, inp, 0)
         if self.leaders is not None:
-            self.leaders.all_gather(out, mine)
-        self.local.broadcast(out, 0)
+            self._leaders(self.leaders.all_gather, out, mine)
+        self._local(self.local.broadcast, out, 0)
 
+    @_breaks_group
     def gather(self, out, inp, root):
+        self._whole(F.pack(F.GATHER, inp.dtype, inp.count, root))
         self.world.gather(out, inp, root)
 
+    @_breaks_group
     def scatter(self, out, inp, root):
+        self._whole(F.pack(F.SCATTER, out.dtype, out.count, root))
         self.world.scatter(out, inp, root)
 
+    @_breaks_group
     def reduce_scatter(self, out, inp, op):
         c = out.count
+        word = F.pack(F.REDUCE_SCATTER, out.dtype, c, -1, op)
         if not self.blocked or not c:
+            self._whole(word)
             return self.world.reduce_scatter(out, inp, op)
+        self._begin(word)
         n_local = len(self.local_ranks)
         acc = self._scratch(inp.count, inp.dtype, like=inp) if self.is_leader else inp
-        self.local.reduce(acc, op, 0)  # the others' inp stays as it was
+        self._local(self.local.reduce, acc, op, 0)  # the others' inp stays as it was
         host = None
         if self.leaders is not None:
             start = self.host_index * n_local * c  # this host's part: a slice of acc
             host = acc.slice(start, start + n_local * c)
-            self.leaders.reduce_scatter(host, acc, op)
-        self.local.scatter(out, host, 0)
+            self._leaders(self.leaders.reduce_scatter, host, acc, op)
+        self._local(self.local.scatter, out, host, 0)
 
+    @_breaks_group
     def barrier(self):
-        self.local.barrier()
+        self._begin(F.pack(F.BARRIER))
+        self._local(self.local.barrier)
         if self.leaders is not None:
-            self.leaders.barrier()
-        self.local.barrier()
+            self._leaders(self.leaders.barrier)
+        self._local(self.local.barrier)
 
+    @_breaks_group
     def all_to_all(self, out, inp, out_counts, in_counts):
+        self._whole(F.pack(F.ALL_TO_ALL, inp.dtype))
         self.world.all_to_all(out, inp, out_counts, in_counts)
 
     def isend(self, buf, dst, tag=0):

@@ -31,10 +31,13 @@ import threading
 
 import numpy as np
 
+from .. import dtypes as D
 from ..errors import DistBackendError, DistError
 from .base import Backend, DoneRequest, FutureRequest
 
-_HDR = struct.Struct("<qq")  # tag, payload bytes
+# a message's header: tag, payload bytes, dtype code (a receive must match both: one of
+# another size or dtype raises on the receiver instead of truncating or reinterpreting)
+_HDR = struct.Struct("<qqi4x")
 
 # Thresholds from measurements on the (busy, 2-core) development machines. one-shot up
 # to 64 KiB (one synchronisation). Two-shot chunks of 512 KiB: 4 ranks, two-shot
@@ -185,6 +188,7 @@ class ShmBackend(Backend):
         finally:
             if rank == 0:
                 unlink(name)
+        self._comm.coll_base = self._comm.coll  # error messages count the user's collectives
         (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min,
          stream) = map(int, tuning.split(","))
         if stream not in (0, 1, 2):  # every rank sees rank 0's value: all raise alike
@@ -201,37 +205,69 @@ class ShmBackend(Backend):
         self._p2p_lock = threading.Lock()
 
     # ---- collectives ---------------------------------------------------------------
-    def broadcast(self, buf, root):
-        self._comm.broadcast(buf.ptr, buf.nbytes, root)
+    # Each call carries its fingerprint (kind, dtype, element count, root, op; computed in
+    # _shm from these arguments, or ``fp``, a collectives.fingerprint.pack word, where a
+    # caller such as the hierarchical backend passes the original call's): a rank whose
+    # peer called something else raises DistBackendError naming both calls, on every rank.
+    def broadcast(self, buf, root, fp=0):
+        self._comm.broadcast(buf.ptr, buf.nbytes, root, buf.dtype, buf.count, fp)
 
-    def all_reduce(self, buf, op):
-        self._comm.all_reduce(buf.ptr, buf.count, buf.dtype, op)
+    def all_reduce(self, buf, op, fp=0):
+        self._comm.all_reduce(buf.ptr, buf.count, buf.dtype, op, fp)
 
-    def reduce(self, buf, op, root):
-        self._comm.reduce(buf.ptr, buf.count, buf.dtype, op, root)
+    def reduce(self, buf, op, root, fp=0):
+        self._comm.reduce(buf.ptr, buf.count, buf.dtype, op, root, fp)
 
-    def all_gather(self, out, inp):
-        self._comm.all_gather(out.ptr, inp.ptr, inp.nbytes)
+    def all_gather(self, out, inp, fp=0):
+        self._comm.all_gather(out.ptr, inp.ptr, inp.nbytes, inp.dtype, inp.count, fp)
 
-    def all_gather_list(self, outs, inp):
-        self._comm.all_gather_list([b.ptr for b in outs], inp.ptr, inp.nbytes)
+    def all_gather_list(self, outs, inp, fp=0):
+        self._comm.all_gather_list([b.ptr for b in outs], inp.ptr, inp.nbytes, inp.dtype,
+                                   inp.count, fp)
 
-    def gather(self, out, inp, root):
-        self._comm.gather(out.ptr if out is not None else 0, inp.ptr, inp.nbytes, root)
+    def gather(self, out, inp, root, fp=0):
+        self._comm.gather(out.ptr if out is not None else 0, inp.ptr, inp.nbytes, root,
+                          inp.dtype, inp.count, fp)
 
-    def scatter(self, out, inp, root):
-        self._comm.scatter(out.ptr, inp.ptr if inp is not None else 0, out.nbytes, root)
+    def scatter(self, out, inp, root, fp=0):
+        self._comm.scatter(out.ptr, inp.ptr if inp is not None else 0, out.nbytes, root,
+                           out.dtype, out.count, fp)
 
-    def reduce_scatter(self, out, inp, op):
-        self._comm.reduce_scatter(out.ptr, inp.ptr, out.count, out.dtype, op)
+    def reduce_scatter(self, out, inp, op, fp=0):
+        self._comm.reduce_scatter(out.ptr, inp.ptr, out.count, out.dtype, op, fp)
 
-    def all_to_all(self, out, inp, out_counts, in_counts):
+    def all_to_all(self, out, inp, out_counts, in_counts, fp=0):
+        # per-rank counts differ legally: the word holds kind and dtype, and every rank
+        # checks that what each peer sends it is what it expects from that peer
         isz = out.itemsize
         self._comm.all_to_all(out.ptr, inp.ptr, [c * isz for c in out_counts],
-                              [c * isz for c in in_counts])
+                              [c * isz for c in in_counts], out.dtype, fp)
 
-    def barrier(self):
-        self._comm.barrier()
+    def barrier(self, fp=0):
+        self._comm.barrier(fp)
+
+    def number_next(self, seq):
+        """Error messages call this backend's next collective the caller's collective #seq
+        (a hierarchical group's local part numbers its calls as the whole group does)."""
+        self._comm.coll_base = self._comm.coll + 1 - seq
+
+    def failure(self):
+        """The group's recorded failure (the same text on every rank), or None."""
+        return self._comm.failure()
+
+    def mismatched_word(self, mine):
+        """The fingerprint word that differed from ``mine`` in the recorded mismatch, or None."""
+        rec = self._comm.failure_words()
+        if rec is None or rec[0] != 2:
+            return None
+        _, _, _, wa, _, wb = rec
+        return wb if wa == mine else wa
+
+    def fail_group(self, message):
+        """Record ``message`` as this group's failure (unless one is recorded already) and
+        make every rank's current and later calls on it raise it: for a caller whose own
+        part of a collective failed elsewhere (the hierarchical backend's leaders)."""
+        self._comm.poison(message)
 
     # ---- point to point --------------------------------------------------------------
     def _engine(self):
@@ -284,7 +320,7 @@ class _P2PEngine:
         self.sends = collections.deque()  # (dst, hdr, buf, req), issue order
         self.sending = 0                  # queued or in flight on the sender thread
         self.posted = []                  # [src or None, tag, buf, req], post order
-        self.unexpected = []              # (src, tag, np.uint8 array), arrival order
+        self.unexpected = []              # (src, tag, (dtype, np.uint8 array)), arrival order
         self.error = None
         self.closed = False
         self.sender = threading.Thread(target=self._send_loop, daemon=True,
@@ -295,7 +331,7 @@ class _P2PEngine:
         self.receiver.start()
 
     def isend(self, buf, dst, tag):
-        hdr = _HDR.pack(tag, buf.nbytes)
+        hdr = _HDR.pack(tag, buf.nbytes, buf.dtype)
         with self.lock:
             if self.error is not None:
                 raise self.error
@@ -339,13 +375,28 @@ class _P2PEngine:
             self.posted.append([src, tag, buf, req])
         return req
 
-    def _deliver(self, buf, data, src, tag):
-        """Copy an unexpected message into buf; the exception to report, or None."""
-        if data.nbytes > buf.nbytes:
-            return DistBackendError(f"{self.label} irecv from rank {src} (tag {tag}): message of "
-                                    f"{data.nbytes} bytes does not fit the {buf.nbytes}-byte buffer")
+    def _mismatch(self, buf, nbytes, dtype, src, tag):
+        """The error of a receive into ``buf`` of a message of another size or dtype, or None."""
+        if nbytes == buf.nbytes and dtype == buf.dtype:
+            return None
+
+        def what(nb, dt):
+            isz = D.ITEMSIZE.get(dt)
+            name = D.DTYPE_NAMES.get(dt, f"dtype {dt}")
+            return f"{nb // isz} {name} ({nb} bytes)" if isz else f"{nb} bytes of {name}"
+        names = self.comm.rank_names
+        return DistBackendError(
+            f"{self.label} irecv from rank {names[src] if names else src} (tag {tag}): the "
+            f"message holds {what(nbytes, dtype)} but the receive takes {what(buf.nbytes, buf.dtype)}")
+
+    def _deliver(self, buf, msg, src, tag):
+        """Copy an unexpected message (dtype, data) into buf; the exception to report, or None."""
+        dtype, data = msg
+        exc = self._mismatch(buf, data.nbytes, dtype, src, tag)
+        if exc is not None:
+            return exc
         if data.nbytes:
-            buf.bytes_view()[:data.nbytes] = data
+            buf.bytes_view()[:] = data
         return None
 
     def _match(self, src, tag):
@@ -362,25 +413,27 @@ class _P2PEngine:
                 src = comm.p2p_poll(_HDR.size, 0.2)
                 if src < 0:
                     continue
-                tag, nbytes = _HDR.unpack(comm.p2p_read_bytes(src, _HDR.size))
+                tag, nbytes, dtype = _HDR.unpack(comm.p2p_read_bytes(src, _HDR.size))
                 with self.lock:
                     match = self._match(src, tag)
-                if match is not None and nbytes <= match[2].nbytes:
-                    comm.p2p_read(src, match[2].ptr, nbytes)
-                    match[3].set_result(src)
+                if match is not None:
+                    exc = self._mismatch(match[2], nbytes, dtype, src, tag)
+                    if exc is None:
+                        comm.p2p_read(src, match[2].ptr, nbytes)
+                        match[3].set_result(src)
+                    else:  # the message is consumed, the buffer left as it was
+                        comm.p2p_read(src, 0, nbytes)
+                        match[3].set_exception(exc)
                     continue
                 data = np.empty(nbytes, np.uint8)
                 if nbytes:
                     comm.p2p_read(src, data.ctypes.data, nbytes)
-                if match is not None:  # too large for the posted buffer
-                    match[3].set_exception(self._deliver(match[2], data, src, tag))
-                    continue
                 with self.lock:  # a receive may have been posted while we read
                     match = self._match(src, tag)
                     if match is None:
-                        self.unexpected.append((src, tag, data))
+                        self.unexpected.append((src, tag, (dtype, data)))
                 if match is not None:
-                    exc = self._deliver(match[2], data, src, tag)
+                    exc = self._deliver(match[2], (dtype, data), src, tag)
                     if exc is None:
                         match[3].set_result(src)
                     else:

@@ -26,7 +26,7 @@
 
 #define CL 64
 #define PAGE 4096
-#define SHM_MAGIC 0x636f6c6c73686d32ULL /* "collshm2" */
+#define SHM_MAGIC 0x636f6c6c73686d33ULL /* "collshm3": fingerprints */
 #define MAX_STACK_SRCS 64
 /* latency probes (see "near and far peers") */
 #define PROBE_EVERY 16
@@ -41,11 +41,21 @@
 #define PEER_NEAR 1
 #define PEER_FAR 2
 
+/* A call's fingerprint (collectives/fingerprint.py's pack word) for collective number k:
+ * each rank's post counter carries two, indexed by k & 1, in its own cache line, so a
+ * peer that sees the post sees the fingerprint without another line's transfer. */
+typedef struct {
+    _Atomic uint64_t k;
+    _Atomic uint64_t word;
+} fp_slot_t;
+
 typedef struct {
     _Atomic uint32_t v;
     _Atomic uint32_t waiters;
-    char pad[CL - 8];
+    fp_slot_t fp[2];  /* used in post only */
+    char pad[CL - 8 - 2 * sizeof(fp_slot_t)];
 } ctr_t;
+_Static_assert(sizeof(ctr_t) == CL, "a counter and its fingerprint slots fill one cache line");
 
 typedef struct {
     ctr_t post;   /* last step whose data this rank published */
@@ -82,7 +92,16 @@ typedef struct {
     uint64_t total;
     char pad[CL - 40];
     _Atomic uint32_t verdict; /* the latest probe's PEER_NEAR or PEER_FAR, any pair (shared) */
+    char pad2[CL - 4];
+    /* the group's first failure, for every rank to report alike (first writer wins):
+     * its own cache line, written once, so reading it in CHECK costs no transfer */
+    _Atomic uint32_t fail_state; /* SHM_FAIL_*; FAIL_WRITING while the writer fills it in */
+    uint32_t fail_k;             /* collective number */
+    int32_t fail_a, fail_b;      /* the rank that saw it, and the peer it compared with */
+    uint64_t fail_wa, fail_wb;   /* their fingerprints (a's, b's) */
+    char fail_text[SHM_FAIL_TEXT];
 } seg_hdr_t;
+#define FAIL_WRITING 1u
 
 /* Buffers that peers copy by CMA: how many ranges are remembered, and after how much
  * time spent in collapses that had to move pages (longer than THP_WORK_NS; a program
@@ -132,9 +151,13 @@ struct shm_comm {
     int64_t thp_ns;       /* time spent so far in collapses that had to move pages */
     int thp_next;         /* the table slot to reuse next */
     struct { uintptr_t a, e; int done; } thp_seen[THP_SLOTS];
+    uint32_t coll;        /* fingerprinted collectives started so far (their number k) */
+    uint64_t fp;          /* this rank's fingerprint of collective coll */
     _Atomic int broken;
     _Atomic int aborted;
 };
+
+static inline seg_hdr_t *seg_hdr(const shm_comm *c) { return (seg_hdr_t *)c->base; }
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -223,6 +246,8 @@ static int wait_ctr(shm_comm *c, ctr_t *ctr, uint32_t target, int peer, int64_t 
     for (;;) {
         if (atomic_load_explicit(&c->aborted, memory_order_relaxed))
             return SHM_ECLOSED;
+        if (atomic_load_explicit(&seg_hdr(c)->fail_state, memory_order_relaxed))
+            return SHM_EFAILED;  /* another rank recorded the group's failure */
         if (t < yield_until) {
             sched_yield();
         } else {
@@ -465,6 +490,32 @@ void shm_comm_abort(shm_comm *c)
     ctr_bump(&c->ctl[c->me].bell);
 }
 
+uint32_t shm_comm_coll(const shm_comm *c) { return c->coll; }
+
+int shm_comm_fail_record(const shm_comm *c, uint32_t *k, int *a, int *b, uint64_t *wa,
+                         uint64_t *wb, const char **text)
+{
+    const seg_hdr_t *h = seg_hdr(c);
+    uint32_t st = atomic_load_explicit(&h->fail_state, memory_order_acquire);
+    if (st == FAIL_WRITING)
+        return SHM_FAIL_NONE;
+    *k = h->fail_k;
+    *a = h->fail_a;
+    *b = h->fail_b;
+    *wa = h->fail_wa;
+    *wb = h->fail_wb;
+    *text = h->fail_text;
+    return (int)st;
+}
+
+static int record_fail(shm_comm *c, uint32_t state, uint32_t k, int a, int b, uint64_t wa,
+                       uint64_t wb, const char *text);
+
+int shm_comm_poison(shm_comm *c, const char *text)
+{
+    return record_fail(c, SHM_FAIL_TEXT_SET, c->coll, c->me, -1, 0, 0, text);
+}
+
 /* ---- steps ----------------------------------------------------------------- */
 
 #define HALF(c, q, h) ((c)->slots + ((size_t)(q) * 2 + (h)) * (c)->half)
@@ -476,10 +527,11 @@ static inline int fail(shm_comm *c, int rc)
     return rc;
 }
 
-#define CHECK(c)                                                  \
-    do {                                                          \
-        if (atomic_load_explicit(&(c)->broken, memory_order_relaxed)) \
-            return SHM_EBROKEN;                                   \
+#define CHECK(c)                                                               \
+    do {                                                                       \
+        if (atomic_load_explicit(&(c)->broken, memory_order_relaxed) ||           \
+            atomic_load_explicit(&seg_hdr(c)->fail_state, memory_order_relaxed))      \
+            return fail((c), SHM_EBROKEN);                                     \
     } while (0)
 
 #define TRY(c, expr)                      \
@@ -517,6 +569,98 @@ static int wait_posts(shm_comm *c, uint32_t s)
 }
 
 static inline void post(shm_comm *c, uint32_t s) { ctr_set(&c->ctl[c->me].post, s); }
+
+/* ---- fingerprints ------------------------------------------------------------------
+ *
+ * At entry to collective k a rank writes {k, word} into its post line's slot k & 1 and
+ * then posts the collective's first step s; every rank posts that step (ranks that read
+ * only, an arrival with no data) and, before it touches the user's buffer with a peer's
+ * data, compares that peer's slot with its own; before it returns it has compared every
+ * peer's. So no rank finishes collective k before every rank has arrived at k: no rank
+ * is more than one collective ahead of another, and two slots suffice. A difference is
+ * recorded in the segment header (first writer wins) and every rank's waits fail at
+ * once; each raises the recorded description. */
+
+static void wake_all(shm_comm *c)
+{
+    for (int q = 0; q < c->n; q++) {
+        ctr_t *cs[3] = {&c->ctl[q].post, &c->ctl[q].ack, &c->ctl[q].bell};
+        for (int i = 0; i < 3; i++)
+            if (atomic_load_explicit(&cs[i]->waiters, memory_order_seq_cst))
+                futex_wake(&cs[i]->v);
+    }
+}
+
+/* Record the group's failure (first writer wins), break it and wake every waiter. */
+static int record_fail(shm_comm *c, uint32_t state, uint32_t k, int a, int b, uint64_t wa,
+                       uint64_t wb, const char *text)
+{
+    seg_hdr_t *h = seg_hdr(c);
+    uint32_t none = 0;
+    int first = atomic_compare_exchange_strong(&h->fail_state, &none, FAIL_WRITING);
+    if (first) {
+        h->fail_k = k;
+        h->fail_a = a;
+        h->fail_b = b;
+        h->fail_wa = wa;
+        h->fail_wb = wb;
+        h->fail_text[0] = 0;
+        if (text) {
+            strncpy(h->fail_text, text, SHM_FAIL_TEXT - 1);
+            h->fail_text[SHM_FAIL_TEXT - 1] = 0;
+        }
+        atomic_store_explicit(&h->fail_state, state, memory_order_release);
+    }
+    atomic_store(&c->broken, 1);
+    wake_all(c);
+    return first;
+}
+
+static inline void fp_publish(shm_comm *c, uint64_t word)
+{
+    uint32_t k = ++c->coll;
+    fp_slot_t *sl = &c->ctl[c->me].post.fp[k & 1];
+    atomic_store_explicit(&sl->k, k, memory_order_relaxed);
+    atomic_store_explicit(&sl->word, word, memory_order_relaxed);  /* the post releases both */
+    c->fp = word;
+}
+
+/* Compare peer q's fingerprint with mine, once q has posted this collective's first step
+ * (the wait's acquire load made q's slot visible). */
+static inline int fp_check(shm_comm *c, int q)
+{
+    fp_slot_t *sl = &c->ctl[q].post.fp[c->coll & 1];
+    uint64_t k = atomic_load_explicit(&sl->k, memory_order_relaxed);
+    uint64_t w = atomic_load_explicit(&sl->word, memory_order_relaxed);
+    if (k == c->coll && w == c->fp)
+        return SHM_OK;
+    record_fail(c, SHM_FAIL_MISMATCH, c->coll, c->me, q, c->fp, w, NULL);
+    c->err_peer = q;
+    return SHM_EFAILED;
+}
+
+/* Wait for every peer's post of step s (this collective's first) and compare. */
+static int fp_check_all(shm_comm *c, uint32_t s)
+{
+    for (int q = 0; q < c->n; q++)
+        if (q != c->me) {
+            int rc = wait_post(c, q, s);
+            if (!rc)
+                rc = fp_check(c, q);
+            if (rc)
+                return rc;
+        }
+    return SHM_OK;
+}
+
+/* A collective with no data on this rank (zero bytes): one step to compare fingerprints. */
+static int fp_sync(shm_comm *c, uint64_t word)
+{
+    fp_publish(c, word);
+    uint32_t s = ++c->seq;
+    post(c, s);
+    return fail(c, fp_check_all(c, s));
+}
 static inline void ack(shm_comm *c, uint32_t s) { ctr_set(&c->ctl[c->me].ack, s); }
 
 static inline void copy(void *dst, const void *src, size_t n)
@@ -791,15 +935,12 @@ static int cma_write(shm_comm *c, int q, uint64_t remote, const void *src, size_
     return cma_copy(c, q, (void *)src, remote, nbytes, 1);
 }
 
-int shm_barrier(shm_comm *c)
+int shm_barrier(shm_comm *c, uint64_t fp)
 {
     CHECK(c);
     if (c->n == 1)
         return SHM_OK;
-    uint32_t s = ++c->seq;
-    post(c, s);
-    TRY(c, wait_posts(c, s));
-    return SHM_OK;
+    return fp_sync(c, fp);
 }
 
 /* Single-copy broadcast: the readers copy straight from the root's buffer. From
@@ -812,7 +953,7 @@ int shm_barrier(shm_comm *c)
  * and 0.27x, 0.15x, 0.15x, 0.12x during the stretches when they do not (two-copy: every
  * byte crosses between the cores' caches twice). */
 #define CMA_SPLIT (256 * 1024)
-static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root)
+static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
 {
     int n = c->n, me = c->me;
     size_t head = nbytes;  /* bytes each reader reads; the root writes the rest */
@@ -820,6 +961,7 @@ static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root)
         head = (nbytes / (size_t)n * (size_t)(n - 1)) & ~(size_t)4095;
     thp_prepare(c, buf, nbytes);
     atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)buf, memory_order_relaxed);
+    fp_publish(c, fp);
     uint32_t s = ++c->seq;
     post(c, s);
     if (me == root) {
@@ -827,32 +969,40 @@ static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root)
             for (int k = 1; k < n; k++) {
                 int q = (me + k) % n;
                 TRY(c, wait_post(c, q, s));
+                TRY(c, fp_check(c, q));  /* before writing into q's buffer */
                 uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
                 TRY(c, cma_write(c, q, addr + head, (const char *)buf + head, nbytes - head));
             }
         ack(c, s);
+        TRY(c, fp_check_all(c, s));
         for (int q = 0; q < n; q++)  /* every reader is done with buf */
             if (q != me)
                 TRY(c, wait_ctr(c, &c->ctl[q].ack, s, q, -1));
         return SHM_OK;
     }
     TRY(c, wait_post(c, root, s));
+    TRY(c, fp_check(c, root));  /* before reading the root's buffer into mine */
     uint64_t addr = atomic_load_explicit(&c->ctl[root].xfer.addr, memory_order_relaxed);
     TRY(c, cma_read(c, root, buf, addr, head));
     ack(c, s);
+    TRY(c, fp_check_all(c, s));
     if (head < nbytes)  /* the root's part has landed */
         TRY(c, wait_ctr(c, &c->ctl[root].ack, s, root, -1));
     return SHM_OK;
 }
 
-int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root)
+int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
 {
     CHECK(c);
-    if (c->n == 1 || nbytes == 0)
+    if (c->n == 1)
         return SHM_OK;
+    if (nbytes == 0)
+        return fp_sync(c, fp);
     if (c->cma && c->cma_bcast_min && nbytes >= c->cma_bcast_min)
-        return broadcast_cma(c, buf, nbytes, root);
+        return broadcast_cma(c, buf, nbytes, root, fp);
     tick(c, nbytes);
+    uint32_t s0 = c->seq + 1;  /* the first step: every rank posts it */
+    fp_publish(c, fp);
     /* whole halves: measured as fast as 1 MiB blocks or faster (4 ranks, 2 cores) */
     for (size_t off = 0; off < nbytes;) {
         size_t len = nbytes - off < c->half ? nbytes - off : c->half;
@@ -873,12 +1023,17 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root)
         } else {
             c->blk++;
             s = ++c->seq;
+            if (s == s0)
+                post(c, s);  /* arrival: nobody reads a reader's half */
             TRY(c, wait_post(c, root, s));
+            if (s == s0)
+                TRY(c, fp_check(c, root));  /* before copying the root's data into buf */
             memcpy((char *)buf + off, HALF(c, root, h), len);  /* streaming: measured slower */
             ack(c, s);
         }
         off += len;
     }
+    TRY(c, fp_check_all(c, s0));
     return SHM_OK;
 }
 
@@ -899,7 +1054,7 @@ static void slice_of(size_t cnt, int n, int q, size_t *st, size_t *len)
  * the finished slices (so no one returns while its buffer is still being read). */
 #define CMA_AR_CHUNK (256 * 1024)
 static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int op, size_t isz,
-                          const void **srcs /* n entries, the caller's */)
+                          const void **srcs /* n entries, the caller's */, uint64_t fp)
 {
     int n = c->n, me = c->me;
     if (!c->cma_tmp && !(c->cma_tmp = malloc((size_t)(n - 1) * CMA_AR_CHUNK)))
@@ -908,9 +1063,10 @@ static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int o
     char *ubuf = buf;
     thp_prepare(c, buf, count * isz);
     atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)buf, memory_order_relaxed);
+    fp_publish(c, fp);
     uint32_t s1 = ++c->seq;
     post(c, s1);
-    if ((rc = wait_posts(c, s1)))
+    if ((rc = fp_check_all(c, s1)))
         return rc;
     size_t st, len;
     slice_of(count, n, me, &st, &len);
@@ -951,7 +1107,8 @@ static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int o
 }
 
 /* Reduce to every rank (root < 0) or to root only. */
-static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, int root)
+static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, int root,
+                       uint64_t fp)
 {
     CHECK(c);
     size_t isz = coll_itemsize(dtype);
@@ -959,8 +1116,10 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         return COLL_EDTYPE;
     if (!coll_op_valid(dtype, op))
         return COLL_EOP;
-    if (c->n == 1 || count == 0)
+    if (c->n == 1)
         return SHM_OK;
+    if (count == 0)
+        return fp_sync(c, fp);
     int n = c->n, me = c->me;
     const void *stack_srcs[MAX_STACK_SRCS];
     const void **srcs = n <= MAX_STACK_SRCS ? stack_srcs : malloc(sizeof(void *) * (size_t)n);
@@ -974,12 +1133,13 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         if ((rc = half_acquire(c, &h)))
             goto out;
         seg_put(c, HALF(c, me, h), buf, nbytes);
+        fp_publish(c, fp);
         uint32_t s = ++c->seq;
         post(c, s);
         c->free_after[h] = s;
+        if ((rc = fp_check_all(c, s)))  /* a reduce's non-roots too, before they return */
+            goto out;
         if (root < 0 || root == me) {
-            if ((rc = wait_posts(c, s)))
-                goto out;
             for (int q = 0; q < n; q++)
                 srcs[q] = HALF(c, q, h);
             rc = coll_reduce_many(buf, srcs, n, count, dtype, op);
@@ -989,9 +1149,11 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         goto out;
     }
     if (root < 0 && c->cma && c->cma_ar_min && nbytes >= c->cma_ar_min) {
-        rc = all_reduce_cma(c, buf, count, dtype, op, isz, srcs);
+        rc = all_reduce_cma(c, buf, count, dtype, op, isz, srcs, fp);
         goto out;
     }
+    fp_publish(c, fp);
+    const uint32_t s0 = c->seq + 1;  /* the first chunk's first step */
     /* two-shot: each rank reduces its own slice of the chunk (from its own buffer and
      * the others' copies) into its half, then every rank copies the other slices out.
      * Each element is computed once, by its owner, so all ranks get the same bytes. */
@@ -1015,7 +1177,7 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
             }
         uint32_t s1 = ++c->seq;
         post(c, s1);
-        if ((rc = wait_posts(c, s1)))
+        if ((rc = s1 == s0 ? fp_check_all(c, s1) : wait_posts(c, s1)))
             goto out;
         slice_of(cnt, n, me, &st, &len);
         if (len) {
@@ -1051,14 +1213,14 @@ out:
     return fail(c, rc);
 }
 
-int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op)
+int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp)
 {
-    return reduce_impl(c, buf, count, dtype, op, -1);
+    return reduce_impl(c, buf, count, dtype, op, -1, fp);
 }
 
-int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root)
+int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root, uint64_t fp)
 {
-    return reduce_impl(c, buf, count, dtype, op, root);
+    return reduce_impl(c, buf, count, dtype, op, root, fp);
 }
 
 /* Rank q's block of a gather's output: contiguous blocks of `out`, or outs[q]. */
@@ -1080,7 +1242,7 @@ int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root
  * 0.94-1.01, 8 MiB 0.89-1.01, 16 MiB 0.92-1.01, 256 KiB-1 MiB 0.92-1.0. */
 #define CMA_PUSH_CHUNK (1 << 20)
 static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in, size_t nbytes,
-                      int root)
+                      int root, uint64_t fp)
 {
     int n = c->n, me = c->me;
     int reader = root < 0 || root == me;
@@ -1090,8 +1252,12 @@ static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in,
     atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)(reader && !pull ? out : NULL),
                           memory_order_relaxed);
     atomic_store_explicit(&c->ctl[me].xfer.src, (uint64_t)(uintptr_t)in, memory_order_relaxed);
+    fp_publish(c, fp);
     uint32_t s = ++c->seq;
     post(c, s);
+    /* every writer and reader compares with every peer before a byte moves: a gather's
+     * writers may write only into a root that called the same */
+    TRY(c, fp_check_all(c, s));
     int stream = !pull && outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
     for (size_t off = 0; off < nbytes; off += CMA_PUSH_CHUNK) {
         size_t len = nbytes - off < CMA_PUSH_CHUNK ? nbytes - off : CMA_PUSH_CHUNK;
@@ -1182,7 +1348,7 @@ void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size
 /* Everyone publishes in; readers (all, or root only) copy every rank's block into `out`
  * (blocks back to back) or, for a list all_gather, into outs[q]. */
 static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in, size_t nbytes,
-                       int root)
+                       int root, uint64_t fp)
 {
     CHECK(c);
     int n = c->n, me = c->me;
@@ -1192,8 +1358,12 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
             copy(GATHER_BLOCK(out, outs, 0, nbytes), in, nbytes);
         return SHM_OK;
     }
+    if (nbytes == 0)
+        return fp_sync(c, fp);
     if (c->cma && c->cma_min && nbytes >= c->cma_min)
-        return gather_cma(c, out, outs, in, nbytes, root);
+        return gather_cma(c, out, outs, in, nbytes, root, fp);
+    fp_publish(c, fp);
+    const uint32_t s0 = c->seq + 1;
     int stream = outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
     for (size_t off = 0; off < nbytes;) {
         size_t len = nbytes - off < c->half ? nbytes - off : c->half;
@@ -1206,6 +1376,8 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
         uint32_t s = ++c->seq;
         post(c, s);
         c->free_after[h] = s;
+        if (s == s0)  /* every rank, before a reader copies anything */
+            TRY(c, fp_check_all(c, s));
         if (reader) {
             TRY(c, wait_posts(c, s));
             for (int q = 0; q < n; q++)
@@ -1219,30 +1391,36 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
     return SHM_OK;
 }
 
-int shm_all_gather(shm_comm *c, void *out, const void *in, size_t nbytes)
+int shm_all_gather(shm_comm *c, void *out, const void *in, size_t nbytes, uint64_t fp)
 {
-    return gather_impl(c, out, NULL, in, nbytes, -1);
+    return gather_impl(c, out, NULL, in, nbytes, -1, fp);
 }
 
-int shm_all_gather_list(shm_comm *c, void *const *outs, const void *in, size_t nbytes)
+int shm_all_gather_list(shm_comm *c, void *const *outs, const void *in, size_t nbytes,
+                        uint64_t fp)
 {
-    return gather_impl(c, NULL, outs, in, nbytes, -1);
+    return gather_impl(c, NULL, outs, in, nbytes, -1, fp);
 }
 
-int shm_gather(shm_comm *c, void *out, const void *in, size_t nbytes, int root)
+int shm_gather(shm_comm *c, void *out, const void *in, size_t nbytes, int root, uint64_t fp)
 {
-    return gather_impl(c, out, NULL, in, nbytes, root);
+    return gather_impl(c, out, NULL, in, nbytes, root, fp);
 }
 
-int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root)
+int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root, uint64_t fp)
 {
     CHECK(c);
     int n = c->n, me = c->me;
-    if (me == root)
-        copy(out, (const char *)in + (size_t)me * nbytes, nbytes);
-    if (n == 1)
+    if (n == 1) {
+        if (me == root)
+            copy(out, in, nbytes);
         return SHM_OK;
+    }
+    if (nbytes == 0)
+        return fp_sync(c, fp);
     tick(c, nbytes);
+    fp_publish(c, fp);
+    const uint32_t s0 = c->seq + 1;  /* the first step: every rank posts it */
     size_t p = (c->half / (size_t)n) & ~(size_t)63;
     for (size_t off = 0; off < nbytes; off += p) {
         size_t len = nbytes - off < p ? nbytes - off : p;
@@ -1260,15 +1438,23 @@ int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root)
         } else {
             c->blk++;
             s = ++c->seq;
+            if (s == s0)
+                post(c, s);  /* arrival */
             TRY(c, wait_post(c, root, s));
+            if (s == s0)
+                TRY(c, fp_check(c, root));  /* before copying the root's data into out */
             memcpy((char *)out + off, HALF(c, root, h) + (size_t)me * p, len);
         }
         ack(c, s);
     }
+    TRY(c, fp_check_all(c, s0));
+    if (me == root)
+        copy(out, (const char *)in + (size_t)me * nbytes, nbytes);
     return SHM_OK;
 }
 
-int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int dtype, int op)
+int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int dtype, int op,
+                       uint64_t fp)
 {
     CHECK(c);
     size_t isz = coll_itemsize(dtype);
@@ -1281,6 +1467,8 @@ int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int
         copy(out, in, count * isz);
         return SHM_OK;
     }
+    if (count == 0)
+        return fp_sync(c, fp);
     const void *stack_srcs[MAX_STACK_SRCS];
     const void **srcs = n <= MAX_STACK_SRCS ? stack_srcs : malloc(sizeof(void *) * (size_t)n);
     if (!srcs)
@@ -1292,6 +1480,8 @@ int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int
      * otherwise than as exactly that slice (coll_reduce_many may write over one source) */
     const int direct = o0 + count * isz <= i0 || i0 + (size_t)n * count * isz <= o0
                        || o0 == i0 + (size_t)me * count * isz;
+    fp_publish(c, fp);
+    const uint32_t s0 = c->seq + 1;
     for (size_t off = 0; off < count; off += ce) {
         size_t cnt = count - off < ce ? count - off : ce;
         int h;
@@ -1304,7 +1494,7 @@ int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int
         uint32_t s = ++c->seq;
         post(c, s);
         c->free_after[h] = s;
-        if ((rc = wait_posts(c, s)))
+        if ((rc = s == s0 ? fp_check_all(c, s) : wait_posts(c, s)))
             goto out;
         for (int q = 0; q < n; q++)
             srcs[q] = q == me && direct ? (const char *)in + ((size_t)me * count + off) * isz
@@ -1320,8 +1510,12 @@ out:
     return fail(c, rc);
 }
 
+/* all_to_all's half: a header (rounds, then the bytes this rank sends to each rank, then
+ * the bytes it expects from each), then one part of p bytes per rank */
+static inline size_t a2a_header(int n) { return round_up(8 + 16 * (size_t)n, CL); }
+
 int shm_all_to_all(shm_comm *c, void *out, const void *in, const size_t *out_bytes,
-                   const size_t *in_bytes)
+                   const size_t *in_bytes, uint64_t fp)
 {
     CHECK(c);
     int n = c->n, me = c->me;
@@ -1329,7 +1523,8 @@ int shm_all_to_all(shm_comm *c, void *out, const void *in, const size_t *out_byt
         copy(out, in, in_bytes[0]);
         return SHM_OK;
     }
-    size_t p = ((c->half - CL) / (size_t)n) & ~(size_t)63;
+    const size_t hb = a2a_header(n);
+    size_t p = ((c->half - hb) / (size_t)n) & ~(size_t)63;
     size_t *in_off = malloc(sizeof(size_t) * 2 * (size_t)n);
     if (!in_off)
         return SHM_ESYS;
@@ -1345,28 +1540,50 @@ int shm_all_to_all(shm_comm *c, void *out, const void *in, const size_t *out_byt
     }
     uint64_t my_rounds = (mx + p - 1) / p, rounds = 1;
     int rc = SHM_OK;
+    fp_publish(c, fp);
     for (uint64_t t = 0; t < rounds; t++) {
         int h;
         if ((rc = half_acquire(c, &h)))
             break;
         char *mine = HALF(c, me, h);
-        *(uint64_t *)mine = my_rounds; /* round 0 also agrees on the number of rounds */
+        if (t == 0) {  /* round 0 also agrees on the number of rounds, and on the sizes */
+            ((uint64_t *)mine)[0] = my_rounds;
+            for (int q = 0; q < n; q++) {
+                ((uint64_t *)mine)[1 + q] = in_bytes[q];
+                ((uint64_t *)mine)[1 + n + q] = out_bytes[q];
+            }
+        }
         size_t o = (size_t)t * p;
         for (int q = 0; q < n; q++)
             if (in_bytes[q] > o)
-                seg_put(c, mine + CL + (size_t)q * p, (const char *)in + in_off[q] + o,
+                seg_put(c, mine + hb + (size_t)q * p, (const char *)in + in_off[q] + o,
                         in_bytes[q] - o < p ? in_bytes[q] - o : p);
         uint32_t s = ++c->seq;
         post(c, s);
         c->free_after[h] = s;
-        if ((rc = wait_posts(c, s)))
+        if ((rc = t == 0 ? fp_check_all(c, s) : wait_posts(c, s)))
+            break;
+        /* what q sends r must be what r expects from q, for every pair (so every rank finds
+         * the same first bad pair, and none returns), before anyone copies any */
+        for (int r = 0; t == 0 && r < n && !rc; r++)
+            for (int q = 0; q < n; q++) {
+                uint64_t sent = ((const uint64_t *)HALF(c, q, h))[1 + r];
+                uint64_t want = ((const uint64_t *)HALF(c, r, h))[1 + n + q];
+                if (sent != want) {
+                    record_fail(c, SHM_FAIL_COUNTS, c->coll, r, q, want, sent, NULL);
+                    c->err_peer = q == me ? r : q;
+                    rc = SHM_EFAILED;
+                    break;
+                }
+            }
+        if (rc)
             break;
         for (int q = 0; q < n; q++) {
             const char *theirs = HALF(c, q, h);
             if (t == 0 && *(const uint64_t *)theirs > rounds)
                 rounds = *(const uint64_t *)theirs;
             if (out_bytes[q] > o)
-                memcpy((char *)out + out_off[q] + o, theirs + CL + (size_t)me * p,
+                memcpy((char *)out + out_off[q] + o, theirs + hb + (size_t)me * p,
                        out_bytes[q] - o < p ? out_bytes[q] - o : p);
         }
         ack(c, s);

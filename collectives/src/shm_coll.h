@@ -25,6 +25,16 @@
 #define SHM_ESYS (-13)        /* a system call failed; errno kept in sys_errno */
 #define SHM_EINVAL (-14)      /* bad argument or a segment of another layout */
 #define SHM_ECLOSED (-15)     /* the communicator is closed */
+#define SHM_EFAILED (-16)     /* the group failed: see shm_comm_fail_record */
+
+/* The group's first failure, recorded in the segment for every rank to report alike:
+ * a fingerprint mismatch (rank a called word wa as collective k, rank b word wb), an
+ * all_to_all whose rank b sends wb bytes to rank a, which expects wa, or a text. */
+#define SHM_FAIL_NONE 0
+#define SHM_FAIL_MISMATCH 2
+#define SHM_FAIL_COUNTS 3
+#define SHM_FAIL_TEXT_SET 4
+#define SHM_FAIL_TEXT 1024
 
 typedef struct shm_comm shm_comm;
 
@@ -39,6 +49,18 @@ int shm_comm_error_peer(const shm_comm *c);    /* the peer of the last failure, 
 uint32_t shm_comm_seq(const shm_comm *c);      /* steps completed so far */
 size_t shm_comm_half_bytes(const shm_comm *c);
 void shm_comm_abort(shm_comm *c);              /* make every later and current wait fail */
+uint32_t shm_comm_coll(const shm_comm *c);     /* fingerprinted collectives started so far */
+/* The recorded failure (SHM_FAIL_*; SHM_FAIL_NONE while there is none or it is being
+ * written); text points into the segment. */
+int shm_comm_fail_record(const shm_comm *c, uint32_t *k, int *a, int *b, uint64_t *wa,
+                         uint64_t *wb, const char **text);
+/* Record a failure described by text (unless one is recorded already: returns 0 then)
+ * and make every rank's waits on this group fail with SHM_EFAILED. */
+int shm_comm_poison(shm_comm *c, const char *text);
+
+/* Collectives. fp is the caller's fingerprint of the call (collectives/fingerprint.py):
+ * every rank compares every peer's with its own, before it copies or reduces a peer's
+ * data into its buffer, and a difference fails the call on every rank (SHM_EFAILED). */
 
 /* Collective: find out whether every rank can read the others' memory directly
  * (process_vm_readv) and the ranks do not outnumber the cores; if so,
@@ -60,18 +82,21 @@ int shm_comm_far(const shm_comm *c);
 int shm_comm_peer_distance(const shm_comm *c, int q);
 void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min);
 
-int shm_barrier(shm_comm *c);
-int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root);
-int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op);
-int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root);
-int shm_all_gather(shm_comm *c, void *out, const void *in, size_t nbytes);
+int shm_barrier(shm_comm *c, uint64_t fp);
+int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp);
+int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp);
+int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root, uint64_t fp);
+int shm_all_gather(shm_comm *c, void *out, const void *in, size_t nbytes, uint64_t fp);
 /* all_gather into n separate blocks of nbytes (outs[q] gets rank q's input) */
-int shm_all_gather_list(shm_comm *c, void *const *outs, const void *in, size_t nbytes);
-int shm_gather(shm_comm *c, void *out, const void *in, size_t nbytes, int root);
-int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root);
-int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int dtype, int op);
+int shm_all_gather_list(shm_comm *c, void *const *outs, const void *in, size_t nbytes,
+                        uint64_t fp);
+int shm_gather(shm_comm *c, void *out, const void *in, size_t nbytes, int root, uint64_t fp);
+int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root, uint64_t fp);
+int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int dtype, int op,
+                       uint64_t fp);
+/* every rank also checks that what each peer sends it is what it expects (SHM_FAIL_COUNTS) */
 int shm_all_to_all(shm_comm *c, void *out, const void *in, const size_t *out_bytes,
-                   const size_t *in_bytes);
+                   const size_t *in_bytes, uint64_t fp);
 
 /* Point to point: a byte stream per ordered pair. */
 /* Write hdr then buf to dst's ring; returns 1 if written, 0 if it did not fit (nothing written). */
