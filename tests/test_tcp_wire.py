@@ -240,26 +240,9 @@ def test_a_p2p_receive_of_another_size_or_dtype_raises_naming_both():
 
 # ---- mismatched collectives through the front end --------------------------------------
 
-NINE = [  # (name, most ranks' call, the odd rank's call), as in issue 28's table
-    ("dtype", dict(kind="all_reduce", dtype="float32", count=100),
-     dict(kind="all_reduce", dtype="float64", count=100)),
-    ("count", dict(kind="all_reduce", dtype="float32", count=100),
-     dict(kind="all_reduce", dtype="float32", count=1000)),
-    ("count_by_one", dict(kind="all_reduce", dtype="float32", count=100),
-     dict(kind="all_reduce", dtype="float32", count=101)),
-    ("op", dict(kind="all_reduce", dtype="float32", count=100, op="SUM"),
-     dict(kind="all_reduce", dtype="float32", count=100, op="MAX")),
-    ("root", dict(kind="broadcast", dtype="float32", count=100, root=0),
-     dict(kind="broadcast", dtype="float32", count=100, root=1)),
-    ("all_reduce_vs_broadcast", dict(kind="all_reduce", dtype="float32", count=100),
-     dict(kind="broadcast", dtype="float32", count=100, root=0)),
-    ("reduce_vs_gather", dict(kind="reduce", dtype="float32", count=100, root=0),
-     dict(kind="gather", dtype="float32", count=100, root=0)),
-    ("int32_as_float32", dict(kind="broadcast", dtype="int32", count=100, root=0),
-     dict(kind="broadcast", dtype="float32", count=100, root=0)),
-    ("4mib_plus_one", dict(kind="all_reduce", dtype="float32", count=1 << 20),
-     dict(kind="all_reduce", dtype="float32", count=(1 << 20) + 1)),
-]
+# the nine cases of issue 28's table: (name, most ranks' call, the odd rank's call)
+from tests.test_mismatch import NINE  # noqa: E402
+
 MORE = [
     ("scatter_root", dict(kind="scatter", dtype="float64", count=9, root=0),
      dict(kind="scatter", dtype="float64", count=9, root=1)),
