@@ -411,9 +411,8 @@ def p2p_case(ctx, send, recv):
         dist.destroy_process_group(grp)
 
 
-P2P_CASES = [
+P2P_CASES = [  # a shorter message is legal: a receive's size is an upper bound, as in MPI
     ("longer", ("float32", 10), ("float32", 8)),
-    ("shorter", ("float32", 8), ("float32", 10)),
     ("dtype_same_bytes", ("int32", 8), ("float32", 8)),
     ("dtype_and_count", ("float64", 4), ("float32", 8)),
 ]
@@ -431,6 +430,15 @@ def test_p2p_receive_of_another_size_or_dtype_raises(config, name, send, recv):
     assert send[0] in err and recv[0] in err and str(send[1]) in err and str(recv[1]) in err, err
     assert kept, "the receive buffer was written"
     assert nxt == [7, 7, 7], "the stream after a refused message is intact"
+
+
+@pytest.mark.timeout(300)
+def test_p2p_receive_takes_a_shorter_message_into_its_start(config):
+    if config == "mpi":
+        pytest.skip("MPI matches p2p messages itself (the same rule)")
+    err, kept, nxt = backend_pool(config, 2).run(p2p_case, ("float32", 8), ("float32", 10),
+                                                 timeout=4 * GROUP_TIMEOUT_S)[1]
+    assert err is None and not kept and nxt == [7, 7, 7], (err, kept, nxt)
 
 
 # ---- the encoding ---------------------------------------------------------------------------

@@ -376,8 +376,9 @@ class _P2PEngine:
         return req
 
     def _mismatch(self, buf, nbytes, dtype, src, tag):
-        """The error of a receive into ``buf`` of a message of another size or dtype, or None."""
-        if nbytes == buf.nbytes and dtype == buf.dtype:
+        """The error of a receive into ``buf`` of a message longer than it or of another dtype,
+        or None (a receive's size is an upper bound, as in MPI and torch's gloo)."""
+        if nbytes <= buf.nbytes and dtype == buf.dtype:
             return None
 
         def what(nb, dt):
@@ -396,7 +397,7 @@ class _P2PEngine:
         if exc is not None:
             return exc
         if data.nbytes:
-            buf.bytes_view()[:] = data
+            buf.bytes_view()[:data.nbytes] = data
         return None
 
     def _match(self, src, tag):

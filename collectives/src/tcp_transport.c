@@ -440,17 +440,18 @@ static void describe_payload(char *out, size_t cap, int dtype, uint64_t len)
         fmt(out, cap, "%llu bytes", (unsigned long long)len);
 }
 
-/* A point-to-point message must fill its receive exactly, with the receive's dtype (a byte
- * buffer, TCP_NO_DTYPE, takes any): else 1 and the reason in out. */
+/* A point-to-point message must fit its receive (as in MPI and torch's gloo, a receive's
+ * size is an upper bound: a longer message is refused, never truncated), with the
+ * receive's dtype (a byte buffer, TCP_NO_DTYPE, takes any): else 1 and the reason in out. */
 static int p2p_mismatch(tcp_engine *e, int pi, const hdr_t *h, const tcp_req *r, char *out, size_t cap)
 {
     int dt_ok = h->dtype == r->dtype || h->dtype == TCP_NO_DTYPE || r->dtype == TCP_NO_DTYPE;
-    if (h->len == r->len && dt_ok) return 0;
+    if (h->len <= r->len && dt_ok) return 0;
     char a[96], b[96];
     describe_payload(a, sizeof a, h->dtype, h->len);
     describe_payload(b, sizeof b, r->dtype, r->len);
-    fmt(out, cap, "rank %d sent %s; this receive expects %s (a different size or dtype on the "
-        "two sides)", RN(e, pi), a, b);
+    fmt(out, cap, "rank %d sent %s; this receive takes %s (%s)", RN(e, pi), a, b,
+        dt_ok ? "a message longer than its receive" : "a different dtype on the two sides");
     return 1;
 }
 
