@@ -320,15 +320,16 @@ class _Watchdog:
     @staticmethod
     def _abort(backend, frame, took):
         rank = _MPI.COMM_WORLD.Get_rank()
+        name = frame.f_code.co_name.lstrip("_")  # the collective (its inner _name method too)
         try:  # the job ends here: leave this rank's recent calls behind (never raises)
             from ..flight_recorder import dump
-            path = dump(reason=f"mpi watchdog: {frame.f_code.co_name} ran {took:.1f} s, past "
+            path = dump(reason=f"mpi watchdog: {name} ran {took:.1f} s, past "
                                f"the group timeout")
         except Exception:  # noqa: BLE001
             path = None
         sys.stderr.write(
             (f"collectives: rank {rank}: flight recorder dump: {path}\n" if path else "") +
-            f"collectives: rank {rank}: the mpi {frame.f_code.co_name} (group rank {backend.rank} "
+            f"collectives: rank {rank}: the mpi {name} (group rank {backend.rank} "
             f"of {backend.size}) has not finished after {took:.1f} s, past the group timeout "
             f"({backend.timeout} s): "
             + "a peer never called it, or called another collective. "
