@@ -8,6 +8,9 @@ import sys
 import pytest
 
 from tests.ranks import ROOT, free_port
+from tests.requires import needs_gloo
+
+pytestmark = needs_gloo  # the worlds are gloo's
 
 pytest.importorskip("torch")
 

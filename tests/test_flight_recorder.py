@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests.ranks import CONFIGS, ROOT, available_configs, free_port
+from tests.requires import needs_gloo
 
 GROUP_TIMEOUT = 2.0
 WORLD = 3
@@ -364,6 +365,7 @@ def world1(monkeypatch):
     dist.destroy_process_group()
 
 
+@needs_gloo
 def test_every_front_end_call_is_recorded_with_what_was_called(world1, tmp_path):
     dist = world1
     t = np.ones(6, np.float32)
@@ -413,6 +415,7 @@ def test_the_ring_keeps_the_last_entries_and_the_counters_say_their_state():
     assert rec.progress() == [n + 1, n, "broadcast(src=1, float32, 3)", "all_reduce(float32, 3, op=SUM)", 0]
 
 
+@needs_gloo
 def test_a_dump_that_cannot_be_written_warns_and_returns_none(world1, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -23,6 +23,9 @@ from hypothesis import strategies as st
 import collectives as dist
 import collectives.master_worker as mw
 from tests import mw_job
+from tests.requires import needs_gloo
+
+pytestmark = needs_gloo  # the jobs' process group is gloo's
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = int(os.environ.get("MW_TEST_EXAMPLES", "25"))

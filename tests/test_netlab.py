@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from tests.ranks import ROOT
+from tests.requires import needs_gloo
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import model  # noqa: E402
@@ -23,6 +24,7 @@ import netlab  # noqa: E402
 OPS = "all_reduce,broadcast,all_gather,reduce_scatter,all_to_all"
 
 
+@needs_gloo
 def test_the_model_chooses_as_the_engine_does():
     """bench/model.py's thresholds are the TCP engine's defaults, so its choice of
     algorithm is the code's."""
@@ -71,6 +73,7 @@ def _missing():
     return None
 
 
+@needs_gloo
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks_per_host", [1, 2], ids=["tcp", "hierarchical"])
 def test_a_job_over_rate_limited_links_is_correct_and_the_lab_is_removed(tmp_path, ranks_per_host):

@@ -30,6 +30,7 @@ from collectives.store import (
 from collectives.store import server as store_server
 from tests import test_multinode as mn
 from tests.test_multinode import nodes  # noqa: F401  (the two network namespaces)
+from tests.requires import needs_gloo  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "tests", "scripts", "security_target.py")
@@ -398,6 +399,7 @@ def _close_fds(results):
                     os.close(fd)
 
 
+@needs_gloo
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("key", [None, KEY])
 def test_the_mesh_forms_while_strangers_hold_its_listener(key, monkeypatch):
@@ -432,6 +434,7 @@ def test_the_mesh_forms_while_strangers_hold_its_listener(key, monkeypatch):
             a.close()
 
 
+@needs_gloo
 @pytest.mark.timeout(60)
 def test_a_rank_with_another_key_cannot_join_the_mesh():
     base = HashStore()
@@ -449,6 +452,7 @@ def test_a_rank_with_another_key_cannot_join_the_mesh():
     assert "turned away" in str(results[0])
 
 
+@needs_gloo
 @pytest.mark.timeout(60)
 def test_a_flood_on_the_mesh_listener_evicts_strangers_not_peers(monkeypatch):
     monkeypatch.setattr(auth, "HANDSHAKE_TIMEOUT", 120.0)
@@ -559,6 +563,7 @@ def _attack_port(port, n_idle=20):
     return idle
 
 
+@needs_gloo
 @pytest.mark.timeout(180)
 def test_a_job_under_attack_keeps_running_with_correct_results(tmp_path):
     """Three ranks; while the mesh forms, every listening port (the store's and each
@@ -605,6 +610,7 @@ def test_a_job_under_attack_keeps_running_with_correct_results(tmp_path):
     assert "store server on port" in out and "refused a connection" in out  # logged, once
 
 
+@needs_gloo
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("init", ["env", "tcp", "file"])
 def test_the_key_reaches_every_rank_on_every_init_method(init, tmp_path):
@@ -623,6 +629,7 @@ def test_the_key_reaches_every_rank_on_every_init_method(init, tmp_path):
             assert got[r]["store"] >= 1, got[r]  # and the store's
 
 
+@needs_gloo
 @pytest.mark.timeout(120)
 def test_the_key_file_is_used_and_never_shown(tmp_path):
     key_file = tmp_path / "job.key"
@@ -646,6 +653,7 @@ def test_a_missing_key_file_is_an_error_naming_it(tmp_path):
     assert out.returncode != 0 and "--auth-key-file" in out.stderr and "nope" in out.stderr
 
 
+@needs_gloo
 @pytest.mark.timeout(240)
 def test_the_c10d_rendezvous_across_two_nodes_uses_the_key(nodes, tmp_path):  # noqa: F811
     key_file = tmp_path / "job.key"
