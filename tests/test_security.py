@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from collectives import auth, safe_pickle
 from collectives.auth import AuthError
-from collectives.backends import mesh_accept, tcp
+from collectives.backends import mesh, mesh_accept
 from collectives.backends.tcp import connect_mesh
 from collectives.errors import DistNetworkError
 from collectives.store import (
@@ -416,7 +416,7 @@ def test_the_mesh_forms_while_strangers_hold_its_listener(key, monkeypatch):
     base.wait(["g/tcp/0/addr/0"], 10)
     port = int(base.get("g/tcp/0/addr/0").decode().rpartition(":")[2])
     attackers = [_raw(port) for _ in range(30)]  # idle, half-open
-    stale = tcp._PREFIX.pack(tcp._MAGIC, tcp.wire_version()) + tcp._HELLO.pack(7, 1, 3)  # another group
+    stale = mesh._PREFIX.pack(mesh._MAGIC, mesh.wire_version()) + mesh._HELLO.pack(7, 1, 3)  # another group
     for junk in (b"\xff" * 16, stale, stale + b"trailing", b"GET / HTTP/1.0\r\n\r\n"):
         a = _raw(port)
         a.sendall(junk)

@@ -20,7 +20,7 @@ import numpy as np
 
 import collectives as dist
 from collectives import auth
-from collectives.backends import tcp
+from collectives.backends import mesh
 
 mode, init, directory = sys.argv[1], sys.argv[2], sys.argv[3]
 rank = int(os.environ["RANK"])
@@ -36,7 +36,7 @@ def counting_finish(sock, key, nc, deadline, where, *args, **kwargs):
 auth.client_finish = counting_finish  # every client handshake ends here
 
 if mode == "attack":
-    real_accept = tcp.accept_peers
+    real_accept = mesh.accept_peers
 
     def accept_after_attack(listener, *args, **kwargs):
         path = os.path.join(directory, f"listen.{rank}")
@@ -49,7 +49,7 @@ if mode == "attack":
             time.sleep(0.02)
         return real_accept(listener, *args, **kwargs)
 
-    tcp.accept_peers = accept_after_attack
+    mesh.accept_peers = accept_after_attack
 
 url = {"env": "env://",
        "tcp": f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
