@@ -176,6 +176,13 @@ cdef class Engine:
         return mismatch_message(seq, a, fa, b, fb,
                                 rank_name=(lambda r: names[r]) if names is not None else None)
 
+    def fail_next(self, text):
+        """Fail the next collective on every rank with ``text``, without taking part in it
+        (a hierarchical group's leader whose host's part of it failed)."""
+        b = str(text).encode("utf-8", "replace")
+        cdef const char *c = b
+        tcp_fail_next(self._eng(), c)
+
     @property
     def seq(self):
         """Sequence number of the last collective started."""

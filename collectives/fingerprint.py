@@ -53,15 +53,12 @@ def unpack(word):
             ((word >> 12) & 0xFFF) - 1, ((word >> 8) & 0xF) - 1)
 
 
-def describe(kind, dtype=NO_DTYPE, count=0, root=-1, op=-1, rank_name=None):
-    """``broadcast(src=1, float32, 100)``: a call as a user would have written it.
-
-    ``rank_name`` maps a group rank to the name shown (the global rank), if given.
-    """
+def describe(kind, dtype=NO_DTYPE, count=0, root=-1, op=-1):
+    """``broadcast(src=1, float32, 100)``: a call as a user would have written it (the root
+    as the call named it: a rank of the group the user called it on)."""
     parts = []
     if root >= 0:
-        shown = rank_name(root) if rank_name is not None else root
-        parts.append(f"{_ROOT_ARG.get(kind, 'root')}={shown}")
+        parts.append(f"{_ROOT_ARG.get(kind, 'root')}={root}")
     if dtype != NO_DTYPE:
         parts.append(D.DTYPE_NAMES.get(dtype, f"dtype {dtype}"))
     if kind not in (BARRIER, ALL_TO_ALL):  # all_to_all's counts are per peer, not in the word
@@ -71,22 +68,24 @@ def describe(kind, dtype=NO_DTYPE, count=0, root=-1, op=-1, rank_name=None):
     return f"{KIND_NAMES.get(kind, f'collective kind {kind}')}({', '.join(parts)})"
 
 
-def describe_word(word, rank_name=None):
+def describe_word(word):
     """:func:`describe` of a :func:`pack` word."""
-    return describe(*unpack(word), rank_name=rank_name)
+    return describe(*unpack(word))
 
 
 def mismatch_message(seq, me, mine, peer, theirs, group=None, rank_name=None):
     """The text of the error every rank raises when ``peer`` called something else.
 
     ``mine``/``theirs`` are pack words; ``seq`` the collective's number in the group
-    (1-based); ``me``/``peer`` group ranks, shown through ``rank_name`` if given.
+    (1-based); ``me``/``peer`` ranks of the engine that saw it, shown through ``rank_name``
+    if given (a hierarchical group's parts name their ranks as the group's); the words'
+    roots are shown as they are: every part carries the user's call, rooted in the group.
     """
     nm = rank_name if rank_name is not None else (lambda r: r)
     where = f" in group {group}" if group is not None else ""
     return (f"collectives called in a different order or with different arguments{where}: "
-            f"rank {nm(peer)} called {describe_word(theirs, nm)} as collective #{seq}; "
-            f"rank {nm(me)} called {describe_word(mine, nm)}")
+            f"rank {nm(peer)} called {describe_word(theirs)} as collective #{seq}; "
+            f"rank {nm(me)} called {describe_word(mine)}")
 
 
 def mismatch_error(seq, me, mine, peer, theirs, group=None, rank_name=None):

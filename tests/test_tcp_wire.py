@@ -259,9 +259,9 @@ MORE = [
      dict(kind="all_to_all", dtype="int32", count=3)),
 ]
 # the hierarchical mode sends gather, scatter and all_to_all over another TCP group than the
-# rest (its whole-group one): a mismatch across the two is not seen by either (see the docs);
-# a mismatch within it numbers the call by that group's count and leaves the other usable
-HIER_SKIP = {"reduce_vs_gather"}
+# rest (its whole-group one), after comparing the call within hosts and among leaders: a
+# mismatch found in that group numbers the call by its count ("#" only is checked) and
+# leaves the other usable
 HIER_WHOLE_GROUP = {"gather", "scatter", "all_to_all"}
 
 
@@ -345,9 +345,6 @@ CONFIGS = TCP_CONFIGS  # the shared config fixture (conftest.py) takes these
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name,common,odd", NINE + MORE, ids=[c[0] for c in NINE + MORE])
 def test_a_mismatched_collective_raises_on_every_rank_naming_both_calls(config, name, common, odd):
-    if config == "gloo-hier" and name in HIER_SKIP:
-        pytest.skip("gather goes over the hierarchical mode's whole-group TCP, reduce over its "
-                    "leaders': two engines, neither sees the other's call")
     # world 2 (on gloo-hier: one rank per faked host, so the inter-host level); world 3 on
     # gloo-tcp, the odd rank last, so trees and rounds reach it through another rank
     worlds = (2,) if config == "gloo-hier" else (2, 3)

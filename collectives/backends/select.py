@@ -195,20 +195,18 @@ class HierarchicalBackend(Backend):
         TCP part is made to fail too (they would wait for this leader until the timeout)."""
         try:
             method(*args, fp=self._word)
-        except DistError:
-            self._tell_leaders()
+        except DistError as e:
+            self._tell_leaders(e)
             raise
 
-    def _tell_leaders(self):
-        if self.leaders is None or not self._tcp_fp:
+    def _tell_leaders(self, exc):
+        """The leaders' part of this collective fails on every leader with the host's record
+        (a mismatch names both calls; else this leader's error), instead of waiting for this
+        leader until the timeout. (Presenting one of the host's fingerprints to the leaders
+        would pass where the other hosts called that one.)"""
+        if self.leaders is None or not hasattr(self.leaders, "fail_next"):
             return
-        odd = self.local.mismatched_word(self._word)
-        if odd is None:
-            return
-        try:  # a call whose fingerprint is the host's odd one: the leaders compare and raise
-            self.leaders.barrier(fp=odd)
-        except DistError:
-            pass
+        self.leaders.fail_next(self.local.failure() or str(exc))
 
     def _whole(self, word):
         """Before a call over the whole group's TCP backend: compare within each host and

@@ -255,14 +255,6 @@ class ShmBackend(Backend):
         """The group's recorded failure (the same text on every rank), or None."""
         return self._comm.failure()
 
-    def mismatched_word(self, mine):
-        """The fingerprint word that differed from ``mine`` in the recorded mismatch, or None."""
-        rec = self._comm.failure_words()
-        if rec is None or rec[0] != 2:
-            return None
-        _, _, _, wa, _, wb = rec
-        return wb if wa == mine else wa
-
     def fail_group(self, message):
         """Record ``message`` as this group's failure (unless one is recorded already) and
         make every rank's current and later calls on it raise it: for a caller whose own

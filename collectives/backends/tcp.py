@@ -313,6 +313,11 @@ class TcpBackend(Backend):
     def barrier(self, fp=None):
         self._engine.barrier(_BARRIER_FP if fp is None else fp)
 
+    def fail_next(self, text):
+        """Fail this group's next collective on every rank with ``text`` without taking part
+        in it (a hierarchical group's leader whose host's part of that collective failed)."""
+        self._engine.fail_next(text)
+
     # ---- point to point ----------------------------------------------------------------
     def isend(self, buf, dst, tag=0):
         self._check_rank(dst, "dst")

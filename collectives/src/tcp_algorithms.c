@@ -547,5 +547,15 @@ int tcp_alltoall(tcp_engine *e, void *out, const void *in, const size_t *out_byt
             rc = cxfer(e, k, err, errlen);
         }
     }
+    if (!rc && n > 2) {
+        /* a split that differs is seen only by the pair it concerns, and the other ranks
+         * would return with their (correct) data: a closing round of fingerprint frames,
+         * sent once this rank's receives are checked, makes every rank hear every peer's
+         * verdict before it returns (one more latency; a failed rank's mismatch record
+         * reaches the others instead of its frame) */
+        links_clear(e);
+        fp_begin(e);
+        rc = fp_finish(e, rc, err, errlen);
+    }
     return coll_end(e, rc, err, errlen);
 }

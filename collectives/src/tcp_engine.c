@@ -135,6 +135,22 @@ int tcp_mismatch(tcp_engine *e, uint64_t *seq, int *a, uint64_t *fp_a, int *b, u
     return found;
 }
 
+void tcp_fail_next(tcp_engine *e, const char *text)
+{
+    pthread_mutex_lock(&e->mu);
+    e->seq++;
+    if (!e->poison[0] || e->seq < e->poison_seq) {
+        fmt(e->poison, sizeof e->poison, "%s", text);
+        e->poison_seq = e->seq;
+    }
+    size_t len = strlen(text);
+    if (len >= ERRTEXT) len = ERRTEXT - 1;
+    for (int i = 0; i < e->size; i++)
+        if (i != e->rank && !e->peers[i].dead && !e->closed)
+            send_control(e, i, F_ERROR, e->seq, text, len);
+    pthread_mutex_unlock(&e->mu);
+}
+
 void tcp_engine_close(tcp_engine *e)
 {
     pthread_mutex_lock(&e->mu);

@@ -47,6 +47,11 @@ uint64_t tcp_engine_seq(tcp_engine *e);
 /* The first fingerprint mismatch this engine saw or was told of: 1 and rank a called fp_a
  * where rank b called fp_b as collective seq (errors then read "{mismatch}"); 0 if none. */
 int tcp_mismatch(tcp_engine *e, uint64_t *seq, int *a, uint64_t *fp_a, int *b, uint64_t *fp_b);
+/* Fail the next collective on every rank with text, without taking part in it: for a
+ * caller whose own part of that collective failed elsewhere (a hierarchical group's leader
+ * whose host found a mismatch). This rank counts the collective as begun and failed; the
+ * peers' call of it, begun or not yet, fails with "rank R reported: text". */
+void tcp_fail_next(tcp_engine *e, const char *text);
 /* The wire encoding of a frame header (48 bytes), and its 12 fields (magic, version, ftype,
  * kind, dtype, flags, group, tag, seq, fp, aux, len) decoded from one: for tests and tools. */
 void tcp_wire_header(unsigned char *out, int ftype, int kind, int dtype, uint32_t group,
