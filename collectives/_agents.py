@@ -21,7 +21,9 @@ number themselves 1, 2... in the order they join. Launchers meet in rounds:
 
 A store that stops answering (its node crashed, or the network between is cut: nothing
 resets the connection) ends the launcher's part of the job ``read_timeout`` seconds
-(default 60) after its last answer. Each request waits at most OP_TIMEOUT seconds and is
+(default 60) after its last answer; its ranks then have ``read_timeout`` seconds more to
+end on their own (a rank whose peers are across the cut fails its collective at the
+group's timeout, with a message that says more than the launcher can) before it stops them. Each request waits at most OP_TIMEOUT seconds and is
 tried again meanwhile, so a launcher stays responsive: it keeps relaying its ranks'
 output, notices their failures and obeys a signal while the store is silent.
 
@@ -262,8 +264,8 @@ class NodeRendezvous:
             return self._poll()
         except Silent:  # no news this time; the ranks run on until read_timeout
             return None
-        except Stop as e:
-            return ("failed", str(e))
+        except Stop as e:  # "lost": the store; the ranks get a grace to fail on their own
+            return ("lost" if self.lost else "failed", str(e))
 
     def _poll(self):
         s, rnd = self.store, self.round

@@ -52,8 +52,9 @@ TICK_S = 0.5  # the daemon's period: progress that changed is posted within it
 HEARTBEAT_S = 2.0  # unchanged progress is posted again this often (a silent rank is dead or stuck)
 POLL_S = 0.5  # how often the daemon looks for another rank's dump request
 STALE_S = 2 * HEARTBEAT_S + 1.5  # a post older than this: the rank died or is stuck
-STORE_TIMEOUT_S = 3.0  # any store call of the recorder (the error path waits at most this much)
-ACK_WAIT_S = 1.5  # a failing rank waits up to this long for the others to write their dumps
+STORE_TIMEOUT_S = 3.0  # any store call of the recorder's daemon
+READ_WAIT_S = 1.0  # a failing rank waits at most this long for the other ranks' progress
+ACK_WAIT_S = 1.5  # ... and at most this long for the others to write their dumps
 KEEP_ENDED = 16  # recorders of destroyed groups kept for later dumps
 KEY = "collectives_fr"  # the store keys' prefix
 
@@ -558,6 +559,25 @@ def dump_flight_recorder(path=None):
 
 # ---- progress posts and dump requests through the store -----------------------------------
 
+def _within(seconds, fn, *args):
+    """fn(*args) in a daemon thread, waited for at most ``seconds``: (True, its result), or
+    (False, None) if it is still running (a store across a cut link answers nothing until
+    its own timeout; the user's error must not wait for it). Its exception is raised."""
+    box = {}
+
+    def target():
+        try:
+            box["ok"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001  (handed to the caller)
+            box["exc"] = e
+    t = threading.Thread(target=target, daemon=True, name="collectives-flight-recorder-read")
+    t.start()
+    t.join(seconds)
+    if "exc" in box:
+        raise box["exc"]
+    return ("ok" in box), box.get("ok")
+
+
 class _Progress:
     """The daemon thread that posts this process's progress to the job's store, and the
     error path's reading of the other ranks' posts."""
@@ -707,22 +727,26 @@ class _Progress:
 
     # -- the error path ---------------------------------------------------------------
     def request_dumps(self, fr, s):
-        """Ask every rank's daemon for a dump and wait (briefly) until they wrote one."""
+        """Ask every rank's daemon for a dump and wait (at most ACK_WAIT_S) until they wrote
+        one."""
         try:
-            st = self._store()
-            if st is None or time.monotonic() - self.down < 2 * STORE_TIMEOUT_S:
-                return
-            why = f"rank {global_rank()}: {fr.describe_seq(s)} in group {fr.name} failed"
-            n = int(st.add(f"{KEY}/dump", 1))
-            st.set(f"{KEY}/dump/{n}", why)
-            acks = int(st.add(f"{KEY}/ack/{n}", 1))
-            deadline = time.monotonic() + ACK_WAIT_S
-            want = _world_size or len(fr.ranks)
-            while acks < want and time.monotonic() < deadline:
-                time.sleep(0.05)
-                acks = int(st.add(f"{KEY}/ack/{n}", 0))
+            _within(ACK_WAIT_S, self._request_dumps, fr, s)
         except Exception as e:  # noqa: BLE001
             _log.debug("collectives flight recorder: dump request failed: %r", e)
+
+    def _request_dumps(self, fr, s):
+        st = self._store()
+        if st is None or time.monotonic() - self.down < 2 * STORE_TIMEOUT_S:
+            return
+        why = f"rank {global_rank()}: {fr.describe_seq(s)} in group {fr.name} failed"
+        n = int(st.add(f"{KEY}/dump", 1))
+        st.set(f"{KEY}/dump/{n}", why)
+        acks = int(st.add(f"{KEY}/ack/{n}", 1))
+        deadline = time.monotonic() + ACK_WAIT_S
+        want = _world_size or len(fr.ranks)
+        while acks < want and time.monotonic() < deadline:
+            time.sleep(0.05)
+            acks = int(st.add(f"{KEY}/ack/{n}", 0))
 
     def read(self, fr):
         """{global rank: (age in s, [issued, completed, last issued, last completed, failed])
@@ -752,10 +776,14 @@ class _Progress:
         after = f" after {int(m.group(1)) / 1000:g} s" if m else ""
         head = f"{fr.describe_seq(s)} in group {fr.name} timed out{after}"
         try:
-            posts = self.read(fr)
+            done, posts = _within(READ_WAIT_S, self.read, fr)
         except Exception as e:  # noqa: BLE001
             self.down = time.monotonic()  # no dump requests through it either
             return f"{head} (the other ranks' progress could not be read: {e}). "
+        if not done:
+            self.down = time.monotonic()
+            return (f"{head} (the other ranks' progress could not be read: the store did not "
+                    f"answer within {READ_WAIT_S:g} s). ")
         if posts is None:
             return f"{head} (no store to read the other ranks' progress from). "
         mine = fr.entry(s)

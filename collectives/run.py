@@ -559,10 +559,12 @@ class Launcher:
             self._watch(ranks[-1])
         return ranks
 
-    def supervise(self, ranks, watch=None):
+    def supervise(self, ranks, watch=None, lost_grace=0.0):
         """Run until every rank has ended; returns the ranks that failed on their own.
         ``watch(now)``: a reason to stop every rank, or None (the c10d rendezvous: another
-        node failed, or a new round begins); the reason is left in ``self.stopped_for``."""
+        node failed, or a new round begins); the reason is left in ``self.stopped_for``.
+        A reason of kind "lost" (the rendezvous store) stops the ranks ``lost_grace``
+        seconds later, unless they end (or one fails) first."""
         cfg = self.cfg
         sel = selectors.DefaultSelector()
         for r in ranks:
@@ -574,6 +576,7 @@ class Launcher:
         killed = False
         forwarded = 0
         all_ended_at = None
+        grace_until = None
         self.stopped_for = None
         while True:
             for key, _ in sel.select(cfg.monitor_interval):
@@ -605,9 +608,12 @@ class Launcher:
                         _signal_group(r, sig)
                 stopping_since = stopping_since or now
             if watch is not None and stopping_since is None and not failed \
-                    and self.signal_received is None:
+                    and self.signal_received is None and self.stopped_for is None:
                 self.stopped_for = watch(now)
-            if (failed or self.stopped_for) and stopping_since is None:
+                if self.stopped_for is not None and self.stopped_for[0] == "lost":
+                    grace_until = time.monotonic() + lost_grace  # (watch may have waited)
+            stop_now = self.stopped_for is not None and (grace_until is None or now >= grace_until)
+            if (failed or stop_now) and stopping_since is None:
                 stopping_since = now
                 for r in ranks:
                     if r.returncode is None:
@@ -712,7 +718,7 @@ class Launcher:
                           f"{cfg.rank_base}..{cfg.rank_base + cfg.nproc - 1} of {cfg.world_size}")
                 t0 = time.monotonic()
                 ranks = self.start(restarts)
-                failed = self.supervise(ranks, rdzv.poll)
+                failed = self.supervise(ranks, rdzv.poll, lost_grace=rdzv.read_timeout)
                 event = self.stopped_for
                 if self.signal_received is not None:
                     name = signal.Signals(self.signal_received).name
@@ -736,7 +742,7 @@ class Launcher:
                         rdzv.fail(f"node {rdzv.node_rank}'s launcher received {name}")
                         return 128 + self.signal_received
                 kind, why = event
-                if kind == "failed":
+                if kind in ("failed", "lost"):
                     self.note(f"stopping: {why}")
                     return 1
                 if why.startswith("F"):

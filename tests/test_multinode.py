@@ -126,9 +126,6 @@ def test_a_job_on_two_nodes_runs_every_collective(nodes, rdzv, tmp_path):
         assert got[r]["bad"] == [], got[r]
 
 
-@pytest.mark.skip(reason="regression under repair (stop 28): with the flight recorder merged, the "
-                         "ranks' timeout errors after a cut link read peers' progress from the "
-                         "unreachable store and no longer meet this test's bounds and wording")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("rdzv", [STATIC, C10D], ids=lambda r: r[0])
 def test_a_cut_link_between_nodes_makes_every_rank_raise_within_the_timeout(nodes, rdzv,
