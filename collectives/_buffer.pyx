@@ -17,8 +17,11 @@ from . import dtypes as _D
 
 cnp.import_array()
 
+cdef extern from "reduce_kernels.h":
+    enum:
+        NUM_DTYPES "COLL_NUM_DTYPES"  # the dtype codes' one definition (dtypes.py repeats it)
+
 cdef enum:
-    NUM_DTYPES = 12
     MAX_TYPENUM = 64
 
 cdef int _ITEMSIZE[NUM_DTYPES]

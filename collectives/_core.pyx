@@ -48,5 +48,17 @@ cdef extern from "reduce_kernels.h" nogil:
 #: transport can receive chunk k+1 while reducing chunk k).
 CHUNK_BYTES = COLL_CHUNK_BYTES_C
 
+# the C header's dtype and op codes (reduce_kernels.h), which collectives/dtypes.py repeats
+# for the pure-Python path: tests/test_kernels.py checks that the two agree
+C_CODES = {
+    "FLOAT16": COLL_FLOAT16, "BFLOAT16": COLL_BFLOAT16, "FLOAT32": COLL_FLOAT32,
+    "FLOAT64": COLL_FLOAT64, "COMPLEX64": COLL_COMPLEX64, "COMPLEX128": COLL_COMPLEX128,
+    "INT8": COLL_INT8, "UINT8": COLL_UINT8, "INT16": COLL_INT16, "INT32": COLL_INT32,
+    "INT64": COLL_INT64, "BOOL": COLL_BOOL, "NUM_DTYPES": COLL_NUM_DTYPES,
+    "SUM": COLL_SUM, "AVG": COLL_AVG, "PRODUCT": COLL_PRODUCT, "MIN": COLL_MIN,
+    "MAX": COLL_MAX, "BAND": COLL_BAND, "BOR": COLL_BOR, "BXOR": COLL_BXOR,
+    "PREMUL_SUM": COLL_PREMUL_SUM,
+}
+
 include "_reduce.pxi"
 include "_flatten.pxi"

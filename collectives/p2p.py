@@ -5,6 +5,7 @@ of ``group``. A blocking send is ``isend(...).wait()``.
 """
 from . import flight_recorder as _flight
 from . import profiling as _profiling
+from ._args import check_tag
 from ._frontend import buffer, check_devices
 from ._world import current as _group
 from .work import Work
@@ -13,10 +14,7 @@ _prof = _profiling.tap  # torch's profiler module once torch is imported (profil
 _profiling.bind(globals())
 
 
-def _check_tag(tag):
-    # every backend takes [0, 2**31) (mpi: up to its MPI_TAG_UB, checked there)
-    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag < 2**31:
-        raise ValueError(f"tag must be an int in [0, 2**31), got {tag!r}")
+_check_tag = check_tag  # every backend takes [0, 2**31) (mpi: up to its MPI_TAG_UB, checked there)
 
 
 def _dst(pg, dst, group_dst):

@@ -4,27 +4,8 @@ import datetime
 import math
 import threading
 
+from ._args import timeout_seconds
 from .errors import DistError
-
-
-def timeout_seconds(timeout, name="timeout", positive=False):
-    """Seconds from a timedelta, a number or None (None stays None).
-
-    TypeError for another type; ValueError for a negative or non-finite value, or for 0
-    when ``positive`` (a group's timeout: every wait must be bounded and possible).
-    """
-    if timeout is None:
-        return None
-    if isinstance(timeout, datetime.timedelta):
-        secs = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        secs = float(timeout)
-    else:
-        raise TypeError(f"{name} must be a datetime.timedelta or a number of seconds, got {timeout!r}")
-    if not math.isfinite(secs) or secs < 0 or (positive and secs == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {timeout!r}")
-    return secs
 
 
 _UNSET = datetime.timedelta(milliseconds=-1)  # torch's "unset" timeout of an options struct

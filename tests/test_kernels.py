@@ -601,3 +601,11 @@ def test_import_and_reduce_without_torch():
                          timeout=50)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_python_dtype_and_op_codes_equal_the_c_headers():
+    """collectives/dtypes.py repeats reduce_kernels.h's codes for the pure-Python path."""
+    assert core.C_CODES["NUM_DTYPES"] == len(D.DTYPE_NAMES) == len(D.ITEMSIZE)
+    for name, code in core.C_CODES.items():
+        if name != "NUM_DTYPES":
+            assert getattr(D, name) == code, name

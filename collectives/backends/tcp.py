@@ -36,9 +36,9 @@ receive of another size or dtype raises instead of truncating or reinterpreting.
 import operator
 import os
 import threading
-from datetime import timedelta
 
 from .. import dtypes as D
+from .._args import check_tag, timeout_seconds
 from .. import fingerprint as F
 from .base import Backend, Request
 from .mesh import (advertised_host, connect_mesh, options_host,  # noqa: F401  (re-exported)
@@ -98,12 +98,6 @@ _pack = F.pack
 _BARRIER_FP = F.pack(F.BARRIER)
 
 
-def _seconds(timeout):
-    if isinstance(timeout, timedelta):
-        return timeout.total_seconds()
-    return float(timeout)
-
-
 class TcpRequest(Request):
     """A posted isend/irecv of the tcp backend."""
 
@@ -116,7 +110,7 @@ class TcpRequest(Request):
     def wait(self, timeout=None):
         op = self._op
         try:
-            op.wait(-1.0 if timeout is None else _seconds(timeout))
+            op.wait(-1.0 if timeout is None else timeout_seconds(timeout))
         finally:
             if op.test():
                 self._backend._inflight.discard(op)
@@ -163,7 +157,7 @@ class TcpBackend(Backend):
 
     def __init__(self, store, rank, size, timeout, options=None, *, rank_names=None):
         from .. import _tcp
-        secs = _seconds(timeout)
+        secs = timeout_seconds(timeout)
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
         if not isinstance(rank, int) or not 0 <= rank < size:
@@ -203,10 +197,7 @@ class TcpBackend(Backend):
             self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), int(value))
 
     # ---- helpers ---------------------------------------------------------------------
-    @staticmethod
-    def _check_tag(tag):
-        if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag < 2**31:
-            raise ValueError(f"tag must be an int in [0, 2**31), got {tag!r}")
+    _check_tag = staticmethod(check_tag)
 
     def _check_rank(self, value, name):
         if not isinstance(value, int) or not 0 <= value < self.size:

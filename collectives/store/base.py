@@ -3,6 +3,7 @@ in-memory semantics that HashStore, FileStore and the TCP server share."""
 import time
 from datetime import timedelta
 
+from .._args import wait_seconds
 from ..errors import DistStoreError
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -12,19 +13,8 @@ _INIT_KEY = "init/"  # the key torch's TCPStore counts arriving workers on
 # ---- argument checks ------------------------------------------------------------------
 
 def to_seconds(timeout, name="timeout"):
-    """A timeout (timedelta or seconds) as float seconds; 0 means none."""
-    if isinstance(timeout, timedelta):
-        secs = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        secs = float(timeout)
-    else:
-        raise TypeError(f"{name} must be a datetime.timedelta or seconds (int/float), "
-                        f"got {type(timeout).__name__}")
-    if secs < 0 or secs != secs:
-        raise ValueError(f"{name} must be >= 0 seconds, got {secs}")
-    if secs > 1e8:  # beyond what sockets and condition variables take: no timeout
-        secs = 0.0
-    return secs
+    """A timeout (timedelta or seconds) as float seconds; 0 means none (as does infinity)."""
+    return wait_seconds(timeout, name)
 
 
 def _check_key(key, name="key"):
