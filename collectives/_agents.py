@@ -24,8 +24,9 @@ resets the connection) ends the launcher's part of the job ``read_timeout`` seco
 (default 60) after its last answer; its ranks then have ``read_timeout`` seconds more to
 end on their own (a rank whose peers are across the cut fails its collective at the
 group's timeout, with a message that says more than the launcher can) before it stops
-them. Each request waits at most OP_TIMEOUT seconds and is tried again meanwhile, so a launcher stays responsive: it keeps relaying its ranks'
-output, notices their failures and obeys a signal while the store is silent.
+them. Each request waits at most OP_TIMEOUT seconds and is tried again meanwhile, so a
+launcher stays responsive: it keeps relaying its ranks' output, notices their failures
+and obeys a signal while the store is silent.
 
 Keys live under ``collectives-run/<rdzv-id>/``.
 """

@@ -1,7 +1,6 @@
 """Work: the handle of an asynchronous operation (``async_op=True``, isend, irecv)."""
 import concurrent.futures
 import datetime
-import math
 import threading
 
 from ._args import timeout_seconds
