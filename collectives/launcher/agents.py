@@ -23,9 +23,10 @@ A store that stops answering (its node crashed, or the network between is cut: n
 resets the connection) ends the launcher's part of the job ``read_timeout`` seconds
 (default 60) after its last answer; its ranks then have ``read_timeout`` seconds more to
 end on their own (a rank whose peers are across the cut fails its collective at the
-group's timeout, with a message that says more than the launcher can) before it stops them. Each request waits at most OP_TIMEOUT seconds and is
-tried again meanwhile, so a launcher stays responsive: it keeps relaying its ranks'
-output, notices their failures and obeys a signal while the store is silent.
+group's timeout, with a message that says more than the launcher can) before it stops
+them. Each request waits at most OP_TIMEOUT seconds and is tried again meanwhile, so a
+launcher stays responsive: it keeps relaying its ranks' output, notices their failures
+and obeys a signal while the store is silent.
 
 Keys live under ``collectives-run/<rdzv-id>/``.
 """
@@ -91,9 +92,9 @@ class NodeRendezvous:
 
     def __init__(self, host, port, run_id, min_nodes, max_nodes, conf, free_port,
                  stopped=lambda: False, auth_key=None):
-        from .auth import AuthError
-        from .errors import DistError
-        from .store import TCPStore
+        from ..auth import AuthError
+        from ..errors import DistError
+        from ..store import TCPStore
         self._DistError = DistError
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.conf = conf
@@ -145,7 +146,7 @@ class NodeRendezvous:
         request that must not be made twice (an add of 1) waits ``read_timeout`` once, or
         ``timeout``. ``wait=False``: one try, then Silent, unless the store has not
         answered for ``read_timeout``. Raises Stop when the store is lost."""
-        from .errors import DistNetworkError, DistStoreError
+        from ..errors import DistNetworkError, DistStoreError
         if self.lost:
             raise Stop(self.lost)
         deadline = (time.monotonic() if wait else self._last_answer) + self.read_timeout
