@@ -10,24 +10,8 @@ from . import dtypes as D
 
 KEEP_ENDED = 16  # recorders of destroyed groups kept for later dumps
 
-
-def _torch_int(name):
-    """torch's name for a setting, where set (it comes before ours, as torch users expect)."""
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return None
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer number of entries, got {v!r}") from None
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0 (0 turns the flight recorder off), got {n}")
-    return n
-
-
-BUFFER_SIZE = _torch_int("TORCH_FR_BUFFER_SIZE")
-if BUFFER_SIZE is None:
-    BUFFER_SIZE = config.get("COLLECTIVES_FR_BUFFER_SIZE")
+# torch's names first, as torch users expect
+BUFFER_SIZE = config.get("COLLECTIVES_FR_BUFFER_SIZE", first="TORCH_FR_BUFFER_SIZE")
 ENABLED = BUFFER_SIZE > 0
 DUMP_PREFIX = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or config.get("COLLECTIVES_FR_DUMP") or None
 STACKS = config.get("COLLECTIVES_FR_STACK")

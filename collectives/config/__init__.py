@@ -31,7 +31,7 @@ pure-Python/NumPy fallback it uses when they are not built.
 """
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple
 
 __all__ = ["Setting", "SETTINGS", "get", "declared", "settings", "markdown", "EXTENSIONS"]
@@ -304,12 +304,14 @@ def declared(name):
                        f"COLLECTIVES_* setting there)") from None
 
 
-def get(name, environ=None):
+def get(name, environ=None, first=None):
     """The parsed value of setting ``name`` from ``environ`` (default ``os.environ``).
 
     Args:
         name: a declared ``COLLECTIVES_*`` name.
         environ: a mapping to read instead of the process environment.
+        first: another variable for the same setting (torch's name) that comes first where
+            it is set and not empty; parsed by the same rule, its errors naming it.
 
     Returns:
         The value, of the setting's type; its default when unset or empty.
@@ -320,6 +322,8 @@ def get(name, environ=None):
     """
     s = declared(name)
     env = os.environ if environ is None else environ
+    if first is not None and env.get(first, "").strip():
+        return replace(s, name=first).parse(env[first])
     return s.parse(env.get(name))
 
 
