@@ -10,7 +10,7 @@ PARTIAL_AFTER = 0.3  # an unfinished line after this long with no more output is
                      # (a prompt: pdb's, input())
 
 
-class _Sink:
+class Sink:
     """Writes whole lines to one of the launcher's fds (never a partial line)."""
 
     def __init__(self, fd):
@@ -35,7 +35,7 @@ class _Sink:
             view = view[n:]
 
 
-class _Stream:
+class Stream:
     """One rank's stdout or stderr: splits into lines, prefixes, keeps a tail."""
 
     def __init__(self, rank, sink, prefix, show, log, keep_tail):

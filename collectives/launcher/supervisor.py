@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from .output import _Sink, _Stream
+from .output import Sink, Stream
 from .ports import free_port
 from .reaper import Reaper
 
@@ -38,7 +38,6 @@ class Rank:
         return f"exit code {rc}"
 
 
-
 def _signal_group(rank, sig):
     try:
         os.killpg(rank.proc.pid, sig)
@@ -49,8 +48,8 @@ def _signal_group(rank, sig):
 class Launcher:
     def __init__(self, cfg):
         self.cfg = cfg
-        self.out = _Sink(sys.stdout.fileno())
-        self.err = _Sink(sys.stderr.fileno())
+        self.out = Sink(sys.stdout.fileno())
+        self.err = Sink(sys.stderr.fileno())
         self.signal_received = None
         self.signal_count = 0
         self.reaper = None
@@ -87,8 +86,8 @@ class Launcher:
                     self._forget(r)
                 raise ValueError(f"cannot start {shlex.join(cfg.cmd)}: {e}") from e
             ranks.append(Rank(rank, local, proc,
-                              _Stream(rank, self.out, cfg.prefix, show, logs[0], False),
-                              _Stream(rank, self.err, cfg.prefix, show, logs[1], True)))
+                              Stream(rank, self.out, cfg.prefix, show, logs[0], False),
+                              Stream(rank, self.err, cfg.prefix, show, logs[1], True)))
             self._watch(ranks[-1])
         return ranks
 
