@@ -128,6 +128,21 @@ def test_unknown_name_is_a_key_error():
         config.get("COLLECTIVES_NOPE")
 
 
+def test_another_name_comes_first_where_set_and_its_errors_name_it():
+    name, torch_name = "COLLECTIVES_FR_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"
+    env = {name: "7"}
+    assert config.get(name, env, first=torch_name) == 7
+    env[torch_name] = "  "  # empty: not set
+    assert config.get(name, env, first=torch_name) == 7
+    env[torch_name] = "3"
+    assert config.get(name, env, first=torch_name) == 3
+    assert config.get(name, {}, first=torch_name) == 256
+    for raw, msg in (("-1", "TORCH_FR_BUFFER_SIZE must be >= 0, got -1"),
+                     ("x", "TORCH_FR_BUFFER_SIZE must be an integer")):
+        with pytest.raises(ValueError, match=msg):
+            config.get(name, {name: "7", torch_name: raw}, first=torch_name)
+
+
 def test_reads_the_process_environment(monkeypatch):
     monkeypatch.setenv("COLLECTIVES_TCP_SPIN_US", "7")
     assert config.get("COLLECTIVES_TCP_SPIN_US") == 7

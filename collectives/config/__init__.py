@@ -31,7 +31,7 @@ pure-Python/NumPy fallback it uses when they are not built.
 """
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple
 
 __all__ = ["Setting", "SETTINGS", "get", "declared", "settings", "markdown", "EXTENSIONS"]
@@ -239,18 +239,18 @@ SETTINGS = (
        "The object calls (broadcast_object_list, all_gather_object, ...) unpickle with an "
        "allow-list (plain data, NumPy arrays, torch tensors) instead of full pickle; per "
        "call: safe=True.", read_in="safe_pickle.py"),
-    # the flight recorder (collectives/flight_recorder.py; torch's TORCH_FR_* names first)
+    # the flight recorder (collectives/fr_registry.py; torch's TORCH_FR_* names first)
     _s("COLLECTIVES_FR_BUFFER_SIZE", "int", 256,
        "Collectives the flight recorder keeps per group (torch's TORCH_FR_BUFFER_SIZE, where "
        "set, comes first); 0 turns the recorder, its dumps and progress posts off.",
-       read_in="flight_recorder.py"),
+       read_in="fr_registry.py"),
     _s("COLLECTIVES_FR_DUMP", "str", None,
        "Path prefix of the flight recorder's dumps, the global rank appended (torch's "
        "TORCH_FR_DUMP_TEMP_FILE, where set, comes first). Default: a file in the temp "
-       "directory named after the job.", read_in="flight_recorder.py"),
+       "directory named after the job.", read_in="fr_registry.py"),
     _s("COLLECTIVES_FR_STACK", "bool", False,
        "Record the Python stack of every call in the flight recorder (costly).",
-       read_in="flight_recorder.py"),
+       read_in="fr_registry.py"),
     _s("COLLECTIVES_NO_EXTENSIONS", "bool", False,
        "Hide the compiled extensions (_core, _buffer, _tcp, _shm): the package runs on its "
        "pure-Python/NumPy fallback, as when they are not built (kernels and the mpi and "
@@ -304,12 +304,14 @@ def declared(name):
                        f"COLLECTIVES_* setting there)") from None
 
 
-def get(name, environ=None):
+def get(name, environ=None, first=None):
     """The parsed value of setting ``name`` from ``environ`` (default ``os.environ``).
 
     Args:
         name: a declared ``COLLECTIVES_*`` name.
         environ: a mapping to read instead of the process environment.
+        first: another variable for the same setting (torch's name) that comes first where
+            it is set and not empty; parsed by the same rule, its errors naming it.
 
     Returns:
         The value, of the setting's type; its default when unset or empty.
@@ -320,6 +322,8 @@ def get(name, environ=None):
     """
     s = declared(name)
     env = os.environ if environ is None else environ
+    if first is not None and env.get(first, "").strip():
+        return replace(s, name=first).parse(env[first])
     return s.parse(env.get(name))
 
 

@@ -1,0 +1,297 @@
+"""Starting and supervising the ranks: :class:`Launcher` starts a node's ranks, relays
+their output, stops them all when one fails or a signal comes, restarts them, and runs
+the c10d rendezvous's rounds (:mod:`collectives.launcher.agents`)."""
+import os
+import selectors
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from .output import Sink, Stream
+from .ports import free_port
+from .reaper import Reaper
+
+
+class Rank:
+    def __init__(self, rank, local_rank, proc, out, err):
+        self.rank = rank
+        self.local_rank = local_rank
+        self.proc = proc
+        self.out = out
+        self.err = err
+        self.returncode = None
+        self.ended = None
+        self.killed_by_us = False
+
+    def describe(self):
+        rc = self.returncode
+        if rc is None:
+            return "still running"
+        if rc < 0:
+            try:
+                name = signal.Signals(-rc).name
+            except ValueError:
+                name = f"signal {-rc}"
+            return f"killed by {name}"
+        return f"exit code {rc}"
+
+
+def _signal_group(rank, sig):
+    try:
+        os.killpg(rank.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Launcher:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.out = Sink(sys.stdout.fileno())
+        self.err = Sink(sys.stderr.fileno())
+        self.signal_received = None
+        self.signal_count = 0
+        self.reaper = None
+
+    def _on_signal(self, signum, frame):
+        self.signal_received = signum
+        self.signal_count += 1
+
+    def note(self, msg):
+        self.err.write(f"collectives-run: {msg}\n".encode())
+
+    def start(self, restart):
+        cfg = self.cfg
+        if cfg.auto_port:
+            cfg.master_port = free_port()
+        ranks = []
+        for local in range(cfg.nproc):
+            rank = cfg.rank_base + local
+            show = cfg.show is None or local in cfg.show
+            logs = [None, None]
+            if cfg.log_dir:
+                os.makedirs(cfg.log_dir, exist_ok=True)
+                logs = [open(os.path.join(cfg.log_dir, f"rank{rank}.{s}"), "ab") for s in ("out", "err")]
+            try:
+                # rank 0 reads the launcher's stdin, as under mpiexec (input(), pdb,
+                # dist.breakpoint); the others get none
+                stdin = None if rank == 0 else subprocess.DEVNULL
+                proc = subprocess.Popen(cfg.cmd, env=cfg.env(local, restart), stdin=stdin,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True)
+            except OSError as e:
+                for r in ranks:
+                    _signal_group(r, signal.SIGKILL)
+                    self._forget(r)
+                raise ValueError(f"cannot start {shlex.join(cfg.cmd)}: {e}") from e
+            ranks.append(Rank(rank, local, proc,
+                              Stream(rank, self.out, cfg.prefix, show, logs[0], False),
+                              Stream(rank, self.err, cfg.prefix, show, logs[1], True)))
+            self._watch(ranks[-1])
+        return ranks
+
+    def supervise(self, ranks, watch=None, lost_grace=0.0):
+        """Run until every rank has ended; returns the ranks that failed on their own.
+        ``watch(now)``: a reason to stop every rank, or None (the c10d rendezvous: another
+        node failed, or a new round begins); the reason is left in ``self.stopped_for``.
+        A reason of kind "lost" (the rendezvous store) stops the ranks ``lost_grace``
+        seconds later, unless they end (or one fails) first."""
+        cfg = self.cfg
+        sel = selectors.DefaultSelector()
+        for r in ranks:
+            for pipe, stream in ((r.proc.stdout, r.out), (r.proc.stderr, r.err)):
+                os.set_blocking(pipe.fileno(), False)
+                sel.register(pipe, selectors.EVENT_READ, stream)
+        failed = []
+        stopping_since = None
+        killed = False
+        forwarded = 0
+        all_ended_at = None
+        grace_until = None
+        self.stopped_for = None
+        while True:
+            for key, _ in sel.select(cfg.monitor_interval):
+                try:
+                    data = os.read(key.fileobj.fileno(), 1 << 16)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                if data:
+                    key.data.feed(data)
+                else:
+                    sel.unregister(key.fileobj)
+                    key.fileobj.close()
+                    key.data.close()
+            now = time.monotonic()
+            for r in ranks:
+                r.out.flush_partial(now)
+                r.err.flush_partial(now)
+                if r.returncode is None and r.proc.poll() is not None:
+                    r.returncode = r.proc.returncode
+                    r.ended = now
+                    if r.returncode != 0 and not r.killed_by_us and self.signal_received is None:
+                        failed.append(r)
+            if self.signal_count > forwarded:  # forward every signal the launcher got
+                forwarded = self.signal_count
+                sig = signal.SIGKILL if forwarded > 1 else self.signal_received
+                for r in ranks:
+                    if r.returncode is None:
+                        r.killed_by_us = True
+                        _signal_group(r, sig)
+                stopping_since = stopping_since or now
+            if watch is not None and stopping_since is None and not failed \
+                    and self.signal_received is None and self.stopped_for is None:
+                self.stopped_for = watch(now)
+                if self.stopped_for is not None and self.stopped_for[0] == "lost":
+                    grace_until = time.monotonic() + lost_grace  # (watch may have waited)
+            stop_now = self.stopped_for is not None and (grace_until is None or now >= grace_until)
+            if (failed or stop_now) and stopping_since is None:
+                stopping_since = now
+                for r in ranks:
+                    if r.returncode is None:
+                        r.killed_by_us = True
+                        _signal_group(r, signal.SIGTERM)
+            running = [r for r in ranks if r.returncode is None]
+            if running and stopping_since is not None and not killed \
+                    and now - stopping_since >= cfg.term_timeout:
+                killed = True
+                for r in running:
+                    _signal_group(r, signal.SIGKILL)
+            if not running:
+                # the ranks are gone: drain their pipes, unless a grandchild keeps one open
+                all_ended_at = all_ended_at or now
+                if not sel.get_map() or now - all_ended_at > 1.0:
+                    break
+        for key in list(sel.get_map().values()):
+            sel.unregister(key.fileobj)
+            key.fileobj.close()
+            key.data.close()
+        sel.close()
+        for r in ranks:  # leave no grandchild behind
+            _signal_group(r, signal.SIGKILL)
+            self._forget(r)
+        return failed
+
+    def _watch(self, rank):  # (no reaper when start() runs outside run())
+        if self.reaper is not None:
+            self.reaper.watch(rank)
+
+    def _forget(self, rank):
+        if self.reaper is not None:
+            self.reaper.forget(rank)
+
+    def summary(self, failed, elapsed):
+        first = failed[0]
+        lines = [f"rank {first.rank} (local rank {first.local_rank}, pid {first.proc.pid}) failed "
+                 f"with {first.describe()} after {elapsed:.2f} s; the other ranks were stopped"]
+        for r in failed[1:]:
+            lines.append(f"rank {r.rank} also failed with {r.describe()}")
+        tail = list(first.err.tail)
+        if tail:
+            lines.append(f"last {len(tail)} lines of rank {first.rank}'s stderr:")
+            lines += ["  " + t for t in tail]
+        else:
+            lines.append(f"rank {first.rank} wrote nothing to stderr")
+        self.note("\n".join(lines))
+
+    def run(self):
+        handlers = {}
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            handlers[sig] = signal.signal(sig, self._on_signal)
+        self.reaper = Reaper()
+        if self.cfg.auth_note:
+            self.note(self.cfg.auth_note)
+        try:
+            if self.cfg.dynamic:
+                return self.run_c10d()
+            for attempt in range(self.cfg.max_restarts + 1):
+                t0 = time.monotonic()
+                ranks = self.start(attempt)
+                failed = self.supervise(ranks)
+                if self.signal_received is not None:
+                    self.note(f"received {signal.Signals(self.signal_received).name}; "
+                              f"stopped {len(ranks)} ranks")
+                    return 128 + self.signal_received
+                if not failed:
+                    return 0
+                self.summary(failed, time.monotonic() - t0)
+                if attempt < self.cfg.max_restarts:
+                    self.note(f"restarting every rank ({attempt + 1} of {self.cfg.max_restarts})")
+            rc = failed[0].returncode
+            return rc if 0 < rc < 256 else 128 + (-rc if rc < 0 else 1)
+        finally:
+            self.reaper.close()
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+
+
+    @staticmethod
+    def _exit_code(rank):
+        rc = rank.returncode
+        return rc if 0 < rc < 256 else 128 + (-rc if rc < 0 else 1)
+
+    def run_c10d(self):
+        """The job's rounds under the c10d rendezvous (collectives/launcher/agents.py)."""
+        from .agents import NodeRendezvous, Stop
+        cfg = self.cfg
+        try:
+            rdzv = NodeRendezvous(cfg.rdzv_host, cfg.rdzv_port, cfg.run_id, cfg.min_nodes,
+                                  cfg.max_nodes, cfg.rdzv_conf, free_port,
+                                  lambda: self.signal_received is not None, cfg.auth_key)
+        except Stop as e:
+            self.note(str(e))
+            return 128 + self.signal_received if self.signal_received is not None else 1
+        restarts = 0
+        try:
+            while True:
+                rdzv.join(cfg.nproc)
+                cfg.set_round(rdzv.node_rank, rdzv.nprocs, rdzv.master_port)
+                self.note(f"node {rdzv.node_rank} of {rdzv.nnodes} (round {rdzv.round}): ranks "
+                          f"{cfg.rank_base}..{cfg.rank_base + cfg.nproc - 1} of {cfg.world_size}")
+                t0 = time.monotonic()
+                ranks = self.start(restarts)
+                failed = self.supervise(ranks, rdzv.poll, lost_grace=rdzv.read_timeout)
+                event = self.stopped_for
+                if self.signal_received is not None:
+                    name = signal.Signals(self.signal_received).name
+                    rdzv.fail(f"node {rdzv.node_rank}'s launcher received {name}")
+                    self.note(f"received {name}; stopped {len(ranks)} ranks")
+                    return 128 + self.signal_received
+                if failed:
+                    self.summary(failed, time.monotonic() - t0)
+                    first = failed[0]
+                    why = f"rank {first.rank} on node {rdzv.node_rank} failed with {first.describe()}"
+                    if restarts >= cfg.max_restarts:
+                        rdzv.fail(f"{why}; no restart left")
+                        return self._exit_code(first)
+                    event = ("restart", rdzv.restart("F", why))
+                elif event is None:
+                    event = rdzv.finish(lambda: self.signal_received is not None)
+                    if event is None:
+                        return 0
+                    if event[0] == "signal":
+                        name = signal.Signals(self.signal_received).name
+                        rdzv.fail(f"node {rdzv.node_rank}'s launcher received {name}")
+                        return 128 + self.signal_received
+                kind, why = event
+                if kind in ("failed", "lost"):
+                    self.note(f"stopping: {why}")
+                    return 1
+                if why.startswith("F"):
+                    if restarts >= cfg.max_restarts:  # (another node asked first)
+                        rdzv.fail(f"{why[3:]}; no restart left")
+                        self.note(f"stopping: {why[3:]}; no restart left")
+                        return 1
+                    restarts += 1
+                    self.note(f"restarting every rank ({restarts} of {cfg.max_restarts}): {why[3:]}")
+                else:
+                    self.note(f"restarting every rank in a new round: {why[3:]}")
+        except Stop as e:
+            self.note(f"stopping: {e}")
+            if self.signal_received is not None:
+                rdzv.fail(f"a launcher received {signal.Signals(self.signal_received).name}")
+                return 128 + self.signal_received
+            return 1
+        finally:
+            rdzv.close()
+
