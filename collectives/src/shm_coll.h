@@ -71,7 +71,7 @@ int shm_cma_probe(shm_comm *c);
 int shm_cma_enabled(const shm_comm *c);
 /* Whether this rank's writes into the segment stream past the caches (non-temporal
  * stores), so that ranks on far cores read them from memory instead of from this core's
- * cache: SHM_STREAM_OFF, SHM_STREAM_ON, or SHM_STREAM_AUTO (measured, see shm_coll.c). */
+ * cache: SHM_STREAM_OFF, SHM_STREAM_ON, or SHM_STREAM_AUTO (measured, see shm_copy.c). */
 #define SHM_STREAM_OFF 0
 #define SHM_STREAM_ON 1
 #define SHM_STREAM_AUTO 2
