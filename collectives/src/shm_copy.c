@@ -231,7 +231,7 @@ int shm_cma_probe(shm_comm *c)
     int ok = cma_read(c, q, &got, addr, sizeof got) == SHM_OK && got == probe;
     /* measured: with more ranks than cores the readers queue for the cores and the
      * two-copy path, which overlaps writers and readers, is as fast or faster */
-    ok = ok && ((long)n <= sysconf(_SC_NPROCESSORS_ONLN) || getenv("COLLECTIVES_SHM_CMA_ANY_CORES"));
+    ok = ok && ((long)n <= sysconf(_SC_NPROCESSORS_ONLN) || c->cma_any_cores);
     c->err_peer = -1;
     atomic_store_explicit(&c->ctl[me].xfer.ok, ok, memory_order_relaxed);
     s = ++c->seq;

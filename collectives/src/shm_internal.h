@@ -157,6 +157,7 @@ struct shm_comm {
     int shared_verdict;   /* more ranks than cores: the group's latest probe decides */
     int64_t far_ns;       /* a probe's round trip from which a peer counts as far */
     int thp;              /* collapse buffers that peers copy by CMA into huge pages */
+    int cma_any_cores;    /* allow the single copy with more ranks than cores */
     int64_t thp_ns;       /* time spent so far in collapses that had to move pages */
     int thp_next;         /* the table slot to reuse next */
     struct { uintptr_t a, e; int done; } thp_seen[THP_SLOTS];

@@ -207,9 +207,6 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
         return SHM_ESYS;
     }
     c->llc = llc_bytes();
-    const char *llc_env = getenv("COLLECTIVES_SHM_LLC_BYTES");
-    if (llc_env && *llc_env)
-        c->llc = (size_t)strtoull(llc_env, NULL, 10);
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     if (ncpu < 1)
         ncpu = 1;
@@ -234,18 +231,8 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
     /* then yield (a busy machine deschedules the peer for a while; sleeping right
      * away would cost a scheduler wake-up per step), then sleep on the futex */
     c->yield_ns = size <= ncpu ? 200000 : 20000;
-    const char *e = getenv("COLLECTIVES_SHM_SPIN");
-    if (e && *e)
-        c->spin = atoi(e);
-    e = getenv("COLLECTIVES_SHM_YIELD_US");
-    if (e && *e)
-        c->yield_ns = (int64_t)atoi(e) * 1000;
     c->far_ns = PROBE_FAR_NS;
-    e = getenv("COLLECTIVES_SHM_FAR_NS");
-    if (e && *e && atoll(e) > 0)  /* anything else (0, negative, not a number): the default */
-        c->far_ns = atoll(e);
-    e = getenv("COLLECTIVES_SHM_THP");
-    c->thp = !(e && *e == '0');
+    c->thp = 1;
     shm_comm_set_timeout(c, timeout_s);
     atomic_store(&c->ctl[rank].info.pid, (int32_t)getpid());
     *out = c;
@@ -279,6 +266,20 @@ void shm_comm_set_thresholds(shm_comm *c, size_t oneshot_max, size_t chunk_bytes
     if (chunk_bytes < 4096)
         chunk_bytes = 4096;
     c->chunk = chunk_bytes < c->half ? chunk_bytes : c->half;
+}
+
+void shm_comm_set_tuning(shm_comm *c, long long spin, long long yield_us, long long far_ns,
+                         long long llc_bytes, int thp, int cma_any_cores)
+{
+    if (spin >= 0)
+        c->spin = spin < INT_MAX ? (int)spin : INT_MAX;
+    if (yield_us >= 0)
+        c->yield_ns = yield_us < INT64_MAX / 1000 ? (int64_t)yield_us * 1000 : INT64_MAX;
+    c->far_ns = far_ns > 0 ? (int64_t)far_ns : PROBE_FAR_NS;  /* 0 or less: the default */
+    if (llc_bytes >= 0)
+        c->llc = (size_t)llc_bytes;
+    c->thp = thp != 0;
+    c->cma_any_cores = cma_any_cores != 0;
 }
 
 int shm_comm_error_peer(const shm_comm *c) { return c->err_peer; }
