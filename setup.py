@@ -23,7 +23,8 @@ MODULES = {
     "_buffer": None,
     "_tcp": ["collectives/src/tcp_transport.c", "collectives/src/tcp_engine.c",
              "collectives/src/tcp_algorithms.c"],
-    "_shm": ["collectives/src/shm_coll.c"],
+    "_shm": ["collectives/src/shm_segment.c", "collectives/src/shm_copy.c",
+             "collectives/src/shm_coll.c", "collectives/src/shm_p2p.c"],
 }
 KERNEL_SOURCES = ["collectives/src/reduce_kernels.c"]
 

@@ -7,6 +7,7 @@ only converts arguments and turns error codes into DistBackendError.
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
+from . import config as _config
 from . import dtypes as _D
 from . import fingerprint as _fp
 from .errors import DistBackendError
@@ -23,6 +24,8 @@ cdef extern from "shm_coll.h" nogil:
     int shm_comm_unlink(const char *name)
     void shm_comm_set_timeout(shm_comm *c, double timeout_s)
     void shm_comm_set_thresholds(shm_comm *c, size_t oneshot_max, size_t chunk_bytes)
+    void shm_comm_set_tuning(shm_comm *c, long long spin, long long yield_us, long long far_ns,
+                             long long llc_bytes, int thp, int cma_any_cores)
     int shm_cma_probe(shm_comm *c)
     int shm_cma_enabled(const shm_comm *c)
     void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min)
@@ -91,6 +94,11 @@ def pack(int kind, int dtype=NO_DTYPE, uint64_t count=0, int root=-1, int op=-1)
     return _pack(kind, dtype, count, root, op)
 
 
+cdef long long _or_default(value):
+    """An int setting's value for the C engine: -1 (keep the engine's default) for None."""
+    return -1 if value is None else value
+
+
 def unlink(name):
     """Remove a segment name from /dev/shm (mapped ranks keep their mapping)."""
     return shm_comm_unlink(name.encode()) == SHM_OK
@@ -128,6 +136,13 @@ cdef class ShmComm:
         self.rank = rank
         self.size = size
         self.label = label
+        # this rank's tuning, from the registry (a bad value raises before the mapping)
+        cdef long long spin = _or_default(_config.get("COLLECTIVES_SHM_SPIN"))
+        cdef long long yield_us = _or_default(_config.get("COLLECTIVES_SHM_YIELD_US"))
+        cdef long long far_ns = _config.get("COLLECTIVES_SHM_FAR_NS")
+        cdef long long llc = _or_default(_config.get("COLLECTIVES_SHM_LLC_BYTES"))
+        cdef int thp = _config.get("COLLECTIVES_SHM_THP")
+        cdef int any_cores = _config.get("COLLECTIVES_SHM_CMA_ANY_CORES")
         with nogil:
             rc = shm_comm_open(&self.c, cname, create, rank, size, half_bytes, ring_bytes,
                                timeout, &err)
@@ -135,6 +150,7 @@ cdef class ShmComm:
             import os
             detail = os.strerror(err) if rc == SHM_ESYS else _REASONS.get(rc, str(rc))
             raise DistBackendError(f"{label}: cannot map shared segment {name}: {detail}")
+        shm_comm_set_tuning(self.c, spin, yield_us, far_ns, llc, thp, any_cores)
 
     def __dealloc__(self):
         if self.c != NULL:

@@ -21,7 +21,7 @@ measured stores for the segment; see DEFAULT_STREAM) and COLLECTIVES_SHM_FAR_NS 
 probe's cache-line round trip from which a peer counts as far, 250 by default).
 COLLECTIVES_SHM_THP=0 stops a rank from collapsing the buffers its peers copy by
 process_vm_readv/writev into huge pages (MADV_COLLAPSE, the second time it sees a
-buffer: they copy twice as fast from it; see thp_prepare in src/shm_coll.c).
+buffer: they copy twice as fast from it; see thp_prepare in src/shm_copy.c).
 """
 import collections
 import os
@@ -66,7 +66,7 @@ DEFAULT_CMA_AR_MIN = 0
 # Segment writes for other ranks: 0 plain stores, 1 streaming (non-temporal) stores, 2
 # streaming while the ranks' latency probes find their peers on far cores (another die or
 # socket, where reading a line from the writer's cache is several times slower than from
-# memory; see shm_coll.c, "near and far peers"). COLLECTIVES_SHM_STREAM sets it. Two ranks
+# memory; see shm_copy.c, "near and far peers"). COLLECTIVES_SHM_STREAM sets it. Two ranks
 # while far, measured mode against plain (bench/bench_stream.py): all_reduce 0.20-0.24x at
 # 1 and 16 MiB and 0.33-0.47x at 8-64 KiB, all_gather 0.40-0.41x at 64-128 KiB,
 # reduce_scatter 0.21-0.27x, all_to_all 0.31-0.61x, scatter 0.46x; while close
@@ -94,7 +94,7 @@ SWEEP_MIN_AGE_S = 5.0
 def sweep_stale_segments(min_age=SWEEP_MIN_AGE_S, shm_dir="/dev/shm"):
     """Unlink this user's segments whose creator died before unlinking the name.
 
-    The creating rank holds a shared flock on its segment while it lives (shm_coll.c)
+    The creating rank holds a shared flock on its segment while it lives (shm_segment.c)
     and unlinks the name once every rank has mapped it; a name still linked that no
     process locks was left by a creator killed in between. Rank 0 sweeps before it
     creates a segment, so such a leak lasts until the next group on this host.

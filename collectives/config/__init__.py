@@ -195,25 +195,24 @@ SETTINGS = (
        read_in="backends/shm.py"),
     _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False,
        "Allow the single-copy paths with more ranks than cores (measured slower there; the "
-       "tests use it). Read in C, where today any value, even 0, counts as set.",
-       read_in="src/shm_coll.c"),
+       "tests use it).", read_in="_shm.pyx -> src/shm_copy.c"),
     _s("COLLECTIVES_SHM_SPIN", "int", None,
        "Polls before a waiting rank yields. Default: about 2 us worth when every rank has a "
-       "core, none when the ranks outnumber the cores.", read_in="src/shm_coll.c"),
+       "core, none when the ranks outnumber the cores.", read_in="_shm.pyx -> src/shm_segment.c"),
     _s("COLLECTIVES_SHM_YIELD_US", "int", None,
        "How long a waiting rank yields before it sleeps on a futex. Default: 200 us when "
-       "every rank has a core, 20 us otherwise.", unit="us", read_in="src/shm_coll.c"),
+       "every rank has a core, 20 us otherwise.", unit="us", read_in="_shm.pyx -> src/shm_segment.c"),
     _s("COLLECTIVES_SHM_FAR_NS", "int", 250,
        "Cache-line round trip from which a peer counts as far (streaming stores pay off); "
-       "0 or less: the default.", minimum=None, unit="ns", read_in="src/shm_coll.c"),
+       "0 or less: the default.", minimum=None, unit="ns", read_in="_shm.pyx -> src/shm_copy.c"),
     _s("COLLECTIVES_SHM_LLC_BYTES", "int", None,
        "Last-level cache size: an all_gather whose outputs (all ranks' together) fill it "
        "writes the local block with streaming stores. Default: read from sysfs.",
-       unit="bytes", read_in="src/shm_coll.c"),
+       unit="bytes", read_in="_shm.pyx -> src/shm_copy.c"),
     _s("COLLECTIVES_SHM_THP", "bool", True,
        "Collapse buffers that peers copy by process_vm_readv/writev into huge pages "
        "(MADV_COLLAPSE, Linux 6.1; they copy twice as fast); false turns it off.",
-       read_in="src/shm_coll.c"),
+       read_in="_shm.pyx -> src/shm_copy.c"),
     # other backends and torch
     _s("COLLECTIVES_MPI_WATCHDOG", "bool", True,
        "The mpi backend's watchdog: a blocking call stuck past the group timeout prints its "

@@ -45,6 +45,13 @@ void shm_comm_close(shm_comm *c);
 int shm_comm_unlink(const char *name);
 void shm_comm_set_timeout(shm_comm *c, double timeout_s);
 void shm_comm_set_thresholds(shm_comm *c, size_t oneshot_max, size_t chunk_bytes);
+/* Per-rank tuning, which the caller reads from the configuration registry
+ * (collectives/config: COLLECTIVES_SHM_SPIN, _YIELD_US, _FAR_NS, _LLC_BYTES, _THP,
+ * _CMA_ANY_CORES). A negative spin, yield_us or llc_bytes keeps the default chosen at
+ * open, a far_ns of 0 or less the default round trip; none changes the protocol, so the
+ * ranks may differ. Call it before the first collective. */
+void shm_comm_set_tuning(shm_comm *c, long long spin, long long yield_us, long long far_ns,
+                         long long llc_bytes, int thp, int cma_any_cores);
 int shm_comm_error_peer(const shm_comm *c);    /* the peer of the last failure, or -1 */
 uint32_t shm_comm_seq(const shm_comm *c);      /* steps completed so far */
 size_t shm_comm_half_bytes(const shm_comm *c);
@@ -71,7 +78,7 @@ int shm_cma_probe(shm_comm *c);
 int shm_cma_enabled(const shm_comm *c);
 /* Whether this rank's writes into the segment stream past the caches (non-temporal
  * stores), so that ranks on far cores read them from memory instead of from this core's
- * cache: SHM_STREAM_OFF, SHM_STREAM_ON, or SHM_STREAM_AUTO (measured, see shm_coll.c). */
+ * cache: SHM_STREAM_OFF, SHM_STREAM_ON, or SHM_STREAM_AUTO (measured, see shm_copy.c). */
 #define SHM_STREAM_OFF 0
 #define SHM_STREAM_ON 1
 #define SHM_STREAM_AUTO 2

@@ -1,0 +1,370 @@
+/* The shared-memory engine's private header: the segment's layout, a rank's view of it
+ * (struct shm_comm), and what the engine's parts share. shm_segment.c maps the segment
+ * and holds the waits (spin, yield, futex, dead-peer checks), the steps' counters and the
+ * group's failure record and fingerprint checks; shm_copy.c the copy policy (streaming
+ * stores, the near/far latency probes, huge pages and CMA); shm_coll.c the collectives;
+ * shm_p2p.c the point-to-point rings. See shm_coll.h for the protocol. */
+#ifndef COLLECTIVES_SHM_INTERNAL_H
+#define COLLECTIVES_SHM_INTERNAL_H
+#define _GNU_SOURCE
+#include "shm_coll.h"
+#include "reduce_kernels.h"
+
+#define SHM_HIDDEN __attribute__((visibility("hidden")))
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#define CL 64
+#define PAGE 4096
+#define SHM_MAGIC 0x636f6c6c73686d33ULL /* "collshm3": fingerprints */
+#define MAX_STACK_SRCS 64
+/* latency probes (see "near and far peers") */
+#define PROBE_EVERY 16
+#define PROBE_MIN_BYTES (256 * 1024) /* steps this large count as ticks */
+#define PROBE_SMALL_MIN 4096         /* smaller steps of at least this many bytes... */
+#define PROBE_SMALL_EVERY (4 << 20)  /* ...probe once they add up to this many */
+#define PROBE_ROUNDS 8
+#define PROBE_FAR_NS 250             /* round trip: ~90 ns close, ~460 ns far here
+                                        (COLLECTIVES_SHM_FAR_NS overrides) */
+#define PROBE_MAX_NS 2000            /* slower: someone was descheduled, no verdict */
+#define PROBE_WAIT_NS 50000          /* give up on a partner that does not come */
+#define PEER_NEAR 1
+#define PEER_FAR 2
+
+/* A call's fingerprint (collectives/fingerprint.py's pack word) for collective number k:
+ * each rank's post counter carries two, indexed by k & 1, in its own cache line, so a
+ * peer that sees the post sees the fingerprint without another line's transfer. */
+typedef struct {
+    _Atomic uint64_t k;
+    _Atomic uint64_t word;
+} fp_slot_t;
+
+typedef struct {
+    _Atomic uint32_t v;
+    _Atomic uint32_t waiters;
+    fp_slot_t fp[2];  /* used in post only */
+    char pad[CL - 8 - 2 * sizeof(fp_slot_t)];
+} ctr_t;
+_Static_assert(sizeof(ctr_t) == CL, "a counter and its fingerprint slots fill one cache line");
+
+typedef struct {
+    ctr_t post;   /* last step whose data this rank published */
+    ctr_t ack;    /* last step whose data this rank finished reading */
+    ctr_t bell;   /* bumped whenever a p2p ring to or from this rank moves */
+    struct {
+        _Atomic int32_t pid;
+        char pad[CL - 4];
+    } info;
+    struct {
+        _Atomic uint32_t v;     /* latency probe: pings and pongs (see probe_peer) */
+        char pad[CL - 4];
+    } pp;
+    struct {
+        _Atomic uint64_t addr;  /* this rank's buffer for the step it last posted (CMA) */
+        _Atomic uint64_t src;   /* a single-copy all_gather's input, for ranks that pull */
+        _Atomic int32_t ok;     /* the CMA probe's verdict from this rank */
+        char pad[CL - 20];
+    } xfer;
+} rank_ctl_t;
+
+typedef struct {
+    _Atomic uint64_t head; /* bytes written by the sender */
+    char pad1[CL - 8];
+    _Atomic uint64_t tail; /* bytes consumed by the receiver */
+    char pad2[CL - 8];
+} ring_ctl_t;
+
+typedef struct {
+    uint64_t magic;
+    uint64_t size;
+    uint64_t half_bytes;
+    uint64_t ring_bytes;
+    uint64_t total;
+    char pad[CL - 40];
+    _Atomic uint32_t verdict; /* the latest probe's PEER_NEAR or PEER_FAR, any pair (shared) */
+    char pad2[CL - 4];
+    /* the group's first failure, for every rank to report alike (first writer wins):
+     * its own cache line, written once, so reading it in CHECK costs no transfer */
+    _Atomic uint32_t fail_state; /* SHM_FAIL_*; FAIL_WRITING while the writer fills it in */
+    uint32_t fail_k;             /* collective number */
+    int32_t fail_a, fail_b;      /* the rank that saw it, and the peer it compared with */
+    uint64_t fail_wa, fail_wb;   /* their fingerprints (a's, b's) */
+    char fail_text[SHM_FAIL_TEXT];
+} seg_hdr_t;
+#define FAIL_WRITING 1u
+
+/* Buffers that peers copy by CMA: how many ranges are remembered, and after how much
+ * time spent in collapses that had to move pages (longer than THP_WORK_NS; a program
+ * that hands in fresh buffers at addresses seen before) collapsing stops. */
+#define THP_SLOTS 32
+#define THP_WORK_NS 100000LL
+#define THP_BUDGET_NS 1000000000LL
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+
+struct shm_comm {
+    char *base;
+    size_t total;
+    int n, me;
+    size_t half;          /* bytes per half slot */
+    size_t ring;          /* bytes per p2p ring (power of two) */
+    size_t oneshot_max;   /* all_reduce bytes up to which one-shot is used */
+    size_t chunk;         /* two-shot chunk bytes (<= half) */
+    rank_ctl_t *ctl;
+    char *slots;
+    ring_ctl_t *rctl;
+    char *rdata;
+    uint32_t seq;         /* last step number used */
+    uint32_t blk;         /* blocks written so far (selects the half) */
+    uint32_t free_after[2];
+    int64_t timeout_ns;
+    int spin;             /* polls before yielding */
+    int64_t yield_ns;     /* then yield this long before sleeping */
+    int err_peer;
+    int cma;              /* every rank can read every other's memory (process_vm_readv) */
+    size_t cma_min;       /* all_gather/gather blocks of at least this many bytes use it */
+    size_t cma_bcast_min; /* broadcasts of at least this many bytes use it */
+    size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) use it */
+    size_t llc;           /* bytes of last-level cache */
+    int lock_fd;          /* the creator's descriptor of the segment, locked (else -1) */
+    char *cma_tmp;        /* (n - 1) * CMA_AR_CHUNK bytes for peers' chunks, made on first use */
+    int stream_mode;      /* SHM_STREAM_OFF / _ON / _AUTO */
+    int far;              /* segment writes for other ranks stream past the caches */
+    uint32_t ticks;       /* large steps that may probe (the same count on every rank) */
+    size_t small_bytes;   /* bytes of small steps since the last small-step probe (ditto) */
+    uint32_t probes;      /* probes run (the same count on every rank) */
+    unsigned char *dist;  /* per peer: 0 not measured, PEER_NEAR or PEER_FAR */
+    int shared_verdict;   /* more ranks than cores: the group's latest probe decides */
+    int64_t far_ns;       /* a probe's round trip from which a peer counts as far */
+    int thp;              /* collapse buffers that peers copy by CMA into huge pages */
+    int cma_any_cores;    /* allow the single copy with more ranks than cores */
+    int64_t thp_ns;       /* time spent so far in collapses that had to move pages */
+    int thp_next;         /* the table slot to reuse next */
+    struct { uintptr_t a, e; int done; } thp_seen[THP_SLOTS];
+    uint32_t coll;        /* fingerprinted collectives started so far (their number k) */
+    uint64_t fp;          /* this rank's fingerprint of collective coll */
+    _Atomic int broken;
+    _Atomic int aborted;
+};
+
+static inline seg_hdr_t *seg_hdr(const shm_comm *c) { return (seg_hdr_t *)c->base; }
+
+static inline size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+static inline int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline int ge(uint32_t v, uint32_t t) { return (int32_t)(v - t) >= 0; }
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline void futex_wake(_Atomic uint32_t *addr)
+{
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static inline void ctr_set(ctr_t *c, uint32_t v)
+{
+    atomic_store_explicit(&c->v, v, memory_order_seq_cst);
+    if (atomic_load_explicit(&c->waiters, memory_order_seq_cst))
+        futex_wake(&c->v);
+}
+
+static inline void ctr_bump(ctr_t *c)
+{
+    atomic_fetch_add_explicit(&c->v, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(&c->waiters, memory_order_seq_cst))
+        futex_wake(&c->v);
+}
+
+/* ---- waits and steps (shm_segment.c) ------------------------------------------ */
+
+/* wait_ctr past its first look at the counter */
+SHM_HIDDEN int wait_ctr_slow(shm_comm *c, ctr_t *ctr, uint32_t target, int peer,
+                             int64_t deadline_ns);
+
+/* Wait until ctr->v >= target (wrapping compare). peer < 0: nobody to watch.
+ * deadline_ns < 0 means now + the group timeout. */
+static inline int wait_ctr(shm_comm *c, ctr_t *ctr, uint32_t target, int peer,
+                           int64_t deadline_ns)
+{
+    if (ge(atomic_load_explicit(&ctr->v, memory_order_acquire), target))
+        return SHM_OK;
+    return wait_ctr_slow(c, ctr, target, peer, deadline_ns);
+}
+
+#define HALF(c, q, h) ((c)->slots + ((size_t)(q) * 2 + (h)) * (c)->half)
+
+static inline int fail(shm_comm *c, int rc)
+{
+    if (rc != SHM_OK)
+        atomic_store(&c->broken, 1);
+    return rc;
+}
+
+#define CHECK(c)                                                               \
+    do {                                                                       \
+        if (atomic_load_explicit(&(c)->broken, memory_order_relaxed) ||           \
+            atomic_load_explicit(&seg_hdr(c)->fail_state, memory_order_relaxed))      \
+            return fail((c), SHM_EBROKEN);                                     \
+    } while (0)
+
+#define TRY(c, expr)                      \
+    do {                                  \
+        int rc_ = (expr);                 \
+        if (rc_ != SHM_OK)                \
+            return fail((c), rc_);        \
+    } while (0)
+
+SHM_HIDDEN int half_acquire(shm_comm *c, int *h);
+static int wait_post(shm_comm *c, int q, uint32_t s) { return wait_ctr(c, &c->ctl[q].post, s, q, -1); }
+SHM_HIDDEN int wait_posts(shm_comm *c, uint32_t s);
+static inline void post(shm_comm *c, uint32_t s) { ctr_set(&c->ctl[c->me].post, s); }
+static inline void ack(shm_comm *c, uint32_t s) { ctr_set(&c->ctl[c->me].ack, s); }
+
+/* ---- fingerprints ------------------------------------------------------------------
+ *
+ * At entry to collective k a rank writes {k, word} into its post line's slot k & 1 and
+ * then posts the collective's first step s; every rank posts that step (ranks that read
+ * only, an arrival with no data) and, before it touches the user's buffer with a peer's
+ * data, compares that peer's slot with its own; before it returns it has compared every
+ * peer's. So no rank finishes collective k before every rank has arrived at k: no rank
+ * is more than one collective ahead of another, and two slots suffice. A difference is
+ * recorded in the segment header (first writer wins) and every rank's waits fail at
+ * once; each raises the recorded description. */
+
+SHM_HIDDEN int record_fail(shm_comm *c, uint32_t state, uint32_t k, int a, int b, uint64_t wa,
+                           uint64_t wb, const char *text);
+
+static inline void fp_publish(shm_comm *c, uint64_t word)
+{
+    uint32_t k = ++c->coll;
+    fp_slot_t *sl = &c->ctl[c->me].post.fp[k & 1];
+    atomic_store_explicit(&sl->k, k, memory_order_relaxed);
+    atomic_store_explicit(&sl->word, word, memory_order_relaxed);  /* the post releases both */
+    c->fp = word;
+}
+
+/* Compare peer q's fingerprint with mine, once q has posted this collective's first step
+ * (the wait's acquire load made q's slot visible). */
+static inline int fp_check(shm_comm *c, int q)
+{
+    fp_slot_t *sl = &c->ctl[q].post.fp[c->coll & 1];
+    uint64_t k = atomic_load_explicit(&sl->k, memory_order_relaxed);
+    uint64_t w = atomic_load_explicit(&sl->word, memory_order_relaxed);
+    if (k == c->coll && w == c->fp)
+        return SHM_OK;
+    record_fail(c, SHM_FAIL_MISMATCH, c->coll, c->me, q, c->fp, w, NULL);
+    c->err_peer = q;
+    return SHM_EFAILED;
+}
+
+SHM_HIDDEN int fp_check_all(shm_comm *c, uint32_t s);
+SHM_HIDDEN int fp_sync(shm_comm *c, uint64_t word);
+
+/* ---- copies (shm_copy.c) ------------------------------------------------------------ */
+
+static inline void copy(void *dst, const void *src, size_t n)
+{
+    if (dst != src && n)
+        memmove(dst, src, n);
+}
+
+SHM_HIDDEN void copy_stream(void *dst, const void *src, size_t n);
+
+/* Whether the outputs of all ranks, `total` bytes together, fill the last-level cache:
+ * the all_gather copies into them then stream (measured with 2 cores sharing 32 MiB:
+ * single copy, 2 ranks, streaming 305 -> 373 us at 4 MiB per rank, 1207 -> 1118 at 8 MiB,
+ * 2298 -> 2082 at 16 MiB; two-copy, 4 ranks: 614 -> 739 us at 1 MiB, 3824 -> 3360 at
+ * 4 MiB, 13654 -> 12915 at 16 MiB; a two-copy broadcast was slower streamed). Since
+ * the single copy writes into the readers' outputs (2 ranks, samples alternating in one
+ * run, streamed/plain): 8 MiB, whose outputs are exactly the cache's size, 0.92-0.99;
+ * 16 MiB 0.78-0.82; 4 MiB 1.04-1.13; 2 MiB 1.33-1.5. 4 ranks at 2 MiB: unchanged.
+ * Past it, the two-copy all_gather/gather streams its copy into the segment too, whatever
+ * the probes say: the blocks would not stay in the cache for the readers anyway. 4 ranks
+ * on 2 cores, streamed/plain copy-in (samples alternating in one run): 2 MiB 0.99x,
+ * 4 MiB 0.99x, 16 MiB 0.99x while the cores are close; 0.48-0.56x while far, where the
+ * probes of 4 ranks on 2 cores often get no verdict (a partner is descheduled) and a
+ * 16 MiB all_gather took 22.4 ms plain against 10.8 ms streamed (MPICH: 13.6-22 ms
+ * in this session's runs). */
+static inline int outputs_past_llc(const shm_comm *c, size_t total)
+{
+    return total >= c->llc;
+}
+
+static inline void copy_out(void *dst, const void *src, size_t n, int stream)
+{
+    if (dst == src)  /* an all_gather whose input is this rank's block of the output */
+        return;
+    if (stream)
+        copy_stream(dst, src, n);
+    else
+        copy(dst, src, n);
+}
+
+SHM_HIDDEN int mostly_far(const shm_comm *c);
+SHM_HIDDEN void probe_peer(shm_comm *c);
+
+/* A step of `nbytes` (the same on every rank): every PROBE_EVERY-th large one probes,
+ * and small ones once they add up to PROBE_SMALL_EVERY bytes, so a program of small
+ * collectives keeps its verdict too (64 KiB all_reduces: one probe per 64 calls). */
+static inline void tick(shm_comm *c, size_t nbytes)
+{
+    if (c->stream_mode != SHM_STREAM_AUTO)
+        return;
+    if (c->shared_verdict)  /* another pair's probe may have decided since */
+        c->far = mostly_far(c);
+    if (nbytes >= PROBE_MIN_BYTES) {
+        if (c->ticks++ % PROBE_EVERY == 0)
+            probe_peer(c);
+    } else if (nbytes >= PROBE_SMALL_MIN && (c->small_bytes += nbytes) >= PROBE_SMALL_EVERY) {
+        c->small_bytes = 0;
+        probe_peer(c);
+    }
+}
+
+/* Write n bytes into this rank's part of the segment, for other ranks to read. */
+static inline void seg_put(const shm_comm *c, void *dst, const void *src, size_t n)
+{
+    if (c->far)
+        copy_stream(dst, src, n);
+    else
+        memcpy(dst, src, n);
+}
+
+SHM_HIDDEN void thp_prepare(shm_comm *c, const void *p, size_t len);
+SHM_HIDDEN int cma_read(shm_comm *c, int q, void *dst, uint64_t remote, size_t nbytes);
+SHM_HIDDEN int cma_write(shm_comm *c, int q, uint64_t remote, const void *src, size_t nbytes);
+
+#endif
