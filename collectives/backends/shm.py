@@ -31,6 +31,7 @@ import threading
 
 import numpy as np
 
+from .. import config
 from .. import dtypes as D
 from ..errors import DistBackendError, DistError
 from .base import Backend, DoneRequest, FutureRequest
@@ -80,11 +81,6 @@ _TUNING = (("COLLECTIVES_SHM_ONESHOT_MAX", DEFAULT_ONESHOT_MAX),
            ("COLLECTIVES_SHM_CMA_BCAST_MIN", DEFAULT_CMA_BCAST_MIN),
            ("COLLECTIVES_SHM_CMA_AR_MIN", DEFAULT_CMA_AR_MIN),
            ("COLLECTIVES_SHM_STREAM", DEFAULT_STREAM))
-
-
-def _env_int(name, default):
-    v = os.environ.get(name)
-    return int(v) if v else default
 
 
 # a segment younger than this is never swept: its creator may not have locked it yet
@@ -158,7 +154,7 @@ class ShmBackend(Backend):
     def __init__(self, store, rank, size, timeout, options=None, label=None, *, rank_names=None):
         super().__init__(store, rank, size, timeout, options)
         from .._shm import ShmComm, unlink
-        half = _env_int("COLLECTIVES_SHM_HALF_BYTES", DEFAULT_HALF_BYTES)
+        half = config.get("COLLECTIVES_SHM_HALF_BYTES")
         half = max(half, 4096, 64 + 128 * size)
         ring = 256 * 1024 if size <= 8 else 64 * 1024
         self.label = label or f"shm group (size {size})"
@@ -168,7 +164,7 @@ class ShmBackend(Backend):
         if rank == 0:
             # every rank must pick the same algorithm for a call: rank 0's thresholds
             # travel with the segment's name, whatever the others' environments say
-            tuning = ",".join(str(_env_int(var, default)) for var, default in _TUNING)
+            tuning = ",".join(str(config.get(var)) for var, _ in _TUNING)
             sweep_stale_segments()
             name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
             self._comm = ShmComm(name, True, rank, size, half, ring, tmo, self.label)

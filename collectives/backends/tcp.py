@@ -20,7 +20,7 @@ Environment:
     COLLECTIVES_TCP_DUPLEX_CHUNK: bytes written per send call, and read per call while
         sends to that peer wait, so both directions of an exchange flow (default 1 MiB;
         0: no limit).
-    COLLECTIVES_TCP_NO_LOWAT: set (to anything) to keep SO_RCVLOWAT off.
+    COLLECTIVES_TCP_NO_LOWAT: true (1, yes, on) keeps SO_RCVLOWAT off.
 
 The settings that choose an algorithm (RD_MAX, TREE_MAX, SEGMENT, DIRECT_MAX, DIRECT_WORLD,
 and the ``fp_direct_world`` option) are rank 0's: it publishes them through the store at
@@ -37,6 +37,7 @@ import operator
 import os
 import threading
 
+from .. import config
 from .. import dtypes as D
 from .._args import check_tag, timeout_seconds
 from .. import fingerprint as F
@@ -62,20 +63,16 @@ _AGREED = tuple(name for name, (_, _, agreed) in _TUNING.items() if agreed)
 
 
 def _env_tuning(name):
-    """The value of tuning option ``name`` in this rank's environment, or None (the engine's
-    default)."""
+    """The value of tuning option ``name`` in this rank's environment, parsed by the
+    configuration registry's rule (errors name the variable), or None where it is unset
+    (the engine's default)."""
     env = _TUNING[name][0]
-    if env is None:
+    if env is None or not os.environ.get(env, "").strip():
         return None
-    if name == "lowat":  # presence-only, as before: set means off
-        return 0 if env in os.environ else None
-    value = os.environ.get(env)
-    if value is None or value.strip() == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{env} must be an integer, got {value!r}") from None
+    value = config.get(env)
+    if name == "lowat":  # a true value turns SO_RCVLOWAT off
+        return 0 if value else None
+    return int(value)
 
 
 def _tuning_values(options):

@@ -165,8 +165,7 @@ SETTINGS = (
        read_in="backends/tcp.py -> tcp_engine.c"),
     _s("COLLECTIVES_TCP_NO_LOWAT", "bool", False,
        "True: never raise SO_RCVLOWAT while a large payload arrives (by default poll wakes "
-       "once 256 KiB-1 MiB of it is there). Read in C, where today any value, even 0, "
-       "counts as set.", read_in="src/tcp_engine.c"),
+       "once 256 KiB-1 MiB of it is there).", read_in="backends/tcp.py -> tcp_engine.c"),
     # the shared-memory backend
     _s("COLLECTIVES_SHM_HALF_BYTES", "int", 2 * MiB,
        "Bytes per half data slot of the group's segment (at least 4096 and 64 + 128 x "
