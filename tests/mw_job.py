@@ -186,6 +186,19 @@ def torch_case():
     return type(local).__name__, local.tolist(), (t.to_node(1) + 1).get_node(), str(t.dtype)[6:]
 
 
+def cuda_case():
+    """torch mode on workers with a GPU: .cuda() makes a device tensor on the node that holds
+    the data, operations run there, get() copies back to the master's CPU."""
+    import torch
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    r = mw.send(a, node=0)
+    g = r.cuda()
+    h = (g * 2 + 1).sum(0)
+    back = h.get()
+    return (r.get_device(), g.get_device(), h.get_device(), g.get_node(), back.device.type,
+            back.tolist(), g.cpu().get_device())
+
+
 def call(fn_name, *args):
     """Any attribute path of ``mw`` / ``dist`` for small checks, e.g. ('mw.num_nodes',)."""
     obj = {"mw": mw, "dist": dist, "np": np}[fn_name.split(".")[0]]

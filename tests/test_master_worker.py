@@ -555,3 +555,18 @@ def test_torch_workers_hold_torch_tensors():
     finally:
         left = j.close()
     assert left == []
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_cuda_on_a_worker_makes_a_device_tensor_there():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (none on this machine)")
+    j = Job(2, {"MW_TEST_LIBRARY": "torch"})
+    try:
+        got = j("cuda_case")
+    finally:
+        left = j.close()
+    assert left == []
+    assert got == (-1, 0, 0, 0, "cpu", [8.0, 12.0, 16.0], -1), got
