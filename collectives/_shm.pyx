@@ -203,6 +203,8 @@ cdef class ShmComm:
         if self.c == NULL:
             return None
         for i in range(1000):
+            if self.c == NULL:  # closed by another thread while this one slept
+                return None
             st = shm_comm_fail_record(self.c, &k, &a, &b, &wa, &wb, &text)
             if st != SHM_FAIL_NONE or i == 999:
                 break
@@ -231,20 +233,6 @@ cdef class ShmComm:
         if st == SHM_FAIL_TEXT_SET:
             return text.decode("utf-8", "replace")
         return None
-
-    def failure_words(self):
-        """(state, collective number, rank a, word a, rank b, word b) of the recorded failure
-        (state: 2 fingerprint mismatch, 3 all_to_all counts, 4 text), or None."""
-        cdef uint32_t k = 0
-        cdef int a = 0, b = 0, st
-        cdef uint64_t wa = 0, wb = 0
-        cdef const char *text = NULL
-        if self.c == NULL:
-            return None
-        st = shm_comm_fail_record(self.c, &k, &a, &b, &wa, &wb, &text)
-        if st == SHM_FAIL_NONE:
-            return None
-        return st, k - self.coll_base, a, wa, b, wb
 
     def poison(self, str text):
         """Record ``text`` as the group's failure (unless one is recorded already) and make

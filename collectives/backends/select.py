@@ -200,13 +200,13 @@ class HierarchicalBackend(Backend):
             raise
 
     def _tell_leaders(self, exc):
-        """The leaders' part of this collective fails on every leader with the host's record
-        (a mismatch names both calls; else this leader's error), instead of waiting for this
+        """The leaders' part of this collective fails on every leader with this leader's
+        error (a mismatch's is the host's record, naming both calls), instead of waiting for this
         leader until the timeout. (Presenting one of the host's fingerprints to the leaders
         would pass where the other hosts called that one.)"""
         if self.leaders is None or not hasattr(self.leaders, "fail_next"):
             return
-        self.leaders.fail_next(self.local.failure() or str(exc))
+        self.leaders.fail_next(str(exc))  # (a mismatch's error is the host's record)
 
     def _whole(self, word):
         """Before a call over the whole group's TCP backend: compare within each host and
