@@ -1,6 +1,6 @@
 """Type stubs for the shared-memory transport extension (collectives/_shm.pyx)."""
 
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 def unlink(name: str) -> bool: ...
 def pack(kind: int, dtype: int = ..., count: int = ..., root: int = ..., op: int = ...) -> int: ...
