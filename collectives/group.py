@@ -1,4 +1,6 @@
-"""Process groups: the world state, init/destroy, new_group, rank queries, availability.
+"""Process groups: the class, init/destroy, new_group, split and shrink (the world's state
+is in _world; the rank queries, in _group_queries, and the availability probes, in
+_availability, are re-exported here).
 
 Every rank of the world calls ``new_group`` in the same order (as torch requires);
 group state (ranks, this rank's group rank, the backend's bound methods) is
@@ -6,8 +8,6 @@ computed once here so the per-call path in collective_ops does no lookups.
 """
 import datetime
 import hashlib
-import importlib.util
-import os
 import sys
 import warnings
 import zlib
@@ -21,6 +21,13 @@ from . import _world, config
 from ._world import (NOT_INITIALIZED, GroupBase, GroupMember, _set_world, current,  # noqa: F401
                      default_group, resolve, set_destroy_hook, world)
 from .work import timeout_seconds
+from ._availability import (is_available, is_backend_available, is_gloo_available,  # noqa: F401
+                            is_mpi_available, is_nccl_available, is_torchelastic_launched,
+                            is_ucc_available, is_xccl_available)
+from ._group_queries import (_DEVICE_BACKEND, get_backend, get_backend_config,  # noqa: F401
+                             get_default_backend_for_device, get_global_rank, get_group_rank,
+                             get_node_local_rank, get_pg_count, get_process_group_ranks, get_rank,
+                             get_world_size)
 
 DEFAULT_TIMEOUT = 1800.0  # torch's default for CPU backends (30 minutes)
 default_pg_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)  # dist.default_pg_timeout
@@ -557,147 +564,6 @@ def shrink_group(ranks_to_exclude, group=None, shrink_flags=SHRINK_DEFAULT, pg_o
     _set_world(new)
     _torch_bridge(new)
     return new
-
-
-# ---- rank queries ---------------------------------------------------------------------
-
-def get_rank(group=None):
-    """This process's rank in ``group`` (-1 if not a member)."""
-    pg = resolve(group)
-    return -1 if pg is None else pg._rank
-
-
-def get_world_size(group=None):
-    """The number of ranks in ``group`` (-1 if this rank is not a member)."""
-    pg = resolve(group)
-    return -1 if pg is None else pg._size
-
-
-def get_backend(group=None):
-    """The backend name of ``group``, e.g. 'gloo'."""
-    pg = resolve(group)
-    if pg is None:
-        raise ValueError("Invalid process group specified")
-    return pg.backend_name
-
-
-def get_backend_config(group=None):
-    """``'device:backend'`` for ``group`` as torch prints it, e.g. 'cpu:gloo' or 'cuda:nccl'
-    (a group here has one backend, for the device its backend takes)."""
-    pg = resolve(group)
-    if pg is None:
-        raise ValueError("Invalid process group specified")
-    return f"{'cuda' if getattr(pg.backend, 'takes_cuda', False) else 'cpu'}:{pg.backend_name}"
-
-
-_DEVICE_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
-
-
-def get_default_backend_for_device(device):
-    """The backend ``init_process_group`` would pick for ``device`` ('cpu', 'cuda:0' or a
-    torch.device): 'gloo' or 'nccl'."""
-    kind = getattr(device, "type", None)
-    if kind is None:
-        if not isinstance(device, str):
-            raise TypeError(f"device must be a string such as 'cpu' or a torch.device, "
-                            f"got {type(device).__name__}")
-        kind = device.partition(":")[0].strip().lower()
-    backend = _DEVICE_BACKEND.get(kind)
-    if backend is None:
-        raise ValueError(f"Default backend not registered for device : {device}")
-    return backend
-
-
-def get_pg_count():
-    """The number of process groups made since init, the default one included (as torch:
-    destroying a subgroup does not lower it; ``use_local_synchronization`` groups do not count)."""
-    return world.group_count + (world.default is not None)
-
-
-def get_node_local_rank(fallback_rank=None):
-    """This process's rank on its node: ``LOCAL_RANK`` (set by collectives-run and torchrun),
-    else ``fallback_rank``; RuntimeError if neither is there."""
-    if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"])
-    if fallback_rank is not None:
-        return int(fallback_rank)
-    raise RuntimeError("LOCAL_RANK is not in the environment. Consider passing fallback_rank to "
-                       "allow `get_node_local_rank` to work, assuming you are not running in a "
-                       "multi-device context and want the code to run locally instead.")
-
-
-def get_global_rank(group, group_rank):
-    pg = resolve(group)
-    if pg is None:
-        raise ValueError("Group is not registered, please create group with new_group")
-    return pg.ranks[pg.check_group_rank(group_rank, "group_rank")]
-
-
-def get_group_rank(group, global_rank):
-    pg = resolve(group)
-    if pg is None:
-        raise ValueError("Group is not registered, please create group with new_group")
-    return pg.group_rank(global_rank, "global_rank")
-
-
-def get_process_group_ranks(group):
-    pg = resolve(group)
-    if pg is None:
-        raise ValueError("Group is not registered, please create group with new_group")
-    return list(pg.ranks)
-
-
-# ---- availability -----------------------------------------------------------------------
-
-def is_available():
-    return True
-
-
-def _found(module):
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def is_gloo_available():
-    return _found("collectives.backends.tcp")
-
-
-def is_mpi_available():
-    return _found("mpi4py") and _found("collectives.backends.mpi")
-
-
-def is_nccl_available():
-    if not (_found("collectives.backends.nccl") and _found("torch")):
-        return False
-    import torch
-    return torch.cuda.is_available()
-
-
-def is_ucc_available():
-    return False  # no ucc backend here
-
-
-def is_xccl_available():
-    return False  # no xccl backend here
-
-
-_BUILTIN_CHECK = {"gloo": is_gloo_available, "tcp": is_gloo_available,
-                  "mpi": is_mpi_available, "nccl": is_nccl_available}
-
-
-def is_backend_available(backend):
-    """Whether ``init_process_group(backend)`` can work here."""
-    key = str(backend).lower()
-    if key not in _backends.registered_backends():
-        return False
-    check = _BUILTIN_CHECK.get(key)
-    return True if check is None else check()
-
-
-def is_torchelastic_launched():
-    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
 
 
 set_destroy_hook(destroy_process_group)

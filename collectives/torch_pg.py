@@ -46,9 +46,9 @@ from . import _pg_methods, config
 from . import options as _our_options
 from . import p2p as _p2p
 from ._pg_methods import _opts as _options
-from .errors import DistStoreError
 from .reduce_op import PremulSum, RedOpType, ReduceOp, _PremulSumMember
-from .store import Store
+from .torch_store import FromTorchStore as _FromTorchStore
+from .torch_work import TorchWork, _Completer, _timeout  # noqa: F401  (_Completer: tests)
 from .work import option_timeout, per_call_timeout, timeout_seconds
 
 _groups = importlib.import_module(f"{__package__}.group")  # (the package's `group` is dist.group)
@@ -65,133 +65,6 @@ def _op(rop):
         factor = rop.factor
         return ReduceOp.PREMUL_SUM(float(factor.item() if isinstance(factor, torch.Tensor) else factor))
     return getattr(ReduceOp, code.name)
-
-
-def _timeout(timeout):
-    """torch passes timedelta(0) (its kNoTimeout) for "the group's timeout"."""
-    if timeout is None or (isinstance(timeout, timedelta) and timeout == timedelta(0)):
-        return None
-    return timeout
-
-
-class TorchWork(td._Work):
-    """torch's Work for a collectives call: ``wait``, ``is_completed``, ``result`` and a
-    ``torch.futures.Future`` from ``get_future`` whose value is the output tensors."""
-
-    def __init__(self, work, result, group=None):
-        super().__init__()
-        self._work = work          # a collectives Work, or None when the call already ran
-        self._result = list(result)
-        self._group = group
-        self._fut = None
-        self._lock = threading.Lock()
-
-    def wait(self, timeout=None):
-        if self._work is not None:
-            self._work.wait(_timeout(timeout))
-        return True
-
-    def is_completed(self):
-        return self._work is None or self._work.is_completed()
-
-    def is_success(self):
-        return self._work is None or self._work.is_success()
-
-    def result(self):
-        return list(self._result)
-
-    def _source_rank(self):
-        """The sender's rank in the group (torch's recv from any source asks this)."""
-        return self._group.group_rank(self._work.source_rank(), "source")
-
-    source_rank = _source_rank
-
-    def get_future(self):
-        with self._lock:
-            if self._fut is None:
-                self._fut = torch.futures.Future()
-                if self._work is None or self._work.is_completed():
-                    self._settle(self._fut)
-                else:
-                    fut = self._fut
-                    req = self._work._req
-                    if hasattr(req, "add_done_callback"):  # handed over by the thread finishing it
-                        req.add_done_callback(lambda _r: _completer.put(self, fut))
-                    else:  # settled by a helper thread that waits for it
-                        self._work.get_future().add_done_callback(lambda _f: self._settle(fut))
-            return self._fut
-
-    def _settle(self, fut):
-        try:
-            if self._work is not None:
-                self._work.wait()
-        except Exception as e:  # noqa: BLE001  (handed on to the future's waiters)
-            fut.set_exception(e)
-        else:
-            fut.set_result(self._result)
-
-
-class _Completer:
-    """Threads that complete torch futures. Not the progress thread that finished their
-    calls: the futures' callbacks (DDP's, a comm hook's) may issue and wait for
-    collectives of their own, which the progress thread runs.
-
-    A thread waiting for calls takes the next one that finishes (with callbacks that
-    return promptly, one thread completes them all, in the order their calls finished).
-    When none is waiting, every thread is inside a callback, which may be waiting for this
-    very call (PowerSGD's hook waits, in its callback, on a call it issues there): a new
-    thread completes it, so no future waits on the thread that waits for it. torch's gloo
-    likewise runs callbacks on its worker threads. A thread idle for ``IDLE_S`` seconds
-    ends, unless a call was promised to it.
-    """
-
-    IDLE_S = 30.0
-
-    def __init__(self):
-        self._queue = None
-        self._lock = threading.Lock()
-        self._idle = 0  # threads waiting for a call that no put() has promised them yet
-
-    def put(self, work, fut):
-        with self._lock:
-            if self._idle:
-                self._idle -= 1  # one waiting thread is this call's
-                start = False
-            else:
-                start = True
-                if self._queue is None:
-                    import queue
-                    self._queue = queue.SimpleQueue()
-        if start:
-            threading.Thread(target=self._loop, args=(work, fut), daemon=True,
-                             name="collectives-torch-futures").start()
-        else:
-            self._queue.put((work, fut))
-
-    def _loop(self, work, fut):
-        import queue
-        q = self._queue
-        while True:
-            try:
-                work._settle(fut)
-            except Exception:  # noqa: BLE001  (a callback's error must not stop the others)
-                import traceback
-                traceback.print_exc()
-            work = fut = None
-            with self._lock:
-                self._idle += 1
-            while True:
-                try:
-                    work, fut = q.get(timeout=self.IDLE_S)
-                    break
-                except queue.Empty:
-                    with self._lock:
-                        if self._idle:  # more threads wait than calls are promised: leave
-                            self._idle -= 1
-                            return
-
-
-_completer = _Completer()
 
 
 def _list(x):
@@ -619,58 +492,6 @@ def to_torch(group=None):
         if tpg is None:
             tpg = _wrappers[pg] = TorchProcessGroup(pg)
         return tpg
-
-
-# ---- torch's store, as a collectives Store ----------------------------------------------------
-
-class _FromTorchStore(Store):
-    """A torch.distributed Store seen through collectives' Store API (the rendezvous of a
-    program that called ``torch.distributed.init_process_group("collectives")``)."""
-
-    def __init__(self, store, timeout):
-        super().__init__(timeout)
-        self._store = store
-
-    def _call(self, fn, *args):
-        try:
-            return fn(*args)
-        except td.DistStoreError as e:
-            raise DistStoreError(str(e)) from e
-
-    def _set(self, key, value):
-        self._call(self._store.set, key, value)
-
-    def _get(self, key, secs):
-        self._wait([key], secs)
-        return self._call(self._store.get, key)
-
-    def _add(self, key, amount):
-        return self._call(self._store.add, key, amount)
-
-    def _compare_set(self, key, expected, desired):
-        return self._call(self._store.compare_set, key, expected, desired)
-
-    def _wait(self, keys, secs):
-        self._call(self._store.wait, keys, timedelta(seconds=secs))
-
-    def _check(self, keys):
-        return self._call(self._store.check, keys)
-
-    def _delete(self, key):
-        return self._call(self._store.delete_key, key)
-
-    def _num_keys(self):
-        return self._call(self._store.num_keys)
-
-    def _append(self, key, value):
-        self._call(self._store.append, key, value)
-
-    def _multi_get(self, keys, secs):
-        self._wait(keys, secs)
-        return self._call(self._store.multi_get, keys)
-
-    def _multi_set(self, keys, values):
-        self._call(self._store.multi_set, keys, values)
 
 
 # ---- the "collectives" backend of torch.distributed --------------------------------------------

@@ -16,35 +16,17 @@ through the buffer protocol; the pure-Python one goes as
 * ``new_group`` splits the communicator collectively (``Comm.Split``).
 * Blocking collectives are MPI's blocking calls. MPI cannot time one out, and this
   MPICH cannot revoke a communicator (MPIX_Comm_revoke is not implemented), so a rank
-  stuck in one cannot be made to raise: :class:`_Watchdog` instead ends the job with
-  MPI_Abort once such a call has run past its group's timeout, naming the call and
-  printing where it was made (as torch's NCCL watchdog tears a stuck job down). Waits
+  stuck in one cannot be made to raise: the watchdog (:mod:`.mpi_watchdog`) instead ends
+  the job with MPI_Abort once such a call has run past its group's timeout, naming the
+  call and printing where it was made (as torch's NCCL watchdog tears a stuck job down). Waits
   on requests (async ops, isend/irecv) raise DistBackendError at the timeout.
-* Call fingerprints (always on): every blocking collective appends its fingerprint
-  (collectives.fingerprint.pack's fields: kind, dtype, count, root, op) to the group's
-  log; every 64th blocking call first compares a hash of the ranks' logs (one small MIN
-  all_reduce of (hash, ~hash) on a duplicate of the group's communicator) and, where they
-  differ, every rank raises DistBackendError naming the first pair of calls that differed
-  and its collective number (an allgather of the logs, on mismatch only); the group then
-  stays unusable. So every mismatch among calls MPI completes (another dtype or op of
-  equal bytes, such as an int32 broadcast received as float32) raises within 64 calls,
-  at the same call on every rank, though MPI has moved the mismatched data. A count
-  difference MPICH reports as a fatal truncation error, which ends the job; a call that
-  hangs inside MPI (another root or kind) is ended by the watchdog. Async calls
-  (``async_op=True``) are not checked: MPI may post them natively, and every rank must
-  count the same calls (every rank agrees on async_op). A check at every call, before the
-  data moves, is the DETAIL debug mode. Comparing at every call (an overlapped persistent
-  MPI_Allreduce_init) measured 2-7x MPICH's time for 4 B-1 KiB all_reduce/broadcast at
-  world 2 and up to 200x at world 4 (2 loaded cores).
+* Call fingerprints (always on): every 64th blocking call compares a hash of the ranks'
+  calls since the last comparison; where they differ every rank raises DistBackendError
+  naming the first pair of calls that differed (see :mod:`.mpi_fingerprint`).
 """
 import importlib.util
 import os
 import sys
-import threading
-import time
-import traceback
-
-import numpy as np
 
 from .. import dtypes as D
 from .. import fingerprint as F
@@ -52,7 +34,11 @@ from ..tensors import disjoint_gather as _disjoint_gather
 from ..errors import DistBackendError
 from ..tensors import Buffer as _Buffer
 from ..tensors import _PyBuffer
-from .base import Backend, Request, timed_out
+from . import mpi_request as _request
+from .base import Backend
+from .mpi_fingerprint import FingerprintCheck as _FingerprintCheck
+from .mpi_request import MpiRequest
+from .mpi_watchdog import watchdog as _watchdog
 
 INSTALL_HINT = 'pip install "collectives[mpi]"'
 
@@ -107,6 +93,7 @@ def _load_mpi():
     _IN_PLACE = MPI.IN_PLACE
     _fromaddress = MPI.buffer.fromaddress
     _TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or _TAG_UB
+    _request.bind(MPI)
     _MPI = MPI
     return MPI
 
@@ -184,223 +171,7 @@ def world_rank_size():
     return world.Get_rank(), world.Get_size()
 
 
-class MpiRequest(Request):
-    """A non-blocking MPI operation. ``wait`` polls ``MPI_Test``: a short spin, then
-    yields and short sleeps, bounded by the timeout. Keeps its buffers alive."""
-
-    __slots__ = ("_req", "_status", "_keep", "_describe", "_timeout", "_done", "_source", "_exc")
-
-    SPIN_S = 50e-6
-    YIELD_S = 0.1  # MPI progresses only inside MPI calls: sleeping would stall big transfers
-
-    def __init__(self, req, keep, describe, timeout, want_source=False):
-        self._req = req
-        self._status = _MPI.Status() if want_source else None
-        self._keep = keep
-        self._describe = describe
-        self._timeout = timeout
-        self._done = False
-        self._source = -1
-        self._exc = None
-
-    def _finish(self):
-        self._done = True
-        self._keep = None
-        if self._status is not None:
-            self._source = self._status.Get_source()
-
-    def test(self):
-        if not self._done:
-            try:
-                if self._req.Test(self._status):
-                    self._finish()
-            except _MPI.Exception as e:
-                self._done = True
-                self._exc = DistBackendError(f"{self._describe} failed: {e}")
-        return self._done
-
-    def wait(self, timeout=None):
-        if not self._done:
-            if timeout is None:
-                timeout = self._timeout
-            self._poll(timeout)
-        if self._exc is not None:
-            raise self._exc
-
-    def _poll(self, timeout):
-        test = self.test
-        now = time.monotonic
-        start = now()
-        deadline = None if timeout is None else start + timeout
-        pause = 20e-6
-        while not test():
-            elapsed = now() - start
-            if elapsed < self.SPIN_S:
-                continue
-            if deadline is not None and now() > deadline:
-                raise timed_out(self._describe, timeout)
-            if elapsed < self.YIELD_S:
-                os.sched_yield()
-            else:  # a long wait: give the cores to the other ranks
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-
-    def exception(self):
-        return self._exc
-
-    @property
-    def source(self):
-        return self._source
-
-
-class _Watchdog:
-    """Ends the MPI job when a blocking collective has run past its group's timeout.
-
-    A daemon thread samples every thread's innermost Python frame
-    (``sys._current_frames``). A blocking collective of :class:`MpiBackend` is a
-    method frame that calls one MPI function, which releases the GIL while it waits.
-    While a call runs its frame object stays the same object, and a later call gets a
-    new one as long as this thread holds the old one, which it does from one sample to
-    the next; so a frame seen again is the same call, still running. Once one has run
-    longer than its backend's timeout, the watchdog prints which call on which rank,
-    and the stack that made it, to stderr and calls MPI_Abort: mpiexec then ends every
-    process of the job. The calls themselves pay nothing for this.
-
-    ``COLLECTIVES_MPI_WATCHDOG=0`` turns it off (a stuck call then waits forever, as
-    in MPI).
-    """
-
-    MAX_PERIOD_S = 1.0
-    MIN_PERIOD_S = 0.02
-
-    def __init__(self):
-        self.period = self.MAX_PERIOD_S
-        self._lock = threading.Lock()
-        self._thread = None
-        self._codes = frozenset()
-
-    def watch(self, backend):
-        """Bound ``backend``'s blocking collectives by its timeout (starts the thread)."""
-        if os.environ.get("COLLECTIVES_MPI_WATCHDOG", "1") == "0":
-            return
-        tmo = backend.timeout
-        with self._lock:
-            if tmo:  # sample often enough to act within a quarter timeout of the deadline
-                self.period = max(self.MIN_PERIOD_S, min(self.period, tmo / 4))
-            if self._thread is None:
-                # the method that makes MPI's call: name, or _name behind the fingerprint check
-                self._codes = frozenset(
-                    getattr(MpiBackend, m).__code__ for name in MpiBackend.BLOCKING
-                    for m in (name, "_" + name) if hasattr(MpiBackend, m))
-                self._thread = threading.Thread(target=self._loop, name="collectives-mpi-watchdog",
-                                                daemon=True)
-                self._thread.start()
-
-    def _loop(self):
-        seen = {}  # thread id -> (frame, first seen): held, so a later call's frame differs
-        codes = self._codes
-        while True:
-            time.sleep(self.period)
-            now = time.monotonic()
-            frames = sys._current_frames()
-            running = {}
-            for tid, frame in frames.items():
-                if frame.f_code not in codes:
-                    continue
-                prev = seen.get(tid)
-                since = prev[1] if prev is not None and prev[0] is frame else now
-                running[tid] = (frame, since)
-                backend = frame.f_locals.get("self")
-                tmo = getattr(backend, "timeout", None)
-                if tmo and now - since > tmo and getattr(backend, "comm", None) is not None:
-                    self._abort(backend, frame, now - since)
-            seen = running
-            frames = frame = None  # hold only the frames in seen
-
-    @staticmethod
-    def _abort(backend, frame, took):
-        rank = _MPI.COMM_WORLD.Get_rank()
-        name = frame.f_code.co_name.lstrip("_")  # the collective (its inner _name method too)
-        try:  # the job ends here: leave this rank's recent calls behind (never raises)
-            from ..flight_recorder import dump
-            path = dump(reason=f"mpi watchdog: {name} ran {took:.1f} s, past "
-                               f"the group timeout")
-        except Exception:  # noqa: BLE001
-            path = None
-        sys.stderr.write(
-            (f"collectives: rank {rank}: flight recorder dump: {path}\n" if path else "") +
-            f"collectives: rank {rank}: the mpi {name} (group rank {backend.rank} "
-            f"of {backend.size}) has not finished after {took:.1f} s, past the group timeout "
-            f"({backend.timeout} s): "
-            + "a peer never called it, or called another collective. "
-            + "MPI cannot time out a blocking call, so this rank calls MPI_Abort, which ends "
-            "every process of the job. The call was made at:\n"
-            + "".join(traceback.format_stack(frame)))
-        sys.stderr.flush()
-        backend.comm.Abort(1)
-
-
-_watchdog = _Watchdog()
-
-_MASK64 = (1 << 64) - 1
-_pack = F.pack
 _BARRIER_ENTRY = (F.BARRIER, F.NO_DTYPE, 0, -1, -1)
-
-
-class _Unusable:
-    """The call log of a group whose calls differed: every later call raises."""
-
-    def __init__(self, message):
-        self.message = message
-
-    def append(self, entry):
-        raise DistBackendError(f"group unusable after an earlier failure: {self.message}")
-
-
-class _FingerprintCheck:
-    """The always-on check of a group's blocking collective calls (see the module
-    docstring). Each call appends (kind, dtype, count, root, op), fingerprint.pack's
-    arguments, to ``log`` (a tuple and an append: ~0.1 us); every CHECK_EVERY-th call the
-    ranks compare a hash of their logs (one MIN all_reduce of (hash, ~hash) on a duplicate
-    communicator) and, where they differ, the logs themselves (an allgather, on mismatch
-    only), to name the first pair of calls that differed."""
-
-    CHECK_EVERY = 64
-
-    def __init__(self, comm, label):
-        self.comm = comm.Dup()
-        self.label = label
-        self.log = []
-        self.done = 0       # calls compared so far (the numbering in messages)
-        self.buf = np.zeros(2, np.uint64)
-
-    def compare(self, backend):
-        log, self.log = self.log, []
-        first, self.done = self.done, self.done + len(log)
-        h = hash(tuple(log)) & _MASK64  # ints and tuples of ints hash alike in every process
-        buf = self.buf
-        buf[0] = h
-        buf[1] = h ^ _MASK64
-        self.comm.Allreduce(_IN_PLACE, [buf, _MPI.UINT64_T], _MPI.MIN)
-        if buf[0] == h and buf[1] == h ^ _MASK64:
-            backend._fp_log = self.log
-            return
-        logs = self.comm.allgather(log)  # every rank is here: all saw MIN != MAX
-        message = f"ranks called different collectives in {self.label}"
-        for i, entries in enumerate(zip(*logs)):
-            q = next((r for r, e in enumerate(entries) if e != entries[0]), None)
-            if q is not None:
-                message = F.mismatch_message(first + i + 1, 0, _pack(*entries[0]), q,
-                                             _pack(*entries[q]), self.label)
-                break
-        backend._fp_log = _Unusable(message)
-        raise DistBackendError(message)
-
-    def free(self):
-        try:
-            self.comm.Free()
-        except _MPI.Exception:
-            pass
 
 
 class _AsyncCall:
@@ -443,7 +214,7 @@ class MpiBackend(Backend):
     def __init__(self, comm, timeout, options=None):
         super().__init__(None, comm.Get_rank(), comm.Get_size(), timeout, options)
         self.comm = comm
-        self._fp = _FingerprintCheck(comm, f"mpi group (size {self.size})")
+        self._fp = _FingerprintCheck(comm, f"mpi group (size {self.size})", _MPI)
         self._fp_log = self._fp.log  # this group's calls since the last comparison
         _watchdog.watch(self)
         self._allreduce = comm.Allreduce

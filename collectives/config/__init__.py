@@ -216,7 +216,7 @@ SETTINGS = (
     _s("COLLECTIVES_MPI_WATCHDOG", "bool", True,
        "The mpi backend's watchdog: a blocking call stuck past the group timeout prints its "
        "stack and calls MPI_Abort. False: such a call waits forever.",
-       read_in="backends/mpi.py"),
+       read_in="backends/mpi_watchdog.py"),
     _s("COLLECTIVES_NCCL_LIB", "str", None,
        "Path of the libnccl the nccl backend loads. Default: torch's nvidia-nccl wheel, else "
        "any libnccl.so.2 the loader finds.", read_in="backends/nccl.py"),
