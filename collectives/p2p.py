@@ -14,9 +14,6 @@ _prof = _profiling.tap  # torch's profiler module once torch is imported (profil
 _profiling.bind(globals())
 
 
-_check_tag = check_tag  # every backend takes [0, 2**31) (mpi: up to its MPI_TAG_UB, checked there)
-
-
 def _dst(pg, dst, group_dst):
     peer = pg.peer(dst, group_dst, "dst")
     if peer == pg._rank:
@@ -68,7 +65,7 @@ def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     if pg is None:
         return None
     peer = _dst(pg, dst, group_dst)
-    _check_tag(tag)
+    check_tag(tag)  # [0, 2**31) on every backend (mpi: up to MPI_TAG_UB, checked there)
     buf = _buffer(pg, tensor)
     return Work(_isend(pg, buf, peer, tag), [tensor], pg)
 
@@ -79,7 +76,7 @@ def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     if pg is None:
         return None
     peer = _src(pg, src, group_src)
-    _check_tag(tag)
+    check_tag(tag)
     buf = _buffer(pg, tensor)
     return Work(_irecv(pg, buf, peer, tag), [tensor], pg)
 
@@ -90,7 +87,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     if pg is None:
         return None
     peer = _dst(pg, dst, group_dst)
-    _check_tag(tag)
+    check_tag(tag)
     _isend(pg, _buffer(pg, tensor), peer, tag, False).wait()
     return None
 
@@ -102,7 +99,7 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
     if pg is None:
         return -1
     peer = _src(pg, src, group_src)
-    _check_tag(tag)
+    check_tag(tag)
     req = _irecv(pg, _buffer(pg, tensor), peer, tag, False)
     req.wait()
     got = req.source if peer is None else peer
@@ -127,7 +124,7 @@ class P2POp:
                              "or ``torch.distributed.irecv``.")
         if peer is None and group_peer is None:
             raise ValueError("P2POp needs peer (a global rank) or group_peer")
-        _check_tag(tag)
+        check_tag(tag)
         self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
         self.tag, self.group_peer = tag, group_peer
 

@@ -194,8 +194,6 @@ class TcpBackend(Backend):
             self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), int(value))
 
     # ---- helpers ---------------------------------------------------------------------
-    _check_tag = staticmethod(check_tag)
-
     def _check_rank(self, value, name):
         if not isinstance(value, int) or not 0 <= value < self.size:
             raise ValueError(f"{name} must be a rank in [0, {self.size}), got {value!r}")
@@ -311,7 +309,7 @@ class TcpBackend(Backend):
         self._check_rank(dst, "dst")
         if dst == self.rank:
             raise ValueError(f"dst must be a rank other than this one ({self.rank})")
-        self._check_tag(tag)
+        check_tag(tag)
         op = self._engine.isend(buf.ptr, buf.nbytes, buf.dtype, dst, tag, buf)
         self._track(op)
         return TcpRequest(op, self)
@@ -323,7 +321,7 @@ class TcpBackend(Backend):
                 raise ValueError(f"src must be a rank other than this one ({self.rank})")
         if self.size == 1:
             raise ValueError("irecv in a group of one rank would never complete")
-        self._check_tag(tag)
+        check_tag(tag)
         op = self._engine.irecv(buf.ptr, buf.nbytes, buf.dtype, -1 if src is None else src, tag, buf)
         self._track(op)
         return TcpRequest(op, self)

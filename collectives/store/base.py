@@ -12,9 +12,7 @@ _INIT_KEY = "init/"  # the key torch's TCPStore counts arriving workers on
 
 # ---- argument checks ------------------------------------------------------------------
 
-def to_seconds(timeout, name="timeout"):
-    """A timeout (timedelta or seconds) as float seconds; 0 means none (as does infinity)."""
-    return wait_seconds(timeout, name)
+to_seconds = wait_seconds  # a timeout (timedelta or seconds) as float seconds; 0: none
 
 
 def _check_key(key, name="key"):
