@@ -4,7 +4,7 @@
 Every collective runs in C with the GIL released (src/shm_coll.c); this module
 only converts arguments and turns error codes into DistBackendError.
 """
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from . import config as _config
@@ -60,6 +60,9 @@ cdef extern from "shm_coll.h" nogil:
     int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int *src)
     int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
     void shm_p2p_kick(shm_comm *c)
+    void shm_comm_wait_budget(const shm_comm *c, int *spin, int64_t *yield_ns)
+    int shm_flag_wait(const uint32_t *flag, int spin, int64_t yield_ns)
+    void shm_flag_set(uint32_t *flag)
 
 
 _REASONS = {
@@ -97,6 +100,20 @@ def pack(int kind, int dtype=NO_DTYPE, uint64_t count=0, int root=-1, int op=-1)
 cdef long long _or_default(value):
     """An int setting's value for the C engine: -1 (keep the engine's default) for None."""
     return -1 if value is None else value
+
+
+cdef class SpinFlag:
+    """A completion flag that a waiting thread can spin on without the GIL: the thread that
+    completes a request sets it (after its Event), and ``ShmComm.await_flag`` spins and
+    yields on it for the group's wait budget, so that a reply arriving within that time
+    wakes the waiter with no futex round trip through the scheduler."""
+    cdef uint32_t v
+
+    def set(self):
+        shm_flag_set(&self.v)
+
+    def is_set(self):
+        return self.v != 0
 
 
 def unlink(name):
@@ -186,6 +203,19 @@ cdef class ShmComm:
         raise DistBackendError(
             f"{self.label} {op} failed at sequence {shm_comm_seq(self.c)} on rank "
             f"{names[self.rank] if names else self.rank}: {msg}")
+
+    def await_flag(self, SpinFlag flag):
+        """Spin, then yield, until ``flag`` is set or this group's wait budget (the
+        spin/yield settings) is spent; whether it is set. False at once once closed."""
+        cdef int spin
+        cdef int64_t yield_ns
+        cdef int r
+        if self.c == NULL:
+            return False
+        shm_comm_wait_budget(self.c, &spin, &yield_ns)
+        with nogil:
+            r = shm_flag_wait(&flag.v, spin, yield_ns)
+        return r != 0
 
     cdef inline shm_comm *_live(self, str op) except NULL:
         if self.c == NULL:

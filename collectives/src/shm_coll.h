@@ -117,5 +117,12 @@ int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int *src);
 /* Read exactly nbytes from src's stream (buf NULL discards), waiting as needed. */
 int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes);
 void shm_p2p_kick(shm_comm *c);  /* wake this rank's own p2p waiters (shutdown) */
+/* A thread waiting for a request that another thread of its process completes: how long
+ * this group's waits spin (iterations) and then yield (ns) before they block. */
+void shm_comm_wait_budget(const shm_comm *c, int *spin, int64_t *yield_ns);
+/* Spin, then yield, until *flag is nonzero or the budget is spent; returns whether it is.
+ * Touches nothing but flag (the caller keeps it alive), so it is safe against a close. */
+int shm_flag_wait(const uint32_t *flag, int spin, int64_t yield_ns);
+void shm_flag_set(uint32_t *flag);
 
 #endif

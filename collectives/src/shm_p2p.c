@@ -148,3 +148,32 @@ int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
 }
 
 void shm_p2p_kick(shm_comm *c) { ctr_bump(&c->ctl[c->me].bell); }
+
+/* ---- completion flags for requests finished by the receiving thread (see shm_coll.h) ---- */
+
+void shm_comm_wait_budget(const shm_comm *c, int *spin, int64_t *yield_ns)
+{
+    *spin = c->spin;
+    *yield_ns = c->yield_ns;
+}
+
+void shm_flag_set(uint32_t *flag)
+{
+    __atomic_store_n(flag, 1u, __ATOMIC_RELEASE);
+}
+
+int shm_flag_wait(const uint32_t *flag, int spin, int64_t yield_ns)
+{
+    for (int i = 0; i < spin; i++) {
+        if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
+            return 1;
+        cpu_relax();
+    }
+    int64_t until = now_ns() + yield_ns;
+    while (!__atomic_load_n(flag, __ATOMIC_ACQUIRE)) {
+        if (now_ns() >= until)
+            return 0;
+        sched_yield();
+    }
+    return 1;
+}
