@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+import collectives  # noqa: F401  (first: COLLECTIVES_NO_EXTENSIONS hides the extensions on import)
 from tests.ranks import ROOT, backend_pool, config_available
 
 core = pytest.importorskip("collectives._core", reason="build it: setup.py build_ext --inplace")
@@ -23,7 +24,7 @@ TRANSPORTS = ["_tcp", "_shm"]
 
 def _transport(name):
     if importlib.util.find_spec(f"collectives.{name}") is None:
-        pytest.skip(f"collectives.{name} is not built")
+        pytest.skip(f"collectives.{name} is not built (or hidden)")
     return importlib.import_module(f"collectives.{name}")
 
 
@@ -47,7 +48,7 @@ def test_forcing_an_instruction_set_in_core_switches_the_transports_kernels(name
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_a_transport_without_core_fails_to_import_naming_it(name):
     if importlib.util.find_spec(f"collectives.{name}") is None:
-        pytest.skip(f"collectives.{name} is not built")
+        pytest.skip(f"collectives.{name} is not built (or hidden)")
     code = textwrap.dedent(f"""
         import sys
         sys.modules["collectives._core"] = None  # as if it were not built
