@@ -1,6 +1,6 @@
 """Build the Cython extensions.
 
-Each extension links the C kernels in collectives/src. An extension whose .pyx
+Each extension compiles its C sources in collectives/src. An extension whose .pyx
 is absent is skipped. COLLECTIVES_ONLY=_tcp,_core builds just those (for work on
 one module); COLLECTIVES_MARCH_NATIVE=1 adds -march=native (opt-in, not for wheels).
 """
@@ -17,16 +17,20 @@ CFLAGS = ["-O3", "-fno-strict-aliasing", "-Wno-unused-function",
 if os.environ.get("COLLECTIVES_MARCH_NATIVE") == "1":
     CFLAGS.append("-march=native")
 
-# module -> extra C sources (besides the kernels); _buffer needs no kernels
-MODULES = {
-    "_core": [],
-    "_buffer": None,
-    "_tcp": ["collectives/src/tcp_transport.c", "collectives/src/tcp_engine.c",
-             "collectives/src/tcp_algorithms.c"],
-    "_shm": ["collectives/src/shm_segment.c", "collectives/src/shm_copy.c",
-             "collectives/src/shm_coll.c", "collectives/src/shm_p2p.c"],
-}
+# The reduction kernels are compiled once, into _core, which exports them as a C table in the
+# capsule collectives._core._C_API; _tcp and _shm call through it (reduce_kernels_import.c), so
+# they need a built _core at import and share its instruction-set dispatch.
 KERNEL_SOURCES = ["collectives/src/reduce_kernels.c"]
+KERNEL_IMPORT = ["collectives/src/reduce_kernels_import.c"]
+# module -> its C sources besides the .pyx
+MODULES = {
+    "_core": KERNEL_SOURCES,
+    "_buffer": [],
+    "_tcp": KERNEL_IMPORT + ["collectives/src/tcp_transport.c", "collectives/src/tcp_engine.c",
+                             "collectives/src/tcp_algorithms.c"],
+    "_shm": KERNEL_IMPORT + ["collectives/src/shm_segment.c", "collectives/src/shm_copy.c",
+                             "collectives/src/shm_coll.c", "collectives/src/shm_p2p.c"],
+}
 
 only = [m for m in os.environ.get("COLLECTIVES_ONLY", "").split(",") if m]
 extensions = []
@@ -36,7 +40,7 @@ for mod, extra in MODULES.items():
         continue
     extensions.append(Extension(
         "collectives." + mod,
-        sources=[pyx] if extra is None else [pyx] + KERNEL_SOURCES + extra,
+        sources=[pyx] + extra,
         include_dirs=["collectives/src", np.get_include()],
         extra_compile_args=CFLAGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

@@ -13,6 +13,8 @@ _T = TypeVar("_T")
 _S = TypeVar("_S", bound=Sequence[Any])
 
 CHUNK_BYTES: int
+#: capsule "collectives._core._C_API": the kernels' C table, for _tcp and _shm
+_C_API: Any
 
 def reduce_into(dst: _T, src: ArrayLike, op: OpLike) -> _T: ...
 def reduce_many(dst: _T, srcs: Sequence[ArrayLike], op: OpLike) -> _T: ...

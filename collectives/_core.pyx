@@ -6,6 +6,7 @@ naming the argument), then runs one C call in a ``with nogil:`` block. Inputs
 are NumPy arrays or torch CPU tensors, used in place (zero-copy).
 """
 cimport numpy as cnp
+from cpython.pycapsule cimport PyCapsule_New
 from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
@@ -43,6 +44,9 @@ cdef extern from "reduce_kernels.h" nogil:
     void coll_copy(void *dst, const void *src, size_t nbytes)
     const char *coll_kernel_isa()
     int coll_force_isa(const char *name)
+    ctypedef struct coll_kernel_api "struct coll_kernel_api":
+        pass
+    const coll_kernel_api *coll_kernel_api_get()
 
 #: Bytes per chunk of the chunked kernels (reduce_many works chunk by chunk; a
 #: transport can receive chunk k+1 while reducing chunk k).
@@ -59,6 +63,10 @@ C_CODES = {
     "MAX": COLL_MAX, "BAND": COLL_BAND, "BOR": COLL_BOR, "BXOR": COLL_BXOR,
     "PREMUL_SUM": COLL_PREMUL_SUM,
 }
+
+#: The kernels' C table (struct coll_kernel_api, src/reduce_kernels.h) for collectives._tcp and
+#: collectives._shm, which are built without a copy of the kernels and call this module's.
+_C_API = PyCapsule_New(<void *>coll_kernel_api_get(), "collectives._core._C_API", NULL)
 
 include "_reduce.pxi"
 include "_flatten.pxi"

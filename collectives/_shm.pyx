@@ -12,6 +12,8 @@ from . import dtypes as _D
 from . import fingerprint as _fp
 from .errors import DistBackendError
 
+include "_kernels_import.pxi"
+
 
 cdef extern from "shm_coll.h" nogil:
     ctypedef struct shm_comm:

@@ -17,6 +17,7 @@ from .errors import DistBackendError
 from .fingerprint import mismatch_message
 
 include "_tcp_decl.pxi"
+include "_kernels_import.pxi"
 
 DEF ERRLEN = 1024
 

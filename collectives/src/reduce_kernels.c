@@ -296,6 +296,14 @@ void coll_copy(void *dst, const void *src, size_t nbytes)
         memmove(dst, src, nbytes);
 }
 
+static const struct coll_kernel_api coll_kernel_table = {
+    COLL_KERNEL_API_VERSION, sizeof(struct coll_kernel_api),
+    coll_itemsize, coll_op_valid, coll_reduce, coll_reduce_many, coll_scale, coll_reduce3,
+    coll_chunk_elems, coll_copy, coll_kernel_isa,
+};
+
+const struct coll_kernel_api *coll_kernel_api_get(void) { return &coll_kernel_table; }
+
 #else /* COLL_KERNEL_BODY: compiled once per instruction set, names suffixed by COLL_SUF */
 
 /* d[i] = EXPR(a[i], b[i]); d may equal a or b exactly (no loop-carried dependence).

@@ -1,4 +1,4 @@
-/* Elementwise reduction and copy kernels: the C ABI shared by _core, _tcp and _shm.
+/* Elementwise reduction and copy kernels: the C ABI of _core, which _tcp and _shm call through its table.
  *
  * Dtype and op codes equal those in collectives/dtypes.py. Every function is
  * thread-safe, never touches Python and is called with the GIL released.
@@ -29,6 +29,10 @@ enum coll_op {
 #define COLL_EDTYPE (-1)   /* unknown dtype */
 #define COLL_EOP (-2)      /* op not defined for dtype (e.g. BAND on float, MAX on complex) */
 
+/* The kernels are compiled once, into collectives._core; _tcp and _shm call _core's copy through
+ * the table below (reduce_kernels_import.h defines COLL_KERNELS_IMPORTED and, in place of these
+ * prototypes, inline wrappers of the same names), so one instruction-set dispatch serves all. */
+#ifndef COLL_KERNELS_IMPORTED
 size_t coll_itemsize(int dtype);          /* 0 for an unknown dtype */
 int coll_op_valid(int dtype, int op);     /* 1 if reduce kernels implement op (SUM..BXOR) on dtype */
 
@@ -60,5 +64,30 @@ const char *coll_kernel_isa(void);
 /* For tests and benchmarks: switch every kernel to one of those names;
  * COLL_EOP if this CPU lacks it. Not thread-safe against running kernels. */
 int coll_force_isa(const char *name);
+
+#endif /* COLL_KERNELS_IMPORTED */
+
+/* ---- the kernels as a table, for the other extensions ---------------------------------
+ * collectives._core exports coll_kernel_api_get() in the capsule collectives._core._C_API.
+ * Append new members at the end and bump the version; never reorder. Forcing an
+ * instruction set stays _core's (coll_force_isa): it switches every user of the table. */
+#define COLL_KERNEL_API_VERSION 1
+struct coll_kernel_api {
+    unsigned version;                     /* COLL_KERNEL_API_VERSION of the _core that filled it */
+    size_t size;                          /* sizeof(struct coll_kernel_api) there */
+    size_t (*itemsize)(int dtype);
+    int (*op_valid)(int dtype, int op);
+    int (*reduce)(void *dst, const void *src, size_t count, int dtype, int op);
+    int (*reduce_many)(void *dst, const void *const *srcs, int nsrc, size_t count, int dtype, int op);
+    int (*scale)(void *dst, size_t count, int dtype, double factor);
+    int (*reduce3)(void *dst, const void *a, const void *b, size_t count, int dtype, int op);
+    size_t (*chunk_elems)(int dtype);
+    void (*copy)(void *dst, const void *src, size_t nbytes);
+    const char *(*kernel_isa)(void);
+};
+
+#ifndef COLL_KERNELS_IMPORTED
+const struct coll_kernel_api *coll_kernel_api_get(void);
+#endif
 
 #endif

@@ -8,7 +8,7 @@
 #define COLLECTIVES_SHM_INTERNAL_H
 #define _GNU_SOURCE
 #include "shm_coll.h"
-#include "reduce_kernels.h"
+#include "reduce_kernels_import.h"
 
 #define SHM_HIDDEN __attribute__((visibility("hidden")))
 

@@ -13,7 +13,7 @@
 #define COLLECTIVES_TCP_INTERNAL_H
 #define _GNU_SOURCE
 #include "tcp_engine.h"
-#include "reduce_kernels.h"
+#include "reduce_kernels_import.h"
 
 #define TCP_HIDDEN __attribute__((visibility("hidden")))
 
