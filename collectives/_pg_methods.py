@@ -88,8 +88,9 @@ def normalise(group, first, value, cls, legacy):
     anything else; ValueError for a timeout that is not a positive duration."""
     c = Call()
     c.group, c.first = group, first
-    if isinstance(value, cls) or (value is not None and _torchs(value, cls)):
-        c.theirs = not isinstance(value, cls)
+    ours = isinstance(value, cls)
+    if ours or (value is not None and _torchs(value, cls)):
+        c.theirs = not ours
         c.op = as_op(getattr(value, "reduceOp", _SUM))
         c.root = getattr(value, "rootRank", 0)
         c.root_tensor = getattr(value, "rootTensor", 0)
@@ -125,7 +126,8 @@ class CollectiveMethods:
         return work
 
     def _call(self, first, opts, cls, **legacy):
-        return normalise(self._target(), first, opts, cls, legacy)
+        """The :class:`Call` of a method (torch's groups run it on the group they wrap)."""
+        return normalise(self, first, opts, cls, legacy)
 
     def _run(self, c, fn, outputs, *args, **kwargs):
         """``fn(*args, group=, async_op=, **kwargs)`` under the call's own timeout; its

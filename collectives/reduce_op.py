@@ -108,7 +108,10 @@ def as_op(op):
         if factor is None:
             return ReduceOp.PREMUL_SUM
         return PremulSum(float(factor.item() if hasattr(factor, "item") else factor))
-    return RedOpType[kind] if kind in RedOpType.__members__ else op
+    return _BY_NAME.get(kind, op)
+
+
+_BY_NAME = {m.name: m for m in RedOpType}
 
 
 def supports_complex(reduceOp):  # noqa: N803  (torch's argument name)

@@ -42,7 +42,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 from . import collective_ops as _ops
 from . import config
-from ._pg_methods import CollectiveMethods, ProcessGroupMethods
+from ._pg_methods import CollectiveMethods, ProcessGroupMethods, normalise
 from .torch_store import FromTorchStore as _FromTorchStore
 from .torch_work import TorchWork, _Completer, _timeout  # noqa: F401  (_Completer: tests)
 from .work import timeout_seconds
@@ -52,7 +52,7 @@ _groups = importlib.import_module(f"{__package__}.group")  # (the package's `gro
 BACKEND_NAME = "collectives"
 
 
-def _torch_work(call, work, outputs):
+def _torch_work(_pg, call, work, outputs):
     """The result adapter of torch's groups: torch's Work over our call's (None when the
     call blocked), whose future is torch's and holds ``outputs``."""
     return TorchWork(work if call.async_op else None, outputs, call.group)
@@ -102,8 +102,10 @@ class TorchProcessGroup(CollectiveMethods, td.ProcessGroup):
     def _target(self):
         return self._group
 
-    def _result(self, call, work, outputs):
-        return _torch_work(call, work, outputs)
+    def _call(self, first, opts, cls, **legacy):
+        return normalise(self._group, first, opts, cls, legacy)
+
+    _result = _torch_work
 
     def _p2p_result(self, work, tensor, group):
         return TorchWork(work, [tensor], group)
@@ -197,7 +199,7 @@ class BridgedGroup(TorchProcessGroup, _groups.ProcessGroup):
 
     def _result(self, call, work, outputs):
         if call.theirs or (call.theirs is None and _holds_torch_tensor(call.first)):
-            return _torch_work(call, work, outputs)
+            return _torch_work(self, call, work, outputs)
         return CollectiveMethods._result(self, call, work, outputs)
 
     abort = shutdown
