@@ -109,8 +109,8 @@ def normalise(group, first, value, cls, legacy):
 
 class CollectiveMethods:
     """The collective and point-to-point methods, for our groups (mixed into ProcessGroup)
-    and torch's (collectives.torch_pg). A class sets where calls run (``_target``) and
-    what they return (``_result``, ``_p2p_result``)."""
+    and torch's (collectives.torch_pg). A class sets where calls run (``_call``,
+    ``_target``) and what they return (``_result``, ``_p2p_result``)."""
 
     def _target(self):
         """The collectives group the calls run on."""
