@@ -16,7 +16,7 @@ from . import backends as _backends
 from . import debug as _debug
 from . import flight_recorder as _flight
 from .errors import DistError
-from ._pg_methods import ProcessGroupMethods
+from ._pg_methods import CollectiveMethods, ProcessGroupMethods
 from . import _world, config
 from ._world import (NOT_INITIALIZED, GroupBase, GroupMember, _set_world, current,  # noqa: F401
                      default_group, resolve, set_destroy_hook, world)
@@ -58,7 +58,7 @@ class Backend(str):
 group = _world.group  # dist.group.WORLD
 
 
-class ProcessGroup(GroupBase, ProcessGroupMethods):
+class ProcessGroup(GroupBase, CollectiveMethods, ProcessGroupMethods):
     """A group of ranks sharing one backend instance.
 
     ``rank()``/``size()``, ``name()`` (the backend's), ``group_name`` and the collective

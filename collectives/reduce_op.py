@@ -95,6 +95,25 @@ def op_code(op, name="op"):
                      f"PREMUL_SUM(factor)), got {op!r}")
 
 
+def as_op(op):
+    """Our ReduceOp for torch.distributed's (a ReduceOp, one of its RedOpType members, or
+    PREMUL_SUM with its factor); any other value as it is (op_code checks it where it is
+    used). torch's PREMUL_SUM without a factor becomes ours without one, which op_code
+    refuses with a message saying so."""
+    if not type(op).__module__.startswith("torch"):
+        return op
+    kind = getattr(getattr(op, "op", op), "name", None)
+    if kind == "PREMUL_SUM":
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            return ReduceOp.PREMUL_SUM
+        return PremulSum(float(factor.item() if hasattr(factor, "item") else factor))
+    return _BY_NAME.get(kind, op)
+
+
+_BY_NAME = {m.name: m for m in RedOpType}
+
+
 def supports_complex(reduceOp):  # noqa: N803  (torch's argument name)
     """Whether ``reduceOp`` reduces complex tensors, as torch answers it: all but MAX, MIN,
     PRODUCT, BAND, BOR and BXOR (our CPU backends multiply complex numbers too, nccl does
@@ -116,4 +135,4 @@ class _DeprecatedReduceOp:
 
 reduce_op = _DeprecatedReduceOp()
 
-__all__ = ["ReduceOp", "RedOpType", "PremulSum", "reduce_op", "op_code", "supports_complex"]
+__all__ = ["ReduceOp", "RedOpType", "PremulSum", "as_op", "reduce_op", "op_code", "supports_complex"]

@@ -41,52 +41,30 @@ import torch.distributed as td
 from torch.distributed import distributed_c10d as _c10d
 
 from . import collective_ops as _ops
-from . import multigpu as _mgpu
-from . import _pg_methods, config
-from . import options as _our_options
-from . import p2p as _p2p
-from ._pg_methods import _opts as _options
-from .reduce_op import PremulSum, RedOpType, ReduceOp, _PremulSumMember
+from . import config
+from ._pg_methods import CollectiveMethods, ProcessGroupMethods, normalise
 from .torch_store import FromTorchStore as _FromTorchStore
 from .torch_work import TorchWork, _Completer, _timeout  # noqa: F401  (_Completer: tests)
-from .work import option_timeout, per_call_timeout, timeout_seconds
+from .work import timeout_seconds
 
 _groups = importlib.import_module(f"{__package__}.group")  # (the package's `group` is dist.group)
 
 BACKEND_NAME = "collectives"
 
-_RedOpType = td.ReduceOp.RedOpType
+
+def _torch_work(_pg, call, work, outputs):
+    """The result adapter of torch's groups: torch's Work over our call's (None when the
+    call blocked), whose future is torch's and holds ``outputs``."""
+    return TorchWork(work if call.async_op else None, outputs, call.group)
 
 
-def _op(rop):
-    """Our ReduceOp for torch's (a ReduceOp, or a RedOpType member)."""
-    code = getattr(rop, "op", rop)
-    if code == _RedOpType.PREMUL_SUM:
-        factor = rop.factor
-        return ReduceOp.PREMUL_SUM(float(factor.item() if isinstance(factor, torch.Tensor) else factor))
-    return getattr(ReduceOp, code.name)
-
-
-def _list(x):
-    """A list of tensors from a tensor or a sequence of them (torch's overloads take both)."""
-    return [x] if isinstance(x, torch.Tensor) else list(x)
-
-
-def _opts(value, cls, **legacy):
-    """``value`` if it is a torch ``cls`` (options); else a ``cls`` (asynchronous, as
-    torch's defaults) with the legacy positional form's ``legacy`` fields set."""
-    return _options(value, cls, "opts", **legacy)
-
-
-def _one(tensors, name):
-    if len(tensors) != 1:
-        raise ValueError(f"{name} must hold one tensor per rank for the {BACKEND_NAME} "
-                         f"backend, got {len(tensors)}")
-    return tensors[0]
-
-
-class TorchProcessGroup(td.ProcessGroup):
+class TorchProcessGroup(CollectiveMethods, td.ProcessGroup):
     """A ``torch.distributed.ProcessGroup`` over the collectives group ``group``.
+
+    Its collective and point-to-point methods are collectives' one table
+    (``_pg_methods.CollectiveMethods``), run on ``group``, returning torch's Work; they
+    take torch's ``*Options`` structs (as torch's front end and DDP's reducer pass them),
+    ours, or the legacy positional forms.
 
     Ranks in options (``rootRank``, ``dstRank``, ``srcRank``) are ranks of the group, as
     torch's front end passes them.
@@ -121,184 +99,23 @@ class TorchProcessGroup(td.ProcessGroup):
     def getBackendName(self):  # noqa: N802  (torch's name)
         return BACKEND_NAME
 
-    def _global(self, group_rank):
-        if not isinstance(group_rank, int) or not 0 <= group_rank < self.size():
-            raise ValueError(f"rootRank must be a rank of this group, in [0, {self.size()}), "
-                             f"got {group_rank!r}")
-        return self._group.ranks[group_rank]
+    def _target(self):
+        return self._group
 
-    def _run(self, opts, fn, outputs, *args, **kwargs):
-        async_op = bool(opts.asyncOp)
-        secs = option_timeout(opts.timeout, "opts.timeout")
-        if secs is None:
-            work = fn(*args, group=self._group, async_op=async_op, **kwargs)
-        else:  # this call's own timeout (torch's barrier(timeout=...) sets it)
-            with per_call_timeout(secs):
-                work = fn(*args, group=self._group, async_op=async_op, **kwargs)
-        return TorchWork(work if async_op else None, outputs, self._group)
+    def _call(self, first, opts, cls, **legacy):
+        return normalise(self._group, first, opts, cls, legacy)
 
-    # ---- collectives -------------------------------------------------------------------------
+    _result = _torch_work
 
-    def allreduce(self, tensors, opts=None):
-        """``(tensors, AllreduceOptions)``, ``(tensors, op)`` or ``(tensor, op)``."""
-        ts = _list(tensors)
-        o = _opts(opts, _c10d.AllreduceOptions, reduceOp=opts)
-        if len(ts) > 1:
-            return self._run(o, _mgpu.all_reduce_multigpu, ts, ts, _op(o.reduceOp))
-        return self._run(o, _ops.all_reduce, ts, ts[0], _op(o.reduceOp))
-
-    def allreduce_coalesced(self, tensors, opts=None):
-        o = _opts(opts, _c10d.AllreduceCoalescedOptions)
-        ts = _list(tensors)
-        return self._run(o, _ops.all_reduce_coalesced, ts, ts, _op(o.reduceOp))
-
-    def broadcast(self, tensors, opts=None):
-        """``(tensors, BroadcastOptions)`` or ``(tensor, root)``."""
-        ts = _list(tensors)
-        o = _opts(opts, _c10d.BroadcastOptions, rootRank=opts)
-        if len(ts) > 1:
-            return self._run(o, _mgpu.broadcast_multigpu, ts, ts, self._global(o.rootRank),
-                             src_tensor=o.rootTensor)
-        return self._run(o, _ops.broadcast, ts, ts[0], group_src=o.rootRank)
-
-    def reduce(self, tensors, opts=None, op=None):
-        """``(tensors, ReduceOptions)`` or ``(tensor, root, op)``."""
-        ts = _list(tensors)
-        o = _opts(opts, _c10d.ReduceOptions, rootRank=opts, reduceOp=op)
-        if len(ts) > 1:
-            return self._run(o, _mgpu.reduce_multigpu, ts, ts, self._global(o.rootRank),
-                             _op(o.reduceOp), dst_tensor=o.rootTensor)
-        return self._run(o, _ops.reduce, ts, ts[0], op=_op(o.reduceOp), group_dst=o.rootRank)
-
-    def allgather(self, output_tensors, input_tensors, opts=None):
-        """``([[out per rank]], [inp], AllgatherOptions)`` or ``([out per rank], inp)``."""
-        o = _opts(opts, _c10d.AllgatherOptions)
-        if isinstance(input_tensors, torch.Tensor):
-            outs = list(output_tensors)
-            return self._run(o, _ops.all_gather, outs, outs, input_tensors)
-        ins = _list(input_tensors)
-        if len(ins) > 1:
-            outs = [list(x) for x in output_tensors]
-            return self._run(o, _mgpu.all_gather_multigpu, outs, outs, ins)
-        outs = list(_one(output_tensors, "output_tensors"))
-        return self._run(o, _ops.all_gather, [outs], outs, ins[0])
-
-    def allgather_coalesced(self, output_lists, input_list, opts=None):
-        o = _opts(opts, _c10d.AllgatherOptions)
-        outs = [list(x) for x in output_lists]
-        return self._run(o, _ops.all_gather_coalesced, outs, outs, _list(input_list))
-
-    def _allgather_base(self, output, input, opts=None):  # noqa: A002
-        o = _opts(opts, _c10d.AllgatherOptions)
-        return self._run(o, _ops.all_gather_into_tensor, [output], output, input)
-
-    all_gather_single = _allgather_base
-
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        o = _opts(opts, _c10d.AllgatherOptions)
-        return self._coalesced(o, _ops.all_gather_into_tensor, _list(outputs), _list(inputs))
-
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
-
-    def gather(self, output_tensors, input_tensors, opts=None):
-        """``([[out per rank]] or [], [inp], GatherOptions)`` or ``([out per rank] or [], inp, root)``."""
-        o = _opts(opts, _c10d.GatherOptions, rootRank=opts)
-        root = self.rank() == o.rootRank
-        if isinstance(input_tensors, torch.Tensor):
-            inp, outs = input_tensors, list(output_tensors) if root else None
-        else:
-            inp = _one(_list(input_tensors), "input_tensors")
-            outs = list(_one(output_tensors, "output_tensors")) if root else None
-        return self._run(o, _ops.gather, outs or [], inp, outs, group_dst=o.rootRank)
-
-    def scatter(self, output_tensors, input_tensors, opts=None):
-        """``([out], [[in per rank]] or [], ScatterOptions)`` or ``(out, [in per rank] or [], root)``."""
-        o = _opts(opts, _c10d.ScatterOptions, rootRank=opts)
-        root = self.rank() == o.rootRank
-        if isinstance(output_tensors, torch.Tensor):
-            out, ins = output_tensors, list(input_tensors) if root else None
-        else:
-            out = _one(_list(output_tensors), "output_tensors")
-            ins = list(_one(input_tensors, "input_tensors")) if root else None
-        return self._run(o, _ops.scatter, [out], out, ins, group_src=o.rootRank)
-
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        """``([out], [[in per rank]], ReduceScatterOptions)`` or ``(out, [in per rank], op)``."""
-        o = _opts(opts, _c10d.ReduceScatterOptions, reduceOp=opts)
-        if isinstance(output_tensors, torch.Tensor):
-            return self._run(o, _ops.reduce_scatter, [output_tensors], output_tensors,
-                             list(input_tensors), _op(o.reduceOp))
-        outs = _list(output_tensors)
-        if len(outs) > 1:
-            return self._run(o, _mgpu.reduce_scatter_multigpu, outs, outs,
-                             [list(x) for x in input_tensors], _op(o.reduceOp))
-        return self._run(o, _ops.reduce_scatter, outs, outs[0],
-                         list(_one(input_tensors, "input_tensors")), _op(o.reduceOp))
-
-    def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
-        o = _opts(opts, _c10d.ReduceScatterOptions)
-        return self._run(o, _ops.reduce_scatter_tensor, [output], output, input, _op(o.reduceOp))
-
-    reduce_scatter_single = _reduce_scatter_base
-
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        o = _opts(opts, _c10d.ReduceScatterOptions)
-        return self._coalesced(o, _ops.reduce_scatter_tensor, _list(outputs), _list(inputs),
-                               _op(o.reduceOp))
-
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
-
-    def _coalesced(self, opts, fn, outputs, inputs, *args):
-        """One call per pair, all issued before any is waited for."""
-        if len(outputs) != len(inputs):
-            raise ValueError(f"outputs and inputs must have the same length, got {len(outputs)} "
-                             f"and {len(inputs)}")
-        async_op = bool(opts.asyncOp)
-        secs = option_timeout(opts.timeout, "opts.timeout")
-        with per_call_timeout(secs):
-            works = [fn(o, i, *args, group=self._group, async_op=async_op)
-                     for o, i in zip(outputs, inputs)]
-        if not async_op or not works:
-            return TorchWork(None, outputs, self._group)
-        for w in works[:-1]:  # the group runs them in order: the last one done means all are
-            w.wait()
-        return TorchWork(works[-1], outputs, self._group)
-
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
-        o = _opts(opts, _c10d.AllToAllOptions)
-        return self._run(o, _ops.all_to_all_single, [output], output, input,
-                         list(output_split_sizes) or None, list(input_split_sizes) or None)
-
-    all_to_all_single = alltoall_base
-
-    def alltoall(self, output_tensors, input_tensors, opts=None):
-        o = _opts(opts, _c10d.AllToAllOptions)
-        outs = list(output_tensors)
-        return self._run(o, _ops.all_to_all, outs, outs, list(input_tensors))
-
-    def barrier(self, opts=None):
-        return self._run(_opts(opts, _c10d.BarrierOptions), _ops.barrier, [])
+    def _p2p_result(self, work, tensor, group):
+        return TorchWork(work, [tensor], group)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         _ops.monitored_barrier(group=self._group, timeout=_timeout(timeout),
                                wait_all_ranks=wait_all_ranks)
 
     def set_timeout(self, timeout):
-        _pg_methods.ProcessGroupMethods.set_timeout(self._group, timeout)
-
-    # ---- point to point ----------------------------------------------------------------------
-
-    def send(self, tensors, dstRank, tag=0):  # noqa: N803  (torch's names)
-        t = _one(tensors, "tensors")
-        return TorchWork(_p2p.isend(t, group=self._group, tag=tag, group_dst=dstRank), [t], self._group)
-
-    def recv(self, tensors, srcRank, tag=0):  # noqa: N803
-        t = _one(tensors, "tensors")
-        return TorchWork(_p2p.irecv(t, group=self._group, tag=tag, group_src=srcRank), [t], self._group)
-
-    def recv_anysource(self, tensors, tag=0):
-        t = _one(tensors, "tensors")
-        return TorchWork(_p2p.irecv(t, group=self._group, tag=tag), [t], self._group)
+        ProcessGroupMethods.set_timeout(self._group, timeout)
 
     # ---- life ----------------------------------------------------------------------------------
 
@@ -329,12 +146,6 @@ def _end(pg):
 
 # ---- collectives groups that are torch's process groups too ------------------------------------
 
-_TORCH_ARGS = (_c10d.AllreduceOptions, _c10d.AllreduceCoalescedOptions, _c10d.BroadcastOptions,
-               _c10d.ReduceOptions, _c10d.AllgatherOptions, _c10d.GatherOptions,
-               _c10d.ScatterOptions, _c10d.ReduceScatterOptions, _c10d.AllToAllOptions,
-               _c10d.BarrierOptions)
-
-
 def _holds_torch_tensor(x):
     """Whether ``x`` is a torch tensor, or a list (of lists) whose first entry is one."""
     for _ in range(3):
@@ -346,35 +157,6 @@ def _holds_torch_tensor(x):
     return False
 
 
-_OUR_ARGS = (_our_options._Options, ReduceOp, RedOpType, PremulSum, _PremulSumMember)
-
-
-def _either(name):
-    """A method that runs as TorchProcessGroup's (returning torch's Work, whose future is
-    torch's) when given torch's options, as torch's front end and its C++ callers (DDP's
-    reducer among them) always pass them, or torch tensors and no options of ours, as a
-    comm hook's ``group.allreduce([bucket.buffer()])`` does; as collectives' own
-    otherwise (NumPy arrays, or our options or ReduceOp)."""
-    theirs = getattr(TorchProcessGroup, name)
-    ours = getattr(_pg_methods.ProcessGroupMethods, name, None) or theirs
-
-    def method(self, *args, **kwargs):
-        values = args + tuple(kwargs.values())
-        for a in values:
-            if isinstance(a, _TORCH_ARGS):
-                return theirs(self, *args, **kwargs)
-        for a in values:
-            if isinstance(a, _OUR_ARGS):
-                return ours(self, *args, **kwargs)
-        if values and _holds_torch_tensor(values[0]):
-            return theirs(self, *args, **kwargs)
-        return ours(self, *args, **kwargs)
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = theirs.__doc__ or ours.__doc__
-    return method
-
-
 class BridgedGroup(TorchProcessGroup, _groups.ProcessGroup):
     """A collectives group that is also a ``torch.distributed.ProcessGroup``: what
     collectives makes its groups when the program has imported torch (unless
@@ -382,9 +164,13 @@ class BridgedGroup(TorchProcessGroup, _groups.ProcessGroup):
     process_group=dist.new_group(...))``, FSDP and ``torch.distributed``'s functions take
     it as it is; collectives' functions and methods work on it as on any of its groups.
 
-    The collective methods (``allreduce``, ``broadcast``...) run as torch's when called
-    with torch's options (as torch calls them) and as collectives' otherwise; the
-    point-to-point ones are collectives' (their Work answers torch's ``_source_rank``).
+    The collective methods (``allreduce``, ``broadcast``...) are collectives' one table;
+    they return torch's Work when called torch's way: with torch's options (as torch's
+    front end and its C++ callers, DDP's reducer among them, always pass them), or with
+    torch tensors and no options of ours (as a comm hook's
+    ``group.allreduce([bucket.buffer()])``); collectives' Work otherwise (NumPy arrays, or
+    our options or ReduceOp). The point-to-point ones return collectives' Work (it answers
+    torch's ``_source_rank``).
     ``name()`` is the transport's ('gloo', 'mpi'...), ``group_name`` torch's name for it
     once torch has named it.
     """
@@ -411,24 +197,18 @@ class BridgedGroup(TorchProcessGroup, _groups.ProcessGroup):
     def shutdown(self):
         _end(self)
 
+    def _result(self, call, work, outputs):
+        if call.theirs or (call.theirs is None and _holds_torch_tensor(call.first)):
+            return _torch_work(self, call, work, outputs)
+        return CollectiveMethods._result(self, call, work, outputs)
+
     abort = shutdown
-    name = _pg_methods.ProcessGroupMethods.name
-    get_group_store = _pg_methods.ProcessGroupMethods.get_group_store
+    _p2p_result = CollectiveMethods._p2p_result
+    name = ProcessGroupMethods.name
+    get_group_store = ProcessGroupMethods.get_group_store
     monitored_barrier = TorchProcessGroup.monitored_barrier
-    set_timeout = _pg_methods.ProcessGroupMethods.set_timeout
-    send = _pg_methods.ProcessGroupMethods.send
-    recv = _pg_methods.ProcessGroupMethods.recv
-    recv_anysource = _pg_methods.ProcessGroupMethods.recv_anysource
+    set_timeout = ProcessGroupMethods.set_timeout
     __repr__ = _groups.ProcessGroup.__repr__
-
-
-for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
-              "allgather_coalesced", "_allgather_base", "all_gather_single",
-              "allgather_into_tensor_coalesced", "gather", "scatter", "reduce_scatter",
-              "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_tensor_coalesced",
-              "alltoall_base", "all_to_all_single", "alltoall", "barrier"):
-    setattr(BridgedGroup, _name, _either(_name))
-del _name
 
 
 def register_group(pg):
