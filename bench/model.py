@@ -33,6 +33,7 @@ TREE_MAX = 64 * 1024        # broadcast/reduce: binomial tree up to this many by
 SEGMENT = 1024 * 1024       # pipelining segment
 DIRECT_MAX = 64 * 1024      # all_gather/reduce_scatter: direct exchange up to n*bytes
 DIRECT_WORLD = 8            # large all_reduce: two-round direct exchange up to this world
+DIRECT_WORLD_HOSTS = 1      # ... in a group across hosts: the ring at every size (tcp.py)
 CHAIN_SEG_MIN = 64 * 1024   # the chain broadcast's smallest segment (bcast_chain)
 
 
@@ -88,7 +89,7 @@ def choose(op, n, s):
     if op == "all_reduce":
         if s <= RD_MAX:
             return "rd"
-        return "direct_ar" if n <= DIRECT_WORLD else "ring_ar"
+        return "direct_ar" if n <= DIRECT_WORLD_HOSTS else "ring_ar"  # hosts, not one host
     if op == "broadcast":
         return "tree" if (s <= TREE_MAX or n == 2) else "chain"
     if op in ("all_gather", "reduce_scatter"):

@@ -10,6 +10,7 @@ seconds, then three timed loops after a barrier; a loop's time is the slowest ra
 """
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -62,6 +63,14 @@ def verify(dist, impl, rank, n, ops):
                 continue
             if not ok:
                 bad.append(f"{op} count={count} rank={rank}")
+    if impl == "collectives":  # over links the TCP engine picks the ring for all_reduce
+        from collectives._world import world
+        be = world.default.backend
+        tuning = getattr(getattr(be, "leaders", None) or be, "tuning", None)  # hierarchical
+        if tuning is not None and os.environ.get("COLLECTIVES_TCP_DIRECT_WORLD") is None \
+                and tuning()["allreduce_direct_world"] != 1:
+            bad.append(f"rank {rank}: a group across hosts chose the direct all_reduce "
+                       f"up to world {tuning()['allreduce_direct_world']}, not the ring")
     others = conv(np.array([float(len(bad))]))
     dist.all_reduce(others)
     others = int(np.asarray(others)[0]) - len(bad)

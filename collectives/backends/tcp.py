@@ -16,7 +16,8 @@ Environment:
     COLLECTIVES_TCP_RD_MAX, COLLECTIVES_TCP_TREE_MAX, COLLECTIVES_TCP_SEGMENT,
     COLLECTIVES_TCP_DIRECT_MAX: algorithm thresholds in bytes (see ``tcp_engine.h``);
     COLLECTIVES_TCP_DIRECT_WORLD: large all_reduce uses the two-round direct exchange up to
-        this world size (default 8), the ring above it.
+        this world size (default 8), the ring above it; unset, a group spanning hosts
+        uses the ring at every size.
     COLLECTIVES_TCP_DUPLEX_CHUNK: bytes written per send call, and read per call while
         sends to that peer wait, so both directions of an exchange flow (default 1 MiB;
         0: no limit).
@@ -33,8 +34,10 @@ whose call differs makes the call raise :class:`DistBackendError` on every rank,
 calls, and the group stays unusable. Point-to-point messages carry their dtype and size: a
 receive of another size or dtype raises instead of truncating or reinterpreting.
 """
+import ipaddress
 import operator
 import os
+import socket
 import threading
 
 from .. import config
@@ -73,6 +76,25 @@ def _env_tuning(name):
     if name == "lowat":  # a true value turns SO_RCVLOWAT off
         return 0 if value else None
     return int(value)
+
+
+def spans_hosts(fds):
+    """Whether any connection in ``fds`` (-1: none) leads to another host: its peer's
+    address is neither this end's nor a loopback one."""
+    for fd in fds:
+        if fd < 0:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                peer, local = sock.getpeername()[0], sock.getsockname()[0]
+        except (OSError, IndexError, TypeError):
+            continue
+        try:
+            if peer != local and not ipaddress.ip_address(peer).is_loopback:
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def _tuning_values(options):
@@ -173,6 +195,11 @@ class TcpBackend(Backend):
         for name, value in values.items():
             if rank == 0 or not _TUNING[name][2]:
                 self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), value)
+        if rank == 0 and "allreduce_direct_world" not in values and spans_hosts(fds):
+            # over links the pipelined ring (one flow per link) beats the direct exchange
+            # (n - 1 flows into every host link); on one host, where ranks share cores,
+            # the direct exchange's two rounds win (docs/between-hosts.md)
+            self._engine.set_tuning(_tcp.TUNE_ALLREDUCE_DIRECT_WORLD, 1)
         if size > 1:
             self._agree_tuning(store, rank, group)
 

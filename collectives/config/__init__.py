@@ -158,7 +158,8 @@ SETTINGS = (
        agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
     _s("COLLECTIVES_TCP_DIRECT_WORLD", "int", 8,
        "Large all_reduce uses the two-round direct exchange up to this world size, the ring "
-       "above it.", agree=True, read_in="backends/tcp.py -> tcp_engine.c"),
+       "above it. Unset, a group whose ranks span hosts uses the ring at every size (one "
+       "flow per link).", agree=True, read_in="backends/tcp.py -> tcp_engine.c"),
     _s("COLLECTIVES_TCP_DUPLEX_CHUNK", "int", 1 * MiB,
        "Bytes written per send call, and read per call while sends to that peer wait, so both "
        "directions of an exchange flow; 0: no limit.", unit="bytes",

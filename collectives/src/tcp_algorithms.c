@@ -50,35 +50,111 @@ static int ring_rs(tcp_engine *e, char *W, size_t count, int dtype, int op, size
     return 0;
 }
 
-/* Ring all-gather of blocks: this rank starts holding block r+1+shift. */
-static int ring_ag(tcp_engine *e, char *W, size_t count, size_t es, int shift, int step0,
-                   char *err, size_t errlen)
+/* Ring all_reduce as one chain of 2(n-1) steps, pipelined by segments: at step t this
+ * rank receives block R(t) from the previous rank and sends block S(t) to the next, and
+ * S(t+1) = R(t) throughout (reduce-scatter steps, then all-gather steps), so segment j of
+ * step t+1 goes out as soon as segment j of step t is in (and, in the reduce-scatter,
+ * reduced): the ring streams, and no step waits for its slowest link. Reduce-scatter
+ * steps receive into two scratch halves in turn; all-gather steps straight into W. Every
+ * block has the same number of segments (split evenly: none is empty). Each block is
+ * reduced once, in the same order as the unsegmented ring, so the result is the same on
+ * every rank bit for bit. */
+static int ring_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int op, size_t es,
+                          char *err, size_t errlen)
 {
-    int n = e->size, r = e->rank, next = (r + 1) % n, prev = (r - 1 + n) % n;
-    if (ensure_reqs(e, 2 * (size_t)n)) return oom(err, errlen);
-    /* every block arrives straight into W (posted up front); block s is forwarded once in */
-    for (int s = 0; s < n - 1; s++) {
-        int rb = mod(r + shift - s, n);
-        size_t roff = blk(count, n, rb), rcnt = blk(count, n, rb + 1) - roff;
-        cset(e, s, 0, prev, TAG(step0 + s, 0), W + roff * es, rcnt * es);
-    }
-    cpost(e, 0, n - 1);
-    for (int s = 0; s < n - 1; s++) {
-        if (s > 0 && cwait(e, s - 1, s, err, errlen)) {
-            cancel_range(e, 0, n - 1 + s);
-            return -1;
+    int n = e->size, r = e->rank, next = (r + 1) % n, prev = (r - 1 + n) % n, T = 2 * (n - 1);
+    size_t minblk = count / (size_t)n, maxblk = minblk + 1;
+    size_t segb = maxblk * es / 8;  /* 8 segments a block, 64 KiB at least, the setting at most */
+    if (segb < 65536) segb = 65536;
+    if (segb > e->seg) segb = e->seg;
+    if (!segb) segb = 1;
+    size_t S = (maxblk * es + segb - 1) / segb;
+    if (S > 64) S = 64;  /* few requests: matching scans the posted ones */
+    if (S > minblk) S = minblk;
+    if (!S) S = 1;
+    if (ensure_buf(&e->tmp, &e->tmp_cap, 2 * maxblk * es) ||
+        ensure_reqs(e, 2 * (size_t)T * S + 2))
+        return oom(err, errlen);
+#define RB(t) ((t) < n - 1 ? mod(r - (t) - 1, n) : mod(r - ((t) - (n - 1)), n))
+#define SEG(b, j, off, c) do { size_t b0_ = blk(count, n, (b)), bc_ = blk(count, n, (b) + 1) - b0_; \
+        (off) = b0_ + blk(bc_, (int)S, (int)(j)); (c) = b0_ + blk(bc_, (int)S, (int)(j) + 1) - (off); } while (0)
+    int RECV0 = 0, SEND0 = T * (int)S;
+    for (int i = 0; i < 2 * T * (int)S; i++)  /* not set yet: nothing for a cancel to undo */
+        e->creqs[i].state = -1;
+    /* receives of reduce-scatter step t (into scratch half t & 1, at the segment's place
+     * within its block) */
+    for (int t = 0; t < 2 && t < n - 1; t++) {
+        int b = RB(t);
+        for (size_t j = 0; j < S; j++) {
+            size_t off, c;
+            SEG(b, j, off, c);
+            size_t at = off - blk(count, n, b);
+            cset(e, RECV0 + t * (int)S + (int)j, 0, prev, TAG(t, j),
+                 e->tmp + ((size_t)(t & 1) * maxblk + at) * es, c * es);
         }
-        int sb = mod(r + 1 + shift - s, n);
-        size_t soff = blk(count, n, sb), scnt = blk(count, n, sb + 1) - soff;
-        cset(e, n - 1 + s, 1, next, TAG(step0 + s, 0), W + soff * es, scnt * es);
-        cpost(e, n - 1 + s, n + s);
+        cpost(e, RECV0 + t * (int)S, RECV0 + (t + 1) * (int)S);
     }
-    if (cwait(e, 0, 2 * n - 2, err, errlen)) {
-        cancel_range(e, 0, 2 * n - 2);
+    {   /* step 0 sends this rank's own block r */
+        int b = mod(r, n);
+        for (size_t j = 0; j < S; j++) {
+            size_t off, c;
+            SEG(b, j, off, c);
+            cset(e, SEND0 + (int)j, 1, next, TAG(0, j), W + off * es, c * es);
+        }
+        cpost(e, SEND0, SEND0 + (int)S);
+    }
+    int rc = 0;
+    for (int t = 0; t < T && !rc; t++) {
+        int b = RB(t);
+        for (size_t j = 0; j < S; j++) {
+            int w = RECV0 + t * (int)S + (int)j;
+            if ((rc = cwait(e, w, w + 1, err, errlen)))
+                break;
+            size_t off, c;
+            SEG(b, j, off, c);
+            if (t < n - 1)
+                coll_reduce(W + off * es,
+                            e->tmp + ((size_t)(t & 1) * maxblk + off - blk(count, n, b)) * es,
+                            c, dtype, op);
+            if (t + 1 < T) {
+                int k = SEND0 + (t + 1) * (int)S + (int)j;
+                cset(e, k, 1, next, TAG(t + 1, j), W + off * es, c * es);
+                cpost(e, k, k + 1);
+            }
+        }
+        if (rc || t >= n - 1)
+            continue;
+        if (t + 2 < n - 1) {  /* scratch half t & 1 is free again */
+            int b2 = RB(t + 2);
+            for (size_t j = 0; j < S; j++) {
+                size_t off, c;
+                SEG(b2, j, off, c);
+                cset(e, RECV0 + (t + 2) * (int)S + (int)j, 0, prev, TAG(t + 2, j),
+                     e->tmp + ((size_t)(t & 1) * maxblk + off - blk(count, n, b2)) * es, c * es);
+            }
+            cpost(e, RECV0 + (t + 2) * (int)S, RECV0 + (t + 3) * (int)S);
+        }
+        if (t == n - 2) {  /* the all-gather's receives land in W */
+            for (int u = n - 1; u < T; u++) {
+                int bu = RB(u);
+                for (size_t j = 0; j < S; j++) {
+                    size_t off, c;
+                    SEG(bu, j, off, c);
+                    cset(e, RECV0 + u * (int)S + (int)j, 0, prev, TAG(u, j), W + off * es, c * es);
+                }
+            }
+            cpost(e, RECV0 + (n - 1) * (int)S, RECV0 + T * (int)S);
+        }
+    }
+#undef RB
+#undef SEG
+    if (rc || cwait(e, SEND0, SEND0 + T * (int)S, err, errlen)) {
+        cancel_range(e, 0, 2 * T * (int)S);
         return -1;
     }
     return 0;
 }
+
 /* ------------------------------------------------------------- collectives */
 
 int tcp_barrier(tcp_engine *e, uint64_t fp, char *err, size_t errlen)
@@ -318,8 +394,7 @@ int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, uin
     else if (e->size <= e->direct_world)
         rc = direct_allreduce(e, buf, count, dtype, op, es, err, errlen);
     else {
-        rc = ring_rs(e, buf, count, dtype, op, es, 0, 0, err, errlen);
-        if (!rc) rc = ring_ag(e, buf, count, es, 0, e->size, err, errlen);
+        rc = ring_allreduce(e, buf, count, dtype, op, es, err, errlen);
     }
     return coll_end(e, rc, err, errlen);
 }
