@@ -5,7 +5,11 @@ Run it in pieces::
     pytest -m "not slow"                    # the quick suite (a few minutes on 2 cores)
     pytest -m "not slow and not mpi"        # ... without the mpiexec configuration
     pytest -m faults                        # dead peers, cut links, timeouts
-    HYPOTHESIS_PROFILE=dev pytest ...       # fewer examples (profiles: ci, dev, thorough)
+    HYPOTHESIS_PROFILE=ci pytest -m "not slow"   # the quick selection at full example counts
+
+Profiles (tests/profiles.py): a run that names none gets ``dev`` (a quarter of each
+property test's examples) when its -m expression contains ``not slow``, else ``ci`` (every
+test's own count: ``pytest`` with no -m runs every property at full strength).
     COLLECTIVES_TEST_CONFIGS=gloo pytest    # one backend configuration
 
 Markers (registered in pyproject.toml) are applied here by module and by name, so test
@@ -16,7 +20,7 @@ measured with ``--durations``).
 """
 import pytest
 
-from tests import profiles  # noqa: F401  (registers and loads the hypothesis profiles)
+from tests import profiles
 from tests.ranks import available_configs
 
 # module -> markers for every test in it
@@ -85,6 +89,16 @@ def pytest_generate_tests(metafunc):
 def _primary():
     configs = available_configs()
     return "gloo" if "gloo" in configs else (configs[0] if configs else None)
+
+
+def pytest_configure(config):
+    # before collection: the test modules' settings(max_examples=examples(n)) read it
+    profiles.choose(config.getoption("markexpr", ""), config.getoption("--hypothesis-profile", None))
+
+
+def pytest_report_header(config):
+    from hypothesis import settings
+    return f"hypothesis profile: {settings.get_current_profile_name()} (tests/profiles.py)"
 
 
 def pytest_collection_modifyitems(config, items):
