@@ -158,7 +158,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter):
     if ranks.STARTS:
-        secs = sum(s[3] for s in ranks.STARTS)
+        secs = sum(s[1] for s in ranks.STARTS)
+        again = len(ranks.STARTS) - len({s[0] for s in ranks.STARTS})
         terminalreporter.write_line(
-            f"rank pools started: {len(ranks.STARTS)}, {secs:.1f} s until ready "
+            f"rank pools started: {len(ranks.STARTS)} ({again} of them again, after an "
+            f"eviction or a kill), {secs:.1f} s until ready "
             f"(tests/ranks.py; MAX_POOLS={ranks.MAX_POOLS} kept running at once)")

@@ -237,8 +237,8 @@ class RankPool:
 
 
 _POOLS = collections.OrderedDict()
-#: (world_size, setup, launcher, seconds) of every pool started in this process: the
-#: harness' fixed cost, which conftest.py reports at the end of a run
+#: (pool key, seconds) of every pool started in this process: the harness' fixed cost,
+#: which conftest.py reports at the end of a run (a key seen twice: a pool started again)
 STARTS = []
 
 
@@ -261,7 +261,7 @@ def get_pool(world_size, setup=None, setup_args=(), env=None, launcher="spawn"):
         old.close()
     t0 = time.monotonic()
     pool = RankPool(world_size, setup, setup_args, env, launcher)
-    STARTS.append((world_size, _key_of(setup), launcher, time.monotonic() - t0))
+    STARTS.append((key, time.monotonic() - t0))
     _POOLS[key] = pool
     return pool
 
