@@ -5,7 +5,11 @@ Run it in pieces::
     pytest -m "not slow"                    # the quick suite (a few minutes on 2 cores)
     pytest -m "not slow and not mpi"        # ... without the mpiexec configuration
     pytest -m faults                        # dead peers, cut links, timeouts
-    HYPOTHESIS_PROFILE=dev pytest ...       # fewer examples (profiles: ci, dev, thorough)
+    HYPOTHESIS_PROFILE=ci pytest -m "not slow"   # the quick selection at full example counts
+
+Profiles (tests/profiles.py): a run that names none gets ``dev`` (a quarter of each
+property test's examples) when its -m expression contains ``not slow``, else ``ci`` (every
+test's own count: ``pytest`` with no -m runs every property at full strength).
     COLLECTIVES_TEST_CONFIGS=gloo pytest    # one backend configuration
 
 Markers (registered in pyproject.toml) are applied here by module and by name, so test
@@ -16,7 +20,8 @@ measured with ``--durations``).
 """
 import pytest
 
-from tests import profiles  # noqa: F401  (registers and loads the hypothesis profiles)
+from tests import profiles
+from tests import ranks
 from tests.ranks import available_configs
 
 # module -> markers for every test in it
@@ -26,12 +31,17 @@ MODULE_MARKERS = {
     "test_multinode": ("multinode", "faults"),
     "test_faults": ("faults",),
 }
+# test (module::function) -> markers, for tests outside those modules
+TEST_MARKERS = {
+    "test_security::test_the_c10d_rendezvous_across_two_nodes_uses_the_key": ("multinode",),
+}
 # The quick suite (-m "not slow") runs every configuration-parametrised test on one
 # configuration, PRIMARY (the default backend, gloo, where it is available); its runs on
 # the other configurations are marked slow.
-# Tests (module::function, every parameter) and modules that are slow on any
-# configuration: measured with --durations on the 2-core development machine (see
-# docs/testing.md).
+# Tests (module::function for every parameter, module::function[id] for one) and modules
+# that are slow on any configuration: measured with --durations on the 2-core
+# development machine (see docs/testing.md). Each slow test keeps a quick instance: a
+# smaller sibling, another parameter, or its property at the quick profile's examples.
 SLOW_TESTS = {
     "test_torch_pg::test_ddp_trains_as_one_process_on_all_ranks_data",
     "test_torch_pg::test_ddp_comm_hooks_whose_callbacks_wait_on_collectives",
@@ -50,6 +60,25 @@ SLOW_TESTS = {
     "test_faults::test_other_ranks_raise_dist_error_within_the_timeout",
     "test_rendezvous::test_ranks_meet_through_torchruns_agent_store",
     "test_tcp_backend::test_a_few_megabytes_through_every_algorithm",
+    # (the quick suite keeps test_worker_memory_flat_over_10k_dropped_tensors)
+    "test_master_worker::test_worker_memory_flat_over_100k_dropped_tensors",
+}
+# Parametrised tests whose quick instances are those with these parameter values (every
+# value of a parameter not named here); their other instances are slow. The values kept
+# are the most general ones (interleaved hosts, uneven worlds, every case on 3 ranks).
+QUICK_PARAMS = {
+    "test_mismatch::test_mismatch_raises_on_every_rank": {"n": (3,)},
+    "test_shm::test_hierarchical_mode_is_chosen_for_faked_hosts": {
+        "hosts": (("a", "b", "a", "b", "b"), ("a", "b", "b"))},
+    "test_shm::test_every_collective_matches_numpy": {"world": (2, 3, 6)},
+    "test_shm::test_all_reduce_bitwise_identical": {"world": (3,)},
+    "test_shm::test_p2p": {"world": (2, 3)},
+    "test_shm::test_streamed_segment_writes_match_numpy": {"world": (3,)},
+    "test_shm::test_peer_killed_in_single_copy_op_raises": {"op": ("all_reduce",)},
+    "test_rendezvous::test_destroy_and_init_again_on_the_same_port": {"world": (3,)},
+    # torch imported after init, then the bridge installed: both kinds of group in one run
+    "test_bridge_decision::test_every_group_of_a_world_is_of_the_kind_decided_at_init": {
+        "install": (True,)},
 }
 SLOW_MODULES = {
     "test_multinode", "test_mpi_backend", "test_tutorial",
@@ -87,6 +116,21 @@ def _primary():
     return "gloo" if "gloo" in configs else (configs[0] if configs else None)
 
 
+def pytest_configure(config):
+    # before collection: the test modules' settings(max_examples=examples(n)) read it
+    profiles.choose(config.getoption("markexpr", ""), config.getoption("--hypothesis-profile", None))
+
+
+def pytest_report_header(config):
+    from hypothesis import settings
+    return f"hypothesis profile: {settings.get_current_profile_name()} (tests/profiles.py)"
+
+
+def callspec_value(item, name):
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get(name) if callspec is not None else None
+
+
 def pytest_collection_modifyitems(config, items):
     primary = _primary()
     for item in items:
@@ -94,7 +138,13 @@ def pytest_collection_modifyitems(config, items):
         for m in MODULE_MARKERS.get(module, ()):
             item.add_marker(m)
         name = getattr(item, "originalname", None) or item.name
-        if module in SLOW_MODULES or f"{module}::{name}" in SLOW_TESTS:
+        for m in TEST_MARKERS.get(f"{module}::{name}", ()):
+            item.add_marker(m)
+        if (module in SLOW_MODULES or f"{module}::{name}" in SLOW_TESTS
+                or f"{module}::{item.name}" in SLOW_TESTS):
+            item.add_marker("slow")
+        keep = QUICK_PARAMS.get(f"{module}::{name}")
+        if keep and any(callspec_value(item, k) not in v for k, v in keep.items()):
             item.add_marker("slow")
         if any(w in name for w in FAULT_WORDS):
             item.add_marker("faults")
@@ -104,3 +154,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("mpi")
         if cfg is not None and cfg != primary:
             item.add_marker("slow")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if ranks.STARTS:
+        secs = sum(s[1] for s in ranks.STARTS)
+        again = len(ranks.STARTS) - len({s[0] for s in ranks.STARTS})
+        terminalreporter.write_line(
+            f"rank pools started: {len(ranks.STARTS)} ({again} of them again, after an "
+            f"eviction or a kill), {secs:.1f} s until ready "
+            f"(tests/ranks.py; MAX_POOLS={ranks.MAX_POOLS} kept running at once)")

@@ -237,6 +237,9 @@ class RankPool:
 
 
 _POOLS = collections.OrderedDict()
+#: (pool key, seconds) of every pool started in this process: the harness' fixed cost,
+#: which conftest.py reports at the end of a run (a key seen twice: a pool started again)
+STARTS = []
 
 
 def _key_of(fn):
@@ -256,7 +259,9 @@ def get_pool(world_size, setup=None, setup_args=(), env=None, launcher="spawn"):
     while len(_POOLS) >= MAX_POOLS:
         _, old = _POOLS.popitem(last=False)
         old.close()
+    t0 = time.monotonic()
     pool = RankPool(world_size, setup, setup_args, env, launcher)
+    STARTS.append((key, time.monotonic() - t0))
     _POOLS[key] = pool
     return pool
 

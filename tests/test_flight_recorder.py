@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.profiles import examples
 from tests.ranks import CONFIGS, ROOT, available_configs, free_port
 from tests.requires import needs_gloo
 
@@ -460,7 +461,7 @@ def test_the_verdict_names_the_first_collective_not_every_rank_completed():
 
     from collectives import trace
 
-    @settings(max_examples=60, deadline=None)
+    @settings(max_examples=examples(60), deadline=None)
     @given(st.data())
     def check(data):
         world = data.draw(st.integers(2, 5), label="world")

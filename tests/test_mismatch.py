@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
 from tests.ranks import available_configs, backend_pool, error_text
 
 CONFIGS = [c for c in available_configs() if c != "store"]
@@ -344,7 +345,7 @@ def differing_pairs(draw, n):
     return a, b
 
 
-DRAWN = settings(max_examples=12, deadline=None, derandomize=False,
+DRAWN = settings(max_examples=examples(12), deadline=None, derandomize=False,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                         HealthCheck.function_scoped_fixture])
 
@@ -365,7 +366,8 @@ def test_drawn_differing_calls_raise_on_every_rank(config, data):
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(6), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(2, 4), dtype=st.sampled_from(["float32", "int64", "float64"]),
        shape_pick=st.lists(st.sampled_from([(12,), (3, 4), (2, 6), (2, 2, 3), (12, 1)]),
                            min_size=4, max_size=4))
@@ -445,7 +447,7 @@ def test_p2p_receive_takes_a_shorter_message_into_its_start(config):
 
 @given(kind=st.integers(1, 11), dtype=st.integers(0, 15), count=st.integers(0, 2**45),
        root=st.integers(-1, 5000), op=st.integers(-1, 8))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_the_shm_engine_packs_words_as_fingerprint_pack(kind, dtype, count, root, op):
     """The words _shm computes from a call's arguments are fingerprint.pack's."""
     _shm = pytest.importorskip("collectives._shm")

@@ -30,6 +30,7 @@ from collectives.store import (
 from collectives.store import server as store_server
 from tests import test_multinode as mn
 from tests.test_multinode import nodes  # noqa: F401  (the two network namespaces)
+from tests.profiles import examples  # noqa: E402
 from tests.requires import needs_gloo  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,7 +192,7 @@ def test_a_refusal_is_one_log_line(keyed_master, caplog):
     assert KEY.decode() not in lines[0] and "wrong" not in lines[0].split(":", 1)[0]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(cuts=st.lists(st.integers(1, 71), max_size=4), flip=st.integers(-1, 31))
 def test_server_handshake_accepts_the_key_in_any_chunking_and_nothing_else(cuts, flip):
     hs = auth.ServerHandshake(KEY)
@@ -333,7 +334,8 @@ def fuzz_servers():
     keyed.close()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(frames=st.lists(_FRAMES, min_size=1, max_size=3), hang_up=st.booleans(), authed=st.booleans())
 def test_fuzzed_frames_leave_the_server_serving(fuzz_servers, frames, hang_up, authed):
     plain, keyed = fuzz_servers
@@ -355,7 +357,8 @@ def test_fuzzed_frames_leave_the_server_serving(fuzz_servers, frames, hang_up, a
         c.close()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(min_size=1, max_size=80), cut=st.integers(0, 80))
 def test_mutated_handshakes_are_refused(fuzz_servers, data, cut):
     _, keyed = fuzz_servers

@@ -30,6 +30,7 @@ from hypothesis import strategies as st  # noqa: E402
 from collectives import _tcp  # noqa: E402
 from collectives import dtypes as D  # noqa: E402
 from collectives import fingerprint as F  # noqa: E402
+from tests.profiles import examples  # noqa: E402
 from tests.ranks import available_configs, backend_pool, error_text, get_pool  # noqa: E402
 
 GROUP_TIMEOUT_S = 60  # longer than a pool call: a rank left waiting fails the test, not slowly
@@ -39,7 +40,7 @@ WIRE = struct.Struct("<HBBBBHIiQQQQ")  # the header's fields, little-endian
 
 # ---- the header -----------------------------------------------------------------------
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(ftype=st.integers(0, 255), kind=st.integers(0, 255), dtype=st.integers(0, 255),
        group=st.integers(0, 2**32 - 1), tag=st.integers(-2**31, 2**31 - 1),
        seq=st.integers(0, 2**64 - 1), fp=st.integers(0, 2**64 - 1), aux=st.integers(0, 2**64 - 1),
