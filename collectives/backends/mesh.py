@@ -39,6 +39,25 @@ def _is_loopback(host):
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
+def spans_hosts(fds):
+    """Whether any connection in ``fds`` (-1: none) leads to another host: its peer's
+    address is neither this end's nor a loopback one."""
+    for fd in fds:
+        if fd < 0:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                peer, local = sock.getpeername()[0], sock.getsockname()[0]
+        except (OSError, IndexError, TypeError):
+            continue
+        try:
+            if peer != local and not ipaddress.ip_address(peer).is_loopback:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
 def _interface_ipv4(ifname, var="COLLECTIVES_IFNAME"):
     """The IPv4 address of network interface ``ifname`` (Linux SIOCGIFADDR); ``var`` is
     the environment variable that named it, for the error."""

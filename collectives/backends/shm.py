@@ -305,11 +305,10 @@ class _SpinRequest(FutureRequest):
     that a message arriving meanwhile costs no futex wake-up (a request-reply round trip,
     such as a master-worker command, would otherwise pay two per direction)."""
 
-    def __init__(self, comm, describe, default_timeout):
+    def __init__(self, comm, flag, describe, default_timeout):
         super().__init__(describe, default_timeout)
-        from .._shm import SpinFlag
         self._comm = comm
-        self._flag = SpinFlag()
+        self._flag = flag  # a fresh collectives._shm.SpinFlag
 
     def _finish(self):
         super()._finish()
@@ -326,7 +325,12 @@ class _P2PEngine:
 
     def __init__(self, comm, label, timeout, spin=False):
         self.comm = comm
-        self.spin = spin  # receives spin on a flag before they block (see _SpinRequest)
+        # receives spin on a flag before they block (see _SpinRequest); None: they block
+        if spin:
+            from .._shm import SpinFlag
+            self.spin_flag = SpinFlag
+        else:
+            self.spin_flag = None
         self.label = label
         self.timeout = timeout
         self.lock = threading.Lock()
@@ -386,8 +390,8 @@ class _P2PEngine:
                 raise self.error
             who = "any rank" if src is None else f"rank {src}"
             what = f"{self.label} irecv from {who} (tag {tag})"
-            req = (_SpinRequest(self.comm, what, self.timeout) if self.spin
-                   else FutureRequest(what, self.timeout))
+            req = (_SpinRequest(self.comm, self.spin_flag(), what, self.timeout)
+                   if self.spin_flag is not None else FutureRequest(what, self.timeout))
             self.posted.append([src, tag, buf, req])
         return req
 

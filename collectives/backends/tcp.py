@@ -34,10 +34,8 @@ whose call differs makes the call raise :class:`DistBackendError` on every rank,
 calls, and the group stays unusable. Point-to-point messages carry their dtype and size: a
 receive of another size or dtype raises instead of truncating or reinterpreting.
 """
-import ipaddress
 import operator
 import os
-import socket
 import threading
 
 from .. import config
@@ -46,7 +44,7 @@ from .._args import check_tag, timeout_seconds
 from .. import fingerprint as F
 from .base import Backend, Request
 from .mesh import (advertised_host, connect_mesh, options_host,  # noqa: F401  (re-exported)
-                   _interface_ipv4, wire_version)
+                   _interface_ipv4, spans_hosts, wire_version)
 
 _OPS = frozenset({D.SUM, D.PRODUCT, D.MIN, D.MAX, D.BAND, D.BOR, D.BXOR})
 
@@ -76,25 +74,6 @@ def _env_tuning(name):
     if name == "lowat":  # a true value turns SO_RCVLOWAT off
         return 0 if value else None
     return int(value)
-
-
-def spans_hosts(fds):
-    """Whether any connection in ``fds`` (-1: none) leads to another host: its peer's
-    address is neither this end's nor a loopback one."""
-    for fd in fds:
-        if fd < 0:
-            continue
-        try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                peer, local = sock.getpeername()[0], sock.getsockname()[0]
-        except (OSError, IndexError, TypeError):
-            continue
-        try:
-            if peer != local and not ipaddress.ip_address(peer).is_loopback:
-                return True
-        except ValueError:
-            continue
-    return False
 
 
 def _tuning_values(options):
