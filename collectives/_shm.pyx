@@ -59,12 +59,12 @@ cdef extern from "shm_coll.h" nogil:
                          size_t nbytes)
     int shm_p2p_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const void *buf,
                      size_t nbytes)
-    int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int *src)
+    int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int background, uint32_t since,
+                     int *src)
+    uint32_t shm_p2p_bell(const shm_comm *c)
+    void shm_p2p_direct(shm_comm *c, int delta)
     int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
     void shm_p2p_kick(shm_comm *c)
-    void shm_comm_wait_budget(const shm_comm *c, int *spin, int64_t *yield_ns)
-    int shm_flag_wait(const uint32_t *flag, int spin, int64_t yield_ns)
-    void shm_flag_set(uint32_t *flag)
 
 
 _REASONS = {
@@ -102,20 +102,6 @@ def pack(int kind, int dtype=NO_DTYPE, uint64_t count=0, int root=-1, int op=-1)
 cdef long long _or_default(value):
     """An int setting's value for the C engine: -1 (keep the engine's default) for None."""
     return -1 if value is None else value
-
-
-cdef class SpinFlag:
-    """A completion flag that a waiting thread can spin on without the GIL: the thread that
-    completes a request sets it (after its Event), and ``ShmComm.await_flag`` spins and
-    yields on it for the group's wait budget, so that a reply arriving within that time
-    wakes the waiter with no futex round trip through the scheduler."""
-    cdef uint32_t v
-
-    def set(self):
-        shm_flag_set(&self.v)
-
-    def is_set(self):
-        return self.v != 0
 
 
 def unlink(name):
@@ -205,19 +191,6 @@ cdef class ShmComm:
         raise DistBackendError(
             f"{self.label} {op} failed at sequence {shm_comm_seq(self.c)} on rank "
             f"{names[self.rank] if names else self.rank}: {msg}")
-
-    def await_flag(self, SpinFlag flag):
-        """Spin, then yield, until ``flag`` is set or this group's wait budget (the
-        spin/yield settings) is spent; whether it is set. False at once once closed."""
-        cdef int spin
-        cdef int64_t yield_ns
-        cdef int r
-        if self.c == NULL:
-            return False
-        shm_comm_wait_budget(self.c, &spin, &yield_ns)
-        with nogil:
-            r = shm_flag_wait(&flag.v, spin, yield_ns)
-        return r != 0
 
     cdef inline shm_comm *_live(self, str op) except NULL:
         if self.c == NULL:
@@ -497,12 +470,15 @@ cdef class ShmComm:
             rc = shm_p2p_send(c, dst, h, hl, <const void *>ptr, nbytes)
         self._check(rc, "send", dst)
 
-    def p2p_poll(self, size_t need, double wait_s):
-        """A source with >= need readable bytes, or -1 after wait_s seconds."""
+    def p2p_poll(self, size_t need, double wait_s, bint background=False, uint32_t since=0):
+        """A source with >= need readable bytes, or -1 after wait_s seconds. It only looks.
+        ``background``: the receiver thread's poll, which waits while a thread reads the
+        rings for its own receive (``p2p_direct``); otherwise such a thread's poll, which
+        also returns -1 once the bell has rung since ``since`` (``p2p_bell()``)."""
         cdef shm_comm *c = self._live("recv")
         cdef int rc, src = -1
         with nogil:
-            rc = shm_p2p_poll(c, need, wait_s, &src)
+            rc = shm_p2p_poll(c, need, wait_s, background, since, &src)
         self._check(rc, "recv")
         return src
 
@@ -523,6 +499,16 @@ cdef class ShmComm:
             rc = shm_p2p_read(c, src, p, nbytes)
         self._check(rc, "recv", src)
         return bytes(b)
+
+    def p2p_bell(self):
+        """This rank's bell (it rings whenever a ring to or from it moves, and at a kick)."""
+        return shm_p2p_bell(self._live("recv"))
+
+    def p2p_direct(self, int delta):
+        """+1: this thread starts reading the rings for a receive it waits on (the
+        background receiver stays out of its way); -1: it stops."""
+        if self.c != NULL:
+            shm_p2p_direct(self.c, delta)
 
     def p2p_kick(self):
         if self.c != NULL:

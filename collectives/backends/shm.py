@@ -28,13 +28,14 @@ import os
 import secrets
 import struct
 import threading
+import time
 
 import numpy as np
 
 from .. import config
 from .. import dtypes as D
 from ..errors import DistBackendError, DistError
-from .base import Backend, DoneRequest, FutureRequest
+from .base import Backend, DoneRequest, FutureRequest, timed_out
 
 # a message's header: tag, payload bytes, dtype code (a receive must match both: one of
 # another size or dtype raises on the receiver instead of truncating or reinterpreting)
@@ -263,10 +264,7 @@ class ShmBackend(Backend):
             if self._closed:
                 raise DistBackendError(f"{self.label}: backend is shut down")
             if self._p2p is None:
-                # a waiter spins only where every rank's waiting and receiving threads fit
-                # the cores; otherwise the spin would take the receiver's core
-                spin = len(os.sched_getaffinity(0)) >= 2 * self.size
-                self._p2p = _P2PEngine(self._comm, self.label, self.timeout, spin)
+                self._p2p = _P2PEngine(self._comm, self.label, self.timeout)
             return self._p2p
 
     def isend(self, buf, dst, tag=0):
@@ -299,42 +297,47 @@ class ShmBackend(Backend):
             self._comm.close()
 
 
-class _SpinRequest(FutureRequest):
-    """A receive completed by the engine's receiver thread. Its waiter spins and yields on
-    a flag without the GIL for the group's wait budget before it blocks on the Event, so
-    that a message arriving meanwhile costs no futex wake-up (a request-reply round trip,
-    such as a master-worker command, would otherwise pay two per direction)."""
+_POLL_SLICE = 0.2  # seconds a poll sleeps before it looks at the engine's state again
 
-    def __init__(self, comm, flag, describe, default_timeout):
+
+class _DirectRequest(FutureRequest):
+    """A receive whose waiter reads the rings itself (:meth:`_P2PEngine.drive`) while the
+    engine's receiver thread stays out of the way, so that the message wakes the waiting
+    thread at once. Completed by the receiver thread instead, it would cost two wake-ups:
+    the receiver's, then the waiter's through the Event (in a request-reply round trip such
+    as a master-worker command, four in all)."""
+
+    def __init__(self, engine, describe, default_timeout):
         super().__init__(describe, default_timeout)
-        self._comm = comm
-        self._flag = flag  # a fresh collectives._shm.SpinFlag
-
-    def _finish(self):
-        super()._finish()
-        self._flag.set()
+        self._engine = engine
+        self._waiter = 0  # the thread reading the rings for it, while one does
 
     def wait(self, timeout=None):
-        if not self._flag.is_set():
-            self._comm.await_flag(self._flag)
-        super().wait(timeout)
+        if timeout is None:
+            timeout = self._default_timeout
+        if not self._event.is_set():
+            # (left over when the engine closed under the wait: whatever closes it ends it)
+            left = self._engine.drive(self, timeout)
+            if not self._event.wait(left):
+                raise timed_out(self._describe, timeout)
+        if self._exc is not None:
+            raise self._exc
 
 
 class _P2PEngine:
-    """Non-blocking isend/irecv over the segment's rings: a sender and a receiver thread."""
+    """Non-blocking isend/irecv over the segment's rings: a sender and a receiver thread.
+    A thread that waits for one of its receives reads the rings itself meanwhile (see
+    :class:`_DirectRequest`); one thread at a time reads them (``reading``)."""
 
-    def __init__(self, comm, label, timeout, spin=False):
+    def __init__(self, comm, label, timeout):
         self.comm = comm
-        # receives spin on a flag before they block (see _SpinRequest); None: they block
-        if spin:
-            from .._shm import SpinFlag
-            self.spin_flag = SpinFlag
-        else:
-            self.spin_flag = None
         self.label = label
         self.timeout = timeout
+        self.reading = threading.Lock()  # held while a thread takes a message off a ring
         self.lock = threading.Lock()
         self.send_cv = threading.Condition(self.lock)
+        self.driving = 0  # threads inside drive (close waits for them to leave the C code)
+        self.drive_cv = threading.Condition(self.lock)
         self.sends = collections.deque()  # (dst, hdr, buf, req), issue order
         self.sending = 0                  # queued or in flight on the sender thread
         self.posted = []                  # [src or None, tag, buf, req], post order
@@ -390,8 +393,7 @@ class _P2PEngine:
                 raise self.error
             who = "any rank" if src is None else f"rank {src}"
             what = f"{self.label} irecv from {who} (tag {tag})"
-            req = (_SpinRequest(self.comm, self.spin_flag(), what, self.timeout)
-                   if self.spin_flag is not None else FutureRequest(what, self.timeout))
+            req = _DirectRequest(self, what, self.timeout)
             self.posted.append([src, tag, buf, req])
         return req
 
@@ -427,46 +429,96 @@ class _P2PEngine:
                 return p
         return None
 
-    def _recv_loop(self):
+    def _take(self, src):
+        """Take the message at the head of ``src``'s ring (``reading`` held) to its posted
+        receive, or to the unexpected list."""
         comm = self.comm
+        tag, nbytes, dtype = _HDR.unpack(comm.p2p_read_bytes(src, _HDR.size))
+        with self.lock:
+            match = self._match(src, tag)
+        if match is not None:
+            exc = self._mismatch(match[2], nbytes, dtype, src, tag)
+            if exc is None:
+                comm.p2p_read(src, match[2].ptr, nbytes)
+            else:  # the message is consumed, the buffer left as it was
+                comm.p2p_read(src, 0, nbytes)
+        else:
+            data = np.empty(nbytes, np.uint8)
+            if nbytes:
+                comm.p2p_read(src, data.ctypes.data, nbytes)
+            with self.lock:  # a receive may have been posted while we read
+                match = self._match(src, tag)
+                if match is None:
+                    self.unexpected.append((src, tag, (dtype, data)))
+                    return
+            exc = self._deliver(match[2], (dtype, data), src, tag)
+        req = match[3]
+        if exc is None:
+            req.set_result(src)
+        else:
+            req.set_exception(exc)
+        if req._waiter and req._waiter != threading.get_ident():
+            comm.p2p_kick()  # its waiter is asleep on the bell: wake it
+
+    def _take_next(self):
+        """Take one waiting message, if there is one (the caller has seen one arrive)."""
+        with self.reading:
+            src = self.comm.p2p_poll(_HDR.size, 0.0)  # (another thread may have taken it)
+            if src >= 0:
+                self._take(src)
+
+    def _fail(self, e):
+        """The rings broke (DistError ``e``): every posted receive and later call fails."""
+        with self.lock:
+            if self.closed:
+                return
+            self.error = e
+            posted, self.posted = self.posted, []
+        for p in posted:
+            p[3].set_exception(e)
+
+    def drive(self, req, timeout):
+        """Read the rings for ``req`` on the calling thread until it completes or
+        ``timeout`` seconds pass; the seconds left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        comm = self.comm
+        with self.lock:
+            if self.closed:  # (the communicator may be unmapped)
+                req.set_exception(DistBackendError(f"{req._describe}: backend is shut down"))
+                return 0.0
+            self.driving += 1
+        req._waiter = threading.get_ident()
+        comm.p2p_direct(1)
+        try:
+            while True:
+                bell = comm.p2p_bell()  # before the look: a completion after it rings it
+                if req.test() or self.closed:
+                    break
+                left = _POLL_SLICE if deadline is None else min(deadline - time.monotonic(),
+                                                                _POLL_SLICE)
+                if left <= 0:
+                    break
+                if comm.p2p_poll(_HDR.size, left, False, bell) >= 0:
+                    self._take_next()
+        except DistError as e:
+            self._fail(e)
+        finally:
+            req._waiter = 0
+            comm.p2p_direct(-1)
+            with self.lock:
+                self.driving -= 1
+                self.drive_cv.notify_all()
+        if self.closed and not req.test():
+            req.set_exception(DistBackendError(f"{req._describe}: backend is shut down"))
+        return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+    def _recv_loop(self):
         try:
             while not self.closed:
-                src = comm.p2p_poll(_HDR.size, 0.2)
-                if src < 0:
-                    continue
-                tag, nbytes, dtype = _HDR.unpack(comm.p2p_read_bytes(src, _HDR.size))
-                with self.lock:
-                    match = self._match(src, tag)
-                if match is not None:
-                    exc = self._mismatch(match[2], nbytes, dtype, src, tag)
-                    if exc is None:
-                        comm.p2p_read(src, match[2].ptr, nbytes)
-                        match[3].set_result(src)
-                    else:  # the message is consumed, the buffer left as it was
-                        comm.p2p_read(src, 0, nbytes)
-                        match[3].set_exception(exc)
-                    continue
-                data = np.empty(nbytes, np.uint8)
-                if nbytes:
-                    comm.p2p_read(src, data.ctypes.data, nbytes)
-                with self.lock:  # a receive may have been posted while we read
-                    match = self._match(src, tag)
-                    if match is None:
-                        self.unexpected.append((src, tag, (dtype, data)))
-                if match is not None:
-                    exc = self._deliver(match[2], (dtype, data), src, tag)
-                    if exc is None:
-                        match[3].set_result(src)
-                    else:
-                        match[3].set_exception(exc)
+                if self.comm.p2p_poll(_HDR.size, _POLL_SLICE, True) >= 0:
+                    self._take_next()
         except DistError as e:
-            with self.lock:
-                if self.closed:
-                    return
-                self.error = e
-                posted, self.posted = self.posted, []
-            for p in posted:
-                p[3].set_exception(e)
+            self._fail(e)
 
     def close(self):
         with self.lock:
@@ -475,4 +527,7 @@ class _P2PEngine:
         self.comm.p2p_kick()
         self.receiver.join(5)
         self.sender.join(5)
-        return not (self.receiver.is_alive() or self.sender.is_alive())
+        with self.lock:  # threads waiting on their receives leave at the kick or the abort
+            self.drive_cv.wait_for(lambda: not self.driving, 5)
+            driving = self.driving
+        return not (driving or self.receiver.is_alive() or self.sender.is_alive())

@@ -112,17 +112,19 @@ int shm_p2p_try_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, cons
 /* Write hdr then buf, waiting for room as needed. */
 int shm_p2p_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const void *buf,
                  size_t nbytes);
-/* Wait up to wait_s for a source with at least `need` readable bytes; returns it, or -1. */
-int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int *src);
+/* Wait up to wait_s for a source with at least `need` readable bytes; returns it, or -1.
+ * It only looks: the caller reads the message (one reader at a time, its lock).
+ * background=1: the background receiver's poll; it waits, without looking, while any of
+ * the process's threads reads the rings for a receive it waits on (shm_p2p_direct).
+ * background=0: such a thread's poll; it also returns -1 once the bell has rung since
+ * `since` (shm_p2p_bell, read before the caller last saw its request unfinished), as
+ * another thread may have completed the request (and rung it: shm_p2p_kick). */
+int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int background, uint32_t since,
+                 int *src);
+uint32_t shm_p2p_bell(const shm_comm *c);
+void shm_p2p_direct(shm_comm *c, int delta);
 /* Read exactly nbytes from src's stream (buf NULL discards), waiting as needed. */
 int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes);
 void shm_p2p_kick(shm_comm *c);  /* wake this rank's own p2p waiters (shutdown) */
-/* A thread waiting for a request that another thread of its process completes: how long
- * this group's waits spin (iterations) and then yield (ns) before they block. */
-void shm_comm_wait_budget(const shm_comm *c, int *spin, int64_t *yield_ns);
-/* Spin, then yield, until *flag is nonzero or the budget is spent; returns whether it is.
- * Touches nothing but flag (the caller keeps it alive), so it is safe against a close. */
-int shm_flag_wait(const uint32_t *flag, int spin, int64_t yield_ns);
-void shm_flag_set(uint32_t *flag);
 
 #endif

@@ -165,6 +165,11 @@ struct shm_comm {
     uint64_t fp;          /* this rank's fingerprint of collective coll */
     _Atomic int broken;
     _Atomic int aborted;
+    /* this process's receives waited on by their own thread (shm_p2p_direct): while there
+     * are any, the background receiver sleeps on direct_word instead of the bell */
+    _Atomic int direct;
+    _Atomic uint32_t direct_word;
+    _Atomic int bg_sleeping;
 };
 
 static inline seg_hdr_t *seg_hdr(const shm_comm *c) { return (seg_hdr_t *)c->base; }
@@ -187,6 +192,12 @@ static inline void cpu_relax(void)
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
 #endif
+}
+
+static inline void futex_wait(_Atomic uint32_t *addr, uint32_t val, int64_t ns)
+{
+    struct timespec ts = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, val, &ts, NULL, 0);
 }
 
 static inline void futex_wake(_Atomic uint32_t *addr)

@@ -81,17 +81,32 @@ int shm_p2p_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const vo
     return fail(c, rc);  /* a half-written message tears the stream: no later send may follow it */
 }
 
-int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int *src)
+int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int background, uint32_t since,
+                 int *src)
 {
     *src = -1;
     CHECK(c);
     ctr_t *bell = &c->ctl[c->me].bell;
     int64_t deadline = now_ns() + (int64_t)(wait_s * 1e9);
     static __thread int start = 0;
+    int rung = 0;  /* a waiter's poll returns after the bell's first ring: its request may be done */
     for (;;) {
         if (atomic_load(&c->aborted))
             return SHM_ECLOSED;
-        uint32_t b = atomic_load_explicit(&bell->v, memory_order_acquire);
+        if (background && atomic_load(&c->direct) > 0) {
+            /* a thread reads the rings for its own receive: stay out of its way (the bell
+             * would wake both) until it is done; shm_p2p_direct wakes us */
+            int64_t left = deadline - now_ns();
+            if (left <= 0)
+                return SHM_OK;
+            uint32_t w = atomic_load(&c->direct_word);
+            atomic_store(&c->bg_sleeping, 1);
+            if (atomic_load(&c->direct) > 0)
+                futex_wait(&c->direct_word, w, left);
+            atomic_store(&c->bg_sleeping, 0);
+            continue;
+        }
+        uint32_t b = background ? atomic_load_explicit(&bell->v, memory_order_acquire) : since;
         for (int i = 0; i < c->n; i++) {
             int q = (start + i) % c->n;
             if (q == c->me)
@@ -105,13 +120,28 @@ int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int *src)
                 return SHM_OK;
             }
         }
-        if (now_ns() >= deadline)
+        if (rung || now_ns() >= deadline)
             return SHM_OK;
         int rc = wait_ctr(c, bell, b + 1, -1, deadline);
         if (rc == SHM_ETIMEDOUT)
             return SHM_OK;
         if (rc)
             return rc;
+        rung = !background;
+    }
+}
+
+uint32_t shm_p2p_bell(const shm_comm *c)
+{
+    return atomic_load_explicit(&c->ctl[c->me].bell.v, memory_order_acquire);
+}
+
+void shm_p2p_direct(shm_comm *c, int delta)
+{
+    if (atomic_fetch_add(&c->direct, delta) + delta == 0) {
+        atomic_fetch_add(&c->direct_word, 1);
+        if (atomic_load(&c->bg_sleeping))
+            futex_wake(&c->direct_word);
     }
 }
 
@@ -147,33 +177,9 @@ int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
     return SHM_OK;
 }
 
-void shm_p2p_kick(shm_comm *c) { ctr_bump(&c->ctl[c->me].bell); }
-
-/* ---- completion flags for requests finished by the receiving thread (see shm_coll.h) ---- */
-
-void shm_comm_wait_budget(const shm_comm *c, int *spin, int64_t *yield_ns)
+void shm_p2p_kick(shm_comm *c)
 {
-    *spin = c->spin;
-    *yield_ns = c->yield_ns;
-}
-
-void shm_flag_set(uint32_t *flag)
-{
-    __atomic_store_n(flag, 1u, __ATOMIC_RELEASE);
-}
-
-int shm_flag_wait(const uint32_t *flag, int spin, int64_t yield_ns)
-{
-    for (int i = 0; i < spin; i++) {
-        if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
-            return 1;
-        cpu_relax();
-    }
-    int64_t until = now_ns() + yield_ns;
-    while (!__atomic_load_n(flag, __ATOMIC_ACQUIRE)) {
-        if (now_ns() >= until)
-            return 0;
-        sched_yield();
-    }
-    return 1;
+    ctr_bump(&c->ctl[c->me].bell);
+    atomic_fetch_add(&c->direct_word, 1);
+    futex_wake(&c->direct_word);
 }

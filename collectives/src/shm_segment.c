@@ -2,12 +2,6 @@
  * counters, the group's failure record and the fingerprint checks; see shm_internal.h. */
 #include "shm_internal.h"
 
-static void futex_wait(_Atomic uint32_t *addr, uint32_t val, int64_t ns)
-{
-    struct timespec ts = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
-    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, val, &ts, NULL, 0);
-}
-
 /* 1 if pid is a live process (not a zombie). */
 static int pid_alive(int pid)
 {
@@ -289,7 +283,7 @@ size_t shm_comm_half_bytes(const shm_comm *c) { return c->half; }
 void shm_comm_abort(shm_comm *c)
 {
     atomic_store(&c->aborted, 1);
-    ctr_bump(&c->ctl[c->me].bell);
+    shm_p2p_kick(c);
 }
 
 uint32_t shm_comm_coll(const shm_comm *c) { return c->coll; }
