@@ -61,8 +61,8 @@ cdef extern from "shm_coll.h" nogil:
                      size_t nbytes)
     int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int background, uint32_t since,
                      int *src)
-    uint32_t shm_p2p_bell(const shm_comm *c)
-    void shm_p2p_direct(shm_comm *c, int delta)
+    uint32_t shm_p2p_kicks(const shm_comm *c)
+    void shm_p2p_direct(shm_comm *c, int delta, int wake)
     int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
     void shm_p2p_kick(shm_comm *c)
 
@@ -474,7 +474,7 @@ cdef class ShmComm:
         """A source with >= need readable bytes, or -1 after wait_s seconds. It only looks.
         ``background``: the receiver thread's poll, which waits while a thread reads the
         rings for its own receive (``p2p_direct``); otherwise such a thread's poll, which
-        also returns -1 once the bell has rung since ``since`` (``p2p_bell()``)."""
+        also returns -1 once ``p2p_kick`` was called since ``since`` (``p2p_kicks()``)."""
         cdef shm_comm *c = self._live("recv")
         cdef int rc, src = -1
         with nogil:
@@ -500,15 +500,16 @@ cdef class ShmComm:
         self._check(rc, "recv", src)
         return bytes(b)
 
-    def p2p_bell(self):
-        """This rank's bell (it rings whenever a ring to or from it moves, and at a kick)."""
-        return shm_p2p_bell(self._live("recv"))
+    def p2p_kicks(self):
+        """How many times ``p2p_kick`` was called (a waiter's poll returns at the next)."""
+        return shm_p2p_kicks(self._live("recv"))
 
-    def p2p_direct(self, int delta):
+    def p2p_direct(self, int delta, bint wake=True):
         """+1: this thread starts reading the rings for a receive it waits on (the
-        background receiver stays out of its way); -1: it stops."""
+        background receiver stays out of its way); -1: it stops, and with ``wake`` wakes
+        the background receiver (else it sleeps on for 10 ms at most)."""
         if self.c != NULL:
-            shm_p2p_direct(self.c, delta)
+            shm_p2p_direct(self.c, delta, wake)
 
     def p2p_kick(self):
         if self.c != NULL:

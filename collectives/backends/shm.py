@@ -458,7 +458,7 @@ class _P2PEngine:
         else:
             req.set_exception(exc)
         if req._waiter and req._waiter != threading.get_ident():
-            comm.p2p_kick()  # its waiter is asleep on the bell: wake it
+            comm.p2p_kick()  # its waiter may be asleep in its poll: wake it
 
     def _take_next(self):
         """Take one waiting message, if there is one (the caller has seen one arrive)."""
@@ -491,20 +491,22 @@ class _P2PEngine:
         comm.p2p_direct(1)
         try:
             while True:
-                bell = comm.p2p_bell()  # before the look: a completion after it rings it
+                kicks = comm.p2p_kicks()  # before the look: a completion after it kicks
                 if req.test() or self.closed:
                     break
                 left = _POLL_SLICE if deadline is None else min(deadline - time.monotonic(),
                                                                 _POLL_SLICE)
                 if left <= 0:
                     break
-                if comm.p2p_poll(_HDR.size, left, False, bell) >= 0:
+                if comm.p2p_poll(_HDR.size, left, False, kicks) >= 0:
                     self._take_next()
         except DistError as e:
             self._fail(e)
         finally:
             req._waiter = 0
-            comm.p2p_direct(-1)
+            # the receiver thread resumes at once only where receives are posted (which
+            # it may have to complete); otherwise within 10 ms, or at the next waiter
+            comm.p2p_direct(-1, bool(self.posted))
             with self.lock:
                 self.driving -= 1
                 self.drive_cv.notify_all()

@@ -114,17 +114,21 @@ int shm_p2p_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, const vo
                  size_t nbytes);
 /* Wait up to wait_s for a source with at least `need` readable bytes; returns it, or -1.
  * It only looks: the caller reads the message (one reader at a time, its lock).
- * background=1: the background receiver's poll; it waits, without looking, while any of
- * the process's threads reads the rings for a receive it waits on (shm_p2p_direct).
- * background=0: such a thread's poll; it also returns -1 once the bell has rung since
- * `since` (shm_p2p_bell, read before the caller last saw its request unfinished), as
- * another thread may have completed the request (and rung it: shm_p2p_kick). */
+ * background=1: the background receiver's poll; it sleeps without spinning, and without
+ * looking while any of the process's threads reads the rings for a receive it waits on
+ * (shm_p2p_direct). background=0: such a thread's poll; it also returns -1 once
+ * shm_p2p_kick has been called since `since` (shm_p2p_kicks, read before the caller last
+ * saw its request unfinished): another thread may have completed the request. */
 int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int background, uint32_t since,
                  int *src);
-uint32_t shm_p2p_bell(const shm_comm *c);
-void shm_p2p_direct(shm_comm *c, int delta);
+uint32_t shm_p2p_kicks(const shm_comm *c);
+/* delta +1: a thread starts reading the rings for a receive it waits on (so a message
+ * wakes it, not the background receiver and then it); -1: it stops, and with `wake`
+ * wakes the background receiver if no other thread is reading them. */
+void shm_p2p_direct(shm_comm *c, int delta, int wake);
 /* Read exactly nbytes from src's stream (buf NULL discards), waiting as needed. */
 int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes);
-void shm_p2p_kick(shm_comm *c);  /* wake this rank's own p2p waiters (shutdown) */
+/* wake this rank's own p2p waiters (a receive completed for another thread; shutdown) */
+void shm_p2p_kick(shm_comm *c);
 
 #endif

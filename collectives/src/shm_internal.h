@@ -170,6 +170,7 @@ struct shm_comm {
     _Atomic int direct;
     _Atomic uint32_t direct_word;
     _Atomic int bg_sleeping;
+    _Atomic uint32_t kicks;  /* shm_p2p_kick calls (a waiter's poll returns at one) */
 };
 
 static inline seg_hdr_t *seg_hdr(const shm_comm *c) { return (seg_hdr_t *)c->base; }

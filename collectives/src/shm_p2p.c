@@ -89,24 +89,25 @@ int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int background, uint32
     ctr_t *bell = &c->ctl[c->me].bell;
     int64_t deadline = now_ns() + (int64_t)(wait_s * 1e9);
     static __thread int start = 0;
-    int rung = 0;  /* a waiter's poll returns after the bell's first ring: its request may be done */
     for (;;) {
         if (atomic_load(&c->aborted))
             return SHM_ECLOSED;
         if (background && atomic_load(&c->direct) > 0) {
             /* a thread reads the rings for its own receive: stay out of its way (the bell
-             * would wake both) until it is done; shm_p2p_direct wakes us */
+             * would wake both) until shm_p2p_direct wakes us, or for 10 ms at most (it
+             * leaves us asleep where no receive is posted: the next waiter, or we after
+             * that, take what arrives meanwhile) */
             int64_t left = deadline - now_ns();
             if (left <= 0)
                 return SHM_OK;
             uint32_t w = atomic_load(&c->direct_word);
             atomic_store(&c->bg_sleeping, 1);
             if (atomic_load(&c->direct) > 0)
-                futex_wait(&c->direct_word, w, left);
+                futex_wait(&c->direct_word, w, left < 10000000LL ? left : 10000000LL);
             atomic_store(&c->bg_sleeping, 0);
             continue;
         }
-        uint32_t b = background ? atomic_load_explicit(&bell->v, memory_order_acquire) : since;
+        uint32_t b = atomic_load_explicit(&bell->v, memory_order_acquire);
         for (int i = 0; i < c->n; i++) {
             int q = (start + i) % c->n;
             if (q == c->me)
@@ -120,25 +121,38 @@ int shm_p2p_poll(shm_comm *c, size_t need, double wait_s, int background, uint32
                 return SHM_OK;
             }
         }
-        if (rung || now_ns() >= deadline)
+        if (!background && atomic_load(&c->kicks) != since)
+            return SHM_OK;  /* another thread may have completed the caller's request */
+        int64_t t = now_ns();
+        if (t >= deadline)
             return SHM_OK;
+        if (background) {
+            /* it sleeps at once: the threads waiting on their receives spend the group's
+             * spin and yield budget; this one serves the receives nobody waits on */
+            if (atomic_load_explicit(&seg_hdr(c)->fail_state, memory_order_relaxed))
+                return SHM_EFAILED;
+            atomic_fetch_add_explicit(&bell->waiters, 1, memory_order_seq_cst);
+            if (atomic_load_explicit(&bell->v, memory_order_seq_cst) == b)
+                futex_wait(&bell->v, b, deadline - t < 10000000LL ? deadline - t : 10000000LL);
+            atomic_fetch_sub_explicit(&bell->waiters, 1, memory_order_seq_cst);
+            continue;
+        }
         int rc = wait_ctr(c, bell, b + 1, -1, deadline);
         if (rc == SHM_ETIMEDOUT)
             return SHM_OK;
         if (rc)
             return rc;
-        rung = !background;
     }
 }
 
-uint32_t shm_p2p_bell(const shm_comm *c)
+uint32_t shm_p2p_kicks(const shm_comm *c)
 {
-    return atomic_load_explicit(&c->ctl[c->me].bell.v, memory_order_acquire);
+    return atomic_load(&c->kicks);
 }
 
-void shm_p2p_direct(shm_comm *c, int delta)
+void shm_p2p_direct(shm_comm *c, int delta, int wake)
 {
-    if (atomic_fetch_add(&c->direct, delta) + delta == 0) {
+    if (atomic_fetch_add(&c->direct, delta) + delta == 0 && wake) {
         atomic_fetch_add(&c->direct_word, 1);
         if (atomic_load(&c->bg_sleeping))
             futex_wake(&c->direct_word);
@@ -179,6 +193,7 @@ int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
 
 void shm_p2p_kick(shm_comm *c)
 {
+    atomic_fetch_add(&c->kicks, 1);
     ctr_bump(&c->ctl[c->me].bell);
     atomic_fetch_add(&c->direct_word, 1);
     futex_wake(&c->direct_word);
