@@ -148,11 +148,13 @@ class Lab:
 
 # ---- the link bound -----------------------------------------------------------------
 
-def link_bytes(op, hosts, nbytes):
+def link_bytes(op, hosts, nbytes, ranks_per_host=1):
     """Bytes the busiest host link must carry one way for ``op`` on ``nbytes`` per rank
-    (all_gather: each rank's input; reduce_scatter: each rank's output; the data of one
-    host, whatever its rank count, crosses its link once per algorithm step)."""
-    n = hosts
+    with ``ranks_per_host`` ranks on each host (all_gather: each rank's input;
+    reduce_scatter: each rank's output). A reduced or broadcast buffer crosses a host's
+    link as one, whatever the host's rank count; gathered and exchanged data is every
+    rank's own, so a host's share grows with its ranks."""
+    n, r = hosts, ranks_per_host
     if n == 1:
         return 0
     if op == "all_reduce":
@@ -160,14 +162,14 @@ def link_bytes(op, hosts, nbytes):
     if op == "broadcast":
         return nbytes
     if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) * nbytes
+        return (n - 1) * r * nbytes
     if op == "all_to_all":
-        return (n - 1) / n * nbytes
+        return r * (n - 1) / n * nbytes
     return 0
 
 
-def bound_s(op, hosts, nbytes, bps):
-    return link_bytes(op, hosts, nbytes) * 8 / bps
+def bound_s(op, hosts, nbytes, bps, ranks_per_host=1):
+    return link_bytes(op, hosts, nbytes, ranks_per_host) * 8 / bps
 
 
 # ---- runs ---------------------------------------------------------------------------
@@ -251,7 +253,7 @@ def main(argv=None):
                                    ranks_per_host=args.ranks_per_host)
                         runs.append(row)
                     os.unlink(out)
-    report(runs, parse_rate(args.rate))
+    report(runs, parse_rate(args.rate), args.ranks_per_host)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rate": args.rate, "bps": parse_rate(args.rate),
@@ -259,7 +261,7 @@ def main(argv=None):
     return 0
 
 
-def report(rows, bps):
+def report(rows, bps, ranks_per_host=1):
     """One line per (hosts, op, size): median time per impl, fraction of the link bound,
     collectives / torch."""
     cells = {}
@@ -269,7 +271,7 @@ def report(rows, bps):
     print(f"{'hosts':>5} {'op':<15} {'bytes':>10} {'impl':<12} {'us':>11} {'of bound':>9} "
           f"{'vs torch':>9}")
     for (hosts, op, nbytes), impls in sorted(cells.items()):
-        b = bound_s(op, hosts, nbytes, bps) * 1e6
+        b = bound_s(op, hosts, nbytes, bps, ranks_per_host) * 1e6
         torch_us = statistics.median(impls["torch"]) if "torch" in impls else None
         for impl, us in sorted(impls.items()):
             m = statistics.median(us)

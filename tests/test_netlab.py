@@ -55,6 +55,18 @@ def test_the_model_reaches_the_link_bound_for_large_messages():
                 netlab.bound_s(op, n, s, 1e9)), (op, n)
 
 
+def test_the_bound_counts_every_rank_of_a_host_where_data_is_each_ranks_own():
+    """Several ranks per host: a reduced or broadcast buffer crosses a host's link once,
+    gathered or exchanged data once per rank of the host."""
+    s = 1 << 20
+    for op in ("all_reduce", "broadcast"):
+        assert netlab.link_bytes(op, 4, s, 3) == netlab.link_bytes(op, 4, s, 1)
+    assert netlab.link_bytes("all_gather", 4, s, 3) == 3 * 3 * s
+    assert netlab.link_bytes("reduce_scatter", 2, s, 2) == 2 * s
+    assert netlab.link_bytes("all_to_all", 4, s, 2) == 2 * 3 / 4 * s
+    assert netlab.bound_s("all_gather", 2, s, 1e9, 2) == pytest.approx(2 * s * 8 / 1e9)
+
+
 def test_the_model_fits_what_it_generated():
     """Fitting recovers the parameters of synthetic measurements made by the model."""
     truth = model.Params(alpha=80e-6, msg=30e-6, call=15e-6, eta=0.9)
