@@ -7,6 +7,22 @@ static int oom(char *err, size_t errlen)
     return -1;
 }
 
+/* The segment of a pipelined step's block of `blk` bytes: an eighth of the block, at
+ * least 64 KiB, at most the segment setting (COLLECTIVES_TCP_SEGMENT), and large enough
+ * that a block has at most 64 segments (matching scans the posted requests: with the
+ * tests' 256 B setting, 3,000 segments a block made all_gather time out). */
+static size_t seg_bytes(const tcp_engine *e, size_t blk)
+{
+    size_t seg = blk / 8;
+    if (seg < 65536)
+        seg = 65536;
+    if (seg > e->seg)
+        seg = e->seg;
+    if (seg < blk / 64)
+        seg = blk / 64 + 1;
+    return seg ? seg : 1;
+}
+
 /* Ring reduce-scatter on W (count elements, n blocks): at step s this rank sends block
  * r-s+shift to the next rank and reduces block r-s-1+shift from the previous one, in
  * segments so that reducing segment k overlaps receiving k+1. Afterwards this rank
@@ -64,12 +80,8 @@ static int ring_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int o
 {
     int n = e->size, r = e->rank, next = (r + 1) % n, prev = (r - 1 + n) % n, T = 2 * (n - 1);
     size_t minblk = count / (size_t)n, maxblk = minblk + 1;
-    size_t segb = maxblk * es / 8;  /* 8 segments a block, 64 KiB at least, the setting at most */
-    if (segb < 65536) segb = 65536;
-    if (segb > e->seg) segb = e->seg;
-    if (!segb) segb = 1;
+    size_t segb = seg_bytes(e, maxblk * es);
     size_t S = (maxblk * es + segb - 1) / segb;
-    if (S > 64) S = 64;  /* few requests: matching scans the posted ones */
     if (S > minblk) S = minblk;
     if (!S) S = 1;
     if (ensure_buf(&e->tmp, &e->tmp_cap, 2 * maxblk * es) ||
@@ -308,14 +320,8 @@ static int direct_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int
 {
     int n = e->size, r = e->rank;
     size_t off = blk(count, n, r), cnt = blk(count, n, r + 1) - off, nb = cnt * es;
-    /* segments: at most the segment setting; 8 per block where that is smaller, but not
-     * below 64 KiB */
-    size_t maxblk = count / (size_t)n + 1, segb = maxblk * es / 8;
-    if (segb < 65536) segb = 65536;
-    if (segb > e->seg) segb = e->seg;
-    size_t seg_el = segb / es;
-    if (seg_el < maxblk / 64) seg_el = maxblk / 64 + 1;  /* few requests (matching scans them) */
-    if (!seg_el) seg_el = 1;
+    size_t maxblk = count / (size_t)n + 1;
+    size_t seg_el = (seg_bytes(e, maxblk * es) + es - 1) / es;  /* whole elements */
     size_t maxseg = (maxblk + seg_el - 1) / seg_el, myseg = (cnt + seg_el - 1) / seg_el;
     if (ensure_buf(&e->tmp, &e->tmp_cap, nb * (size_t)n) ||
         ensure_reqs(e, 4 * (size_t)n * (maxseg + 1)))
@@ -477,11 +483,7 @@ int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int ro
 static int ring_allgather(tcp_engine *e, char *o, size_t nb, char *err, size_t errlen)
 {
     int n = e->size, r = e->rank, next = (r + 1) % n, prev = mod(r - 1, n);
-    size_t seg = nb / 8;  /* 8 segments a block, 64 KiB at least, the segment setting at most, 64 segments at most */
-    if (seg < 65536) seg = 65536;
-    if (seg > e->seg) seg = e->seg;
-    if (seg < nb / 64) seg = nb / 64 + 1;  /* few requests: matching scans the posted ones */
-    if (!seg) seg = 1;
+    size_t seg = seg_bytes(e, nb);
     size_t nseg = nb ? (nb + seg - 1) / seg : 1;
     if (ensure_reqs(e, 2 * (size_t)n * nseg + 2)) return oom(err, errlen);
     int k = 0;
