@@ -237,9 +237,14 @@ class RankPool:
 
 
 _POOLS = collections.OrderedDict()
-#: (pool key, seconds) of every pool started in this process: the harness' fixed cost,
-#: which conftest.py reports at the end of a run (a key seen twice: a pool started again)
+#: (pool key, seconds, why, test) of every pool started in this process: the harness'
+#: fixed cost, which conftest.py reports at the end of a run. ``why`` is "new" (the key's
+#: first start), "evicted" (its pool was closed to keep MAX_POOLS) or "died" (its pool was
+#: killed: a timeout, a killed rank); ``test`` is CURRENT_TEST when it started.
 STARTS = []
+#: the test running now (set by conftest.py), so that STARTS can name who started a pool
+CURRENT_TEST = None
+_EVICTED = set()
 
 
 def _key_of(fn):
@@ -253,17 +258,29 @@ def get_pool(world_size, setup=None, setup_args=(), env=None, launcher="spawn"):
     if pool is not None and pool.alive():
         _POOLS.move_to_end(key)
         return pool
+    why = "evicted" if key in _EVICTED else "new"
     if pool is not None:
         pool.kill()
         del _POOLS[key]
+        why = "died"
     while len(_POOLS) >= MAX_POOLS:
-        _, old = _POOLS.popitem(last=False)
+        old_key, old = _POOLS.popitem(last=False)
         old.close()
+        _EVICTED.add(old_key)
+    _EVICTED.discard(key)
     t0 = time.monotonic()
     pool = RankPool(world_size, setup, setup_args, env, launcher)
-    STARTS.append((key, time.monotonic() - t0))
+    STARTS.append((key, time.monotonic() - t0, why, CURRENT_TEST))
     _POOLS[key] = pool
     return pool
+
+
+def close_module_pools(module):
+    """Close the pools whose setup function is defined in test module ``module`` (a
+    module's own ``setup=`` pools serve no other module), so that the pools that modules
+    share (``backend_pool``, bare ``get_pool``) keep the MAX_POOLS places."""
+    for key in [k for k in _POOLS if (k[1] or "").startswith(module + ".")]:
+        _POOLS.pop(key).close()
 
 
 def close_pools():
