@@ -268,10 +268,8 @@ def get_pool(world_size, setup=None, setup_args=(), env=None, launcher="spawn"):
         del _POOLS[key]
         why = "died"
     while len(_POOLS) >= MAX_POOLS:
-        # the least recently used of a test module's own pools (close_module_pools) first:
-        # the shared ones serve the modules still to come
-        old_key = next((k for k in _POOLS if _module_own(k)), next(iter(_POOLS)))
-        _POOLS.pop(old_key).close()
+        old_key, old = _POOLS.popitem(last=False)
+        old.close()
         _EVICTED.add(old_key)
     _EVICTED.discard(key)
     t0 = time.monotonic()
@@ -279,11 +277,6 @@ def get_pool(world_size, setup=None, setup_args=(), env=None, launcher="spawn"):
     STARTS.append((key, time.monotonic() - t0, why, CURRENT_TEST))
     _POOLS[key] = pool
     return pool
-
-
-def _module_own(key):
-    """Whether the pool of ``key`` has a setup function defined in a test module."""
-    return (key[1] or "").startswith("tests.test_")
 
 
 def close_module_pools(module):
