@@ -224,10 +224,13 @@ class RankPool:
     def kill(self):
         self.dead = True
         for p in self._procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
+            # the whole process group (start_new_session: its id is p.pid), even when p
+            # itself has exited: a spawn pool's starter exits when one rank dies, and
+            # the ranks left must not outlive the pool
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                if p.poll() is None:
                     p.kill()
         for p in self._procs:
             try:
