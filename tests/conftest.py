@@ -7,7 +7,7 @@ Run it in pieces::
     pytest -m faults                        # dead peers, cut links, timeouts
     HYPOTHESIS_PROFILE=ci pytest -m "not slow"   # the quick selection at full example counts
 
-Profiles (tests/profiles.py): a run that names none gets ``dev`` (a quarter of each
+Profiles (tests/profiles.py): a run that names none gets ``dev`` (a tenth of each
 property test's examples) when its -m expression contains ``not slow``, else ``ci`` (every
 test's own count: ``pytest`` with no -m runs every property at full strength).
     COLLECTIVES_TEST_CONFIGS=gloo pytest    # one backend configuration
@@ -94,6 +94,13 @@ def config(request):
     return request.param
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_pools(request):
+    """At a module's end, close the rank pools that only it uses (tests/ranks.py)."""
+    yield
+    ranks.close_module_pools(request.module.__name__)
+
+
 def _parametrized_directly(metafunc, name):
     for mark in metafunc.definition.iter_markers("parametrize"):
         names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
@@ -156,11 +163,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("slow")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    ranks.CURRENT_TEST = item.nodeid
+
+
+def _pool_name(key):
+    world, setup, setup_args, env, launcher = key
+    what = (setup or "bare").rpartition(".")[2] + (setup_args if setup_args != "()" else "")
+    env = ",".join(f"{k}={v}" for k, v in env)
+    return f"{world} ranks, {what}" + (f", {env}" if env else "") + (
+        f", {launcher}" if launcher != "spawn" else "")
+
+
 def pytest_terminal_summary(terminalreporter):
     if ranks.STARTS:
         secs = sum(s[1] for s in ranks.STARTS)
-        again = len(ranks.STARTS) - len({s[0] for s in ranks.STARTS})
+        again = [s for s in ranks.STARTS if s[2] != "new"]
         terminalreporter.write_line(
-            f"rank pools started: {len(ranks.STARTS)} ({again} of them again, after an "
+            f"rank pools started: {len(ranks.STARTS)} ({len(again)} of them again, after an "
             f"eviction or a kill), {secs:.1f} s until ready "
             f"(tests/ranks.py; MAX_POOLS={ranks.MAX_POOLS} kept running at once)")
+        verbose = terminalreporter.config.getoption("verbose") > 0
+        for key, took, why, test in (ranks.STARTS if verbose else again):
+            terminalreporter.write_line(f"  {why:7} {took:5.1f} s  {_pool_name(key)}  ({test})")

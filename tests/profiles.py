@@ -1,5 +1,5 @@
 """Hypothesis profiles: ``ci`` (each test's own example count, as written), ``dev`` (a
-quarter of it, at least one: quick while iterating) and ``thorough`` (ten times it, for a
+tenth of it, at least one: quick while iterating) and ``thorough`` (ten times it, for a
 night run). Choose one with ``HYPOTHESIS_PROFILE=dev`` or ``pytest --hypothesis-profile=dev``.
 
 Which profile a run gets when it names none (:func:`choose`, called from conftest.py):
@@ -14,7 +14,7 @@ import os
 from hypothesis import settings
 
 #: profile -> max_examples of tests that set none (100 is hypothesis' own default)
-PROFILES = {"ci": 100, "dev": 25, "thorough": 1000}
+PROFILES = {"ci": 100, "dev": 10, "thorough": 1000}
 #: the profile of a quick-suite run (-m "... not slow ...") that names none
 QUICK_PROFILE = "dev"
 

@@ -84,7 +84,8 @@ class RankPool:
         world_size: number of ranks.
         setup: optional ``fn(ctx, *setup_args)`` run once on every rank after start.
         env: extra environment variables for the ranks.
-        launcher: "spawn" (one subprocess per rank) or "mpiexec".
+        launcher: "spawn" (one process per rank, forked by a starter process after the
+            imports every rank makes) or "mpiexec".
     """
 
     def __init__(self, world_size, setup=None, setup_args=(), env=None, launcher="spawn"):
@@ -116,9 +117,12 @@ class RankPool:
                 [mpiexec, "-n", str(world_size)] + worker, env=base_env, cwd=ROOT,
                 start_new_session=True))
         elif launcher == "spawn":
-            for r in range(world_size):
-                e = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
-                self._procs.append(subprocess.Popen(worker, env=e, cwd=ROOT, start_new_session=True))
+            # one starter process forks the ranks after the imports they all make, which
+            # were most of a pool's start-up (see _fork_ranks)
+            for k in ("RANK", "LOCAL_RANK"):
+                base_env.pop(k, None)
+            self._procs.append(subprocess.Popen(worker + ["--fork", str(world_size)],
+                                                env=base_env, cwd=ROOT, start_new_session=True))
         else:
             raise ValueError(f"launcher must be 'spawn' or 'mpiexec', got {launcher!r}")
         self._conns = [None] * world_size
@@ -220,10 +224,13 @@ class RankPool:
     def kill(self):
         self.dead = True
         for p in self._procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
+            # the whole process group (start_new_session: its id is p.pid), even when p
+            # itself has exited: a spawn pool's starter exits when one rank dies, and
+            # the ranks left must not outlive the pool
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                if p.poll() is None:
                     p.kill()
         for p in self._procs:
             try:
@@ -237,9 +244,14 @@ class RankPool:
 
 
 _POOLS = collections.OrderedDict()
-#: (pool key, seconds) of every pool started in this process: the harness' fixed cost,
-#: which conftest.py reports at the end of a run (a key seen twice: a pool started again)
+#: (pool key, seconds, why, test) of every pool started in this process: the harness'
+#: fixed cost, which conftest.py reports at the end of a run. ``why`` is "new" (the key's
+#: first start), "evicted" (its pool was closed to keep MAX_POOLS) or "died" (its pool was
+#: killed: a timeout, a killed rank); ``test`` is CURRENT_TEST when it started.
 STARTS = []
+#: the test running now (set by conftest.py), so that STARTS can name who started a pool
+CURRENT_TEST = None
+_EVICTED = set()
 
 
 def _key_of(fn):
@@ -253,17 +265,29 @@ def get_pool(world_size, setup=None, setup_args=(), env=None, launcher="spawn"):
     if pool is not None and pool.alive():
         _POOLS.move_to_end(key)
         return pool
+    why = "evicted" if key in _EVICTED else "new"
     if pool is not None:
         pool.kill()
         del _POOLS[key]
+        why = "died"
     while len(_POOLS) >= MAX_POOLS:
-        _, old = _POOLS.popitem(last=False)
+        old_key, old = _POOLS.popitem(last=False)
         old.close()
+        _EVICTED.add(old_key)
+    _EVICTED.discard(key)
     t0 = time.monotonic()
     pool = RankPool(world_size, setup, setup_args, env, launcher)
-    STARTS.append((key, time.monotonic() - t0))
+    STARTS.append((key, time.monotonic() - t0, why, CURRENT_TEST))
     _POOLS[key] = pool
     return pool
+
+
+def close_module_pools(module):
+    """Close the pools whose setup function is defined in test module ``module`` (a
+    module's own ``setup=`` pools serve no other module), so that the pools that modules
+    share (``backend_pool``, bare ``get_pool``) keep the MAX_POOLS places."""
+    for key in [k for k in _POOLS if (k[1] or "").startswith(module + ".")]:
+        _POOLS.pop(key).close()
 
 
 def close_pools():
@@ -407,8 +431,40 @@ def _worker_main():
                 pass
 
 
+def _fork_ranks(world_size):
+    """The starter of a "spawn" pool: import what every rank imports (the package, NumPy),
+    then fork the ``world_size`` ranks, RANK and LOCAL_RANK set in each. Returns True in a
+    rank. The starter itself waits: it exits when every rank has exited, and at once, with
+    that rank's status, when one fails (an exit status other than 0, or a signal), so that
+    ``RankPool`` sees a dead rank as a dead process. Nothing runs between the imports and the
+    fork: no thread, socket or group exists yet, and the environment is the pool's."""
+    try:
+        import collectives  # noqa: F401  (as init_config would, in each rank)
+    except Exception:
+        pass  # a rank that needs it raises the error itself
+    ranks = {}
+    for r in range(world_size):
+        pid = os.fork()
+        if pid == 0:
+            os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(r)
+            return True
+        ranks[pid] = r
+    while ranks:
+        pid, status = os.wait()
+        if ranks.pop(pid, None) is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            sys.exit(code if code > 0 else 128 - code)
+    return False
+
+
 if __name__ == "__main__":
-    _worker_main()
+    if sys.argv[1:2] == ["--fork"]:
+        if _fork_ranks(int(sys.argv[2])):
+            _worker_main()
+    else:
+        _worker_main()
 
 
 def error_text(e):

@@ -275,7 +275,8 @@ SETTINGS = (
        "Group timeout (seconds) of the test pools' process groups.", scope="test", minimum=1,
        read_in="tests/ranks.py"),
     _s("COLLECTIVES_TEST_MAX_POOLS", "int", 8,
-       "Rank pools kept running at once (the least recently used is closed).",
+       "Rank pools kept running at once (the least recently used is closed; a test "
+       "module's own pools close at its end).",
        scope="test", minimum=1, read_in="tests/ranks.py"),
     _s("COLLECTIVES_TEST_HOSTS", "int", None,
        "Fake this many hosts in a pool, ranks dealt out in turn (the gloo-hier "
