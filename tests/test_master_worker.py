@@ -48,6 +48,13 @@ def _env(world, extra=None):
     return env
 
 
+def _default_sigint():
+    """SIGINT as a terminal's program gets it: a test run started in the background by a
+    non-interactive shell ignores SIGINT, its children inherit that, and Python then
+    installs no KeyboardInterrupt handler (the interrupted-master test would hang)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(world, args, extra=None):
     """``world`` ranks of ``python -m tests.mw_job *args`` (env://), their own sessions."""
     env = _env(world, extra)
@@ -57,7 +64,9 @@ def spawn(world, args, extra=None):
         e.update({k: v.format(rank=r) for k, v in (extra or {}).items() if "{rank}" in v})
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.mw_job", *args], env=e,
                                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True))
+                                      text=True, start_new_session=True,
+                                      preexec_fn=_default_sigint))
+
     return procs
 
 
