@@ -133,6 +133,11 @@ def shm_available():
     return os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
 
 
+# ShmBackend's collectives that ShmComm implements with the same arguments
+_FORWARDED = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_list", "gather",
+              "scatter", "reduce_scatter", "all_to_all", "barrier")
+
+
 class ShmBackend(Backend):
     """Collectives among ranks of one host through shared memory.
 
@@ -197,6 +202,11 @@ class ShmBackend(Backend):
             self._comm.set_cma_min(cma_min, cma_bcast_min, cma_ar_min)
         self.single_copy = self.single_copy and bool(cma_min or cma_bcast_min or cma_ar_min)
         self.segment_name = name
+        # The collectives below only forward to ShmComm, whose methods take the same
+        # arguments (Buffers, ranks, op codes, fp): bound here, the front end's call
+        # reaches C without the forwarding Python frame.
+        for op in _FORWARDED:
+            setattr(self, op, getattr(self._comm, op))
         self._p2p = None
         self._p2p_lock = threading.Lock()
 
