@@ -14,15 +14,15 @@ cdef inline long long _monotonic_ns() noexcept nogil:
 
 
 cdef class CallRing:
-    """A group's last ``size`` collectives, in C arrays, and three counters: ``seq`` (the
-    last issued), ``started`` and ``done``. Recording a call is one method call that
-    stores seven numbers and the kind (the front end's per-call cost); the entries are
-    read back as tuples ``(seq, kind, count, dtype, root, op, time_ns[, stack])``.
+    """A group's last ``size`` collectives, in C arrays, and ``seq``, the last issued.
+    Recording a call is one method call that stores seven numbers and the kind (the
+    front end's per-call cost); the entries are read back as tuples
+    ``(seq, kind, count, dtype, root, op, time_ns[, stack])``.
 
     ``stack``: None, or a function whose result (the caller's stack) each entry keeps.
     """
 
-    cdef public long long seq, started, done
+    cdef readonly long long seq
     cdef readonly Py_ssize_t size
     cdef long long *_seq
     cdef long long *_count
@@ -85,12 +85,6 @@ cdef class CallRing:
     def issue_buffer(self, kind, _CBuffer buf not None, int root=-1, int op=-1):
         """``issue(kind, buf.count, buf.dtype, root, op)``: the front end's hot paths."""
         return self._put(kind, buf.count, buf.dtype, root, op)
-
-    def start_buffer(self, kind, _CBuffer buf not None, int root=-1, int op=-1):
-        """``issue_buffer``, the call starting at once (``started`` set to it)."""
-        cdef long long s = self._put(kind, buf.count, buf.dtype, root, op)
-        self.started = s
-        return s
 
     def entry(self, long long s):
         """Collective ``s``'s entry, or None when it left the ring (or never was)."""

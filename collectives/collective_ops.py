@@ -108,7 +108,7 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
             s = fr.issue_buffer("all_reduce", buf, -1, D.SUM)
             return Work(_flight.submit(pg, s, be.all_reduce, buf, D.SUM), [tensor], pg)
         if pg.inline and not be._busy:
-            s = fr.start_buffer("all_reduce", buf, -1, D.SUM)
+            s = fr.started = fr.issue_buffer("all_reduce", buf, -1, D.SUM)
             try:
                 be.all_reduce(buf, D.SUM)
             except DistError as e:
@@ -208,7 +208,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
                 check_devices(pg, (buf,), "tensor")
             fr = pg.fr
             if pg.inline and not be._busy:
-                s = fr.start_buffer("broadcast", buf, root)
+                s = fr.started = fr.issue_buffer("broadcast", buf, root)
                 try:
                     be.broadcast(buf, root)
                 except DistError as e:
@@ -269,7 +269,7 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
             check_devices(pg, (out, inp), "output_tensor and input_tensor")
         fr = pg.fr
         if pg.inline and not be._busy:
-            s = fr.start_buffer("all_gather", inp)
+            s = fr.started = fr.issue_buffer("all_gather", inp)
             try:
                 be.all_gather(out, inp)
             except DistError as e:
@@ -416,7 +416,7 @@ def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  
             check_devices(pg, (out, inp), "output and input")
         fr = pg.fr
         if pg.inline and not be._busy:
-            s = fr.start_buffer("reduce_scatter", out, -1, D.SUM)
+            s = fr.started = fr.issue_buffer("reduce_scatter", out, -1, D.SUM)
             try:
                 be.reduce_scatter(out, inp, D.SUM)
             except DistError as e:
@@ -528,9 +528,8 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     if not async_op and not _prof._is_profiler_enabled and not _timed.n:
         be = pg.backend
         fr = pg.fr
-        s = fr.issue("barrier")
         if pg.inline and not be._busy:
-            fr.started = s
+            s = fr.started = fr.issue("barrier")
             try:
                 be.barrier()
             except DistError as e:
@@ -538,7 +537,7 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
                 raise
             fr.done = s
         else:
-            _flight.run(pg, s, be.barrier)
+            _flight.run(pg, fr.issue("barrier"), be.barrier)
         return None
     return _launch(pg, async_op, [], "barrier", [(pg.backend.barrier, ())])
 

@@ -71,9 +71,9 @@ def _stack():
 class _PyCallRing:
     """``collectives._core.CallRing`` in Python (the package without its extensions): a
     group's last ``size`` collectives as tuples ``(seq, kind, count, dtype, root, op,
-    time_ns[, stack])``, and the counters ``seq`` (last issued), ``started`` and ``done``."""
+    time_ns[, stack])``, and ``seq``, the last issued."""
 
-    __slots__ = ("seq", "started", "done", "size", "_ring", "_stack_fn")
+    __slots__ = ("seq", "size", "_ring", "_stack_fn")
 
     def __init__(self, size, stack=None):
         if size < 1:
@@ -81,7 +81,7 @@ class _PyCallRing:
         self.size = size
         self._ring = [None] * size
         self._stack_fn = stack
-        self.seq = self.started = self.done = 0
+        self.seq = 0
 
     def issue(self, kind, count=0, dtype=-1, root=-1, op=-1):
         """Record collective ``kind`` issued now; its sequence number. ``root``: a group
@@ -97,11 +97,6 @@ class _PyCallRing:
     def issue_buffer(self, kind, buf, root=-1, op=-1):
         """``issue(kind, buf.count, buf.dtype, root, op)``: the front end's hot paths."""
         return self.issue(kind, buf.count, buf.dtype, root, op)
-
-    def start_buffer(self, kind, buf, root=-1, op=-1):
-        """``issue_buffer``, the call starting at once (``started`` set to it)."""
-        self.started = s = self.issue(kind, buf.count, buf.dtype, root, op)
-        return s
 
     def entry(self, s):
         """Collective ``s``'s entry, or None when it left the ring (or never was)."""
@@ -123,19 +118,21 @@ except ImportError:  # extensions not built (or hidden)
 
 class Recorder(CallRing):
     """One group's flight recorder. The front end records a call with
-    ``s = fr.issue_buffer(kind, buf, root, op)`` (or ``fr.start_buffer``, which also
-    marks it started, where it runs at once), then ``fr.started = s`` when the call runs
-    and ``fr.done = s`` when it returns; :meth:`fail` when it raises. ``root`` is a group
-    rank (-1: none), ``op`` a reduce-op code (-1: none). The ring and the counters are
-    :class:`collectives._core.CallRing`'s (in C; ``_PyCallRing`` without the extensions).
+    ``s = fr.issue_buffer(kind, buf, root, op)`` (or ``fr.issue(kind, count, dtype, root,
+    op)``), then ``fr.started = s`` when the call runs and ``fr.done = s`` when it
+    returns; :meth:`fail` when it raises. ``root`` is a group rank (-1: none), ``op`` a
+    reduce-op code (-1: none). The ring and ``seq`` are :class:`collectives._core.CallRing`'s
+    (in C; ``_PyCallRing`` without the extensions); ``started`` and ``done`` are plain
+    slots (the cheapest stores from Python, two per call).
     """
 
-    __slots__ = ("name", "ranks", "rank", "backend", "failures", "p2p", "p2p_n", "ended",
-                 "__weakref__")
+    __slots__ = ("started", "done", "name", "ranks", "rank", "backend", "failures", "p2p",
+                 "p2p_n", "ended", "__weakref__")
 
     def __init__(self, name, ranks, rank, backend):
         # off: one slot, overwritten (the counters still count)
         super().__init__(max(BUFFER_SIZE, 1), _stack if STACKS and ENABLED else None)
+        self.started = self.done = 0
         self.name = name
         self.ranks = list(ranks)
         self.rank = rank
@@ -145,7 +142,7 @@ class Recorder(CallRing):
         self.p2p_n = 0
         self.ended = False
 
-    # ---- recording (issue, issue_buffer, start_buffer: CallRing's) ---------------------
+    # ---- recording (issue, issue_buffer: CallRing's) -----------------------------------
     def issue_p2p(self, kind, peer, tag, buf):
         """Record a point-to-point call; the entry (a list: its state is updated in place)."""
         self.p2p_n = n = self.p2p_n + 1

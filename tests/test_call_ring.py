@@ -46,7 +46,7 @@ def test_the_ring_keeps_the_last_calls_as_issued(ring):
     @given(st.integers(1, 6), st.lists(call, max_size=20))
     def check(size, calls):
         r = ring(size)
-        assert (r.seq, r.started, r.done, r.size) == (0, 0, 0, size)
+        assert (r.seq, r.size) == (0, size)
         assert r.entries() == [] and r.entry(0) is None and r.entry(1) is None
         t0 = time.monotonic_ns()
         want = []
@@ -71,16 +71,14 @@ def test_the_ring_keeps_the_last_calls_as_issued(ring):
 
 
 @pytest.mark.parametrize("ring", _rings())
-def test_start_buffer_marks_the_call_started_and_stack_functions_are_kept(ring):
+def test_a_stack_function_is_called_once_per_call_and_its_result_kept(ring):
     from collectives.tensors import empty_like_buffer
     calls = []
     r = ring(2, stack=lambda: calls.append(1) or len(calls))
-    s = r.start_buffer("broadcast", empty_like_buffer(3, 2), 1)
-    assert (s, r.started, r.done) == (1, 1, 0)
-    r.done = s
+    r.issue_buffer("broadcast", empty_like_buffer(3, 2), 1)
     r.issue("barrier")
     assert r.entries()[0][:6] == (1, "broadcast", 3, 2, 1, -1)
-    assert [e[7] for e in r.entries()] == [1, 2] and r.started == 1 and r.done == 1
+    assert [e[7] for e in r.entries()] == [1, 2] and r.seq == 2
     with pytest.raises(ValueError):
         ring(0)
 
