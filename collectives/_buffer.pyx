@@ -8,6 +8,7 @@ its attributes, and the Buffer is filled in C. Anything else goes to the
 Python path in ``_frontend`` (which raises the errors), so behaviour is the same
 with or without this module.
 """
+cimport cython
 cimport numpy as cnp
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
 
@@ -53,6 +54,7 @@ def _learn_numpy(np_codes):
 cdef char *_FORMAT_B = b"B"
 
 
+@cython.freelist(16)  # one or two per call: reused instead of allocated
 cdef class Buffer:
     """A contiguous block of elements: what a backend reads and writes.
 
@@ -65,14 +67,7 @@ cdef class Buffer:
         obj: the array or tensor that owns the memory (kept alive by the Buffer).
     """
 
-    cdef public size_t ptr
-    cdef public Py_ssize_t count
-    cdef public int dtype
-    cdef public int itemsize
-    cdef public int device
-    cdef public object obj
-    cdef Py_ssize_t _shape[1]
-    cdef Py_ssize_t _stride[1]
+    # fields: _buffer.pxd (collectives._shm and collectives._core read them in C)
 
     def __init__(self, ptr, count, dtype, device=-1, obj=None):
         if not 0 <= dtype < NUM_DTYPES:
@@ -180,6 +175,7 @@ cdef object _fast_buffer(object t):
     return None
 
 
+@cython.binding(False)  # a plain builtin function: a cheaper call (once per tensor per call)
 def buffer(t, name="tensor"):
     """The Buffer over ``t`` (zero-copy); errors and rare cases go to the Python path."""
     b = _fast_buffer(t)

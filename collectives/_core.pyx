@@ -70,3 +70,4 @@ _C_API = PyCapsule_New(<void *>coll_kernel_api_get(), "collectives._core._C_API"
 
 include "_reduce.pxi"
 include "_flatten.pxi"
+include "_recorder.pxi"

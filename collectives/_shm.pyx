@@ -7,6 +7,8 @@ only converts arguments and turns error codes into DistBackendError.
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
+from ._buffer cimport Buffer
+
 from . import config as _config
 from . import dtypes as _D
 from . import fingerprint as _fp
@@ -97,6 +99,10 @@ def pack(int kind, int dtype=NO_DTYPE, uint64_t count=0, int root=-1, int op=-1)
     """The word the collectives below compute when not given one (tests compare it with
     collectives.fingerprint.pack)."""
     return _pack(kind, dtype, count, root, op)
+
+
+cdef inline size_t _nbytes(Buffer b) noexcept:
+    return <size_t>b.count * <size_t>b.itemsize
 
 
 cdef long long _or_default(value):
@@ -315,8 +321,10 @@ cdef class ShmComm:
     def seq(self):
         return shm_comm_seq(self._live("seq"))
 
-    # ---- collectives on raw pointers ------------------------------------------
-    # fp: the caller's fingerprint of the call (collectives.fingerprint.pack); every rank
+    # ---- collectives on Buffers ---------------------------------------------------
+    # Each takes collectives._buffer.Buffer objects and reads their fields in C (a small
+    # call's cost is mostly argument passing). fp: the caller's fingerprint of the call
+    # (collectives.fingerprint.pack; 0: computed here from the arguments); every rank
     # compares every peer's with its own (see shm_coll.h)
     def barrier(self, uint64_t fp=0):
         cdef shm_comm *c = self._live("barrier")
@@ -328,122 +336,144 @@ cdef class ShmComm:
             rc = shm_barrier(c, fp)
         self._check(rc, "barrier")
 
-    def broadcast(self, size_t ptr, size_t nbytes, int root, int dtype=NO_DTYPE,
-                  uint64_t count=0, uint64_t fp=0):
+    def broadcast(self, Buffer buf not None, int root, uint64_t fp=0):
         cdef shm_comm *c = self._live("broadcast")
         cdef int rc
+        cdef void *p = <void *>buf.ptr
+        cdef size_t nbytes = _nbytes(buf)
         if fp == 0:
-            fp = _pack(K_BROADCAST, dtype, count, root, -1)
+            fp = _pack(K_BROADCAST, buf.dtype, buf.count, root, -1)
         self.last_fp = fp
         with nogil:
-            rc = shm_broadcast(c, <void *>ptr, nbytes, root, fp)
+            rc = shm_broadcast(c, p, nbytes, root, fp)
         self._check(rc, "broadcast")
 
-    def all_reduce(self, size_t ptr, size_t count, int dtype, int op, uint64_t fp=0):
+    def all_reduce(self, Buffer buf not None, int op, uint64_t fp=0):
         cdef shm_comm *c = self._live("all_reduce")
-        cdef int rc
+        cdef int rc, dtype = buf.dtype
+        cdef void *p = <void *>buf.ptr
+        cdef size_t count = buf.count
         if fp == 0:
             fp = _pack(K_ALL_REDUCE, dtype, count, -1, op)
         self.last_fp = fp
         with nogil:
-            rc = shm_all_reduce(c, <void *>ptr, count, dtype, op, fp)
+            rc = shm_all_reduce(c, p, count, dtype, op, fp)
         self._check(rc, "all_reduce")
 
-    def reduce(self, size_t ptr, size_t count, int dtype, int op, int root, uint64_t fp=0):
+    def reduce(self, Buffer buf not None, int op, int root, uint64_t fp=0):
         cdef shm_comm *c = self._live("reduce")
-        cdef int rc
+        cdef int rc, dtype = buf.dtype
+        cdef void *p = <void *>buf.ptr
+        cdef size_t count = buf.count
         if fp == 0:
             fp = _pack(K_REDUCE, dtype, count, root, op)
         self.last_fp = fp
         with nogil:
-            rc = shm_reduce(c, <void *>ptr, count, dtype, op, root, fp)
+            rc = shm_reduce(c, p, count, dtype, op, root, fp)
         self._check(rc, "reduce")
 
-    def all_gather(self, size_t out, size_t inp, size_t nbytes, int dtype=NO_DTYPE,
-                   uint64_t count=0, uint64_t fp=0):
+    def all_gather(self, Buffer out not None, Buffer inp not None, uint64_t fp=0):
+        """``out`` takes every rank's ``inp``, rank r's at byte r * inp's size."""
         cdef shm_comm *c = self._live("all_gather")
         cdef int rc
+        cdef void *o = <void *>out.ptr
+        cdef const void *i = <const void *>inp.ptr
+        cdef size_t nbytes = _nbytes(inp)
         if fp == 0:
-            fp = _pack(K_ALL_GATHER, dtype, count, -1, -1)
+            fp = _pack(K_ALL_GATHER, inp.dtype, inp.count, -1, -1)
         self.last_fp = fp
         with nogil:
-            rc = shm_all_gather(c, <void *>out, <const void *>inp, nbytes, fp)
+            rc = shm_all_gather(c, o, i, nbytes, fp)
         self._check(rc, "all_gather")
 
-    def all_gather_list(self, outs, size_t inp, size_t nbytes, int dtype=NO_DTYPE,
-                        uint64_t count=0, uint64_t fp=0):
-        """all_gather into separate blocks: ``outs`` holds one address per rank."""
+    def all_gather_list(self, outs, Buffer inp not None, uint64_t fp=0):
+        """all_gather into separate blocks: ``outs`` holds one Buffer per rank."""
         cdef shm_comm *c = self._live("all_gather")
         cdef int rc, i, n = self.size
         if len(outs) != n:
             raise ValueError(f"all_gather: outs must have {n} entries, got {len(outs)}")
+        cdef const void *ip = <const void *>inp.ptr
+        cdef size_t nbytes = _nbytes(inp)
         cdef void **o = <void **>malloc(n * sizeof(void *))
         if o == NULL:
             raise MemoryError()
         if fp == 0:
-            fp = _pack(K_ALL_GATHER, dtype, count, -1, -1)
+            fp = _pack(K_ALL_GATHER, inp.dtype, inp.count, -1, -1)
         self.last_fp = fp
         try:
             for i in range(n):
-                o[i] = <void *><size_t>outs[i]
+                o[i] = <void *>(<Buffer?>outs[i]).ptr
             with nogil:
-                rc = shm_all_gather_list(c, <void *const *>o, <const void *>inp, nbytes, fp)
+                rc = shm_all_gather_list(c, <void *const *>o, ip, nbytes, fp)
         finally:
             free(o)
         self._check(rc, "all_gather")
 
-    def gather(self, size_t out, size_t inp, size_t nbytes, int root, int dtype=NO_DTYPE,
-               uint64_t count=0, uint64_t fp=0):
+    def gather(self, Buffer out, Buffer inp not None, int root, uint64_t fp=0):
+        """``out`` (None but on ``root``) takes every rank's ``inp``."""
         cdef shm_comm *c = self._live("gather")
         cdef int rc
+        cdef void *o = <void *>out.ptr if out is not None else NULL
+        cdef const void *i = <const void *>inp.ptr
+        cdef size_t nbytes = _nbytes(inp)
         if fp == 0:
-            fp = _pack(K_GATHER, dtype, count, root, -1)
+            fp = _pack(K_GATHER, inp.dtype, inp.count, root, -1)
         self.last_fp = fp
         with nogil:
-            rc = shm_gather(c, <void *>out, <const void *>inp, nbytes, root, fp)
+            rc = shm_gather(c, o, i, nbytes, root, fp)
         self._check(rc, "gather")
 
-    def scatter(self, size_t out, size_t inp, size_t nbytes, int root, int dtype=NO_DTYPE,
-                uint64_t count=0, uint64_t fp=0):
+    def scatter(self, Buffer out not None, Buffer inp, int root, uint64_t fp=0):
+        """Rank r's ``out`` takes block r of ``root``'s ``inp`` (None elsewhere)."""
         cdef shm_comm *c = self._live("scatter")
         cdef int rc
+        cdef void *o = <void *>out.ptr
+        cdef const void *i = <const void *>inp.ptr if inp is not None else NULL
+        cdef size_t nbytes = _nbytes(out)
         if fp == 0:
-            fp = _pack(K_SCATTER, dtype, count, root, -1)
+            fp = _pack(K_SCATTER, out.dtype, out.count, root, -1)
         self.last_fp = fp
         with nogil:
-            rc = shm_scatter(c, <void *>out, <const void *>inp, nbytes, root, fp)
+            rc = shm_scatter(c, o, i, nbytes, root, fp)
         self._check(rc, "scatter")
 
-    def reduce_scatter(self, size_t out, size_t inp, size_t count, int dtype, int op,
-                       uint64_t fp=0):
+    def reduce_scatter(self, Buffer out not None, Buffer inp not None, int op, uint64_t fp=0):
         cdef shm_comm *c = self._live("reduce_scatter")
-        cdef int rc
+        cdef int rc, dtype = out.dtype
+        cdef void *o = <void *>out.ptr
+        cdef const void *i = <const void *>inp.ptr
+        cdef size_t count = out.count
         if fp == 0:
             fp = _pack(K_REDUCE_SCATTER, dtype, count, -1, op)
         self.last_fp = fp
         with nogil:
-            rc = shm_reduce_scatter(c, <void *>out, <const void *>inp, count, dtype, op, fp)
+            rc = shm_reduce_scatter(c, o, i, count, dtype, op, fp)
         self._check(rc, "reduce_scatter")
 
-    def all_to_all(self, size_t out, size_t inp, out_bytes, in_bytes, int dtype=NO_DTYPE,
+    def all_to_all(self, Buffer out not None, Buffer inp not None, out_counts, in_counts,
                    uint64_t fp=0):
+        """Rank q's block of ``inp`` (``in_counts[q]`` elements) goes to rank q, and rank
+        r's block for this rank lands in ``out`` (``out_counts[r]`` elements)."""
         cdef shm_comm *c = self._live("all_to_all")
         cdef int rc, i, n = self.size
-        if len(out_bytes) != n or len(in_bytes) != n:
-            raise ValueError(f"all_to_all: out_bytes and in_bytes must have {n} entries")
+        cdef size_t isz = out.itemsize
+        if len(out_counts) != n or len(in_counts) != n:
+            raise ValueError(f"all_to_all: out_counts and in_counts must have {n} entries")
+        cdef void *o = <void *>out.ptr
+        cdef const void *ip = <const void *>inp.ptr
         cdef size_t *ob = <size_t *>malloc(2 * n * sizeof(size_t))
         if ob == NULL:
             raise MemoryError()
         cdef size_t *ib = ob + n
         if fp == 0:
-            fp = _pack(K_ALL_TO_ALL, dtype, 0, -1, -1)
+            fp = _pack(K_ALL_TO_ALL, out.dtype, 0, -1, -1)
         self.last_fp = fp
         try:
             for i in range(n):
-                ob[i] = out_bytes[i]
-                ib[i] = in_bytes[i]
+                ob[i] = <size_t>out_counts[i] * isz
+                ib[i] = <size_t>in_counts[i] * isz
             with nogil:
-                rc = shm_all_to_all(c, <void *>out, <const void *>inp, ob, ib, fp)
+                rc = shm_all_to_all(c, o, ip, ob, ib, fp)
         finally:
             free(ob)
         self._check(rc, "all_to_all")

@@ -29,7 +29,6 @@ _prof = _profiling.tap  # torch's profiler module once torch is imported (profil
 _profiling.bind(globals())
 
 _SUM = ReduceOp.SUM
-_now = _flight.now
 
 
 class _WithTimeout:
@@ -105,22 +104,21 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
         check_devices(pg, (buf,), "tensor")
     if op is _SUM and not _prof._is_profiler_enabled and not _timed.n:
         fr = pg.fr  # the flight recorder, inline (see flight_recorder.Recorder)
-        s = fr.seq + 1
-        fr.ring[s % fr.size] = (s, "all_reduce", buf.count, buf.dtype, -1, D.SUM, _now())
-        fr.seq = s
-        if not async_op:
-            if pg.inline and not be._busy:
-                fr.started = s
-                try:
-                    be.all_reduce(buf, D.SUM)
-                except DistError as e:
-                    fr.fail(s, e)
-                    raise
-                fr.done = s
-            else:
-                _flight.run(pg, s, be.all_reduce, buf, D.SUM)
-            return None
-        return Work(_flight.submit(pg, s, be.all_reduce, buf, D.SUM), [tensor], pg)
+        if async_op:
+            s = fr.issue_buffer("all_reduce", buf, -1, D.SUM)
+            return Work(_flight.submit(pg, s, be.all_reduce, buf, D.SUM), [tensor], pg)
+        if pg.inline and not be._busy:
+            s = fr.started = fr.issue_buffer("all_reduce", buf, -1, D.SUM)
+            try:
+                be.all_reduce(buf, D.SUM)
+            except DistError as e:
+                fr.fail(s, e)
+                raise
+            fr.done = s
+        else:
+            _flight.run(pg, fr.issue_buffer("all_reduce", buf, -1, D.SUM), be.all_reduce, buf,
+                        D.SUM)
+        return None
     code, pre, avg = reduce_plan(op, buf.dtype)
     steps = [(be.all_reduce, (buf, code))]
     if pre is not None:
@@ -170,8 +168,10 @@ def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
 
 def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None):
     """Reduce ``tensor`` across the group into ``dst``'s tensor; the others keep theirs."""
-    pg = _group(group)
+    pg = world.default if group is None else resolve(group)  # _group(group), inlined
     if pg is None:
+        if group is None:
+            raise ValueError(NOT_INITIALIZED)
         return None
     root = pg.peer(dst, group_dst, "dst", default=0)
     buf = buffer(tensor)
@@ -192,8 +192,10 @@ def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     """Copy ``src``'s tensor into every rank's ``tensor``."""
-    pg = _group(group)
+    pg = world.default if group is None else resolve(group)  # _group(group), inlined
     if pg is None:
+        if group is None:
+            raise ValueError(NOT_INITIALIZED)
         return None
     if type(src) is int and group_src is None and not async_op and not _prof._is_profiler_enabled \
             and not _timed.n:
@@ -205,11 +207,8 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
             if buf.device != -1:
                 check_devices(pg, (buf,), "tensor")
             fr = pg.fr
-            s = fr.seq + 1
-            fr.ring[s % fr.size] = (s, "broadcast", buf.count, buf.dtype, root, -1, _now())
-            fr.seq = s
             if pg.inline and not be._busy:
-                fr.started = s
+                s = fr.started = fr.issue_buffer("broadcast", buf, root)
                 try:
                     be.broadcast(buf, root)
                 except DistError as e:
@@ -217,7 +216,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
                     raise
                 fr.done = s
             else:
-                _flight.run(pg, s, be.broadcast, buf, root)
+                _flight.run(pg, fr.issue_buffer("broadcast", buf, root), be.broadcast, buf, root)
             return None
     root = pg.peer(src, group_src, "src", default=0)
     buf = buffer(tensor)
@@ -269,11 +268,8 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
         if inp.device != -1 or out.device != -1:
             check_devices(pg, (out, inp), "output_tensor and input_tensor")
         fr = pg.fr
-        s = fr.seq + 1
-        fr.ring[s % fr.size] = (s, "all_gather", inp.count, inp.dtype, -1, -1, _now())
-        fr.seq = s
         if pg.inline and not be._busy:
-            fr.started = s
+            s = fr.started = fr.issue_buffer("all_gather", inp)
             try:
                 be.all_gather(out, inp)
             except DistError as e:
@@ -281,7 +277,7 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
                 raise
             fr.done = s
         else:
-            _flight.run(pg, s, be.all_gather, out, inp)
+            _flight.run(pg, fr.issue_buffer("all_gather", inp), be.all_gather, out, inp)
         return None
     check_like(out, inp, "output_tensor", "input_tensor", inp.count * pg._size)
     if needs_own_copy(pg, out, inp):
@@ -419,11 +415,8 @@ def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  
         if inp.device != -1 or out.device != -1:
             check_devices(pg, (out, inp), "output and input")
         fr = pg.fr
-        s = fr.seq + 1
-        fr.ring[s % fr.size] = (s, "reduce_scatter", out.count, out.dtype, -1, D.SUM, _now())
-        fr.seq = s
         if pg.inline and not be._busy:
-            fr.started = s
+            s = fr.started = fr.issue_buffer("reduce_scatter", out, -1, D.SUM)
             try:
                 be.reduce_scatter(out, inp, D.SUM)
             except DistError as e:
@@ -431,7 +424,8 @@ def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  
                 raise
             fr.done = s
         else:
-            _flight.run(pg, s, be.reduce_scatter, out, inp, D.SUM)
+            _flight.run(pg, fr.issue_buffer("reduce_scatter", out, -1, D.SUM), be.reduce_scatter,
+                        out, inp, D.SUM)
         return None
     check_like(inp, out, "input", "output", out.count * pg._size)
     staged = None
@@ -534,11 +528,8 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     if not async_op and not _prof._is_profiler_enabled and not _timed.n:
         be = pg.backend
         fr = pg.fr
-        s = fr.seq + 1
-        fr.ring[s % fr.size] = (s, "barrier", 0, -1, -1, -1, _now())
-        fr.seq = s
         if pg.inline and not be._busy:
-            fr.started = s
+            s = fr.started = fr.issue("barrier")
             try:
                 be.barrier()
             except DistError as e:
@@ -546,7 +537,7 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
                 raise
             fr.done = s
         else:
-            _flight.run(pg, s, be.barrier)
+            _flight.run(pg, fr.issue("barrier"), be.barrier)
         return None
     return _launch(pg, async_op, [], "barrier", [(pg.backend.barrier, ())])
 

@@ -5,7 +5,8 @@ collectives (sequence number, front-end name, element count, dtype, root, reduce
 time it was issued, and the Python stack where asked), a smaller ring of its
 point-to-point calls, and three counters: the last collective issued, started and
 completed. The groups' calls complete in issue order, so one counter says which entries
-are done; recording a call is one tuple stored into the ring and a few integer stores.
+are done; recording a call is one method call that stores it into the ring (C arrays,
+collectives._core.CallRing) and a few integer stores.
 
 A rank's recorders are written to one JSON file (:func:`dump`): when one of its calls
 fails (a timeout, a lost peer, calls that do not match), when another rank's call failed
@@ -56,7 +57,7 @@ ISSUED, STARTED, COMPLETED, FAILED = "issued", "started", "completed", "failed"
 
 def _stack():
     """The caller's Python stack above this package, innermost first (at most 16 frames)."""
-    f = sys._getframe(2)
+    f = sys._getframe(1)
     pkg = os.path.dirname(__file__)
     out = []
     while f is not None and len(out) < 16:
@@ -67,29 +68,71 @@ def _stack():
     return out
 
 
-class _StackRing(list):
-    """A ring whose stores add the caller's stack to the entry (COLLECTIVES_FR_STACK=1)."""
+class _PyCallRing:
+    """``collectives._core.CallRing`` in Python (the package without its extensions): a
+    group's last ``size`` collectives as tuples ``(seq, kind, count, dtype, root, op,
+    time_ns[, stack])``, and ``seq``, the last issued."""
 
-    def __setitem__(self, i, entry):
-        list.__setitem__(self, i, entry + (_stack(),))
+    __slots__ = ("seq", "size", "_ring", "_stack_fn")
+
+    def __init__(self, size, stack=None):
+        if size < 1:
+            raise ValueError(f"size must be at least 1, got {size}")
+        self.size = size
+        self._ring = [None] * size
+        self._stack_fn = stack
+        self.seq = 0
+
+    def issue(self, kind, count=0, dtype=-1, root=-1, op=-1):
+        """Record collective ``kind`` issued now; its sequence number. ``root``: a group
+        rank (-1: none); ``op``: a reduce-op code (-1 or None: none)."""
+        s = self.seq + 1
+        e = (s, kind, count, dtype, root, -1 if op is None else int(op), now())
+        if self._stack_fn is not None:
+            e += (self._stack_fn(),)
+        self._ring[s % self.size] = e
+        self.seq = s
+        return s
+
+    def issue_buffer(self, kind, buf, root=-1, op=-1):
+        """``issue(kind, buf.count, buf.dtype, root, op)``: the front end's hot paths."""
+        return self.issue(kind, buf.count, buf.dtype, root, op)
+
+    def entry(self, s):
+        """Collective ``s``'s entry, or None when it left the ring (or never was)."""
+        if s <= 0:
+            return None
+        e = self._ring[s % self.size]
+        return e if e is not None and e[0] == s else None
+
+    def entries(self):
+        """The entries in the ring, oldest first."""
+        return sorted((e for e in self._ring if e is not None), key=lambda e: e[0])
 
 
-class Recorder:
-    """One group's flight recorder. The front end writes it inline:
+try:
+    from ._core import CallRing
+except ImportError:  # extensions not built (or hidden)
+    CallRing = _PyCallRing
 
-    ``s = fr.seq + 1; fr.ring[s % fr.size] = (s, kind, count, dtype, root, op, now());
-    fr.seq = s``, then ``fr.started = s`` when the call runs and ``fr.done = s`` when it
+
+class Recorder(CallRing):
+    """One group's flight recorder. The front end records a call with
+    ``s = fr.issue_buffer(kind, buf, root, op)`` (or ``fr.issue(kind, count, dtype, root,
+    op)``), then ``fr.started = s`` when the call runs and ``fr.done = s`` when it
     returns; :meth:`fail` when it raises. ``root`` is a group rank (-1: none), ``op`` a
-    reduce-op code (-1: none).
+    reduce-op code (-1: none). The ring and ``seq`` are :class:`collectives._core.CallRing`'s
+    (in C; ``_PyCallRing`` without the extensions); ``started`` and ``done`` are plain
+    slots (the cheapest stores from Python, two per call).
     """
 
-    __slots__ = ("seq", "started", "done", "ring", "size", "name", "ranks", "rank", "backend",
-                 "failures", "p2p", "p2p_n", "ended", "__weakref__")
+    __slots__ = ("started", "done", "name", "ranks", "rank", "backend", "failures", "p2p",
+                 "p2p_n", "ended", "__weakref__")
 
     def __init__(self, name, ranks, rank, backend):
-        self.size = max(BUFFER_SIZE, 1)  # off: one slot, overwritten (the counters still count)
-        self.ring = (_StackRing if STACKS and ENABLED else list)([None] * self.size)
-        self.seq = self.started = self.done = 0
+        # off: one slot, overwritten (the counters still count)
+        super().__init__(max(BUFFER_SIZE, 1), _stack if STACKS and ENABLED else None)
+        self.started = self.done = 0
         self.name = name
         self.ranks = list(ranks)
         self.rank = rank
@@ -99,14 +142,7 @@ class Recorder:
         self.p2p_n = 0
         self.ended = False
 
-    # ---- recording (the slow paths; the hot ones inline this) --------------------------
-    def issue(self, kind, count=0, dtype=-1, root=-1, op=-1):
-        """Record a collective issued now; its sequence number."""
-        s = self.seq + 1
-        self.ring[s % self.size] = (s, kind, count, dtype, root, -1 if op is None else int(op), now())
-        self.seq = s
-        return s
-
+    # ---- recording (issue, issue_buffer: CallRing's) -----------------------------------
     def issue_p2p(self, kind, peer, tag, buf):
         """Record a point-to-point call; the entry (a list: its state is updated in place)."""
         self.p2p_n = n = self.p2p_n + 1
@@ -142,14 +178,7 @@ class Recorder:
             warnings.warn(f"collectives flight recorder: could not record the failure: {e!r}",
                           RuntimeWarning, stacklevel=2)
 
-    # ---- reading ------------------------------------------------------------------------
-    def entry(self, s):
-        """Collective ``s``'s entry, or None when it left the ring (or never was)."""
-        if s <= 0:
-            return None
-        e = self.ring[s % self.size]
-        return e if e is not None and e[0] == s else None
-
+    # ---- reading (entry, entries: CallRing's) -------------------------------------------
     def describe_seq(self, s):
         e = self.entry(s)
         return f"{describe(e, self.ranks)} #{s}" if e is not None else f"collective #{s}"
@@ -176,7 +205,7 @@ class Recorder:
         """This group's part of a dump (``offset_ns`` turns entry times into wall time)."""
         failures = dict(self.failures)  # a copy: the group's thread may add one meanwhile
         entries = []
-        for e in sorted((e for e in self.ring if e is not None), key=lambda e: e[0]):
+        for e in self.entries():
             s, kind, count, dtype, root, op, t = e[:7]
             item = {"seq": s, "kind": kind, "call": describe(e, self.ranks), "count": count,
                     "dtype": D.DTYPE_NAMES.get(dtype), "root": self.ranks[root] if 0 <= root < len(
@@ -226,11 +255,23 @@ class Tracked:
 
 
 def run(pg, s, fn, *args):
-    """``pg.run(fn, *args)`` as collective ``s`` (a blocking call that may queue)."""
+    """``pg.run(fn, *args)`` as collective ``s`` (a blocking call that may queue). Where
+    ``pg.run`` is the base Backend.run and nothing is queued, the call runs here at once
+    (what Backend.run would do, without its frame and a Tracked)."""
+    fr = pg.fr
+    if pg.inline and not pg.backend._busy:
+        fr.started = s
+        try:
+            fn(*args)
+        except DistError as e:
+            fr.fail(s, e)
+            raise
+        fr.done = s
+        return
     try:
-        pg.run(Tracked(pg.fr, s, fn), *args)
+        pg.run(Tracked(fr, s, fn), *args)
     except DistError as e:
-        pg.fr.fail(s, e)  # a wait that ran out before the call ran
+        fr.fail(s, e)  # a wait that ran out before the call ran
         raise
 
 

@@ -134,6 +134,11 @@ def shm_available():
     return os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
 
 
+# ShmBackend's collectives that ShmComm implements with the same arguments
+_FORWARDED = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_list", "gather",
+              "scatter", "reduce_scatter", "all_to_all", "barrier")
+
+
 class ShmBackend(Backend):
     """Collectives among ranks of one host through shared memory.
 
@@ -198,6 +203,11 @@ class ShmBackend(Backend):
             self._comm.set_cma_min(cma_min, cma_bcast_min, cma_ar_min)
         self.single_copy = self.single_copy and bool(cma_min or cma_bcast_min or cma_ar_min)
         self.segment_name = name
+        # The collectives below only forward to ShmComm, whose methods take the same
+        # arguments (Buffers, ranks, op codes, fp): bound here, the front end's call
+        # reaches C without the forwarding Python frame.
+        for op in _FORWARDED:
+            setattr(self, op, getattr(self._comm, op))
         self._p2p = None
         self._p2p_lock = threading.Lock()
 
@@ -207,38 +217,33 @@ class ShmBackend(Backend):
     # caller such as the hierarchical backend passes the original call's): a rank whose
     # peer called something else raises DistBackendError naming both calls, on every rank.
     def broadcast(self, buf, root, fp=0):
-        self._comm.broadcast(buf.ptr, buf.nbytes, root, buf.dtype, buf.count, fp)
+        self._comm.broadcast(buf, root, fp)
 
     def all_reduce(self, buf, op, fp=0):
-        self._comm.all_reduce(buf.ptr, buf.count, buf.dtype, op, fp)
+        self._comm.all_reduce(buf, op, fp)
 
     def reduce(self, buf, op, root, fp=0):
-        self._comm.reduce(buf.ptr, buf.count, buf.dtype, op, root, fp)
+        self._comm.reduce(buf, op, root, fp)
 
     def all_gather(self, out, inp, fp=0):
-        self._comm.all_gather(out.ptr, inp.ptr, inp.nbytes, inp.dtype, inp.count, fp)
+        self._comm.all_gather(out, inp, fp)
 
     def all_gather_list(self, outs, inp, fp=0):
-        self._comm.all_gather_list([b.ptr for b in outs], inp.ptr, inp.nbytes, inp.dtype,
-                                   inp.count, fp)
+        self._comm.all_gather_list(outs, inp, fp)
 
     def gather(self, out, inp, root, fp=0):
-        self._comm.gather(out.ptr if out is not None else 0, inp.ptr, inp.nbytes, root,
-                          inp.dtype, inp.count, fp)
+        self._comm.gather(out, inp, root, fp)
 
     def scatter(self, out, inp, root, fp=0):
-        self._comm.scatter(out.ptr, inp.ptr if inp is not None else 0, out.nbytes, root,
-                           out.dtype, out.count, fp)
+        self._comm.scatter(out, inp, root, fp)
 
     def reduce_scatter(self, out, inp, op, fp=0):
-        self._comm.reduce_scatter(out.ptr, inp.ptr, out.count, out.dtype, op, fp)
+        self._comm.reduce_scatter(out, inp, op, fp)
 
     def all_to_all(self, out, inp, out_counts, in_counts, fp=0):
         # per-rank counts differ legally: the word holds kind and dtype, and every rank
         # checks that what each peer sends it is what it expects from that peer
-        isz = out.itemsize
-        self._comm.all_to_all(out.ptr, inp.ptr, [c * isz for c in out_counts],
-                              [c * isz for c in in_counts], out.dtype, fp)
+        self._comm.all_to_all(out, inp, out_counts, in_counts, fp)
 
     def barrier(self, fp=0):
         self._comm.barrier(fp)

@@ -258,7 +258,8 @@ SETTINGS = (
     # build (setup.py)
     _s("COLLECTIVES_ONLY", "str", None,
        "Comma-separated extensions to build (e.g. _shm,_core); default all. _tcp and _shm "
-       "call _core's kernels, so they import only where _core is built.",
+       "call _core's kernels, and _core and _shm read _buffer's Buffer, so they import only "
+       "where those are built.",
        scope="build", read_in="setup.py"),
     _s("COLLECTIVES_MARCH_NATIVE", "bool", False,
        "Compile with -march=native (not for wheels; the kernels dispatch at run time anyway).",
