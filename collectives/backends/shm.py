@@ -312,10 +312,16 @@ class _DirectRequest(FutureRequest):
     the receiver's, then the waiter's through the Event (in a request-reply round trip such
     as a master-worker command, four in all)."""
 
-    def __init__(self, engine, describe, default_timeout):
-        super().__init__(describe, default_timeout)
+    def __init__(self, engine, src, tag, default_timeout):
+        super().__init__(None, default_timeout)
         self._engine = engine
+        self._src_tag = src, tag
         self._waiter = 0  # the thread reading the rings for it, while one does
+
+    def describe(self):  # (made only for an error: formatting costs as much as a message)
+        src, tag = self._src_tag
+        who = "any rank" if src is None else f"rank {src}"
+        return f"{self._engine.label} irecv from {who} (tag {tag})"
 
     def wait(self, timeout=None):
         if timeout is None:
@@ -324,7 +330,7 @@ class _DirectRequest(FutureRequest):
             # (left over when the engine closed under the wait: whatever closes it ends it)
             left = self._engine.drive(self, timeout)
             if not self._event.wait(left):
-                raise timed_out(self._describe, timeout)
+                raise timed_out(self.describe(), timeout)
         if self._exc is not None:
             raise self._exc
 
@@ -396,9 +402,7 @@ class _P2PEngine:
                     return DoneRequest(s, self._deliver(buf, data, s, tag))
             if self.error is not None:
                 raise self.error
-            who = "any rank" if src is None else f"rank {src}"
-            what = f"{self.label} irecv from {who} (tag {tag})"
-            req = _DirectRequest(self, what, self.timeout)
+            req = _DirectRequest(self, src, tag, self.timeout)
             self.posted.append([src, tag, buf, req])
         return req
 
@@ -489,7 +493,7 @@ class _P2PEngine:
         comm = self.comm
         with self.lock:
             if self.closed:  # (the communicator may be unmapped)
-                req.set_exception(DistBackendError(f"{req._describe}: backend is shut down"))
+                req.set_exception(DistBackendError(f"{req.describe()}: backend is shut down"))
                 return 0.0
             self.driving += 1
         req._waiter = threading.get_ident()
@@ -514,9 +518,10 @@ class _P2PEngine:
             comm.p2p_direct(-1, bool(self.posted))
             with self.lock:
                 self.driving -= 1
-                self.drive_cv.notify_all()
+                if self.closed:  # close() waits for the last one
+                    self.drive_cv.notify_all()
         if self.closed and not req.test():
-            req.set_exception(DistBackendError(f"{req._describe}: backend is shut down"))
+            req.set_exception(DistBackendError(f"{req.describe()}: backend is shut down"))
         return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
     def _recv_loop(self):
