@@ -1,7 +1,7 @@
 """Master-worker mode against torch.distributed.rpc, in the same run, one host, 2 ranks.
 
 usage: python bench/bench_master_worker.py [--rounds 3] [--reps 5] [--n 200] [--mib 16]
-                                           [--impls mw,rpc,bcast] [--transport auto|tcp]
+                                           [--impls mw,rpc,bcast,futures] [--transport auto|tcp]
 
 Each implementation runs as its own pair of processes (rank 0 drives rank 1), in turn:
 
@@ -12,6 +12,9 @@ Each implementation runs as its own pair of processes (rank 0 drives rank 1), in
 * rpc: ``torch.distributed.rpc`` (TensorPipe): ``rpc_sync`` of a no-op, ``remote`` of a
   small op + ``to_here()``, ``rpc_async`` throughput, and ``rpc_sync`` returning the
   ``--mib`` MiB tensor;
+* futures: ``mpi4py.futures.MPIPoolExecutor`` under ``mpiexec -n 2 python -m
+  mpi4py.futures`` (pickled calls over MPI): ``submit(noop).result()``, a small NumPy op,
+  queued submits, and a call returning the ``--mib`` MiB array;
 * bcast: the package's process-group ``broadcast`` of ``--mib`` MiB between the two ranks
   (the shared-memory path's bandwidth, the copy-back target's yardstick).
 
@@ -23,6 +26,7 @@ Absolute times on shared machines are noise; the ratios are the result.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,6 +109,32 @@ def run_rpc(args):
     rpc.shutdown()
 
 
+def big_array(nbytes):
+    return np.ones(nbytes // 4, np.float32)
+
+
+def run_futures(args):
+    """mpi4py.futures: this rank (0) is the master of an MPIPoolExecutor whose worker is
+    the job's other rank (``python -m mpi4py.futures``): pickled calls over MPI."""
+    from mpi4py.futures import MPIPoolExecutor
+    with MPIPoolExecutor() as ex:
+        out = {}
+        out["noop_rtt_us"] = _timeit(lambda: ex.submit(noop).result(), args.n, args.reps) * 1e6
+        x = np.ones(4, np.float32)
+        out["small_op_rtt_us"] = _timeit(lambda: ex.submit(add_one, x).result(), args.n,
+                                         args.reps) * 1e6
+        q = args.n * 20
+
+        def queued():
+            for f in [ex.submit(noop) for _ in range(q)]:
+                f.result()
+        out["queued_ops_per_s"] = q / _timeit(queued, 1, args.reps)
+        nbytes = args.mib << 20
+        out["copy_back_gb_s"] = nbytes / _timeit(lambda: ex.submit(big_array, nbytes).result(),
+                                                 max(3, args.n // 20), args.reps) / 1e9
+    print(json.dumps({"impl": "futures", **out}), flush=True)
+
+
 def run_bcast(args):
     import collectives as dist
     dist.init_process_group("gloo")
@@ -126,9 +156,16 @@ def launch(impl, args):
         env["COLLECTIVES_TRANSPORT"] = args.transport
     me = [sys.executable, os.path.abspath(__file__), "--role", impl, "--n", str(args.n),
           "--reps", str(args.reps), "--mib", str(args.mib)]
-    procs = [subprocess.Popen(me, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    if impl == "futures":  # one mpiexec job of 2: rank 0 runs the script, rank 1 serves it
+        mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable),
+                                                          "mpiexec")
+        procs = [subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py.futures"]
+                                  + me[1:], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)]
+    else:
+        procs = [subprocess.Popen(me, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(2)]
     outs = ""
     for r, p in enumerate(procs):
         o, e = p.communicate(timeout=args.timeout)
@@ -141,7 +178,7 @@ def launch(impl, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--role", choices=["mw", "rpc", "bcast"])
+    ap.add_argument("--role", choices=["mw", "rpc", "bcast", "futures"])
     ap.add_argument("--impls", default="mw,rpc,bcast")
     ap.add_argument("--n", type=int, default=200, help="calls per sample (round trips)")
     ap.add_argument("--reps", type=int, default=5)
@@ -151,7 +188,7 @@ def main():
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
     if args.role:
-        {"mw": run_mw, "rpc": run_rpc, "bcast": run_bcast}[args.role](args)
+        {"mw": run_mw, "rpc": run_rpc, "bcast": run_bcast, "futures": run_futures}[args.role](args)
         return
     rounds = {impl: [] for impl in args.impls.split(",")}
     for r in range(args.rounds):  # interleaved, so a change of load hits every impl alike
@@ -189,6 +226,17 @@ def report(res, args):
               f"{rpcr['queued_ops_per_s']:9.0f} /s")
         print(f"copy back {args.mib} MiB      mw {mwr['copy_back_gb_s']:9.2f} GB/s rpc_sync "
               f"{rpcr['copy_back_gb_s']:9.2f} GB/s")
+    fut = res.get("futures")
+    if mwr and fut:
+        print(f"no-op round trip      mw {mwr['noop_rtt_us']:9.1f} us   mpi4py.futures "
+              f"{fut['noop_rtt_us']:9.1f} us   ratio {mwr['noop_rtt_us'] / fut['noop_rtt_us']:.3f}")
+        print(f"small op + copy back  mw {mwr['small_op_rtt_us']:9.1f} us   mpi4py.futures "
+              f"{fut['small_op_rtt_us']:9.1f} us   ratio "
+              f"{mwr['small_op_rtt_us'] / fut['small_op_rtt_us']:.3f}")
+        print(f"queued ops            mw {mwr['queued_ops_per_s']:9.0f} /s   mpi4py.futures "
+              f"{fut['queued_ops_per_s']:9.0f} /s")
+        print(f"copy back {args.mib} MiB      mw {mwr['copy_back_gb_s']:9.2f} GB/s mpi4py.futures "
+              f"{fut['copy_back_gb_s']:9.2f} GB/s")
     if mwr and bc:
         print(f"copy back vs broadcast of {args.mib} MiB: {mwr['copy_back_gb_s']:.2f} / "
               f"{bc['bcast_gb_s']:.2f} GB/s = {mwr['copy_back_gb_s'] / bc['bcast_gb_s']:.2f} "
