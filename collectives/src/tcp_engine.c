@@ -142,12 +142,11 @@ void tcp_fail_next(tcp_engine *e, const char *text)
     if (!e->poison[0] || e->seq < e->poison_seq) {
         fmt(e->poison, sizeof e->poison, "%s", text);
         e->poison_seq = e->seq;
+        e->poison_verdict = 0;
     }
-    size_t len = strlen(text);
-    if (len >= ERRTEXT) len = ERRTEXT - 1;
     for (int i = 0; i < e->size; i++)
         if (i != e->rank && !e->peers[i].dead && !e->closed)
-            send_control(e, i, F_ERROR, e->seq, text, len);
+            send_error(e, i, e->seq, text, 0);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -406,6 +405,7 @@ TCP_HIDDEN int coll_begin(tcp_engine *e, int kind, uint64_t fp, char *err, size_
     e->cur_kind = kind;
     e->cur_fp = fp;
     e->coll_err[0] = 0;
+    e->coll_verdict = 0;
     e->coll_span = e->timeout;
     e->coll_deadline = now_s() + e->timeout;
     e->nfp = 0;
@@ -431,9 +431,12 @@ TCP_HIDDEN int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
         rc = -1;
     }
     if (rc < 0) {
+        /* a verdict (a size mismatch, worded alike by both ends of its pair) goes on as is */
+        int verdict = e->coll_verdict && !strcmp(err, e->coll_err);
         if (!e->poison[0] || e->seq < e->poison_seq) {
             fmt(e->poison, sizeof e->poison, "%s", err);
             e->poison_seq = e->seq;
+            e->poison_verdict = verdict;
         }
         /* tell every peer, so that ranks still waiting raise now rather than at the timeout:
          * the mismatch itself where one caused this (every rank then names the same calls) */
@@ -441,11 +444,14 @@ TCP_HIDDEN int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
             mm_settle(e, e->coll_deadline);
         } else {
             char m[ERRTEXT];
-            fmt(m, sizeof m, "%s #%llu failed on rank %d: %s", KNAMES[e->cur_kind],
-                (unsigned long long)e->seq, RN(e, e->rank), err);
+            if (verdict)
+                fmt(m, sizeof m, "%s", err);
+            else
+                fmt(m, sizeof m, "%s #%llu failed on rank %d: %s", KNAMES[e->cur_kind],
+                    (unsigned long long)e->seq, RN(e, e->rank), err);
             for (int i = 0; i < e->size; i++)
                 if (i != e->rank && !e->peers[i].dead && !e->closed)
-                    send_control(e, i, F_ERROR, e->seq, m, strlen(m));
+                    send_error(e, i, e->seq, m, verdict);
         }
     }
     e->coll_active = 0;

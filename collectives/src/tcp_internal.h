@@ -39,6 +39,10 @@
 #define ERRTEXT 1024
 
 enum { F_DATA = 1, F_ERROR = 2, F_CLOSE = 3, F_MISMATCH = 4 };
+/* An F_ERROR frame's text is the group's verdict on the collective, worded alike wherever
+ * it is seen (a size mismatch named by both ends of its pair): receivers raise it as is
+ * rather than as "rank N reported: ...", so every rank raises the same words. */
+#define FLAG_VERDICT 1
 /* frame kinds: the collectives' codes equal collectives.fingerprint's kind codes */
 enum { K_BARRIER = 1, K_BROADCAST, K_ALLREDUCE, K_REDUCE, K_ALLGATHER, K_GATHER,
        K_SCATTER, K_REDUCE_SCATTER, K_ALLTOALL, K_P2P, K_NKINDS };
@@ -54,7 +58,7 @@ typedef struct {
     uint8_t ftype;
     uint8_t kind;
     uint8_t dtype;    /* point to point: the sender's dtype code (TCP_NO_DTYPE: bytes) */
-    uint16_t flags;   /* 0 (reserved) */
+    uint16_t flags;   /* F_ERROR: FLAG_VERDICT; else 0 */
     uint32_t group;
     int32_t tag;
     uint64_t seq;     /* collectives: the collective's number in the group */
@@ -83,6 +87,7 @@ struct tcp_req {
     uint64_t seq;
     uint64_t fp;
     uint64_t aux;  /* a send: the header's aux; a receive: the aux expected (what we send back) */
+    int flags;     /* a send: the header's flags */
     char *buf;
     size_t len, nbytes;
     int source, state, where, owned;
@@ -143,8 +148,10 @@ struct tcp_engine {
     double coll_deadline;
     double coll_span;      /* the timeout coll_deadline was set from (for messages) */
     char coll_err[512];
+    int coll_verdict;     /* coll_err is a verdict (FLAG_VERDICT): raised and passed on as is */
     char poison[512];
     uint64_t poison_seq;  /* collectives from this sequence number on fail */
+    int poison_verdict;   /* poison is a verdict (FLAG_VERDICT): raised as is */
     /* the first fingerprint mismatch this rank saw or heard of (mm_seq 0: none) */
     uint64_t mm_seq, mm_fp_a, mm_fp_b;
     int mm_a, mm_b;       /* rank a called mm_fp_a, rank b mm_fp_b (a < b) */
@@ -212,6 +219,7 @@ TCP_HIDDEN void flush_peer(tcp_engine *e, int pi);
 TCP_HIDDEN void fill_hdr(tcp_engine *e, tcp_req *r, int ftype);
 TCP_HIDDEN void post_send_locked(tcp_engine *e, tcp_req *r);
 TCP_HIDDEN void send_control(tcp_engine *e, int pi, int ftype, uint64_t seq, const void *data, size_t len);
+TCP_HIDDEN void send_error(tcp_engine *e, int pi, uint64_t seq, const char *text, int verdict);
 TCP_HIDDEN void report_mismatch(tcp_engine *e, int pi, const hdr_t *h);
 TCP_HIDDEN void mismatch_encode(const tcp_engine *e, unsigned char *w);
 TCP_HIDDEN void post_recv_locked(tcp_engine *e, tcp_req *r);

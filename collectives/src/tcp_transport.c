@@ -139,12 +139,20 @@ TCP_HIDDEN void req_fail(tcp_engine *e, tcp_req *r, const char *why)
     if (r->owned) free(r);
 }
 
-static void coll_set_err(tcp_engine *e, const char *msg)
+static void coll_fail(tcp_engine *e, const char *msg, int verdict)
 {
-    if (!e->coll_err[0]) fmt(e->coll_err, sizeof e->coll_err, "%s", msg);
+    if (!e->coll_err[0]) {
+        fmt(e->coll_err, sizeof e->coll_err, "%s", msg);
+        e->coll_verdict = verdict;
+    }
     if (e->nwaiters) pthread_cond_broadcast(&e->cv);
     wake_poller(e);
 }
+
+static void coll_set_err(tcp_engine *e, const char *msg) { coll_fail(e, msg, 0); }
+
+/* A failure of the collective worded alike on every rank that sees it (FLAG_VERDICT). */
+static void coll_set_verdict(tcp_engine *e, const char *msg) { coll_fail(e, msg, 1); }
 /* ------------------------------------------------------------ peer failure */
 
 #define SPARE_MIN (64 * 1024)
@@ -296,7 +304,8 @@ TCP_HIDDEN void flush_peer(tcp_engine *e, int pi)
 
 TCP_HIDDEN void fill_hdr(tcp_engine *e, tcp_req *r, int ftype)
 {
-    hdr_t h = {MAGIC, TCP_WIRE_VERSION, (uint8_t)ftype, (uint8_t)r->kind, (uint8_t)r->dtype, 0,
+    hdr_t h = {MAGIC, TCP_WIRE_VERSION, (uint8_t)ftype, (uint8_t)r->kind, (uint8_t)r->dtype,
+               (uint16_t)r->flags,
                e->group, r->tag, r->seq, r->fp, r->aux, r->len};
     hdr_encode(&h, r->hw);
 }
@@ -335,6 +344,28 @@ TCP_HIDDEN void send_control(tcp_engine *e, int pi, int ftype, uint64_t seq, con
     post_send_locked(e, r);
 }
 
+/* An F_ERROR frame: the group's verdict, raised as is by its receivers (FLAG_VERDICT), or
+ * this rank's failure, which they raise as "rank N reported: text". */
+TCP_HIDDEN void send_error(tcp_engine *e, int pi, uint64_t seq, const char *text, int verdict)
+{
+    size_t len = strlen(text);
+    if (len >= ERRTEXT) len = ERRTEXT - 1;
+    tcp_req *r = calloc(1, sizeof(tcp_req) + len);
+    if (!r) return;
+    r->owned = 1;
+    r->is_send = 1;
+    r->peer = pi;
+    r->kind = K_P2P;
+    r->dtype = TCP_NO_DTYPE;
+    r->seq = seq;
+    r->flags = verdict ? FLAG_VERDICT : 0;
+    r->buf = (char *)(r + 1);
+    r->len = len;
+    memcpy(r->buf, text, len);
+    fill_hdr(e, r, F_ERROR);
+    post_send_locked(e, r);
+}
+
 /* ---------------------------------------------------------------- receiving */
 
 
@@ -358,6 +389,7 @@ static void record_mismatch(tcp_engine *e, uint64_t seq, int a, uint64_t fa, int
     if (!e->poison[0] || seq <= e->poison_seq) {
         fmt(e->poison, sizeof e->poison, "%s", MISMATCH_TEXT);
         e->poison_seq = seq;
+        e->poison_verdict = 0;
     }
 }
 
@@ -523,7 +555,7 @@ static void match_coll(tcp_engine *e, int pi)
             char m[300];
             if (coll_size_mismatch(e, pi, h, r, m, sizeof m)) {
                 req_fail_as(r, m);
-                coll_set_err(e, m);
+                coll_set_verdict(e, m);
                 return;
             }
             fill_req(e, pi, r);
@@ -564,11 +596,23 @@ static int payload_done(tcp_engine *e, int pi)
         if (p->h.ftype == F_MISMATCH) {
             mismatch_decode(e, pi);
         } else if (!e->poison[0] || p->h.seq < e->poison_seq) {
-            fmt(e->poison, sizeof e->poison, "rank %d reported: %s", RN(e, pi), p->errtext);
+            e->poison_verdict = (p->h.flags & FLAG_VERDICT) != 0;
+            if (e->poison_verdict)
+                fmt(e->poison, sizeof e->poison, "%s", p->errtext);
+            else
+                fmt(e->poison, sizeof e->poison, "rank %d reported: %s", RN(e, pi), p->errtext);
             e->poison_seq = p->h.seq;
         }
         /* a failure of a later collective must not fail one this rank can still finish */
-        if (e->coll_active && e->seq >= e->poison_seq) coll_set_err(e, e->poison);
+        if (e->coll_active && e->seq == e->poison_seq) {
+            coll_fail(e, e->poison, e->poison_verdict);
+        } else if (e->coll_active && e->seq > e->poison_seq) {
+            char m[ERRTEXT + 64];
+            fmt(m, sizeof m, "%s", e->poison);
+            if (e->poison_verdict)
+                fmt(m, sizeof m, "group unusable after an earlier failure: %s", e->poison);
+            coll_set_err(e, m);
+        }
     }
     return 0;
 }
@@ -768,7 +812,7 @@ TCP_HIDDEN void post_recv_locked(tcp_engine *e, tcp_req *r)
             msg_drop(e, pi, best);
             if (r->kind != K_P2P) {
                 req_fail_as(r, msg);
-                coll_set_err(e, msg);
+                coll_set_verdict(e, msg);
             } else {
                 req_fail(e, r, msg);
             }
