@@ -71,6 +71,9 @@ def verify(dist, impl, rank, n, ops):
                 and tuning()["allreduce_direct_world"] != 1:
             bad.append(f"rank {rank}: a group across hosts chose the direct all_reduce "
                        f"up to world {tuning()['allreduce_direct_world']}, not the ring")
+        if tuning is not None and tuning()["seg_split"] != 8:
+            bad.append(f"rank {rank}: a group across hosts cuts blocks into "
+                       f"{tuning()['seg_split']} segments, not 8")
     others = conv(np.array([float(len(bad))]))
     dist.all_reduce(others)
     others = int(np.asarray(others)[0]) - len(bad)

@@ -36,6 +36,7 @@ def test_the_model_chooses_as_the_engine_does():
     assert tuning["segment"] == model.SEGMENT
     assert tuning["direct_max"] == model.DIRECT_MAX
     assert tuning["allreduce_direct_world"] == model.DIRECT_WORLD  # on one host
+    assert tuning["seg_split"] == 1  # on one host blocks go whole (docs/between-hosts.md)
     # across hosts the engine takes the ring (the lab job's verify checks that it does)
     assert model.choose("all_reduce", 4, 16 << 20) == "ring_ar"
 

@@ -151,7 +151,8 @@ def test_ranks_with_contradicting_algorithm_settings_use_rank_0s_and_get_correct
         got = _pool(3).run(contradicting_settings, f"mixed{len(env[2])}", env, timeout=180)
         assert all(ok for ok, _ in got), got
         tunings = [t for _, t in got]
-        agreed = ("allreduce_rd_max", "tree_max", "segment", "direct_max", "allreduce_direct_world")
+        agreed = ("allreduce_rd_max", "tree_max", "segment", "direct_max", "allreduce_direct_world",
+                  "seg_split")
         for name in agreed:
             assert len({t[name] for t in tunings}) == 1, (name, tunings)
         assert tunings[0]["tree_max"] == int(env[0]["COLLECTIVES_TCP_TREE_MAX"])

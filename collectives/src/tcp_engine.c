@@ -38,6 +38,7 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     e->data_from = e->data_to + size;
     e->use_lowat = 1;
     e->fp_direct_world = 8;
+    e->seg_split = 8;
     e->duplex_chunk = 1024 * 1024;
     e->direct_world = 8;
     e->rd_max = 64 * 1024;
@@ -72,6 +73,7 @@ void tcp_set_tuning(tcp_engine *e, int key, int64_t v)
     case TCP_TUNE_DUPLEX_CHUNK: e->duplex_chunk = v > 0 ? (size_t)v : 0; break;
     case TCP_TUNE_LOWAT: e->use_lowat = v != 0; break;
     case TCP_TUNE_FP_DIRECT_WORLD: e->fp_direct_world = (int)v; break;
+    case TCP_TUNE_SEG_SPLIT: e->seg_split = v > 0 ? (int)v : 1; break;
     default: break;
     }
     pthread_mutex_unlock(&e->mu);
@@ -89,6 +91,7 @@ int64_t tcp_get_tuning(tcp_engine *e, int key)
     case TCP_TUNE_DUPLEX_CHUNK: return (int64_t)e->duplex_chunk;
     case TCP_TUNE_LOWAT: return e->use_lowat;
     case TCP_TUNE_FP_DIRECT_WORLD: return e->fp_direct_world;
+    case TCP_TUNE_SEG_SPLIT: return e->seg_split;
     default: return -1;
     }
 }

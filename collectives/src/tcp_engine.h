@@ -29,8 +29,10 @@ enum tcp_tuning {
     TCP_TUNE_ALLREDUCE_DIRECT_WORLD = 5, /* large all_reduce: direct exchange up to this world size, else ring */
     TCP_TUNE_DUPLEX_CHUNK = 6,     /* bytes per write, and per read while writes wait (0: no limit) */
     TCP_TUNE_LOWAT = 7,            /* 1: SO_RCVLOWAT wakes a large receive late (default), 0: off */
-    TCP_TUNE_FP_DIRECT_WORLD = 8   /* rooted collectives: fingerprint frames to every peer up to
+    TCP_TUNE_FP_DIRECT_WORLD = 8,  /* rooted collectives: fingerprint frames to every peer up to
                                       this world size, dissemination rounds above it */
+    TCP_TUNE_SEG_SPLIT = 9         /* pipelined steps split a block into at least this many
+                                      segments (8 over links; 1 on one host, see seg_bytes) */
 };
 
 /* fds[size]: connected, non-blocking sockets (fds[rank] is ignored); the engine owns them. */

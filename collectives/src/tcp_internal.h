@@ -170,6 +170,7 @@ struct tcp_engine {
     double spin_s;
     size_t rd_max, tree_max, seg, direct_max;
     int use_lowat;
+    int seg_split;        /* segments a pipelined block is split into at least (seg_bytes) */
     int fp_direct_world;  /* fingerprint frames: to every peer up to this world size, else rounds */
     size_t duplex_chunk;   /* bytes per sendmsg, and per read while sends wait (0: no limit) */
     int direct_world;  /* large all_reduce: direct two-round exchange up to this world size, else ring */
