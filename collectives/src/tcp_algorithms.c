@@ -212,8 +212,9 @@ static int bcast_chain(tcp_engine *e, char *buf, size_t nbytes, int root, char *
      * at most 1/(32 (n - 1)) of the buffer keep that under ~3% of the transfer, so a
      * broadcast over links stays near the link bound (4 hosts, 16 MiB: 1 MiB segments
      * cap it at 16/18 of the link, these at 96/98); never under CHAIN_SEG_MIN, so loopback
-     * is not swamped with small frames, nor over the segment setting. */
-    size_t seg = nbytes / (32 * (size_t)(n - 1));
+     * is not swamped with small frames, nor over the segment setting. On one host
+     * (seg_split 1) segments of the segment setting, as for the other pipelined steps. */
+    size_t seg = e->seg_split > 1 ? nbytes / (32 * (size_t)(n - 1)) : e->seg;
     if (seg < CHAIN_SEG_MIN) seg = CHAIN_SEG_MIN;
     if (seg > e->seg) seg = e->seg;
     if (nbytes / seg >= 65535) seg = nbytes / 65535 + 1;
