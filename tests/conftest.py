@@ -18,6 +18,8 @@ configuration), ``gpu`` (CUDA), ``multinode`` (network namespaces), ``faults`` (
 injection) and ``slow`` (the modules and tests that take most of the suite's time,
 measured with ``--durations``).
 """
+import os
+
 import pytest
 
 from tests import profiles
@@ -121,6 +123,28 @@ def pytest_generate_tests(metafunc):
 def _primary():
     configs = available_configs()
     return "gloo" if "gloo" in configs else (configs[0] if configs else None)
+
+
+QUICK_WORKERS = 4  # at most; the quick suite takes one per CPU up to this
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The quick suite (an -m expression with ``not slow``) runs in one process per CPU (at
+    most QUICK_WORKERS) where pytest-xdist is installed and no ``-n`` was given, a test
+    module to a process (``--dist loadfile``: a module's tests share its rank pools and
+    namespaces). Its tests spend much of their time waiting (timeouts they wait out, ranks
+    starting), which another process's tests fill. ``-n 0`` runs it in one process; other
+    runs (the full suite, single tests) are not distributed unless ``-n`` says so."""
+    opt = config.option
+    if (not config.pluginmanager.hasplugin("xdist") or getattr(opt, "numprocesses", 0) is not None
+            or "not slow" not in (config.getoption("markexpr", "") or "")
+            or os.environ.get("PYTEST_XDIST_WORKER") or config.getoption("collectonly")
+            or config.getoption("usepdb")):
+        return
+    opt.numprocesses = max(1, min(QUICK_WORKERS, len(os.sched_getaffinity(0))))
+    if opt.numprocesses > 1 and getattr(opt, "dist", "no") == "no":
+        opt.dist = "loadfile"
 
 
 def pytest_configure(config):

@@ -18,7 +18,7 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     e->fpreqs = calloc(2 * (size_t)size, sizeof(tcp_req));
     e->fpptr = calloc(2 * (size_t)size, sizeof(tcp_req *));
     e->data_to = calloc(2 * (size_t)size, 1);
-    e->heard = calloc((size_t)size, sizeof(uint64_t));
+    e->heard = calloc(3 * (size_t)size, sizeof(uint64_t));
     if (!e->peers || !e->pfds || !e->pidx || !e->fpreqs || !e->fpptr || !e->data_to || !e->heard || pipe2(e->wake, O_NONBLOCK | O_CLOEXEC) != 0) goto bad;
     for (int i = 0; i < size; i++) {
         peer_t *p = &e->peers[i];
@@ -36,6 +36,8 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     pthread_condattr_destroy(&ca);
     e->spin_s = 20e-6;
     e->data_from = e->data_to + size;
+    e->peer_fp = e->heard + size;
+    e->peer_fp_seq = e->heard + 2 * (size_t)size;
     e->use_lowat = 1;
     e->fp_direct_world = 8;
     e->seg_split = 8;
@@ -348,6 +350,67 @@ TCP_HIDDEN int ensure_reqs(tcp_engine *e, size_t n)
     return 0;
 }
 
+/* An F_MISMATCH frame to pi: this rank's record in the payload, and in the header's fp the
+ * fingerprint of its own call of that collective (mm_canonical). */
+static void send_mismatch(tcp_engine *e, int pi, const unsigned char *mm)
+{
+    tcp_req *r = calloc(1, sizeof(tcp_req) + MISMATCH_LEN);
+    if (!r) return;
+    r->owned = 1;
+    r->is_send = 1;
+    r->peer = pi;
+    r->kind = K_P2P;
+    r->dtype = TCP_NO_DTYPE;
+    r->seq = e->mm_seq;
+    r->fp = e->mm_seq == e->seq ? e->cur_fp : 0;
+    r->buf = (char *)(r + 1);
+    r->len = MISMATCH_LEN;
+    memcpy(r->buf, mm, MISMATCH_LEN);
+    fill_hdr(e, r, F_MISMATCH);
+    post_send_locked(e, r);
+}
+
+/* Once every live peer has reported the failed collective: the pair to name, from every
+ * rank's own call (the fingerprints its mismatch frame carried), the same on every rank
+ * that heard them all: the lowest rank, and the lowest rank whose call differs from it.
+ * The lowest pair any rank happened to detect is not enough: a rank may detect a lower
+ * pair after it sent its record, and a peer that heard that record first would name
+ * another pair (seen under load: 'rank 2 called ...; rank 1 called ...' on one rank,
+ * 'rank 1 ...; rank 0 ...' on the others). A peer that failed otherwise (no fingerprint
+ * heard for this collective) leaves the record as it is. Mutex held. */
+static void mm_canonical(tcp_engine *e)
+{
+    uint64_t seq = e->mm_seq;
+    if (seq != e->seq) return;
+    int a = -1, b = -1;
+    uint64_t fa = 0, fb = 0;
+    for (int i = 0; i < e->size; i++) {
+        uint64_t f;
+        if (i == e->rank) {
+            f = e->cur_fp;
+        } else if (e->peer_fp_seq[i] == seq) {
+            f = e->peer_fp[i];  /* also from a peer that has closed since: it raised already */
+        } else if (e->peers[i].dead) {
+            continue;
+        } else {
+            return;
+        }
+        if (a < 0) {
+            a = i;
+            fa = f;
+        } else if (f != fa) {
+            b = i;
+            fb = f;
+            break;
+        }
+    }
+    if (b < 0) return;
+    e->mm_a = a;
+    e->mm_fp_a = fa;
+    e->mm_b = b;
+    e->mm_fp_b = fb;
+}
+
 /* After a mismatch failed collective seq here: send this rank's record to every peer, then
  * wait (until deadline) for every live peer's report of that collective, so that every rank
  * ends up holding the same record (record_mismatch keeps the lowest) and raises the same
@@ -358,12 +421,13 @@ static void mm_settle(tcp_engine *e, double deadline)
     mismatch_encode(e, mm);
     for (int i = 0; i < e->size; i++)
         if (i != e->rank && !e->peers[i].dead && !e->closed)
-            send_control(e, i, F_MISMATCH, e->mm_seq, mm, MISMATCH_LEN);
+            send_mismatch(e, i, mm);
     for (;;) {
         int all = 1;
         for (int i = 0; i < e->size && all; i++)
             if (i != e->rank && !e->peers[i].dead && e->heard[i] < e->seq) all = 0;
         double t = now_s();
+        if (all) mm_canonical(e);
         if (all || e->closed || t >= deadline) return;
         if (!e->polling) {
             e->polling = 1;
@@ -394,6 +458,7 @@ TCP_HIDDEN int coll_begin(tcp_engine *e, int kind, uint64_t fp, char *err, size_
         if (e->seq + 1 == e->poison_seq) {
             /* a peer reported this very collective failed (a mismatch, say) before we began it */
             e->seq++;
+            e->cur_fp = fp;  /* this rank's call, for the others' choice of the pair to name */
             fmt(err, errlen, "%s", e->poison);
             if (e->mm_seq == e->seq) mm_settle(e, now_s() + e->timeout);
         } else {

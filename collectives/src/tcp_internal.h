@@ -156,6 +156,9 @@ struct tcp_engine {
     uint64_t mm_seq, mm_fp_a, mm_fp_b;
     int mm_a, mm_b;       /* rank a called mm_fp_a, rank b mm_fp_b (a < b) */
     uint64_t *heard;      /* per peer: the collective of the last failure it reported */
+    /* per peer: the fingerprint of its own call that its mismatch frame carried, and for
+     * which collective (mm_canonical) */
+    uint64_t *peer_fp, *peer_fp_seq;
     /* fingerprint frames of a rooted collective (see fp_post) */
     tcp_req *fpreqs;
     tcp_req **fpptr;

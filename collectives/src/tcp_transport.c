@@ -424,6 +424,10 @@ static void mismatch_decode(tcp_engine *e, int pi)
     b = le32toh(b);
     if (a >= (uint32_t)e->size || b >= (uint32_t)e->size) a = b = (uint32_t)pi;
     record_mismatch(e, p->h.seq, (int)a, le64toh(fa), (int)b, le64toh(fb));
+    if (p->h.fp) {  /* the sender's own call of that collective (mm_canonical) */
+        e->peer_fp[pi] = p->h.fp;
+        e->peer_fp_seq[pi] = p->h.seq;
+    }
 }
 
 static void new_unexpected(tcp_engine *e, int pi)
