@@ -2,7 +2,8 @@
 
 Run it in pieces::
 
-    pytest -m "not slow"                    # the quick suite (a few minutes on 2 cores)
+    pytest -m "not slow"                    # the quick suite (4 minutes on 2 cores, a
+                                            # process per CPU with pytest-xdist; -n 0: one)
     pytest -m "not slow and not mpi"        # ... without the mpiexec configuration
     pytest -m faults                        # dead peers, cut links, timeouts
     HYPOTHESIS_PROFILE=ci pytest -m "not slow"   # the quick selection at full example counts
