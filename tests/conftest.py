@@ -143,8 +143,12 @@ def pytest_cmdline_main(config):
             or os.environ.get("PYTEST_XDIST_WORKER") or config.getoption("collectonly")
             or config.getoption("usepdb")):
         return
-    opt.numprocesses = max(1, min(QUICK_WORKERS, len(os.sched_getaffinity(0))))
-    if opt.numprocesses > 1 and getattr(opt, "dist", "no") == "no":
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(QUICK_WORKERS, cpus or 1)
+    if workers < 2:
+        return
+    opt.numprocesses = workers
+    if getattr(opt, "dist", "no") == "no":
         opt.dist = "loadfile"
 
 

@@ -9,8 +9,8 @@ static int oom(char *err, size_t errlen)
 
 /* The segment of a pipelined step's block of `blk` bytes: the block over seg_split (an
  * eighth over links; whole on one host, where a segment buys no overlap with a link and
- * costs a wake-up), at least 64 KiB, at most the segment setting (COLLECTIVES_TCP_SEGMENT), and large enough
- * that a block has at most 64 segments (matching scans the posted requests: with the
+ * costs a wake-up), at least 64 KiB, at most the segment setting (COLLECTIVES_TCP_SEGMENT),
+ * and large enough that a block has at most 64 segments (matching scans the posted requests: with the
  * tests' 256 B setting, 3,000 segments a block made all_gather time out). */
 static size_t seg_bytes(const tcp_engine *e, size_t blk)
 {

@@ -151,7 +151,7 @@ void tcp_fail_next(tcp_engine *e, const char *text)
     }
     for (int i = 0; i < e->size; i++)
         if (i != e->rank && !e->peers[i].dead && !e->closed)
-            send_error(e, i, e->seq, text, 0);
+            send_control(e, i, F_ERROR, e->seq, text, strlen(text), 0, 0);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -163,7 +163,7 @@ void tcp_engine_close(tcp_engine *e)
         return;
     }
     for (int i = 0; i < e->size; i++)
-        if (i != e->rank && !e->peers[i].dead) send_control(e, i, F_CLOSE, e->seq, NULL, 0);
+        if (i != e->rank && !e->peers[i].dead) send_control(e, i, F_CLOSE, e->seq, NULL, 0, 0, 0);
     /* flush what is queued (bounded), so peers see every message and then a clean close */
     double deadline = now_s() + (e->timeout < 2.0 ? e->timeout : 2.0);
     for (;;) {
@@ -350,26 +350,6 @@ TCP_HIDDEN int ensure_reqs(tcp_engine *e, size_t n)
     return 0;
 }
 
-/* An F_MISMATCH frame to pi: this rank's record in the payload, and in the header's fp the
- * fingerprint of its own call of that collective (mm_canonical). */
-static void send_mismatch(tcp_engine *e, int pi, const unsigned char *mm)
-{
-    tcp_req *r = calloc(1, sizeof(tcp_req) + MISMATCH_LEN);
-    if (!r) return;
-    r->owned = 1;
-    r->is_send = 1;
-    r->peer = pi;
-    r->kind = K_P2P;
-    r->dtype = TCP_NO_DTYPE;
-    r->seq = e->mm_seq;
-    r->fp = e->mm_seq == e->seq ? e->cur_fp : 0;
-    r->buf = (char *)(r + 1);
-    r->len = MISMATCH_LEN;
-    memcpy(r->buf, mm, MISMATCH_LEN);
-    fill_hdr(e, r, F_MISMATCH);
-    post_send_locked(e, r);
-}
-
 /* Once every live peer has reported the failed collective: the pair to name, from every
  * rank's own call (the fingerprints its mismatch frame carried), the same on every rank
  * that heard them all: the lowest rank, and the lowest rank whose call differs from it.
@@ -411,17 +391,17 @@ static void mm_canonical(tcp_engine *e)
     e->mm_fp_b = fb;
 }
 
-/* After a mismatch failed collective seq here: send this rank's record to every peer, then
- * wait (until deadline) for every live peer's report of that collective, so that every rank
- * ends up holding the same record (record_mismatch keeps the lowest) and raises the same
- * words. Only failing ranks wait, and only for ranks that fail too. Mutex held. */
+/* After a mismatch failed collective seq here: send this rank's record and its own call to
+ * every peer, then wait (until deadline) for every live peer's report of that collective,
+ * so that every rank names the same pair (mm_canonical) and raises the same words. Only failing ranks wait, and only for ranks that fail too. Mutex held. */
 static void mm_settle(tcp_engine *e, double deadline)
 {
     unsigned char mm[MISMATCH_LEN];
     mismatch_encode(e, mm);
+    uint64_t mine = e->mm_seq == e->seq ? e->cur_fp : 0;  /* this rank's call (mm_canonical) */
     for (int i = 0; i < e->size; i++)
         if (i != e->rank && !e->peers[i].dead && !e->closed)
-            send_mismatch(e, i, mm);
+            send_control(e, i, F_MISMATCH, e->mm_seq, mm, MISMATCH_LEN, mine, 0);
     for (;;) {
         int all = 1;
         for (int i = 0; i < e->size && all; i++)
@@ -519,7 +499,8 @@ TCP_HIDDEN int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
                     (unsigned long long)e->seq, RN(e, e->rank), err);
             for (int i = 0; i < e->size; i++)
                 if (i != e->rank && !e->peers[i].dead && !e->closed)
-                    send_error(e, i, e->seq, m, verdict);
+                    send_control(e, i, F_ERROR, e->seq, m, strlen(m), 0,
+                                 verdict ? FLAG_VERDICT : 0);
         }
     }
     e->coll_active = 0;

@@ -222,8 +222,8 @@ TCP_HIDDEN void peer_dead(tcp_engine *e, int pi, const char *why);
 TCP_HIDDEN void flush_peer(tcp_engine *e, int pi);
 TCP_HIDDEN void fill_hdr(tcp_engine *e, tcp_req *r, int ftype);
 TCP_HIDDEN void post_send_locked(tcp_engine *e, tcp_req *r);
-TCP_HIDDEN void send_control(tcp_engine *e, int pi, int ftype, uint64_t seq, const void *data, size_t len);
-TCP_HIDDEN void send_error(tcp_engine *e, int pi, uint64_t seq, const char *text, int verdict);
+TCP_HIDDEN void send_control(tcp_engine *e, int pi, int ftype, uint64_t seq, const void *data,
+                             size_t len, uint64_t fp, int flags);
 TCP_HIDDEN void report_mismatch(tcp_engine *e, int pi, const hdr_t *h);
 TCP_HIDDEN void mismatch_encode(const tcp_engine *e, unsigned char *w);
 TCP_HIDDEN void post_recv_locked(tcp_engine *e, tcp_req *r);

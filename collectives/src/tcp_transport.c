@@ -326,7 +326,11 @@ TCP_HIDDEN void post_send_locked(tcp_engine *e, tcp_req *r)
     if (p->sq_head) wake_poller(e);  /* the poller must add POLLOUT */
 }
 
-TCP_HIDDEN void send_control(tcp_engine *e, int pi, int ftype, uint64_t seq, const void *data, size_t len)
+/* A control frame (error, close, mismatch) to pi. fp: the header's fingerprint (a mismatch
+ * frame's: the sender's own call, for mm_canonical); flags: FLAG_VERDICT for an error frame
+ * whose text every receiver raises as is, else 0. */
+TCP_HIDDEN void send_control(tcp_engine *e, int pi, int ftype, uint64_t seq, const void *data,
+                             size_t len, uint64_t fp, int flags)
 {
     if (len >= ERRTEXT) len = ERRTEXT - 1;
     tcp_req *r = calloc(1, sizeof(tcp_req) + len);
@@ -337,32 +341,12 @@ TCP_HIDDEN void send_control(tcp_engine *e, int pi, int ftype, uint64_t seq, con
     r->kind = K_P2P;
     r->dtype = TCP_NO_DTYPE;
     r->seq = seq;
+    r->fp = fp;
+    r->flags = flags;
     r->buf = (char *)(r + 1);
     r->len = len;
     if (len) memcpy(r->buf, data, len);
     fill_hdr(e, r, ftype);
-    post_send_locked(e, r);
-}
-
-/* An F_ERROR frame: the group's verdict, raised as is by its receivers (FLAG_VERDICT), or
- * this rank's failure, which they raise as "rank N reported: text". */
-TCP_HIDDEN void send_error(tcp_engine *e, int pi, uint64_t seq, const char *text, int verdict)
-{
-    size_t len = strlen(text);
-    if (len >= ERRTEXT) len = ERRTEXT - 1;
-    tcp_req *r = calloc(1, sizeof(tcp_req) + len);
-    if (!r) return;
-    r->owned = 1;
-    r->is_send = 1;
-    r->peer = pi;
-    r->kind = K_P2P;
-    r->dtype = TCP_NO_DTYPE;
-    r->seq = seq;
-    r->flags = verdict ? FLAG_VERDICT : 0;
-    r->buf = (char *)(r + 1);
-    r->len = len;
-    memcpy(r->buf, text, len);
-    fill_hdr(e, r, F_ERROR);
     post_send_locked(e, r);
 }
 
