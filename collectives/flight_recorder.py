@@ -162,6 +162,9 @@ class Recorder(CallRing):
             return
         try:
             text = str(exc)
+            # a call after the group's first failure ("group unusable ...") asks nobody for
+            # a dump: the first failure's request did
+            again = any(k < s for k in list(self.failures))
             self.failures[s] = (text, time.time())
             if len(self.failures) > 32:
                 self.failures.pop(next(iter(self.failures)))
@@ -171,7 +174,8 @@ class Recorder(CallRing):
                 text = _progress.explain(self, s, text) + text
                 self.failures[s] = (text, time.time())
             path = dump(reason=f"{self.describe_seq(s)} in group {self.name} failed")
-            _progress.request_dumps(self, s)
+            if not again:
+                _progress.request_dumps(self, s)
             note = f" [flight recorder: {path}; run collectives-trace {_trace_arg(path)}]" if path else ""
             exc.args = (f"{text}{note}",) + tuple(exc.args[1:])
         except Exception as e:  # noqa: BLE001  (the user's error matters more than ours)

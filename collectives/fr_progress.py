@@ -158,6 +158,8 @@ class _Progress:
         self.job_root = None  # the store the job's name was agreed through
         self.wake_r = None  # the signal wakeup pipe's read end (see _Signals)
         self.seen_requests = None
+        self.req_lock = threading.Lock()  # the daemon and a failing call both answer requests
+        self.mine = set()  # the numbers of this process's own dump requests
         self.sig_daemon = self.sig_main = 0  # SIGUSR1s the daemon, the main thread has seen
         self.down = float("-inf")  # when the error path last found the store unreachable
 
@@ -175,6 +177,7 @@ class _Progress:
                     st.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
                 self.store, self.store_of = st, root
                 self.seen_requests = None
+                self.mine = set()
             return self.store
 
     def _forget_store(self):
@@ -274,6 +277,10 @@ class _Progress:
                json.dumps({"t": time.time(), "pid": os.getpid(), "host": _HOST, "groups": state}))
 
     def _poll_requests(self, st):
+        with self.req_lock:
+            self._answer_requests(st)
+
+    def _answer_requests(self, st):
         n = int(st.add(f"{KEY}/dump", 0))
         if self.seen_requests is None:
             self.seen_requests = n  # requests before this process came are not for it
@@ -288,7 +295,8 @@ class _Progress:
             if time.monotonic() - _last_dump[0] > POLL_S + TICK_S:  # else this rank's is fresh
                 dump(reason=f"requested by another rank: {why}")
             for k in range(first, n + 1):
-                st.add(f"{KEY}/ack/{k}", 1)
+                if k not in self.mine:  # this rank's own request counts its ack once
+                    st.add(f"{KEY}/ack/{k}", 1)
 
     # -- the error path ---------------------------------------------------------------
     def request_dumps(self, fr, s):
@@ -305,12 +313,18 @@ class _Progress:
             return
         why = f"rank {global_rank()}: {fr.describe_seq(s)} in group {fr.name} failed"
         n = int(st.add(f"{KEY}/dump", 1))
+        self.mine.add(n)
         st.set(f"{KEY}/dump/{n}", why)
         acks = int(st.add(f"{KEY}/ack/{n}", 1))
         deadline = time.monotonic() + ACK_WAIT_S
         want = world_size() or len(fr.ranks)
         while acks < want and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.01)
+            # answer the requests of the ranks failing beside this one (this rank's dump is
+            # fresh): else each waits for the others' daemons, whose poll comes every POLL_S
+            # (a mismatch, which fails every rank at once, raised 0.5 s late)
+            if self.seen_requests is not None:
+                self._poll_requests(st)
             acks = int(st.add(f"{KEY}/ack/{n}", 0))
 
     def read(self, fr):
