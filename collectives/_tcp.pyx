@@ -185,6 +185,17 @@ cdef class Engine:
         cdef const char *c = b
         tcp_fail_next(self._eng(), c)
 
+    def set_seq_shift(self, int shift):
+        """Number the caller's collective s as s << shift here, its pieces after it, and name
+        s in messages (tcp_number_next); once, before any collective."""
+        if not 0 <= shift < 32:
+            raise ValueError(f"shift must be in [0, 32), got {shift}")
+        tcp_set_seq_shift(self._eng(), shift)
+
+    def number_next(self, uint64_t seq):
+        """The next collective begins the caller's collective ``seq``."""
+        tcp_number_next(self._eng(), seq)
+
     @property
     def seq(self):
         """Sequence number of the last collective started."""

@@ -32,6 +32,8 @@ cdef extern from "tcp_engine.h" nogil:
     uint64_t tcp_engine_seq(tcp_engine *e)
     int tcp_mismatch(tcp_engine *e, uint64_t *seq, int *a, uint64_t *fp_a, int *b, uint64_t *fp_b)
     void tcp_fail_next(tcp_engine *e, const char *text)
+    void tcp_set_seq_shift(tcp_engine *e, int shift)
+    void tcp_number_next(tcp_engine *e, uint64_t seq)
     void tcp_wire_header(unsigned char *out, int ftype, int kind, int dtype, uint32_t group,
                          int32_t tag, uint64_t seq, uint64_t fp, uint64_t aux, uint64_t len)
     void tcp_wire_header_parse(const unsigned char *inp, uint64_t *fields)

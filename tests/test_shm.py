@@ -422,6 +422,57 @@ def test_hierarchical_collectives_match_numpy(hosts, data):
     draw_and_run(data, pool, world, HIER_OPS)
 
 
+def hier_all_reduce_pieces(ctx, counts, dtype, op, seed):
+    """all_reduce of counts[rank] elements (a hierarchical all_reduce of at least PIPE_MIN
+    bytes runs in pieces); returns (result or error text, the leaders' collective number,
+    the group's)."""
+    from collectives.errors import DistError
+    be = ctx.state["be"]
+    x = make_input(seed, ctx.rank, counts[ctx.rank], dtype)
+    buf = to_buffer(x)
+    try:
+        be.all_reduce(buf, op)
+    except DistError as e:
+        return str(e), None, be._seq
+    leaders = getattr(be, "leaders", None)
+    return x, None if leaders is None else leaders.seq, be._seq
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _has_tcp(), reason="the hierarchical mode needs the TCP backend")
+@pytest.mark.parametrize("hosts", [("a", "a", "b", "b"), ("a", "b", "a", "b", "b")])
+def test_a_large_hierarchical_all_reduce_in_pieces_matches_numpy(hosts):
+    """At PIPE_MIN bytes and more the hierarchical all_reduce runs in pieces (the leaders'
+    part of one beside the hosts' parts of the next): odd counts, a last short piece, every
+    rank equal to the NumPy reference; the leaders number the pieces as parts of one
+    collective; a count that differs between hosts raises on every rank, naming the call."""
+    from collectives.backends.select import PIPE_MIN, PIPE_PIECE, PIPE_SHIFT
+    world = len(hosts)
+    pool = get_pool(world, setup=setup_hier, setup_args=(hosts,), env=ENV_SMALL)
+    for dtype, op, count in ((D.FLOAT32, D.SUM, PIPE_MIN // 4 + 12345),
+                             (D.INT64, D.MAX, (PIPE_MIN + 3 * PIPE_PIECE) // 8 + 7),
+                             (D.INT32, D.SUM, PIPE_MIN // 4 - 1)):
+        got = pool.run(hier_all_reduce_pieces, [count] * world, dtype, op, 7, timeout=120)
+        want = make_input(7, 0, count, dtype)
+        for r in range(1, world):
+            other = make_input(7, r, count, dtype)
+            want = want + other if op == D.SUM else np.maximum(want, other)
+        for r, (x, _, _) in enumerate(got):
+            assert isinstance(x, np.ndarray), x
+            np.testing.assert_array_equal(x, want.astype(x.dtype), err_msg=f"rank {r}")
+        # the leaders' last piece of the group's collective k: (k << PIPE_SHIFT) + pieces - 1
+        nbytes = count * x.itemsize
+        pieces = -(-nbytes // PIPE_PIECE) if nbytes >= PIPE_MIN else 1
+        k = got[0][2]
+        assert {seq for _, seq, _ in got if seq is not None} == {(k << PIPE_SHIFT) + pieces - 1}
+    counts = [PIPE_MIN // 4 + (1 if hosts[r] == "b" else 0) for r in range(world)]
+    got = pool.run(hier_all_reduce_pieces, counts, D.FLOAT32, D.SUM, 8, timeout=120)
+    for r, (text, _, k) in enumerate(got):
+        assert isinstance(text, str), f"rank {r} returned without error"
+        assert f"#{k}" in text and str(PIPE_MIN // 4) in text and str(PIPE_MIN // 4 + 1) in text, text
+    pool.kill()  # the group is unusable now
+
+
 def setup_hier(ctx, hosts):
     os.environ["COLLECTIVES_HOST_ID"] = hosts[ctx.rank]
     return setup_backend(ctx, "default")

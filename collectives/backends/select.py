@@ -23,6 +23,13 @@ from ..errors import DistBackendError, DistError
 from .base import Backend
 
 TRANSPORT_ENV = "COLLECTIVES_TRANSPORT"
+# A hierarchical all_reduce of at least PIPE_MIN bytes runs in pieces of PIPE_PIECE bytes
+# (more where it would take over PIPE_MAX_PIECES), so that the leaders' TCP part of one piece
+# overlaps the shared-memory parts of the pieces beside it (docs/between-hosts.md).
+PIPE_MIN = 4 << 20
+PIPE_PIECE = 1 << 20
+PIPE_SHIFT = 8  # the leaders number a collective's pieces in its low bits
+PIPE_MAX_PIECES = 1 << PIPE_SHIFT
 HOST_ID_ENV = "COLLECTIVES_HOST_ID"
 
 
@@ -178,6 +185,8 @@ class HierarchicalBackend(Backend):
             self.leaders = _tcp(_prefixed(store, "hier/leaders"), self.host_index,
                                 len(self.members), timeout, options,
                                 rank_names=[m[0] for m in self.members])
+            self.leaders.set_seq_shift(PIPE_SHIFT)
+        self._piece_thread = None  # a leader's thread for the TCP part of pipelined pieces
         # whether the TCP backend's collectives carry a caller's fingerprint (fp=)
         self._tcp_fp = "fp" in inspect.signature(self.world.all_reduce).parameters
         self._seq = 0      # this group's collectives so far (the numbering in messages)
@@ -189,6 +198,8 @@ class HierarchicalBackend(Backend):
         self._seq += 1
         self._word = word
         self.local.number_next(self._seq)
+        if self.leaders is not None:
+            self.leaders.number_next(self._seq)
 
     def _local(self, method, *args):
         """A shared-memory part. On a leader whose host found a mismatch, the other leaders'
@@ -250,10 +261,76 @@ class HierarchicalBackend(Backend):
     @_breaks_group
     def all_reduce(self, buf, op):
         self._begin(F.pack(F.ALL_REDUCE, buf.dtype, buf.count, -1, op))
+        if buf.nbytes >= PIPE_MIN:
+            return self._all_reduce_pieces(buf, op)
         self._local(self.local.reduce, buf, op, 0)
         if self.leaders is not None:
             self._leaders(self.leaders.all_reduce, buf, op)
         self._local(self.local.broadcast, buf, 0)
+
+    def _pieces(self, buf):
+        n = buf.count
+        step = max(PIPE_PIECE // max(1, buf.nbytes // n), -(-n // PIPE_MAX_PIECES), 1)
+        return [buf.slice(a, min(a + step, n)) for a in range(0, n, step)]
+
+    def _all_reduce_pieces(self, buf, op):
+        """all_reduce in pieces: every rank of a host reduces piece i to its leader, then
+        takes piece i - 1 from it; the leader runs the leaders' all_reduce of each piece in
+        a thread of its own, beside those shared-memory parts. Every rank of a host runs the
+        same shared-memory calls in the same order; the leaders number the pieces as parts
+        of one collective (TcpBackend.number_next)."""
+        pieces = self._pieces(buf)
+        if self.leaders is None:
+            for i, piece in enumerate(pieces):
+                self._local(self.local.reduce, piece, op, 0)
+                if i:
+                    self._local(self.local.broadcast, pieces[i - 1], 0)
+            self._local(self.local.broadcast, pieces[-1], 0)
+            return
+        if self._piece_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._piece_thread = ThreadPoolExecutor(1, thread_name_prefix="collectives-hier")
+        # the thread runs the leaders' parts one after the other as they are queued: the
+        # next piece's part is queued as soon as its reduce is done, so the link does not
+        # wait for this thread between pieces
+        queued = []
+        for i, piece in enumerate(pieces):
+            self._piece_local(queued, self.local.reduce, piece, op, 0)
+            queued.append(self._piece_thread.submit(self.leaders.all_reduce, piece, op,
+                                                    fp=self._word))
+            if i:
+                self._piece_done(queued, i - 1)
+                self._piece_local(queued, self.local.broadcast, pieces[i - 1], 0)
+        self._piece_done(queued, len(pieces) - 1)
+        self._local(self.local.broadcast, pieces[-1], 0)
+
+    @staticmethod
+    def _settle(queued):
+        for q in queued:  # (after a failure the later pieces fail at once: the group is unusable)
+            try:
+                q.result()
+            except DistError:
+                pass
+
+    def _piece_local(self, queued, method, *args):
+        """A shared-memory part beside the leaders' parts of the ``queued`` pieces: on failure
+        they end first (no piece may run while the leaders are told), then the other leaders
+        are told, as :meth:`_local` does."""
+        try:
+            method(*args, fp=self._word)
+        except DistError as e:
+            self._settle(queued)
+            self._tell_leaders(e)
+            raise
+
+    def _piece_done(self, queued, i):
+        """Wait for piece i's leaders' part; on failure, this host's ranks raise it too."""
+        try:
+            queued[i].result()
+        except DistError as e:
+            self._settle(queued)
+            self.local.fail_group(str(e))
+            raise
 
     @_breaks_group
     def broadcast(self, buf, root):
@@ -372,6 +449,8 @@ class HierarchicalBackend(Backend):
 
     def shutdown(self):
         super().shutdown()
+        if self._piece_thread is not None:
+            self._piece_thread.shutdown(wait=False)
         for be in (self.leaders, self.local, self.world):
             if be is not None:
                 be.shutdown()

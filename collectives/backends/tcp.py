@@ -315,6 +315,16 @@ class TcpBackend(Backend):
     def barrier(self, fp=None):
         self._engine.barrier(_BARRIER_FP if fp is None else fp)
 
+    def set_seq_shift(self, shift):
+        """For a group inside another one that may cut a collective into pieces here (the
+        hierarchical group's leaders): its collective s is numbered s << shift, its pieces
+        after it, and messages name s. Once, before any collective, on every rank alike."""
+        self._engine.set_seq_shift(shift)
+
+    def number_next(self, seq):
+        """The next collective (or piece) begins the enclosing group's collective ``seq``."""
+        self._engine.number_next(seq)
+
     def fail_next(self, text):
         """Fail this group's next collective on every rank with ``text`` without taking part
         in it (a hierarchical group's leader whose host's part of that collective failed)."""

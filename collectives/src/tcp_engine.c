@@ -130,7 +130,7 @@ int tcp_mismatch(tcp_engine *e, uint64_t *seq, int *a, uint64_t *fp_a, int *b, u
     pthread_mutex_lock(&e->mu);
     int found = e->mm_seq != 0;
     if (found) {
-        *seq = e->mm_seq;
+        *seq = SN(e, e->mm_seq);
         *a = e->mm_a;
         *fp_a = e->mm_fp_a;
         *b = e->mm_b;
@@ -138,6 +138,21 @@ int tcp_mismatch(tcp_engine *e, uint64_t *seq, int *a, uint64_t *fp_a, int *b, u
     }
     pthread_mutex_unlock(&e->mu);
     return found;
+}
+
+void tcp_set_seq_shift(tcp_engine *e, int shift)
+{
+    pthread_mutex_lock(&e->mu);
+    e->seq_shift = shift;
+    pthread_mutex_unlock(&e->mu);
+}
+
+void tcp_number_next(tcp_engine *e, uint64_t seq)
+{
+    pthread_mutex_lock(&e->mu);
+    uint64_t first = seq << e->seq_shift;  /* the next collective's number is first */
+    if (first > e->seq + 1) e->seq = first - 1;
+    pthread_mutex_unlock(&e->mu);
 }
 
 void tcp_fail_next(tcp_engine *e, const char *text)
@@ -496,7 +511,7 @@ TCP_HIDDEN int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
                 fmt(m, sizeof m, "%s", err);
             else
                 fmt(m, sizeof m, "%s #%llu failed on rank %d: %s", KNAMES[e->cur_kind],
-                    (unsigned long long)e->seq, RN(e, e->rank), err);
+                    SN(e, e->seq), RN(e, e->rank), err);
             for (int i = 0; i < e->size; i++)
                 if (i != e->rank && !e->peers[i].dead && !e->closed)
                     send_control(e, i, F_ERROR, e->seq, m, strlen(m), 0,

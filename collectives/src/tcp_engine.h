@@ -54,6 +54,12 @@ int tcp_mismatch(tcp_engine *e, uint64_t *seq, int *a, uint64_t *fp_a, int *b, u
  * whose host found a mismatch). This rank counts the collective as begun and failed; the
  * peers' call of it, begun or not yet, fails with "rank R reported: text". */
 void tcp_fail_next(tcp_engine *e, const char *text);
+/* Numbering for an engine that runs one level of another group (a hierarchical group's host
+ * leaders), which may cut one of its collectives into several here: the caller's collective
+ * s begins at number s << shift (tcp_number_next(e, s), every rank alike), its pieces take
+ * the numbers after it, and messages name s. Set the shift once, before any collective. */
+void tcp_set_seq_shift(tcp_engine *e, int shift);
+void tcp_number_next(tcp_engine *e, uint64_t seq);
 /* The wire encoding of a frame header (48 bytes), and its 12 fields (magic, version, ftype,
  * kind, dtype, flags, group, tag, seq, fp, aux, len) decoded from one: for tests and tools. */
 void tcp_wire_header(unsigned char *out, int ftype, int kind, int dtype, uint32_t group,

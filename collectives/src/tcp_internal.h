@@ -143,6 +143,7 @@ struct tcp_engine {
     size_t spare_cap[4];
     /* the collective in flight */
     uint64_t seq;
+    int seq_shift;         /* messages name collective seq >> seq_shift (tcp_number_next) */
     int coll_active, cur_kind;
     uint64_t cur_fp;       /* this rank's fingerprint of the collective in flight */
     double coll_deadline;
@@ -193,6 +194,13 @@ static inline double now_s(void)
 static inline int RN(const tcp_engine *e, int r)
 {
     return e->names && r >= 0 && r < e->size ? e->names[r] : r;
+}
+
+/* Collective seq as messages number it: the caller's collective, when the engine runs one
+ * level of another group and numbers its pieces (tcp_number_next). */
+static inline unsigned long long SN(const tcp_engine *e, uint64_t seq)
+{
+    return (unsigned long long)(seq >> e->seq_shift);
 }
 
 static inline void fmt(char *dst, size_t cap, const char *f, ...)

@@ -106,7 +106,7 @@ static void describe_req(tcp_engine *e, const tcp_req *r, char *out, size_t cap)
         else
             fmt(out, cap, "irecv from rank %d (tag %d)", RN(e, r->peer), r->tag);
     } else {
-        fmt(out, cap, "%s #%llu (%s rank %d)", KNAMES[r->kind], (unsigned long long)r->seq,
+        fmt(out, cap, "%s #%llu (%s rank %d)", KNAMES[r->kind], SN(e, r->seq),
             r->is_send ? "sending to" : "receiving from", RN(e, r->peer));
     }
     (void)e;
@@ -495,7 +495,7 @@ static int coll_size_mismatch(tcp_engine *e, int pi, const hdr_t *h, const tcp_r
     describe_payload(a, sizeof a, dtype, sends);
     describe_payload(b, sizeof b, dtype, expects);
     fmt(out, cap, "%s #%llu: rank %d sends %s to rank %d, which expects %s (different sizes on "
-        "different ranks)", KNAMES[e->cur_kind], (unsigned long long)e->seq, RN(e, from), a,
+        "different ranks)", KNAMES[e->cur_kind], SN(e, e->seq), RN(e, from), a,
         RN(e, to), b);
     return 1;
 }
