@@ -35,7 +35,7 @@ from multiprocessing.connection import Client, Listener
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT = float(os.environ.get("COLLECTIVES_TEST_START_TIMEOUT", "120"))
 GROUP_TIMEOUT = float(os.environ.get("COLLECTIVES_TEST_GROUP_TIMEOUT", "30"))
-MAX_POOLS = int(os.environ.get("COLLECTIVES_TEST_MAX_POOLS", "8"))
+MAX_POOLS = int(os.environ.get("COLLECTIVES_TEST_MAX_POOLS", "24"))
 
 
 class RankError(AssertionError):
@@ -92,6 +92,7 @@ class RankPool:
         self.world_size = world_size
         self.launcher = launcher
         self.dead = False
+        self._closing = False
         self.port = free_port()
         key = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=key, backlog=max(world_size, 16))
@@ -204,16 +205,26 @@ class RankPool:
         return not self.dead and all(p.poll() is None for p in self._procs)
 
     def close(self, timeout=10):
+        self.begin_close()
+        self.end_close(time.monotonic() + timeout)
+
+    def begin_close(self):
+        """Tell the ranks to finish (they run their exit callbacks and exit)."""
         if self.dead:
             return
-        self.dead = True
+        self.dead = self._closing = True
         for c in self._conns:
             try:
                 if c is not None:
                     c.send_bytes(pickle.dumps(None))
             except OSError:
                 pass
-        deadline = time.monotonic() + timeout
+
+    def end_close(self, deadline):
+        """Wait until ``deadline`` (monotonic) for the ranks to exit, then kill what is left."""
+        if not self._closing:  # (dead before begin_close: killed already)
+            return
+        self._closing = False
         for p in self._procs:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
@@ -286,14 +297,21 @@ def close_module_pools(module):
     """Close the pools whose setup function is defined in test module ``module`` (a
     module's own ``setup=`` pools serve no other module), so that the pools that modules
     share (``backend_pool``, bare ``get_pool``) keep the MAX_POOLS places."""
-    for key in [k for k in _POOLS if (k[1] or "").startswith(module + ".")]:
-        _POOLS.pop(key).close()
+    _close_all([_POOLS.pop(k) for k in list(_POOLS) if (k[1] or "").startswith(module + ".")])
 
 
 def close_pools():
-    while _POOLS:
-        _, pool = _POOLS.popitem()
-        pool.close()
+    _close_all([_POOLS.pop(k) for k in list(_POOLS)])
+
+
+def _close_all(pools, timeout=10):
+    """Close pools side by side: every pool's ranks are told first, then each is waited
+    for (their exits overlap; one after the other, a module's pools once took 11 s)."""
+    for pool in pools:
+        pool.begin_close()
+    deadline = time.monotonic() + timeout
+    for pool in pools:
+        pool.end_close(deadline)
 
 
 atexit.register(close_pools)
