@@ -34,6 +34,7 @@ SEGMENT = 1024 * 1024       # pipelining segment
 DIRECT_MAX = 64 * 1024      # all_gather/reduce_scatter: direct exchange up to n*bytes
 DIRECT_WORLD = 8            # large all_reduce: two-round direct exchange up to this world
 DIRECT_WORLD_HOSTS = 1      # ... in a group across hosts: the ring at every size (tcp.py)
+RD_MAX_HOSTS = 32 * 1024    # ... and recursive doubling up to this, above 2 ranks (tcp.py)
 CHAIN_SEG_MIN = 64 * 1024   # the chain broadcast's smallest segment (bcast_chain)
 
 
@@ -87,7 +88,7 @@ def chain_segment(n, s):
 def choose(op, n, s):
     """The algorithm the TCP engine runs for ``op`` on ``n`` ranks, ``s`` bytes per rank."""
     if op == "all_reduce":
-        if s <= RD_MAX:
+        if s <= (RD_MAX_HOSTS if n > 2 else RD_MAX):  # (the model's ranks are hosts)
             return "rd"
         return "direct_ar" if n <= DIRECT_WORLD_HOSTS else "ring_ar"  # hosts, not one host
     if op == "broadcast":

@@ -74,6 +74,13 @@ def verify(dist, impl, rank, n, ops):
         if tuning is not None and tuning()["seg_split"] != 8:
             bad.append(f"rank {rank}: a group across hosts cuts blocks into "
                        f"{tuning()['seg_split']} segments, not 8")
+        if tuning is not None and os.environ.get("COLLECTIVES_TCP_RD_MAX") is None:
+            from collectives.backends.tcp import RD_MAX_ACROSS_HOSTS
+            size = (getattr(be, "leaders", None) or be).size
+            want = RD_MAX_ACROSS_HOSTS if size > 2 else 64 << 10
+            if tuning()["allreduce_rd_max"] != want:
+                bad.append(f"rank {rank}: a group of {size} across hosts uses recursive "
+                           f"doubling up to {tuning()['allreduce_rd_max']} bytes, not {want}")
     others = conv(np.array([float(len(bad))]))
     dist.all_reduce(others)
     others = int(np.asarray(others)[0]) - len(bad)

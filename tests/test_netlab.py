@@ -37,6 +37,13 @@ def test_the_model_chooses_as_the_engine_does():
     assert tuning["direct_max"] == model.DIRECT_MAX
     assert tuning["allreduce_direct_world"] == model.DIRECT_WORLD  # on one host
     assert tuning["seg_split"] == 1  # on one host blocks go whole (docs/between-hosts.md)
+    from collectives.backends.tcp import placement_defaults
+    across = placement_defaults(True, 4)
+    assert across["allreduce_rd_max"] == model.RD_MAX_HOSTS
+    assert across["allreduce_direct_world"] == model.DIRECT_WORLD_HOSTS
+    assert placement_defaults(True, 2).get("allreduce_rd_max", model.RD_MAX) == model.RD_MAX
+    assert model.choose("all_reduce", 4, 64 << 10) == "ring_ar"
+    assert model.choose("all_reduce", 2, 64 << 10) == "rd"
     # across hosts the engine takes the ring (the lab job's verify checks that it does)
     assert model.choose("all_reduce", 4, 16 << 20) == "ring_ar"
 

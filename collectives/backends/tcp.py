@@ -97,6 +97,32 @@ _pack = F.pack
 _BARRIER_FP = F.pack(F.BARRIER)
 
 
+def placement_defaults(links, size):
+    """Rank 0's algorithm settings that follow whether the group's ranks span hosts
+    (``links``: rank 0 sees another host's address), where neither options nor the
+    environment set them; the group agrees on rank 0's values (docs/between-hosts.md):
+
+    * across hosts, the large all_reduce is the pipelined ring (one flow per link) at every
+      world size: the direct exchange puts n - 1 flows into every host link;
+    * across hosts, above 2 ranks, recursive doubling only up to 32 KiB: it moves log2(n)
+      buffers over each link where the ring moves 2(n - 1)/n; over 1 Gbit/s links, 4 hosts,
+      64 KiB took 1.8-4.3 ms by recursive doubling and 0.87-0.92 ms by the ring, 32 KiB
+      0.56 and 0.60 ms;
+    * on one host blocks go whole (``seg_split`` 1, up to the segment setting): there is
+      no link to keep busy while a segment is reduced or forwarded, and each segment costs
+      a wake-up (4-rank 1 MiB all_gather on the lent 16-CPU machine: 1.46-1.60 ms in 8
+      segments, 0.96-1.04 ms whole)."""
+    if not links:
+        return {"seg_split": 1}
+    out = {"allreduce_direct_world": 1}
+    if size > 2:
+        out["allreduce_rd_max"] = RD_MAX_ACROSS_HOSTS
+    return out
+
+
+RD_MAX_ACROSS_HOSTS = 32 << 10
+
+
 class TcpRequest(Request):
     """A posted isend/irecv of the tcp backend."""
 
@@ -176,19 +202,9 @@ class TcpBackend(Backend):
             if rank == 0 or not _TUNING[name][2]:
                 self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), value)
         if rank == 0:
-            links = spans_hosts(fds)
-            if "allreduce_direct_world" not in values and links:
-                # over links the pipelined ring (one flow per link) beats the direct exchange
-                # (n - 1 flows into every host link); on one host, where ranks share cores,
-                # the direct exchange's two rounds win (docs/between-hosts.md)
-                self._engine.set_tuning(_tcp.TUNE_ALLREDUCE_DIRECT_WORLD, 1)
-            if "seg_split" not in values and not links:
-                # on one host there is no link to keep busy while a segment is reduced or
-                # forwarded, and each segment costs a wake-up: blocks go whole, up to the
-                # segment setting, as before segments were cut by block (4-rank 1 MiB
-                # all_gather on the lent 16-CPU machine: 1.46-1.60 ms in 8 segments,
-                # 0.96-1.04 ms whole before; docs/between-hosts.md)
-                self._engine.set_tuning(_tcp.TUNE_SEG_SPLIT, 1)
+            for name, value in placement_defaults(spans_hosts(fds), size).items():
+                if name not in values:
+                    self._engine.set_tuning(getattr(_tcp, _TUNING[name][1]), value)
         if size > 1:
             self._agree_tuning(store, rank, group)
 

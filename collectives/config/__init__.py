@@ -145,7 +145,8 @@ SETTINGS = (
        "Socket send/receive buffer size; 0 keeps the operating system's default.",
        unit="bytes", read_in="backends/tcp.py, backends/mesh.py"),
     _s("COLLECTIVES_TCP_RD_MAX", "int", 64 * KiB,
-       "all_reduce uses recursive doubling up to this size, reduce-scatter + all-gather above.",
+       "all_reduce uses recursive doubling up to this size, reduce-scatter + all-gather above. "
+       "Unset, a group of more than 2 ranks that span hosts uses 32 KiB.",
        agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
     _s("COLLECTIVES_TCP_TREE_MAX", "int", 64 * KiB,
        "broadcast and reduce use a binomial tree up to this size, a pipelined chain above.",
