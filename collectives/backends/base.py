@@ -150,10 +150,16 @@ class FutureRequest(Request):
     def wait(self, timeout=None):
         if timeout is None:
             timeout = self._default_timeout
-        if not self._event.wait(timeout):
+        left = timeout if self._event.is_set() else self._progress(timeout)
+        if not self._event.wait(left):
             raise timed_out(self.describe(), timeout)
         if self._exc is not None:
             raise self._exc
+
+    def _progress(self, timeout):
+        """Work toward this request's completion in the waiting thread before it blocks;
+        returns what is left of ``timeout`` (None: no limit). Here: nothing to do."""
+        return timeout
 
     def describe(self):
         """What this request is, for its errors ("... irecv from rank 1 (tag 0)")."""

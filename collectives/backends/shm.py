@@ -35,7 +35,7 @@ import numpy as np
 from .. import config
 from .. import dtypes as D
 from ..errors import DistBackendError, DistError
-from .base import Backend, DoneRequest, FutureRequest, timed_out
+from .base import Backend, DoneRequest, FutureRequest
 
 # a message's header: tag, payload bytes, dtype code (a receive must match both: one of
 # another size or dtype raises on the receiver instead of truncating or reinterpreting)
@@ -323,16 +323,10 @@ class _DirectRequest(FutureRequest):
         who = "any rank" if src is None else f"rank {src}"
         return f"{self._engine.label} irecv from {who} (tag {tag})"
 
-    def wait(self, timeout=None):
-        if timeout is None:
-            timeout = self._default_timeout
-        if not self._event.is_set():
-            # (left over when the engine closed under the wait: whatever closes it ends it)
-            left = self._engine.drive(self, timeout)
-            if not self._event.wait(left):
-                raise timed_out(self.describe(), timeout)
-        if self._exc is not None:
-            raise self._exc
+    def _progress(self, timeout):
+        # read the rings in this thread; what is left of the timeout covers an engine that
+        # closed under the wait (whatever closes it ends the request)
+        return self._engine.drive(self, timeout)
 
 
 class _P2PEngine:

@@ -596,9 +596,8 @@ static int payload_done(tcp_engine *e, int pi)
             coll_fail(e, e->poison, e->poison_verdict);
         } else if (e->coll_active && e->seq > e->poison_seq) {
             char m[ERRTEXT + 64];
-            fmt(m, sizeof m, "%s", e->poison);
-            if (e->poison_verdict)
-                fmt(m, sizeof m, "group unusable after an earlier failure: %s", e->poison);
+            fmt(m, sizeof m, e->poison_verdict ? "group unusable after an earlier failure: %s"
+                                               : "%s", e->poison);
             coll_set_err(e, m);
         }
     }
