@@ -287,22 +287,26 @@ class HierarchicalBackend(Backend):
                     self._local(self.local.broadcast, pieces[i - 1], 0)
             self._local(self.local.broadcast, pieces[-1], 0)
             return
-        if self._piece_thread is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._piece_thread = ThreadPoolExecutor(1, thread_name_prefix="collectives-hier")
         # the thread runs the leaders' parts one after the other as they are queued: the
         # next piece's part is queued as soon as its reduce is done, so the link does not
         # wait for this thread between pieces
         queued = []
         for i, piece in enumerate(pieces):
             self._piece_local(queued, self.local.reduce, piece, op, 0)
-            queued.append(self._piece_thread.submit(self.leaders.all_reduce, piece, op,
-                                                    fp=self._word))
+            queued.append(self._leaders_thread().submit(self.leaders.all_reduce, piece, op,
+                                                        fp=self._word))
             if i:
                 self._piece_done(queued, i - 1)
                 self._piece_local(queued, self.local.broadcast, pieces[i - 1], 0)
         self._piece_done(queued, len(pieces) - 1)
         self._local(self.local.broadcast, pieces[-1], 0)
+
+    def _leaders_thread(self):
+        """The leader's thread for the leaders' TCP parts that run beside shared memory."""
+        if self._piece_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._piece_thread = ThreadPoolExecutor(1, thread_name_prefix="collectives-hier")
+        return self._piece_thread
 
     @staticmethod
     def _settle(queued):
