@@ -25,7 +25,7 @@ from .base import Backend
 TRANSPORT_ENV = "COLLECTIVES_TRANSPORT"
 # A hierarchical all_reduce of at least PIPE_MIN bytes runs in pieces of PIPE_PIECE bytes
 # (more where it would take over PIPE_MAX_PIECES), so that the leaders' TCP part of one piece
-# overlaps the shared-memory parts of the pieces beside it (docs/between-hosts.md).
+# overlaps the shared-memory parts of the pieces beside it (docs/design-hierarchical.md).
 PIPE_MIN = 4 << 20
 PIPE_PIECE = 1 << 20
 PIPE_SHIFT = 8  # the leaders number a collective's pieces in its low bits
