@@ -35,6 +35,7 @@ DIRECT_MAX = 64 * 1024      # all_gather/reduce_scatter: direct exchange up to n
 DIRECT_WORLD = 8            # large all_reduce: two-round direct exchange up to this world
 DIRECT_WORLD_HOSTS = 1      # ... in a group across hosts: the ring at every size (tcp.py)
 RD_MAX_HOSTS = 32 * 1024    # ... and recursive doubling up to this, above 2 ranks (tcp.py)
+HD_MAX_HOSTS = 64 * 1024    # ... then halving-doubling up to this, above 2 ranks (tcp.py)
 CHAIN_SEG_MIN = 64 * 1024   # the chain broadcast's smallest segment (bcast_chain)
 
 
@@ -90,6 +91,8 @@ def choose(op, n, s):
     if op == "all_reduce":
         if s <= (RD_MAX_HOSTS if n > 2 else RD_MAX):  # (the model's ranks are hosts)
             return "rd"
+        if n > 2 and s <= HD_MAX_HOSTS:
+            return "rabenseifner"
         return "direct_ar" if n <= DIRECT_WORLD_HOSTS else "ring_ar"  # hosts, not one host
     if op == "broadcast":
         return "tree" if (s <= TREE_MAX or n == 2) else "chain"

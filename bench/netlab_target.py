@@ -81,6 +81,12 @@ def verify(dist, impl, rank, n, ops):
             if tuning()["allreduce_rd_max"] != want:
                 bad.append(f"rank {rank}: a group of {size} across hosts uses recursive "
                            f"doubling up to {tuning()['allreduce_rd_max']} bytes, not {want}")
+            from collectives.backends.tcp import placement_defaults
+            want = placement_defaults(True, size).get("allreduce_hd_max", 0)
+            if os.environ.get("COLLECTIVES_TCP_HD_MAX") is None \
+                    and tuning()["allreduce_hd_max"] != want:
+                bad.append(f"rank {rank}: a group of {size} across hosts uses halving-doubling "
+                           f"up to {tuning()['allreduce_hd_max']} bytes, not {want}")
     others = conv(np.array([float(len(bad))]))
     dist.all_reduce(others)
     others = int(np.asarray(others)[0]) - len(bad)

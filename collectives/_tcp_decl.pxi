@@ -21,6 +21,7 @@ cdef extern from "tcp_engine.h" nogil:
         TCP_TUNE_LOWAT
         TCP_TUNE_FP_DIRECT_WORLD
         TCP_TUNE_SEG_SPLIT
+        TCP_TUNE_ALLREDUCE_HD_MAX
 
     tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, double timeout_s)
     void tcp_set_tuning(tcp_engine *e, int key, int64_t value)

@@ -40,9 +40,12 @@ def test_the_model_chooses_as_the_engine_does():
     from collectives.backends.tcp import placement_defaults
     across = placement_defaults(True, 4)
     assert across["allreduce_rd_max"] == model.RD_MAX_HOSTS
+    assert across["allreduce_hd_max"] == model.HD_MAX_HOSTS
+    assert tuning["allreduce_hd_max"] == 0  # on one host: never
+    assert model.choose("all_reduce", 8, 48 << 10) == "rabenseifner"
     assert across["allreduce_direct_world"] == model.DIRECT_WORLD_HOSTS
     assert placement_defaults(True, 2).get("allreduce_rd_max", model.RD_MAX) == model.RD_MAX
-    assert model.choose("all_reduce", 4, 64 << 10) == "ring_ar"
+    assert model.choose("all_reduce", 4, 128 << 10) == "ring_ar"
     assert model.choose("all_reduce", 2, 64 << 10) == "rd"
     # across hosts the engine takes the ring (the lab job's verify checks that it does)
     assert model.choose("all_reduce", 4, 16 << 20) == "ring_ar"

@@ -38,7 +38,7 @@ REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 KINDS = REDUCING + ("broadcast", "all_gather", "gather", "scatter", "all_to_all", "barrier")
 # thresholds tiny enough that ring / chain / segmented paths run on small inputs
 TINY = {"allreduce_rd_max": 64, "tree_max": 64, "segment": 256, "direct_max": 64, "allreduce_direct_world": 1,
-        "duplex_chunk": 100}
+        "duplex_chunk": 100, "allreduce_hd_max": 4096}
 
 
 # ---- what runs on the ranks -------------------------------------------------------------

@@ -52,6 +52,7 @@ _OPS = frozenset({D.SUM, D.PRODUCT, D.MIN, D.MAX, D.BAND, D.BOR, D.BXOR})
 _TUNING = {
     "spin_us": ("COLLECTIVES_TCP_SPIN_US", "TUNE_SPIN_US", False),
     "allreduce_rd_max": ("COLLECTIVES_TCP_RD_MAX", "TUNE_ALLREDUCE_RD_MAX", True),
+    "allreduce_hd_max": ("COLLECTIVES_TCP_HD_MAX", "TUNE_ALLREDUCE_HD_MAX", True),
     "tree_max": ("COLLECTIVES_TCP_TREE_MAX", "TUNE_BCAST_TREE_MAX", True),
     "segment": ("COLLECTIVES_TCP_SEGMENT", "TUNE_SEGMENT", True),
     "direct_max": ("COLLECTIVES_TCP_DIRECT_MAX", "TUNE_GATHER_DIRECT_MAX", True),
@@ -108,6 +109,10 @@ def placement_defaults(links, size):
       buffers over each link where the ring moves 2(n - 1)/n; over 1 Gbit/s links, 4 hosts,
       64 KiB took 1.8-4.3 ms by recursive doubling and 0.87-0.92 ms by the ring, 32 KiB
       0.56 and 0.60 ms;
+    * across hosts, above 2 ranks, halving-doubling from there up to 64 KiB: the ring's
+      bytes in 2 log2(n) rounds instead of 2(n - 1); 8 hosts, 64 KiB: 1.7-2.0 ms against
+      2.9-3.7 ms by the ring, but from 256 KiB its unpipelined steps lose (7.9 against 4.5
+      ms), and at 4 hosts the two were even;
     * on one host blocks go whole (``seg_split`` 1, up to the segment setting): there is
       no link to keep busy while a segment is reduced or forwarded, and each segment costs
       a wake-up (4-rank 1 MiB all_gather on the lent 16-CPU machine: 1.46-1.60 ms in 8
@@ -117,10 +122,12 @@ def placement_defaults(links, size):
     out = {"allreduce_direct_world": 1}
     if size > 2:
         out["allreduce_rd_max"] = RD_MAX_ACROSS_HOSTS
+        out["allreduce_hd_max"] = HD_MAX_ACROSS_HOSTS
     return out
 
 
 RD_MAX_ACROSS_HOSTS = 32 << 10
+HD_MAX_ACROSS_HOSTS = 64 << 10
 
 
 class TcpRequest(Request):
@@ -167,11 +174,11 @@ class TcpBackend(Backend):
         rank, size: this rank and the group size.
         timeout: seconds (or timedelta) any operation may wait.
         options: optional dict of tuning overrides: spin_us, allreduce_rd_max,
-            tree_max, segment, direct_max (bytes), allreduce_direct_world, fp_direct_world,
-            duplex_chunk, lowat; and ``host``, the address to listen on and publish (else
-            :func:`advertised_host`). A ``ProcessGroupGloo.Options`` gives the host of its
-            first device. The algorithm thresholds are rank 0's (published through the
-            store at setup); spin_us, duplex_chunk and lowat are each rank's own.
+            allreduce_hd_max, tree_max, segment, direct_max (bytes), allreduce_direct_world,
+            fp_direct_world, duplex_chunk, lowat; and ``host``, the address to listen on and
+            publish (else :func:`advertised_host`). A ``ProcessGroupGloo.Options`` gives the
+            host of its first device. The algorithm thresholds are rank 0's (published
+            through the store at setup); spin_us, duplex_chunk and lowat are each rank's own.
         rank_names: the rank each rank of this group is called by in error messages
             (default: itself), for a group inside another one (a hierarchical group's
             host leaders).

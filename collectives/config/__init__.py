@@ -148,6 +148,11 @@ SETTINGS = (
        "all_reduce uses recursive doubling up to this size, reduce-scatter + all-gather above. "
        "Unset, a group of more than 2 ranks that span hosts uses 32 KiB.",
        agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
+    _s("COLLECTIVES_TCP_HD_MAX", "int", 0,
+       "all_reduce above COLLECTIVES_TCP_RD_MAX uses recursive halving-doubling up to this "
+       "size in groups of more than 2 ranks, the ring or direct exchange above; 0: never. "
+       "Unset, a group of more than 2 ranks that span hosts uses 64 KiB.",
+       agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
     _s("COLLECTIVES_TCP_TREE_MAX", "int", 64 * KiB,
        "broadcast and reduce use a binomial tree up to this size, a pipelined chain above.",
        agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),

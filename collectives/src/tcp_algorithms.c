@@ -265,47 +265,128 @@ int tcp_broadcast(tcp_engine *e, void *buf, size_t nbytes, int root, uint64_t fp
     return coll_end(e, rc, err, errlen);
 }
 
-/* Recursive doubling; every step combines as op(lower rank's value, higher's), so all
- * ranks compute bitwise-identical results even for non-commutative NaN handling. */
-static int rd_allreduce(tcp_engine *e, char *buf, size_t count, int dtype, int op, size_t es,
-                        char *err, size_t errlen)
+static int largest_pow2(int n)
 {
-    int n = e->size, r = e->rank, p2 = 1;
+    int p2 = 1;
     while (p2 * 2 <= n) p2 *= 2;
-    int rem = n - p2, vr;
+    return p2;
+}
+
+/* Ranks past the largest power of two p2 fold into a neighbour: an even r < 2*rem hands its
+ * buffer to r + 1 and waits for the result (returns 1: this rank is done), an odd one
+ * reduces it in (the lower rank's value first). *p2: the largest power of two <= size; *vr:
+ * this rank's index among the p2 that go on; fold_peer gives the rank of index vp. Sizes
+ * e->tmp to the buffer. */
+static int fold_in(tcp_engine *e, char *buf, size_t count, int dtype, int op, size_t es, int *p2,
+                   int *vr, char *err, size_t errlen)
+{
+    *p2 = largest_pow2(e->size);
+    int r = e->rank, rem = e->size - *p2;
     size_t nb = count * es;
     if (ensure_buf(&e->tmp, &e->tmp_cap, nb) || ensure_reqs(e, 4)) return oom(err, errlen);
-    if (r < 2 * rem) {
-        if (r % 2 == 0) {
-            cset(e, 0, 1, r + 1, TAG(0, 0), buf, nb);
-            cset(e, 1, 0, r + 1, TAG(100, 0), buf, nb);
-            return cxfer(e, 2, err, errlen);
-        }
-        cset(e, 0, 0, r - 1, TAG(0, 0), e->tmp, nb);
-        if (cxfer(e, 1, err, errlen)) return -1;
-        coll_reduce(e->tmp, buf, count, dtype, op);
-        memcpy(buf, e->tmp, nb);
-        vr = r / 2;
-    } else {
-        vr = r - rem;
+    if (r >= 2 * rem) {
+        *vr = r - rem;
+        return 0;
     }
-    for (int mask = 1, step = 1; mask < p2; mask <<= 1, step++) {
-        int vp = vr ^ mask, partner = vp < rem ? 2 * vp + 1 : vp + rem;
-        cset(e, 0, 0, partner, TAG(step, 0), e->tmp, nb);
-        cset(e, 1, 1, partner, TAG(step, 0), buf, nb);
-        if (cxfer(e, 2, err, errlen)) return -1;
-        if (vr < vp) {
-            coll_reduce(buf, e->tmp, count, dtype, op);
-        } else {
-            coll_reduce(e->tmp, buf, count, dtype, op);
-            memcpy(buf, e->tmp, nb);
-        }
+    if (r % 2 == 0) {
+        cset(e, 0, 1, r + 1, TAG(0, 0), buf, nb);
+        cset(e, 1, 0, r + 1, TAG(100, 0), buf, nb);
+        return cxfer(e, 2, err, errlen) ? -1 : 1;
     }
-    if (r < 2 * rem) {
-        cset(e, 0, 1, r - 1, TAG(100, 0), buf, nb);
-        return cxfer(e, 1, err, errlen);
-    }
+    cset(e, 0, 0, r - 1, TAG(0, 0), e->tmp, nb);
+    if (cxfer(e, 1, err, errlen)) return -1;
+    coll_reduce(e->tmp, buf, count, dtype, op);
+    memcpy(buf, e->tmp, nb);
+    *vr = r / 2;
     return 0;
+}
+
+static inline int fold_peer(int vp, int rem)
+{
+    return vp < rem ? 2 * vp + 1 : vp + rem;
+}
+
+/* mine = op(mine, theirs) where this rank's value comes first (mine_lower), else
+ * op(theirs, mine): the lower rank's value first, as every rank computes it. */
+static void reduce_in_order(char *mine, char *theirs, size_t count, int dtype, int op, size_t es,
+                            int mine_lower)
+{
+    if (mine_lower) {
+        coll_reduce(mine, theirs, count, dtype, op);
+    } else {
+        coll_reduce(theirs, mine, count, dtype, op);
+        memcpy(mine, theirs, count * es);
+    }
+}
+
+/* The folded-in neighbour (fold_in) gets the result. */
+static int fold_out(tcp_engine *e, char *buf, size_t nb, int p2, char *err, size_t errlen)
+{
+    int r = e->rank;
+    if (r >= 2 * (e->size - p2)) return 0;
+    cset(e, 0, 1, r - 1, TAG(100, 0), buf, nb);
+    return cxfer(e, 1, err, errlen);
+}
+
+/* all_reduce over the largest power of two p2 of ranks (the others fold in, fold_in):
+ *
+ * - recursive doubling (halving 0): log2(p2) exchanges of the whole buffer;
+ * - recursive halving-doubling (Rabenseifner, halving 1): halve the buffer log2(p2) times
+ *   (each step sends the half the partner keeps and reduces the half it keeps: a
+ *   reduce-scatter), then double it back in the reverse order (an all-gather). The same
+ *   bytes over each link as the ring, in 2 log2(p2) rounds instead of 2(n-1): the choice
+ *   between them over many hosts (docs/between-hosts.md).
+ *
+ * Every step combines as op(lower rank's value, higher's), and in halving-doubling each
+ * element is reduced on one rank and copied to the others, so all ranks compute
+ * bitwise-identical results even for non-commutative NaN handling. */
+static int pow2_allreduce(tcp_engine *e, char *buf, size_t count, int dtype, int op, size_t es,
+                          int halving, char *err, size_t errlen)
+{
+    int p2, vr, f = fold_in(e, buf, count, dtype, op, es, &p2, &vr, err, errlen);
+    if (f) return f < 0 ? -1 : 0;
+    int rem = e->size - p2;
+    size_t nb = count * es;
+    if (!halving) {
+        for (int mask = 1, step = 1; mask < p2; mask <<= 1, step++) {
+            int vp = vr ^ mask, partner = fold_peer(vp, rem);
+            cset(e, 0, 0, partner, TAG(step, 0), e->tmp, nb);
+            cset(e, 1, 1, partner, TAG(step, 0), buf, nb);
+            if (cxfer(e, 2, err, errlen)) return -1;
+            reduce_in_order(buf, e->tmp, count, dtype, op, es, vr < vp);
+        }
+        return fold_out(e, buf, nb, p2, err, errlen);
+    }
+    /* elements [AT(b), AT(b + 1)) form block b of p2; the first count % p2 have one more */
+    size_t per = count / (size_t)p2, more = count % (size_t)p2;
+#define AT(b) ((size_t)(b) * per + ((size_t)(b) < more ? (size_t)(b) : more))
+    int lo = 0, hi = p2, los[32], his[32], k = 0;
+    for (int mask = 1, step = 1; mask < p2; mask <<= 1, step++, k++) {
+        int vp = vr ^ mask, partner = fold_peer(vp, rem), mid = (lo + hi) / 2;
+        int klo = (vr & mask) ? mid : lo, khi = (vr & mask) ? hi : mid;  /* the half kept */
+        int slo = (vr & mask) ? lo : mid, shi = (vr & mask) ? mid : hi;  /* the half sent */
+        size_t kc = AT(khi) - AT(klo);
+        los[k] = lo;
+        his[k] = hi;
+        cset(e, 0, 0, partner, TAG(step, 0), e->tmp, kc * es);
+        cset(e, 1, 1, partner, TAG(step, 0), buf + AT(slo) * es, (AT(shi) - AT(slo)) * es);
+        if (cxfer(e, 2, err, errlen)) return -1;
+        reduce_in_order(buf + AT(klo) * es, e->tmp, kc, dtype, op, es, vr < vp);
+        lo = klo;
+        hi = khi;
+    }
+    for (int mask = p2 >> 1, step = 50; mask >= 1; mask >>= 1, step++) {
+        int vp = vr ^ mask, partner = fold_peer(vp, rem);
+        k--;
+        int plo = lo == los[k] ? hi : los[k], phi = lo == los[k] ? his[k] : lo;  /* the partner's */
+        cset(e, 0, 0, partner, TAG(step, 0), buf + AT(plo) * es, (AT(phi) - AT(plo)) * es);
+        cset(e, 1, 1, partner, TAG(step, 0), buf + AT(lo) * es, (AT(hi) - AT(lo)) * es);
+        if (cxfer(e, 2, err, errlen)) return -1;
+        lo = los[k];
+        hi = his[k];
+    }
+#undef AT
+    return fold_out(e, buf, nb, p2, err, errlen);
 }
 
 /* Large all_reduce in two rounds: every rank sends block j to rank j, which reduces the
@@ -398,7 +479,9 @@ int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, uin
     if (coll_begin(e, K_ALLREDUCE, fp, err, errlen)) return -1;
     int rc;
     if (count * es <= e->rd_max || count < (size_t)e->size)
-        rc = rd_allreduce(e, buf, count, dtype, op, es, err, errlen);
+        rc = pow2_allreduce(e, buf, count, dtype, op, es, 0, err, errlen);
+    else if (e->size > 2 && count * es <= e->hd_max)
+        rc = pow2_allreduce(e, buf, count, dtype, op, es, 1, err, errlen);
     else if (e->size <= e->direct_world)
         rc = direct_allreduce(e, buf, count, dtype, op, es, err, errlen);
     else {

@@ -44,6 +44,7 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     e->duplex_chunk = 1024 * 1024;
     e->direct_world = 8;
     e->rd_max = 64 * 1024;
+    e->hd_max = 0;
     e->tree_max = 64 * 1024;
     e->seg = 1024 * 1024;
     e->direct_max = 64 * 1024;
@@ -68,6 +69,7 @@ void tcp_set_tuning(tcp_engine *e, int key, int64_t v)
     switch (key) {
     case TCP_TUNE_SPIN_US: e->spin_s = v * 1e-6; break;
     case TCP_TUNE_ALLREDUCE_RD_MAX: e->rd_max = (size_t)v; break;
+    case TCP_TUNE_ALLREDUCE_HD_MAX: e->hd_max = (size_t)v; break;
     case TCP_TUNE_BCAST_TREE_MAX: e->tree_max = (size_t)v; break;
     case TCP_TUNE_SEGMENT: e->seg = v > 0 ? (size_t)v : 1; break;
     case TCP_TUNE_GATHER_DIRECT_MAX: e->direct_max = (size_t)v; break;
@@ -86,6 +88,7 @@ int64_t tcp_get_tuning(tcp_engine *e, int key)
     switch (key) {
     case TCP_TUNE_SPIN_US: return (int64_t)llround(e->spin_s * 1e6);
     case TCP_TUNE_ALLREDUCE_RD_MAX: return (int64_t)e->rd_max;
+    case TCP_TUNE_ALLREDUCE_HD_MAX: return (int64_t)e->hd_max;
     case TCP_TUNE_BCAST_TREE_MAX: return (int64_t)e->tree_max;
     case TCP_TUNE_SEGMENT: return (int64_t)e->seg;
     case TCP_TUNE_GATHER_DIRECT_MAX: return (int64_t)e->direct_max;

@@ -31,8 +31,10 @@ enum tcp_tuning {
     TCP_TUNE_LOWAT = 7,            /* 1: SO_RCVLOWAT wakes a large receive late (default), 0: off */
     TCP_TUNE_FP_DIRECT_WORLD = 8,  /* rooted collectives: fingerprint frames to every peer up to
                                       this world size, dissemination rounds above it */
-    TCP_TUNE_SEG_SPLIT = 9         /* pipelined steps split a block into at least this many
+    TCP_TUNE_SEG_SPLIT = 9,        /* pipelined steps split a block into at least this many
                                       segments (8 over links; 1 on one host, see seg_bytes) */
+    TCP_TUNE_ALLREDUCE_HD_MAX = 10 /* all_reduce above RD_MAX: recursive halving-doubling up to
+                                      this many bytes, above 2 ranks (0: never) */
 };
 
 /* fds[size]: connected, non-blocking sockets (fds[rank] is ignored); the engine owns them. */

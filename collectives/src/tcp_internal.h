@@ -173,6 +173,7 @@ struct tcp_engine {
     /* tuning */
     double spin_s;
     size_t rd_max, tree_max, seg, direct_max;
+    size_t hd_max;     /* all_reduce above rd_max: halving-doubling up to this (above 2 ranks) */
     int use_lowat;
     int seg_split;        /* segments a pipelined block is split into at least (seg_bytes) */
     int fp_direct_world;  /* fingerprint frames: to every peer up to this world size, else rounds */
