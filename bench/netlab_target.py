@@ -74,19 +74,16 @@ def verify(dist, impl, rank, n, ops):
         if tuning is not None and tuning()["seg_split"] != 8:
             bad.append(f"rank {rank}: a group across hosts cuts blocks into "
                        f"{tuning()['seg_split']} segments, not 8")
-        if tuning is not None and os.environ.get("COLLECTIVES_TCP_RD_MAX") is None:
-            from collectives.backends.tcp import RD_MAX_ACROSS_HOSTS
-            size = (getattr(be, "leaders", None) or be).size
-            want = RD_MAX_ACROSS_HOSTS if size > 2 else 64 << 10
-            if tuning()["allreduce_rd_max"] != want:
-                bad.append(f"rank {rank}: a group of {size} across hosts uses recursive "
-                           f"doubling up to {tuning()['allreduce_rd_max']} bytes, not {want}")
+        if tuning is not None:  # the small all_reduce's thresholds across hosts
             from collectives.backends.tcp import placement_defaults
-            want = placement_defaults(True, size).get("allreduce_hd_max", 0)
-            if os.environ.get("COLLECTIVES_TCP_HD_MAX") is None \
-                    and tuning()["allreduce_hd_max"] != want:
-                bad.append(f"rank {rank}: a group of {size} across hosts uses halving-doubling "
-                           f"up to {tuning()['allreduce_hd_max']} bytes, not {want}")
+            size = (getattr(be, "leaders", None) or be).size
+            want = {"allreduce_rd_max": 64 << 10, "allreduce_hd_max": 0,  # the engine's own
+                    **placement_defaults(True, size)}
+            for name, env in (("allreduce_rd_max", "COLLECTIVES_TCP_RD_MAX"),
+                              ("allreduce_hd_max", "COLLECTIVES_TCP_HD_MAX")):
+                if os.environ.get(env) is None and tuning()[name] != want[name]:
+                    bad.append(f"rank {rank}: a group of {size} across hosts has {name} "
+                               f"{tuning()[name]}, not {want[name]}")
     others = conv(np.array([float(len(bad))]))
     dist.all_reduce(others)
     others = int(np.asarray(others)[0]) - len(bad)

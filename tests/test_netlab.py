@@ -100,19 +100,23 @@ def _missing():
 
 @needs_gloo
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("ranks_per_host", [1, 2], ids=["tcp", "hierarchical"])
-def test_a_job_over_rate_limited_links_is_correct_and_the_lab_is_removed(tmp_path, ranks_per_host):
+# 3 hosts of one rank: a group past a power of two across hosts, whose 64 KiB all_reduce
+# runs halving-doubling with a folded rank (tcp.placement_defaults); 2 hosts of 2 ranks
+@pytest.mark.parametrize("hosts,ranks_per_host", [(3, 1), (2, 2)], ids=["tcp", "hierarchical"])
+def test_a_job_over_rate_limited_links_is_correct_and_the_lab_is_removed(tmp_path, hosts,
+                                                                       ranks_per_host):
     why = _missing()
     if why:
         pytest.skip(why)
     args = argparse.Namespace(ops=OPS, sizes="4,64k", budget=0.05, ranks_per_host=ranks_per_host,
                               rdzv="static", job_timeout=150)
-    with netlab.Lab(2, "200mbit", tag=f"nlt{os.getpid() % 10000}") as lab:
+    with netlab.Lab(hosts, "200mbit", tag=f"nlt{os.getpid() % 10000}") as lab:
         names = list(lab.names) + [lab.switch]
         res = netlab.launch(lab, "collectives", args, 29721, str(tmp_path / "out.json"),
                             verify=True)
     assert res["bad"] == [], res["bad"]
     assert {r["op"] for r in res["rows"]} == set(OPS.split(","))
-    assert all(r["world"] == 2 * ranks_per_host and r["us"] > 0 for r in res["rows"]), res["rows"]
+    assert all(r["world"] == hosts * ranks_per_host and r["us"] > 0 for r in res["rows"]), \
+        res["rows"]
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n in left for n in names), left

@@ -98,6 +98,10 @@ _pack = F.pack
 _BARRIER_FP = F.pack(F.BARRIER)
 
 
+RD_MAX_ACROSS_HOSTS = 32 << 10
+HD_MAX_ACROSS_HOSTS = 64 << 10
+
+
 def placement_defaults(links, size):
     """Rank 0's algorithm settings that follow whether the group's ranks span hosts
     (``links``: rank 0 sees another host's address), where neither options nor the
@@ -124,10 +128,6 @@ def placement_defaults(links, size):
         out["allreduce_rd_max"] = RD_MAX_ACROSS_HOSTS
         out["allreduce_hd_max"] = HD_MAX_ACROSS_HOSTS
     return out
-
-
-RD_MAX_ACROSS_HOSTS = 32 << 10
-HD_MAX_ACROSS_HOSTS = 64 << 10
 
 
 class TcpRequest(Request):

@@ -411,7 +411,8 @@ static void mm_canonical(tcp_engine *e)
 
 /* After a mismatch failed collective seq here: send this rank's record and its own call to
  * every peer, then wait (until deadline) for every live peer's report of that collective,
- * so that every rank names the same pair (mm_canonical) and raises the same words. Only failing ranks wait, and only for ranks that fail too. Mutex held. */
+ * so that every rank names the same pair (mm_canonical) and raises the same words. Only
+ * failing ranks wait, and only for ranks that fail too. Mutex held. */
 static void mm_settle(tcp_engine *e, double deadline)
 {
     unsigned char mm[MISMATCH_LEN];
