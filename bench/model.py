@@ -29,7 +29,7 @@ import sys
 
 # the TCP engine's defaults (tcp_engine.c: tcp_engine_new)
 RD_MAX = 64 * 1024          # all_reduce: recursive doubling up to this many bytes
-TREE_MAX = 64 * 1024        # broadcast/reduce: binomial tree up to this many bytes
+TREE_MAX = 64 * 1024        # broadcast: hypercube exchange up to this many bytes
 SEGMENT = 1024 * 1024       # pipelining segment
 DIRECT_MAX = 64 * 1024      # all_gather/reduce_scatter: direct exchange up to n*bytes
 DIRECT_WORLD = 8            # large all_reduce: two-round direct exchange up to this world
@@ -62,8 +62,8 @@ def rounds(algo, n, s):
         k = _log2c(p2)
         per = [(2, 1, s / 2 ** (i + 1)) for i in range(k)]
         return per + ([(extra, 1, s)] if extra else [])
-    if algo == "tree":                   # binomial tree: log2 n hops of the whole buffer
-        return [(_log2c(n), 1, s)]
+    if algo == "cube":                   # broadcast: recursive doubling from the root
+        return [(_log2c(p2) + extra, 1, s)]
     if algo == "chain":                  # pipelined chain: the last rank waits n - 2 segments more
         seg = chain_segment(n, s)
         nseg = math.ceil(s / seg)
@@ -95,7 +95,7 @@ def choose(op, n, s):
             return "rabenseifner"
         return "direct_ar" if n <= DIRECT_WORLD_HOSTS else "ring_ar"  # hosts, not one host
     if op == "broadcast":
-        return "tree" if (s <= TREE_MAX or n == 2) else "chain"
+        return "cube" if (s <= TREE_MAX or n == 2) else "chain"
     if op in ("all_gather", "reduce_scatter"):
         return "direct_gather" if s * n <= DIRECT_MAX else "ring_gather"
     if op == "all_to_all":
@@ -104,7 +104,7 @@ def choose(op, n, s):
 
 
 ALTERNATIVES = {"all_reduce": ["rd", "direct_ar", "ring_ar", "rabenseifner"],
-                "broadcast": ["tree", "chain", "scatter_ag"],
+                "broadcast": ["cube", "chain", "scatter_ag"],
                 "all_gather": ["direct_gather", "ring_gather", "bruck"],
                 "reduce_scatter": ["direct_gather", "ring_gather"],
                 "all_to_all": ["direct_a2a"]}

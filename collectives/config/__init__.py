@@ -154,7 +154,8 @@ SETTINGS = (
        "Unset, a group of more than 2 ranks that span hosts uses 64 KiB.",
        agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
     _s("COLLECTIVES_TCP_TREE_MAX", "int", 64 * KiB,
-       "broadcast and reduce use a binomial tree up to this size, a pipelined chain above.",
+       "broadcast uses a hypercube exchange and reduce a binomial tree up to this size "
+       "(broadcast also with 2 ranks), a pipelined chain above.",
        agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
     _s("COLLECTIVES_TCP_SEGMENT", "int", 1 * MiB,
        "Pipelining segment of the large-message algorithms.",

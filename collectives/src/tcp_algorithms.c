@@ -185,22 +185,48 @@ int tcp_barrier(tcp_engine *e, uint64_t fp, char *err, size_t errlen)
     return coll_end(e, rc, err, errlen);
 }
 
-static int bcast_tree(tcp_engine *e, char *buf, size_t nbytes, int root, char *err, size_t errlen)
+static int largest_pow2(int n)
 {
-    int n = e->size, vr = mod(e->rank - root, n), mask = 1;
-    if (ensure_reqs(e, 40)) return oom(err, errlen);
-    while (mask < n) {
-        if (vr & mask) {
-            cset(e, 0, 0, (vr - mask + root) % n, TAG(0, 0), buf, nbytes);
-            if (cxfer(e, 1, err, errlen)) return -1;
-            break;
-        }
-        mask <<= 1;
+    int p2 = 1;
+    while (p2 * 2 <= n) p2 *= 2;
+    return p2;
+}
+
+/* The small broadcast as a hypercube exchange from the root: round m pairs vr with vr ^ m;
+ * a rank that holds the data (vr < m) sends it and hears a fingerprint frame (a header, no
+ * payload) back, and two ranks that both lack it trade fingerprint frames. Every rank
+ * sends and receives one frame per round, log2(p2) rounds, and hears every peer's
+ * fingerprint, directly or through a chain of checked frames, before it returns: the
+ * binomial tree's data and the rooted collectives' fingerprint frames (fp_begin) in one
+ * exchange (4 ranks: 8 frames instead of 12; 8 ranks: 24 instead of 56). A rank past the
+ * largest power of two p2 (vr >= p2) hands its fingerprint to vr - p2 first and gets the
+ * data from it last. */
+static int bcast_cube(tcp_engine *e, char *buf, size_t nbytes, int root, char *err, size_t errlen)
+{
+    int n = e->size, vr = mod(e->rank - root, n), p2 = largest_pow2(n), rem = n - p2;
+#define RK(v) (((v) + root) % n)
+    if (ensure_reqs(e, 2)) return oom(err, errlen);
+    if (vr >= p2) {
+        cset(e, 0, 1, RK(vr - p2), TAG(0, 0), NULL, 0);
+        cset(e, 1, 0, RK(vr - p2), TAG(100, 0), buf, nbytes);
+        return cxfer(e, 2, err, errlen);
     }
-    int k = 0;
-    for (mask >>= 1; mask > 0; mask >>= 1)
-        if (vr + mask < n) cset(e, k++, 1, (vr + mask + root) % n, TAG(0, 0), buf, nbytes);
-    return cxfer(e, k, err, errlen);
+    if (vr < rem) {
+        cset(e, 0, 0, RK(vr + p2), TAG(0, 0), NULL, 0);
+        if (cxfer(e, 1, err, errlen)) return -1;
+    }
+    for (int m = 1, step = 1; m < p2; m <<= 1, step++) {
+        int have = vr < m, gets = !have && vr < 2 * m;
+        cset(e, 0, 0, RK(vr ^ m), TAG(step, 0), gets ? buf : NULL, gets ? nbytes : 0);
+        cset(e, 1, 1, RK(vr ^ m), TAG(step, 0), have ? buf : NULL, have ? nbytes : 0);
+        if (cxfer(e, 2, err, errlen)) return -1;
+    }
+    if (vr < rem) {
+        cset(e, 0, 1, RK(vr + p2), TAG(100, 0), buf, nbytes);
+        return cxfer(e, 1, err, errlen);
+    }
+#undef RK
+    return 0;
 }
 
 #define CHAIN_SEG_MIN (64 * 1024)
@@ -249,27 +275,19 @@ int tcp_broadcast(tcp_engine *e, void *buf, size_t nbytes, int root, uint64_t fp
     int n = e->size;
     if (n == 1) return 0;
     if (coll_begin(e, K_BROADCAST, fp, err, errlen)) return -1;
-    int rc, tree = nbytes <= e->tree_max || n == 2;
-    links_clear(e);
-    if (tree) {
-        tree_links(e, root, e->data_from, e->data_to);
+    int rc;
+    if (nbytes <= e->tree_max || n == 2) {
+        rc = bcast_cube(e, buf, nbytes, root, err, errlen);  /* checks fingerprints itself */
     } else {
         int vr = mod(e->rank - root, n);
+        links_clear(e);
         if (vr > 0) e->data_from[(vr - 1 + root) % n] = 1;
         if (vr < n - 1) e->data_to[(vr + 1 + root) % n] = 1;
+        fp_begin(e);
+        rc = bcast_chain(e, buf, nbytes, root, err, errlen);
+        rc = fp_finish(e, rc, err, errlen);
     }
-    fp_begin(e);
-    if (tree) rc = bcast_tree(e, buf, nbytes, root, err, errlen);
-    else rc = bcast_chain(e, buf, nbytes, root, err, errlen);
-    rc = fp_finish(e, rc, err, errlen);
     return coll_end(e, rc, err, errlen);
-}
-
-static int largest_pow2(int n)
-{
-    int p2 = 1;
-    while (p2 * 2 <= n) p2 *= 2;
-    return p2;
 }
 
 /* Ranks past the largest power of two p2 fold into a neighbour: an even r < 2*rem hands its

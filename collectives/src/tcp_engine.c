@@ -624,7 +624,7 @@ TCP_HIDDEN void links_clear(tcp_engine *e)
     memset(e->data_to, 0, 2 * (size_t)e->size);
 }
 
-/* The binomial tree of bcast_tree and the small reduce, rooted at root: marks this rank's
+/* The binomial tree of the small reduce, rooted at root: marks this rank's
  * parent in up and its children in down. */
 TCP_HIDDEN void tree_links(tcp_engine *e, int root, unsigned char *up, unsigned char *down)
 {
