@@ -3,12 +3,19 @@
 
 Every algorithm the TCP engine runs (``collectives/src/tcp_engine.c``) is a sequence of
 rounds; in a round each host sends and receives at most one message per peer, and a
-round costs ``alpha + (messages - 1) * msg + bytes / (eta * rate)``, and each call
-``call`` more: ``alpha`` the per-round cost (wake-up, kernel, wire latency), ``msg`` the
-cost of each further message of a round, ``rate`` the link's line rate and ``eta`` the
-fraction of it left for payload (Ethernet, IP and TCP headers: 1448 of each 1514 bytes,
-~0.956, less whatever the stack loses). A host sends its messages of one round back to
-back on its own link, so the bytes of a round are the sum over that host's messages.
+round costs ``alpha + (messages - 1) * msg + max(bytes / (eta * rate), cpu_time)``, and
+each call ``call`` more: ``alpha`` the per-round cost (wake-up, kernel, wire latency),
+``msg`` the cost of each further message of a round, ``rate`` the link's line rate and
+``eta`` the fraction of it left for payload (Ethernet, IP and TCP headers: 1448 of each
+1514 bytes, ~0.956, less whatever the stack loses). A host sends its messages of one round
+back to back on its own link, so the bytes of a round are the sum over that host's
+messages. ``cpu_time`` = (2 * bytes * cpu + bytes reduced * gamma) / share: the core time
+the host's stack (sending and receiving) and its reductions take, on ``share`` cores (on
+the emulated cluster every host shares this machine's cores, so 8 hosts on 2 cores get a
+quarter each). The α-β-γ model of Thakur, Rabenseifner and Gropp (2005), with the γ term
+split into the stack's and the reductions'. The planned tables leave the CPU terms out
+unless ``--plan-cores`` gives the cores a host has: fitted here, they are a 2-core VM's
+(veth, bridge and token buckets included), not a cluster host's.
 The parameters are fitted to measured emulated-link runs (``bench/netlab.py --json``),
 and the model is then used past this machine. It predicts the time per call of a loop
 of calls, as the benchmarks measure it; every rank of a call waits for all the others'
@@ -24,6 +31,7 @@ each would gain at scale.
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 
@@ -44,7 +52,8 @@ def _log2c(n):
 
 
 def rounds(algo, n, s):
-    """[(rounds, messages per round, bytes per round on the busiest link)] of ``algo`` on
+    """[(rounds, messages per round, bytes per round on the busiest link, bytes a host
+    reduces per round)] of ``algo`` on
     ``n`` hosts with ``s`` bytes per rank (all_gather: each rank's input; reduce_scatter:
     each rank's output). Every rank of a call waits for every other rank's fingerprint
     of it (issue 28), so calls do not overlap: a call lasts until its last rank is done."""
@@ -52,32 +61,33 @@ def rounds(algo, n, s):
         return []
     p2 = 1 << int(math.floor(math.log2(n)))
     extra = 2 if p2 != n else 0  # recursive doubling folds the ranks past a power of two
+    # the fold: one round reduces the buffer, the other only moves it back
+    fold = [(extra, 1, s, s / 2)] if extra else []
     if algo == "rd":                     # recursive doubling: log2 rounds of the whole buffer
-        return [(_log2c(p2) + extra, 1, s)]
+        return [(_log2c(p2), 1, s, s)] + fold
     if algo == "direct_ar":              # reduce-scatter and all-gather, each one direct round
-        return [(2, n - 1, (n - 1) / n * s)]
-    if algo == "ring_ar":
-        return [(2 * (n - 1), 1, s / n)]
+        return [(2, n - 1, (n - 1) / n * s, (n - 1) / n * s / 2)]
+    if algo == "ring_ar":                # n - 1 steps reduce a block, n - 1 only pass one on
+        return [(2 * (n - 1), 1, s / n, s / n / 2)]
     if algo == "rabenseifner":           # halving-doubling: 2 log2 n rounds, halving bytes
         k = _log2c(p2)
-        per = [(2, 1, s / 2 ** (i + 1)) for i in range(k)]
-        return per + ([(extra, 1, s)] if extra else [])
+        return [(2, 1, s / 2 ** (i + 1), s / 2 ** (i + 2)) for i in range(k)] + fold
     if algo == "cube":                   # broadcast: recursive doubling from the root
-        return [(_log2c(p2) + extra, 1, s)]
+        return [(_log2c(p2) + extra, 1, s, 0)]
     if algo == "chain":                  # pipelined chain: the last rank waits n - 2 segments more
         seg = chain_segment(n, s)
         nseg = math.ceil(s / seg)
-        return [(1, 1, (nseg + n - 2) * seg)]  # segments stream to one peer: no msg cost
+        return [(1, 1, (nseg + n - 2) * seg, 0)]  # segments stream to one peer: no msg cost
     if algo == "scatter_ag":             # broadcast as scatter (tree) + ring all_gather
-        return [(_log2c(n), 1, s / 2), (n - 1, 1, s / n)]
+        return [(_log2c(n), 1, s / 2, 0), (n - 1, 1, s / n, 0)]
     if algo == "direct_gather":          # n-1 messages of s out of each host, one round
-        return [(1, n - 1, (n - 1) * s)]
+        return [(1, n - 1, (n - 1) * s, 0)]
     if algo == "ring_gather":
-        return [(n - 1, 1, s)]
+        return [(n - 1, 1, s, 0)]
     if algo == "bruck":                  # all_gather in log2 n rounds, doubling
-        return [(1, 1, s * 2 ** i) for i in range(_log2c(n))]
+        return [(1, 1, s * 2 ** i, 0) for i in range(_log2c(n))]
     if algo == "direct_a2a":
-        return [(1, n - 1, (n - 1) / n * s)]
+        return [(1, n - 1, (n - 1) / n * s, 0)]
     raise ValueError(f"unknown algorithm {algo!r}")
 
 
@@ -113,25 +123,38 @@ ALTERNATIVES = {"all_reduce": ["rd", "direct_ar", "ring_ar", "rabenseifner"],
 class Params:
     """The model's parameters: ``alpha`` seconds per round (wake-up, kernel, wire latency),
     ``msg`` seconds per message beyond the first of a round, ``call`` seconds per call
-    (front end), ``eta`` the fraction of the line rate left for payload."""
+    (front end), ``eta`` the fraction of the line rate left for payload; ``cpu`` the core
+    seconds per byte a host's network stack moves (sent or received) and ``gamma`` per byte
+    reduced: a round lasts its wire time or its CPU time, whichever is longer, since the
+    engine's large-message algorithms overlap the two."""
 
-    def __init__(self, alpha=50e-6, msg=20e-6, call=10e-6, eta=0.94):
+    def __init__(self, alpha=50e-6, msg=20e-6, call=10e-6, eta=0.94, cpu=0.0, gamma=0.0):
         self.alpha, self.msg, self.call, self.eta = alpha, msg, call, eta
+        self.cpu, self.gamma = cpu, gamma
 
     def __repr__(self):
         return (f"alpha = {self.alpha * 1e6:.1f} us, msg = {self.msg * 1e6:.1f} us, "
-                f"call = {self.call * 1e6:.1f} us, eta = {self.eta:.3f}")
+                f"call = {self.call * 1e6:.1f} us, eta = {self.eta:.3f}, "
+                f"cpu = {self.cpu * 1e9:.3f} ns/B, gamma = {self.gamma * 1e9:.3f} ns/B")
 
 
-def predict(op, n, s, p, bps, algo=None):
+def predict(op, n, s, p, bps, algo=None, share=math.inf):
     """Seconds per call of ``op`` on ``n`` hosts, ``s`` bytes per rank, links of ``bps``
-    bit/s, parameters ``p`` (:class:`Params`)."""
+    bit/s, parameters ``p`` (:class:`Params`); ``share``: the cores each host has for its
+    stack and reductions (on the emulated cluster, where every host shares the machine's
+    cores, :func:`lab_share`; unbounded by default: the CPU terms do not count)."""
     algo = algo or choose(op, n, s)
     beta = 8 / (p.eta * bps)
     t = p.call if n > 1 else 0.0
-    for count, msgs, nbytes in rounds(algo, n, s):
-        t += count * (p.alpha + (msgs - 1) * p.msg + nbytes * beta)
+    for count, msgs, nbytes, reduced in rounds(algo, n, s):
+        cpu = (2 * nbytes * p.cpu + reduced * p.gamma) / share
+        t += count * (p.alpha + (msgs - 1) * p.msg + max(nbytes * beta, cpu))
     return t
+
+
+def lab_share(cores, hosts, ranks_per_host=1):
+    """The cores each emulated host has: the machine's, shared by all the lab's ranks."""
+    return min(1.0, cores / (hosts * ranks_per_host))
 
 
 def bound(op, n, s, bps):
@@ -142,19 +165,30 @@ def bound(op, n, s, bps):
 
 
 def fit(rows, bps):
-    """:class:`Params` minimising the squared log error over the measured rows, by
-    coordinate descent; cells of 1 MiB and more weigh ten times the others (they fix the
-    bandwidth term, which is what plans at scale)."""
+    """:class:`Params` minimising the squared log error over the measured rows; cells of
+    1 MiB and more weigh ten times the others (they fix the bandwidth term, which is what
+    plans at scale). The CPU terms only count where they outlast the wire, so the error is
+    flat in them below that: every parameter is descended from each point of a grid of them
+    (0 and 0.25-16 ns/B), and the best three refined."""
     def err(p):
         return sum((10 if r["nbytes"] >= 1 << 20 else 1)
-                   * math.log(predict(r["op"], r["hosts"], r["nbytes"], p, bps) * 1e6 / r["us"]) ** 2
-                   for r in rows)
-    p = Params()
+                   * math.log(_predict_row(r, p, bps) * 1e6 / r["us"]) ** 2 for r in rows)
+
+    names = ("alpha", "msg", "call", "eta", "cpu", "gamma")
+    grid = [0.0] + [0.25e-9 * 2 ** i for i in range(7)]
+    starts = sorted((_descend(Params(cpu=c, gamma=g), err, names, until=0.1)
+                     for c in grid for g in grid), key=err)
+    return min((_descend(p, err, names) for p in starts[:3]), key=err)
+
+
+def _descend(p, err, names, until=0.002):
+    """Coordinate descent in multiplicative steps over the parameters ``names`` (a zero
+    stays zero: the fit's grid tries the CPU terms at 0)."""
     best = err(p)
     step = 0.5
-    while step > 0.002:
+    while step > until:
         improved = False
-        for name in ("alpha", "msg", "call", "eta"):
+        for name in names:
             for f in (1 + step, 1 / (1 + step)):
                 old = getattr(p, name)
                 new = min(old * f, 0.999) if name == "eta" else old * f
@@ -169,12 +203,20 @@ def fit(rows, bps):
     return p
 
 
+def _predict_row(r, p, bps):
+    return predict(r["op"], r["hosts"], r["nbytes"], p, bps, share=r.get("share", math.inf))
+
+
 def medians(rows, impl="collectives"):
-    cells = {}
+    """One row per (op, hosts, bytes) of ``impl``: the median over its launches."""
+    cells, share = {}, {}
     for r in rows:
         if r.get("impl", impl) == impl:
-            cells.setdefault((r["op"], r["hosts"], r["nbytes"]), []).append(r["us"])
-    return [{"op": op, "hosts": h, "nbytes": b, "us": statistics.median(v)}
+            key = (r["op"], r["hosts"], r["nbytes"])
+            cells.setdefault(key, []).append(r["us"])
+            share[key] = r.get("share", math.inf)
+    return [{"op": op, "hosts": h, "nbytes": b, "us": statistics.median(v),
+             "share": share[(op, h, b)]}
             for (op, h, b), v in sorted(cells.items())]
 
 
@@ -182,7 +224,7 @@ def check(rows, p, bps, min_bytes=1 << 20):
     """Per measured cell: measured, predicted, error; the worst error at >= min_bytes."""
     lines, worst = [], 0.0
     for r in rows:
-        t = predict(r["op"], r["hosts"], r["nbytes"], p, bps) * 1e6
+        t = _predict_row(r, p, bps) * 1e6
         e = (t - r["us"]) / r["us"]
         if r["nbytes"] >= min_bytes:
             worst = max(worst, abs(e))
@@ -191,7 +233,7 @@ def check(rows, p, bps, min_bytes=1 << 20):
     return lines, worst
 
 
-def table(ops, hosts_list, sizes, rates, p):
+def table(ops, hosts_list, sizes, rates, p, share=math.inf):
     out = []
     for rate in rates:
         bps = parse_rate(rate)
@@ -199,8 +241,8 @@ def table(ops, hosts_list, sizes, rates, p):
             for op in ops:
                 for s in sizes:
                     algo = choose(op, n, s)
-                    t = predict(op, n, s, p, bps)
-                    alts = {a: predict(op, n, s, p, bps, a) for a in ALTERNATIVES[op]}
+                    t = predict(op, n, s, p, bps, share=share)
+                    alts = {a: predict(op, n, s, p, bps, a, share) for a in ALTERNATIVES[op]}
                     best = min(alts, key=alts.get)
                     out.append({"rate": rate, "hosts": n, "op": op, "nbytes": s, "algo": algo,
                                 "us": t * 1e6, "bound_us": bound(op, n, s, bps) * 1e6,
@@ -225,12 +267,17 @@ def fmt_size(b):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fit", help="a bench/netlab.py --json file to calibrate from")
-    ap.add_argument("--params", help="alpha,msg,call,eta (seconds; skips fitting)")
+    ap.add_argument("--fit", help="bench/netlab.py --json files to calibrate from (commas)")
+    ap.add_argument("--params", help="alpha,msg,call,eta[,cpu,gamma] (seconds, seconds per "
+                    "byte; skips fitting)")
     ap.add_argument("--rates", default="10gbit,100gbit")
     ap.add_argument("--hosts", default="64,256,1024")
     ap.add_argument("--ops", default="all_reduce,broadcast,all_gather")
     ap.add_argument("--sizes", default="4,65536,1048576,16777216,268435456")
+    ap.add_argument("--plan-cores", type=float, default=math.inf,
+                    help="cores per host for the planned tables' CPU terms (default: "
+                    "unbounded; the fitted cpu and gamma are this machine's, where the "
+                    "lab's hosts share its cores)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", help="write the fit and the prediction table here")
     args = ap.parse_args(argv)
@@ -239,9 +286,19 @@ def main(argv=None):
         p = Params(*[float(x) for x in args.params.split(",")])
     check_rows = []
     if args.fit:
-        with open(args.fit) as f:
-            run = json.load(f)
-        rows = medians(run["rows"])
+        rows, bps, rate = [], None, None
+        for path in args.fit.split(","):
+            with open(path) as f:
+                run = json.load(f)
+            if bps not in (None, run["bps"]):
+                ap.error(f"--fit: {path} ran at {run['rate']}, the others at {rate}")
+            bps, rate = run["bps"], run["rate"]
+            cores = run.get("cores") or os.cpu_count()  # older runs: this machine's
+            for r in run["rows"]:
+                rows.append(dict(r, share=lab_share(cores, r["hosts"],
+                                                    run.get("ranks_per_host", 1))))
+        rows = medians(rows)
+        run = {"bps": bps, "rate": rate}
         if p is None:
             p = fit(rows, run["bps"])
         print(f"fitted to {args.fit} ({run['rate']}): {p}")
@@ -254,7 +311,8 @@ def main(argv=None):
     if p is None:
         ap.error("give --fit FILE or --params ALPHA,MSG,CALL,ETA")
     rows = table(args.ops.split(","), [int(h) for h in args.hosts.split(",")],
-                 [int(s) for s in args.sizes.split(",")], args.rates.split(","), p)
+                 [int(s) for s in args.sizes.split(",")], args.rates.split(","), p,
+                 args.plan_cores)
     sep = " | " if args.markdown else "  "
     head = ["rate", "hosts", "op", "size", "algorithm", "model", "link bound", "best algorithm",
             "best"]

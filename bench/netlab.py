@@ -257,7 +257,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rate": args.rate, "bps": parse_rate(args.rate),
-                       "ranks_per_host": args.ranks_per_host, "rows": runs}, f, indent=1)
+                       "ranks_per_host": args.ranks_per_host, "cores": os.cpu_count(),
+                       "rows": runs}, f, indent=1)
     return 0
 
 
