@@ -3,7 +3,8 @@
 
 Every algorithm the TCP engine runs (``collectives/src/tcp_engine.c``) is a sequence of
 rounds; in a round each host sends and receives at most one message per peer, and a
-round costs ``alpha + (messages - 1) * msg + max(bytes / (eta * rate), cpu_time)``, and
+round costs ``alpha + (messages - 1) * msg + max(bytes / (eta * rate), cpu_time)`` (the
+sum where the algorithm does not stream by segments), and
 each call ``call`` more: ``alpha`` the per-round cost (wake-up, kernel, wire latency),
 ``msg`` the cost of each further message of a round, ``rate`` the link's line rate and
 ``eta`` the fraction of it left for payload (Ethernet, IP and TCP headers: 1448 of each
@@ -113,6 +114,10 @@ def choose(op, n, s):
     raise ValueError(f"unknown op {op!r}")
 
 
+# the engine's algorithms that stream by segments, so that a round's CPU work overlaps its
+# wire time; the others send, then reduce (tcp_algorithms.c)
+PIPELINED = frozenset({"ring_ar", "direct_ar", "ring_gather", "chain"})
+
 ALTERNATIVES = {"all_reduce": ["rd", "direct_ar", "ring_ar", "rabenseifner"],
                 "broadcast": ["cube", "chain", "scatter_ag"],
                 "all_gather": ["direct_gather", "ring_gather", "bruck"],
@@ -125,8 +130,8 @@ class Params:
     ``msg`` seconds per message beyond the first of a round, ``call`` seconds per call
     (front end), ``eta`` the fraction of the line rate left for payload; ``cpu`` the core
     seconds per byte a host's network stack moves (sent or received) and ``gamma`` per byte
-    reduced: a round lasts its wire time or its CPU time, whichever is longer, since the
-    engine's large-message algorithms overlap the two."""
+    reduced: a round of a pipelined algorithm (:data:`PIPELINED`) lasts its wire time or
+    its CPU time, whichever is longer; in the others the CPU work follows the transfer."""
 
     def __init__(self, alpha=50e-6, msg=20e-6, call=10e-6, eta=0.94, cpu=0.0, gamma=0.0):
         self.alpha, self.msg, self.call, self.eta = alpha, msg, call, eta
@@ -146,9 +151,10 @@ def predict(op, n, s, p, bps, algo=None, share=math.inf):
     algo = algo or choose(op, n, s)
     beta = 8 / (p.eta * bps)
     t = p.call if n > 1 else 0.0
+    overlap = algo in PIPELINED
     for count, msgs, nbytes, reduced in rounds(algo, n, s):
-        cpu = (2 * nbytes * p.cpu + reduced * p.gamma) / share
-        t += count * (p.alpha + (msgs - 1) * p.msg + max(nbytes * beta, cpu))
+        wire, cpu = nbytes * beta, (2 * nbytes * p.cpu + reduced * p.gamma) / share
+        t += count * (p.alpha + (msgs - 1) * p.msg + (max(wire, cpu) if overlap else wire + cpu))
     return t
 
 
