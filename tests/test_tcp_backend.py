@@ -242,10 +242,10 @@ def test_a_few_megabytes_through_every_algorithm(n, kind):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [3, 4, 5, 6])
-def test_halving_doubling_in_segments_equals_the_numpy_reference(n):
-    """The tiny setting runs all_reduces of 65-4096 B by halving-doubling (above 2 ranks)
-    in 256 B segments: 4000 B halve into 2000, 1000 and 500 B, 8, 4 and 2 segments a step;
-    3001 int8 an odd split; 5 and 6 ranks fold one or two ranks in first."""
+def test_halving_doubling_equals_the_numpy_reference(n):
+    """The tiny setting runs all_reduces of 65-4096 B by halving-doubling (above 2 ranks):
+    4000 B halve into 2000, 1000 and 500 B; 3001 int8 an odd split; 5 and 6 ranks fold one
+    or two ranks in first."""
     for dtype, op, count in ((D.INT32, D.SUM, 1000), (D.FLOAT64, D.MAX, 500),
                              (D.INT8, D.PRODUCT, 3001), (D.UINT8, D.BXOR, 3001)):
         check_collective(n, "tiny", "all_reduce", dtype, op, count, 77 + n, 0)

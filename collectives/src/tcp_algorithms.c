@@ -346,23 +346,14 @@ static int fold_out(tcp_engine *e, char *buf, size_t nb, int p2, char *err, size
     return cxfer(e, 1, err, errlen);
 }
 
-/* Elements per segment of a halving step's half of c elements (seg_bytes), at least 1. */
-static size_t hd_seg(const tcp_engine *e, size_t c, size_t es)
-{
-    size_t s = (seg_bytes(e, c * es) + es - 1) / es;
-    return s ? s : 1;
-}
-#define NSEG(c, seg) ((c) ? (int)(((c) + (seg) - 1) / (seg)) : 1)  /* an empty half: one frame */
-#define SEGLEN(c, seg, j) ((c) - (size_t)(j) * (seg) < (seg) ? (c) - (size_t)(j) * (seg) : (seg))
-
 /* all_reduce over the largest power of two p2 of ranks (the others fold in, fold_in):
  *
  * - recursive doubling (halving 0): log2(p2) exchanges of the whole buffer;
  * - recursive halving-doubling (Rabenseifner, halving 1): halve the buffer log2(p2) times
- *   (each step sends the half the partner keeps and reduces the half it keeps, in
- *   segments: a reduce-scatter), then double it back in the reverse order (an
- *   all-gather). The same bytes over each link as the ring, in 2 log2(p2) rounds instead
- *   of 2(n-1): the choice between them over many hosts (docs/between-hosts.md).
+ *   (each step sends the half the partner keeps and reduces the half it keeps: a
+ *   reduce-scatter), then double it back in the reverse order (an all-gather). The same
+ *   bytes over each link as the ring, in 2 log2(p2) rounds instead of 2(n-1): the choice
+ *   between them over many hosts (docs/between-hosts.md).
  *
  * Every step combines as op(lower rank's value, higher's), and in halving-doubling each
  * element is reduced on one rank and copied to the others, so all ranks compute
@@ -392,34 +383,13 @@ static int pow2_allreduce(tcp_engine *e, char *buf, size_t count, int dtype, int
         int vp = vr ^ mask, partner = fold_peer(vp, rem), mid = (lo + hi) / 2;
         int klo = (vr & mask) ? mid : lo, khi = (vr & mask) ? hi : mid;  /* the half kept */
         int slo = (vr & mask) ? lo : mid, shi = (vr & mask) ? mid : hi;  /* the half sent */
-        size_t kc = AT(khi) - AT(klo), sc = AT(shi) - AT(slo);
-        size_t kseg = hd_seg(e, kc, es), sseg = hd_seg(e, sc, es);
-        int nk = NSEG(kc, kseg), ns = NSEG(sc, sseg);
+        size_t kc = AT(khi) - AT(klo);
         los[k] = lo;
         his[k] = hi;
-        /* in segments (cut alike at both ends: by the count of the half that moves), so
-         * that reducing segment j overlaps receiving j + 1, each reduced as a whole would be */
-        if (ensure_reqs(e, (size_t)(nk + ns))) return oom(err, errlen);
-        for (int j = 0; j < nk; j++)
-            cset(e, j, 0, partner, TAG(step, j), e->tmp + (size_t)j * kseg * es,
-                 SEGLEN(kc, kseg, j) * es);
-        for (int j = 0; j < ns; j++)
-            cset(e, nk + j, 1, partner, TAG(step, j), buf + (AT(slo) + (size_t)j * sseg) * es,
-                 SEGLEN(sc, sseg, j) * es);
-        cpost(e, 0, nk + ns);
-        for (int j = 0; j < nk; j++) {
-            if (cwait(e, j, j + 1, err, errlen)) {
-                cancel_range(e, 0, nk + ns);
-                return -1;
-            }
-            size_t o = (size_t)j * kseg;
-            reduce_in_order(buf + (AT(klo) + o) * es, e->tmp + o * es, SEGLEN(kc, kseg, j), dtype,
-                            op, es, vr < vp);
-        }
-        if (cwait(e, nk, nk + ns, err, errlen)) {
-            cancel_range(e, 0, nk + ns);
-            return -1;
-        }
+        cset(e, 0, 0, partner, TAG(step, 0), e->tmp, kc * es);
+        cset(e, 1, 1, partner, TAG(step, 0), buf + AT(slo) * es, (AT(shi) - AT(slo)) * es);
+        if (cxfer(e, 2, err, errlen)) return -1;
+        reduce_in_order(buf + AT(klo) * es, e->tmp, kc, dtype, op, es, vr < vp);
         lo = klo;
         hi = khi;
     }
@@ -434,8 +404,6 @@ static int pow2_allreduce(tcp_engine *e, char *buf, size_t count, int dtype, int
         hi = his[k];
     }
 #undef AT
-#undef NSEG
-#undef SEGLEN
     return fold_out(e, buf, nb, p2, err, errlen);
 }
 
