@@ -1,26 +1,25 @@
 #!/usr/bin/env python3
-"""A cost model of the TCP transport's collectives between hosts (alpha-beta / Hockney).
+"""A cost model of the TCP transport's collectives between hosts (alpha-beta-gamma).
 
 Every algorithm the TCP engine runs (``collectives/src/tcp_engine.c``) is a sequence of
-rounds; in a round each host sends and receives at most one message per peer, and a
-round costs ``alpha + (messages - 1) * msg + max(bytes / (eta * rate), cpu_time)`` (the
-sum where the algorithm does not stream by segments), and
-each call ``call`` more: ``alpha`` the per-round cost (wake-up, kernel, wire latency),
-``msg`` the cost of each further message of a round, ``rate`` the link's line rate and
-``eta`` the fraction of it left for payload (Ethernet, IP and TCP headers: 1448 of each
-1514 bytes, ~0.956, less whatever the stack loses). A host sends its messages of one round
-back to back on its own link, so the bytes of a round are the sum over that host's
-messages. ``cpu_time`` = (2 * bytes * cpu + bytes reduced * gamma) / share: the core time
-the host's stack (sending and receiving) and its reductions take, on ``share`` cores (on
-the emulated cluster every host shares this machine's cores, so 8 hosts on 2 cores get a
-quarter each). The α-β-γ model of Thakur, Rabenseifner and Gropp (2005), with the γ term
-split into the stack's and the reductions'. The planned tables leave the CPU terms out
-unless ``--plan-cores`` gives the cores a host has: fitted here, they are a 2-core VM's
-(veth, bridge and token buckets included), not a cluster host's.
-The parameters are fitted to measured emulated-link runs (``bench/netlab.py --json``),
-and the model is then used past this machine. It predicts the time per call of a loop
-of calls, as the benchmarks measure it; every rank of a call waits for all the others'
-fingerprints of it, so one call ends before the next begins.
+rounds; in a round each host sends and receives at most one message per peer, and a round
+costs ``alpha + (messages - 1) * msg + max(bytes / (eta * rate), cpu_time)`` (the sum
+where the algorithm does not stream by segments), and each call ``call`` more: ``alpha``
+the per-round cost (wake-up, kernel, wire latency), ``msg`` the cost of each further
+message of a round, ``rate`` the link's line rate and ``eta`` the fraction of it left for
+payload (Ethernet, IP and TCP headers: 1448 of each 1514 bytes, ~0.956, less whatever the
+stack loses). A host sends its messages of one round back to back on its own link, so the
+bytes of a round are the sum over that host's messages. ``cpu_time`` = (2 * bytes * cpu +
+bytes reduced * gamma) / share: the core time the host's stack (sending and receiving) and
+its reductions take, on ``share`` cores (on the emulated cluster every host shares this
+machine's cores, so 8 hosts on 2 cores get a quarter each). The α-β-γ model of Thakur,
+Rabenseifner and Gropp (2005), with the γ term split into the stack's and the reductions'.
+The planned tables leave the CPU terms out unless ``--plan-cores`` gives the cores a host
+has: fitted here, they are a 2-core VM's (veth, bridge and token buckets included), not a
+cluster host's. The parameters are fitted to measured emulated-link runs
+(``bench/netlab.py --json``), and the model is then used past this machine. It predicts
+the time per call of a loop of calls, as the benchmarks measure it; every rank of a call
+waits for all the others' fingerprints of it, so one call ends before the next begins.
 
     python bench/model.py --fit bench/results/netlab-1gbit.json     # fit, check, predict
     python bench/model.py --params 50e-6,20e-6,10e-6,0.94 --rates 10gbit,100gbit --hosts 64,256,1024
@@ -54,10 +53,10 @@ def _log2c(n):
 
 def rounds(algo, n, s):
     """[(rounds, messages per round, bytes per round on the busiest link, bytes a host
-    reduces per round)] of ``algo`` on
-    ``n`` hosts with ``s`` bytes per rank (all_gather: each rank's input; reduce_scatter:
-    each rank's output). Every rank of a call waits for every other rank's fingerprint
-    of it (issue 28), so calls do not overlap: a call lasts until its last rank is done."""
+    reduces per round)] of ``algo`` on ``n`` hosts with ``s`` bytes per rank (all_gather:
+    each rank's input; reduce_scatter: each rank's output). Every rank of a call waits for
+    every other rank's fingerprint of it (issue 28), so calls do not overlap: a call lasts
+    until its last rank is done."""
     if n <= 1:
         return []
     p2 = 1 << int(math.floor(math.log2(n)))
