@@ -303,11 +303,10 @@ def main(argv=None):
                 rows.append(dict(r, share=lab_share(cores, r["hosts"],
                                                     run.get("ranks_per_host", 1))))
         rows = medians(rows)
-        run = {"bps": bps, "rate": rate}
         if p is None:
-            p = fit(rows, run["bps"])
-        print(f"fitted to {args.fit} ({run['rate']}): {p}")
-        lines, worst = check(rows, p, run["bps"])
+            p = fit(rows, bps)
+        print(f"fitted to {args.fit} ({rate}): {p}")
+        lines, worst = check(rows, p, bps)
         check_rows = lines
         print(f"{'hosts':>5} {'op':<15} {'bytes':>10} {'measured us':>12} {'model us':>12} "
               f"{'error':>7} {'algorithm':>14}")

@@ -63,27 +63,26 @@ def verify(dist, impl, rank, n, ops):
                 continue
             if not ok:
                 bad.append(f"{op} count={count} rank={rank}")
-    if impl == "collectives":  # over links the TCP engine picks the ring for all_reduce
+    if impl == "collectives":  # the settings that follow a group spanning hosts
+        from collectives import config
         from collectives._world import world
+        from collectives.backends.tcp import _TUNING, placement_defaults
         be = world.default.backend
-        tuning = getattr(getattr(be, "leaders", None) or be, "tuning", None)  # hierarchical
-        if tuning is not None and os.environ.get("COLLECTIVES_TCP_DIRECT_WORLD") is None \
-                and tuning()["allreduce_direct_world"] != 1:
-            bad.append(f"rank {rank}: a group across hosts chose the direct all_reduce "
-                       f"up to world {tuning()['allreduce_direct_world']}, not the ring")
-        if tuning is not None and tuning()["seg_split"] != 8:
-            bad.append(f"rank {rank}: a group across hosts cuts blocks into "
-                       f"{tuning()['seg_split']} segments, not 8")
-        if tuning is not None:  # the small all_reduce's thresholds across hosts
-            from collectives.backends.tcp import placement_defaults
-            size = (getattr(be, "leaders", None) or be).size
-            want = {"allreduce_rd_max": 64 << 10, "allreduce_hd_max": 0,  # the engine's own
-                    **placement_defaults(True, size)}
-            for name, env in (("allreduce_rd_max", "COLLECTIVES_TCP_RD_MAX"),
-                              ("allreduce_hd_max", "COLLECTIVES_TCP_HD_MAX")):
-                if os.environ.get(env) is None and tuning()[name] != want[name]:
-                    bad.append(f"rank {rank}: a group of {size} across hosts has {name} "
-                               f"{tuning()[name]}, not {want[name]}")
+        tcp = getattr(be, "leaders", None) or be  # hierarchical: the leaders' group
+        tuning = getattr(tcp, "tuning", None)
+        if tuning is not None:
+            # the engine's defaults (seg_split, 8, is the engine's alone), then the ones
+            # placement_defaults sets across hosts; a setting in the environment wins
+            want = {name: config.declared(_TUNING[name][0]).default for name in
+                    ("allreduce_rd_max", "allreduce_hd_max", "allreduce_direct_world")}
+            want["seg_split"] = 8
+            want.update(placement_defaults(True, tcp.size))
+            got = tuning()
+            for name, value in want.items():
+                env = _TUNING[name][0]
+                if (env is None or os.environ.get(env) is None) and got[name] != value:
+                    bad.append(f"rank {rank}: a group of {tcp.size} across hosts has {name} "
+                               f"{got[name]}, not {value}")
     others = conv(np.array([float(len(bad))]))
     dist.all_reduce(others)
     others = int(np.asarray(others)[0]) - len(bad)
