@@ -251,6 +251,37 @@ def test_halving_doubling_equals_the_numpy_reference(n):
         check_collective(n, "tiny", "all_reduce", dtype, op, count, 77 + n, 0)
 
 
+def all_gather_placed(ctx, bname, count, where):
+    """all_gather with the input apart from the output, as this rank's block of it (in
+    place) or overlapping the next rank's block: the result is every rank's input as it
+    was at the call."""
+    b = _backend(ctx, bname, options=TINY if bname == "tiny" else None)
+    n, r = ctx.world_size, ctx.rank
+    mine = np.arange(count, dtype=np.int32) + 1000 * r
+    out = np.full(count * n + count // 2, -1, np.int32)
+    if where == "apart":
+        x = mine
+    else:
+        at = r * count if where == "own" else ((r + 1) % n) * count + count // 2
+        x = out[at:at + count]
+        x[:] = mine
+    b.all_gather(_buf(D.INT32, out[:count * n]), _buf(D.INT32, x))
+    return out[:count * n].copy()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("where", ["apart", "own", "overlapping"])
+def test_all_gather_reads_its_input_wherever_it_lies(n, where):
+    """The ring copies an input apart from the output while its first segments travel;
+    inputs inside the output are read before anything arrives."""
+    for bname in ("default", "tiny"):
+        count = 5001 if bname == "tiny" else 70001   # both past the direct exchange
+        want = np.concatenate([np.arange(count, dtype=np.int32) + 1000 * r for r in range(n)])
+        for got in pool_of(n).run(all_gather_placed, bname, count, where):
+            np.testing.assert_array_equal(got, want)
+
+
 def allreduce_random_floats(ctx, bname, dtype, count, seed):
     b = _backend(ctx, bname, options=TINY if bname == "tiny" else None)
     rng = np.random.default_rng([seed, ctx.rank])
