@@ -31,6 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TARGET = os.path.join(HERE, "netlab_target.py")
+PROBE = os.path.join(HERE, "netlab_probe.py")
 SUBNET = "10.77.0"
 
 
@@ -221,6 +222,27 @@ def launch(lab, impl, args, port, out_path, verify=False):
         return json.load(f)
 
 
+def probe(lab, pattern, nbytes=16 << 20, reps=8, timeout=120):
+    """Raw TCP streams over the lab's links (bench/netlab_probe.py): each sending host's
+    goodput as a fraction of the link rate, in host order."""
+    start = time.time() + 2.0
+    procs = [lab.popen(i, [sys.executable, PROBE, "--host", str(i), "--hosts", str(lab.hosts),
+                           "--subnet", SUBNET, "--pattern", pattern, "--bytes", str(nbytes),
+                           "--reps", str(reps), "--start", str(start)],
+                       env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(lab.hosts if pattern == "ring" else 2)]
+    fractions = []
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        if p.returncode:
+            raise RuntimeError(f"netlab_probe failed (exit {p.returncode}):\n{out[-2000:]}")
+        for line in out.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                fractions.append(r["bytes"] * 8 / r["seconds"] / lab.bps)
+    return fractions
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", default="2", help="comma-separated host counts (default 2)")
@@ -234,16 +256,23 @@ def main(argv=None):
     ap.add_argument("--rdzv", choices=("static", "c10d"), default="static")
     ap.add_argument("--job-timeout", type=float, default=900)
     ap.add_argument("--json", help="write every sample here")
+    ap.add_argument("--probe", action="store_true",
+                    help="each round, first time raw TCP streams over the links (one way, "
+                    "and a ring: every link both ways) for the ceiling a library can reach")
     args = ap.parse_args(argv)
     why = missing()
     if why:
         print(f"netlab: skipped: {why}")
         return 0
-    runs = []
+    runs, probes = [], []
     port = 29600
     for hosts in [int(h) for h in args.hosts.split(",")]:
         with Lab(hosts, args.rate) as lab:
             for rnd in range(args.rounds):
+                if args.probe:
+                    for pattern in ("oneway", "ring"):
+                        probes.append({"hosts": hosts, "round": rnd, "pattern": pattern,
+                                       "fractions": probe(lab, pattern)})
                 for impl in args.impls.split(","):
                     port += 1
                     out = f"/tmp/netlab-{os.getpid()}-{impl}.json"
@@ -254,11 +283,14 @@ def main(argv=None):
                         runs.append(row)
                     os.unlink(out)
     report(runs, parse_rate(args.rate), args.ranks_per_host)
+    for p in probes:
+        print(f"raw TCP, {p['hosts']} hosts, round {p['round']}, {p['pattern']:<6}: "
+              f"{min(p['fractions']):.3f}-{max(p['fractions']):.3f} of the link rate")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rate": args.rate, "bps": parse_rate(args.rate),
                        "ranks_per_host": args.ranks_per_host, "cores": os.cpu_count(),
-                       "rows": runs}, f, indent=1)
+                       "rows": runs, "probes": probes}, f, indent=1)
     return 0
 
 

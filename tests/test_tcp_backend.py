@@ -282,6 +282,43 @@ def test_all_gather_reads_its_input_wherever_it_lies(n, where):
             np.testing.assert_array_equal(got, want)
 
 
+def reduce_scatter_placed(ctx, bname, count, where):
+    """reduce_scatter with the output apart from the input, as this rank's block of it or
+    overlapping another block; and a reduce, whose input stays as it was off the root."""
+    b = _backend(ctx, bname, options=TINY if bname == "tiny" else None)
+    n, r = ctx.world_size, ctx.rank
+    x = (np.arange(count * n, dtype=np.int32) % 1000) * (r + 1)
+    kept = x.copy()
+    if where == "apart":
+        out = np.full(count, -1, np.int32)
+    else:
+        at = r * count if where == "own" else ((r + 1) % n) * count + count // 2
+        at = min(at, count * n - count)
+        out = x[at:at + count]
+    b.reduce_scatter(_buf(D.INT32, out), _buf(D.INT32, x), D.SUM)
+    got = out.copy()
+    y = kept.copy()
+    b.reduce(_buf(D.INT32, y), D.SUM, 0)
+    return got, r == 0 or np.array_equal(y, kept), y if r == 0 else None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("where", ["apart", "own", "overlapping"])
+def test_reduce_scatter_reads_its_input_wherever_the_output_lies(n, where):
+    """The ring reduces this rank's block straight into the output and reads the input
+    where it is; an output that overlaps the input elsewhere works from a copy."""
+    scale = n * (n + 1) // 2
+    for bname in ("default", "tiny"):
+        count = 5001 if bname == "tiny" else 70001   # both past the direct exchange
+        total = (np.arange(count * n, dtype=np.int32) % 1000) * scale
+        res = pool_of(n).run(reduce_scatter_placed, bname, count, where)
+        for r, (got, kept, y) in enumerate(res):
+            np.testing.assert_array_equal(got, total[r * count:(r + 1) * count])
+            assert kept, f"reduce changed rank {r}'s input"
+        np.testing.assert_array_equal(res[0][2], total)
+
+
 def allreduce_random_floats(ctx, bname, dtype, count, seed):
     b = _backend(ctx, bname, options=TINY if bname == "tiny" else None)
     rng = np.random.default_rng([seed, ctx.rank])

@@ -24,62 +24,24 @@ static size_t seg_bytes(const tcp_engine *e, size_t blk)
     return seg ? seg : 1;
 }
 
-/* Ring reduce-scatter on W (count elements, n blocks): at step s this rank sends block
- * r-s+shift to the next rank and reduces block r-s-1+shift from the previous one, in
- * segments so that reducing segment k overlaps receiving k+1. Afterwards this rank
- * holds the full reduction of block r+1+shift. */
-static int ring_rs(tcp_engine *e, char *W, size_t count, int dtype, int op, size_t es, int shift,
-                   int step0, char *err, size_t errlen)
+/* Ring reduce-scatter (T = n - 1 steps) or all_reduce (T = 2(n - 1)) as one chain,
+ * pipelined by segments: at step t this rank receives block R(t) from the previous rank and
+ * sends block S(t) to the next, and S(t+1) = R(t) throughout (reduce-scatter steps, then
+ * all-gather steps), so segment j of step t+1 goes out as soon as segment j of step t is
+ * in (and, in the reduce-scatter, reduced): the ring streams, and no step waits for its
+ * slowest link. Blocks are counted from shift: step 0 sends block r + shift, and after the
+ * reduce-scatter this rank holds the full reduction of block r + 1 + shift.
+ * A reduce-scatter step reduces this rank's own part of the block, read from in, with
+ * what came (in that order) into W, the last step into `last` when given (a buffer of that
+ * block alone), so in is only read: all_reduce passes in == W, reduce and reduce_scatter
+ * their input as it is, with no copy of it. Reduce-scatter steps receive into two scratch
+ * halves in turn; all-gather steps straight into W. Every block has the same number of
+ * segments (split evenly: none is empty). Each block is reduced once, in the same order as
+ * the unsegmented ring, so the result is the same on every rank bit for bit. */
+static int ring_chain(tcp_engine *e, char *W, const char *in, char *last, size_t count,
+                      int dtype, int op, size_t es, int shift, int T, char *err, size_t errlen)
 {
     int n = e->size, r = e->rank, next = (r + 1) % n, prev = (r - 1 + n) % n;
-    size_t seg_el = e->seg / es;
-    if (!seg_el) seg_el = 1;
-    size_t maxblk = count / (size_t)n + 1;
-    if (maxblk / seg_el >= 65535) seg_el = maxblk / 65535 + 1;  /* segment index fits the tag */
-    size_t maxseg = (maxblk + seg_el - 1) / seg_el;
-    if (ensure_buf(&e->tmp, &e->tmp_cap, maxblk * es) || ensure_reqs(e, 2 * maxseg + 2))
-        return oom(err, errlen);
-    for (int s = 0; s < n - 1; s++) {
-        int sb = mod(r - s + shift, n), rb = mod(r - s - 1 + shift, n);
-        size_t soff = blk(count, n, sb), scnt = blk(count, n, sb + 1) - soff;
-        size_t roff = blk(count, n, rb), rcnt = blk(count, n, rb + 1) - roff;
-        int nrs = (int)((rcnt + seg_el - 1) / seg_el), nss = (int)((scnt + seg_el - 1) / seg_el);
-        int k = 0;
-        for (int j = 0; j < nrs; j++) {
-            size_t o = (size_t)j * seg_el, c = rcnt - o < seg_el ? rcnt - o : seg_el;
-            cset(e, k++, 0, prev, TAG(step0 + s, j), e->tmp + o * es, c * es);
-        }
-        for (int j = 0; j < nss; j++) {
-            size_t o = (size_t)j * seg_el, c = scnt - o < seg_el ? scnt - o : seg_el;
-            cset(e, k++, 1, next, TAG(step0 + s, j), W + (soff + o) * es, c * es);
-        }
-        cpost(e, 0, k);
-        for (int j = 0; j < nrs; j++) {
-            if (cwait(e, j, j + 1, err, errlen)) {
-                cancel_range(e, 0, k);
-                return -1;
-            }
-            size_t o = (size_t)j * seg_el, c = rcnt - o < seg_el ? rcnt - o : seg_el;
-            coll_reduce(W + (roff + o) * es, e->tmp + o * es, c, dtype, op);
-        }
-        if (cwait(e, nrs, k, err, errlen)) return -1;
-    }
-    return 0;
-}
-
-/* Ring all_reduce as one chain of 2(n-1) steps, pipelined by segments: at step t this
- * rank receives block R(t) from the previous rank and sends block S(t) to the next, and
- * S(t+1) = R(t) throughout (reduce-scatter steps, then all-gather steps), so segment j of
- * step t+1 goes out as soon as segment j of step t is in (and, in the reduce-scatter,
- * reduced): the ring streams, and no step waits for its slowest link. Reduce-scatter
- * steps receive into two scratch halves in turn; all-gather steps straight into W. Every
- * block has the same number of segments (split evenly: none is empty). Each block is
- * reduced once, in the same order as the unsegmented ring, so the result is the same on
- * every rank bit for bit. */
-static int ring_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int op, size_t es,
-                          char *err, size_t errlen)
-{
-    int n = e->size, r = e->rank, next = (r + 1) % n, prev = (r - 1 + n) % n, T = 2 * (n - 1);
     size_t minblk = count / (size_t)n, maxblk = minblk + 1;
     size_t segb = seg_bytes(e, maxblk * es);
     size_t S = (maxblk * es + segb - 1) / segb;
@@ -88,7 +50,7 @@ static int ring_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int o
     if (ensure_buf(&e->tmp, &e->tmp_cap, 2 * maxblk * es) ||
         ensure_reqs(e, 2 * (size_t)T * S + 2))
         return oom(err, errlen);
-#define RB(t) ((t) < n - 1 ? mod(r - (t) - 1, n) : mod(r - ((t) - (n - 1)), n))
+#define RB(t) mod(((t) < n - 1 ? r - (t) - 1 : r - ((t) - (n - 1))) + shift, n)
 #define SEG(b, j, off, c) do { size_t b0_ = blk(count, n, (b)), bc_ = blk(count, n, (b) + 1) - b0_; \
         (off) = b0_ + blk(bc_, (int)S, (int)(j)); (c) = b0_ + blk(bc_, (int)S, (int)(j) + 1) - (off); } while (0)
     int RECV0 = 0, SEND0 = T * (int)S;
@@ -107,12 +69,12 @@ static int ring_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int o
         }
         cpost(e, RECV0 + t * (int)S, RECV0 + (t + 1) * (int)S);
     }
-    {   /* step 0 sends this rank's own block r */
-        int b = mod(r, n);
+    {   /* step 0 sends this rank's own block r + shift */
+        int b = mod(r + shift, n);
         for (size_t j = 0; j < S; j++) {
             size_t off, c;
             SEG(b, j, off, c);
-            cset(e, SEND0 + (int)j, 1, next, TAG(0, j), W + off * es, c * es);
+            cset(e, SEND0 + (int)j, 1, next, TAG(0, j), (char *)in + off * es, c * es);
         }
         cpost(e, SEND0, SEND0 + (int)S);
     }
@@ -125,13 +87,14 @@ static int ring_allreduce(tcp_engine *e, char *W, size_t count, int dtype, int o
                 break;
             size_t off, c;
             SEG(b, j, off, c);
+            size_t at = off - blk(count, n, b);
+            char *dst = last && t == n - 2 ? last + at * es : W + off * es;
             if (t < n - 1)
-                coll_reduce(W + off * es,
-                            e->tmp + ((size_t)(t & 1) * maxblk + off - blk(count, n, b)) * es,
-                            c, dtype, op);
+                coll_reduce3(dst, in + off * es, e->tmp + ((size_t)(t & 1) * maxblk + at) * es,
+                             c, dtype, op);
             if (t + 1 < T) {
                 int k = SEND0 + (t + 1) * (int)S + (int)j;
-                cset(e, k, 1, next, TAG(t + 1, j), W + off * es, c * es);
+                cset(e, k, 1, next, TAG(t + 1, j), dst, c * es);
                 cpost(e, k, k + 1);
             }
         }
@@ -503,7 +466,8 @@ int tcp_allreduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, uin
     else if (e->size <= e->direct_world)
         rc = direct_allreduce(e, buf, count, dtype, op, es, err, errlen);
     else {
-        rc = ring_allreduce(e, buf, count, dtype, op, es, err, errlen);
+        rc = ring_chain(e, buf, buf, NULL, count, dtype, op, es, 0, 2 * (e->size - 1), err,
+                        errlen);
     }
     return coll_end(e, rc, err, errlen);
 }
@@ -521,15 +485,17 @@ int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int ro
     if (coll_begin(e, K_REDUCE, fp, err, errlen)) return -1;
     size_t nb = count * es;
     int rc = 0;
+    /* a rank other than root reduces into scratch, leaving buf as it was (the tree from a
+     * copy of it; the ring reads it where it is) */
+    int tree = nb <= e->tree_max || count < (size_t)n;
     char *acc = buf;
     if (r != root) {
         if (ensure_buf(&e->scratch, &e->scratch_cap, nb)) rc = oom(err, errlen);
         else {
             acc = e->scratch;
-            memcpy(acc, buf, nb);
+            if (tree) memcpy(acc, buf, nb);
         }
     }
-    int tree = nb <= e->tree_max || count < (size_t)n;
     if (!rc && tree) {  /* leaves only send: fingerprint frames (the ring hears everyone) */
         links_clear(e);
         tree_links(e, root, e->data_to, e->data_from);
@@ -552,7 +518,7 @@ int tcp_reduce(tcp_engine *e, void *buf, size_t count, int dtype, int op, int ro
             }
         }
     } else {
-        rc = ring_rs(e, acc, count, dtype, op, es, 0, 0, err, errlen);
+        rc = ring_chain(e, acc, buf, NULL, count, dtype, op, es, 0, n - 1, err, errlen);
         if (!rc) {
             /* this rank holds block r+1; send it to root */
             if (ensure_reqs(e, (size_t)n + 2)) rc = oom(err, errlen);
@@ -757,12 +723,18 @@ int tcp_reduce_scatter(tcp_engine *e, void *out, const void *in, size_t count, i
             }
         }
     } else {
+        /* the ring reads in where it is and reduces this rank's block straight into out,
+         * unless out overlaps in other than as exactly that block: then from a copy */
+        const char *src = in, *o = out;
+        int apart = o + nb <= src || o >= src + nb * (size_t)n || o == src + (size_t)r * nb;
         if (ensure_buf(&e->scratch, &e->scratch_cap, nb * (size_t)n)) rc = oom(err, errlen);
-        if (!rc) {
+        if (!rc && !apart) {
             memcpy(e->scratch, in, nb * (size_t)n);
-            rc = ring_rs(e, e->scratch, count * (size_t)n, dtype, op, es, -1, 0, err, errlen);
+            src = e->scratch;
         }
-        if (!rc) memcpy(out, e->scratch + (size_t)r * nb, nb);
+        if (!rc)
+            rc = ring_chain(e, e->scratch, src, out, count * (size_t)n, dtype, op, es, -1, n - 1,
+                            err, errlen);
     }
     return coll_end(e, rc, err, errlen);
 }
