@@ -751,7 +751,15 @@ int tcp_alltoall(tcp_engine *e, void *out, const void *in, const size_t *out_byt
     myo = ooff;
     myi = ioff;
     size_t own = in_bytes[r] < out_bytes[r] ? in_bytes[r] : out_bytes[r];
-    if (own && (char *)out + myo != (const char *)in + myi)
+    size_t otot = 0, itot = 0;
+    for (int j = 0; j < n; j++) {
+        otot += out_bytes[j];
+        itot += in_bytes[j];
+    }
+    /* this rank's own block is copied while the exchange runs when in and out lie apart
+     * (the receives write into out), else ahead of it */
+    int later = n > 1 && ((char *)out + otot <= (const char *)in || (const char *)in + itot <= (char *)out);
+    if (own && !later && (char *)out + myo != (const char *)in + myi)
         memmove((char *)out + myo, (const char *)in + myi, own);
     if (n == 1) return 0;
     if (coll_begin(e, K_ALLTOALL, fp, err, errlen)) return -1;
@@ -777,7 +785,9 @@ int tcp_alltoall(tcp_engine *e, void *out, const void *in, const size_t *out_byt
                 cset(e, k++, 1, to, TAG(0, 0), (const char *)in + io[to], in_bytes[to])->aux = out_bytes[to];
             }
             free(oo);
-            rc = cxfer(e, k, err, errlen);
+            cpost(e, 0, k);
+            if (own && later) memcpy((char *)out + myo, (const char *)in + myi, own);
+            rc = cwait(e, 0, k, err, errlen);
         }
     }
     if (!rc && n > 2) {
