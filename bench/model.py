@@ -84,6 +84,10 @@ def rounds(algo, n, s):
         return [(1, n - 1, (n - 1) * s, 0)]
     if algo == "ring_gather":
         return [(n - 1, 1, s, 0)]
+    if algo == "direct_rs":              # n-1 blocks out of each host, then all reduced
+        return [(1, n - 1, (n - 1) * s, (n - 1) * s)]
+    if algo == "ring_rs":                # each step reduces the block that came in
+        return [(n - 1, 1, s, s)]
     if algo == "bruck":                  # all_gather in log2 n rounds, doubling
         return [(1, 1, s * 2 ** i, 0) for i in range(_log2c(n))]
     if algo == "direct_a2a":
@@ -106,8 +110,10 @@ def choose(op, n, s):
         return "direct_ar" if n <= DIRECT_WORLD_HOSTS else "ring_ar"  # hosts, not one host
     if op == "broadcast":
         return "cube" if (s <= TREE_MAX or n == 2) else "chain"
-    if op in ("all_gather", "reduce_scatter"):
+    if op == "all_gather":
         return "direct_gather" if s * n <= DIRECT_MAX else "ring_gather"
+    if op == "reduce_scatter":
+        return "direct_rs" if s * n <= DIRECT_MAX else "ring_rs"
     if op == "all_to_all":
         return "direct_a2a"
     raise ValueError(f"unknown op {op!r}")
@@ -115,12 +121,12 @@ def choose(op, n, s):
 
 # the engine's algorithms that stream by segments, so that a round's CPU work overlaps its
 # wire time; the others send, then reduce (tcp_algorithms.c)
-PIPELINED = frozenset({"ring_ar", "direct_ar", "ring_gather", "chain"})
+PIPELINED = frozenset({"ring_ar", "direct_ar", "ring_gather", "ring_rs", "chain"})
 
 ALTERNATIVES = {"all_reduce": ["rd", "direct_ar", "ring_ar", "rabenseifner"],
                 "broadcast": ["cube", "chain", "scatter_ag"],
                 "all_gather": ["direct_gather", "ring_gather", "bruck"],
-                "reduce_scatter": ["direct_gather", "ring_gather"],
+                "reduce_scatter": ["direct_rs", "ring_rs"],
                 "all_to_all": ["direct_a2a"]}
 
 

@@ -259,7 +259,17 @@ def main(argv=None):
     ap.add_argument("--probe", action="store_true",
                     help="each round, first time raw TCP streams over the links (one way, "
                     "and a ring: every link both ways) for the ceiling a library can reach")
+    ap.add_argument("--csv", help="write the medians for bench/plot.py here")
+    ap.add_argument("--report", help="comma-separated --json files of earlier runs: report "
+                    "them together (and --csv) instead of running")
     args = ap.parse_args(argv)
+    if args.report:
+        rows, probes, bps, rph = from_json(args.report.split(","))
+        report(rows, bps, rph)
+        report_probes(probes)
+        if args.csv:
+            write_csv(rows, bps, args.csv, rph)
+        return 0
     why = missing()
     if why:
         print(f"netlab: skipped: {why}")
@@ -283,9 +293,9 @@ def main(argv=None):
                         runs.append(row)
                     os.unlink(out)
     report(runs, parse_rate(args.rate), args.ranks_per_host)
-    for p in probes:
-        print(f"raw TCP, {p['hosts']} hosts, round {p['round']}, {p['pattern']:<6}: "
-              f"{min(p['fractions']):.3f}-{max(p['fractions']):.3f} of the link rate")
+    report_probes(probes)
+    if args.csv:
+        write_csv(runs, parse_rate(args.rate), args.csv, args.ranks_per_host)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rate": args.rate, "bps": parse_rate(args.rate),
@@ -294,23 +304,62 @@ def main(argv=None):
     return 0
 
 
-def report(rows, bps, ranks_per_host=1):
-    """One line per (hosts, op, size): median time per impl, fraction of the link bound,
-    collectives / torch."""
-    cells = {}
+def cells(rows):
+    """{(hosts, op, nbytes): {impl: [each launch's median us]}}."""
+    out = {}
     for r in rows:
-        cells.setdefault((r["hosts"], r["op"], r["nbytes"]), {}).setdefault(r["impl"], []).append(
+        out.setdefault((r["hosts"], r["op"], r["nbytes"]), {}).setdefault(r["impl"], []).append(
             r["us"])
+    return out
+
+
+def report(rows, bps, ranks_per_host=1):
+    """One line per (hosts, op, size) and impl: the median over launches of the time per
+    call, its fraction of the link bound (and the launches' range of it), collectives /
+    torch."""
     print(f"{'hosts':>5} {'op':<15} {'bytes':>10} {'impl':<12} {'us':>11} {'of bound':>9} "
-          f"{'vs torch':>9}")
-    for (hosts, op, nbytes), impls in sorted(cells.items()):
+          f"{'launches':>12} {'vs torch':>9}")
+    for (hosts, op, nbytes), impls in sorted(cells(rows).items()):
         b = bound_s(op, hosts, nbytes, bps, ranks_per_host) * 1e6
         torch_us = statistics.median(impls["torch"]) if "torch" in impls else None
         for impl, us in sorted(impls.items()):
             m = statistics.median(us)
             frac = f"{b / m:.3f}" if b else "-"
+            spread = f"{b / max(us):.3f}-{b / min(us):.3f}" if b else "-"
             ratio = f"{m / torch_us:.2f}" if torch_us and impl != "torch" else ""
-            print(f"{hosts:>5} {op:<15} {nbytes:>10} {impl:<12} {m:>11.1f} {frac:>9} {ratio:>9}")
+            print(f"{hosts:>5} {op:<15} {nbytes:>10} {impl:<12} {m:>11.1f} {frac:>9} "
+                  f"{spread:>12} {ratio:>9}")
+
+
+def report_probes(probes):
+    for p in probes:
+        print(f"raw TCP, {p['hosts']} hosts, round {p['round']}, {p['pattern']:<6}: "
+              f"{min(p['fractions']):.3f}-{max(p['fractions']):.3f} of the link rate")
+
+
+def write_csv(rows, bps, path, ranks_per_host=1):
+    """bench/plot.py's layout: the median time per call and the busiest link's GB/s."""
+    with open(path, "w") as f:
+        f.write("world,op,size_bytes,impl,us,busbw_gbs\n")
+        for (hosts, op, nbytes), impls in sorted(cells(rows).items()):
+            for impl, us in sorted(impls.items()):
+                m = statistics.median(us)
+                gbs = link_bytes(op, hosts, nbytes, ranks_per_host) / m / 1e3
+                f.write(f"{hosts},{op},{nbytes},{impl}:gloo,{m:.1f},{gbs:.4f}\n")
+
+
+def from_json(paths):
+    """The rows, probes, rate and ranks per host of earlier runs' --json files."""
+    rows, probes, bps, rph = [], [], None, None
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        if bps not in (None, d["bps"]) or rph not in (None, d["ranks_per_host"]):
+            raise SystemExit(f"{path}: another rate or ranks per host than the files before it")
+        bps, rph = d["bps"], d["ranks_per_host"]
+        rows += d["rows"]
+        probes += d.get("probes", [])
+    return rows, probes, bps, rph
 
 
 if __name__ == "__main__":

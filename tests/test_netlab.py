@@ -7,6 +7,7 @@ that nothing of the lab is left afterwards. It needs root, ``ip``, ``tc`` and
 (they are bench/netlab.py's to report).
 """
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -47,6 +48,12 @@ def test_the_model_chooses_as_the_engine_does():
     assert placement_defaults(True, 2).get("allreduce_rd_max", model.RD_MAX) == model.RD_MAX
     assert model.choose("all_reduce", 4, 128 << 10) == "ring_ar"
     assert model.choose("all_reduce", 2, 64 << 10) == "rd"
+    # reduce_scatter's ring reduces what comes in: gamma counts there, not in all_gather's
+    assert model.choose("reduce_scatter", 4, 1 << 20) == "ring_rs"
+    assert model.choose("reduce_scatter", 4, 1 << 10) == "direct_rs"
+    p = model.Params(gamma=5e-9)
+    assert model.predict("reduce_scatter", 4, 1 << 20, p, 1e9, share=0.1) > \
+        model.predict("all_gather", 4, 1 << 20, p, 1e9, share=0.1)
     # across hosts the engine takes the ring (the lab job's verify checks that it does)
     assert model.choose("all_reduce", 4, 16 << 20) == "ring_ar"
 
@@ -121,9 +128,53 @@ def test_a_job_over_rate_limited_links_is_correct_and_the_lab_is_removed(tmp_pat
         names = list(lab.names) + [lab.switch]
         res = netlab.launch(lab, "collectives", args, 29721, str(tmp_path / "out.json"),
                             verify=True)
+        if ranks_per_host == 1:  # raw TCP streams: one fraction per sending host
+            ring = netlab.probe(lab, "ring", nbytes=1 << 20, reps=2)
+            oneway = netlab.probe(lab, "oneway", nbytes=1 << 20, reps=2)
+            assert len(ring) == hosts and len(oneway) == 1, (ring, oneway)
+            # 200 Mbit/s links: a stream cannot pass the rate (beyond a bucket's burst)
+            assert all(0.2 < f < 1.2 for f in ring + oneway), (ring, oneway)
     assert res["bad"] == [], res["bad"]
     assert {r["op"] for r in res["rows"]} == set(OPS.split(","))
     assert all(r["world"] == hosts * ranks_per_host and r["us"] > 0 for r in res["rows"]), \
         res["rows"]
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n in left for n in names), left
+
+
+def test_the_report_joins_runs_and_writes_the_plots_csv(tmp_path, capsys):
+    """--report takes the medians over every launch of the files given, with the launches'
+    range of the fraction of the bound; --csv writes bench/plot.py's layout."""
+    def run(us_c, us_t):
+        rows = [{"hosts": 2, "op": "broadcast", "nbytes": 1 << 20, "impl": "collectives",
+                 "us": us_c, "round": 0},
+                {"hosts": 2, "op": "broadcast", "nbytes": 1 << 20, "impl": "torch",
+                 "us": us_t, "round": 0}]
+        return {"rate": "1gbit", "bps": 1e9, "ranks_per_host": 1, "cores": 2, "rows": rows,
+                "probes": [{"hosts": 2, "round": 0, "pattern": "ring", "fractions": [0.9, 0.95]}]}
+    paths = []
+    for i, (c, t) in enumerate(((10000.0, 20000.0), (12000.0, 20000.0), (11000.0, 22000.0))):
+        paths.append(str(tmp_path / f"run{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(run(c, t), f)
+    csv_path = tmp_path / "out.csv"
+    assert netlab.main(["--report", ",".join(paths), "--csv", str(csv_path)]) == 0
+    out = capsys.readouterr().out
+    bound_us = (1 << 20) * 8 / 1e9 * 1e6
+    line = next(x for x in out.splitlines() if "collectives" in x).split()
+    assert float(line[4]) == 11000.0                       # the median launch
+    assert line[5] == f"{bound_us / 11000:.3f}"
+    assert line[6] == f"{bound_us / 12000:.3f}-{bound_us / 10000:.3f}"
+    assert line[7] == "0.55"                               # 11000 / 20000
+    assert "raw TCP, 2 hosts, round 0, ring  : 0.900-0.950" in out
+    rows = csv_path.read_text().splitlines()
+    assert rows[0] == "world,op,size_bytes,impl,us,busbw_gbs"
+    assert rows[1] == f"2,broadcast,1048576,collectives:gloo,11000.0,{(1 << 20) / 11000 / 1e3:.4f}"
+    with open(paths[0]) as f:
+        other = json.load(f)
+    other["bps"] = 1e10
+    with open(paths[0], "w") as f:
+        json.dump(other, f)
+    with pytest.raises(SystemExit, match="another rate"):
+        netlab.main(["--report", ",".join(paths)])
+

@@ -313,7 +313,7 @@ def test_reduce_scatter_reads_its_input_wherever_the_output_lies(n, where):
         count = 5001 if bname == "tiny" else 70001   # both past the direct exchange
         total = (np.arange(count * n, dtype=np.int32) % 1000) * scale
         res = pool_of(n).run(reduce_scatter_placed, bname, count, where)
-        for r, (got, kept, y) in enumerate(res):
+        for r, (got, kept, _) in enumerate(res):
             np.testing.assert_array_equal(got, total[r * count:(r + 1) * count])
             assert kept, f"reduce changed rank {r}'s input"
         np.testing.assert_array_equal(res[0][2], total)
