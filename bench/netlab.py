@@ -13,8 +13,10 @@ netem). Needs root, iproute2's ``ip`` and ``tc``; :func:`missing` says why not.
 runs bench/netlab_target.py on every host with ``collectives-run`` (static or c10d
 rendezvous) and torch's gloo with ``torchrun``, launches alternating, and prints each
 (op, size): the median time per call, the fraction of the link bound reached, and
-collectives / torch gloo. ``--json FILE`` keeps the run for bench/model.py's calibration
-and for bench/plot scripts. Every namespace is deleted on exit, on an error and on
+collectives / torch gloo. ``--probe`` first times raw TCP streams over the same links
+(bench/netlab_probe.py), the ceiling of the moment. ``--json FILE`` keeps the run for
+bench/model.py's calibration; ``--report`` reports such files together, ``--csv`` writes
+the medians for bench/plot.py. Every namespace is deleted on exit, on an error and on
 SIGINT/SIGTERM.
 """
 import argparse
