@@ -78,6 +78,39 @@ def _buf(dtype, arr):
     return Buffer(arr.__array_interface__["data"][0], arr.size, dtype, -1, arr)
 
 
+def test_a_socket_buffer_above_the_kernels_cap_is_left_to_the_kernels_tuning(monkeypatch):
+    """A buffer set explicitly stops the kernel's tuning and is cut to net.core.*mem_max:
+    the transport sets it only where the kernel allows the size asked for."""
+    import socket
+
+    from collectives.backends import mesh
+    want = 1 << 20
+    cases = (({"wmem_max": 4 << 20, "rmem_max": 4 << 20}, (True, True)),
+             ({"wmem_max": 212992, "rmem_max": 4 << 20}, (False, True)),
+             ({"wmem_max": 4 << 20, "rmem_max": 212992}, (True, False)),
+             ({}, (True, True)))  # caps unknown (not Linux): set as asked
+    class Spy:
+        """A socket that records the buffer options set on it."""
+        def __init__(self, sock):
+            self.sock, self.set = sock, []
+
+        def setsockopt(self, level, opt, value):
+            if level == socket.SOL_SOCKET:
+                self.set.append((opt, value))
+            self.sock.setsockopt(level, opt, value)
+
+    for caps, expect_set in cases:
+        monkeypatch.setattr(mesh, "_kernel_cap", caps.get)
+        with socket.socket() as sock:
+            spy = Spy(sock)
+            mesh._tune_socket(spy, want)
+        set_opts = spy.set
+        got = (any(o == socket.SO_SNDBUF for o, _ in set_opts),
+               any(o == socket.SO_RCVBUF for o, _ in set_opts))
+        assert got == expect_set, caps
+        assert all(v == want for _, v in set_opts)
+
+
 def connect_with_version(ctx, name, versions):
     from collectives.backends.tcp import connect_mesh
     from collectives.errors import DistNetworkError

@@ -113,10 +113,27 @@ def _family(host):
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+def _kernel_cap(name):
+    """net.core.<name> (wmem_max, rmem_max): the most a socket option may ask for, or None
+    where it cannot be read (not Linux)."""
+    try:
+        with open(f"/proc/sys/net/core/{name}") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def _tune_socket(sock, bufsize):
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if bufsize > 0:
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        for opt, cap in ((socket.SO_SNDBUF, "wmem_max"), (socket.SO_RCVBUF, "rmem_max")):
+            # Setting a buffer turns off the kernel's tuning of it; above the kernel's cap
+            # (212992 B by default on Linux) it would be cut to the cap, smaller than
+            # what the kernel's tuning grows to on a fast link (tcp_wmem/tcp_rmem): keep
+            # the tuning instead.
+            limit = _kernel_cap(cap)
+            if limit is not None and limit < bufsize:
+                continue
             try:
                 sock.setsockopt(socket.SOL_SOCKET, opt, bufsize)
             except OSError:

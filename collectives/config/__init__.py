@@ -142,7 +142,9 @@ SETTINGS = (
     _s("COLLECTIVES_TCP_SPIN_US", "int", 20,
        "How long a TCP wait polls before it blocks.", unit="us", read_in="backends/tcp.py, backends/mesh.py"),
     _s("COLLECTIVES_TCP_SOCKBUF", "int", 4 * MiB,
-       "Socket send/receive buffer size; 0 keeps the operating system's default.",
+       "Socket send/receive buffer size; 0 keeps the operating system's default. A size "
+       "above the kernel's cap (net.core.wmem_max / rmem_max) is not set, so the kernel "
+       "keeps tuning that buffer itself instead of cutting it to the cap.",
        unit="bytes", read_in="backends/tcp.py, backends/mesh.py"),
     _s("COLLECTIVES_TCP_RD_MAX", "int", 64 * KiB,
        "all_reduce uses recursive doubling up to this size, reduce-scatter + all-gather above. "
