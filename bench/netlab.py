@@ -267,10 +267,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.report:
         rows, probes, bps, rph = from_json(args.report.split(","))
-        report(rows, bps, rph)
-        report_probes(probes)
-        if args.csv:
-            write_csv(rows, bps, args.csv, rph)
+        summarize(rows, probes, bps, rph, args.csv)
         return 0
     why = missing()
     if why:
@@ -294,10 +291,7 @@ def main(argv=None):
                                    ranks_per_host=args.ranks_per_host)
                         runs.append(row)
                     os.unlink(out)
-    report(runs, parse_rate(args.rate), args.ranks_per_host)
-    report_probes(probes)
-    if args.csv:
-        write_csv(runs, parse_rate(args.rate), args.csv, args.ranks_per_host)
+    summarize(runs, probes, parse_rate(args.rate), args.ranks_per_host, args.csv)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rate": args.rate, "bps": parse_rate(args.rate),
@@ -333,13 +327,17 @@ def report(rows, bps, ranks_per_host=1):
                   f"{spread:>12} {ratio:>9}")
 
 
-def report_probes(probes):
+def summarize(rows, probes, bps, ranks_per_host, csv_path=None):
+    """A run's or earlier runs' report, the raw TCP probes after it, and the CSV."""
+    report(rows, bps, ranks_per_host)
     for p in probes:
         print(f"raw TCP, {p['hosts']} hosts, round {p['round']}, {p['pattern']:<6}: "
               f"{min(p['fractions']):.3f}-{max(p['fractions']):.3f} of the link rate")
+    if csv_path:
+        write_csv(rows, csv_path, ranks_per_host)
 
 
-def write_csv(rows, bps, path, ranks_per_host=1):
+def write_csv(rows, path, ranks_per_host=1):
     """bench/plot.py's layout: the median time per call and the busiest link's GB/s."""
     with open(path, "w") as f:
         f.write("world,op,size_bytes,impl,us,busbw_gbs\n")

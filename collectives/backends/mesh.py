@@ -6,6 +6,7 @@ an interface's address, whether a host is loopback).
 The TCP engine (``collectives._tcp``) takes the connected sockets from here.
 """
 import fcntl
+import functools
 import ipaddress
 import os
 import secrets
@@ -113,9 +114,10 @@ def _family(host):
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel_cap(name):
     """net.core.<name> (wmem_max, rmem_max): the most a socket option may ask for, or None
-    where it cannot be read (not Linux)."""
+    where it cannot be read (not Linux). Read once per process, not once per peer."""
     try:
         with open(f"/proc/sys/net/core/{name}") as f:
             return int(f.read())

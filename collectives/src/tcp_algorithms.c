@@ -7,6 +7,14 @@ static int oom(char *err, size_t errlen)
     return -1;
 }
 
+/* Whether [a, a + na) and [b, b + nb) share no byte: a collective whose input lies apart
+ * from its output may send from the input while receives write into the output. */
+static int disjoint(const void *a, size_t na, const void *b, size_t nb)
+{
+    const char *x = a, *y = b;
+    return x + na <= y || y + nb <= x;
+}
+
 /* The segment of a pipelined step's block of `blk` bytes: the block over seg_split (an
  * eighth over links; whole on one host, where a segment buys no overlap with a link and
  * costs a wake-up), at least 64 KiB, at most the segment setting (COLLECTIVES_TCP_SEGMENT),
@@ -601,7 +609,7 @@ int tcp_allgather(tcp_engine *e, void *out, const void *in, size_t nb, uint64_t 
     const char *mine = in;
     /* Copied ahead unless the ring can copy it while sending (in apart from out, which
      * the transfer writes into). */
-    int apart = mine + nb <= o || mine >= o + (size_t)n * nb;
+    int apart = disjoint(mine, nb, o, (size_t)n * nb);
     int ring = n > 1 && nb * (size_t)n > e->direct_max;
     if (!(ring && apart) && mine != o + (size_t)r * nb) memmove(o + (size_t)r * nb, in, nb);
     if (n == 1) return 0;
@@ -724,10 +732,12 @@ int tcp_reduce_scatter(tcp_engine *e, void *out, const void *in, size_t count, i
         }
     } else {
         /* the ring reads in where it is and reduces this rank's block straight into out,
-         * unless out overlaps in other than as exactly that block: then from a copy */
+         * unless out overlaps in other than as exactly that block: then from a copy.
+         * Scratch holds the blocks reduced on the way (none at 2 ranks), or the copy. */
         const char *src = in, *o = out;
-        int apart = o + nb <= src || o >= src + nb * (size_t)n || o == src + (size_t)r * nb;
-        if (ensure_buf(&e->scratch, &e->scratch_cap, nb * (size_t)n)) rc = oom(err, errlen);
+        int apart = disjoint(o, nb, src, nb * (size_t)n) || o == src + (size_t)r * nb;
+        if ((n > 2 || !apart) && ensure_buf(&e->scratch, &e->scratch_cap, nb * (size_t)n))
+            rc = oom(err, errlen);
         if (!rc && !apart) {
             memcpy(e->scratch, in, nb * (size_t)n);
             src = e->scratch;
@@ -758,7 +768,7 @@ int tcp_alltoall(tcp_engine *e, void *out, const void *in, const size_t *out_byt
     }
     /* this rank's own block is copied while the exchange runs when in and out lie apart
      * (the receives write into out), else ahead of it */
-    int later = n > 1 && ((char *)out + otot <= (const char *)in || (const char *)in + itot <= (char *)out);
+    int later = n > 1 && disjoint(out, otot, in, itot);
     if (own && !later && (char *)out + myo != (const char *)in + myi)
         memmove((char *)out + myo, (const char *)in + myi, own);
     if (n == 1) return 0;
