@@ -4,7 +4,9 @@
 the others serve it. See docs/master-worker.md.
 """
 from .master import RemoteError, init_master_worker, is_master_worker_initialized, shutdown
-from .registry import register_function
+from .dispatch import call
+from .modules import RemoteModule, RemoteOptimizer, optim, to_node
+from .registry import register_function, register_module
 from .streams import (
     Event, all_gather, all_reduce, broadcast, enable_dist_send, manual_seed, remote, rpc_async,
     rpc_sync, synchronize, worker_stats)
@@ -15,7 +17,8 @@ from .tensor import (
 
 __all__ = [
     "RemoteError", "init_master_worker", "is_master_worker_initialized", "shutdown",
-    "register_function", "Event", "all_gather", "all_reduce", "broadcast", "enable_dist_send",
+    "register_function", "register_module", "call", "to_node", "optim", "RemoteModule",
+    "RemoteOptimizer", "Event", "all_gather", "all_reduce", "broadcast", "enable_dist_send",
     "manual_seed", "remote", "rpc_async", "rpc_sync", "synchronize", "worker_stats",
     "BFloat16Tensor", "BoolTensor", "ByteTensor", "CharTensor", "DoubleTensor", "FloatTensor",
     "HalfTensor", "IntTensor", "LongTensor", "RemoteTensor", "ShortTensor", "current_node",

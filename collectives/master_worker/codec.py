@@ -2,8 +2,11 @@
 
 A command is an opcode and plain data: None, bool, int (64-bit), float, complex, str,
 bytes, tuple/list, dict with str keys, slice, Ellipsis, a handle reference (an id on the
-receiving node) and NumPy arrays (dtype name, shape, bytes). Decoding builds only those
-types: nothing from the wire names code to run (no pickle, no marshal).
+receiving node), NumPy arrays (dtype name, shape, bytes), a tensor by value (an array, its
+dtype name and requires_grad) and a named constant (``Const('dtype:float32')``,
+``Const('device:cuda:0')``...: the receiver maps the name through its own table).
+Decoding builds only those types: nothing from the wire names code to run (no pickle, no
+marshal).
 """
 import struct
 
@@ -17,6 +20,7 @@ _U = struct.Struct("<I")
 # one-byte tags
 _NONE, _TRUE, _FALSE, _INT, _FLOAT, _COMPLEX, _STR, _BYTES = b"NTFidcsb"
 _TUPLE, _LIST, _DICT, _SLICE, _ELLIPSIS, _HANDLE, _ARRAY = b"()}:ehA"
+_CONST, _TENSOR = b"KV"
 _ARRAY_DTYPES = frozenset(("bool", "uint8", "int8", "int16", "int32", "int64", "uint16",
                            "uint32", "uint64", "float16", "float32", "float64", "complex64",
                            "complex128"))
@@ -39,6 +43,38 @@ class Ref:
 
     def __repr__(self):
         return f"Ref({self.hid})"
+
+
+class Const:
+    """A named constant of the array library (a dtype, device, layout or memory format),
+    as ``'<kind>:<name>'``; the receiver looks the name up in a fixed table."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def __eq__(self, other):
+        return isinstance(other, Const) and other.name == self.name
+
+    def __hash__(self):
+        return hash(("Const", self.name))
+
+    def __repr__(self):
+        return f"Const({self.name!r})"
+
+
+class TensorValue:
+    """A local tensor sent by value: a NumPy array (bfloat16 travels as its uint16 bits),
+    the tensor's dtype name and whether it requires grad."""
+
+    __slots__ = ("array", "dtype", "requires_grad")
+
+    def __init__(self, array, dtype, requires_grad=False):
+        self.array, self.dtype, self.requires_grad = array, dtype, requires_grad
+
+    def __repr__(self):
+        return f"TensorValue({self.dtype}, shape={self.array.shape})"
 
 
 class CodecError(ValueError):
@@ -137,6 +173,18 @@ def _enc_ref(v, out, depth):
     out += _I.pack(v.hid)
 
 
+def _enc_const(v, out, depth):
+    out.append(_CONST)
+    _enc_str(v.name, out, depth)
+
+
+def _enc_tensor(v, out, depth):
+    out.append(_TENSOR)
+    _enc_array(v.array, out, depth)
+    _enc_str(v.dtype, out, depth)
+    _enc_bool(v.requires_grad, out, depth)
+
+
 def _enc_array(v, out, depth):
     name = v.dtype.name
     if name not in _ARRAY_DTYPES:
@@ -153,7 +201,7 @@ _ENCODERS = {type(None): _enc_none, bool: _enc_bool, np.bool_: _enc_bool, int: _
              float: _enc_float, complex: _enc_complex, str: _enc_str, bytes: _enc_bytes,
              bytearray: _enc_bytes, tuple: _enc_seq, list: _enc_seq, dict: _enc_dict,
              slice: _enc_slice, type(Ellipsis): _enc_ellipsis, Ref: _enc_ref,
-             np.ndarray: _enc_array}
+             np.ndarray: _enc_array, Const: _enc_const, TensorValue: _enc_tensor}
 
 
 def _enc_other(v, out, depth):
@@ -243,6 +291,18 @@ def _dec(m, p, depth):
             raise CodecError("truncated message")
         a = np.frombuffer(bytes(m[p:p + n]), dtype=name).reshape(shape).copy()
         return a, p + n
+    if tag == _CONST:
+        name, p = _dec(m, p, depth + 1)
+        if type(name) is not str:
+            raise CodecError("malformed constant in message")
+        return Const(name), p
+    if tag == _TENSOR:
+        a, p = _dec(m, p, depth + 1)
+        dt, p = _dec(m, p, depth + 1)
+        rg, p = _dec(m, p, depth + 1)
+        if type(a) is not np.ndarray or type(dt) is not str or type(rg) is not bool:
+            raise CodecError("malformed tensor in message")
+        return TensorValue(a, dt, rg), p
     raise CodecError(f"unknown tag {tag!r} in message")
 
 

@@ -68,6 +68,7 @@ class Node:
         self.unacked = 0          # commands since the last credit
         self.credits = collections.deque()  # credit entries not yet waited for
         self.pair = None          # the group {master, this node}, for bulk copies
+        self.grad = True          # the grad mode the node runs calls under (torch mode)
 
     def __repr__(self):
         return f"node {self.index} (rank {self.rank})"
@@ -82,6 +83,15 @@ class Master:
         self.timeout = timeout
         self.closed = False
         self.lock = threading.RLock()  # one thread at a time drives a stream
+        # the call path's caches (dispatch.py): allow-list, methods and operators by name
+        self.names = None
+        self.methods = {}
+        self.operators = {}
+        self.return_types = None
+        self.torch = None
+        if lib == "torch":
+            import torch
+            self.torch = torch
 
     # ---- sending ---------------------------------------------------------------------------
     def node(self, k):

@@ -1,44 +1,17 @@
-"""The operations a remote tensor supports: one table shared by master and workers, and
-the two array libraries a worker may hold data in (NumPy, torch).
+"""The two array libraries a worker may hold data in (NumPy, torch): allocation,
+metadata, host copies, named constants, and the functions a call may name.
 
-The master sends an operation as its index in :data:`OPS` (an opcode) with plain-data
-arguments; the worker looks the index up here. Nothing outside this table can be run
-on a worker through the tensor API (registered functions are the rpc side's).
+A call names its function (``torch.matmul``, ``torch.Tensor.add_``, ``numpy.exp``...); the
+worker finds it in its library's allow-list (:mod:`.allow`). In NumPy mode a remote
+tensor's methods keep torch's spelling (``t.sum(dim, keepdim)``, ``t.add_(1)``...): they are
+the ``Tensor.*`` functions below, written once on NumPy arrays.
 """
 import operator
 
 import numpy as np
 
-# name -> kind; the opcode of an operation is its index in OPS
-_TABLE = [
-    # binary element-wise (broadcasting): (a, b)
-    ("add", "binary"), ("sub", "binary"), ("mul", "binary"), ("truediv", "binary"),
-    ("floordiv", "binary"), ("mod", "binary"), ("pow", "binary"), ("matmul", "binary"),
-    ("eq", "binary"), ("ne", "binary"), ("lt", "binary"), ("le", "binary"), ("gt", "binary"),
-    ("ge", "binary"), ("and", "binary"), ("or", "binary"), ("xor", "binary"),
-    ("maximum", "binary"), ("minimum", "binary"),
-    # unary: (a,)
-    ("neg", "unary"), ("pos", "unary"), ("abs", "unary"), ("invert", "unary"), ("exp", "unary"),
-    ("log", "unary"), ("sqrt", "unary"), ("sin", "unary"), ("cos", "unary"), ("tanh", "unary"),
-    ("sigmoid", "unary"), ("relu", "unary"), ("floor", "unary"), ("ceil", "unary"),
-    ("sign", "unary"), ("square", "unary"),
-    # reductions: (a, dim, keepdim) ; std/var: (a, dim, keepdim, correction)
-    ("sum", "reduce"), ("mean", "reduce"), ("prod", "reduce"), ("max", "reduce"),
-    ("min", "reduce"), ("argmax", "reduce"), ("argmin", "reduce"), ("all", "reduce"),
-    ("any", "reduce"), ("std", "reduce"), ("var", "reduce"),
-    # the rest: their own arguments
-    ("reshape", "other"), ("transpose", "other"), ("t", "other"), ("permute", "other"),
-    ("flatten", "other"), ("squeeze", "other"), ("unsqueeze", "other"), ("getitem", "other"),
-    ("clone", "other"), ("contiguous", "other"), ("astype", "other"), ("clip", "other"),
-    ("where", "other"), ("cuda", "other"), ("cpu", "other"),
-    # in place on their first argument (no new handle)
-    ("fill_", "inplace"), ("zero_", "inplace"), ("add_", "inplace"), ("sub_", "inplace"),
-    ("mul_", "inplace"), ("div_", "inplace"), ("pow_", "inplace"), ("copy_", "inplace"),
-    ("clamp_", "inplace"), ("setitem", "inplace"),
-]
-OPS = [name for name, _ in _TABLE]
-KIND = dict(_TABLE)
-OPCODE = {name: i for i, name in enumerate(OPS)}
+from .allow import Entry, numpy_table, torch_table
+from .codec import Const, TensorValue
 
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
           "float64", "complex64", "complex128")
@@ -83,13 +56,127 @@ def check_shape(shape, name="shape"):
     return tuple(out)
 
 
-_BIN = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
-        "truediv": operator.truediv, "floordiv": operator.floordiv, "mod": operator.mod,
-        "pow": operator.pow, "matmul": operator.matmul, "eq": operator.eq, "ne": operator.ne,
-        "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
-        "and": operator.and_, "or": operator.or_, "xor": operator.xor}
-_IOP = {"add_": operator.iadd, "sub_": operator.isub, "mul_": operator.imul,
-        "div_": operator.itruediv, "pow_": operator.ipow}
+
+# ---- NumPy mode: a remote tensor's methods, in torch's spelling, on NumPy arrays ------------
+def _reduce(f):
+    def method(a, dim=None, keepdim=False):
+        if isinstance(dim, list):
+            dim = tuple(dim)
+        return np.asarray(f(a, axis=dim, keepdims=keepdim))
+    return method
+
+
+def _arg_reduce(f):
+    def method(a, dim=None, keepdim=False):
+        return np.asarray(f(a, axis=dim, keepdims=keepdim))
+    return method
+
+
+def _moments(f):
+    def method(a, dim=None, keepdim=False, correction=1):
+        if isinstance(dim, list):
+            dim = tuple(dim)
+        return np.asarray(f(a, axis=dim, keepdims=keepdim, ddof=correction))
+    return method
+
+
+def _shape_args(shape):
+    return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+
+
+def _t(a):
+    if a.ndim > 2:
+        raise ValueError(f"t() expects a tensor with <= 2 dimensions, got {a.ndim}")
+    return a.T
+
+
+def _to(a, dtype):
+    name = dtype_name(dtype)
+    if name == "bfloat16":
+        raise TypeError("bfloat16 needs torch on the workers")
+    return a.astype(name)
+
+
+def _iop(f):
+    def method(a, o):
+        f(a, o)
+        return a
+    return method
+
+
+def _fill(a, v):
+    a[...] = v
+    return a
+
+
+def _copy(a, src):
+    np.copyto(a, src, casting="unsafe")
+    return a
+
+
+def _clamp_(a, min=None, max=None):  # noqa: A002
+    np.clip(a, min, max, out=a)
+    return a
+
+
+def _setitem(a, k, v):
+    a[k] = v
+
+
+def _no_cuda(a, *args):
+    raise RuntimeError("this worker holds NumPy arrays: it has no CUDA device "
+                       "(start the master with torch imported, or library='torch')")
+
+
+_NUMPY_METHODS = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide,
+    "matmul": np.matmul, "maximum": np.maximum, "minimum": np.minimum, "pow": np.power,
+    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "sin": np.sin, "cos": np.cos,
+    "tanh": np.tanh, "floor": np.floor, "ceil": np.ceil, "sign": np.sign,
+    "square": np.square, "abs": np.absolute, "neg": np.negative,
+    "sigmoid": lambda a: 1 / (1 + np.exp(-a)),
+    "relu": lambda a: np.maximum(a, np.zeros((), a.dtype)),
+    "sum": _reduce(np.sum), "mean": _reduce(np.mean), "prod": _reduce(np.prod),
+    "max": _reduce(np.max), "min": _reduce(np.min), "all": _reduce(np.all),
+    "any": _reduce(np.any), "argmax": _arg_reduce(np.argmax), "argmin": _arg_reduce(np.argmin),
+    "std": _moments(np.std), "var": _moments(np.var),
+    "reshape": lambda a, *shape: a.reshape(_shape_args(shape)),
+    "view": lambda a, *shape: a.reshape(_shape_args(shape)),
+    "transpose": lambda a, d0, d1: np.swapaxes(a, d0, d1), "t": _t,
+    "permute": lambda a, *dims: np.transpose(a, _shape_args(dims)),
+    "flatten": lambda a: a.reshape(-1),
+    "squeeze": lambda a, dim=None: np.squeeze(a) if dim is None else np.squeeze(a, axis=dim),
+    "unsqueeze": np.expand_dims, "clone": np.copy,
+    "contiguous": lambda a: np.asarray(a, order="C"),
+    "to": _to, "astype": _to, "float": lambda a: a.astype("float32"),
+    "double": lambda a: a.astype("float64"), "long": lambda a: a.astype("int64"),
+    "int": lambda a: a.astype("int32"),
+    "clamp": lambda a, min=None, max=None: np.clip(a, min, max),  # noqa: A002
+    "clip": lambda a, min=None, max=None: np.clip(a, min, max),  # noqa: A002
+    "where": np.where, "cpu": lambda a: a, "cuda": _no_cuda,
+    "fill_": _fill, "zero_": lambda a: _fill(a, 0), "add_": _iop(operator.iadd),
+    "sub_": _iop(operator.isub), "mul_": _iop(operator.imul), "div_": _iop(operator.itruediv),
+    "pow_": _iop(operator.ipow), "copy_": _copy, "clamp_": _clamp_,
+    "__getitem__": operator.getitem, "__setitem__": _setitem,
+}
+NUMPY_METHOD_NAMES = frozenset(_NUMPY_METHODS)
+# a remote tensor's operators, by the NumPy ufunc that runs them (NumPy mode)
+NUMPY_OPERATORS = {
+    "add": "add", "sub": "subtract", "mul": "multiply", "truediv": "divide",
+    "floordiv": "floor_divide", "mod": "remainder", "pow": "power", "matmul": "matmul",
+    "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor", "eq": "equal",
+    "ne": "not_equal", "lt": "less", "le": "less_equal", "gt": "greater",
+    "ge": "greater_equal", "neg": "negative", "pos": "positive", "abs": "absolute",
+    "invert": "invert", "lshift": "left_shift", "rshift": "right_shift"}
+
+
+def numpy_names():
+    """NumPy mode's table: its functions, plus the ``Tensor.*`` methods above."""
+    by_name, by_fn = numpy_table()
+    if "Tensor.add_" not in by_name:
+        for k, f in _NUMPY_METHODS.items():
+            by_name["Tensor." + k] = Entry("Tensor." + k, f)
+    return by_name, by_fn
 
 
 class NumpyLib:
@@ -99,12 +186,38 @@ class NumpyLib:
 
     def __init__(self):
         self.rng = np.random.default_rng()
+        self.names = None
+
+    def table(self):
+        if self.names is None:
+            self.names = numpy_names()[0]
+        return self.names
 
     def seed(self, s):
         self.rng = np.random.default_rng(s)
 
     def is_array(self, x):
         return isinstance(x, np.ndarray)
+
+    def const(self, c):
+        kind, _, name = c.name.partition(":")
+        if kind == "dtype":
+            name = dtype_name(name)
+            if name == "bfloat16":
+                raise TypeError("bfloat16 needs torch on the workers")
+            return np.dtype(name)
+        if kind == "device" and name in ("cpu", "-1"):
+            return "cpu"
+        raise ValueError(f"NumPy workers do not know the constant {c.name!r}")
+
+    def value(self, v):
+        if v.dtype == "bfloat16":
+            raise TypeError("bfloat16 needs torch on the workers")
+        return v.array
+
+    def result(self, r):
+        """NumPy returns scalars for 0-d results: keep them on the node as 0-d arrays."""
+        return np.asarray(r) if isinstance(r, np.generic) else r
 
     def alloc(self, kind, shape, dtype, value, device):
         if device >= 0:
@@ -135,99 +248,11 @@ class NumpyLib:
         """A contiguous host array with a's data (for sending)."""
         return np.asarray(a, order="C")
 
-    def call(self, name, args):
-        a = args[0]
-        kind = KIND[name]
-        if kind == "binary":
-            b = args[1]
-            if name == "maximum":
-                r = np.maximum(a, b)
-            elif name == "minimum":
-                r = np.minimum(a, b)
-            else:
-                r = _BIN[name](a, b)
-            return np.asarray(r)
-        if kind == "unary":
-            return np.asarray(self._unary(name, a))
-        if kind == "reduce":
-            dim, keep = args[1], args[2]
-            f = {"sum": np.sum, "mean": np.mean, "prod": np.prod, "max": np.max, "min": np.min,
-                 "all": np.all, "any": np.any}.get(name)
-            if f is not None:
-                return np.asarray(f(a, axis=dim, keepdims=keep))
-            if name in ("std", "var"):
-                f = np.std if name == "std" else np.var
-                return np.asarray(f(a, axis=dim, keepdims=keep, ddof=args[3]))
-            f = np.argmax if name == "argmax" else np.argmin
-            return np.asarray(f(a, axis=dim, keepdims=keep))
-        return np.asarray(self._other(name, a, args))
+    def to_device(self, a, device):
+        return _no_cuda(a)
 
-    def _unary(self, name, a):
-        if name == "neg":
-            return -a
-        if name == "pos":
-            return +a
-        if name == "invert":
-            return ~a
-        if name == "sigmoid":
-            return 1 / (1 + np.exp(-a))
-        if name == "relu":
-            return np.maximum(a, np.zeros((), a.dtype))
-        return getattr(np, name)(a)
-
-    def _other(self, name, a, args):
-        if name == "reshape":
-            return a.reshape(args[1])
-        if name == "transpose":
-            return np.swapaxes(a, args[1], args[2])
-        if name == "t":
-            if a.ndim > 2:
-                raise ValueError(f"t() expects a tensor with <= 2 dimensions, got {a.ndim}")
-            return a.T
-        if name == "permute":
-            return np.transpose(a, args[1])
-        if name == "flatten":
-            return a.reshape(-1)
-        if name == "squeeze":
-            return np.squeeze(a) if args[1] is None else np.squeeze(a, axis=args[1])
-        if name == "unsqueeze":
-            return np.expand_dims(a, args[1])
-        if name == "getitem":
-            return a[args[1]]
-        if name == "clone":
-            return a.copy()
-        if name == "contiguous":
-            return np.asarray(a, order="C")
-        if name == "astype":
-            if args[1] == "bfloat16":
-                raise TypeError("bfloat16 needs torch on the workers")
-            return a.astype(args[1])
-        if name == "clip":
-            return np.clip(a, args[1], args[2])
-        if name == "where":
-            return np.where(a, args[1], args[2])
-        if name == "cuda":
-            raise RuntimeError("this worker holds NumPy arrays: it has no CUDA device "
-                               "(start the master with torch imported, or library='torch')")
-        if name == "cpu":
-            return a
-        raise ValueError(f"unknown operation {name!r}")
-
-    def inplace(self, name, a, args):
-        if name == "fill_":
-            a[...] = args[0]
-        elif name == "zero_":
-            a[...] = 0
-        elif name in _IOP:
-            _IOP[name](a, args[0])
-        elif name == "copy_":
-            np.copyto(a, args[0], casting="unsafe")
-        elif name == "clamp_":
-            np.clip(a, args[0], args[1], out=a)
-        elif name == "setitem":
-            a[args[0]] = args[1]
-        else:
-            raise ValueError(f"unknown operation {name!r}")
+    def set_grad(self, enabled):
+        pass
 
 
 class TorchLib:
@@ -239,15 +264,61 @@ class TorchLib:
         import torch
         self.torch = torch
         self.gen = torch.Generator()
+        self.names = None
+        self.consts = None
+
+    def table(self):
+        if self.names is None:
+            from .modules import worker_entries
+            names = dict(torch_table()[0])
+            names.update(worker_entries())
+            self.names = names
+        return self.names
 
     def seed(self, s):
         self.gen.manual_seed(s)
+        self.torch.manual_seed(s)  # the functions that take no generator (dropout, rand_like)
 
     def is_array(self, x):
         return isinstance(x, self.torch.Tensor)
 
     def dtype(self, name):
-        return getattr(self.torch, name)
+        return self._consts()["dtype:" + name]
+
+    def _consts(self):
+        if self.consts is None:
+            torch, c = self.torch, {}
+            for n in DTYPES:
+                c["dtype:" + n] = getattr(torch, n)  # noqa: the fixed names above
+            for n in ("strided", "sparse_coo", "sparse_csr", "sparse_csc"):
+                c["layout:" + n] = getattr(torch, n)
+            for n in ("contiguous_format", "channels_last", "channels_last_3d",
+                      "preserve_format"):
+                c["memory_format:" + n] = getattr(torch, n)
+            self.consts = c
+        return self.consts
+
+    def const(self, c):
+        v = self._consts().get(c.name)
+        if v is not None:
+            return v
+        kind, _, name = c.name.partition(":")
+        if kind == "device":
+            return self.torch.device(name)  # parses 'cpu', 'cuda:0'...: a value, not code
+        if kind == "dtype":
+            return self.dtype(dtype_name(name))
+        raise ValueError(f"unknown constant {c.name!r}")
+
+    def value(self, v):
+        torch = self.torch
+        if v.dtype == "bfloat16":
+            t = torch.from_numpy(v.array).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(v.array)
+        return t.requires_grad_() if v.requires_grad else t
+
+    def result(self, r):
+        return r
 
     def alloc(self, kind, shape, dtype, value, device):
         torch = self.torch
@@ -274,87 +345,11 @@ class TorchLib:
     def host(self, t):
         return t.detach().cpu().contiguous()
 
-    def call(self, name, args):
-        torch = self.torch
-        a = args[0]
-        kind = KIND[name]
-        if kind == "binary":
-            b = args[1]
-            if name in ("maximum", "minimum"):
-                if not isinstance(b, torch.Tensor):
-                    b = torch.tensor(b, dtype=a.dtype, device=a.device)
-                if not isinstance(a, torch.Tensor):
-                    a = torch.tensor(a, dtype=b.dtype, device=b.device)
-                return getattr(torch, name)(a, b)
-            return _BIN[name](a, b)
-        if kind == "unary":
-            if name in ("neg", "pos", "invert"):
-                return {"neg": operator.neg, "pos": operator.pos, "invert": operator.invert}[name](a)
-            return getattr(torch, name)(a)
-        if kind == "reduce":
-            dim, keep = args[1], args[2]
-            kw = {} if dim is None else {"dim": dim}
-            if name in ("std", "var"):
-                return getattr(torch, name)(a, **kw, keepdim=keep, correction=args[3])
-            if name in ("max", "min"):
-                return getattr(torch, "a" + name)(a, dim=() if dim is None else dim, keepdim=keep)
-            if name == "prod" and dim is None:
-                return torch.prod(a) if not keep else torch.prod(a).reshape([1] * a.ndim)
-            if name in ("all", "any") and dim is None:
-                r = getattr(torch, name)(a)
-                return r.reshape([1] * a.ndim) if keep else r
-            return getattr(torch, name)(a, **kw, keepdim=keep)
-        return self._other(name, a, args)
+    def to_device(self, t, device):
+        return t.cuda(device)
 
-    def _other(self, name, a, args):
-        torch = self.torch
-        if name == "reshape":
-            return a.reshape(args[1])
-        if name == "transpose":
-            return a.transpose(args[1], args[2])
-        if name == "t":
-            return a.t()
-        if name == "permute":
-            return a.permute(args[1])
-        if name == "flatten":
-            return a.flatten()
-        if name == "squeeze":
-            return a.squeeze() if args[1] is None else a.squeeze(args[1])
-        if name == "unsqueeze":
-            return a.unsqueeze(args[1])
-        if name == "getitem":
-            return a[args[1]]
-        if name == "clone":
-            return a.clone()
-        if name == "contiguous":
-            return a.contiguous()
-        if name == "astype":
-            return a.to(self.dtype(args[1]))
-        if name == "clip":
-            return torch.clamp(a, args[1], args[2])
-        if name == "where":
-            return torch.where(a, args[1], args[2])
-        if name == "cuda":
-            return a.cuda(args[1])
-        if name == "cpu":
-            return a.cpu()
-        raise ValueError(f"unknown operation {name!r}")
-
-    def inplace(self, name, a, args):
-        if name == "fill_":
-            a.fill_(args[0])
-        elif name == "zero_":
-            a.zero_()
-        elif name in _IOP:
-            _IOP[name](a, args[0])
-        elif name == "copy_":
-            a.copy_(args[0] if isinstance(args[0], self.torch.Tensor) else self.torch.as_tensor(args[0]))
-        elif name == "clamp_":
-            a.clamp_(args[0], args[1])
-        elif name == "setitem":
-            a[args[0]] = args[1]
-        else:
-            raise ValueError(f"unknown operation {name!r}")
+    def set_grad(self, enabled):
+        self.torch.set_grad_enabled(enabled)
 
 
 def make_lib(name):

@@ -1,11 +1,13 @@
 """Opcodes, tags and sizes of the master-worker protocol (both sides import this)."""
 
 # commands, master -> worker (tag CMD)
-C_SYNC, C_SHUTDOWN, C_FREE, C_ALLOC, C_PUT, C_GET, C_META, C_OP = 1, 2, 3, 4, 5, 6, 7, 8
+C_SYNC, C_SHUTDOWN, C_FREE, C_ALLOC, C_PUT, C_GET, C_META, C_CALL = 1, 2, 3, 4, 5, 6, 7, 8
 C_SENDTO, C_RECVFROM, C_COLL, C_RPC, C_SEED, C_STATS, C_BIG, C_PAIR = 9, 10, 11, 12, 13, 14, 15, 16
+C_CALLR, C_BIND, C_GRAD = 17, 18, 19
 COMMAND_NAMES = {
     C_SYNC: "synchronize", C_SHUTDOWN: "shutdown", C_FREE: "free", C_ALLOC: "allocate",
-    C_PUT: "send", C_GET: "get", C_META: "meta", C_OP: "op", C_SENDTO: "to_node (send)",
+    C_PUT: "send", C_GET: "get", C_META: "meta", C_CALL: "call", C_CALLR: "call",
+    C_BIND: "bind", C_GRAD: "grad mode", C_SENDTO: "to_node (send)",
     C_RECVFROM: "to_node (receive)", C_COLL: "collective", C_RPC: "rpc", C_SEED: "manual_seed",
     C_STATS: "stats", C_BIG: "big frame", C_PAIR: "pair group",
 }

@@ -58,3 +58,35 @@ def lookup(name):
     if fn is None:
         raise LookupError(f"no function is registered as {name!r} on this node")
     return fn
+
+
+_MODULES = {}  # name -> nn.Module subclass
+
+
+def register_module(cls):
+    """Let workers build modules of class ``cls`` (a ``torch.nn.Module`` subclass) for
+    ``to_node``; usable as a decorator. Call it on every rank before init_master_worker
+    (module level does that): the worker builds the module from its own copy of the
+    class, by name.
+
+    Example:
+        >>> @register_module
+        ... class Net(torch.nn.Module): ...
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"cls must be a class, got {type(cls).__name__}")
+    name = f"module:{cls.__module__}.{cls.__qualname__}"
+    old = _MODULES.get(name)
+    if old is not None and old is not cls:
+        raise ValueError(f"a different class is already registered as {name!r}")
+    _MODULES[name] = cls
+    return cls
+
+
+def module_name(cls):
+    name = f"module:{cls.__module__}.{cls.__qualname__}"
+    return name if _MODULES.get(name) is cls else None
+
+
+def module_class(name):
+    return _MODULES.get(name)

@@ -1,9 +1,12 @@
 """Remote tensors: handles the master holds to arrays that live on a worker node.
 
-An operation on a remote tensor queues a command on its node and returns a new handle
-at once; the data stays on the node. Copies back (``get``, ``numpy``, ``item``...),
-shape queries not known on the master, ``synchronize`` and ``Event.wait`` are the sync
-points, where failures the node hit are raised.
+A remote tensor joins torch's and NumPy's dispatch protocols: any torch function,
+Tensor method or ``torch.nn.functional`` call (torch mode), any NumPy ufunc or array
+function (NumPy mode) given remote tensors runs on their node (see dispatch.py for what
+travels and what comes back). An operation queues a command and returns a new handle at
+once; the data stays on the node. Copies back (``get``, ``numpy``, ``item``...), values
+(a shape the master does not know, a Python number), ``synchronize`` and ``Event.wait``
+are the sync points, where failures the node hit are raised.
 """
 import numbers
 import threading
@@ -12,9 +15,11 @@ import numpy as np
 
 import collectives.master_worker.protocol as P
 from .._frontend import buffer
+from . import dispatch
 from .codec import Ref
+from .dispatch import method_entry, operator_entry
 from .master import get_master
-from .ops import OPCODE, check_shape, dtype_name
+from .ops import check_shape, dtype_name
 
 _ctx = threading.local()
 
@@ -74,7 +79,6 @@ class RemoteTensor:
     """A tensor on worker node ``get_node()``, driven from the master."""
 
     __slots__ = ("_m", "_nd", "_hid", "_meta", "__weakref__")
-    __array_ufunc__ = None  # ndarray (op) remote -> our reflected op, which refuses local data
 
     def __init__(self, master, nd, hid, meta=None):
         self._m, self._nd, self._hid, self._meta = master, nd, hid, meta
@@ -131,7 +135,8 @@ class RemoteTensor:
 
     @property
     def shape(self):
-        return self._info()[0]
+        s = self._info()[0]
+        return s if self._m.torch is None else self._m.torch.Size(s)
 
     def size(self, dim=None):
         s = self.shape
@@ -237,85 +242,76 @@ class RemoteTensor:
     def __int__(self):
         return int(self.item())
 
-    # -- operations (queued)
-    def _arg(self, v, name="operand"):
-        if isinstance(v, RemoteTensor):
-            if v._nd is not self._nd:
-                raise ValueError(f"{name} is on node {v._nd.index}, this tensor on node "
-                                 f"{self._nd.index}: move one explicitly with .to_node(k)")
-            return v._ref()
-        if isinstance(v, (bool, numbers.Number, np.generic)) and not isinstance(v, np.ndarray):
-            return v.item() if isinstance(v, np.generic) else v
-        if v is None:
-            return None
-        raise TypeError(f"{name} is a local {type(v).__name__}: send it to node "
-                        f"{self._nd.index} first (collectives.send(x, node=...)); only Python "
-                        "numbers mix with remote tensors")
+    # -- the dispatch protocols: torch / NumPy functions given remote tensors run remotely
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return dispatch.torch_function(func, args, kwargs)
 
-    def _key(self, k):
-        t = type(k)
-        if t is tuple:
-            return tuple(self._key(x) for x in k)
-        if t is list:
-            return [self._key(x) for x in k]
-        if t is slice:
-            return slice(self._key(k.start), self._key(k.stop), self._key(k.step))
-        if isinstance(k, RemoteTensor):
-            return self._arg(k, "index")
-        if isinstance(k, np.ndarray) and (k.dtype == bool or k.dtype.kind in "iu"):
-            return k
-        if k is None or k is Ellipsis or isinstance(k, (bool, int, np.integer)):
-            return k.item() if isinstance(k, np.generic) else k
-        raise TypeError(f"unsupported index {k!r}")
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return dispatch.array_ufunc(ufunc, method, inputs, kwargs)
 
-    def _op(self, name, *args, meta=None):
-        m, nd = self._m, self._nd
-        enc = (self._ref(),) + args
-        out = m.new_hid(nd)
-        m.command(nd, P.C_OP, (OPCODE[name], out, enc))
-        return RemoteTensor(m, nd, out, meta)
+    def __array_function__(self, func, types, args, kwargs):
+        return dispatch.array_function(func, args, kwargs)
 
-    def _inplace(self, name, *args):
-        self._m.command(self._nd, P.C_OP, (OPCODE[name], -1, (self._ref(),) + args))
-        return self
+    def __getattr__(self, attr):
+        """Tensor methods and properties this class does not define run on the node."""
+        if attr.startswith("__") or attr in RemoteTensor.__slots__:
+            raise AttributeError(attr)
+        e = method_entry(self._m, attr)
+        if e.prop:
+            return dispatch.call_entry(self._m, e, (self,), None)
+        setattr(RemoteTensor, attr, _method(attr))  # found once; later calls skip this
+        return getattr(self, attr)
 
-    def _bin(self, name, other, reflected=False):
-        o = self._arg(other)
-        if reflected:
-            m, nd = self._m, self._nd
-            out = m.new_hid(nd)
-            m.command(nd, P.C_OP, (OPCODE[name], out, (o, self._ref())))
-            return RemoteTensor(m, nd, out)
-        return self._op(name, o)
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a RemoteTensor is a handle to data on a worker node and cannot be "
+                        "pickled: copy it back first (.get())")
 
-    def __add__(self, o): return self._bin("add", o)  # noqa: E704
-    def __radd__(self, o): return self._bin("add", o, True)  # noqa: E704
-    def __sub__(self, o): return self._bin("sub", o)  # noqa: E704
-    def __rsub__(self, o): return self._bin("sub", o, True)  # noqa: E704
-    def __mul__(self, o): return self._bin("mul", o)  # noqa: E704
-    def __rmul__(self, o): return self._bin("mul", o, True)  # noqa: E704
-    def __truediv__(self, o): return self._bin("truediv", o)  # noqa: E704
-    def __rtruediv__(self, o): return self._bin("truediv", o, True)  # noqa: E704
-    def __floordiv__(self, o): return self._bin("floordiv", o)  # noqa: E704
-    def __rfloordiv__(self, o): return self._bin("floordiv", o, True)  # noqa: E704
-    def __mod__(self, o): return self._bin("mod", o)  # noqa: E704
-    def __rmod__(self, o): return self._bin("mod", o, True)  # noqa: E704
-    def __pow__(self, o): return self._bin("pow", o)  # noqa: E704
-    def __rpow__(self, o): return self._bin("pow", o, True)  # noqa: E704
-    def __matmul__(self, o): return self._bin("matmul", o)  # noqa: E704
-    def __rmatmul__(self, o): return self._bin("matmul", o, True)  # noqa: E704
-    def __and__(self, o): return self._bin("and", o)  # noqa: E704
-    def __rand__(self, o): return self._bin("and", o, True)  # noqa: E704
-    def __or__(self, o): return self._bin("or", o)  # noqa: E704
-    def __ror__(self, o): return self._bin("or", o, True)  # noqa: E704
-    def __xor__(self, o): return self._bin("xor", o)  # noqa: E704
-    def __rxor__(self, o): return self._bin("xor", o, True)  # noqa: E704
-    def __eq__(self, o): return self._bin("eq", o)  # noqa: E704
-    def __ne__(self, o): return self._bin("ne", o)  # noqa: E704
-    def __lt__(self, o): return self._bin("lt", o)  # noqa: E704
-    def __le__(self, o): return self._bin("le", o)  # noqa: E704
-    def __gt__(self, o): return self._bin("gt", o)  # noqa: E704
-    def __ge__(self, o): return self._bin("ge", o)  # noqa: E704
+    # -- operators (queued): torch's Tensor operators, or NumPy's ufuncs in NumPy mode
+    def _op(self, op, *args):
+        m = self._m
+        return dispatch.call_entry(m, m.operators.get(op) or operator_entry(m, op),
+                                   (self,) + args, None)
+
+    def _rop(self, op, other):
+        m = self._m
+        if m.torch is not None:
+            key = "r" + op
+            return dispatch.call_entry(m, m.operators.get(key) or operator_entry(m, op, True),
+                                       (self, other), None)
+        return dispatch.call_entry(m, m.operators.get(op) or operator_entry(m, op),
+                                   (other, self), None)
+
+    def __add__(self, o): return self._op("add", o)  # noqa: E704
+    def __radd__(self, o): return self._rop("add", o)  # noqa: E704
+    def __sub__(self, o): return self._op("sub", o)  # noqa: E704
+    def __rsub__(self, o): return self._rop("sub", o)  # noqa: E704
+    def __mul__(self, o): return self._op("mul", o)  # noqa: E704
+    def __rmul__(self, o): return self._rop("mul", o)  # noqa: E704
+    def __truediv__(self, o): return self._op("truediv", o)  # noqa: E704
+    def __rtruediv__(self, o): return self._rop("truediv", o)  # noqa: E704
+    def __floordiv__(self, o): return self._op("floordiv", o)  # noqa: E704
+    def __rfloordiv__(self, o): return self._rop("floordiv", o)  # noqa: E704
+    def __mod__(self, o): return self._op("mod", o)  # noqa: E704
+    def __rmod__(self, o): return self._rop("mod", o)  # noqa: E704
+    def __pow__(self, o): return self._op("pow", o)  # noqa: E704
+    def __rpow__(self, o): return self._rop("pow", o)  # noqa: E704
+    def __matmul__(self, o): return self._op("matmul", o)  # noqa: E704
+    def __rmatmul__(self, o): return self._rop("matmul", o)  # noqa: E704
+    def __and__(self, o): return self._op("and", o)  # noqa: E704
+    def __rand__(self, o): return self._rop("and", o)  # noqa: E704
+    def __or__(self, o): return self._op("or", o)  # noqa: E704
+    def __ror__(self, o): return self._rop("or", o)  # noqa: E704
+    def __xor__(self, o): return self._op("xor", o)  # noqa: E704
+    def __rxor__(self, o): return self._rop("xor", o)  # noqa: E704
+    def __lshift__(self, o): return self._op("lshift", o)  # noqa: E704
+    def __rshift__(self, o): return self._op("rshift", o)  # noqa: E704
+    def __eq__(self, o): return self._op("eq", o)  # noqa: E704
+    def __ne__(self, o): return self._op("ne", o)  # noqa: E704
+    def __lt__(self, o): return self._op("lt", o)  # noqa: E704
+    def __le__(self, o): return self._op("le", o)  # noqa: E704
+    def __gt__(self, o): return self._op("gt", o)  # noqa: E704
+    def __ge__(self, o): return self._op("ge", o)  # noqa: E704
     __hash__ = object.__hash__
 
     def __neg__(self): return self._op("neg")  # noqa: E704
@@ -328,125 +324,35 @@ class RemoteTensor:
     def __imul__(self, o): return self.mul_(o)  # noqa: E704
     def __itruediv__(self, o): return self.div_(o)  # noqa: E704
 
-    def add(self, o): return self._bin("add", o)  # noqa: E704
-    def sub(self, o): return self._bin("sub", o)  # noqa: E704
-    def mul(self, o): return self._bin("mul", o)  # noqa: E704
-    def div(self, o): return self._bin("truediv", o)  # noqa: E704
-    def matmul(self, o): return self._bin("matmul", o)  # noqa: E704
-    def maximum(self, o): return self._bin("maximum", o)  # noqa: E704
-    def minimum(self, o): return self._bin("minimum", o)  # noqa: E704
+    def __getitem__(self, key):
+        return dispatch.method(self, "__getitem__", (key,), None)
 
-    def exp(self): return self._op("exp")  # noqa: E704
-    def log(self): return self._op("log")  # noqa: E704
-    def sqrt(self): return self._op("sqrt")  # noqa: E704
-    def sin(self): return self._op("sin")  # noqa: E704
-    def cos(self): return self._op("cos")  # noqa: E704
-    def tanh(self): return self._op("tanh")  # noqa: E704
-    def sigmoid(self): return self._op("sigmoid")  # noqa: E704
-    def relu(self): return self._op("relu")  # noqa: E704
-    def floor(self): return self._op("floor")  # noqa: E704
-    def ceil(self): return self._op("ceil")  # noqa: E704
-    def sign(self): return self._op("sign")  # noqa: E704
-    def square(self): return self._op("square")  # noqa: E704
-    def abs(self): return self._op("abs")  # noqa: E704
-    def neg(self): return self._op("neg")  # noqa: E704
+    def __setitem__(self, key, value):
+        dispatch.method(self, "__setitem__", (key, value), None)
 
-    def _reduce(self, name, dim, keepdim, *extra):
-        if dim is not None and not isinstance(dim, int):
-            dim = tuple(int(d) for d in dim)
-        return self._op(name, dim, bool(keepdim), *extra)
-
-    def sum(self, dim=None, keepdim=False): return self._reduce("sum", dim, keepdim)  # noqa: E704
-    def mean(self, dim=None, keepdim=False): return self._reduce("mean", dim, keepdim)  # noqa: E704
-    def prod(self, dim=None, keepdim=False): return self._reduce("prod", dim, keepdim)  # noqa: E704
-    def max(self, dim=None, keepdim=False): return self._reduce("max", dim, keepdim)  # noqa: E704
-    def min(self, dim=None, keepdim=False): return self._reduce("min", dim, keepdim)  # noqa: E704
-    def argmax(self, dim=None, keepdim=False): return self._reduce("argmax", dim, keepdim)  # noqa: E704
-    def argmin(self, dim=None, keepdim=False): return self._reduce("argmin", dim, keepdim)  # noqa: E704
-    def all(self, dim=None, keepdim=False): return self._reduce("all", dim, keepdim)  # noqa: E704
-    def any(self, dim=None, keepdim=False): return self._reduce("any", dim, keepdim)  # noqa: E704
-
-    def std(self, dim=None, keepdim=False, correction=1):
-        return self._reduce("std", dim, keepdim, int(correction))
-
-    def var(self, dim=None, keepdim=False, correction=1):
-        return self._reduce("var", dim, keepdim, int(correction))
-
-    def reshape(self, *shape):
-        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-        return self._op("reshape", tuple(int(d) for d in shape))
-
-    view = reshape
-
-    def transpose(self, d0, d1): return self._op("transpose", int(d0), int(d1))  # noqa: E704
-    def t(self): return self._op("t")  # noqa: E704
+    def add_(self, o):  # the hot in-place path (bench_master_worker's queued ops)
+        m = self._m
+        e = m.methods.get("add_") or method_entry(m, "add_")
+        if type(o) in _NUMBERS and m.torch is None:
+            m.command(self._nd, P.C_CALL, (e.name, -1, (self._ref(), o), None))
+            return self
+        return dispatch.call_entry(m, e, (self, o), None)
 
     @property
     def T(self):  # noqa: N802
-        return self.t()
-
-    def permute(self, *dims):
-        dims = tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
-        return self._op("permute", tuple(int(d) for d in dims))
-
-    def flatten(self): return self._op("flatten")  # noqa: E704
-    def squeeze(self, dim=None): return self._op("squeeze", dim)  # noqa: E704
-    def unsqueeze(self, dim): return self._op("unsqueeze", int(dim))  # noqa: E704
-
-    def clone(self):
-        return self._op("clone", meta=self._meta)
-
-    def contiguous(self):
-        return self._op("contiguous", meta=self._meta)
-
-    def to(self, dtype):
-        """A copy converted to ``dtype`` (on the same node)."""
-        d = dtype_name(dtype)
-        meta = None if self._meta is None else (self._meta[0], d, self._meta[2])
-        return self._op("astype", d, meta=meta)
-
-    astype = to
-
-    def float(self): return self.to("float32")  # noqa: E704
-    def double(self): return self.to("float64")  # noqa: E704
-    def long(self): return self.to("int64")  # noqa: E704
-    def int(self): return self.to("int32")  # noqa: E704
-
-    def clamp(self, min=None, max=None): return self._op("clip", min, max)  # noqa: A002,E704
-    clip = clamp
-
-    def where(self, a, b):
-        """``where(self, a, b)`` element-wise (self is the condition)."""
-        return self._op("where", self._arg(a), self._arg(b))
-
-    def __getitem__(self, key):
-        return self._op("getitem", self._key(key))
-
-    def __setitem__(self, key, value):
-        self._inplace("setitem", self._key(key), self._arg(value, "value"))
+        m = self._m
+        if m.torch is None:
+            return dispatch.method(self, "t", (), None)
+        return dispatch.call_entry(m, method_entry(m, "T"), (self,), None)
 
     def cuda(self, device=None):
         """A copy on CUDA device ``device`` (default 0) of this tensor's node."""
         d = _device(0 if device is None else device, self._nd)
         meta = None if self._meta is None else (self._meta[0], self._meta[1], d)
-        return self._op("cuda", d, meta=meta)
-
-    def cpu(self):
-        meta = None if self._meta is None else (self._meta[0], self._meta[1], -1)
-        return self._op("cpu", meta=meta)
-
-    # -- in place (return self, queued)
-    def fill_(self, v): return self._inplace("fill_", self._arg(v, "value"))  # noqa: E704
-    def zero_(self): return self._inplace("zero_")  # noqa: E704
-    def add_(self, o): return self._inplace("add_", self._arg(o))  # noqa: E704
-    def sub_(self, o): return self._inplace("sub_", self._arg(o))  # noqa: E704
-    def mul_(self, o): return self._inplace("mul_", self._arg(o))  # noqa: E704
-    def div_(self, o): return self._inplace("div_", self._arg(o))  # noqa: E704
-    def pow_(self, o): return self._inplace("pow_", self._arg(o))  # noqa: E704
-    def copy_(self, src): return self._inplace("copy_", self._arg(src, "src"))  # noqa: E704
-
-    def clamp_(self, min=None, max=None):  # noqa: A002
-        return self._inplace("clamp_", self._arg(min), self._arg(max))
+        r = dispatch.method(self, "cuda", (d,), None)
+        if meta is not None and isinstance(r, RemoteTensor) and r._meta is None:
+            r._meta = meta
+        return r
 
     # -- moving
     def to_node(self, k):
@@ -462,6 +368,20 @@ class RemoteTensor:
         m.command(dst, P.C_RECVFROM, (out, self._nd.rank))
         meta = None if self._meta is None else (self._meta[0], self._meta[1], -1)
         return RemoteTensor(m, dst, out, meta)
+
+
+_NUMBERS = frozenset((int, float, bool))
+
+
+def _method(attr):
+    def method(self, *args, **kwargs):
+        return dispatch.method(self, attr, args, kwargs)
+    method.__name__ = method.__qualname__ = attr
+    method.__doc__ = f"``Tensor.{attr}`` run on this tensor's node."
+    return method
+
+
+dispatch.Handle = RemoteTensor
 
 
 _EMPTY = np.empty(0, np.uint8)
@@ -483,7 +403,7 @@ def _one_elem_error():
 
 
 # ---- making remote tensors ---------------------------------------------------------------------
-def _alloc(kind, shape, dtype, value, node, device):
+def _alloc(kind, shape, dtype, value, node, device, requires_grad=False):
     m, nd = _node_of(node)
     m.usable(nd)
     shape = check_shape(shape)
@@ -491,46 +411,55 @@ def _alloc(kind, shape, dtype, value, node, device):
     dev = _device(device, nd)
     if value is not None and not isinstance(value, (bool, numbers.Number)):
         raise TypeError(f"fill_value must be a number, got {type(value).__name__}")
+    if requires_grad and m.torch is None:
+        raise ValueError("requires_grad=True needs torch on the workers (library='torch')")
     out = m.new_hid(nd)
     m.command(nd, P.C_ALLOC, (out, kind, shape, dt, value, dev))
-    return RemoteTensor(m, nd, out, (shape, dt, dev))
+    t = RemoteTensor(m, nd, out, (shape, dt, dev))
+    return t.requires_grad_() if requires_grad else t
 
 
-def empty(*shape, dtype=None, node=None, device=None):
+def empty(*shape, dtype=None, node=None, device=None, requires_grad=False):
     """An uninitialised tensor of ``shape`` on ``node`` (default: the current node)."""
-    return _alloc("empty", shape, dtype, None, node, device)
+    return _alloc("empty", shape, dtype, None, node, device, requires_grad)
 
 
-def zeros(*shape, dtype=None, node=None, device=None):
-    return _alloc("zeros", shape, dtype, None, node, device)
+def zeros(*shape, dtype=None, node=None, device=None, requires_grad=False):
+    return _alloc("zeros", shape, dtype, None, node, device, requires_grad)
 
 
-def ones(*shape, dtype=None, node=None, device=None):
-    return _alloc("ones", shape, dtype, None, node, device)
+def ones(*shape, dtype=None, node=None, device=None, requires_grad=False):
+    return _alloc("ones", shape, dtype, None, node, device, requires_grad)
 
 
-def full(shape, fill_value, dtype=None, node=None, device=None):
+def full(shape, fill_value, dtype=None, node=None, device=None, requires_grad=False):
     if isinstance(shape, int):
         shape = (shape,)
-    return _alloc("full", (tuple(shape),), dtype, fill_value, node, device)
+    return _alloc("full", (tuple(shape),), dtype, fill_value, node, device, requires_grad)
 
 
-def rand(*shape, dtype=None, node=None, device=None):
+def rand(*shape, dtype=None, node=None, device=None, requires_grad=False):
     """Uniform [0, 1) floats, from the node's generator (``manual_seed``)."""
-    return _alloc("rand", shape, dtype, None, node, device)
+    return _alloc("rand", shape, dtype, None, node, device, requires_grad)
 
 
-def randn(*shape, dtype=None, node=None, device=None):
-    return _alloc("randn", shape, dtype, None, node, device)
+def randn(*shape, dtype=None, node=None, device=None, requires_grad=False):
+    return _alloc("randn", shape, dtype, None, node, device, requires_grad)
 
 
-def send(data, node=None, device=None, dtype=None):
+def send(data, node=None, device=None, dtype=None, requires_grad=None):
     """Copy a local array, torch tensor or nested list to ``node``: a remote tensor.
 
     The seed's ``tensor.dist_send()``; returns once the data is handed to the transport.
+    ``requires_grad`` (default: the torch tensor's own flag) makes it a leaf of the
+    node's autograd graph.
     """
     m, nd = _node_of(node)
     m.usable(nd)
+    if requires_grad is None:
+        requires_grad = bool(getattr(data, "requires_grad", False))
+    if requires_grad and m.torch is None:
+        raise ValueError("requires_grad=True needs torch on the workers (library='torch')")
     if hasattr(data, "detach") and hasattr(data, "cpu"):  # a torch tensor
         src = data.detach().cpu().contiguous()
         dt = str(src.dtype)[6:]
@@ -565,7 +494,8 @@ def send(data, node=None, device=None, dtype=None):
         m.bulk(nd, src, 0)
     else:
         m.send_data(nd, src)
-    return RemoteTensor(m, nd, out, (shape, dt, dev))
+    t = RemoteTensor(m, nd, out, (shape, dt, dev))
+    return t.requires_grad_() if requires_grad else t
 
 
 tensor = send

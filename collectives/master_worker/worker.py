@@ -16,8 +16,8 @@ from .._frontend import buffer
 from ..errors import DistError
 from ..reduce_op import ReduceOp
 import collectives.master_worker.protocol as P
-from .codec import Ref, encode, frame, unframe
-from .ops import KIND, OPS, make_lib
+from .codec import Const, Ref, TensorValue, encode, frame, unframe
+from .ops import make_lib
 from .registry import lookup
 
 _DTYPE_CODES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
@@ -82,6 +82,7 @@ class Worker:
         self.pair = None        # the group {master, this worker}, for bulk copies
         self.seq = 0
         self.node = pg.rank() - 1
+        self.table = self.lib.table()
 
     # ---- transport -----------------------------------------------------------------------
     def alive(self):
@@ -145,8 +146,14 @@ class Worker:
                 self.get(*args)
             elif op == P.C_META:
                 self.meta(args[0])
-            elif op == P.C_OP:
-                self.op(*args)
+            elif op == P.C_CALL:
+                self.call(*args)
+            elif op == P.C_CALLR:
+                self.call_reply(*args)
+            elif op == P.C_BIND:
+                self.bind(*args)
+            elif op == P.C_GRAD:
+                self.lib.set_grad(args[0])
             elif op == P.C_SENDTO:
                 self.send_to(*args)
             elif op == P.C_RECVFROM:
@@ -169,7 +176,8 @@ class Worker:
         except Exception as e:  # a bug in this loop: report it, keep serving
             what = P.COMMAND_NAMES.get(op, str(op))
             self.fail(what, _describe(e), [])
-            if op in (P.C_SYNC, P.C_META, P.C_STATS, P.C_GET) or (op == P.C_RPC and args[-1]):
+            if op in (P.C_SYNC, P.C_META, P.C_STATS, P.C_GET, P.C_CALLR) or (
+                    op == P.C_RPC and args[-1]):
                 self.reply(f"{what} failed: {_describe(e)}", ok=False)  # the master waits
 
     # ---- bookkeeping -----------------------------------------------------------------------
@@ -195,6 +203,10 @@ class Worker:
             return {k: self.resolve(x) for k, x in v.items()}
         if t is slice:
             return slice(self.resolve(v.start), self.resolve(v.stop), self.resolve(v.step))
+        if t is Const:
+            return self.lib.const(v)
+        if t is TensorValue:
+            return self.lib.value(v)
         return v
 
     def run(self, out, what, fn):
@@ -214,7 +226,7 @@ class Worker:
             _coll.broadcast(host, src=0, group=self.pair)
         else:
             self.recv_into(host, 0, P.T_DATA, "receiving a tensor from the master")
-        self.run(out, "send", lambda: host if device < 0 else lib.call("cuda", (host, device)))
+        self.run(out, "send", lambda: host if device < 0 else lib.to_device(host, device))
 
     def get(self, hid, bulk):
         """Reply with the meta, then the data: by a broadcast in the pair group when
@@ -252,20 +264,99 @@ class Worker:
         else:
             self.reply(("value", _plain(self.lib, obj)))
 
-    def op(self, code, out, args):
-        name = OPS[code]
-        what = f"{name} (command {self.seq})"
-        if KIND[name] == "inplace":
-            def doit():
-                a = self.resolve(args)
-                self.lib.inplace(name, a[0], a[1:])
-            try:
-                doit()
-            except Exception as e:
-                target = args[0].hid if isinstance(args[0], Ref) else -1
-                self.fail(what, _describe(e), [target] if target in self.objs else [])
+    def _run_call(self, name, args, kwargs):
+        entry = self.table.get(name)
+        if entry is None:  # the master refuses these before sending; a worker never guesses
+            raise PermissionError(f"{name!r} is not in this worker's allow-list")
+        a = self.resolve(args)
+        r = entry.fn(*a, **self.resolve(kwargs)) if kwargs else entry.fn(*a)
+        return self.lib.result(r)
+
+    def call(self, name, out, args, kwargs):
+        """A queued call: ``out`` is the handle id for a tensor result, a list of ids for a
+        named tuple of tensors, or -1 (in place, or a result of None)."""
+        try:
+            r = self._run_call(name, args, kwargs)
+            if type(out) is int:
+                if out >= 0:
+                    if not self.lib.is_array(r):
+                        raise TypeError(f"returned a {type(r).__name__} where earlier calls "
+                                        "with the same kinds of arguments returned a tensor")
+                    self.objs[out] = r
+            else:
+                if not isinstance(r, tuple) or len(r) != len(out):
+                    raise TypeError(f"returned a {type(r).__name__} where earlier calls with "
+                                    f"the same kinds of arguments returned {len(out)} tensors")
+                for h, x in zip(out, r):
+                    self.objs[h] = x
+        except Exception as e:
+            self.fail(f"{name} (command {self.seq})", _describe(e), self._lost(out, args, name))
+
+    def _lost(self, out, args, name):
+        """The handles a failed call leaves failed: its outputs, or, in place, its target."""
+        if type(out) is not int:
+            return list(out)
+        if out >= 0:
+            return [out]
+        if args and type(args[0]) is Ref and args[0].hid in self.objs and self.table.get(name) \
+                is not None and self.table[name].inplace:
+            return [args[0].hid]
+        return []
+
+    def call_reply(self, name, out, args, kwargs):
+        """A call whose result's kind the master does not know yet: reply with its
+        structure (tensors as their metadata, values as plain data); keep the tensors
+        under ``out`` for a following bind."""
+        try:
+            r = self._run_call(name, args, kwargs)
+            tensors = []
+            struct = self._struct(r, tensors, 0)
+            encode(struct)
+        except Exception as e:
+            self.reply(f"{_describe(e)}", ok=False)
             return
-        self.run(out, what, lambda: self.lib.call(name, self.resolve(args)))
+        if tensors:
+            self.objs[out] = r if struct[0] == "T" else tensors
+        self.reply(struct)
+
+    def _struct(self, r, tensors, depth):
+        lib = self.lib
+        if lib.is_array(r):
+            tensors.append(r)
+            return ("T",) + lib.meta(r)
+        t = type(r)
+        if r is None or t in (bool, int, float, complex, str, bytes):
+            return ("V", r)
+        if depth > 8:
+            raise TypeError("the result is nested too deeply to come back")
+        if isinstance(r, tuple) and hasattr(r, "n_fields") and t.__module__ == "torch.return_types":
+            return ("R", t.__name__, [self._struct(x, tensors, depth + 1) for x in r])
+        if lib.name == "torch":
+            torch = lib.torch
+            if t is torch.Size:
+                return ("S", tuple(r))
+            if t is torch.dtype:
+                return ("D", str(r)[6:])
+            if t is torch.device:
+                return ("E", str(r))
+        if t is tuple or t is list:
+            return (t.__name__, [self._struct(x, tensors, depth + 1) for x in r])
+        if t is dict and all(type(k) is str for k in r):
+            return ("dict", {k: self._struct(x, tensors, depth + 1) for k, x in r.items()})
+        if isinstance(r, np.generic):
+            return ("V", r.item())
+        if isinstance(r, np.ndarray):
+            return ("V", r)
+        raise TypeError(f"it returned a {t.__name__}, which cannot come back to the master")
+
+    def bind(self, out, hids):
+        """The tensors of a replied call's result, in order, under the master's ids."""
+        tensors = self.objs.pop(out, None)
+        if tensors is None:
+            self.fail(f"bind (command {self.seq})", f"no result {out} to bind", hids)
+            return
+        for h, x in zip(hids, tensors):
+            self.objs[h] = x
 
     def send_to(self, hid, dst):
         try:

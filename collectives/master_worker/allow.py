@@ -1,0 +1,136 @@
+"""What a worker may run: allow-lists built from the array libraries' own lists.
+
+torch: every function ``torch.overrides.get_overridable_functions()`` lists (torch.*,
+torch.Tensor methods and properties, torch.nn.functional, torch.linalg, torch.fft,
+torch.special), named ``<namespace>.<name>``. NumPy: its ufuncs (``numpy.exp``, and their
+``reduce``/``accumulate``/``outer`` methods) and the functions of numpy, numpy.linalg and
+numpy.fft that dispatch through ``__array_function__``. Both sides build the same table
+from the same installed library, so a name means one function; the wire carries the name
+and the worker looks it up in this table (never ``getattr`` on a string it was sent).
+
+Refused even though the library lists them: private names, anything that reads or writes
+files, pickles, hands out raw memory or runs a callable (``torch.save``/``load`` are not in
+the lists at all; ``numpy.save``, ``numpy.load``... are; ``Tensor.storage``,
+``Tensor.register_hook``, ``Tensor.apply_``... are).
+
+Nothing here imports torch at module import: the tables are built on first use.
+"""
+import re
+
+# name tokens (split at '_' and '.') that mark file I/O, pickling, code or raw memory
+_DENY_TOKENS = frozenset((
+    "save", "savez", "savetxt", "load", "loadtxt", "file", "fromfile", "tofile", "hub", "pickle",
+    "memmap", "genfromtxt", "fromregex", "storage", "hook", "hooks", "exec", "eval", "compile",
+    "dlpack", "ptr", "cdata", "apply", "map", "map2", "share", "autocast", "sym",
+    "ctypes", "printoptions"))
+# dunders of Tensor that are plain tensor operations
+_TENSOR_DUNDERS = frozenset((
+    "__add__", "__and__", "__div__", "__eq__", "__floordiv__", "__ge__", "__getitem__",
+    "__gt__", "__iadd__", "__iand__", "__idiv__", "__ifloordiv__", "__ilshift__", "__imod__",
+    "__imul__", "__invert__", "__ior__", "__irshift__", "__isub__", "__itruediv__",
+    "__ixor__", "__le__", "__lshift__", "__lt__", "__matmul__", "__mod__", "__mul__", "__ne__",
+    "__neg__", "__abs__", "__pos__", "__or__", "__pow__", "__ipow__", "__radd__", "__rand__",
+    "__rdiv__", "__rfloordiv__", "__rlshift__", "__rmatmul__", "__rmod__", "__rmul__",
+    "__ror__", "__rpow__", "__rrshift__", "__rshift__", "__rsub__", "__rtruediv__",
+    "__rxor__", "__setitem__", "__sub__", "__truediv__", "__xor__", "__len__", "__contains__"))
+_SPLIT = re.compile(r"[._]+")
+
+
+def refused(name):
+    """Why ``name`` is refused even where the library lists it, or None."""
+    last = name.rsplit(".", 1)[-1]
+    if last.startswith("__") and last.endswith("__"):
+        return None if last in _TENSOR_DUNDERS else "a special method"
+    if last.startswith("_"):
+        return "a private name"
+    if any(tok in _DENY_TOKENS for tok in _SPLIT.split(name)[1:]):
+        return "it reads or writes files, pickles, exposes memory or runs code"
+    return None
+
+
+class Entry:
+    """One allowed name: the function, and whether it is a Tensor property (read by
+    attribute access) or an in-place method (returns its first argument)."""
+
+    __slots__ = ("name", "fn", "prop", "inplace")
+
+    def __init__(self, name, fn, prop=False):
+        self.name, self.fn, self.prop = name, fn, prop
+        last = name.rsplit(".", 1)[-1]
+        self.inplace = (last.endswith("_") and not last.endswith("__")) or (
+            last.startswith("__i") and last not in ("__invert__",)) or last == "__setitem__"
+
+
+_TORCH = None
+_NUMPY = None
+
+
+def torch_table():
+    """``(by_name, by_function)``: name -> Entry, function object -> name (torch mode)."""
+    global _TORCH
+    if _TORCH is None:
+        import torch
+        from torch.overrides import get_overridable_functions
+        by_name, by_fn = {}, {}
+        order = [torch, torch.Tensor, torch.nn.functional, torch.linalg, torch.fft,
+                 torch.special, torch.functional]
+        found = get_overridable_functions()
+        for ns in order + [k for k in found if k not in order]:
+            funcs = found.get(ns, ())
+            if isinstance(ns, type) and ns is torch.Tensor:
+                prefix = "torch.Tensor"
+            elif hasattr(ns, "__file__"):
+                prefix = "torch" if ns is torch.functional else ns.__name__
+            else:  # a Tensor property's descriptor: its getter is listed
+                pname = getattr(ns, "__name__", None)
+                if not isinstance(pname, str):
+                    continue
+                name = "torch.Tensor." + pname
+                if refused(name) is None and name not in by_name:
+                    by_name[name] = Entry(name, _getter(pname), prop=True)
+                continue
+            for f in funcs:
+                fname = getattr(f, "__name__", None)
+                if not isinstance(fname, str):
+                    continue
+                name = f"{prefix}.{fname}"
+                if refused(name) is not None:
+                    continue
+                if name not in by_name:
+                    by_name[name] = Entry(name, f)
+                by_fn.setdefault(f, name)
+        _TORCH = (by_name, by_fn)
+    return _TORCH
+
+
+def _getter(pname):
+    import operator
+    return operator.attrgetter(pname)  # a fixed attribute, chosen here from torch's list
+
+
+def numpy_table():
+    """``(by_name, by_function)`` for NumPy mode: ufuncs and ``__array_function__``
+    functions of numpy, numpy.linalg and numpy.fft."""
+    global _NUMPY
+    if _NUMPY is None:
+        import numpy as np
+        by_name, by_fn = {}, {}
+        for ns, prefix in ((np, "numpy"), (np.linalg, "numpy.linalg"), (np.fft, "numpy.fft")):
+            for attr in sorted(vars(ns)):
+                f = vars(ns)[attr]
+                name = f"{prefix}.{attr}"
+                if isinstance(f, np.ufunc):
+                    if refused(name) is not None:
+                        continue
+                    by_name[name] = Entry(name, f)
+                    by_fn.setdefault(f, name)
+                    if f.nin == 2 and f.nout == 1:
+                        for meth in ("reduce", "accumulate", "outer", "reduceat"):
+                            by_name[f"{name}.{meth}"] = Entry(f"{name}.{meth}", getattr(f, meth))
+                elif hasattr(f, "_implementation") and callable(f):
+                    if refused(name) is not None:
+                        continue
+                    by_name[name] = Entry(name, f)
+                    by_fn.setdefault(f, name)
+        _NUMPY = (by_name, by_fn)
+    return _NUMPY

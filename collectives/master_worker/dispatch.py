@@ -1,0 +1,400 @@
+"""The master's side of a remote call: any allowed function, named on the wire.
+
+A call whose arguments include remote tensors runs on their node (all of them on one
+node). Its arguments travel structurally: numbers, str, None, slices, Ellipsis, nested
+tuples/lists/dicts, dtypes/devices/layouts (as named constants), shapes (as tuples),
+remote tensors (as handles) and local tensors or arrays up to :data:`LOCAL_MAX` bytes (by
+value). The result:
+
+* a tensor -> a remote tensor at once (the call is queued);
+* a named tuple of tensors (``max(dim)``, ``topk``, ``sort``, ``linalg.svd``...) -> the same
+  named tuple of remote tensors, at once;
+* ``None`` (``backward``, ``optimizer.step``...) -> None, at once;
+* anything else (a Python number or bool, a shape, a tuple whose length depends on the
+  data such as ``split`` or ``unique(return_counts=True)``) -> a sync point: the master
+  waits for the node and gets the value (tensors inside it as remote tensors).
+
+Which of these a call gives is learned from its first call with the same argument kinds
+(the function's name, which arguments are remote tensors, the values of bool/None/str
+arguments, the keyword names): that first call is a sync point, later ones are queued.
+Reading a Tensor property other than a tensor-valued one (``.grad`` included) is always a
+sync point.
+"""
+import sys
+
+import numpy as np
+
+import collectives.master_worker.protocol as P
+from .allow import numpy_table, refused, torch_table
+from .codec import Const, Ref, TensorValue
+from .master import RemoteError, get_master
+from .ops import NUMPY_METHOD_NAMES, NUMPY_OPERATORS, dtype_name, numpy_names
+
+LOCAL_MAX = 1 << 20   # local tensors/arrays up to this many bytes travel by value
+_TENSOR, _NONE = 1, 2
+_TENSOR_PROPS = frozenset(("T", "mT", "H", "mH", "real", "imag", "data"))
+_cache = {}           # (name, argument kinds) -> what the result is (_TENSOR, _NONE, named tuple)
+Handle = None         # RemoteTensor (set by tensor.py)
+KEYED = set()         # handle types whose calls are told apart by the object (modules...)
+
+
+# ---- names -------------------------------------------------------------------------------------
+def table(m):
+    """The master's allow-list for its library: name -> Entry."""
+    t = m.names
+    if t is None:
+        if m.lib == "torch":
+            from .modules import master_entries
+            t = dict(torch_table()[0])
+            t.update(master_entries())
+        else:
+            t = numpy_names()[0]
+        m.names = t
+    return t
+
+
+def entry_of(m, name):
+    """The Entry for ``name``; ValueError (before anything is sent) when it is refused."""
+    e = table(m).get(name)
+    if e is None:
+        why = refused(name)
+        lists = ("torch.overrides.get_overridable_functions() and Tensor's methods"
+                 if m.lib == "torch" else "NumPy's ufuncs and __array_function__ functions")
+        raise ValueError(f"{name!r} cannot run on a worker: "
+                         + (f"refused ({why})" if why else f"it is not in the allow-list "
+                            f"({lists})"))
+    return e
+
+
+def method_entry(m, attr):
+    """The Entry of a tensor method or property ``attr``; AttributeError if none."""
+    e = m.methods.get(attr)
+    if e is None:
+        name = ("torch.Tensor." if m.lib == "torch" else "Tensor.") + attr
+        e = table(m).get(name)
+        if e is None:
+            why = refused(name)
+            raise AttributeError(f"'RemoteTensor' object has no attribute {attr!r}"
+                                 + (f" (refused on workers: {why})" if why else
+                                    f" ({name} is not a function workers run in "
+                                    f"{m.lib} mode)"))
+        m.methods[attr] = e
+    return e
+
+
+def name_of_function(m, func):
+    """The qualified name of a torch or NumPy function object (allow-listed), or raise."""
+    by_fn = torch_table()[1] if m.lib == "torch" else numpy_table()[1]
+    name = by_fn.get(func)
+    if name is None:
+        what = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        raise ValueError(f"{getattr(func, '__module__', '')}.{what} cannot run on a worker: "
+                         "it is not in the allow-list of functions remote tensors take")
+    return entry_of(m, name)
+
+
+def operator_entry(m, op, reflected=False):
+    """The Entry that runs a Python operator (``add``, ``matmul``...) on a worker."""
+    key = ("r" if reflected else "") + op
+    e = m.operators.get(key)
+    if e is None:
+        if m.lib == "torch":
+            name = _TORCH_OPERATORS[key]
+        else:
+            name = "numpy." + NUMPY_OPERATORS[op]
+        e = m.operators[key] = entry_of(m, name)
+    return e
+
+
+_TORCH_OPERATORS = {
+    "add": "torch.Tensor.__add__", "radd": "torch.Tensor.__radd__",
+    "sub": "torch.Tensor.__sub__", "rsub": "torch.Tensor.__rsub__",
+    "mul": "torch.Tensor.__mul__", "rmul": "torch.Tensor.__rmul__",
+    "truediv": "torch.Tensor.__truediv__", "rtruediv": "torch.Tensor.__rdiv__",
+    "floordiv": "torch.Tensor.__floordiv__", "rfloordiv": "torch.Tensor.__rfloordiv__",
+    "mod": "torch.Tensor.__mod__", "rmod": "torch.Tensor.__rmod__",
+    "pow": "torch.Tensor.__pow__", "rpow": "torch.Tensor.__rpow__",
+    "matmul": "torch.Tensor.__matmul__", "rmatmul": "torch.Tensor.__rmatmul__",
+    "and": "torch.Tensor.__and__", "rand": "torch.Tensor.__rand__",
+    "or": "torch.Tensor.__or__", "ror": "torch.Tensor.__ror__",
+    "xor": "torch.Tensor.__xor__", "rxor": "torch.Tensor.__rxor__",
+    "lshift": "torch.Tensor.__lshift__", "rlshift": "torch.Tensor.__rlshift__",
+    "rshift": "torch.Tensor.__rshift__", "rrshift": "torch.Tensor.__rrshift__",
+    "eq": "torch.Tensor.__eq__", "ne": "torch.Tensor.__ne__", "lt": "torch.Tensor.__lt__",
+    "le": "torch.Tensor.__le__", "gt": "torch.Tensor.__gt__", "ge": "torch.Tensor.__ge__",
+    "neg": "torch.Tensor.neg", "pos": "torch.Tensor.positive", "abs": "torch.Tensor.abs",
+    "invert": "torch.Tensor.bitwise_not"}
+
+
+# ---- arguments ------------------------------------------------------------------------------------
+class _Where:
+    """The node a call's remote arguments are on (the first one seen), for the check."""
+
+    __slots__ = ("nd", "what")
+
+    def __init__(self):
+        self.nd = None
+
+
+_PLAIN = frozenset((int, float, bool, str, type(None), complex, bytes, type(Ellipsis)))
+
+
+def _conv(v, w, what):
+    t = type(v)
+    if t in _PLAIN:
+        return v
+    if t is Handle:
+        nd = v._nd
+        if w.nd is None:
+            w.nd, w.what = nd, what
+        elif nd is not w.nd:
+            raise ValueError(f"{what} is on node {nd.index}, {w.what} on node {w.nd.index}: "
+                             "all remote tensors of a call must be on one node (move one "
+                             "explicitly with .to_node(k))")
+        return v._ref()
+    if t is tuple or t is list:
+        return t([_conv(x, w, f"{what}[{i}]") for i, x in enumerate(v)])
+    if t is dict:
+        return {k: _conv(x, w, f"{what}[{k!r}]") for k, x in v.items()}
+    if t is slice:
+        return slice(_conv(v.start, w, what), _conv(v.stop, w, what), _conv(v.step, w, what))
+    return _conv_other(v, w, what)
+
+
+def _conv_other(v, w, what):
+    if isinstance(v, Handle):
+        return _conv(v, w, what)
+    ref = getattr(v, "_mw_ref", None)  # a module or optimizer handle
+    if ref is not None:
+        return _conv(ref, w, what)
+    if isinstance(v, np.ndarray):
+        if v.nbytes > LOCAL_MAX:
+            raise TypeError(_too_big(what, v.nbytes))
+        if v.dtype.name not in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16",
+                                "uint32", "uint64", "float16", "float32", "float64",
+                                "complex64", "complex128"):
+            raise TypeError(f"{what}: arrays of dtype {v.dtype} cannot be sent")
+        return np.ascontiguousarray(v)
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, (np.dtype, type)) and _is_numpy_dtype(v):
+        return Const("dtype:" + np.dtype(v).name)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if isinstance(v, torch.Tensor):
+            n = v.numel() * v.element_size()
+            if n > LOCAL_MAX:
+                raise TypeError(_too_big(what, n))
+            src = v.detach().cpu().contiguous()
+            dt = str(src.dtype)[6:]
+            arr = src.view(torch.int16).numpy().view(np.uint16) if dt == "bfloat16" else src.numpy()
+            return TensorValue(arr, dt, False)
+        if isinstance(v, torch.dtype):
+            return Const("dtype:" + dtype_name(v))
+        if isinstance(v, torch.device):
+            return Const("device:" + str(v))
+        if isinstance(v, (torch.layout, torch.memory_format)):
+            return Const(("layout:" if isinstance(v, torch.layout) else "memory_format:")
+                         + str(v)[6:])
+        if isinstance(v, torch.Size):
+            return tuple(int(d) for d in v)
+        if isinstance(v, torch.Generator):
+            raise TypeError(f"{what}: a torch.Generator cannot be sent (seed the nodes' "
+                            "generators with mw.manual_seed)")
+    if isinstance(v, (tuple, list)):  # named tuples, subclasses
+        return tuple(_conv(x, w, f"{what}[{i}]") for i, x in enumerate(v))
+    if isinstance(v, (int, float, complex, str)):
+        return v
+    raise TypeError(f"{what}: a {type(v).__name__} cannot be sent to a worker (send None, "
+                    "numbers, str, tuples, lists, dicts, slices, dtypes, devices, remote "
+                    f"tensors, or local tensors up to {LOCAL_MAX} bytes)")
+
+
+def _is_numpy_dtype(v):
+    try:
+        return isinstance(v, np.dtype) or issubclass(v, np.generic)
+    except TypeError:
+        return False
+
+
+def _too_big(what, n):
+    return (f"{what} is a local tensor of {n} bytes: only local tensors up to {LOCAL_MAX} "
+            "bytes travel with a call; send larger ones first (mw.send(x, node=k))")
+
+
+def _kind(v):
+    t = type(v)
+    if t is Handle:
+        return "T"
+    if t is bool or t is str or v is None:
+        return v
+    if t is tuple or t is list:
+        return "L"
+    if t in KEYED:
+        return v._mw_key
+    return t
+
+
+# ---- issuing ----------------------------------------------------------------------------------------
+def call_entry(m, e, args, kwargs, node=None):
+    """Run Entry ``e`` with ``args``/``kwargs`` on the node of their remote tensors."""
+    w = _Where()
+    a = tuple([_conv(x, w, f"argument {i}") for i, x in enumerate(args)])
+    k = {n: _conv(x, w, f"argument {n!r}") for n, x in kwargs.items()} if kwargs else None
+    nd = w.nd
+    if nd is None:
+        from .tensor import current_node
+        nd = m.node(current_node() if node is None else node)
+    elif node is not None and m.node(node) is not nd:
+        raise ValueError(f"node={node}, but the call's remote tensors are on node {nd.index}")
+    if m.torch is not None:
+        g = m.torch.is_grad_enabled()
+        if g is not nd.grad:
+            m.command(nd, P.C_GRAD, (g,))
+            nd.grad = g
+    name = e.name
+    if e.inplace and args and type(args[0]) is Handle:
+        m.command(nd, P.C_CALL, (name, -1, a, k))
+        return args[0]
+    if e.prop and name.rsplit(".", 1)[1] not in _TENSOR_PROPS:
+        return _sync(m, nd, name, a, k, None)
+    key = (name, tuple([_kind(x) for x in args]),
+           tuple([(n, _kind(x)) for n, x in kwargs.items()]) if kwargs else None)
+    mode = _cache.get(key)
+    if mode is _TENSOR:
+        out = next(nd.hids)
+        m.command(nd, P.C_CALL, (name, out, a, k))
+        return Handle(m, nd, out)
+    if mode is _NONE:
+        m.command(nd, P.C_CALL, (name, -1, a, k))
+        return None
+    if mode is not None:  # a named tuple of tensors
+        typ, n = mode
+        outs = [next(nd.hids) for _ in range(n)]
+        m.command(nd, P.C_CALL, (name, outs, a, k))
+        return typ([Handle(m, nd, h) for h in outs])
+    return _sync(m, nd, name, a, k, key)
+
+
+def _sync(m, nd, name, a, k, key):
+    out = next(nd.hids)
+
+    def handler(ok, payload):
+        if not ok:
+            raise RemoteError(nd.index, [(-1, name, payload, [])])
+        return payload
+    e = m.call(nd, P.C_CALLR, (name, out, a, k), handler, name)
+    try:
+        struct = m.resolve(nd, e)
+    finally:
+        m.check(nd)
+    if struct[0] == "T":
+        if key is not None:
+            _cache[key] = _TENSOR
+        return Handle(m, nd, out, (tuple(struct[1]), struct[2], struct[3]))
+    handles = []
+    value = _build(m, nd, struct, handles)
+    if handles:
+        m.command(nd, P.C_BIND, (out, [h._hid for h in handles]))
+    if key is not None:
+        if struct == ("V", None):
+            _cache[key] = _NONE
+        elif struct[0] == "R" and all(s[0] == "T" for s in struct[2]):
+            _cache[key] = (type(value), len(struct[2]))
+    return value
+
+
+def _build(m, nd, s, handles):
+    kind = s[0]
+    if kind == "T":
+        h = Handle(m, nd, next(nd.hids), (tuple(s[1]), s[2], s[3]))
+        handles.append(h)
+        return h
+    if kind == "V":
+        return s[1]
+    if kind in ("tuple", "list"):
+        items = [_build(m, nd, x, handles) for x in s[1]]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict":
+        return {k: _build(m, nd, x, handles) for k, x in s[1].items()}
+    if kind == "R":
+        items = [_build(m, nd, x, handles) for x in s[2]]
+        typ = _return_types(m).get(s[1])
+        return typ(items) if typ is not None else tuple(items)
+    torch = m.torch
+    if kind == "S":
+        return torch.Size(s[1]) if torch is not None else tuple(s[1])
+    if kind == "D":
+        return getattr(torch, dtype_name(s[1])) if torch is not None else np.dtype(s[1])
+    if kind == "E":
+        return torch.device(s[1])
+    raise ValueError(f"unknown result kind {kind!r} from node {nd.index}")
+
+
+def _return_types(m):
+    if m.return_types is None:
+        import torch.return_types as rt
+        m.return_types = {n: getattr(rt, n) for n in rt.__all__
+                          if isinstance(getattr(rt, n), type)}
+    return m.return_types
+
+
+def method(t, attr, args, kwargs):
+    """``t.<attr>(*args, **kwargs)`` on t's node."""
+    m = t._m
+    return call_entry(m, m.methods.get(attr) or method_entry(m, attr), (t,) + args, kwargs)
+
+
+def call(fn, *args, node=None, **kwargs):
+    """Run ``fn`` (a torch or NumPy function, or its qualified name such as
+    ``'torch.matmul'``) on the node of its remote-tensor arguments (or ``node``, when it
+    has none): what a torch function called on remote tensors does, spelled out.
+
+    Names outside the workers' allow-list raise ValueError here, before anything is sent.
+
+    Example:
+        >>> mw.call(torch.arange, 6, node=1)      # a tensor made on node 1
+        >>> mw.call("torch.matmul", a, b)
+    """
+    m = get_master()
+    if isinstance(fn, str):
+        e = entry_of(m, fn)
+    elif callable(fn):
+        e = name_of_function(m, fn)
+    else:
+        raise TypeError(f"fn must be a function or a qualified name, got {type(fn).__name__}")
+    return call_entry(m, e, args, kwargs, node)
+
+
+def torch_function(func, args, kwargs):
+    m = get_master()
+    return call_entry(m, name_of_function(m, func), args, kwargs)
+
+
+def array_function(func, args, kwargs):
+    m = get_master()
+    if m.lib != "numpy":
+        return NotImplemented
+    return call_entry(m, name_of_function(m, func), args, kwargs)
+
+
+def array_ufunc(ufunc, method_name, inputs, kwargs):
+    m = get_master()
+    if m.lib == "numpy":
+        name = f"numpy.{ufunc.__name__}" + ("" if method_name == "__call__" else "." + method_name)
+    else:  # torch mode: the torch function of the same name (np.exp(t) -> torch.exp(t))
+        if method_name != "__call__":
+            return NotImplemented
+        name = "torch." + _UFUNC_TO_TORCH.get(ufunc.__name__, ufunc.__name__)
+    if "out" in kwargs:
+        raise TypeError("out= with remote tensors is not supported (assign the result)")
+    return call_entry(m, entry_of(m, name), inputs, kwargs)
+
+
+_UFUNC_TO_TORCH = {"power": "pow", "absolute": "abs", "negative": "neg", "invert": "bitwise_not",
+                   "equal": "eq", "not_equal": "ne", "less": "lt", "less_equal": "le",
+                   "greater": "gt", "greater_equal": "ge", "true_divide": "true_divide",
+                   "divide": "true_divide", "left_shift": "bitwise_left_shift",
+                   "right_shift": "bitwise_right_shift"}
+
+__all__ = ["call", "LOCAL_MAX", "NUMPY_METHOD_NAMES"]
