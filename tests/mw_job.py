@@ -222,7 +222,7 @@ def cross_node_operands():
 
 
 def local_operand():
-    return mw.ones(2) + np.ones(2)
+    return mw.ones(2) + np.ones(300_000)  # past LOCAL_MAX: small ones travel by value
 
 
 def unknown_node():

@@ -343,7 +343,7 @@ def test_tensor_api_values(job):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case,exc,words", [
     ("cross_node_operands", "ValueError", ["node 1", "node 0", "to_node"]),
-    ("local_operand", "TypeError", ["local ndarray", "send"]),
+    ("local_operand", "TypeError", ["local tensor of 2400000 bytes", "mw.send"]),
     ("unknown_node", "ValueError", ["node must be in [0, 2)", "99"]),
     ("freed_handle", "ValueError", ["freed"]),
     ("bad_dtype", "ValueError", ["dtype must be one of"]),
@@ -363,7 +363,7 @@ def test_misuse_raises_clearly(job, case, exc, words):
 def test_worker_error_surfaces_at_sync_naming_node_and_command(job):
     out = job("worker_error_at_sync")
     node, command, msg, n = out["sync"]
-    assert node == 1 and command.startswith("matmul") and "node 1" in msg
+    assert node == 1 and "matmul" in command and "node 1" in msg
     assert n == 2, msg  # the matmul and the add that used its result
     assert "failed" in out["after"] and "matmul" in out["after"]
     assert out["dependent"][0] == "RuntimeError" and "failed" in out["dependent"][1]

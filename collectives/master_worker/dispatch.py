@@ -286,12 +286,16 @@ def _sync(m, nd, name, a, k, key):
     e = m.call(nd, P.C_CALLR, (name, out, a, k), handler, name)
     try:
         struct = m.resolve(nd, e)
-    finally:
+    except RemoteError:
         m.check(nd)
+        raise
     if struct[0] == "T":
         if key is not None:
             _cache[key] = _TENSOR
         return Handle(m, nd, out, (tuple(struct[1]), struct[2], struct[3]))
+    if struct[0] == "F":  # it failed: a failed handle, raised at the next sync point
+        return Handle(m, nd, out)
+    m.check(nd)  # a value: a sync point
     handles = []
     value = _build(m, nd, struct, handles)
     if handles:

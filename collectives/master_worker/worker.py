@@ -309,11 +309,18 @@ class Worker:
         under ``out`` for a following bind."""
         try:
             r = self._run_call(name, args, kwargs)
+        except Exception as e:
+            # as a queued call's failure: the result is failed, reported at the next sync
+            # point (not with this reply, which the master reads at once)
+            self.reply(("F",))
+            self.fail(f"{name} (command {self.seq})", _describe(e), [out])
+            return
+        try:
             tensors = []
             struct = self._struct(r, tensors, 0)
             encode(struct)
         except Exception as e:
-            self.reply(f"{_describe(e)}", ok=False)
+            self.reply(f"{name}: {_describe(e)}", ok=False)
             return
         if tensors:
             self.objs[out] = r if struct[0] == "T" else tensors
