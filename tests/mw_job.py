@@ -393,6 +393,289 @@ def kill_worker_midstream(k):
     return None
 
 
+# ---- issue 42: torch and NumPy through their own dispatch ---------------------------------------
+def _to_local(v):
+    if isinstance(v, mw.RemoteTensor):
+        return v.get()
+    if isinstance(v, (list, tuple)):
+        return tuple(_to_local(x) for x in v)
+    return v
+
+
+def _common_calls(a, b, m, tgt, torch, F):
+    """The issue's list of common calls, spelled as a torch user writes them."""
+    return {
+        "sum": a.sum(), "mean": a.mean(), "sum_dim": a.sum(1, keepdim=True),
+        "exp": torch.exp(a), "matmul": torch.matmul(a, b), "cat": torch.cat([a, a]),
+        "where": torch.where(m, a, 0.0), "einsum": torch.einsum("ij,jk->ik", a, b),
+        "zeros_like": torch.zeros_like(a), "relu": F.relu(a), "linear": F.linear(a, b.t()),
+        "cross_entropy": F.cross_entropy(a, tgt), "softmax": a.softmax(1),
+        "log_softmax": a.log_softmax(1), "pow": a.pow(2), "norm": a.norm(),
+        "cumsum": a.cumsum(1), "topk": a.topk(2), "sort": a.sort(1),
+        "expand": a[:, :1].expand(4, 3), "repeat": a.repeat(2, 1),
+        "masked_fill": a.masked_fill(m, -1.0), "index_select": a.index_select(0, tgt),
+        "new_ones": a.new_ones(2, 3), "max_dim": a.max(dim=1), "min_dim": a.min(1),
+        "unique": torch.unique(tgt, return_counts=True),
+        "svd": torch.linalg.svd(a, full_matrices=False), "split": torch.split(a, 2),
+        "dim": a.dim(), "size": tuple(a.size()), "shape": tuple(a.shape),
+        "item": a.sum().item(), "t": a.t(), "T": a.T, "getitem": a[1:, ::2],
+        "argmax": a.argmax(1), "clamp": a.clamp(-0.5, 0.5), "std": a.std(1),
+        "var_mean": torch.var_mean(a, 1), "layer_norm": F.layer_norm(a, (5,)),
+        "dropout_eval": F.dropout(a, 0.5, training=False), "radd": 1 + a, "rsub": 1 - a,
+        "rtruediv": 1 / (a.abs() + 1), "neg": -a, "abs": abs(a), "to_double": a.to(torch.float64),
+        "gelu": F.gelu(a), "stack": torch.stack([a, a], 1), "flatten": torch.flatten(a),
+        "chunk": a.chunk(2), "tanh_method": a.tanh(), "mul_local": a * torch.arange(5.0),
+        "argsort": torch.argsort(a, 1), "mse": F.mse_loss(a, a * 2),
+    }
+
+
+def torch_common_calls():
+    """{name: (same as local?, detail)} for the common calls, remote vs local."""
+    import torch
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 5, generator=g), torch.randn(5, 3, generator=g)
+    m, tgt = a > 0, torch.tensor([0, 2, 1, 4])
+    want = _common_calls(a, b, m, tgt, torch, F)
+    ra, rb, rm, rt = (mw.send(x, node=1) for x in (a, b, m, tgt))
+    got = _common_calls(ra, rb, rm, rt, torch, F)
+    out = {}
+    for k, w in want.items():
+        gv = _to_local(got[k])
+        try:
+            torch.testing.assert_close(gv, tuple(w) if isinstance(w, tuple) else w,
+                                       rtol=0, atol=0)
+            out[k] = (True, type(got[k]).__name__)
+        except Exception as e:
+            out[k] = (False, f"{type(got[k]).__name__}: {str(e)[:200]}")
+    return out
+
+
+def result_kinds():
+    """What remote calls give back: named tuples with torch's fields, values, shapes."""
+    import torch
+    t = mw.send(torch.arange(12.0).reshape(3, 4), node=0)
+    mx = t.max(dim=1)
+    sv = torch.linalg.svd(t)
+    return {"max": (type(mx).__name__, type(mx).__module__, mx._fields,
+                    type(mx.values).__name__, mx.indices.get().tolist()),
+            "svd_fields": sv._fields, "split": [type(s).__name__ for s in torch.split(t, 1)],
+            "dim": t.dim(), "shape": (type(t.shape).__name__, tuple(t.shape)),
+            "lazy_shape": type((t @ t.T).shape).__name__, "numel": t.numel(),
+            "is_floating_point": t.is_floating_point(), "dtype": str((t > 1).dtype),
+            "device": str(t.device), "equal": torch.equal(t, t),
+            "unique": [x.get().tolist() for x in torch.unique(t.long() % 3, return_counts=True)]}
+
+
+def autograd_case():
+    """Gradients through matmul, softmax and cross_entropy on node 1 against local ones."""
+    import torch
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(6, 4, generator=g), torch.randn(4, 3, generator=g)
+    tgt = torch.tensor([0, 1, 2, 0, 1, 2])
+    lw = w.clone().requires_grad_()
+    logits = torch.matmul(x, lw)
+    loss = F.cross_entropy(logits.softmax(1) * 3, tgt)
+    loss.backward()
+    rw = mw.send(w, node=1, requires_grad=True)
+    rx = mw.send(x, node=1)
+    rl = F.cross_entropy(torch.matmul(rx, rw).softmax(1) * 3, tgt)
+    rl.backward()
+    leaf = (rw.is_leaf, rw.requires_grad, rl.requires_grad, rl.detach().requires_grad)
+    return loss.item(), rl.item(), lw.grad, rw.grad.get(), leaf
+
+
+def no_grad_case():
+    import torch
+    w = mw.ones(3, node=0, requires_grad=True)
+    with torch.no_grad():
+        inside = (w * 2).requires_grad
+        w.mul_(2)  # an in-place update of a leaf: allowed only under no_grad
+    after = (w * 2).requires_grad
+    return inside, after, w.get().tolist()
+
+
+def _tiny_net(torch):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def train_case(steps, opt_name):
+    """A module and its optimizer trained on node 1 for ``steps`` steps, and locally."""
+    import torch
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)
+    opt_cls = getattr(torch.optim, opt_name)
+    local = _tiny_net(torch)
+    net = mw.to_node(_tiny_net(torch), 1)
+    opt_l = opt_cls(local.parameters(), lr=0.1)
+    opt_r = mw.optim(opt_cls, net.parameters(), lr=0.1)
+    rx, ry = mw.send(x, node=1), mw.send(y, node=1)
+    losses = []
+    for _ in range(steps):
+        opt_l.zero_grad()
+        ll = F.cross_entropy(local(x), y)
+        ll.backward()
+        opt_l.step()
+        opt_r.zero_grad()
+        rl = F.cross_entropy(net(rx), ry)
+        rl.backward()
+        opt_r.step()
+        losses.append((ll.item(), rl.item()))
+    sd = net.state_dict()
+    diff = max(float((sd[k] - v).abs().max()) for k, v in local.state_dict().items())
+    return losses, diff, [p.get_node() for p in net.parameters()], sorted(sd)
+
+
+def refused_case():
+    """Names outside the allow-list raise on the master, before anything is sent."""
+    import io
+
+    import torch
+    t = mw.ones(2, node=0)
+    before = mw.worker_stats(0)["seq"]
+    out = {}
+    for name in ("torch.save", "torch.load", "torch.hub.load", "os.system", "builtins.exec",
+                 "torch.Tensor.storage", "torch.Tensor.register_hook", "torch._C._foo"):
+        try:
+            mw.call(name, t)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    try:
+        torch.save(t, io.BytesIO())
+        out["pickle"] = None
+    except TypeError as e:
+        out["pickle"] = str(e)
+    try:
+        t.register_hook(print)
+        out["attr"] = None
+    except AttributeError as e:
+        out["attr"] = str(e)
+    after = mw.worker_stats(0)["seq"]
+    return out, after - before
+
+
+def worker_refuses_case():
+    """A name outside the list that reaches a worker anyway (a master that skipped the
+    check) is refused there: the call fails, the node keeps serving."""
+    from collectives.master_worker import protocol as P
+    m = mw.master.get_master()
+    nd = m.node(0)
+    t = mw.ones(2, node=0)
+    m.command(nd, P.C_CALL, ("os.system", m.new_hid(nd), ("true",), None))
+    try:
+        mw.synchronize(0)
+        msg = None
+    except mw.RemoteError as e:
+        msg = (e.command, str(e))
+    return msg, (t + 1).get().tolist()
+
+
+def mixed_nodes_case():
+    import torch
+    a, b = mw.ones(2, 2, node=0), mw.ones(2, 2, node=1)
+    try:
+        torch.matmul(a, b)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+_UFUNC_SKIP = {"isnat", "ldexp", "frexp", "modf", "divmod", "matmul", "vecdot", "matvec",
+               "vecmat", "bitwise_count"}
+
+
+def numpy_ufuncs_case():
+    """Every NumPy ufunc of one or two inputs and one output on remote arrays vs NumPy."""
+    rng = np.random.default_rng(3)
+    x = rng.uniform(0.1, 0.9, (3, 4))
+    y = rng.uniform(0.1, 0.9, (3, 4))
+    ix, iy = rng.integers(1, 7, (3, 4)), rng.integers(1, 7, (3, 4))
+    rx, ry, rix, riy = (mw.send(v, node=0) for v in (x, y, ix, iy))
+    ran, bad = [], {}
+    for name in sorted(vars(np)):
+        f = getattr(np, name)
+        if not isinstance(f, np.ufunc) or f.nout != 1 or f.nin not in (1, 2) or name in _UFUNC_SKIP:
+            continue
+        for args, rargs in (((x, y), (rx, ry)), ((ix, iy), (rix, riy))):
+            try:
+                with np.errstate(all="ignore"):
+                    want = f(*args[:f.nin])
+            except TypeError:
+                continue
+            try:
+                got = np.asarray(f(*rargs[:f.nin]).numpy())
+                np.testing.assert_array_equal(got, want)
+            except Exception as e:
+                bad[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            ran.append(name)
+            break
+    red = mw.send(x, node=0)
+    extra = {"add.reduce": (np.add.reduce(red, axis=1).numpy(), np.add.reduce(x, axis=1)),
+             "multiply.accumulate": (np.multiply.accumulate(red).numpy(),
+                                     np.multiply.accumulate(x)),
+             "subtract.outer": (np.subtract.outer(red[0], red[1]).numpy(),
+                                np.subtract.outer(x[0], x[1])),
+             "local_operand": ((red + np.ones(4)).numpy(), x + 1),
+             "reflected": ((np.ones(4) - red).numpy(), 1 - x)}
+    for k, (g, w) in extra.items():
+        if not np.array_equal(g, w):
+            bad[k] = "differs"
+    return sorted(set(ran)), bad
+
+
+def numpy_functions_case():
+    """A list of NumPy array functions on remote arrays vs NumPy."""
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((4, 4))
+    b = rng.standard_normal((4, 4))
+    ra, rb = mw.send(a, node=1), mw.send(b, node=1)
+    cases = {
+        "concatenate": lambda a, b: np.concatenate([a, b]), "stack": lambda a, b: np.stack([a, b]),
+        "where": lambda a, b: np.where(a > 0, a, b), "sum": lambda a, b: np.sum(a, axis=0),
+        "mean": lambda a, b: np.mean(a), "std": lambda a, b: np.std(a, axis=1, ddof=1),
+        "cumsum": lambda a, b: np.cumsum(a, axis=1), "sort": lambda a, b: np.sort(a, axis=0),
+        "argsort": lambda a, b: np.argsort(a), "transpose": lambda a, b: np.transpose(a),
+        "reshape": lambda a, b: np.reshape(a, (2, 8)), "clip": lambda a, b: np.clip(a, -0.5, 0.5),
+        "dot": lambda a, b: np.dot(a, b), "einsum": lambda a, b: np.einsum("ij,jk->ik", a, b),
+        "tensordot": lambda a, b: np.tensordot(a, b, 1), "outer": lambda a, b: np.outer(a, b),
+        "diff": lambda a, b: np.diff(a), "take": lambda a, b: np.take(a, [0, 2]),
+        "max": lambda a, b: np.max(a, axis=0), "argmax": lambda a, b: np.argmax(a),
+        "round": lambda a, b: np.round(a, 2), "tile": lambda a, b: np.tile(a, 2),
+        "repeat": lambda a, b: np.repeat(a, 2), "flip": lambda a, b: np.flip(a),
+        "roll": lambda a, b: np.roll(a, 1), "triu": lambda a, b: np.triu(a),
+        "trace": lambda a, b: np.trace(a), "linalg.norm": lambda a, b: np.linalg.norm(a),
+        "linalg.inv": lambda a, b: np.linalg.inv(a), "linalg.solve": lambda a, b: np.linalg.solve(a, b),
+        "fft.fft": lambda a, b: np.fft.fft(a), "unique": lambda a, b: np.unique(np.round(a)),
+        "split": lambda a, b: np.split(a, 2), "allclose": lambda a, b: np.allclose(a, a),
+        "array_equal": lambda a, b: np.array_equal(a, b), "median": lambda a, b: np.median(a),
+        "percentile": lambda a, b: np.percentile(a, 30), "cov": lambda a, b: np.cov(a),
+        "kron": lambda a, b: np.kron(a[:2, :2], b[:2, :2]), "pad": lambda a, b: np.pad(a, 1),
+    }
+    bad, remote_kinds = {}, {}
+    for k, f in cases.items():
+        want = f(a, b)
+        try:
+            got = f(ra, rb)
+            remote_kinds[k] = type(got).__name__
+            gv = [g.numpy() for g in got] if isinstance(got, list) else (
+                got.numpy() if isinstance(got, mw.RemoteTensor) else got)
+            np.testing.assert_array_equal(np.asarray(gv), np.asarray(want))
+        except Exception as e:
+            bad[k] = f"{type(e).__name__}: {str(e)[:200]}"
+    return sorted(cases), bad, remote_kinds
+
+
+def call_opinfo(which):
+    """tests/mw_opinfo.py's sweep on this master: the quick slice, or 'all'."""
+    from tests import mw_opinfo
+    s = mw_opinfo.sweep(None if which == "all" else mw_opinfo.QUICK)
+    return {k: s[k] for k in ("ops", "passed", "counted", "fraction", "fail_classes", "results")}
+
+
 def pids():
     return [nd.pid for nd in mw.master.get_master().nodes]
 

@@ -2,7 +2,8 @@
 
 torch: every function ``torch.overrides.get_overridable_functions()`` lists (torch.*,
 torch.Tensor methods and properties, torch.nn.functional, torch.linalg, torch.fft,
-torch.special), named ``<namespace>.<name>``. NumPy: its ufuncs (``numpy.exp``, and their
+torch.special), and Tensor's other public methods (``new_ones``...), named
+``<namespace>.<name>``. NumPy: its ufuncs (``numpy.exp``, and their
 ``reduce``/``accumulate``/``outer`` methods) and the functions of numpy, numpy.linalg and
 numpy.fft that dispatch through ``__array_function__``. Both sides build the same table
 from the same installed library, so a name means one function; the wire carries the name
@@ -70,35 +71,58 @@ def torch_table():
     global _TORCH
     if _TORCH is None:
         import torch
-        from torch.overrides import get_overridable_functions
+        from torch.overrides import get_ignored_functions, get_overridable_functions
         by_name, by_fn = {}, {}
+
+        def add(name, f, prop=False):
+            if refused(name) is None and name not in by_name:
+                by_name[name] = Entry(name, f, prop)
+                if not prop:
+                    by_fn.setdefault(f, name)
+
         order = [torch, torch.Tensor, torch.nn.functional, torch.linalg, torch.fft,
                  torch.special, torch.functional]
         found = get_overridable_functions()
+        public = {}  # module -> {id(function): its public name there}
+        for ns in (torch, torch.nn.functional, torch.linalg, torch.fft, torch.special):
+            public[ns] = {id(f): a for a, f in vars(ns).items() if not a.startswith("_")}
         for ns in order + [k for k in found if k not in order]:
             funcs = found.get(ns, ())
             if isinstance(ns, type) and ns is torch.Tensor:
-                prefix = "torch.Tensor"
+                prefix, names = "torch.Tensor", {}
             elif hasattr(ns, "__file__"):
-                prefix = "torch" if ns is torch.functional else ns.__name__
+                home = torch if ns is torch.functional else ns
+                prefix, names = home.__name__, public.get(home, {})
             else:  # a Tensor property's descriptor: its getter is listed
                 pname = getattr(ns, "__name__", None)
-                if not isinstance(pname, str):
-                    continue
-                name = "torch.Tensor." + pname
-                if refused(name) is None and name not in by_name:
-                    by_name[name] = Entry(name, _getter(pname), prop=True)
+                if isinstance(pname, str):
+                    add("torch.Tensor." + pname, _getter(pname), prop=True)
                 continue
             for f in funcs:
-                fname = getattr(f, "__name__", None)
-                if not isinstance(fname, str):
-                    continue
-                name = f"{prefix}.{fname}"
-                if refused(name) is not None:
-                    continue
-                if name not in by_name:
-                    by_name[name] = Entry(name, f)
-                by_fn.setdefault(f, name)
+                attr = names.get(id(f)) or getattr(f, "__name__", None)
+                if isinstance(attr, str):
+                    add(f"{prefix}.{attr}", f)
+        # the public functions of the math namespaces the list leaves out (F.hardswish...)
+        for ns in (torch.nn.functional, torch.linalg, torch.fft, torch.special):
+            for attr, f in vars(ns).items():
+                if not attr.startswith("_") and callable(f) and not isinstance(f, type) \
+                        and getattr(f, "__module__", "").startswith("torch"):
+                    add(f"{ns.__name__}.{attr}", f)
+        # torch's ATen bindings the list leaves out (torch.zero_, torch.resize_as_) and its
+        # factories (ignored by __torch_function__: they take no tensor), for
+        # mw.call(torch.arange, 5, node=k): C functions of torch._C._VariableFunctions only
+        aten = frozenset(dir(torch._C._VariableFunctions))
+        for f in list(get_ignored_functions()) + [vars(torch).get(a) for a in aten]:
+            attr = getattr(f, "__name__", "")
+            if attr in aten and not attr.startswith(("set", "_", "is_")) \
+                    and vars(torch).get(attr) is f:
+                add("torch." + attr, f)
+        for attr in dir(torch.Tensor):  # Tensor's public methods the list leaves out (new_ones...)
+            if attr.startswith("_"):
+                continue
+            f = getattr(torch.Tensor, attr)  # a name from dir(), at build time, not the wire
+            if callable(f) and not isinstance(f, type):
+                add("torch.Tensor." + attr, f)
         _TORCH = (by_name, by_fn)
     return _TORCH
 

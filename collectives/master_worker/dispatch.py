@@ -32,6 +32,9 @@ from .ops import NUMPY_METHOD_NAMES, NUMPY_OPERATORS, dtype_name, numpy_names
 
 LOCAL_MAX = 1 << 20   # local tensors/arrays up to this many bytes travel by value
 _TENSOR, _NONE = 1, 2
+_RESHAPING = frozenset("torch.Tensor." + n for n in (
+    "resize_", "resize_as_", "t_", "transpose_", "squeeze_", "unsqueeze_", "swapdims_",
+    "swapaxes_", "as_strided_", "set_"))
 _TENSOR_PROPS = frozenset(("T", "mT", "H", "mH", "real", "imag", "data"))
 _cache = {}           # (name, argument kinds) -> what the result is (_TENSOR, _NONE, named tuple)
 Handle = None         # RemoteTensor (set by tensor.py)
@@ -86,6 +89,9 @@ def name_of_function(m, func):
     """The qualified name of a torch or NumPy function object (allow-listed), or raise."""
     by_fn = torch_table()[1] if m.lib == "torch" else numpy_table()[1]
     name = by_fn.get(func)
+    if name is None and m.lib == "torch" and getattr(func, "__qualname__", "").startswith(
+            "_VariableFunctionsClass."):  # torch.X's class-level twin, as torch passes it
+        name = "torch." + func.__name__
     if name is None:
         what = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
         raise ValueError(f"{getattr(func, '__module__', '')}.{what} cannot run on a worker: "
@@ -255,6 +261,8 @@ def call_entry(m, e, args, kwargs, node=None):
     name = e.name
     if e.inplace and args and type(args[0]) is Handle:
         m.command(nd, P.C_CALL, (name, -1, a, k))
+        if name in _RESHAPING:
+            args[0]._meta = None  # its shape changes: ask the node when needed
         return args[0]
     if e.prop and name.rsplit(".", 1)[1] not in _TENSOR_PROPS:
         return _sync(m, nd, name, a, k, None)

@@ -194,9 +194,10 @@ class Master:
         """Post the receive of a reply (and of ``data``, a host array for a tensor's bytes)
         before the command that produces it. ``handler(ok, payload)`` makes the value."""
         buf = np.empty(P.REPLY_MAX, np.uint8)
-        try:
+        dbuf = None if data is None else buffer(data)  # a dtype it cannot carry raises here,
+        try:                                           # before any receive is posted
             req = self.backend.irecv(buffer(buf), node.rank, P.T_REPLY)
-            dreq = None if data is None else self.backend.irecv(buffer(data), node.rank, P.T_DATA)
+            dreq = None if dbuf is None else self.backend.irecv(dbuf, node.rank, P.T_DATA)
         except DistError as e:
             self._lose(node, e)
             raise DistBackendError(f"{node}: {e}") from e

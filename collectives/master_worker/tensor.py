@@ -216,7 +216,8 @@ class RemoteTensor:
             if payload[4]:
                 m.bulk(nd, out, nd.rank)
             return out
-        e = m.call(nd, P.C_GET, (ref.hid, bulk), handler, "get",
+        expect = (meta[0], meta[1]) if meta is not None and not bulk else None
+        e = m.call(nd, P.C_GET, (ref.hid, bulk, expect), handler, "get",
                    data=out if meta is not None and not bulk else None)
         try:
             return m.resolve(nd, e)

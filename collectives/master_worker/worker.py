@@ -228,24 +228,35 @@ class Worker:
             self.recv_into(host, 0, P.T_DATA, "receiving a tensor from the master")
         self.run(out, "send", lambda: host if device < 0 else lib.to_device(host, device))
 
-    def get(self, hid, bulk):
+    def get(self, hid, bulk, expect=None):
         """Reply with the meta, then the data: by a broadcast in the pair group when
-        ``bulk`` (None: when large), else by p2p (an empty message when there is none)."""
+        ``bulk`` (None: when large), else by p2p. Where it has no array to send, the data
+        message is the ``expect`` (shape, dtype) the master's receive was posted for (empty
+        if unknown), so a failure never desynchronises the stream."""
+        filler = _EMPTY if expect is None else self.lib.alloc("zeros", tuple(expect[0]),
+                                                               expect[1], None, -1)
         try:
             obj = self.resolve(Ref(hid))
             host = self.lib.host(obj) if self.lib.is_array(obj) else None
+            if host is not None:
+                buffer(host)  # a dtype the transport cannot carry fails here, before the reply
         except Exception as e:
             self.reply(_describe(e), ok=False)
             if not bulk:
-                self.isend(np.empty(0, np.uint8), 0, P.T_DATA)  # the master posted a receive
+                self.isend(filler, 0, P.T_DATA)  # the master posted a receive
             return
         if host is None:
             self.reply(("value", _plain(self.lib, obj)))
             if not bulk:
-                self.isend(np.empty(0, np.uint8), 0, P.T_DATA)
+                self.isend(filler, 0, P.T_DATA)
+            return
+        nbytes = host.nbytes if isinstance(host, np.ndarray) else host.numel() * host.element_size()
+        if expect is not None and (tuple(expect[0]), expect[1]) != self.lib.meta(obj)[:2]:
+            self.reply(f"the tensor is {self.lib.meta(obj)[:2]}, the master expected "
+                       f"{tuple(expect)} (changed in place?)", ok=False)
+            self.isend(filler, 0, P.T_DATA)
             return
         if bulk is None:
-            nbytes = host.nbytes if isinstance(host, np.ndarray) else host.numel() * host.element_size()
             bulk = self.pair is not None and nbytes >= P.BULK_MIN
         self.reply(("array",) + self.lib.meta(obj) + (bool(bulk),))
         if bulk:  # the master joins once it has read the reply
@@ -465,6 +476,9 @@ class Worker:
                 self.reply(f"{what}: its result cannot be sent back: {_describe(e)}", ok=False)
                 return
             self.reply(payload)
+
+
+_EMPTY = np.empty(0, np.uint8)
 
 
 class _InputFailed(RuntimeError):
