@@ -547,15 +547,18 @@ def test_seed_example_under_mpiexec(backend):
 
 
 @pytest.mark.timeout(200)
-def test_example_trains_with_parameters_on_two_workers():
+def test_example_trains_a_module_with_an_optimizer_on_two_workers():
+    """examples/master_worker_train.py: an nn.Module and SGD on two nodes, data parallel,
+    equal to the same training run locally (the script asserts it)."""
+    pytest.importorskip("torch")
     env = _env(3)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
     p = subprocess.run([sys.executable, "-m", "collectives.run", "-n", "3",
-                        os.path.join(ROOT, "examples", "master_worker_train.py"), "--steps", "150"],
+                        os.path.join(ROOT, "examples", "master_worker_train.py"), "--steps", "60"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "max |w - w_true|" in p.stdout
+    assert "max |node params - local params|" in p.stdout
 
 
 @pytest.mark.timeout(300)

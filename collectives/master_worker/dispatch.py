@@ -28,7 +28,7 @@ import collectives.master_worker.protocol as P
 from .allow import numpy_table, refused, torch_table
 from .codec import Const, Ref, TensorValue
 from .master import RemoteError, get_master
-from .ops import NUMPY_METHOD_NAMES, NUMPY_OPERATORS, dtype_name, numpy_names
+from .ops import NUMPY_METHOD_NAMES, NUMPY_OPERATORS, dtype_name, numpy_names, torch_consts
 
 LOCAL_MAX = 1 << 20   # local tensors/arrays up to this many bytes travel by value
 _TENSOR, _NONE = 1, 2
@@ -340,7 +340,15 @@ def _build(m, nd, s, handles):
         return getattr(torch, dtype_name(s[1])) if torch is not None else np.dtype(s[1])
     if kind == "E":
         return torch.device(s[1])
+    if kind == "C":  # a layout or memory format, by name in a fixed table
+        return _torch_consts(m).get(s[1], s[1])
     raise ValueError(f"unknown result kind {kind!r} from node {nd.index}")
+
+
+def _torch_consts(m):
+    if m.consts is None:
+        m.consts = torch_consts(m.torch)
+    return m.consts
 
 
 def _return_types(m):

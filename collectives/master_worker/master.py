@@ -88,6 +88,7 @@ class Master:
         self.methods = {}
         self.operators = {}
         self.return_types = None
+        self.consts = None
         self.torch = None
         if lib == "torch":
             import torch

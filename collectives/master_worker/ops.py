@@ -255,6 +255,18 @@ class NumpyLib:
         pass
 
 
+def torch_consts(torch):
+    """torch's named constants by their wire names ('dtype:float32', 'layout:strided'...)."""
+    c = {}
+    for n in DTYPES:
+        c["dtype:" + n] = getattr(torch, n)  # the fixed names above
+    for n in ("strided", "sparse_coo", "sparse_csr", "sparse_csc"):
+        c["layout:" + n] = getattr(torch, n)
+    for n in ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format"):
+        c["memory_format:" + n] = getattr(torch, n)
+    return c
+
+
 class TorchLib:
     """Worker data as torch tensors (CPU, or CUDA after ``.cuda()``)."""
 
@@ -287,15 +299,7 @@ class TorchLib:
 
     def _consts(self):
         if self.consts is None:
-            torch, c = self.torch, {}
-            for n in DTYPES:
-                c["dtype:" + n] = getattr(torch, n)  # noqa: the fixed names above
-            for n in ("strided", "sparse_coo", "sparse_csr", "sparse_csc"):
-                c["layout:" + n] = getattr(torch, n)
-            for n in ("contiguous_format", "channels_last", "channels_last_3d",
-                      "preserve_format"):
-                c["memory_format:" + n] = getattr(torch, n)
-            self.consts = c
+            self.consts = torch_consts(self.torch)
         return self.consts
 
     def const(self, c):
@@ -343,7 +347,7 @@ class TorchLib:
         return tuple(t.shape), str(t.dtype)[6:], (t.device.index or 0) if t.is_cuda else -1
 
     def host(self, t):
-        return t.detach().cpu().contiguous()
+        return t.detach().cpu().resolve_conj().resolve_neg().contiguous()
 
     def to_device(self, t, device):
         return t.cuda(device)

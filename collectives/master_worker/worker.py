@@ -357,6 +357,8 @@ class Worker:
                 return ("D", str(r)[6:])
             if t is torch.device:
                 return ("E", str(r))
+            if t is torch.layout or t is torch.memory_format:
+                return ("C", ("layout:" if t is torch.layout else "memory_format:") + str(r)[6:])
         if t is tuple or t is list:
             return (t.__name__, [self._struct(x, tensors, depth + 1) for x in r])
         if t is dict and all(type(k) is str for k in r):
