@@ -413,7 +413,7 @@ def _common_calls(a, b, m, tgt, torch, F):
         "log_softmax": a.log_softmax(1), "pow": a.pow(2), "norm": a.norm(),
         "cumsum": a.cumsum(1), "topk": a.topk(2), "sort": a.sort(1),
         "expand": a[:, :1].expand(4, 3), "repeat": a.repeat(2, 1),
-        "masked_fill": a.masked_fill(m, -1.0), "index_select": a.index_select(0, tgt),
+        "masked_fill": a.masked_fill(m, -1.0), "index_select": a.index_select(1, tgt),
         "new_ones": a.new_ones(2, 3), "max_dim": a.max(dim=1), "min_dim": a.min(1),
         "unique": torch.unique(tgt, return_counts=True),
         "svd": torch.linalg.svd(a, full_matrices=False), "split": torch.split(a, 2),
@@ -457,9 +457,9 @@ def result_kinds():
     t = mw.send(torch.arange(12.0).reshape(3, 4), node=0)
     mx = t.max(dim=1)
     sv = torch.linalg.svd(t)
-    return {"max": (type(mx).__name__, type(mx).__module__, mx._fields,
+    return {"max": (type(mx).__name__, type(mx).__module__, type(mx).__match_args__,
                     type(mx.values).__name__, mx.indices.get().tolist()),
-            "svd_fields": sv._fields, "split": [type(s).__name__ for s in torch.split(t, 1)],
+            "svd_fields": type(sv).__match_args__, "split": [type(s).__name__ for s in torch.split(t, 1)],
             "dim": t.dim(), "shape": (type(t.shape).__name__, tuple(t.shape)),
             "lazy_shape": type((t @ t.T).shape).__name__, "numel": t.numel(),
             "is_floating_point": t.is_floating_point(), "dtype": str((t > 1).dtype),
@@ -483,7 +483,7 @@ def autograd_case():
     rl = F.cross_entropy(torch.matmul(rx, rw).softmax(1) * 3, tgt)
     rl.backward()
     leaf = (rw.is_leaf, rw.requires_grad, rl.requires_grad, rl.detach().requires_grad)
-    return loss.item(), rl.item(), lw.grad, rw.grad.get(), leaf
+    return loss.item(), rl.item(), lw.grad.numpy(), rw.grad.get().numpy(), leaf
 
 
 def no_grad_case():

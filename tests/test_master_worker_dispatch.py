@@ -42,7 +42,8 @@ def test_common_torch_calls_on_a_node_equal_local(torch_job):
     bad = {k: d for k, (ok, d) in out.items() if not ok}
     assert len(out) >= 49 and not bad, bad
     # multi-output results come back as torch gives them, not as their first field
-    assert out["max_dim"][1] == "max" and out["topk"][1] == "topk" and out["svd"][1] == "svd"
+    assert out["max_dim"][1] == "max" and out["topk"][1] == "topk"
+    assert out["svd"][1] == "linalg_svd"
     assert out["split"][1] == "tuple" and out["item"][1] == "float"
 
 
@@ -84,10 +85,9 @@ def test_opinfo_sweep_passes_95_percent(torch_job):
 # ---- autograd, modules, optimizers ------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_autograd_through_matmul_softmax_cross_entropy_gives_torchs_gradients(torch_job):
-    import torch
     loss, rloss, grad, rgrad, leaf = torch_job("autograd_case")
     assert loss == rloss
-    torch.testing.assert_close(rgrad, grad, rtol=0, atol=0)
+    np.testing.assert_array_equal(rgrad, grad)
     assert leaf == (True, True, True, False)
 
 
