@@ -114,6 +114,8 @@ def classify(exc_text):
     if "cannot be sent" in t or "cannot come back" in t:
         return ("Python objects as arguments (an options object, a module as the distance "
                 "function): not plain data, not sent")
+    if "unsupported dtype uint" in t:
+        return "uint16/32/64 results: the transport carries no unsigned type wider than 8 bits"
     if "complex32" in t:
         return "complex32 (chalf): NumPy has no such dtype for the wire"
     if "Sparse" in t or "memory format option" in t or "sparse" in t:

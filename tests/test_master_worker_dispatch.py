@@ -149,7 +149,7 @@ def test_numpy_array_functions_on_remote_arrays_equal_numpy(numpy_job):
     assert kinds["split"] == "list" and kinds["mean"] == "RemoteTensor"  # 0-d stays remote
 
 
-# ---- no torch needed ------------------------------------------------------------------------------------------
+# ---- no torch needed ---------------------------------------------------------------------------------
 def test_master_worker_imports_without_torch():
     """The NumPy-only install: importing the package (and its torch-mode code) never
     imports torch."""

@@ -25,10 +25,10 @@ import sys
 import numpy as np
 
 import collectives.master_worker.protocol as P
-from .allow import numpy_table, refused, torch_table
-from .codec import Const, Ref, TensorValue
-from .master import RemoteError, get_master
-from .ops import NUMPY_METHOD_NAMES, NUMPY_OPERATORS, dtype_name, numpy_names, torch_consts
+from .allow import COLLECTIVES_NAMES, Entry, numpy_table, refused, torch_table
+from .codec import Const, TensorValue
+from .master import RemoteError, current_node, get_master
+from .ops import NUMPY_OPERATORS, dtype_name, numpy_names, torch_consts
 
 LOCAL_MAX = 1 << 20   # local tensors/arrays up to this many bytes travel by value
 _TENSOR, _NONE = 1, 2
@@ -46,10 +46,9 @@ def table(m):
     """The master's allow-list for its library: name -> Entry."""
     t = m.names
     if t is None:
-        if m.lib == "torch":
-            from .modules import master_entries
+        if m.lib == "torch":  # and the names that call modules/optimizers on a node
             t = dict(torch_table()[0])
-            t.update(master_entries())
+            t.update((k, Entry(k, None)) for k in COLLECTIVES_NAMES)
         else:
             t = numpy_names()[0]
         m.names = t
@@ -249,7 +248,6 @@ def call_entry(m, e, args, kwargs, node=None):
     k = {n: _conv(x, w, f"argument {n!r}") for n, x in kwargs.items()} if kwargs else None
     nd = w.nd
     if nd is None:
-        from .tensor import current_node
         nd = m.node(current_node() if node is None else node)
     elif node is not None and m.node(node) is not nd:
         raise ValueError(f"node={node}, but the call's remote tensors are on node {nd.index}")
@@ -417,4 +415,4 @@ _UFUNC_TO_TORCH = {"power": "pow", "absolute": "abs", "negative": "neg", "invert
                    "divide": "true_divide", "left_shift": "bitwise_left_shift",
                    "right_shift": "bitwise_right_shift"}
 
-__all__ = ["call", "LOCAL_MAX", "NUMPY_METHOD_NAMES"]
+__all__ = ["call", "LOCAL_MAX"]

@@ -323,6 +323,12 @@ class Master:
 
 _state = threading.local()
 _master = None
+_ctx = threading.local()  # the current node of this thread (tensor.node, set_node)
+
+
+def current_node():
+    """The node new tensors go to (``with node(k):`` sets it; default 0)."""
+    return getattr(_ctx, "node", 0)
 
 
 def get_master():

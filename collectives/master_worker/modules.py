@@ -12,9 +12,11 @@ tensors.
 ``mw.optim(torch.optim.SGD, params, lr=0.1)`` makes a ``torch.optim`` optimizer on the
 node of ``params``; ``step()`` and ``zero_grad()`` are queued commands.
 """
-from . import dispatch
+import collectives.master_worker.dispatch as dispatch
+import collectives.master_worker.protocol as P
 from .master import get_master
-from .registry import module_class, module_name
+from .nn_worker import optimizer_classes
+from .registry import module_name
 
 _BASE_KEYS = None
 
@@ -25,19 +27,6 @@ def _base_keys():
         import torch
         _BASE_KEYS = frozenset(vars(torch.nn.Module()))
     return _BASE_KEYS
-
-
-def _torch_module_classes():
-    import torch
-    return {f"torch.nn.{n}": c for n, c in vars(torch.nn).items()
-            if isinstance(c, type) and issubclass(c, torch.nn.Module)}
-
-
-def _optimizer_classes():
-    import torch
-    return {f"torch.optim.{n}": c for n, c in vars(torch.optim).items()
-            if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
-            and c is not torch.optim.Optimizer}
 
 
 # ---- the master's side -----------------------------------------------------------------------
@@ -200,7 +189,6 @@ def to_node(module, node):
     desc = describe(module)
     names = [n for n, _ in module.named_parameters()]
     from .tensor import RemoteTensor
-    from . import protocol as P
     m.usable(nd)
     hids = [m.new_hid(nd) for _ in range(len(names) + 1)]
     m.command(nd, P.C_CALL, ("collectives.module", hids, (desc,), None))
@@ -225,7 +213,7 @@ def optim(cls, params, **kwargs):
         name = f"torch.optim.{cls.__name__}"
     else:
         raise TypeError(f"cls must be a torch.optim optimizer class, got {cls!r}")
-    if name not in _optimizer_classes():
+    if name not in optimizer_classes():
         raise ValueError(f"{name} is not a torch.optim optimizer class workers may build")
     params = list(params)
     if not params:
@@ -236,81 +224,7 @@ def optim(cls, params, **kwargs):
     if w.nd is None:
         raise ValueError("params must be remote tensors (e.g. a RemoteModule's parameters())")
     from .tensor import RemoteTensor
-    from . import protocol as P
     nd = w.nd
     hid = m.new_hid(nd)
     m.command(nd, P.C_CALL, ("collectives.optimizer", [hid], (name, p, k), None))
     return RemoteOptimizer(RemoteTensor(m, nd, hid), name)
-
-
-# ---- the worker's side -------------------------------------------------------------------------
-def worker_entries():
-    """The ``collectives.*`` names a torch worker runs: build modules and optimizers, and
-    the few methods of them the master calls."""
-    import torch
-    from .allow import Entry
-    nn = torch.nn
-
-    def build(desc):
-        name = desc["cls"]
-        cls = _torch_module_classes().get(name) or module_class(name)
-        if cls is None:
-            raise ValueError(f"{name} is neither a torch.nn module class nor registered on "
-                             "this worker (register_module before init_master_worker)")
-        mod = cls.__new__(cls)
-        nn.Module.__init__(mod)
-        for k, v in desc["attrs"].items():
-            mod.__dict__[k] = v
-        for k, p in desc["params"].items():
-            mod._parameters[k] = None if p is None else nn.Parameter(
-                p.detach(), requires_grad=p.requires_grad)
-        for k, b in desc["buffers"].items():
-            mod._buffers[k] = b
-        mod._non_persistent_buffers_set = set(desc["non_persistent"])
-        for k, c in desc["children"].items():
-            mod._modules[k] = None if c is None else build(c)
-        mod.training = desc["training"]
-        return mod
-
-    def module(desc):
-        mod = build(desc)
-        return (mod,) + tuple(p for _, p in mod.named_parameters())
-
-    def optimizer(name, params, kwargs):
-        cls = _optimizer_classes().get(name)
-        if cls is None:
-            raise ValueError(f"{name} is not a torch.optim optimizer class")
-        return (cls(params, **kwargs),)
-
-    def is_module(x):
-        if not isinstance(x, nn.Module):
-            raise TypeError(f"expected a module on this node, got {type(x).__name__}")
-        return x
-
-    def is_optimizer(x):
-        if not isinstance(x, torch.optim.Optimizer):
-            raise TypeError(f"expected an optimizer on this node, got {type(x).__name__}")
-        return x
-
-    fns = {
-        "collectives.module": module,
-        "collectives.optimizer": optimizer,
-        "collectives.Module.__call__": lambda mod, *a, **k: is_module(mod)(*a, **k),
-        "collectives.Module.train": lambda mod, mode: (is_module(mod).train(mode), None)[1],
-        "collectives.Module.zero_grad": lambda mod, s: is_module(mod).zero_grad(s),
-        "collectives.Module.state_dict": lambda mod: dict(is_module(mod).state_dict()),
-        "collectives.Module.load_state_dict":
-            lambda mod, sd: (is_module(mod).load_state_dict(sd), None)[1],
-        "collectives.Optimizer.step": lambda opt: is_optimizer(opt).step(),
-        "collectives.Optimizer.zero_grad": lambda opt, s: is_optimizer(opt).zero_grad(s),
-    }
-    return {k: Entry(k, f) for k, f in fns.items()}
-
-
-def master_entries():
-    """The same names for the master's allow-list (the functions run only on workers)."""
-    from .allow import Entry
-    return {k: Entry(k, None) for k in (
-        "collectives.Module.__call__", "collectives.Module.train", "collectives.Module.zero_grad",
-        "collectives.Module.state_dict", "collectives.Module.load_state_dict",
-        "collectives.Optimizer.step", "collectives.Optimizer.zero_grad")}

@@ -11,7 +11,6 @@ import operator
 import numpy as np
 
 from .allow import Entry, numpy_table, torch_table
-from .codec import Const, TensorValue
 
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
           "float64", "complex64", "complex128")
@@ -159,7 +158,6 @@ _NUMPY_METHODS = {
     "pow_": _iop(operator.ipow), "copy_": _copy, "clamp_": _clamp_,
     "__getitem__": operator.getitem, "__setitem__": _setitem,
 }
-NUMPY_METHOD_NAMES = frozenset(_NUMPY_METHODS)
 # a remote tensor's operators, by the NumPy ufunc that runs them (NumPy mode)
 NUMPY_OPERATORS = {
     "add": "add", "sub": "subtract", "mul": "multiply", "truediv": "divide",
@@ -281,7 +279,7 @@ class TorchLib:
 
     def table(self):
         if self.names is None:
-            from .modules import worker_entries
+            from .nn_worker import worker_entries
             names = dict(torch_table()[0])
             names.update(worker_entries())
             self.names = names

@@ -9,27 +9,18 @@ once; the data stays on the node. Copies back (``get``, ``numpy``, ``item``...),
 are the sync points, where failures the node hit are raised.
 """
 import numbers
-import threading
 
 import numpy as np
 
 import collectives.master_worker.protocol as P
 from .._frontend import buffer
-from . import dispatch
+import collectives.master_worker.dispatch as dispatch
 from .codec import Ref
 from .dispatch import method_entry, operator_entry
-from .master import get_master
+from .master import _ctx, current_node, get_master
 from .ops import check_shape, dtype_name
 
-_ctx = threading.local()
-
-
 # ---- which node ------------------------------------------------------------------------------
-def current_node():
-    """The node new tensors go to (``with node(k):`` sets it; default 0)."""
-    return getattr(_ctx, "node", 0)
-
-
 class node:  # noqa: N801  (torch.cuda.device's spelling, as in the seed)
     """``with node(k):`` tensors made inside are allocated on worker node ``k``."""
 
