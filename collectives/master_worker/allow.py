@@ -18,6 +18,8 @@ Nothing here imports torch at module import: the tables are built on first use.
 """
 import re
 
+from .codec import encoded
+
 # name tokens (split at '_' and '.') that mark file I/O, pickling, code or raw memory
 _DENY_TOKENS = frozenset((
     "save", "savez", "savetxt", "load", "loadtxt", "file", "fromfile", "tofile", "hub", "pickle",
@@ -53,10 +55,11 @@ class Entry:
     """One allowed name: the function, and whether it is a Tensor property (read by
     attribute access) or an in-place method (returns its first argument)."""
 
-    __slots__ = ("name", "fn", "prop", "inplace")
+    __slots__ = ("name", "fn", "prop", "inplace", "wire")
 
     def __init__(self, name, fn, prop=False):
         self.name, self.fn, self.prop = name, fn, prop
+        self.wire = encoded(name)  # the name as the codec writes it, once
         last = name.rsplit(".", 1)[-1]
         self.inplace = (last.endswith("_") and not last.endswith("__")) or (
             last.startswith("__i") and last not in ("__invert__",)) or last == "__setitem__"

@@ -77,6 +77,17 @@ class TensorValue:
         return f"TensorValue({self.dtype}, shape={self.array.shape})"
 
 
+class Encoded(bytes):
+    """A value encoded once, sent many times (a function's name on the call path)."""
+
+    __slots__ = ()
+
+
+def encoded(value):
+    """``value``'s encoding, kept: encoding an Encoded appends these bytes as they are."""
+    return Encoded(encode(value))
+
+
 class CodecError(ValueError):
     """A value that is not plain data, or a malformed message."""
 
@@ -185,6 +196,10 @@ def _enc_tensor(v, out, depth):
     _enc_bool(v.requires_grad, out, depth)
 
 
+def _enc_encoded(v, out, depth):
+    out += v
+
+
 def _enc_array(v, out, depth):
     name = v.dtype.name
     if name not in _ARRAY_DTYPES:
@@ -201,7 +216,8 @@ _ENCODERS = {type(None): _enc_none, bool: _enc_bool, np.bool_: _enc_bool, int: _
              float: _enc_float, complex: _enc_complex, str: _enc_str, bytes: _enc_bytes,
              bytearray: _enc_bytes, tuple: _enc_seq, list: _enc_seq, dict: _enc_dict,
              slice: _enc_slice, type(Ellipsis): _enc_ellipsis, Ref: _enc_ref,
-             np.ndarray: _enc_array, Const: _enc_const, TensorValue: _enc_tensor}
+             np.ndarray: _enc_array, Const: _enc_const, TensorValue: _enc_tensor,
+             Encoded: _enc_encoded}
 
 
 def _enc_other(v, out, depth):

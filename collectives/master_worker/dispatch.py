@@ -138,29 +138,39 @@ class _Where:
     __slots__ = ("nd", "what")
 
     def __init__(self):
-        self.nd = None
+        self.nd = self.what = None
 
 
 _PLAIN = frozenset((int, float, bool, str, type(None), complex, bytes, type(Ellipsis)))
 
 
+def _name(what):
+    return f"argument {what}" if type(what) is int else what
+
+
+def _check_node(w, nd, what):
+    """Remember the first remote argument's node; ValueError naming both if they differ."""
+    if w.nd is None:
+        w.nd, w.what = nd, what
+    elif nd is not w.nd:
+        raise ValueError(f"{_name(what)} is on node {nd.index}, {_name(w.what)} on node "
+                         f"{w.nd.index}: all remote tensors of a call must be on one node "
+                         "(move one explicitly with .to_node(k))")
+
+
 def _conv(v, w, what):
+    """``v`` as plain data for the wire (``what`` names it in errors: an argument's index,
+    or a description)."""
     t = type(v)
     if t in _PLAIN:
         return v
     if t is Handle:
-        nd = v._nd
-        if w.nd is None:
-            w.nd, w.what = nd, what
-        elif nd is not w.nd:
-            raise ValueError(f"{what} is on node {nd.index}, {w.what} on node {w.nd.index}: "
-                             "all remote tensors of a call must be on one node (move one "
-                             "explicitly with .to_node(k))")
+        _check_node(w, v._nd, what)
         return v._ref()
     if t is tuple or t is list:
-        return t([_conv(x, w, f"{what}[{i}]") for i, x in enumerate(v)])
+        return t([_conv(x, w, f"{_name(what)}[{i}]") for i, x in enumerate(v)])
     if t is dict:
-        return {k: _conv(x, w, f"{what}[{k!r}]") for k, x in v.items()}
+        return {k: _conv(x, w, f"{_name(what)}[{k!r}]") for k, x in v.items()}
     if t is slice:
         return slice(_conv(v.start, w, what), _conv(v.stop, w, what), _conv(v.step, w, what))
     return _conv_other(v, w, what)
@@ -172,6 +182,7 @@ def _conv_other(v, w, what):
     ref = getattr(v, "_mw_ref", None)  # a module or optimizer handle
     if ref is not None:
         return _conv(ref, w, what)
+    what = _name(what)
     if isinstance(v, np.ndarray):
         if v.nbytes > LOCAL_MAX:
             raise TypeError(_too_big(what, v.nbytes))
@@ -244,7 +255,25 @@ def _kind(v):
 def call_entry(m, e, args, kwargs, node=None):
     """Run Entry ``e`` with ``args``/``kwargs`` on the node of their remote tensors."""
     w = _Where()
-    a = tuple([_conv(x, w, f"argument {i}") for i, x in enumerate(args)])
+    a, kinds = [], []
+    i = 0
+    for x in args:  # the common kinds inline: this is every call's path
+        t = type(x)
+        if t is Handle:
+            if w.nd is None:
+                w.nd, w.what = x._nd, i
+            elif x._nd is not w.nd:
+                _check_node(w, x._nd, i)  # raises, naming both nodes
+            a.append(x._ref())
+            kinds.append("T")
+        elif t is int or t is float:
+            a.append(x)
+            kinds.append(t)
+        else:
+            a.append(_conv(x, w, i))
+            kinds.append(_kind(x))
+        i += 1
+    a = tuple(a)
     k = {n: _conv(x, w, f"argument {n!r}") for n, x in kwargs.items()} if kwargs else None
     nd = w.nd
     if nd is None:
@@ -256,28 +285,27 @@ def call_entry(m, e, args, kwargs, node=None):
         if g is not nd.grad:
             m.command(nd, P.C_GRAD, (g,))
             nd.grad = g
-    name = e.name
+    name, wire = e.name, e.wire
     if e.inplace and args and type(args[0]) is Handle:
-        m.command(nd, P.C_CALL, (name, -1, a, k))
+        m.command(nd, P.C_CALL, (wire, -1, a) if k is None else (wire, -1, a, k))
         if name in _RESHAPING:
             args[0]._meta = None  # its shape changes: ask the node when needed
         return args[0]
     if e.prop and name.rsplit(".", 1)[1] not in _TENSOR_PROPS:
         return _sync(m, nd, name, a, k, None)
-    key = (name, tuple([_kind(x) for x in args]),
-           tuple([(n, _kind(x)) for n, x in kwargs.items()]) if kwargs else None)
+    key = (name, tuple(kinds), tuple([(n, _kind(x)) for n, x in kwargs.items()]) if kwargs else None)
     mode = _cache.get(key)
     if mode is _TENSOR:
         out = next(nd.hids)
-        m.command(nd, P.C_CALL, (name, out, a, k))
+        m.command(nd, P.C_CALL, (wire, out, a) if k is None else (wire, out, a, k))
         return Handle(m, nd, out)
     if mode is _NONE:
-        m.command(nd, P.C_CALL, (name, -1, a, k))
+        m.command(nd, P.C_CALL, (wire, -1, a) if k is None else (wire, -1, a, k))
         return None
     if mode is not None:  # a named tuple of tensors
         typ, n = mode
         outs = [next(nd.hids) for _ in range(n)]
-        m.command(nd, P.C_CALL, (name, outs, a, k))
+        m.command(nd, P.C_CALL, (wire, outs, a, k))
         return typ([Handle(m, nd, h) for h in outs])
     return _sync(m, nd, name, a, k, key)
 

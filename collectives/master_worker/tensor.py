@@ -326,7 +326,7 @@ class RemoteTensor:
         m = self._m
         e = m.methods.get("add_") or method_entry(m, "add_")
         if type(o) in _NUMBERS and m.torch is None:
-            m.command(self._nd, P.C_CALL, (e.name, -1, (self._ref(), o), None))
+            m.command(self._nd, P.C_CALL, (e.wire, -1, (self._ref(), o)))
             return self
         return dispatch.call_entry(m, e, (self, o), None)
 

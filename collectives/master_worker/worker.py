@@ -283,7 +283,7 @@ class Worker:
         r = entry.fn(*a, **self.resolve(kwargs)) if kwargs else entry.fn(*a)
         return self.lib.result(r)
 
-    def call(self, name, out, args, kwargs):
+    def call(self, name, out, args, kwargs=None):
         """A queued call: ``out`` is the handle id for a tensor result, a list of ids for a
         named tuple of tensors, or -1 (in place, or a result of None)."""
         try:
@@ -314,7 +314,7 @@ class Worker:
             return [args[0].hid]
         return []
 
-    def call_reply(self, name, out, args, kwargs):
+    def call_reply(self, name, out, args, kwargs=None):
         """A call whose result's kind the master does not know yet: reply with its
         structure (tensors as their metadata, values as plain data); keep the tensors
         under ``out`` for a following bind."""
