@@ -179,3 +179,40 @@ def test_allow_lists_come_from_the_libraries_own_lists():
     assert "torch.save" not in tn and "torch.load" not in tn and "torch.from_file" not in tn
     assert not any(n.startswith("torch.hub") for n in tn)
     assert np.all([not n.rsplit(".", 1)[1].startswith("_") or n.endswith("__") for n in tn])
+
+
+# ---- the codec: plain data only ------------------------------------------------------------------------
+def test_codec_round_trips_plain_data_and_builds_nothing_else():
+    """Commands decode to plain values (numbers, str, containers, slices, handles, arrays,
+    named constants, tensors by value); pickles and garbage raise CodecError."""
+    import pickle
+    import random
+
+    from collectives.master_worker.codec import (
+        CodecError, Const, Ref, TensorValue, decode, encode, encoded, frame, unframe)
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    value = (None, True, False, -3, 2.5, 1 + 2j, "s", b"b", [1, (2, {"k": slice(1, None, 2)})],
+             Ellipsis, Ref(7), arr, Const("dtype:float32"), TensorValue(arr, "float32", True))
+    got, end = decode(encode(value))
+    assert end == len(encode(value))
+    assert got[:11] == value[:11] and got[12] == value[12]
+    np.testing.assert_array_equal(got[11], arr)
+    assert got[13].dtype == "float32" and got[13].requires_grad is True
+    np.testing.assert_array_equal(got[13].array, arr)
+    name = encoded("torch.matmul")  # encoded once, sent as a str
+    assert unframe(frame(8, (name, 1, (Ref(2),))))[1] == ("torch.matmul", 1, (Ref(2),))
+    for bad in (pickle.dumps(arr), pickle.dumps(print), b"\xff", b"A"):
+        with pytest.raises(CodecError):
+            decode(bad)
+    rng = random.Random(0)
+    blob = bytes(encode(value))
+    for _ in range(500):  # mutated messages: a CodecError or a plain value, nothing else
+        b = bytearray(blob)
+        for _ in range(3):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        try:
+            decode(bytes(b))
+        except (ValueError, OverflowError, MemoryError):  # CodecError is a ValueError
+            pass
+    with pytest.raises(CodecError):
+        encode(object())
