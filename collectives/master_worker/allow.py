@@ -55,11 +55,12 @@ class Entry:
     """One allowed name: the function, and whether it is a Tensor property (read by
     attribute access) or an in-place method (returns its first argument)."""
 
-    __slots__ = ("name", "fn", "prop", "inplace", "wire")
+    __slots__ = ("name", "fn", "prop", "inplace", "wire", "results")
 
     def __init__(self, name, fn, prop=False):
         self.name, self.fn, self.prop = name, fn, prop
         self.wire = encoded(name)  # the name as the codec writes it, once
+        self.results = {}  # argument kinds -> what a call returns (the master's dispatch.py)
         last = name.rsplit(".", 1)[-1]
         self.inplace = (last.endswith("_") and not last.endswith("__")) or (
             last.startswith("__i") and last not in ("__invert__",)) or last == "__setitem__"

@@ -36,7 +36,6 @@ _RESHAPING = frozenset("torch.Tensor." + n for n in (
     "resize_", "resize_as_", "t_", "transpose_", "squeeze_", "unsqueeze_", "swapdims_",
     "swapaxes_", "as_strided_", "set_"))
 _TENSOR_PROPS = frozenset(("T", "mT", "H", "mH", "real", "imag", "data"))
-_cache = {}           # (name, argument kinds) -> what the result is (_TENSOR, _NONE, named tuple)
 Handle = None         # RemoteTensor (set by tensor.py)
 KEYED = set()         # handle types whose calls are told apart by the object (modules...)
 
@@ -292,9 +291,10 @@ def call_entry(m, e, args, kwargs, node=None):
             args[0]._meta = None  # its shape changes: ask the node when needed
         return args[0]
     if e.prop and name.rsplit(".", 1)[1] not in _TENSOR_PROPS:
-        return _sync(m, nd, name, a, k, None)
-    key = (name, tuple(kinds), tuple([(n, _kind(x)) for n, x in kwargs.items()]) if kwargs else None)
-    mode = _cache.get(key)
+        return _sync(m, nd, name, a, k)
+    key = tuple(kinds) if not kwargs else (tuple(kinds), tuple([(n, _kind(x)) for n, x in
+                                                                 kwargs.items()]))
+    mode = e.results.get(key)
     if mode is _TENSOR:
         out = next(nd.hids)
         m.command(nd, P.C_CALL, (wire, out, a) if k is None else (wire, out, a, k))
@@ -307,10 +307,10 @@ def call_entry(m, e, args, kwargs, node=None):
         outs = [next(nd.hids) for _ in range(n)]
         m.command(nd, P.C_CALL, (wire, outs, a, k))
         return typ([Handle(m, nd, h) for h in outs])
-    return _sync(m, nd, name, a, k, key)
+    return _sync(m, nd, name, a, k, e.results, key)
 
 
-def _sync(m, nd, name, a, k, key):
+def _sync(m, nd, name, a, k, results=None, key=None):
     out = next(nd.hids)
 
     def handler(ok, payload):
@@ -324,8 +324,8 @@ def _sync(m, nd, name, a, k, key):
         m.check(nd)
         raise
     if struct[0] == "T":
-        if key is not None:
-            _cache[key] = _TENSOR
+        if results is not None:
+            results[key] = _TENSOR
         return Handle(m, nd, out, (tuple(struct[1]), struct[2], struct[3]))
     if struct[0] == "F":  # it failed: a failed handle, raised at the next sync point
         return Handle(m, nd, out)
@@ -334,11 +334,11 @@ def _sync(m, nd, name, a, k, key):
     value = _build(m, nd, struct, handles)
     if handles:
         m.command(nd, P.C_BIND, (out, [h._hid for h in handles]))
-    if key is not None:
+    if results is not None:
         if struct == ("V", None):
-            _cache[key] = _NONE
+            results[key] = _NONE
         elif struct[0] == "R" and all(s[0] == "T" for s in struct[2]):
-            _cache[key] = (type(value), len(struct[2]))
+            results[key] = (type(value), len(struct[2]))
     return value
 
 
