@@ -339,7 +339,7 @@ def test_tensor_api_values(job):
     assert same and 0 <= lo < 0.01 and 0.99 < hi < 1
 
 
-# ---- NumPy mode: ufuncs and array functions (issue 42) --------------------------------------------------------------------------------------------
+# ---- NumPy mode: ufuncs and array functions (issue 42) ------------------------------------
 @pytest.mark.timeout(300)
 def test_numpy_ufuncs_on_remote_arrays_equal_numpy(job):
     ran, bad = job("numpy_ufuncs_case")
