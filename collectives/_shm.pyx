@@ -34,6 +34,9 @@ cdef extern from "shm_coll.h" nogil:
     int shm_cma_enabled(const shm_comm *c)
     void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min)
     void shm_comm_set_stream(shm_comm *c, int mode)
+    int SHM_AR_AUTO, SHM_AR_TWO_SHOT, SHM_AR_SINGLE_COPY
+    void shm_comm_set_ar_algo(shm_comm *c, int algo)
+    int shm_comm_ar_choice(const shm_comm *c, size_t nbytes)
     int shm_comm_far(const shm_comm *c)
     int shm_comm_peer_distance(const shm_comm *c, int q)
     int shm_comm_error_peer(const shm_comm *c)
@@ -288,6 +291,23 @@ cdef class ShmComm:
         least ``bcast_min`` bytes and all_reduces of at least ``ar_min`` bytes go in one
         copy (0: never)."""
         shm_comm_set_cma_min(self._live("set_cma_min"), gather_min, bcast_min, ar_min)
+
+    def set_ar_algo(self, str algo):
+        """The all_reduce above the one-shot size: "auto" (the ranks time two-shot with
+        plain and with streaming stores and the single copy while they run, and take the
+        fastest), "two_shot" or "single_copy" (where CMA is on). Every rank of the group
+        must pass the same."""
+        codes = {"auto": SHM_AR_AUTO, "two_shot": SHM_AR_TWO_SHOT,
+                 "single_copy": SHM_AR_SINGLE_COPY}
+        if algo not in codes:
+            raise ValueError(f"algo must be 'auto', 'two_shot' or 'single_copy', got {algo!r}")
+        shm_comm_set_ar_algo(self._live("set_ar_algo"), codes[algo])
+
+    def ar_choice(self, size_t nbytes):
+        """What the measured choice last agreed on for all_reduces of ``nbytes``:
+        "two_shot", "two_shot_stream", "single_copy", or None before its first decision."""
+        cdef int arm = shm_comm_ar_choice(self._live("ar_choice"), nbytes)
+        return (None, "two_shot", "two_shot_stream", "single_copy")[arm + 1]
 
     def set_stream(self, int mode):
         """Segment writes for other ranks: 0 plain stores, 1 streaming stores, 2 streaming

@@ -88,6 +88,19 @@ void shm_comm_set_stream(shm_comm *c, int mode);
 int shm_comm_far(const shm_comm *c);
 int shm_comm_peer_distance(const shm_comm *c, int q);
 void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min);
+/* The all_reduce above the one-shot size: SHM_AR_AUTO measures two-shot with plain
+ * stores, two-shot with streaming stores (as the stream mode allows) and the single copy
+ * (where CMA is on and the size reaches ar_min) while it runs, and every rank takes the
+ * arm that was fastest on the slowest rank (see shm_tune.c); SHM_AR_TWO_SHOT always
+ * takes two-shot (stores by the stream mode), SHM_AR_SINGLE_COPY the single copy where
+ * CMA is on (from ar_min). Every rank must pass the same. */
+#define SHM_AR_AUTO 0
+#define SHM_AR_TWO_SHOT 1
+#define SHM_AR_SINGLE_COPY 2
+void shm_comm_set_ar_algo(shm_comm *c, int algo);
+/* The algorithm (ARM_*: 0 two-shot plain, 1 two-shot streaming, 2 single copy) that the
+ * size class of nbytes last agreed on, or -1 while it has not decided. */
+int shm_comm_ar_choice(const shm_comm *c, size_t nbytes);
 
 int shm_barrier(shm_comm *c, uint64_t fp);
 int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp);

@@ -35,7 +35,7 @@
 
 #define CL 64
 #define PAGE 4096
-#define SHM_MAGIC 0x636f6c6c73686d33ULL /* "collshm3": fingerprints */
+#define SHM_MAGIC 0x636f6c6c73686d34ULL /* "collshm4": measured all_reduce choice */
 #define MAX_STACK_SRCS 64
 /* latency probes (see "near and far peers") */
 #define PROBE_EVERY 16
@@ -49,6 +49,10 @@
 #define PROBE_WAIT_NS 50000          /* give up on a partner that does not come */
 #define PEER_NEAR 1
 #define PEER_FAR 2
+/* the measured all_reduce choice (shm_tune.c) */
+#define TUNE_BUCKETS 12       /* size classes: one per power of two from 64 KiB, the last open */
+#define TUNE_BUCKET_MIN 16    /* log2 of the smallest class's lower bound (64 KiB) */
+#define TUNE_ARMS 3           /* two-shot plain, two-shot streaming, single copy */
 
 /* A call's fingerprint (collectives/fingerprint.py's pack word) for collective number k:
  * each rank's post counter carries two, indexed by k & 1, in its own cache line, so a
@@ -84,7 +88,13 @@ typedef struct {
         _Atomic int32_t ok;     /* the CMA probe's verdict from this rank */
         char pad[CL - 20];
     } xfer;
+    /* this rank's fastest time (ns) of each all_reduce algorithm in its last round of
+     * trials, per size class; written before the post of the call that ends a round,
+     * read by every rank at its next call of that class (see shm_tune.c) */
+    _Atomic int64_t tune[TUNE_BUCKETS][TUNE_ARMS];
+    char tune_pad[(CL - (TUNE_BUCKETS * TUNE_ARMS * 8) % CL) % CL];
 } rank_ctl_t;
+_Static_assert(sizeof(rank_ctl_t) % CL == 0, "a rank's control block fills whole cache lines");
 
 typedef struct {
     _Atomic uint64_t head; /* bytes written by the sender */
@@ -122,6 +132,17 @@ typedef struct {
 #define MADV_COLLAPSE 25
 #endif
 
+/* A size class's state of the measured all_reduce choice; every field but best[] is the
+ * same on every rank (it follows the class's call count and the published times). */
+typedef struct {
+    uint32_t calls;               /* all_reduces of this class so far */
+    uint32_t trial_at;            /* the call that starts the next round of trials */
+    uint32_t decide_at;           /* the call at whose start the round's times are read */
+    uint32_t gap;                 /* calls from a decision to the next round */
+    int arm;                      /* the agreed algorithm (TUNE_ARMS: none yet) */
+    int64_t best[TUNE_ARMS];      /* this rank's fastest trial of each arm this round */
+} tune_t;
+
 struct shm_comm {
     char *base;
     size_t total;
@@ -144,7 +165,9 @@ struct shm_comm {
     int cma;              /* every rank can read every other's memory (process_vm_readv) */
     size_t cma_min;       /* all_gather/gather blocks of at least this many bytes use it */
     size_t cma_bcast_min; /* broadcasts of at least this many bytes use it */
-    size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) use it */
+    size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) may use it */
+    int ar_algo;          /* SHM_AR_AUTO (measured), SHM_AR_TWO_SHOT or SHM_AR_SINGLE_COPY */
+    tune_t tune[TUNE_BUCKETS];
     size_t llc;           /* bytes of last-level cache */
     int lock_fd;          /* the creator's descriptor of the segment, locked (else -1) */
     char *cma_tmp;        /* (n - 1) * CMA_AR_CHUNK bytes for peers' chunks, made on first use */
@@ -366,14 +389,33 @@ static inline void tick(shm_comm *c, size_t nbytes)
     }
 }
 
-/* Write n bytes into this rank's part of the segment, for other ranks to read. */
-static inline void seg_put(const shm_comm *c, void *dst, const void *src, size_t n)
+/* Write n bytes into this rank's part of the segment, for other ranks to read, with
+ * streaming stores or plain ones. */
+static inline void seg_write(void *dst, const void *src, size_t n, int stream)
 {
-    if (c->far)
+    if (stream)
         copy_stream(dst, src, n);
     else
         memcpy(dst, src, n);
 }
+
+/* ... with the stores the probes chose */
+static inline void seg_put(const shm_comm *c, void *dst, const void *src, size_t n)
+{
+    seg_write(dst, src, n, c->far);
+}
+
+/* ---- the measured all_reduce choice (shm_tune.c) ----------------------------------- */
+
+#define ARM_TWO_PLAIN 0
+#define ARM_TWO_STREAM 1
+#define ARM_SINGLE_COPY 2
+/* The algorithm for an all_reduce of nbytes above the one-shot size (the same on every
+ * rank); *t0 is set to now when the call is a timed trial, else to 0. */
+SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0);
+/* The call picked with tune_pick(c, nbytes, &t0) returned successfully. */
+SHM_HIDDEN void tune_done(shm_comm *c, size_t nbytes, int arm, int64_t t0);
+SHM_HIDDEN void tune_init(shm_comm *c);
 
 SHM_HIDDEN void thp_prepare(shm_comm *c, const void *p, size_t len);
 SHM_HIDDEN int cma_read(shm_comm *c, int q, void *dst, uint64_t remote, size_t nbytes);

@@ -228,6 +228,7 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
     c->far_ns = PROBE_FAR_NS;
     c->thp = 1;
     shm_comm_set_timeout(c, timeout_s);
+    tune_init(c);
     atomic_store(&c->ctl[rank].info.pid, (int32_t)getpid());
     *out = c;
     return SHM_OK;
