@@ -22,29 +22,22 @@ import collections
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import shm_ranks  # noqa: E402
 # name -> (COLLECTIVES_SHM_AR_ALGO, COLLECTIVES_SHM_STREAM)
 ALGOS = {"plain": ("two_shot", 0), "stream": ("two_shot", 1), "single": ("single_copy", 2),
          "auto": ("auto", 2)}
 
 
 def worker(a):
-    from datetime import timedelta
-
     from collectives import dtypes as D
-    from collectives.backends.shm import ShmBackend
-    from collectives.store import TCPStore
     from collectives.tensors import to_buffer
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
-                     timeout=timedelta(seconds=60))
-    be = ShmBackend(store, rank, world, 60.0)
+    be, rank, world = shm_ranks.open_backend()
     comm = be._comm
 
     def agree(x):
@@ -102,25 +95,9 @@ def worker(a):
 
 
 def launch(a):
-    from collectives.run import free_port
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MASTER_PORT=str(free_port()), WORLD_SIZE=str(a.world))
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--sizes", a.sizes,
-           "--samples", str(a.samples), "--budget", str(a.budget)]
-    pin = a.cpus.split(",") if a.cpus else None
-    procs = []
-    for r in range(a.world):
-        c = (["taskset", "-c", pin[r % len(pin)]] if pin else []) + cmd
-        procs.append(subprocess.Popen(c, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    rows = []
-    for r, p in enumerate(procs):
-        out, err = p.communicate(timeout=a.timeout)
-        rows += [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
-        if p.returncode:
-            print(f"rank {r}: {err[-2000:]}", file=sys.stderr)
-    return rows
+    return shm_ranks.launch(__file__, ["--sizes", a.sizes, "--samples", str(a.samples),
+                                       "--budget", str(a.budget)], a.world, a.timeout,
+                            cpus=a.cpus.split(",") if a.cpus else None)
 
 
 def main():
