@@ -1166,13 +1166,15 @@ def test_measured_all_reduce_choice_is_agreed_and_exact(world):
     algorithm; a two-shot group (no single copy) chooses between its two stores."""
     if not _cma_permitted():
         pytest.skip("process_vm_readv is not permitted between processes here")
-    pool = pool_for(world, env=dict(ENV_SMALL, **AR_ALGOS["auto"]))
+    # a pool of its own (the marker variable), so that no earlier test has decided yet
+    pool = pool_for(world, env=dict(ENV_SMALL, **AR_ALGOS["auto"], MEASURED_CHOICE_TEST="1"))
     assert pool.run(ar_algo_state, 40000) == [(True, None)] * world
     res = pool.run(run_measured_all_reduces, 80, 10000, timeout=90)
     assert all(digests == res[0][0] for digests, _ in res)
     choices = {choice for _, choice in res}
     assert len(choices) == 1 and choices <= {"two_shot", "two_shot_stream", "single_copy"}, res
-    pool = pool_for(world, env=dict(ENV_SMALL, COLLECTIVES_SHM_CMA_AR_MIN="0"))
+    pool = pool_for(world, env=dict(ENV_SMALL, COLLECTIVES_SHM_CMA_AR_MIN="0",
+                                    MEASURED_CHOICE_TEST="1"))
     res = pool.run(run_measured_all_reduces, 60, 10000, timeout=90)
     assert all(digests == res[0][0] for digests, _ in res)
     assert {choice for _, choice in res} <= {"two_shot", "two_shot_stream"}

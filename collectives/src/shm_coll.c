@@ -1,7 +1,8 @@
 /* Same-host collectives over one shared-memory segment (see shm_coll.h): each one
  * checks the ranks' fingerprints, then moves data through the ranks' data slots or, where
- * the ranks may read each other's memory, in one copy (CMA); see shm_internal.h. */
-#include "shm_internal.h"
+ * the ranks may read each other's memory, in one copy (CMA); see shm_sync.h. */
+#include "shm_copy.h"
+#include "shm_tune.h"
 
 int shm_barrier(shm_comm *c, uint64_t fp)
 {

@@ -36,6 +36,7 @@
 #define SHM_FAIL_TEXT_SET 4
 #define SHM_FAIL_TEXT 1024
 
+
 typedef struct shm_comm shm_comm;
 
 /* Create (create=1) or map an existing segment called `name` (a shm_open name). */
@@ -64,6 +65,19 @@ int shm_comm_fail_record(const shm_comm *c, uint32_t *k, int *a, int *b, uint64_
 /* Record a failure described by text (unless one is recorded already: returns 0 then)
  * and make every rank's waits on this group fail with SHM_EFAILED. */
 int shm_comm_poison(shm_comm *c, const char *text);
+
+/* Errors follow the TCP engine's convention: a call returns nonzero and the engine writes
+ * the text that the extension's one _check raises (collectives/engine_errors.py expands
+ * its placeholders: {rank:N} a rank by its name in the group, {failure} the recorded
+ * failure, described from shm_comm_fail_record). */
+#define SHM_ERR_TEXT 512
+/* The text for code rc returned by `op` (peer < 0: the peer the engine last blamed);
+ * label names the group. Waits up to a second for a failure record another rank is
+ * writing; call it without the GIL. The text lives in c until the next call. */
+/* What code rc means, in a few words. */
+const char *shm_strerror(int rc);
+const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
+                                const char *label);
 
 /* Collectives. fp is the caller's fingerprint of the call (collectives/fingerprint.py):
  * every rank compares every peer's with its own, before it copies or reduces a peer's
@@ -143,5 +157,8 @@ void shm_p2p_direct(shm_comm *c, int delta, int wake);
 int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes);
 /* wake this rank's own p2p waiters (a receive completed for another thread; shutdown) */
 void shm_p2p_kick(shm_comm *c);
+/* Register the point-to-point layer's kick as what shm_comm_abort runs after it marks
+ * the communicator aborted (the segment layer never calls up into p2p itself). */
+void shm_p2p_attach(shm_comm *c);
 
 #endif

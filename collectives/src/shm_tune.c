@@ -1,4 +1,4 @@
-/* The measured all_reduce choice (see shm_internal.h).
+/* The measured all_reduce choice (see shm_sync.h).
  *
  * Which all_reduce is fastest above the one-shot size depends on the host and on where
  * the ranks run, not on one latency figure: on this project's VM, two ranks while their
@@ -25,7 +25,7 @@
  *   so that a host that moves the ranks apart is followed within about a second).
  * The round's trials of slower arms are its cost: 3 arms, 3 trials, at most one round in
  * TUNE_MIN_GAP + 9 calls, a few percent at first and less as the gap doubles. */
-#include "shm_internal.h"
+#include "shm_tune.h"
 
 #define TUNE_TRIALS 3         /* back to back: the later ones run as that arm runs in a loop */
 #define TUNE_FIRST 2          /* the first calls pay for page faults: not timed */
@@ -71,13 +71,18 @@ static void decide(shm_comm *c, int b, tune_t *t, uint32_t i)
     int64_t slowest[TUNE_ARMS];
     int best = -1;
     for (int a = 0; a < TUNE_ARMS; a++) {
-        slowest[a] = 0;
+        int64_t worst = 0;
         for (int r = 0; r < c->n; r++) {
             int64_t v = atomic_load_explicit(&c->ctl[r].tune[b][a], memory_order_relaxed);
-            if (v > slowest[a])
-                slowest[a] = v;
+            if (v <= 0 || v == TUNE_NONE) {  /* never published (0), or not timed */
+                worst = TUNE_NONE;
+                break;
+            }
+            if (v > worst)
+                worst = v;
         }
-        if (slowest[a] != TUNE_NONE && slowest[a] > 0 && (best < 0 || slowest[a] < slowest[best]))
+        slowest[a] = worst;
+        if (slowest[a] != TUNE_NONE && (best < 0 || slowest[a] < slowest[best]))
             best = a;
     }
     t->decide_at = 0;
@@ -111,6 +116,11 @@ SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0)
         return two_shot_arm(c);
     int b = bucket_of(nbytes);
     tune_t *t = &c->tune[b];
+    if (!t->gap) {  /* the class's first call (the comm starts zeroed) */
+        t->trial_at = TUNE_FIRST;
+        t->gap = TUNE_MIN_GAP;
+        t->arm = TUNE_ARMS;
+    }
     uint32_t i = t->calls++;
     if (t->decide_at && i == t->decide_at)
         decide(c, b, t, i);
@@ -143,19 +153,6 @@ SHM_HIDDEN void tune_done(shm_comm *c, size_t nbytes, int arm, int64_t t0)
         t->best[arm] = dt;
 }
 
-SHM_HIDDEN void tune_init(shm_comm *c)
-{
-    for (int b = 0; b < TUNE_BUCKETS; b++) {
-        c->tune[b].trial_at = TUNE_FIRST;
-        c->tune[b].gap = TUNE_MIN_GAP;
-        c->tune[b].arm = TUNE_ARMS;
-        for (int a = 0; a < TUNE_ARMS; a++) {
-            c->tune[b].best[a] = TUNE_NONE;
-            atomic_store_explicit(&c->ctl[c->me].tune[b][a], TUNE_NONE, memory_order_relaxed);
-        }
-    }
-}
-
 void shm_comm_set_ar_algo(shm_comm *c, int algo)
 {
     c->ar_algo = algo == SHM_AR_TWO_SHOT || algo == SHM_AR_SINGLE_COPY ? algo : SHM_AR_AUTO;
@@ -163,6 +160,6 @@ void shm_comm_set_ar_algo(shm_comm *c, int algo)
 
 int shm_comm_ar_choice(const shm_comm *c, size_t nbytes)
 {
-    int arm = c->tune[bucket_of(nbytes)].arm;
-    return arm < TUNE_ARMS ? arm : -1;
+    const tune_t *t = &c->tune[bucket_of(nbytes)];
+    return t->gap && t->arm < TUNE_ARMS ? t->arm : -1;
 }
