@@ -449,6 +449,42 @@ SHM_HIDDEN int fp_check_all(shm_comm *c, uint32_t s)
             if (rc)
                 return rc;
         }
+    return c->n_due ? fp_settle(c, s) : SHM_OK;
+}
+
+SHM_HIDDEN int fp_settle(shm_comm *c, uint32_t s)
+{
+    int kept = 0;
+    for (int i = 0; i < c->n_due; i++) {
+        if (!ge(s, c->fp_due[i].s0)) {  /* not yet known to have arrived: keep it due */
+            c->fp_due[kept++] = c->fp_due[i];
+            continue;
+        }
+        for (int q = 0; q < c->n; q++)
+            if (q != c->me) {
+                /* q acked or posted a later step: the wait returns at once */
+                int rc = wait_post(c, q, c->fp_due[i].s0);
+                if (!rc)
+                    rc = fp_check_word(c, q, c->fp_due[i].k, c->fp_due[i].word);
+                if (rc)
+                    return rc;
+            }
+    }
+    c->n_due = kept;
+    return SHM_OK;
+}
+
+SHM_HIDDEN int fp_defer(shm_comm *c, uint32_t s0)
+{
+    if (c->n_due == 2) {  /* keep the run-ahead short: settle the oldest, waiting for it */
+        int rc = fp_settle(c, c->fp_due[0].s0);
+        if (rc)
+            return rc;
+    }
+    c->fp_due[c->n_due].k = c->coll;
+    c->fp_due[c->n_due].s0 = s0;
+    c->fp_due[c->n_due].word = c->fp;
+    c->n_due++;
     return SHM_OK;
 }
 

@@ -45,7 +45,7 @@
 
 #define CL 64
 #define PAGE 4096
-#define SHM_MAGIC 0x636f6c6c73686d34ULL /* "collshm4": measured all_reduce choice */
+#define SHM_MAGIC 0x636f6c6c73686d35ULL /* "collshm5": four fingerprint slots */
 #define MAX_STACK_SRCS 64
 /* latency probes (see "near and far peers") */
 #define PROBE_EVERY 16
@@ -65,18 +65,16 @@
 #define TUNE_ARMS 3           /* two-shot plain, two-shot streaming, single copy */
 
 /* A call's fingerprint (collectives/fingerprint.py's pack word) for collective number k:
- * each rank's post counter carries two, indexed by k & 1, in its own cache line, so a
- * peer that sees the post sees the fingerprint without another line's transfer. */
-typedef struct {
-    _Atomic uint64_t k;
-    _Atomic uint64_t word;
-} fp_slot_t;
-
+ * each rank's post counter carries FP_SLOTS of them, slot k % FP_SLOTS, in its own cache
+ * line, so a peer that sees the post sees the fingerprint without another line's
+ * transfer (see "fingerprints" below for why four). */
+#define FP_SLOTS 4
 typedef struct {
     _Atomic uint32_t v;
     _Atomic uint32_t waiters;
-    fp_slot_t fp[2];  /* used in post only */
-    char pad[CL - 8 - 2 * sizeof(fp_slot_t)];
+    _Atomic uint32_t fp_k[FP_SLOTS];     /* used in post only */
+    _Atomic uint64_t fp_word[FP_SLOTS];
+    char pad[CL - 8 - FP_SLOTS * 12];
 } ctr_t;
 _Static_assert(sizeof(ctr_t) == CL, "a counter and its fingerprint slots fill one cache line");
 
@@ -196,6 +194,10 @@ struct shm_comm {
     struct { uintptr_t a, e; int done; } thp_seen[THP_SLOTS];
     uint32_t coll;        /* fingerprinted collectives started so far (their number k) */
     uint64_t fp;          /* this rank's fingerprint of collective coll */
+    /* broadcasts whose root returned without comparing the readers' fingerprints: compared
+     * at the root's next wait that finds them arrived (fp_settle) */
+    struct { uint32_t k, s0; uint64_t word; } fp_due[FP_SLOTS];
+    int n_due;
     _Atomic int broken;
     _Atomic int aborted;
     /* this process's receives waited on by their own thread (shm_p2p_direct): while there
@@ -303,14 +305,19 @@ static inline void ack(shm_comm *c, uint32_t s) { ctr_set(&c->ctl[c->me].ack, s)
 
 /* ---- fingerprints ------------------------------------------------------------------
  *
- * At entry to collective k a rank writes {k, word} into its post line's slot k & 1 and
+ * At entry to collective k a rank writes {k, word} into its post line's slot k % 4 and
  * then posts the collective's first step s; every rank posts that step (ranks that read
  * only, an arrival with no data) and, before it touches the user's buffer with a peer's
  * data, compares that peer's slot with its own; before it returns it has compared every
- * peer's. So no rank finishes collective k before every rank has arrived at k: no rank
- * is more than one collective ahead of another, and two slots suffice. A difference is
- * recorded in the segment header (first writer wins) and every rank's waits fail at
- * once; each raises the recorded description. */
+ * peer's. So no rank finishes collective k before every rank has arrived at k. One
+ * exception: the root of a broadcast of one block returns once its data is in the
+ * segment, without waiting for the readers (as MPI's roots do; the readers compare its
+ * slot before they copy, and the root learns of a mismatch at its next call). A root can
+ * only run ahead while its calls are such broadcasts, and it rewrites a half of its slot
+ * only once every rank has acked the broadcast that last used it, two calls before; so no
+ * rank publishes collective k + 4 while another may still read its slot for k, and four
+ * slots suffice. A difference is recorded in the segment header (first writer wins) and
+ * every rank's waits fail at once; each raises the recorded description. */
 
 SHM_HIDDEN int record_fail(shm_comm *c, uint32_t state, uint32_t k, int a, int b, uint64_t wa,
                            uint64_t wb, const char *text);
@@ -318,27 +325,35 @@ SHM_HIDDEN int record_fail(shm_comm *c, uint32_t state, uint32_t k, int a, int b
 static inline void fp_publish(shm_comm *c, uint64_t word)
 {
     uint32_t k = ++c->coll;
-    fp_slot_t *sl = &c->ctl[c->me].post.fp[k & 1];
-    atomic_store_explicit(&sl->k, k, memory_order_relaxed);
-    atomic_store_explicit(&sl->word, word, memory_order_relaxed);  /* the post releases both */
+    ctr_t *p = &c->ctl[c->me].post;
+    atomic_store_explicit(&p->fp_k[k % FP_SLOTS], k, memory_order_relaxed);
+    atomic_store_explicit(&p->fp_word[k % FP_SLOTS], word, memory_order_relaxed);  /* the post releases both */
     c->fp = word;
 }
 
 /* Compare peer q's fingerprint with mine, once q has posted this collective's first step
  * (the wait's acquire load made q's slot visible). */
-static inline int fp_check(shm_comm *c, int q)
+static inline int fp_check_word(shm_comm *c, int q, uint32_t coll, uint64_t word)
 {
-    fp_slot_t *sl = &c->ctl[q].post.fp[c->coll & 1];
-    uint64_t k = atomic_load_explicit(&sl->k, memory_order_relaxed);
-    uint64_t w = atomic_load_explicit(&sl->word, memory_order_relaxed);
-    if (k == c->coll && w == c->fp)
+    ctr_t *p = &c->ctl[q].post;
+    uint32_t k = atomic_load_explicit(&p->fp_k[coll % FP_SLOTS], memory_order_relaxed);
+    uint64_t w = atomic_load_explicit(&p->fp_word[coll % FP_SLOTS], memory_order_relaxed);
+    if (k == coll && w == word)
         return SHM_OK;
-    record_fail(c, SHM_FAIL_MISMATCH, c->coll, c->me, q, c->fp, w, NULL);
+    record_fail(c, SHM_FAIL_MISMATCH, coll, c->me, q, word, w, NULL);
     c->err_peer = q;
     return SHM_EFAILED;
 }
 
+static inline int fp_check(shm_comm *c, int q) { return fp_check_word(c, q, c->coll, c->fp); }
+
+/* Every peer's post of step s, each compared (and the deferred comparisons settled). */
 SHM_HIDDEN int fp_check_all(shm_comm *c, uint32_t s);
+/* The root of a one-block broadcast whose first step is s0 returns without comparing:
+ * the comparison waits for a later wait of the root's (at most two stay due at once). */
+SHM_HIDDEN int fp_defer(shm_comm *c, uint32_t s0);
+/* Compare the due broadcasts whose first step is s or earlier with every peer. */
+SHM_HIDDEN int fp_settle(shm_comm *c, uint32_t s);
 SHM_HIDDEN int fp_sync(shm_comm *c, uint64_t word);
 
 #endif
