@@ -86,6 +86,7 @@ def main():
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
     ap.add_argument("--report", default=None, help="only report this JSONL file")
+    ap.add_argument("--plot", default=None, help="also draw the ratios into this PNG")
     a = ap.parse_args()
     if a.worker or a.label_worker:
         return label_worker()
@@ -111,6 +112,45 @@ def main():
                                 for r in got:
                                     f.write(json.dumps(r) + "\n")
     report(rows)
+    if a.plot:
+        plot(rows, a.plot)
+
+
+def plot(rows, path):
+    """One panel per world and op: each tree's ratio against the faster MPI per size,
+    near and far launches apart (log x), and 1.0 drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    worlds = sorted({r["world"] for r in rows})
+    ops = sorted({r["op"] for r in rows if r["op"] != "barrier"})
+    fig, axes = plt.subplots(len(worlds), len(ops), figsize=(4 * len(ops), 3.2 * len(worlds)),
+                             squeeze=False)
+    cells = collections.defaultdict(list)
+    for r in rows:
+        cells[(r["world"], r["op"], r["bytes"], r["tree"], r["mpi"], r["label"])].append(r["ratio"])
+    for i, w in enumerate(worlds):
+        for j, op in enumerate(ops):
+            ax = axes[i][j]
+            for tree in sorted({r["tree"] for r in rows}):
+                for label, style in (("near", "-o"), ("far", "--s")):
+                    xs, ys = [], []
+                    for nb in sorted({r["bytes"] for r in rows if r["op"] == op}):
+                        meds = [statistics.median(v) for k, v in cells.items()
+                                if k[:4] == (w, op, nb, tree) and k[5] == label]
+                        if meds:
+                            xs.append(max(nb, 1))
+                            ys.append(max(meds))
+                    if xs:
+                        ax.plot(xs, ys, style, label=f"{tree} ({label})")
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"world {w}: {op}")
+            ax.set_xlabel("bytes")
+            ax.set_ylabel("time / faster MPI's")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 def report(rows):
