@@ -291,9 +291,9 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         }
         ack(c, s2);
     }
-    tick(c, nbytes);  /* here every rank has posted the last step: they arrive together */
-    if (root < 0)
+    if (root < 0)  /* before a probe: the trial times the algorithm alone */
         tune_done(c, nbytes, arm, t0);
+    tick(c, nbytes);  /* here every rank has posted the last step: they arrive together */
 out:
     if (srcs != stack_srcs)
         free((void *)srcs);
