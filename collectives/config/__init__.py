@@ -273,6 +273,10 @@ SETTINGS = (
     _s("COLLECTIVES_MARCH_NATIVE", "bool", False,
        "Compile with -march=native (not for wheels; the kernels dispatch at run time anyway).",
        scope="build", read_in="setup.py"),
+    _s("COLLECTIVES_DEBUG_SYMBOLS", "bool", False,
+       "Keep debug information in the extensions (for gdb or perf on a checkout). By default "
+       "they are compiled with -g0 and linked with --strip-all, as released wheels are.",
+       scope="build", read_in="setup.py"),
     # tests (tests/ranks.py and the test modules)
     _s("COLLECTIVES_TEST_CONFIGS", "str", None,
        "Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, "
