@@ -6,19 +6,6 @@ from . import config  # noqa: F401  (first: COLLECTIVES_NO_EXTENSIONS acts befor
 from . import dtypes
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError
 
-
-
-def _version():
-    # one source of truth: pyproject.toml's version, as installed (wheel, sdist or editable)
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("collectives")
-    except PackageNotFoundError:  # a checkout on PYTHONPATH that was never installed
-        return "0+unknown"
-
-
-__version__ = _version()
-
 # ---- stores and rendezvous (lead's section: exports of store.py / rendezvous.py go here) ----
 from .store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore  # noqa: E402
 # torch.distributed's names: dist.rendezvous is the function (the module stays importable as
@@ -106,6 +93,18 @@ __all__ += [
 # ---- end of master-worker mode -------------------------------------------------------------
 
 set_debug_level_from_env()  # as torch.distributed does at import
+
+
+def _version():
+    # one source of truth: pyproject.toml's version, as installed (wheel, sdist or editable)
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("collectives")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 
 def __getattr__(name):
