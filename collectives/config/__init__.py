@@ -298,6 +298,10 @@ SETTINGS = (
     _s("COLLECTIVES_TEST_POOL", "str", None,
        "A label that keeps pools apart (tests give pools that import torch their own).",
        scope="test", read_in="tests/ranks.py"),
+    _s("COLLECTIVES_TEST_INSTALLED", "str", None,
+       "Set by .ci/run's installed leg to the checkout the wheel was built from: the run "
+       "fails if collectives is imported from there rather than from site-packages.",
+       scope="test", read_in="tests/conftest.py"),
     _s("COLLECTIVES_POOL_ADDR", "str", None,
        "Set by the test harness for its rank processes: where to connect back. Not for users.",
        scope="test", read_in="tests/ranks.py"),
