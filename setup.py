@@ -37,7 +37,8 @@ MODULES = {
     "_tcp": KERNEL_IMPORT + ["collectives/src/tcp_transport.c", "collectives/src/tcp_engine.c",
                              "collectives/src/tcp_algorithms.c"],
     "_shm": KERNEL_IMPORT + ["collectives/src/shm_segment.c", "collectives/src/shm_copy.c",
-                             "collectives/src/shm_coll.c", "collectives/src/shm_p2p.c"],
+                             "collectives/src/shm_coll.c", "collectives/src/shm_p2p.c",
+                             "collectives/src/shm_tune.c"],
 }
 
 only = [m for m in os.environ.get("COLLECTIVES_ONLY", "").split(",") if m]

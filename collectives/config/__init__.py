@@ -194,9 +194,16 @@ SETTINGS = (
     _s("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB,
        "broadcast from this size goes in one copy; 0 turns it off.",
        agree=True, rank0=True, unit="bytes", read_in="backends/shm.py"),
-    _s("COLLECTIVES_SHM_CMA_AR_MIN", "int", 0,
-       "all_reduce from this size goes in one copy; 0 (the default: two-shot measured "
-       "faster) turns it off.", agree=True, rank0=True, unit="bytes", read_in="backends/shm.py"),
+    _s("COLLECTIVES_SHM_CMA_AR_MIN", "int", 64 * KiB,
+       "all_reduce from this size (above the one-shot size) may go in one copy; 0 turns "
+       "the single copy off for all_reduce.", agree=True, rank0=True, unit="bytes",
+       read_in="backends/shm.py"),
+    _s("COLLECTIVES_SHM_AR_ALGO", "choice", "auto",
+       "all_reduce above the one-shot size: auto (the ranks time two-shot with plain and "
+       "with streaming stores and the single copy on their own calls, per size class, and "
+       "all take the fastest), two_shot (stores by COLLECTIVES_SHM_STREAM) or single_copy "
+       "(where the ranks may read each other's memory).", agree=True, rank0=True,
+       choices=("auto", "two_shot", "single_copy"), read_in="backends/shm.py"),
     _s("COLLECTIVES_SHM_STREAM", "choice", "2",
        "How the segment is written for other ranks: 0 plain stores, 1 streaming "
        "(non-temporal) stores, 2 streaming while the ranks' probes find their peers far "

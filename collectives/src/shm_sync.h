@@ -1,11 +1,21 @@
-/* The shared-memory engine's private header: the segment's layout, a rank's view of it
- * (struct shm_comm), and what the engine's parts share. shm_segment.c maps the segment
- * and holds the waits (spin, yield, futex, dead-peer checks), the steps' counters and the
- * group's failure record and fingerprint checks; shm_copy.c the copy policy (streaming
- * stores, the near/far latency probes, huge pages and CMA); shm_coll.c the collectives;
- * shm_p2p.c the point-to-point rings. See shm_coll.h for the protocol. */
-#ifndef COLLECTIVES_SHM_INTERNAL_H
-#define COLLECTIVES_SHM_INTERNAL_H
+/* The shared-memory engine's bottom layer: the segment's layout, a rank's view of it
+ * (struct shm_comm), and the synchronisation everything else is built on (counters,
+ * waits: spin, yield, futex, dead-peer checks; the group's failure record; fingerprint
+ * checks), implemented in shm_segment.c. The layers above include this header and call
+ * down only:
+ *
+ *     shm_coll.c (collectives)         shm_p2p.c (point-to-point rings)
+ *        |            |                    |
+ *     shm_copy.h     shm_tune.h            |
+ *     (copy policy)  (measured choice)     |
+ *        |            |                    |
+ *     shm_sync.h / shm_segment.c (segment, counters, waits, failures, fingerprints)
+ *
+ * An abort that must wake a layer above (p2p's waiting threads) goes through the hook
+ * that layer registered (shm_comm.abort_hook), not a call upward. See shm_coll.h for the
+ * protocol. */
+#ifndef COLLECTIVES_SHM_SYNC_H
+#define COLLECTIVES_SHM_SYNC_H
 #define _GNU_SOURCE
 #include "shm_coll.h"
 #include "reduce_kernels_import.h"
@@ -35,7 +45,7 @@
 
 #define CL 64
 #define PAGE 4096
-#define SHM_MAGIC 0x636f6c6c73686d33ULL /* "collshm3": fingerprints */
+#define SHM_MAGIC 0x636f6c6c73686d34ULL /* "collshm4": measured all_reduce choice */
 #define MAX_STACK_SRCS 64
 /* latency probes (see "near and far peers") */
 #define PROBE_EVERY 16
@@ -49,6 +59,10 @@
 #define PROBE_WAIT_NS 50000          /* give up on a partner that does not come */
 #define PEER_NEAR 1
 #define PEER_FAR 2
+/* the measured all_reduce choice (shm_tune.c) */
+#define TUNE_BUCKETS 12       /* size classes: one per power of two from 64 KiB, the last open */
+#define TUNE_BUCKET_MIN 16    /* log2 of the smallest class's lower bound (64 KiB) */
+#define TUNE_ARMS 3           /* two-shot plain, two-shot streaming, single copy */
 
 /* A call's fingerprint (collectives/fingerprint.py's pack word) for collective number k:
  * each rank's post counter carries two, indexed by k & 1, in its own cache line, so a
@@ -84,7 +98,13 @@ typedef struct {
         _Atomic int32_t ok;     /* the CMA probe's verdict from this rank */
         char pad[CL - 20];
     } xfer;
+    /* this rank's fastest time (ns) of each all_reduce algorithm in its last round of
+     * trials, per size class; written before the post of the call that ends a round,
+     * read by every rank at its next call of that class (see shm_tune.c) */
+    _Atomic int64_t tune[TUNE_BUCKETS][TUNE_ARMS];
+    char tune_pad[(CL - (TUNE_BUCKETS * TUNE_ARMS * 8) % CL) % CL];
 } rank_ctl_t;
+_Static_assert(sizeof(rank_ctl_t) % CL == 0, "a rank's control block fills whole cache lines");
 
 typedef struct {
     _Atomic uint64_t head; /* bytes written by the sender */
@@ -122,6 +142,17 @@ typedef struct {
 #define MADV_COLLAPSE 25
 #endif
 
+/* A size class's state of the measured all_reduce choice; every field but best[] is the
+ * same on every rank (it follows the class's call count and the published times). */
+typedef struct {
+    uint32_t calls;               /* all_reduces of this class so far */
+    uint32_t trial_at;            /* the call that starts the next round of trials */
+    uint32_t decide_at;           /* the call at whose start the round's times are read */
+    uint32_t gap;                 /* calls from a decision to the next round */
+    int arm;                      /* the agreed algorithm (TUNE_ARMS: none yet) */
+    int64_t best[TUNE_ARMS];      /* this rank's fastest trial of each arm this round */
+} tune_t;
+
 struct shm_comm {
     char *base;
     size_t total;
@@ -144,7 +175,9 @@ struct shm_comm {
     int cma;              /* every rank can read every other's memory (process_vm_readv) */
     size_t cma_min;       /* all_gather/gather blocks of at least this many bytes use it */
     size_t cma_bcast_min; /* broadcasts of at least this many bytes use it */
-    size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) use it */
+    size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) may use it */
+    int ar_algo;          /* SHM_AR_AUTO (measured), SHM_AR_TWO_SHOT or SHM_AR_SINGLE_COPY */
+    tune_t tune[TUNE_BUCKETS];
     size_t llc;           /* bytes of last-level cache */
     int lock_fd;          /* the creator's descriptor of the segment, locked (else -1) */
     char *cma_tmp;        /* (n - 1) * CMA_AR_CHUNK bytes for peers' chunks, made on first use */
@@ -171,6 +204,9 @@ struct shm_comm {
     _Atomic uint32_t direct_word;
     _Atomic int bg_sleeping;
     _Atomic uint32_t kicks;  /* shm_p2p_kick calls (a waiter's poll returns at one) */
+    void (*abort_hook)(shm_comm *c);  /* set by a layer above that an abort must wake */
+    char errbuf[SHM_ERR_TEXT];        /* shm_comm_error_text's last text */
+    int reported;                     /* this rank's error text gave the record already */
 };
 
 static inline seg_hdr_t *seg_hdr(const shm_comm *c) { return (seg_hdr_t *)c->base; }
@@ -304,79 +340,5 @@ static inline int fp_check(shm_comm *c, int q)
 
 SHM_HIDDEN int fp_check_all(shm_comm *c, uint32_t s);
 SHM_HIDDEN int fp_sync(shm_comm *c, uint64_t word);
-
-/* ---- copies (shm_copy.c) ------------------------------------------------------------ */
-
-static inline void copy(void *dst, const void *src, size_t n)
-{
-    if (dst != src && n)
-        memmove(dst, src, n);
-}
-
-SHM_HIDDEN void copy_stream(void *dst, const void *src, size_t n);
-
-/* Whether the outputs of all ranks, `total` bytes together, fill the last-level cache:
- * the all_gather copies into them then stream (measured with 2 cores sharing 32 MiB:
- * single copy, 2 ranks, streaming 305 -> 373 us at 4 MiB per rank, 1207 -> 1118 at 8 MiB,
- * 2298 -> 2082 at 16 MiB; two-copy, 4 ranks: 614 -> 739 us at 1 MiB, 3824 -> 3360 at
- * 4 MiB, 13654 -> 12915 at 16 MiB; a two-copy broadcast was slower streamed). Since
- * the single copy writes into the readers' outputs (2 ranks, samples alternating in one
- * run, streamed/plain): 8 MiB, whose outputs are exactly the cache's size, 0.92-0.99;
- * 16 MiB 0.78-0.82; 4 MiB 1.04-1.13; 2 MiB 1.33-1.5. 4 ranks at 2 MiB: unchanged.
- * Past it, the two-copy all_gather/gather streams its copy into the segment too, whatever
- * the probes say: the blocks would not stay in the cache for the readers anyway. 4 ranks
- * on 2 cores, streamed/plain copy-in (samples alternating in one run): 2 MiB 0.99x,
- * 4 MiB 0.99x, 16 MiB 0.99x while the cores are close; 0.48-0.56x while far, where the
- * probes of 4 ranks on 2 cores often get no verdict (a partner is descheduled) and a
- * 16 MiB all_gather took 22.4 ms plain against 10.8 ms streamed (MPICH: 13.6-22 ms
- * in this session's runs). */
-static inline int outputs_past_llc(const shm_comm *c, size_t total)
-{
-    return total >= c->llc;
-}
-
-static inline void copy_out(void *dst, const void *src, size_t n, int stream)
-{
-    if (dst == src)  /* an all_gather whose input is this rank's block of the output */
-        return;
-    if (stream)
-        copy_stream(dst, src, n);
-    else
-        copy(dst, src, n);
-}
-
-SHM_HIDDEN int mostly_far(const shm_comm *c);
-SHM_HIDDEN void probe_peer(shm_comm *c);
-
-/* A step of `nbytes` (the same on every rank): every PROBE_EVERY-th large one probes,
- * and small ones once they add up to PROBE_SMALL_EVERY bytes, so a program of small
- * collectives keeps its verdict too (64 KiB all_reduces: one probe per 64 calls). */
-static inline void tick(shm_comm *c, size_t nbytes)
-{
-    if (c->stream_mode != SHM_STREAM_AUTO)
-        return;
-    if (c->shared_verdict)  /* another pair's probe may have decided since */
-        c->far = mostly_far(c);
-    if (nbytes >= PROBE_MIN_BYTES) {
-        if (c->ticks++ % PROBE_EVERY == 0)
-            probe_peer(c);
-    } else if (nbytes >= PROBE_SMALL_MIN && (c->small_bytes += nbytes) >= PROBE_SMALL_EVERY) {
-        c->small_bytes = 0;
-        probe_peer(c);
-    }
-}
-
-/* Write n bytes into this rank's part of the segment, for other ranks to read. */
-static inline void seg_put(const shm_comm *c, void *dst, const void *src, size_t n)
-{
-    if (c->far)
-        copy_stream(dst, src, n);
-    else
-        memcpy(dst, src, n);
-}
-
-SHM_HIDDEN void thp_prepare(shm_comm *c, const void *p, size_t len);
-SHM_HIDDEN int cma_read(shm_comm *c, int q, void *dst, uint64_t remote, size_t nbytes);
-SHM_HIDDEN int cma_write(shm_comm *c, int q, uint64_t remote, const void *src, size_t nbytes);
 
 #endif
