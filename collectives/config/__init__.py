@@ -280,6 +280,10 @@ SETTINGS = (
     _s("COLLECTIVES_MARCH_NATIVE", "bool", False,
        "Compile with -march=native (not for wheels; the kernels dispatch at run time anyway).",
        scope="build", read_in="setup.py"),
+    _s("COLLECTIVES_DEBUG_SYMBOLS", "bool", False,
+       "Keep debug information in the extensions (for gdb or perf on a checkout). By default "
+       "they are compiled with -g0 and linked with --strip-all, as released wheels are.",
+       scope="build", read_in="setup.py"),
     # tests (tests/ranks.py and the test modules)
     _s("COLLECTIVES_TEST_CONFIGS", "str", None,
        "Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, "
@@ -301,6 +305,10 @@ SETTINGS = (
     _s("COLLECTIVES_TEST_POOL", "str", None,
        "A label that keeps pools apart (tests give pools that import torch their own).",
        scope="test", read_in="tests/ranks.py"),
+    _s("COLLECTIVES_TEST_INSTALLED", "str", None,
+       "Set by .ci/run's installed leg to the checkout the wheel was built from: the run "
+       "fails if collectives is imported from there rather than from site-packages.",
+       scope="test", read_in="tests/conftest.py"),
     _s("COLLECTIVES_POOL_ADDR", "str", None,
        "Set by the test harness for its rank processes: where to connect back. Not for users.",
        scope="test", read_in="tests/ranks.py"),
