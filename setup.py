@@ -3,6 +3,9 @@
 Each extension compiles its C sources in collectives/src. An extension whose .pyx
 is absent is skipped. COLLECTIVES_ONLY=_tcp,_core builds just those (for work on
 one module); COLLECTIVES_MARCH_NATIVE=1 adds -march=native (opt-in, not for wheels).
+The extensions are built without debug information (-g0) and linked with their symbol
+tables stripped (--strip-all; the exported symbols stay), as NumPy's wheels are;
+COLLECTIVES_DEBUG_SYMBOLS=1 keeps both (for gdb or perf on a checkout).
 """
 import os
 
@@ -14,8 +17,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CFLAGS = ["-O3", "-fno-strict-aliasing", "-Wno-unused-function",
           # no FMA contraction: results must equal torch/NumPy bit for bit (complex products)
           "-ffp-contract=off"]
+LDFLAGS = []
 if os.environ.get("COLLECTIVES_MARCH_NATIVE") == "1":
     CFLAGS.append("-march=native")
+if os.environ.get("COLLECTIVES_DEBUG_SYMBOLS") != "1":
+    # after Python's own CFLAGS (which carry -g): the last -g option wins
+    CFLAGS.append("-g0")
+    LDFLAGS.append("-Wl,--strip-all")  # the symbol table too, as NumPy's wheels (exports stay)
 
 # The reduction kernels are compiled once, into _core, which exports them as a C table in the
 # capsule collectives._core._C_API; _tcp and _shm call through it (reduce_kernels_import.c), so
@@ -29,7 +37,8 @@ MODULES = {
     "_tcp": KERNEL_IMPORT + ["collectives/src/tcp_transport.c", "collectives/src/tcp_engine.c",
                              "collectives/src/tcp_algorithms.c"],
     "_shm": KERNEL_IMPORT + ["collectives/src/shm_segment.c", "collectives/src/shm_copy.c",
-                             "collectives/src/shm_coll.c", "collectives/src/shm_p2p.c"],
+                             "collectives/src/shm_coll.c", "collectives/src/shm_p2p.c",
+                             "collectives/src/shm_tune.c"],
 }
 
 only = [m for m in os.environ.get("COLLECTIVES_ONLY", "").split(",") if m]
@@ -43,6 +52,7 @@ for mod, extra in MODULES.items():
         sources=[pyx] + extra,
         include_dirs=["collectives/src", np.get_include()],
         extra_compile_args=CFLAGS,
+        extra_link_args=LDFLAGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ))
 

@@ -10,7 +10,9 @@ peers"). This runs one group of --world ranks and, for every sample, times each 
 three modes in turn (rotating order; every rank switches modes between barriers); sizes
 are each rank's buffer (reduce_scatter, all_to_all: its input; scatter: the root's).
 Ops: all_reduce, broadcast, reduce_scatter, scatter, all_to_all, all_gather.
-Broadcasts and all_gathers go through the segment (single copy off). Each sample is labelled with what
+Broadcasts and all_gathers go through the segment (single copy off), and all_reduce is
+always two-shot (COLLECTIVES_SHM_AR_ALGO=two_shot; bench_allreduce_algos.py times the
+algorithms). Each sample is labelled with what
 the measured mode's probes said on rank 0 at its end (far: the peers' cache-line round
 trip is COLLECTIVES_SHM_FAR_NS or more), and the table gives medians per label: on this
 project's VM the two vCPUs switch between close and far every few seconds to minutes, so
@@ -20,28 +22,22 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import shm_ranks  # noqa: E402
+
 MODES = (0, 1, 2)
 NAMES = {0: "plain", 1: "streaming", 2: "measured"}
 
 
 def worker(a):
-    from datetime import timedelta
-
     from collectives import dtypes as D
-    from collectives.backends.shm import ShmBackend
-    from collectives.store import TCPStore
     from collectives.tensors import to_buffer
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
-                     timeout=timedelta(seconds=60))
-    be = ShmBackend(store, rank, world, 60.0)
+    be, rank, world = shm_ranks.open_backend()
     comm = be._comm
 
     def agree(x):
@@ -87,22 +83,11 @@ def worker(a):
 
 
 def launch(a):
-    from collectives.run import free_port
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLLECTIVES_SHM_CMA_BCAST_MIN="0",
-               COLLECTIVES_SHM_CMA_MIN="0",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MASTER_PORT=str(free_port()), WORLD_SIZE=str(a.world))
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--ops", a.ops, "--sizes", a.sizes,
-           "--samples", str(a.samples), "--budget", str(a.budget)]
-    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(a.world)]
-    rows = []
-    for r, p in enumerate(procs):
-        out, err = p.communicate(timeout=a.timeout)
-        rows += [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
-        if p.returncode:
-            print(f"rank {r}: {err[-2000:]}", file=sys.stderr)
-    return rows
+    return shm_ranks.launch(__file__, ["--ops", a.ops, "--sizes", a.sizes, "--samples",
+                                       str(a.samples), "--budget", str(a.budget)], a.world,
+                            a.timeout, env={"COLLECTIVES_SHM_CMA_BCAST_MIN": "0",
+                                            "COLLECTIVES_SHM_CMA_MIN": "0",
+                                            "COLLECTIVES_SHM_AR_ALGO": "two_shot"})
 
 
 def main():

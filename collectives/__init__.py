@@ -6,8 +6,6 @@ from . import config  # noqa: F401  (first: COLLECTIVES_NO_EXTENSIONS acts befor
 from . import dtypes
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError
 
-__version__ = "0.1.0"
-
 # ---- stores and rendezvous (lead's section: exports of store.py / rendezvous.py go here) ----
 from .store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore  # noqa: E402
 # torch.distributed's names: dist.rendezvous is the function (the module stays importable as
@@ -97,11 +95,31 @@ __all__ += [
 set_debug_level_from_env()  # as torch.distributed does at import
 
 
+def _version():
+    # one source of truth: pyproject.toml's version, as installed (wheel, sdist or editable)
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("collectives")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
+
+
 def __getattr__(name):
     # dist.nn (autograd collectives) imports torch, so it loads on first use, as
     # torch.distributed.nn needs its own import; ``import collectives.nn`` works too.
     # dist.distributed_c10d and dist.constants load here too (they import this package).
     if name in ("nn", "distributed_c10d", "constants"):
         import importlib
-        return importlib.import_module(f".{name}", __name__)
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != "torch" and not (e.name or "").startswith("torch."):
+                raise
+            # AttributeError, so that hasattr() and getattr(..., default) work without torch
+            raise AttributeError(
+                f"module {__name__!r} has no attribute {name!r} without torch: "
+                f"collectives.{name} needs torch (pip install 'collectives[torch]')") from e
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,7 @@ from ._buffer cimport Buffer
 from . import config as _config
 from . import dtypes as _D
 from . import fingerprint as _fp
+from .engine_errors import expand as _expand
 from .errors import DistBackendError
 
 include "_kernels_import.pxi"
@@ -34,6 +35,9 @@ cdef extern from "shm_coll.h" nogil:
     int shm_cma_enabled(const shm_comm *c)
     void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min)
     void shm_comm_set_stream(shm_comm *c, int mode)
+    int SHM_AR_AUTO, SHM_AR_TWO_SHOT, SHM_AR_SINGLE_COPY
+    void shm_comm_set_ar_algo(shm_comm *c, int algo)
+    int shm_comm_ar_choice(const shm_comm *c, size_t nbytes)
     int shm_comm_far(const shm_comm *c)
     int shm_comm_peer_distance(const shm_comm *c, int q)
     int shm_comm_error_peer(const shm_comm *c)
@@ -44,6 +48,9 @@ cdef extern from "shm_coll.h" nogil:
     int shm_comm_fail_record(const shm_comm *c, uint32_t *k, int *a, int *b, uint64_t *wa,
                              uint64_t *wb, const char **text)
     int shm_comm_poison(shm_comm *c, const char *text)
+    const char *shm_strerror(int rc)
+    const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
+                                    const char *label)
     int shm_barrier(shm_comm *c, uint64_t fp)
     int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
     int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp)
@@ -67,19 +74,7 @@ cdef extern from "shm_coll.h" nogil:
     void shm_p2p_direct(shm_comm *c, int delta, int wake)
     int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
     void shm_p2p_kick(shm_comm *c)
-
-
-_REASONS = {
-    SHM_ETIMEDOUT: "Timed out waiting",
-    SHM_EPEERDEAD: "lost (process died)",
-    SHM_EBROKEN: "group unusable after an earlier failure",
-    SHM_EINVAL: "segment layout mismatch or bad argument",
-    SHM_ECLOSED: "communicator shut down",
-    SHM_ESYS: "a system call or an allocation failed",
-    SHM_EFAILED: "the group failed",
-    -1: "unknown dtype",
-    -2: "op not defined for dtype",
-}
+    void shm_p2p_attach(shm_comm *c)
 
 
 cdef int K_BARRIER = _fp.BARRIER, K_BROADCAST = _fp.BROADCAST, K_ALL_REDUCE = _fp.ALL_REDUCE
@@ -135,7 +130,6 @@ cdef class ShmComm:
     cdef public object rank_names  # rank r is called rank_names[r] in messages (None: r)
     cdef public long coll_base     # collectives before the user's first (numbering in messages)
     cdef public uint64_t last_fp   # this rank's latest fingerprint word
-    cdef bint reported             # this rank raised the recorded failure already
 
     def __cinit__(self, str name, bint create, int rank, int size, size_t half_bytes,
                   size_t ring_bytes, double timeout, str label="shm"):
@@ -159,9 +153,10 @@ cdef class ShmComm:
                                timeout, &err)
         if rc != SHM_OK:
             import os
-            detail = os.strerror(err) if rc == SHM_ESYS else _REASONS.get(rc, str(rc))
+            detail = os.strerror(err) if rc == SHM_ESYS else shm_strerror(rc).decode()
             raise DistBackendError(f"{label}: cannot map shared segment {name}: {detail}")
         shm_comm_set_tuning(self.c, spin, yield_us, far_ns, llc, thp, any_cores)
+        shm_p2p_attach(self.c)  # an abort wakes the p2p waiters through the hook
 
     def __dealloc__(self):
         if self.c != NULL:
@@ -169,34 +164,20 @@ cdef class ShmComm:
             self.c = NULL
 
     cdef int _check(self, int rc, str op, int peer=-1) except -1:
+        """The engines' one error convention (collectives.engine_errors): the engine's
+        text for rc, raised as DistBackendError."""
         if rc == SHM_OK:
             return 0
         if self.c == NULL:
             raise DistBackendError(f"{self.label} {op}: communicator is closed")
-        if peer < 0:
-            peer = shm_comm_error_peer(self.c)
-        names = self.rank_names
-        if rc == SHM_EFAILED or rc == SHM_EBROKEN:
-            record = self.failure()
-            if record is not None:
-                # the call at which this rank learns of it raises the record itself (a rank
-                # may learn it at entry, when others failed the call before it arrived)
-                if not self.reported:
-                    self.reported = True
-                    raise DistBackendError(record)
-                raise DistBackendError(
-                    f"{self.label} {op}: group unusable after an earlier failure: {record}")
-        reason = _REASONS.get(rc, f"error {rc}")
-        who = f"peer rank {names[peer] if names else peer}" if peer >= 0 else "peers"
-        if rc == SHM_ETIMEDOUT:  # torch gloo's words, which torch's tests match
-            msg = f"{reason} {self.timeout * 1000:.0f}ms for {who}"
-        elif rc == SHM_EPEERDEAD:
-            msg = f"{who} {reason}"
-        else:
-            msg = f"{reason}"
-        raise DistBackendError(
-            f"{self.label} {op} failed at sequence {shm_comm_seq(self.c)} on rank "
-            f"{names[self.rank] if names else self.rank}: {msg}")
+        cdef bytes bop = op.encode(), blabel = self.label.encode()
+        cdef const char *cop = bop
+        cdef const char *clabel = blabel
+        cdef const char *text
+        with nogil:
+            text = shm_comm_error_text(self.c, rc, cop, peer, clabel)
+        raise DistBackendError(_expand(text.decode("utf-8", "replace"), self.rank_names,
+                                       failure=self.failure))
 
     cdef inline shm_comm *_live(self, str op) except NULL:
         if self.c == NULL:
@@ -288,6 +269,23 @@ cdef class ShmComm:
         least ``bcast_min`` bytes and all_reduces of at least ``ar_min`` bytes go in one
         copy (0: never)."""
         shm_comm_set_cma_min(self._live("set_cma_min"), gather_min, bcast_min, ar_min)
+
+    def set_ar_algo(self, str algo):
+        """The all_reduce above the one-shot size: "auto" (the ranks time two-shot with
+        plain and with streaming stores and the single copy while they run, and take the
+        fastest), "two_shot" or "single_copy" (where CMA is on). Every rank of the group
+        must pass the same."""
+        codes = {"auto": SHM_AR_AUTO, "two_shot": SHM_AR_TWO_SHOT,
+                 "single_copy": SHM_AR_SINGLE_COPY}
+        if algo not in codes:
+            raise ValueError(f"algo must be 'auto', 'two_shot' or 'single_copy', got {algo!r}")
+        shm_comm_set_ar_algo(self._live("set_ar_algo"), codes[algo])
+
+    def ar_choice(self, size_t nbytes):
+        """What the measured choice last agreed on for all_reduces of ``nbytes``:
+        "two_shot", "two_shot_stream", "single_copy", or None before its first decision."""
+        cdef int arm = shm_comm_ar_choice(self._live("ar_choice"), nbytes)
+        return (None, "two_shot", "two_shot_stream", "single_copy")[arm + 1]
 
     def set_stream(self, int mode):
         """Segment writes for other ranks: 0 plain stores, 1 streaming stores, 2 streaming

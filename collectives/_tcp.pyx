@@ -7,13 +7,12 @@ takes ``fp``, this rank's fingerprint of the call (:func:`collectives.fingerprin
 a peer whose fingerprint differs fails the call on every rank with
 :func:`collectives.fingerprint.mismatch_message`.
 """
-import re
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
-from .dtypes import DTYPE_NAMES
 from .errors import DistBackendError
+from .engine_errors import expand as _expand
 from .fingerprint import mismatch_message
 
 include "_tcp_decl.pxi"
@@ -38,22 +37,11 @@ HEADER_BYTES = 48
 HEADER_FIELDS = ("magic", "version", "ftype", "kind", "dtype", "flags", "group", "tag", "seq",
                  "fp", "aux", "len")
 
-_DTYPE_CODE = re.compile(r"\{dtype:(\d+)\}")
-
-
-def _dtype_name(m):
-    return DTYPE_NAMES.get(int(m.group(1)), f"dtype {m.group(1)}")
-
-
 cdef str _text(char *err, eng):
-    """The engine's error text for users: dtype codes named, and a fingerprint mismatch
-    ("{mismatch}") spelled out from the engine's record."""
-    msg = err.decode("utf-8", "replace")
-    if "{dtype:" in msg:
-        msg = _DTYPE_CODE.sub(_dtype_name, msg)
-    if "{mismatch}" in msg and eng is not None:
-        msg = msg.replace("{mismatch}", eng.mismatch_message() or "a peer called a different collective")
-    return msg
+    """The engine's error text for users (collectives.engine_errors: dtype codes named, a
+    fingerprint mismatch spelled out from the engine's record)."""
+    return _expand(err.decode("utf-8", "replace"),
+                   mismatch=eng.mismatch_message if eng is not None else None)
 
 
 cdef int _check(int rc, char *err, eng) except -1:

@@ -14,7 +14,9 @@ Rank and world size come from the arguments, then the URL's query
 string (``?rank=0&world_size=4``), then the environment: RANK/WORLD_SIZE
 (torchrun, collectives-run), else mpiexec's (PMI_RANK/PMI_SIZE for MPICH,
 OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE for Open MPI), else Slurm's
-(SLURM_PROCID/SLURM_NTASKS).
+(SLURM_PROCID/SLURM_NTASKS). MASTER_ADDR and MASTER_PORT, where unset, come from
+Slurm's node list and job id, or are the loopback and a port from the job where mpiexec
+put every rank on one host (:mod:`collectives.launcher.hostlist`).
 
 Example:
     >>> store, rank, world = meet("tcp://127.0.0.1:29500", rank=0, world_size=1)
@@ -125,17 +127,33 @@ def _resolve(name, arg, query, scheme, env_index, environ):
     return value
 
 
+_NO_MASTER = (
+    "Error initializing collectives using env:// rendezvous: environment variable {var} "
+    "expected, but not set. torchrun and collectives-run set MASTER_ADDR and MASTER_PORT; "
+    "where they are unset, collectives derives them under Slurm (SLURM_JOB_ID and "
+    "SLURM_STEP_NODELIST/SLURM_JOB_NODELIST) and under an mpiexec whose ranks are all on one "
+    "host (MPI_LOCALNRANKS or OMPI_COMM_WORLD_LOCAL_SIZE equal to the world size), and "
+    "neither applies here. Set MASTER_ADDR to rank 0's host name or address and MASTER_PORT "
+    "to a free port on it, the same on every rank (docs/slurm.md)")
+
+
 def _master_env(environ):
+    """MASTER_ADDR/MASTER_PORT, else what Slurm's or a one-host mpiexec's variables give
+    (:func:`collectives.launcher.hostlist.derive_master`; written to ``os.environ`` when
+    that is what was read, so the interface choice and dump names see them too)."""
     addr = environ.get("MASTER_ADDR")
-    if not addr:
-        raise ValueError("Error initializing collectives using env:// rendezvous: environment "
-                         "variable MASTER_ADDR expected, but not set (mpiexec and Slurm give the "
-                         "rank and world size, but the TCP store still needs MASTER_ADDR and "
-                         "MASTER_PORT)")
     raw = environ.get("MASTER_PORT")
-    if not raw:
-        raise ValueError("Error initializing collectives using env:// rendezvous: environment "
-                         "variable MASTER_PORT expected, but not set")
+    if not addr or not raw:
+        from .launcher.hostlist import derive_master
+        derived = derive_master(environ)
+        if derived is None:
+            raise ValueError(_NO_MASTER.format(var="MASTER_ADDR" if not addr else "MASTER_PORT"))
+        d_addr, d_port, _how = derived
+        addr = addr or d_addr
+        raw = raw or str(d_port)
+        if environ is os.environ:
+            os.environ.setdefault("MASTER_ADDR", addr)
+            os.environ.setdefault("MASTER_PORT", raw)
     try:
         port = int(raw)
     except ValueError:

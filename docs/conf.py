@@ -13,7 +13,11 @@ sys.path.insert(0, os.path.abspath(".."))
 project = "collectives"
 author = "the collectives developers"
 copyright = "2026, the collectives developers"
-release = "0.1.0"
+try:  # the one version: pyproject.toml's, from the installed package's metadata
+    from importlib.metadata import version as _version
+    release = _version("collectives")
+except Exception:  # noqa: BLE001  (not installed: the docs still build)
+    release = "unknown"
 
 extensions = ["myst_parser"]
 source_suffix = {".md": "markdown"}

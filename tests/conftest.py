@@ -180,14 +180,51 @@ def pytest_cmdline_main(config):
         opt.dist = "loadfile"
 
 
+# Tests that read the checkout's own files (sources, docs): the installed leg copies only
+# tests/, examples/ and bench/ out of the tree, so they skip there, saying so.
+SOURCE_TREE_TESTS = {
+    "test_layers",
+    "test_config::test_every_name_in_the_source_is_declared",
+    "test_config::test_every_declared_name_is_read_somewhere",
+    "test_config::test_generated_page_is_current",
+    "test_shm_settings::test_the_engine_reads_no_environment_variable",
+    "test_install::test_the_first_program_in_the_docs_is_the_example_file",
+}
+
+
+def installed_checkout():
+    """The checkout that .ci/run's installed leg built the wheel from
+    (COLLECTIVES_TEST_INSTALLED), or None in an ordinary run."""
+    return os.environ.get("COLLECTIVES_TEST_INSTALLED") or None
+
+
+def _check_installed():
+    """In the installed leg, the tests must import the wheel's package from site-packages,
+    never the checkout's: a file missing from the wheel must fail there."""
+    checkout = installed_checkout()
+    if checkout is None:
+        return
+    import collectives
+    path = os.path.realpath(collectives.__file__)
+    inside = path.startswith(os.path.realpath(checkout) + os.sep)
+    if inside or "site-packages" not in path.split(os.sep):
+        raise pytest.UsageError(
+            f"COLLECTIVES_TEST_INSTALLED is set, but collectives was imported from {path}, "
+            f"{'inside the checkout ' + checkout if inside else 'not from site-packages'}: run "
+            f"the tests from a directory outside the checkout, against an installed wheel")
+
+
 def pytest_configure(config):
+    _check_installed()
     # before collection: the test modules' settings(max_examples=examples(n)) read it
     profiles.choose(config.getoption("markexpr", ""), config.getoption("--hypothesis-profile", None))
 
 
 def pytest_report_header(config):
     from hypothesis import settings
-    return f"hypothesis profile: {settings.get_current_profile_name()} (tests/profiles.py)"
+    import collectives
+    return [f"hypothesis profile: {settings.get_current_profile_name()} (tests/profiles.py)",
+            f"collectives {collectives.__version__} from {os.path.dirname(collectives.__file__)}"]
 
 
 def callspec_value(item, name):
@@ -197,6 +234,7 @@ def callspec_value(item, name):
 
 def pytest_collection_modifyitems(config, items):
     primary = _primary()
+    installed = installed_checkout() is not None
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module else ""
         for m in MODULE_MARKERS.get(module, ()):
@@ -218,6 +256,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("mpi")
         if cfg is not None and cfg != primary:
             item.add_marker("slow")
+        if installed and (module in SOURCE_TREE_TESTS or f"{module}::{name}" in SOURCE_TREE_TESTS):
+            item.add_marker(pytest.mark.skip(
+                reason="reads the checkout's sources or docs; the installed leg runs the tests "
+                       "outside it"))
 
 
 @pytest.hookimpl(tryfirst=True)

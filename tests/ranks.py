@@ -337,6 +337,10 @@ CUDA_CONFIGS = {"nccl"}
 
 
 def _has(path):
+    if path.startswith("collectives/"):  # the package imported: the checkout's or an installed one
+        import collectives
+        base = os.path.dirname(os.path.dirname(os.path.abspath(collectives.__file__)))
+        return os.path.exists(os.path.join(base, path))
     return os.path.exists(os.path.join(ROOT, path))
 
 

@@ -90,3 +90,62 @@ def test_no_module_imports_back_up_the_package():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# ---- the shared-memory engine's C layers ---------------------------------------------
+
+SRC = os.path.join(PKG, "src")
+# each shm C file, lowest layer first, and the shm headers it may include: a layer calls
+# only functions of its own layer or of the layers below it
+SHM_LAYERS = [
+    ("shm_segment.c", {"shm_sync.h"}),
+    ("shm_copy.c", {"shm_copy.h"}),
+    ("shm_tune.c", {"shm_tune.h"}),
+    ("shm_p2p.c", {"shm_sync.h"}),
+    ("shm_coll.c", {"shm_copy.h", "shm_tune.h"}),
+]
+SHM_HEADERS = {"shm_sync.h": set(), "shm_copy.h": {"shm_sync.h"}, "shm_tune.h": {"shm_sync.h"}}
+# layers that sit side by side (neither may call the other)
+SHM_SIBLINGS = {frozenset({"shm_copy.c", "shm_tune.c"}), frozenset({"shm_copy.c", "shm_p2p.c"}),
+                frozenset({"shm_tune.c", "shm_p2p.c"})}
+
+
+def _c_source(name):
+    import re
+    text = open(os.path.join(SRC, name)).read()
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)  # comments name other layers freely
+    return re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
+
+
+def _c_defined(text):
+    """Functions a C file defines (at the start of a line, with a body)."""
+    import re
+    return set(re.findall(r"^(?:[A-Za-z_][\w \*]*?[\s\*])?(\w+)\s*\([^;{]*\)\s*\{", text, re.M))
+
+
+def test_the_shm_engines_c_files_call_only_down_their_layers():
+    """shm_segment.c (segment, counters, waits, failure record, fingerprints) at the bottom;
+    the copy policy, the measured choice and p2p above it; the collectives on top: no file
+    includes a header of a layer above it, nor calls a function a file above it (or beside
+    it) defines. An abort reaches p2p through the hook p2p registers."""
+    import re
+    srcs = {name: _c_source(name) for name, _ in SHM_LAYERS}
+    defined = {name: _c_defined(text) for name, text in srcs.items()}
+    assert all(defined.values()), defined
+    problems = []
+    for h, allowed in SHM_HEADERS.items():
+        got = set(re.findall(r'#include "(shm_\w+\.h)"', open(os.path.join(SRC, h)).read()))
+        got.discard("shm_coll.h")  # the engine's public declarations: every layer's
+        problems += [f"{h} includes {g}" for g in got - allowed]
+    order = [name for name, _ in SHM_LAYERS]
+    for i, (name, allowed) in enumerate(SHM_LAYERS):
+        got = set(re.findall(r'#include "(shm_\w+\.h)"', srcs[name])) - {"shm_coll.h"}
+        problems += [f"{name} includes {g}" for g in got - allowed]
+        for other in order:
+            above = order.index(other) > i or frozenset({name, other}) in SHM_SIBLINGS
+            if other == name or not above:
+                continue
+            for fn in defined[other] - defined[name]:
+                if re.search(rf"\b{fn}\s*\(", srcs[name]):
+                    problems.append(f"{name} calls {fn} of {other}")
+    assert not problems, problems

@@ -771,7 +771,8 @@ def test_p2p_send_timeout_runs_from_the_last_progress_not_from_any_bell():
 # ---- single-copy (process_vm_readv) gathers --------------------------------------------
 
 ENV_CMA = dict(ENV_SMALL, COLLECTIVES_SHM_CMA_MIN="64",  # from 64 bytes: exercised
-               COLLECTIVES_SHM_CMA_BCAST_MIN="64", COLLECTIVES_SHM_CMA_AR_MIN="64")
+               COLLECTIVES_SHM_CMA_BCAST_MIN="64", COLLECTIVES_SHM_CMA_AR_MIN="64",
+               COLLECTIVES_SHM_AR_ALGO="single_copy")
 
 
 def _cma_permitted():
@@ -1098,3 +1099,91 @@ def test_thresholds_come_from_rank_0_whatever_the_other_ranks_environment():
     for name in ("broadcast", "all_gather", "all_reduce"):
         for count in (5, 3000, 70000, 300000):
             assert pool.run(run_op, name, 11, D.FLOAT32, count, D.SUM, 0, timeout=60) == [True] * 2
+
+
+# ---- the all_reduce algorithms, forced and measured --------------------------------------
+
+# every algorithm above the one-shot size (2 KiB here), each forced through the settings;
+# "auto" times them on its own calls (the first rounds of trials start at the third call)
+AR_ALGOS = {
+    "two_shot_plain": dict(COLLECTIVES_SHM_AR_ALGO="two_shot", COLLECTIVES_SHM_STREAM="0"),
+    "two_shot_stream": dict(COLLECTIVES_SHM_AR_ALGO="two_shot", COLLECTIVES_SHM_STREAM="1"),
+    "single_copy": dict(COLLECTIVES_SHM_AR_ALGO="single_copy", COLLECTIVES_SHM_CMA_AR_MIN="64",
+                        COLLECTIVES_SHM_CMA_ANY_CORES="1"),
+    "auto": dict(COLLECTIVES_SHM_AR_ALGO="auto", COLLECTIVES_SHM_CMA_AR_MIN="64",
+                 COLLECTIVES_SHM_CMA_ANY_CORES="1"),
+}
+
+
+def ar_algo_state(ctx, nbytes):
+    """What the group runs an all_reduce of nbytes with: the single-copy flag, the
+    measured choice so far."""
+    comm = ctx.state["be"]._comm
+    return comm.cma, comm.ar_choice(nbytes)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("algo", sorted(AR_ALGOS))
+@pytest.mark.parametrize("world", [2, 3])
+@settings(SETTINGS, max_examples=examples(20))
+@given(data=st.data())
+def test_each_all_reduce_algorithm_matches_numpy(algo, world, data):
+    """all_reduce (and reduce, which stays two-shot) under each algorithm the settings
+    can force, and under the measured choice, every dtype and op, odd lengths: the
+    reference's result on every rank."""
+    if algo in ("single_copy", "auto") and not _cma_permitted():
+        pytest.skip("process_vm_readv is not permitted between processes here")
+    pool = pool_for(world, env=dict(ENV_SMALL, **AR_ALGOS[algo]))
+    dtype, op = data.draw(st.sampled_from(VALID), "dtype/op")
+    count = data.draw(st.one_of(st.sampled_from([1, 513, 4097, 12345]), st.integers(0, 70000)))
+    name = data.draw(st.sampled_from(["all_reduce", "all_reduce", "reduce"]), "op")
+    root = data.draw(st.integers(0, world - 1), "root")
+    seed = data.draw(st.integers(0, 1000), "seed")
+    for k in range(data.draw(st.integers(1, 4), "calls")):  # several: auto's trials rotate
+        assert pool.run(run_op, name, seed + k, dtype, count, op, root,
+                        timeout=60) == [True] * world
+
+
+def run_measured_all_reduces(ctx, calls, count):
+    """calls all_reduces of random float32s; the bytes of every result (the same on
+    every rank only if every rank ran the same algorithm on each call, bit for bit the
+    owner's sums) and the choice each rank agreed on at the end."""
+    be = ctx.state["be"]
+    rng = np.random.default_rng([count, ctx.rank])
+    digests = []
+    for _ in range(calls):
+        a = rng.standard_normal(count).astype(np.float32)
+        be.all_reduce(to_buffer(a), D.SUM)
+        digests.append(hash(a.tobytes()))
+    return digests, be._comm.ar_choice(count * 4)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_measured_all_reduce_choice_is_agreed_and_exact(world):
+    """The measured choice: over 80 calls of one size (several rounds of trials and
+    decisions) every rank gets the same bytes on every call and settles on the same
+    algorithm; a two-shot group (no single copy) chooses between its two stores."""
+    if not _cma_permitted():
+        pytest.skip("process_vm_readv is not permitted between processes here")
+    # a pool of its own (the marker variable), so that no earlier test has decided yet
+    pool = pool_for(world, env=dict(ENV_SMALL, **AR_ALGOS["auto"], MEASURED_CHOICE_TEST="1"))
+    assert pool.run(ar_algo_state, 40000) == [(True, None)] * world
+    res = pool.run(run_measured_all_reduces, 80, 10000, timeout=90)
+    assert all(digests == res[0][0] for digests, _ in res)
+    choices = {choice for _, choice in res}
+    assert len(choices) == 1 and choices <= {"two_shot", "two_shot_stream", "single_copy"}, res
+    pool = pool_for(world, env=dict(ENV_SMALL, COLLECTIVES_SHM_CMA_AR_MIN="0",
+                                    MEASURED_CHOICE_TEST="1"))
+    res = pool.run(run_measured_all_reduces, 60, 10000, timeout=90)
+    assert all(digests == res[0][0] for digests, _ in res)
+    assert {choice for _, choice in res} <= {"two_shot", "two_shot_stream"}
+    assert len({choice for _, choice in res}) == 1 and res[0][1] is not None
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_all_reduce_algorithm_is_a_value_error_naming_the_variable(monkeypatch):
+    from collectives import config
+    monkeypatch.setenv("COLLECTIVES_SHM_AR_ALGO", "fastest")
+    with pytest.raises(ValueError, match="COLLECTIVES_SHM_AR_ALGO"):
+        config.get("COLLECTIVES_SHM_AR_ALGO")

@@ -60,11 +60,13 @@ DEFAULT_CHUNK_BYTES = 512 * 1024
 # shm_coll.c); it is the steady choice.
 DEFAULT_CMA_MIN = 256 * 1024
 DEFAULT_CMA_BCAST_MIN = 64 * 1024
-# all_reduce: single copy is off by default (0). Against two-shot with 1 MiB chunks it
-# measured 0.95x at 4 MiB, but two-shot with 512 KiB chunks takes 0.65-0.8x its time at
-# 1-16 MiB (2 ranks: 1 MiB 69 vs 111 us, 4 MiB 248 vs 350 us, 16 MiB 1374 vs 2105 us).
-# COLLECTIVES_SHM_CMA_AR_MIN=BYTES turns it on from that size.
-DEFAULT_CMA_AR_MIN = 0
+# all_reduce: whether two-shot or the single copy is faster depends on the host and the
+# ranks' placement (while the VM's cores share caches two-shot took 0.65-0.8x the single
+# copy's time, while they do not the single copy 0.25-0.35x two-shot's), so above the
+# one-shot size the ranks measure both (COLLECTIVES_SHM_AR_ALGO=auto, src/shm_tune.c);
+# COLLECTIVES_SHM_CMA_AR_MIN=0 leaves the single copy out.
+DEFAULT_CMA_AR_MIN = 64 * 1024
+DEFAULT_AR_ALGO = "auto"
 # Segment writes for other ranks: 0 plain stores, 1 streaming (non-temporal) stores, 2
 # streaming while the ranks' latency probes find their peers on far cores (another die or
 # socket, where reading a line from the writer's cache is several times slower than from
@@ -81,7 +83,8 @@ _TUNING = (("COLLECTIVES_SHM_ONESHOT_MAX", DEFAULT_ONESHOT_MAX),
            ("COLLECTIVES_SHM_CMA_MIN", DEFAULT_CMA_MIN),
            ("COLLECTIVES_SHM_CMA_BCAST_MIN", DEFAULT_CMA_BCAST_MIN),
            ("COLLECTIVES_SHM_CMA_AR_MIN", DEFAULT_CMA_AR_MIN),
-           ("COLLECTIVES_SHM_STREAM", DEFAULT_STREAM))
+           ("COLLECTIVES_SHM_STREAM", DEFAULT_STREAM),
+           ("COLLECTIVES_SHM_AR_ALGO", DEFAULT_AR_ALGO))
 
 
 # a segment younger than this is never swept: its creator may not have locked it yet
@@ -191,13 +194,17 @@ class ShmBackend(Backend):
             if rank == 0:
                 unlink(name)
         self._comm.coll_base = self._comm.coll  # error messages count the user's collectives
+        (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min, stream,
+         ar_algo) = tuning.split(",")
         (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min,
-         stream) = map(int, tuning.split(","))
+         stream) = map(int, (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min,
+                             stream))
         if stream not in (0, 1, 2):  # every rank sees rank 0's value: all raise alike
             raise ValueError(f"COLLECTIVES_SHM_STREAM (rank 0's environment) must be 0 (plain), "
                              f"1 (streaming) or 2 (measured), got {stream}")
         self._comm.set_thresholds(oneshot_max, chunk_bytes)
         self._comm.set_stream(stream)
+        self._comm.set_ar_algo(ar_algo)
         self.single_copy = self._comm.cma_probe()  # collective: every rank gets the same answer
         if self.single_copy:
             self._comm.set_cma_min(cma_min, cma_bcast_min, cma_ar_min)

@@ -194,9 +194,16 @@ SETTINGS = (
     _s("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB,
        "broadcast from this size goes in one copy; 0 turns it off.",
        agree=True, rank0=True, unit="bytes", read_in="backends/shm.py"),
-    _s("COLLECTIVES_SHM_CMA_AR_MIN", "int", 0,
-       "all_reduce from this size goes in one copy; 0 (the default: two-shot measured "
-       "faster) turns it off.", agree=True, rank0=True, unit="bytes", read_in="backends/shm.py"),
+    _s("COLLECTIVES_SHM_CMA_AR_MIN", "int", 64 * KiB,
+       "all_reduce from this size (above the one-shot size) may go in one copy; 0 turns "
+       "the single copy off for all_reduce.", agree=True, rank0=True, unit="bytes",
+       read_in="backends/shm.py"),
+    _s("COLLECTIVES_SHM_AR_ALGO", "choice", "auto",
+       "all_reduce above the one-shot size: auto (the ranks time two-shot with plain and "
+       "with streaming stores and the single copy on their own calls, per size class, and "
+       "all take the fastest), two_shot (stores by COLLECTIVES_SHM_STREAM) or single_copy "
+       "(where the ranks may read each other's memory).", agree=True, rank0=True,
+       choices=("auto", "two_shot", "single_copy"), read_in="backends/shm.py"),
     _s("COLLECTIVES_SHM_STREAM", "choice", "2",
        "How the segment is written for other ranks: 0 plain stores, 1 streaming "
        "(non-temporal) stores, 2 streaming while the ranks' probes find their peers far "
@@ -273,6 +280,10 @@ SETTINGS = (
     _s("COLLECTIVES_MARCH_NATIVE", "bool", False,
        "Compile with -march=native (not for wheels; the kernels dispatch at run time anyway).",
        scope="build", read_in="setup.py"),
+    _s("COLLECTIVES_DEBUG_SYMBOLS", "bool", False,
+       "Keep debug information in the extensions (for gdb or perf on a checkout). By default "
+       "they are compiled with -g0 and linked with --strip-all, as released wheels are.",
+       scope="build", read_in="setup.py"),
     # tests (tests/ranks.py and the test modules)
     _s("COLLECTIVES_TEST_CONFIGS", "str", None,
        "Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, "
@@ -294,6 +305,10 @@ SETTINGS = (
     _s("COLLECTIVES_TEST_POOL", "str", None,
        "A label that keeps pools apart (tests give pools that import torch their own).",
        scope="test", read_in="tests/ranks.py"),
+    _s("COLLECTIVES_TEST_INSTALLED", "str", None,
+       "Set by .ci/run's installed leg to the checkout the wheel was built from: the run "
+       "fails if collectives is imported from there rather than from site-packages.",
+       scope="test", read_in="tests/conftest.py"),
     _s("COLLECTIVES_POOL_ADDR", "str", None,
        "Set by the test harness for its rank processes: where to connect back. Not for users.",
        scope="test", read_in="tests/ranks.py"),

@@ -4,7 +4,14 @@
 where a program wrote ``import torch.distributed.nn``; see
 :mod:`collectives.nn.functional`. Needs torch.
 """
-from .functional import (  # noqa: F401
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as _e:
+    raise ModuleNotFoundError(
+        "collectives.nn (autograd collectives) needs torch: pip install 'collectives[torch]'",
+        name="torch") from _e
+
+from .functional import (  # noqa: F401,E402
     _all_gather_base, all_gather, all_reduce, all_to_all, all_to_all_single, broadcast, gather,
     reduce, reduce_scatter, scatter)
 

@@ -1,7 +1,8 @@
 /* Same-host collectives over one shared-memory segment (see shm_coll.h): each one
  * checks the ranks' fingerprints, then moves data through the ranks' data slots or, where
- * the ranks may read each other's memory, in one copy (CMA); see shm_internal.h. */
-#include "shm_internal.h"
+ * the ranks may read each other's memory, in one copy (CMA); see shm_sync.h. */
+#include "shm_copy.h"
+#include "shm_tune.h"
 
 int shm_barrier(shm_comm *c, uint64_t fp)
 {
@@ -70,6 +71,9 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
         return broadcast_cma(c, buf, nbytes, root, fp);
     tick(c, nbytes);
     uint32_t s0 = c->seq + 1;  /* the first step: every rank posts it */
+    /* one block: the root returns once it is in the segment, without waiting for the
+     * readers to arrive (they compare its fingerprint before they copy; see shm_sync.h) */
+    const int lead = nbytes <= c->half;
     fp_publish(c, fp);
     /* whole halves: measured as fast as 1 MiB blocks or faster (4 ranks, 2 cores) */
     for (size_t off = 0; off < nbytes;) {
@@ -78,6 +82,8 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
         uint32_t s;
         if (c->me == root) {
             TRY(c, half_acquire(c, &h));
+            if (c->n_due)  /* every rank acked the step that last used h: it arrived there */
+                TRY(c, fp_settle(c, c->free_after[h]));
             /* a block larger than a core's cache is out of it by the time it is read
              * (2 MiB: far, 1.17 ms plain, 1.20 streaming for 16 MiB; close, 0.83 vs 1.15) */
             if (len <= (1 << 20))
@@ -101,7 +107,10 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
         }
         off += len;
     }
-    TRY(c, fp_check_all(c, s0));
+    if (lead && c->me == root)
+        TRY(c, fp_defer(c, s0));
+    else
+        TRY(c, fp_check_all(c, s0));
     return SHM_OK;
 }
 
@@ -216,19 +225,27 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         tick(c, nbytes);
         goto out;
     }
-    if (root < 0 && c->cma && c->cma_ar_min && nbytes >= c->cma_ar_min) {
-        rc = all_reduce_cma(c, buf, count, dtype, op, isz, srcs, fp);
+    /* an all_reduce takes the algorithm its size class measured fastest (shm_tune.c); a
+     * reduce two-shot, with the stores the probes chose */
+    int64_t t0 = 0;
+    const int arm = root < 0 ? tune_pick(c, nbytes, &t0) : c->far ? ARM_TWO_STREAM : ARM_TWO_PLAIN;
+    if (arm == ARM_SINGLE_COPY) {
+        if (!(rc = all_reduce_cma(c, buf, count, dtype, op, isz, srcs, fp))) {
+            tune_done(c, nbytes, arm, t0);
+            tick(c, nbytes);  /* the probes go on for the other collectives' stores */
+        }
         goto out;
     }
+    const int stream = arm == ARM_TWO_STREAM;
     fp_publish(c, fp);
     const uint32_t s0 = c->seq + 1;  /* the first chunk's first step */
     /* two-shot: each rank reduces its own slice of the chunk (from its own buffer and
      * the others' copies) into its half, then every rank copies the other slices out.
      * Each element is computed once, by its owner, so all ranks get the same bytes. */
     size_t ce = c->chunk / isz;
-    /* far: reduce in place, then stream the result into the segment (not on a reduce's
-     * non-roots, whose buffers stay as they were) */
-    const int far = c->far && (root < 0 || root == me);
+    /* streaming: reduce in place, then stream the result into the segment (not on a
+     * reduce's non-roots, whose buffers stay as they were) */
+    const int far = stream && (root < 0 || root == me);
     for (size_t off = 0; off < count; off += ce) {
         size_t cnt = count - off < ce ? count - off : ce;
         char *ubuf = (char *)buf + off * isz;
@@ -241,7 +258,7 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         for (int q = 0; q < n; q++)
             if (q != me) {  /* only the slices other ranks reduce */
                 slice_of(cnt, n, q, &st, &len);
-                seg_put(c, mine + st * isz, ubuf + st * isz, len * isz);
+                seg_write(mine + st * isz, ubuf + st * isz, len * isz, stream);
             }
         uint32_t s1 = ++c->seq;
         post(c, s1);
@@ -256,7 +273,7 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
             if ((rc = coll_reduce_many((far ? ubuf : mine) + st * isz, srcs, n, len, dtype, op)))
                 goto out;
             if (far)
-                seg_put(c, mine + st * isz, ubuf + st * isz, len * isz);
+                seg_write(mine + st * isz, ubuf + st * isz, len * isz, 1);
         }
         uint32_t s2 = ++c->seq;
         post(c, s2);
@@ -274,6 +291,8 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         }
         ack(c, s2);
     }
+    if (root < 0)  /* before a probe: the trial times the algorithm alone */
+        tune_done(c, nbytes, arm, t0);
     tick(c, nbytes);  /* here every rank has posted the last step: they arrive together */
 out:
     if (srcs != stack_srcs)

@@ -36,6 +36,7 @@
 #define SHM_FAIL_TEXT_SET 4
 #define SHM_FAIL_TEXT 1024
 
+
 typedef struct shm_comm shm_comm;
 
 /* Create (create=1) or map an existing segment called `name` (a shm_open name). */
@@ -65,6 +66,19 @@ int shm_comm_fail_record(const shm_comm *c, uint32_t *k, int *a, int *b, uint64_
  * and make every rank's waits on this group fail with SHM_EFAILED. */
 int shm_comm_poison(shm_comm *c, const char *text);
 
+/* Errors follow the TCP engine's convention: a call returns nonzero and the engine writes
+ * the text that the extension's one _check raises (collectives/engine_errors.py expands
+ * its placeholders: {rank:N} a rank by its name in the group, {failure} the recorded
+ * failure, described from shm_comm_fail_record). */
+#define SHM_ERR_TEXT 512
+/* The text for code rc returned by `op` (peer < 0: the peer the engine last blamed);
+ * label names the group. Waits up to a second for a failure record another rank is
+ * writing; call it without the GIL. The text lives in c until the next call. */
+/* What code rc means, in a few words. */
+const char *shm_strerror(int rc);
+const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
+                                const char *label);
+
 /* Collectives. fp is the caller's fingerprint of the call (collectives/fingerprint.py):
  * every rank compares every peer's with its own, before it copies or reduces a peer's
  * data into its buffer, and a difference fails the call on every rank (SHM_EFAILED). */
@@ -88,6 +102,19 @@ void shm_comm_set_stream(shm_comm *c, int mode);
 int shm_comm_far(const shm_comm *c);
 int shm_comm_peer_distance(const shm_comm *c, int q);
 void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min);
+/* The all_reduce above the one-shot size: SHM_AR_AUTO measures two-shot with plain
+ * stores, two-shot with streaming stores (as the stream mode allows) and the single copy
+ * (where CMA is on and the size reaches ar_min) while it runs, and every rank takes the
+ * arm that was fastest on the slowest rank (see shm_tune.c); SHM_AR_TWO_SHOT always
+ * takes two-shot (stores by the stream mode), SHM_AR_SINGLE_COPY the single copy where
+ * CMA is on (from ar_min). Every rank must pass the same. */
+#define SHM_AR_AUTO 0
+#define SHM_AR_TWO_SHOT 1
+#define SHM_AR_SINGLE_COPY 2
+void shm_comm_set_ar_algo(shm_comm *c, int algo);
+/* The algorithm (ARM_*: 0 two-shot plain, 1 two-shot streaming, 2 single copy) that the
+ * size class of nbytes last agreed on, or -1 while it has not decided. */
+int shm_comm_ar_choice(const shm_comm *c, size_t nbytes);
 
 int shm_barrier(shm_comm *c, uint64_t fp);
 int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp);
@@ -130,5 +157,8 @@ void shm_p2p_direct(shm_comm *c, int delta, int wake);
 int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes);
 /* wake this rank's own p2p waiters (a receive completed for another thread; shutdown) */
 void shm_p2p_kick(shm_comm *c);
+/* Register the point-to-point layer's kick as what shm_comm_abort runs after it marks
+ * the communicator aborted (the segment layer never calls up into p2p itself). */
+void shm_p2p_attach(shm_comm *c);
 
 #endif

@@ -1,7 +1,7 @@
 /* The copy policy: streaming stores, the near/far latency probes that choose them,
  * huge pages for buffers that peers copy, and single copies between the ranks' memories
- * (CMA: process_vm_readv/writev); see shm_internal.h. */
-#include "shm_internal.h"
+ * (CMA: process_vm_readv/writev); see shm_sync.h. */
+#include "shm_copy.h"
 
 /* Copy that streams its stores past the caches (x86 SSE2), for large copies whose
  * destination is not read again soon: it leaves the shared cache to the source blocks
@@ -69,7 +69,7 @@ SHM_HIDDEN void copy_stream(void *dst, const void *src, size_t n)
  * 2 MiB 0.50x; 2 ranks 256 KiB 0.60x, 1 MiB 0.42x, 16 MiB 0.40x; while close 1.00-1.06x.
  * Where the outputs fill the last-level cache the copy-in streams in either state
  * (outputs_past_llc). Small steps probe too, once they add up to PROBE_SMALL_EVERY
- * bytes. Constants: PROBE_* in shm_internal.h. */
+ * bytes. Constants: PROBE_* in shm_sync.h. */
 
 SHM_HIDDEN int mostly_far(const shm_comm *c)
 {

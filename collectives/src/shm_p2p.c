@@ -1,6 +1,6 @@
 /* Point to point: a byte ring per ordered pair of ranks in the group's segment; a rank's
- * bell counter rings whenever a ring to or from it moves. See shm_internal.h. */
-#include "shm_internal.h"
+ * bell counter rings whenever a ring to or from it moves. See shm_sync.h. */
+#include "shm_sync.h"
 
 static void ring_write(shm_comm *c, int dst, uint64_t pos, const void *src, size_t len)
 {
@@ -190,6 +190,8 @@ int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
     }
     return SHM_OK;
 }
+
+void shm_p2p_attach(shm_comm *c) { c->abort_hook = shm_p2p_kick; }
 
 void shm_p2p_kick(shm_comm *c)
 {

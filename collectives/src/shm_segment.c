@@ -1,6 +1,6 @@
 /* The shared segment: mapping, waits (spin, yield, futex, dead peers), the steps'
- * counters, the group's failure record and the fingerprint checks; see shm_internal.h. */
-#include "shm_internal.h"
+ * counters, the group's failure record and the fingerprint checks; see shm_sync.h. */
+#include "shm_sync.h"
 
 /* 1 if pid is a live process (not a zombie). */
 static int pid_alive(int pid)
@@ -283,10 +283,75 @@ size_t shm_comm_half_bytes(const shm_comm *c) { return c->half; }
 void shm_comm_abort(shm_comm *c)
 {
     atomic_store(&c->aborted, 1);
-    shm_p2p_kick(c);
+    if (c->abort_hook)  /* p2p's waiting threads (shm_p2p_attach) */
+        c->abort_hook(c);
 }
 
 uint32_t shm_comm_coll(const shm_comm *c) { return c->coll; }
+
+const char *shm_strerror(int rc)
+{
+    switch (rc) {
+    case SHM_ETIMEDOUT: return "Timed out waiting";  /* torch gloo's words, which torch's tests match */
+    case SHM_EPEERDEAD: return "lost (process died)";
+    case SHM_EBROKEN: return "group unusable after an earlier failure";
+    case SHM_EINVAL: return "segment layout mismatch or bad argument";
+    case SHM_ECLOSED: return "communicator shut down";
+    case SHM_ESYS: return "a system call or an allocation failed";
+    case SHM_EFAILED: return "the group failed";
+    case -1: return "unknown dtype";
+    case -2: return "op not defined for dtype";
+    default: return "error";
+    }
+}
+
+const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
+                                const char *label)
+{
+    char *e = c->errbuf;
+    const size_t n = sizeof c->errbuf;
+    if (peer < 0)
+        peer = c->err_peer;
+    if (rc == SHM_EFAILED || rc == SHM_EBROKEN) {
+        const seg_hdr_t *h = seg_hdr(c);
+        uint32_t st = SHM_FAIL_NONE;
+        for (int i = 0; i < 1000; i++) {  /* a record being written is there within ~1 s */
+            st = atomic_load_explicit(&h->fail_state, memory_order_acquire);
+            if (st != FAIL_WRITING)
+                break;
+            struct timespec ms = {0, 1000000};
+            nanosleep(&ms, NULL);
+        }
+        if (st != SHM_FAIL_NONE && st != FAIL_WRITING) {
+            /* the call at which this rank learns of it raises the record itself (a rank may
+             * learn it at entry, when others failed the call before it arrived) */
+            if (!c->reported) {
+                c->reported = 1;
+                snprintf(e, n, "{failure}");
+            } else {
+                snprintf(e, n, "%s %s: group unusable after an earlier failure: {failure}",
+                         label, op);
+            }
+            return e;
+        }
+    }
+    char who[48], msg[160];
+    if (peer >= 0)
+        snprintf(who, sizeof who, "peer rank {rank:%d}", peer);
+    else
+        snprintf(who, sizeof who, "peers");
+    if (rc == SHM_ETIMEDOUT)
+        snprintf(msg, sizeof msg, "%s %.0fms for %s", shm_strerror(rc), c->timeout_ns / 1e6, who);
+    else if (rc == SHM_EPEERDEAD)
+        snprintf(msg, sizeof msg, "%s %s", who, shm_strerror(rc));
+    else if (rc == -1 || rc == -2 || (rc <= SHM_ETIMEDOUT && rc >= SHM_EFAILED))
+        snprintf(msg, sizeof msg, "%s", shm_strerror(rc));
+    else
+        snprintf(msg, sizeof msg, "error %d", rc);
+    snprintf(e, n, "%s %s failed at sequence %u on rank {rank:%d}: %s", label, op, c->seq, c->me,
+             msg);
+    return e;
+}
 
 int shm_comm_fail_record(const shm_comm *c, uint32_t *k, int *a, int *b, uint64_t *wa,
                          uint64_t *wb, const char **text)
@@ -336,7 +401,7 @@ SHM_HIDDEN int wait_posts(shm_comm *c, uint32_t s)
     return SHM_OK;
 }
 
-/* ---- the failure record and fingerprint checks (see shm_internal.h) ---------- */
+/* ---- the failure record and fingerprint checks (see shm_sync.h) ---------- */
 
 static void wake_all(shm_comm *c)
 {
@@ -384,6 +449,42 @@ SHM_HIDDEN int fp_check_all(shm_comm *c, uint32_t s)
             if (rc)
                 return rc;
         }
+    return c->n_due ? fp_settle(c, s) : SHM_OK;
+}
+
+SHM_HIDDEN int fp_settle(shm_comm *c, uint32_t s)
+{
+    int kept = 0;
+    for (int i = 0; i < c->n_due; i++) {
+        if (!ge(s, c->fp_due[i].s0)) {  /* not yet known to have arrived: keep it due */
+            c->fp_due[kept++] = c->fp_due[i];
+            continue;
+        }
+        for (int q = 0; q < c->n; q++)
+            if (q != c->me) {
+                /* q acked or posted a later step: the wait returns at once */
+                int rc = wait_post(c, q, c->fp_due[i].s0);
+                if (!rc)
+                    rc = fp_check_word(c, q, c->fp_due[i].k, c->fp_due[i].word);
+                if (rc)
+                    return rc;
+            }
+    }
+    c->n_due = kept;
+    return SHM_OK;
+}
+
+SHM_HIDDEN int fp_defer(shm_comm *c, uint32_t s0)
+{
+    if (c->n_due == 2) {  /* keep the run-ahead short: settle the oldest, waiting for it */
+        int rc = fp_settle(c, c->fp_due[0].s0);
+        if (rc)
+            return rc;
+    }
+    c->fp_due[c->n_due].k = c->coll;
+    c->fp_due[c->n_due].s0 = s0;
+    c->fp_due[c->n_due].word = c->fp;
+    c->n_due++;
     return SHM_OK;
 }
 

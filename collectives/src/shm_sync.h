@@ -1,11 +1,21 @@
-/* The shared-memory engine's private header: the segment's layout, a rank's view of it
- * (struct shm_comm), and what the engine's parts share. shm_segment.c maps the segment
- * and holds the waits (spin, yield, futex, dead-peer checks), the steps' counters and the
- * group's failure record and fingerprint checks; shm_copy.c the copy policy (streaming
- * stores, the near/far latency probes, huge pages and CMA); shm_coll.c the collectives;
- * shm_p2p.c the point-to-point rings. See shm_coll.h for the protocol. */
-#ifndef COLLECTIVES_SHM_INTERNAL_H
-#define COLLECTIVES_SHM_INTERNAL_H
+/* The shared-memory engine's bottom layer: the segment's layout, a rank's view of it
+ * (struct shm_comm), and the synchronisation everything else is built on (counters,
+ * waits: spin, yield, futex, dead-peer checks; the group's failure record; fingerprint
+ * checks), implemented in shm_segment.c. The layers above include this header and call
+ * down only:
+ *
+ *     shm_coll.c (collectives)         shm_p2p.c (point-to-point rings)
+ *        |            |                    |
+ *     shm_copy.h     shm_tune.h            |
+ *     (copy policy)  (measured choice)     |
+ *        |            |                    |
+ *     shm_sync.h / shm_segment.c (segment, counters, waits, failures, fingerprints)
+ *
+ * An abort that must wake a layer above (p2p's waiting threads) goes through the hook
+ * that layer registered (shm_comm.abort_hook), not a call upward. See shm_coll.h for the
+ * protocol. */
+#ifndef COLLECTIVES_SHM_SYNC_H
+#define COLLECTIVES_SHM_SYNC_H
 #define _GNU_SOURCE
 #include "shm_coll.h"
 #include "reduce_kernels_import.h"
@@ -35,7 +45,7 @@
 
 #define CL 64
 #define PAGE 4096
-#define SHM_MAGIC 0x636f6c6c73686d33ULL /* "collshm3": fingerprints */
+#define SHM_MAGIC 0x636f6c6c73686d35ULL /* "collshm5": four fingerprint slots */
 #define MAX_STACK_SRCS 64
 /* latency probes (see "near and far peers") */
 #define PROBE_EVERY 16
@@ -49,20 +59,22 @@
 #define PROBE_WAIT_NS 50000          /* give up on a partner that does not come */
 #define PEER_NEAR 1
 #define PEER_FAR 2
+/* the measured all_reduce choice (shm_tune.c) */
+#define TUNE_BUCKETS 12       /* size classes: one per power of two from 64 KiB, the last open */
+#define TUNE_BUCKET_MIN 16    /* log2 of the smallest class's lower bound (64 KiB) */
+#define TUNE_ARMS 3           /* two-shot plain, two-shot streaming, single copy */
 
 /* A call's fingerprint (collectives/fingerprint.py's pack word) for collective number k:
- * each rank's post counter carries two, indexed by k & 1, in its own cache line, so a
- * peer that sees the post sees the fingerprint without another line's transfer. */
-typedef struct {
-    _Atomic uint64_t k;
-    _Atomic uint64_t word;
-} fp_slot_t;
-
+ * each rank's post counter carries FP_SLOTS of them, slot k % FP_SLOTS, in its own cache
+ * line, so a peer that sees the post sees the fingerprint without another line's
+ * transfer (see "fingerprints" below for why four). */
+#define FP_SLOTS 4
 typedef struct {
     _Atomic uint32_t v;
     _Atomic uint32_t waiters;
-    fp_slot_t fp[2];  /* used in post only */
-    char pad[CL - 8 - 2 * sizeof(fp_slot_t)];
+    _Atomic uint32_t fp_k[FP_SLOTS];     /* used in post only */
+    _Atomic uint64_t fp_word[FP_SLOTS];
+    char pad[CL - 8 - FP_SLOTS * 12];
 } ctr_t;
 _Static_assert(sizeof(ctr_t) == CL, "a counter and its fingerprint slots fill one cache line");
 
@@ -84,7 +96,13 @@ typedef struct {
         _Atomic int32_t ok;     /* the CMA probe's verdict from this rank */
         char pad[CL - 20];
     } xfer;
+    /* this rank's fastest time (ns) of each all_reduce algorithm in its last round of
+     * trials, per size class; written before the post of the call that ends a round,
+     * read by every rank at its next call of that class (see shm_tune.c) */
+    _Atomic int64_t tune[TUNE_BUCKETS][TUNE_ARMS];
+    char tune_pad[(CL - (TUNE_BUCKETS * TUNE_ARMS * 8) % CL) % CL];
 } rank_ctl_t;
+_Static_assert(sizeof(rank_ctl_t) % CL == 0, "a rank's control block fills whole cache lines");
 
 typedef struct {
     _Atomic uint64_t head; /* bytes written by the sender */
@@ -122,6 +140,17 @@ typedef struct {
 #define MADV_COLLAPSE 25
 #endif
 
+/* A size class's state of the measured all_reduce choice; every field but best[] is the
+ * same on every rank (it follows the class's call count and the published times). */
+typedef struct {
+    uint32_t calls;               /* all_reduces of this class so far */
+    uint32_t trial_at;            /* the call that starts the next round of trials */
+    uint32_t decide_at;           /* the call at whose start the round's times are read */
+    uint32_t gap;                 /* calls from a decision to the next round */
+    int arm;                      /* the agreed algorithm (TUNE_ARMS: none yet) */
+    int64_t best[TUNE_ARMS];      /* this rank's fastest trial of each arm this round */
+} tune_t;
+
 struct shm_comm {
     char *base;
     size_t total;
@@ -144,7 +173,9 @@ struct shm_comm {
     int cma;              /* every rank can read every other's memory (process_vm_readv) */
     size_t cma_min;       /* all_gather/gather blocks of at least this many bytes use it */
     size_t cma_bcast_min; /* broadcasts of at least this many bytes use it */
-    size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) use it */
+    size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) may use it */
+    int ar_algo;          /* SHM_AR_AUTO (measured), SHM_AR_TWO_SHOT or SHM_AR_SINGLE_COPY */
+    tune_t tune[TUNE_BUCKETS];
     size_t llc;           /* bytes of last-level cache */
     int lock_fd;          /* the creator's descriptor of the segment, locked (else -1) */
     char *cma_tmp;        /* (n - 1) * CMA_AR_CHUNK bytes for peers' chunks, made on first use */
@@ -163,6 +194,10 @@ struct shm_comm {
     struct { uintptr_t a, e; int done; } thp_seen[THP_SLOTS];
     uint32_t coll;        /* fingerprinted collectives started so far (their number k) */
     uint64_t fp;          /* this rank's fingerprint of collective coll */
+    /* broadcasts whose root returned without comparing the readers' fingerprints: compared
+     * at the root's next wait that finds them arrived (fp_settle) */
+    struct { uint32_t k, s0; uint64_t word; } fp_due[FP_SLOTS];
+    int n_due;
     _Atomic int broken;
     _Atomic int aborted;
     /* this process's receives waited on by their own thread (shm_p2p_direct): while there
@@ -171,6 +206,9 @@ struct shm_comm {
     _Atomic uint32_t direct_word;
     _Atomic int bg_sleeping;
     _Atomic uint32_t kicks;  /* shm_p2p_kick calls (a waiter's poll returns at one) */
+    void (*abort_hook)(shm_comm *c);  /* set by a layer above that an abort must wake */
+    char errbuf[SHM_ERR_TEXT];        /* shm_comm_error_text's last text */
+    int reported;                     /* this rank's error text gave the record already */
 };
 
 static inline seg_hdr_t *seg_hdr(const shm_comm *c) { return (seg_hdr_t *)c->base; }
@@ -267,14 +305,19 @@ static inline void ack(shm_comm *c, uint32_t s) { ctr_set(&c->ctl[c->me].ack, s)
 
 /* ---- fingerprints ------------------------------------------------------------------
  *
- * At entry to collective k a rank writes {k, word} into its post line's slot k & 1 and
+ * At entry to collective k a rank writes {k, word} into its post line's slot k % 4 and
  * then posts the collective's first step s; every rank posts that step (ranks that read
  * only, an arrival with no data) and, before it touches the user's buffer with a peer's
  * data, compares that peer's slot with its own; before it returns it has compared every
- * peer's. So no rank finishes collective k before every rank has arrived at k: no rank
- * is more than one collective ahead of another, and two slots suffice. A difference is
- * recorded in the segment header (first writer wins) and every rank's waits fail at
- * once; each raises the recorded description. */
+ * peer's. So no rank finishes collective k before every rank has arrived at k. One
+ * exception: the root of a broadcast of one block returns once its data is in the
+ * segment, without waiting for the readers (as MPI's roots do; the readers compare its
+ * slot before they copy, and the root learns of a mismatch at its next call). A root can
+ * only run ahead while its calls are such broadcasts, and it rewrites a half of its slot
+ * only once every rank has acked the broadcast that last used it, two calls before; so no
+ * rank publishes collective k + 4 while another may still read its slot for k, and four
+ * slots suffice. A difference is recorded in the segment header (first writer wins) and
+ * every rank's waits fail at once; each raises the recorded description. */
 
 SHM_HIDDEN int record_fail(shm_comm *c, uint32_t state, uint32_t k, int a, int b, uint64_t wa,
                            uint64_t wb, const char *text);
@@ -282,101 +325,35 @@ SHM_HIDDEN int record_fail(shm_comm *c, uint32_t state, uint32_t k, int a, int b
 static inline void fp_publish(shm_comm *c, uint64_t word)
 {
     uint32_t k = ++c->coll;
-    fp_slot_t *sl = &c->ctl[c->me].post.fp[k & 1];
-    atomic_store_explicit(&sl->k, k, memory_order_relaxed);
-    atomic_store_explicit(&sl->word, word, memory_order_relaxed);  /* the post releases both */
+    ctr_t *p = &c->ctl[c->me].post;
+    atomic_store_explicit(&p->fp_k[k % FP_SLOTS], k, memory_order_relaxed);
+    atomic_store_explicit(&p->fp_word[k % FP_SLOTS], word, memory_order_relaxed);  /* the post releases both */
     c->fp = word;
 }
 
 /* Compare peer q's fingerprint with mine, once q has posted this collective's first step
  * (the wait's acquire load made q's slot visible). */
-static inline int fp_check(shm_comm *c, int q)
+static inline int fp_check_word(shm_comm *c, int q, uint32_t coll, uint64_t word)
 {
-    fp_slot_t *sl = &c->ctl[q].post.fp[c->coll & 1];
-    uint64_t k = atomic_load_explicit(&sl->k, memory_order_relaxed);
-    uint64_t w = atomic_load_explicit(&sl->word, memory_order_relaxed);
-    if (k == c->coll && w == c->fp)
+    ctr_t *p = &c->ctl[q].post;
+    uint32_t k = atomic_load_explicit(&p->fp_k[coll % FP_SLOTS], memory_order_relaxed);
+    uint64_t w = atomic_load_explicit(&p->fp_word[coll % FP_SLOTS], memory_order_relaxed);
+    if (k == coll && w == word)
         return SHM_OK;
-    record_fail(c, SHM_FAIL_MISMATCH, c->coll, c->me, q, c->fp, w, NULL);
+    record_fail(c, SHM_FAIL_MISMATCH, coll, c->me, q, word, w, NULL);
     c->err_peer = q;
     return SHM_EFAILED;
 }
 
+static inline int fp_check(shm_comm *c, int q) { return fp_check_word(c, q, c->coll, c->fp); }
+
+/* Every peer's post of step s, each compared (and the deferred comparisons settled). */
 SHM_HIDDEN int fp_check_all(shm_comm *c, uint32_t s);
+/* The root of a one-block broadcast whose first step is s0 returns without comparing:
+ * the comparison waits for a later wait of the root's (at most two stay due at once). */
+SHM_HIDDEN int fp_defer(shm_comm *c, uint32_t s0);
+/* Compare the due broadcasts whose first step is s or earlier with every peer. */
+SHM_HIDDEN int fp_settle(shm_comm *c, uint32_t s);
 SHM_HIDDEN int fp_sync(shm_comm *c, uint64_t word);
-
-/* ---- copies (shm_copy.c) ------------------------------------------------------------ */
-
-static inline void copy(void *dst, const void *src, size_t n)
-{
-    if (dst != src && n)
-        memmove(dst, src, n);
-}
-
-SHM_HIDDEN void copy_stream(void *dst, const void *src, size_t n);
-
-/* Whether the outputs of all ranks, `total` bytes together, fill the last-level cache:
- * the all_gather copies into them then stream (measured with 2 cores sharing 32 MiB:
- * single copy, 2 ranks, streaming 305 -> 373 us at 4 MiB per rank, 1207 -> 1118 at 8 MiB,
- * 2298 -> 2082 at 16 MiB; two-copy, 4 ranks: 614 -> 739 us at 1 MiB, 3824 -> 3360 at
- * 4 MiB, 13654 -> 12915 at 16 MiB; a two-copy broadcast was slower streamed). Since
- * the single copy writes into the readers' outputs (2 ranks, samples alternating in one
- * run, streamed/plain): 8 MiB, whose outputs are exactly the cache's size, 0.92-0.99;
- * 16 MiB 0.78-0.82; 4 MiB 1.04-1.13; 2 MiB 1.33-1.5. 4 ranks at 2 MiB: unchanged.
- * Past it, the two-copy all_gather/gather streams its copy into the segment too, whatever
- * the probes say: the blocks would not stay in the cache for the readers anyway. 4 ranks
- * on 2 cores, streamed/plain copy-in (samples alternating in one run): 2 MiB 0.99x,
- * 4 MiB 0.99x, 16 MiB 0.99x while the cores are close; 0.48-0.56x while far, where the
- * probes of 4 ranks on 2 cores often get no verdict (a partner is descheduled) and a
- * 16 MiB all_gather took 22.4 ms plain against 10.8 ms streamed (MPICH: 13.6-22 ms
- * in this session's runs). */
-static inline int outputs_past_llc(const shm_comm *c, size_t total)
-{
-    return total >= c->llc;
-}
-
-static inline void copy_out(void *dst, const void *src, size_t n, int stream)
-{
-    if (dst == src)  /* an all_gather whose input is this rank's block of the output */
-        return;
-    if (stream)
-        copy_stream(dst, src, n);
-    else
-        copy(dst, src, n);
-}
-
-SHM_HIDDEN int mostly_far(const shm_comm *c);
-SHM_HIDDEN void probe_peer(shm_comm *c);
-
-/* A step of `nbytes` (the same on every rank): every PROBE_EVERY-th large one probes,
- * and small ones once they add up to PROBE_SMALL_EVERY bytes, so a program of small
- * collectives keeps its verdict too (64 KiB all_reduces: one probe per 64 calls). */
-static inline void tick(shm_comm *c, size_t nbytes)
-{
-    if (c->stream_mode != SHM_STREAM_AUTO)
-        return;
-    if (c->shared_verdict)  /* another pair's probe may have decided since */
-        c->far = mostly_far(c);
-    if (nbytes >= PROBE_MIN_BYTES) {
-        if (c->ticks++ % PROBE_EVERY == 0)
-            probe_peer(c);
-    } else if (nbytes >= PROBE_SMALL_MIN && (c->small_bytes += nbytes) >= PROBE_SMALL_EVERY) {
-        c->small_bytes = 0;
-        probe_peer(c);
-    }
-}
-
-/* Write n bytes into this rank's part of the segment, for other ranks to read. */
-static inline void seg_put(const shm_comm *c, void *dst, const void *src, size_t n)
-{
-    if (c->far)
-        copy_stream(dst, src, n);
-    else
-        memcpy(dst, src, n);
-}
-
-SHM_HIDDEN void thp_prepare(shm_comm *c, const void *p, size_t len);
-SHM_HIDDEN int cma_read(shm_comm *c, int q, void *dst, uint64_t remote, size_t nbytes);
-SHM_HIDDEN int cma_write(shm_comm *c, int q, uint64_t remote, const void *src, size_t nbytes);
 
 #endif

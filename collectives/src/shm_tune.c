@@ -1,0 +1,165 @@
+/* The measured all_reduce choice (see shm_sync.h).
+ *
+ * Which all_reduce is fastest above the one-shot size depends on the host and on where
+ * the ranks run, not on one latency figure: on this project's VM, two ranks while their
+ * vCPUs sit far apart took 2.4-2.9x MPICH's time at 1 MiB with two-shot (plain or
+ * streaming stores) and 0.71-0.81x with the single copy, while close two-shot took
+ * 0.65-0.8x the single copy's time; on a 16-core Intel host the probe called every pair
+ * far, yet streaming stores were 1.10-1.37x slower than plain ones there. So the ranks
+ * time the candidates on the calls they are making and keep the fastest:
+ *
+ * - Per size class (a power of two from 64 KiB), the k candidate algorithms (two-shot
+ *   with plain stores, two-shot with streaming stores, the single copy: those that the
+ *   settings and the host allow) are each run TUNE_TRIALS times in a row in a round of
+ *   trials (a call's time includes waiting for peers still busy with the call before,
+ *   so an arm's later trials follow the same arm); each rank keeps its fastest time of
+ *   each.
+ * - The call after the round publishes those times in the rank's control block (before
+ *   its first post), and at the class's next call every rank reads every rank's: it has
+ *   seen each peer's first post of the publishing call, so the times are visible, and no
+ *   peer publishes again before this rank has read them (no rank is more than one
+ *   collective ahead). Each arm counts as its slowest rank's time, and every rank takes
+ *   the fastest arm: the same data, the same choice, without a message.
+ * - The next round follows TUNE_MIN_GAP calls later, twice as many while the choice
+ *   holds (at most TUNE_MAX_GAP, and at most about TUNE_PERIOD_NS of the class's calls,
+ *   so that a host that moves the ranks apart is followed within about a second).
+ * The round's trials of slower arms are its cost: 3 arms, 3 trials, at most one round in
+ * TUNE_MIN_GAP + 9 calls, a few percent at first and less as the gap doubles. */
+#include "shm_tune.h"
+
+#define TUNE_TRIALS 3         /* back to back: the later ones run as that arm runs in a loop */
+#define TUNE_FIRST 2          /* the first calls pay for page faults: not timed */
+#define TUNE_MIN_GAP 16
+#define TUNE_MAX_GAP 4096
+#define TUNE_PERIOD_NS 1000000000LL
+#define TUNE_NONE INT64_MAX
+
+static int bucket_of(size_t nbytes)
+{
+    int b = 0;
+    while (b < TUNE_BUCKETS - 1 && (nbytes >> (TUNE_BUCKET_MIN + b + 1)))
+        b++;
+    return b;
+}
+
+/* The two-shot arm that the stream mode (and, in SHM_STREAM_AUTO, the probes) choose. */
+static int two_shot_arm(const shm_comm *c)
+{
+    return c->far ? ARM_TWO_STREAM : ARM_TWO_PLAIN;
+}
+
+static int single_copy_allowed(const shm_comm *c, size_t nbytes)
+{
+    return c->cma && c->cma_ar_min && nbytes >= c->cma_ar_min;
+}
+
+/* The arms an all_reduce of nbytes may take under the settings, in ARM_* order. */
+static int candidates(const shm_comm *c, size_t nbytes, int *arms)
+{
+    int k = 0;
+    if (c->stream_mode != SHM_STREAM_ON)
+        arms[k++] = ARM_TWO_PLAIN;
+    if (c->stream_mode != SHM_STREAM_OFF)
+        arms[k++] = ARM_TWO_STREAM;
+    if (single_copy_allowed(c, nbytes))
+        arms[k++] = ARM_SINGLE_COPY;
+    return k;
+}
+
+static void decide(shm_comm *c, int b, tune_t *t, uint32_t i)
+{
+    int64_t slowest[TUNE_ARMS];
+    int best = -1;
+    for (int a = 0; a < TUNE_ARMS; a++) {
+        int64_t worst = 0;
+        for (int r = 0; r < c->n; r++) {
+            int64_t v = atomic_load_explicit(&c->ctl[r].tune[b][a], memory_order_relaxed);
+            if (v <= 0 || v == TUNE_NONE) {  /* never published (0), or not timed */
+                worst = TUNE_NONE;
+                break;
+            }
+            if (v > worst)
+                worst = v;
+        }
+        slowest[a] = worst;
+        if (slowest[a] != TUNE_NONE && (best < 0 || slowest[a] < slowest[best]))
+            best = a;
+    }
+    t->decide_at = 0;
+    if (best < 0) {  /* nothing measured on some rank: try again later */
+        t->trial_at = i + TUNE_MIN_GAP;
+        return;
+    }
+    if (best == t->arm)
+        t->gap = t->gap * 2 < TUNE_MAX_GAP ? t->gap * 2 : TUNE_MAX_GAP;
+    else
+        t->gap = TUNE_MIN_GAP;
+    int64_t by_time = TUNE_PERIOD_NS / slowest[best];
+    if (by_time < TUNE_MIN_GAP)
+        by_time = TUNE_MIN_GAP;
+    if ((int64_t)t->gap > by_time)
+        t->gap = (uint32_t)by_time;
+    t->arm = best;
+    t->trial_at = i + t->gap;
+}
+
+SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0)
+{
+    *t0 = 0;
+    if (c->ar_algo == SHM_AR_SINGLE_COPY && single_copy_allowed(c, nbytes))
+        return ARM_SINGLE_COPY;
+    if (c->ar_algo != SHM_AR_AUTO)
+        return two_shot_arm(c);
+    int arms[TUNE_ARMS];
+    int k = candidates(c, nbytes, arms);
+    if (k < 2)
+        return two_shot_arm(c);
+    int b = bucket_of(nbytes);
+    tune_t *t = &c->tune[b];
+    if (!t->gap) {  /* the class's first call (the comm starts zeroed) */
+        t->trial_at = TUNE_FIRST;
+        t->gap = TUNE_MIN_GAP;
+        t->arm = TUNE_ARMS;
+    }
+    uint32_t i = t->calls++;
+    if (t->decide_at && i == t->decide_at)
+        decide(c, b, t, i);
+    uint32_t n_trials = (uint32_t)(TUNE_TRIALS * k);
+    if (i - t->trial_at < n_trials) {  /* a trial of this round */
+        if (i == t->trial_at)
+            for (int a = 0; a < TUNE_ARMS; a++)
+                t->best[a] = TUNE_NONE;
+        *t0 = now_ns();
+        return arms[(i - t->trial_at) / TUNE_TRIALS];
+    }
+    if (i - t->trial_at == n_trials) {  /* publish before this call's first post */
+        for (int a = 0; a < TUNE_ARMS; a++)
+            atomic_store_explicit(&c->ctl[c->me].tune[b][a], t->best[a], memory_order_relaxed);
+        t->decide_at = i + 1;
+        t->trial_at = i - n_trials - 1;  /* no trials until decide() sets the next round */
+    }
+    if (t->arm < TUNE_ARMS && (t->arm != ARM_SINGLE_COPY || single_copy_allowed(c, nbytes)))
+        return t->arm;
+    return two_shot_arm(c);
+}
+
+SHM_HIDDEN void tune_done(shm_comm *c, size_t nbytes, int arm, int64_t t0)
+{
+    if (!t0)
+        return;
+    int64_t dt = now_ns() - t0;
+    tune_t *t = &c->tune[bucket_of(nbytes)];
+    if (dt > 0 && dt < t->best[arm])
+        t->best[arm] = dt;
+}
+
+void shm_comm_set_ar_algo(shm_comm *c, int algo)
+{
+    c->ar_algo = algo == SHM_AR_TWO_SHOT || algo == SHM_AR_SINGLE_COPY ? algo : SHM_AR_AUTO;
+}
+
+int shm_comm_ar_choice(const shm_comm *c, size_t nbytes)
+{
+    const tune_t *t = &c->tune[bucket_of(nbytes)];
+    return t->gap && t->arm < TUNE_ARMS ? t->arm : -1;
+}
