@@ -37,7 +37,7 @@ cdef extern from "shm_coll.h" nogil:
     void shm_comm_set_stream(shm_comm *c, int mode)
     int SHM_AR_AUTO, SHM_AR_TWO_SHOT, SHM_AR_SINGLE_COPY
     void shm_comm_set_ar_algo(shm_comm *c, int algo)
-    int shm_comm_ar_choice(const shm_comm *c, size_t nbytes)
+    int shm_comm_tune_choice(const shm_comm *c, int kind, size_t nbytes)
     int shm_comm_far(const shm_comm *c)
     int shm_comm_peer_distance(const shm_comm *c, int q)
     int shm_comm_error_peer(const shm_comm *c)
@@ -284,8 +284,15 @@ cdef class ShmComm:
     def ar_choice(self, size_t nbytes):
         """What the measured choice last agreed on for all_reduces of ``nbytes``:
         "two_shot", "two_shot_stream", "single_copy", or None before its first decision."""
-        cdef int arm = shm_comm_ar_choice(self._live("ar_choice"), nbytes)
+        cdef int arm = shm_comm_tune_choice(self._live("ar_choice"), 0, nbytes)
         return (None, "two_shot", "two_shot_stream", "single_copy")[arm + 1]
+
+    def ag_choice(self, size_t nbytes):
+        """What the measured choice last agreed on for all_gathers of ``nbytes`` per rank
+        below the single copy's threshold: "plain" or "stream" (two copies through the
+        segment), "single_copy", or None before its first decision."""
+        cdef int arm = shm_comm_tune_choice(self._live("ag_choice"), 1, nbytes)
+        return (None, "plain", "stream", "single_copy")[arm + 1]
 
     def set_stream(self, int mode):
         """Segment writes for other ranks: 0 plain stores, 1 streaming stores, 2 streaming

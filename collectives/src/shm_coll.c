@@ -231,7 +231,7 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
     const int arm = root < 0 ? tune_pick(c, nbytes, &t0) : c->far ? ARM_TWO_STREAM : ARM_TWO_PLAIN;
     if (arm == ARM_SINGLE_COPY) {
         if (!(rc = all_reduce_cma(c, buf, count, dtype, op, isz, srcs, fp))) {
-            tune_done(c, nbytes, arm, t0);
+            tune_done(c, TUNE_ALL_REDUCE, nbytes, arm, t0);
             tick(c, nbytes);  /* the probes go on for the other collectives' stores */
         }
         goto out;
@@ -292,7 +292,7 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         ack(c, s2);
     }
     if (root < 0)  /* before a probe: the trial times the algorithm alone */
-        tune_done(c, nbytes, arm, t0);
+        tune_done(c, TUNE_ALL_REDUCE, nbytes, arm, t0);
     tick(c, nbytes);  /* here every rank has posted the last step: they arrive together */
 out:
     if (srcs != stack_srcs)
@@ -393,6 +393,15 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
         return fp_sync(c, fp);
     if (c->cma && c->cma_min && nbytes >= c->cma_min)
         return gather_cma(c, out, outs, in, nbytes, root, fp);
+    /* an all_gather's stores are timed (shm_tune.c); a gather's follow the probes */
+    int64_t t0 = 0;
+    const int arm = root < 0 ? tune_pick_gather(c, nbytes, &t0) : c->far ? ARM_TWO_STREAM : ARM_TWO_PLAIN;
+    if (arm == ARM_SINGLE_COPY) {
+        int rc = gather_cma(c, out, outs, in, nbytes, root, fp);
+        if (!rc)
+            tune_done(c, TUNE_ALL_GATHER, nbytes, arm, t0);
+        return rc;
+    }
     fp_publish(c, fp);
     const uint32_t s0 = c->seq + 1;
     int stream = outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
@@ -400,10 +409,7 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
         size_t len = nbytes - off < c->half ? nbytes - off : c->half;
         int h;
         TRY(c, half_acquire(c, &h));
-        if (stream)
-            copy_stream(HALF(c, me, h), (const char *)in + off, len);
-        else
-            seg_put(c, HALF(c, me, h), (const char *)in + off, len);
+        seg_write(HALF(c, me, h), (const char *)in + off, len, stream || arm == ARM_TWO_STREAM);
         uint32_t s = ++c->seq;
         post(c, s);
         c->free_after[h] = s;
@@ -418,6 +424,8 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
         ack(c, s);
         off += len;
     }
+    if (root < 0)
+        tune_done(c, TUNE_ALL_GATHER, nbytes, arm, t0);
     tick(c, nbytes);
     return SHM_OK;
 }

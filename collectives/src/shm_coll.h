@@ -112,9 +112,10 @@ void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size
 #define SHM_AR_TWO_SHOT 1
 #define SHM_AR_SINGLE_COPY 2
 void shm_comm_set_ar_algo(shm_comm *c, int algo);
-/* The algorithm (ARM_*: 0 two-shot plain, 1 two-shot streaming, 2 single copy) that the
- * size class of nbytes last agreed on, or -1 while it has not decided. */
-int shm_comm_ar_choice(const shm_comm *c, size_t nbytes);
+/* What the size class of nbytes last agreed on, or -1 while it has not decided: for kind
+ * 0 (all_reduce) 0 two-shot plain, 1 two-shot streaming, 2 single copy; for kind 1 (the
+ * two-copy all_gather's stores, timed likewise with SHM_STREAM_AUTO) 0 plain, 1 streaming. */
+int shm_comm_tune_choice(const shm_comm *c, int kind, size_t nbytes);
 
 int shm_barrier(shm_comm *c, uint64_t fp);
 int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp);

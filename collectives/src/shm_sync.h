@@ -45,7 +45,7 @@
 
 #define CL 64
 #define PAGE 4096
-#define SHM_MAGIC 0x636f6c6c73686d35ULL /* "collshm5": four fingerprint slots */
+#define SHM_MAGIC 0x636f6c6c73686d36ULL /* "collshm6": measured all_gather stores */
 #define MAX_STACK_SRCS 64
 /* latency probes (see "near and far peers") */
 #define PROBE_EVERY 16
@@ -59,10 +59,10 @@
 #define PROBE_WAIT_NS 50000          /* give up on a partner that does not come */
 #define PEER_NEAR 1
 #define PEER_FAR 2
-/* the measured all_reduce choice (shm_tune.c) */
-#define TUNE_BUCKETS 12       /* size classes: one per power of two from 64 KiB, the last open */
-#define TUNE_BUCKET_MIN 16    /* log2 of the smallest class's lower bound (64 KiB) */
-#define TUNE_ARMS 3           /* two-shot plain, two-shot streaming, single copy */
+/* the measured choices (shm_tune.c) */
+#define TUNE_KINDS 2          /* all_reduce (above one-shot), two-copy all_gather */
+#define TUNE_BUCKETS 12       /* size classes: one per power of two, the last open */
+#define TUNE_ARMS 3           /* plain stores, streaming stores, single copy */
 
 /* A call's fingerprint (collectives/fingerprint.py's pack word) for collective number k:
  * each rank's post counter carries FP_SLOTS of them, slot k % FP_SLOTS, in its own cache
@@ -99,8 +99,8 @@ typedef struct {
     /* this rank's fastest time (ns) of each all_reduce algorithm in its last round of
      * trials, per size class; written before the post of the call that ends a round,
      * read by every rank at its next call of that class (see shm_tune.c) */
-    _Atomic int64_t tune[TUNE_BUCKETS][TUNE_ARMS];
-    char tune_pad[(CL - (TUNE_BUCKETS * TUNE_ARMS * 8) % CL) % CL];
+    _Atomic int64_t tune[TUNE_KINDS][TUNE_BUCKETS][TUNE_ARMS];
+    char tune_pad[(CL - (TUNE_KINDS * TUNE_BUCKETS * TUNE_ARMS * 8) % CL) % CL];
 } rank_ctl_t;
 _Static_assert(sizeof(rank_ctl_t) % CL == 0, "a rank's control block fills whole cache lines");
 
@@ -175,7 +175,7 @@ struct shm_comm {
     size_t cma_bcast_min; /* broadcasts of at least this many bytes use it */
     size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) may use it */
     int ar_algo;          /* SHM_AR_AUTO (measured), SHM_AR_TWO_SHOT or SHM_AR_SINGLE_COPY */
-    tune_t tune[TUNE_BUCKETS];
+    tune_t tune[TUNE_KINDS][TUNE_BUCKETS];
     size_t llc;           /* bytes of last-level cache */
     int lock_fd;          /* the creator's descriptor of the segment, locked (else -1) */
     char *cma_tmp;        /* (n - 1) * CMA_AR_CHUNK bytes for peers' chunks, made on first use */

@@ -34,10 +34,14 @@
 #define TUNE_PERIOD_NS 1000000000LL
 #define TUNE_NONE INT64_MAX
 
-static int bucket_of(size_t nbytes)
+/* log2 of each kind's smallest class's upper bound: all_reduce from 64 KiB (its one-shot
+ * size), all_gather blocks from 4 KiB (below, streaming does not start) */
+static const int BUCKET_MIN[TUNE_KINDS] = {16, 12};
+
+static int bucket_of(int kind, size_t nbytes)
 {
     int b = 0;
-    while (b < TUNE_BUCKETS - 1 && (nbytes >> (TUNE_BUCKET_MIN + b + 1)))
+    while (b < TUNE_BUCKETS - 1 && (nbytes >> (BUCKET_MIN[kind] + b + 1)))
         b++;
     return b;
 }
@@ -53,27 +57,25 @@ static int single_copy_allowed(const shm_comm *c, size_t nbytes)
     return c->cma && c->cma_ar_min && nbytes >= c->cma_ar_min;
 }
 
-/* The arms an all_reduce of nbytes may take under the settings, in ARM_* order. */
-static int candidates(const shm_comm *c, size_t nbytes, int *arms)
+/* The stores the stream mode allows, in ARM_* order. */
+static int store_arms(const shm_comm *c, int *arms)
 {
     int k = 0;
     if (c->stream_mode != SHM_STREAM_ON)
         arms[k++] = ARM_TWO_PLAIN;
     if (c->stream_mode != SHM_STREAM_OFF)
         arms[k++] = ARM_TWO_STREAM;
-    if (single_copy_allowed(c, nbytes))
-        arms[k++] = ARM_SINGLE_COPY;
     return k;
 }
 
-static void decide(shm_comm *c, int b, tune_t *t, uint32_t i)
+static void decide(shm_comm *c, int kind, int b, tune_t *t, uint32_t i)
 {
     int64_t slowest[TUNE_ARMS];
     int best = -1;
     for (int a = 0; a < TUNE_ARMS; a++) {
         int64_t worst = 0;
         for (int r = 0; r < c->n; r++) {
-            int64_t v = atomic_load_explicit(&c->ctl[r].tune[b][a], memory_order_relaxed);
+            int64_t v = atomic_load_explicit(&c->ctl[r].tune[kind][b][a], memory_order_relaxed);
             if (v <= 0 || v == TUNE_NONE) {  /* never published (0), or not timed */
                 worst = TUNE_NONE;
                 break;
@@ -103,19 +105,13 @@ static void decide(shm_comm *c, int b, tune_t *t, uint32_t i)
     t->trial_at = i + t->gap;
 }
 
-SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0)
+/* The arm for this call of the class: a trial, the agreed choice, or `fallback` before
+ * the first decision (or where the agreed arm is not among `arms` for this size). */
+static int choose(shm_comm *c, int kind, size_t nbytes, const int *arms, int k, int fallback,
+                  int64_t *t0)
 {
-    *t0 = 0;
-    if (c->ar_algo == SHM_AR_SINGLE_COPY && single_copy_allowed(c, nbytes))
-        return ARM_SINGLE_COPY;
-    if (c->ar_algo != SHM_AR_AUTO)
-        return two_shot_arm(c);
-    int arms[TUNE_ARMS];
-    int k = candidates(c, nbytes, arms);
-    if (k < 2)
-        return two_shot_arm(c);
-    int b = bucket_of(nbytes);
-    tune_t *t = &c->tune[b];
+    int b = bucket_of(kind, nbytes);
+    tune_t *t = &c->tune[kind][b];
     if (!t->gap) {  /* the class's first call (the comm starts zeroed) */
         t->trial_at = TUNE_FIRST;
         t->gap = TUNE_MIN_GAP;
@@ -123,7 +119,7 @@ SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0)
     }
     uint32_t i = t->calls++;
     if (t->decide_at && i == t->decide_at)
-        decide(c, b, t, i);
+        decide(c, kind, b, t, i);
     uint32_t n_trials = (uint32_t)(TUNE_TRIALS * k);
     if (i - t->trial_at < n_trials) {  /* a trial of this round */
         if (i == t->trial_at)
@@ -134,21 +130,62 @@ SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0)
     }
     if (i - t->trial_at == n_trials) {  /* publish before this call's first post */
         for (int a = 0; a < TUNE_ARMS; a++)
-            atomic_store_explicit(&c->ctl[c->me].tune[b][a], t->best[a], memory_order_relaxed);
+            atomic_store_explicit(&c->ctl[c->me].tune[kind][b][a], t->best[a],
+                                  memory_order_relaxed);
         t->decide_at = i + 1;
         t->trial_at = i - n_trials - 1;  /* no trials until decide() sets the next round */
     }
-    if (t->arm < TUNE_ARMS && (t->arm != ARM_SINGLE_COPY || single_copy_allowed(c, nbytes)))
-        return t->arm;
-    return two_shot_arm(c);
+    for (int a = 0; a < k; a++)
+        if (arms[a] == t->arm)
+            return t->arm;
+    return fallback;
 }
 
-SHM_HIDDEN void tune_done(shm_comm *c, size_t nbytes, int arm, int64_t t0)
+SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0)
+{
+    *t0 = 0;
+    if (c->ar_algo == SHM_AR_SINGLE_COPY && single_copy_allowed(c, nbytes))
+        return ARM_SINGLE_COPY;
+    if (c->ar_algo != SHM_AR_AUTO)
+        return two_shot_arm(c);
+    int arms[TUNE_ARMS];
+    int k = store_arms(c, arms);
+    if (single_copy_allowed(c, nbytes))
+        arms[k++] = ARM_SINGLE_COPY;
+    if (k < 2)
+        return two_shot_arm(c);
+    return choose(c, TUNE_ALL_REDUCE, nbytes, arms, k, two_shot_arm(c), t0);
+}
+
+/* Below the single copy's own threshold (COLLECTIVES_SHM_CMA_MIN, from which it always
+ * runs), the all_gather is timed as the all_reduce is: the two-copy path with the stores
+ * the stream mode allows (both with SHM_STREAM_AUTO: the probes' verdict misleads on some
+ * hosts, every pair "far" and streaming slower) and, from GATHER_CMA_TRY bytes a block,
+ * the single copy (Open MPI reads 64 KiB blocks in one copy; this VM, 2 ranks: 6.5 us
+ * against our two copies' 13.4 us). */
+#define GATHER_CMA_TRY (16 * 1024)
+SHM_HIDDEN int tune_pick_gather(shm_comm *c, size_t nbytes, int64_t *t0)
+{
+    *t0 = 0;
+    if (nbytes < PROBE_SMALL_MIN)
+        return two_shot_arm(c);
+    int arms[TUNE_ARMS];
+    int k = store_arms(c, arms);
+    if (c->stream_mode != SHM_STREAM_AUTO)
+        k = 1, arms[0] = two_shot_arm(c);
+    if (c->cma && c->cma_min && nbytes >= GATHER_CMA_TRY)
+        arms[k++] = ARM_SINGLE_COPY;
+    if (k < 2)
+        return two_shot_arm(c);
+    return choose(c, TUNE_ALL_GATHER, nbytes, arms, k, two_shot_arm(c), t0);
+}
+
+SHM_HIDDEN void tune_done(shm_comm *c, int kind, size_t nbytes, int arm, int64_t t0)
 {
     if (!t0)
         return;
     int64_t dt = now_ns() - t0;
-    tune_t *t = &c->tune[bucket_of(nbytes)];
+    tune_t *t = &c->tune[kind][bucket_of(kind, nbytes)];
     if (dt > 0 && dt < t->best[arm])
         t->best[arm] = dt;
 }
@@ -158,8 +195,10 @@ void shm_comm_set_ar_algo(shm_comm *c, int algo)
     c->ar_algo = algo == SHM_AR_TWO_SHOT || algo == SHM_AR_SINGLE_COPY ? algo : SHM_AR_AUTO;
 }
 
-int shm_comm_ar_choice(const shm_comm *c, size_t nbytes)
+int shm_comm_tune_choice(const shm_comm *c, int kind, size_t nbytes)
 {
-    const tune_t *t = &c->tune[bucket_of(nbytes)];
+    if (kind < 0 || kind >= TUNE_KINDS)
+        return -1;
+    const tune_t *t = &c->tune[kind][bucket_of(kind, nbytes)];
     return t->gap && t->arm < TUNE_ARMS ? t->arm : -1;
 }
