@@ -1,4 +1,5 @@
-/* The measured all_reduce choice (see shm_sync.h).
+/* The measured choices (see shm_tune.h): the all_reduce above the one-shot size, and the
+ * all_gather below the single copy's threshold (the same scheme, a table of its own).
  *
  * Which all_reduce is fastest above the one-shot size depends on the host and on where
  * the ranks run, not on one latency figure: on this project's VM, two ranks while their
