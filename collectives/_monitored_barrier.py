@@ -7,6 +7,7 @@ import numpy as np
 from . import dtypes as D
 from ._world import current as _group
 from .errors import DistBackendError, DistError
+from .flight_recorder import Tracked
 from .tensors import Buffer
 from .work import timeout_seconds
 
@@ -28,14 +29,8 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     tmo = pg.timeout if tmo is None else tmo
     if pg._size == 1:
         return None
-    fr = pg.fr
-    s = fr.started = fr.issue("monitored_barrier")
-    try:
-        _monitored_barrier(pg, tmo, wait_all_ranks)
-    except DistError as e:
-        fr.fail(s, e)
-        raise
-    fr.done = s
+    # point to point in this thread, recorded as one collective (not queued, no span)
+    Tracked(pg.fr, pg.fr.issue("monitored_barrier"), _monitored_barrier)(pg, tmo, wait_all_ranks)
     return None
 
 

@@ -20,9 +20,13 @@ cdef class CallRing:
     ``(seq, kind, count, dtype, root, op, time_ns[, stack])``.
 
     ``stack``: None, or a function whose result (the caller's stack) each entry keeps.
+    ``started`` and ``done`` are the last collectives started and completed (set by the
+    group's Dispatcher, in C on its cheap path).
     """
 
     cdef readonly long long seq
+    cdef public long long started
+    cdef public long long done
     cdef readonly Py_ssize_t size
     cdef long long *_seq
     cdef long long *_count

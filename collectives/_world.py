@@ -9,7 +9,6 @@ destruction of a group from its own ``shutdown()``, goes through :func:`destroy`
 collectives.group installs.
 """
 from . import profiling as _profiling
-from .backends import Backend as _Backend
 
 NOT_INITIALIZED = ("Default process group has not been initialized, "
                    "please make sure to call init_process_group.")
@@ -34,13 +33,9 @@ class GroupBase:
         self.timeout = timeout
         self.store = store
         self.group_of_global = {g: i for i, g in enumerate(self.ranks)}
-        # bound once: the blocking path calls these directly
+        # bound once: the general path calls these directly
         self.run = backend.run
         self.submit = backend.submit
-        # the backend runs a blocking call with base Backend.run: straight in the caller's
-        # thread while nothing is queued. The hot front-end calls then test ``_busy``
-        # themselves and skip the run() frame (~0.2 us of a ~1 us small-message call).
-        self.inline = getattr(type(backend), "run", None) is _Backend.run
         self.destroyed = False
         _profiling.refresh()  # torch may have been imported since the last group was made
 

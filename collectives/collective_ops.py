@@ -1,9 +1,12 @@
 """Collectives: broadcast, all_reduce, reduce, all_gather, gather, scatter, reduce_scatter,
 all_to_all, barrier (torch.distributed signatures).
 
-Each function has the same five steps: resolve the group (return None if this rank
-is not a member), check and convert the tensors, plan the op, call the backend
-(``run`` blocking, ``submit`` for ``async_op``), and return a Work when async.
+Each function has the same steps: resolve the group (return None if this rank is not a
+member), check and convert the tensors, plan the op (the backend method and the steps
+around it), and hand it to the group's dispatcher (``pg.dispatch.call``: see
+:mod:`collectives.dispatch`), which records it, runs it blocking or queues it, and returns
+a Work when async. The common call of each (one op and one step) goes to the dispatcher
+as it is; a call of several steps through :func:`_launch`.
 Lists of tensors reach the backend as one Buffer (a staging buffer, or the tensors'
 own memory when they already lie back to back).
 """
@@ -12,71 +15,33 @@ import numpy as np
 
 from . import _frontend as _fe
 from . import dtypes as D
-from . import flight_recorder as _flight
-from . import profiling as _profiling
 from ._frontend import (Steps, buffer, buffers, check_devices, check_like, contiguous_span, copy_into,
                         copy_of, disjoint_gather, needs_own_copy, overlaps, reduce_plan, scale,
                         separate_blocks, settle, stage, unstage)
-from .errors import DistError
-from ._world import NOT_INITIALIZED, resolve, world
-from ._world import current as _group
+from ._world import NOT_INITIALIZED, current, world
 from .reduce_op import ReduceOp
 from .tensors import Buffer
-from .work import Work, call_timeout, timed as _timed, timeout_seconds
+from .work import timeout_seconds
 from ._monitored_barrier import monitored_barrier  # point to point, not a collective call
-
-_prof = _profiling.tap  # torch's profiler module once torch is imported (profiling.bind)
-_profiling.bind(globals())
 
 _SUM = ReduceOp.SUM
 
 
-class _WithTimeout:
-    """``fn(*args)`` with the backend's timeout set to ``secs`` while it runs (and back after):
-    a call's own timeout, as torch's ``barrier(timeout=...)`` and options' ``timeout``. It
-    runs in issue order with the group's other calls, so none of them sees ``secs``;
-    point-to-point waits that begin meanwhile do."""
-
-    __slots__ = ("be", "secs", "fn", "__name__")
-
-    def __init__(self, be, secs, fn):
-        self.be, self.secs, self.fn = be, secs, fn
-        self.__name__ = getattr(fn, "__name__", "operation")
-
-    def __call__(self, *args):
-        be = self.be
-        old = be.timeout
-        be.set_timeout(self.secs)
-        try:
-            return self.fn(*args)
-        finally:
-            try:
-                be.set_timeout(old)
-            except DistError:  # shut down meanwhile: no later call to bound
-                pass
+def _absent(group):
+    """What a call returns on a rank outside ``group`` (None); ValueError before init."""
+    if group is None:
+        raise ValueError(NOT_INITIALIZED)
+    return None
 
 
-def _launch(pg, async_op, outputs, name, steps, call=(), timeout=None):
-    """Run ``steps`` as collective ``name``; ``call`` is (count, dtype, root, op) for the
-    flight recorder."""
+def _launch(pg, async_op, outputs, name, steps, buf, root=-1, op=-1, timeout=None):
+    """Run ``steps`` as collective ``name``, recorded with ``buf``'s count and dtype, ``root``
+    and ``op`` (a ReduceOp or code; -1: none)."""
     if _fe.cuda_seen:  # a CUDA tensor must not reach a host backend, nor host memory nccl
         for _, args in steps:
             check_devices(pg, [a for a in args if isinstance(a, Buffer)], name)
-    fn = Steps(name, steps) if len(steps) > 1 else steps[0][0]
-    args = () if len(steps) > 1 else steps[0][1]
-    if timeout is None and _timed.n:  # some thread issues calls with their own timeout
-        timeout = call_timeout()
-    if timeout is not None:
-        fn = _WithTimeout(pg.backend, timeout, fn)
-    s = pg.fr.issue(name, *call)
-    if _prof._is_profiler_enabled:
-        if not async_op:
-            return _profiling.run(pg, name, _flight.Tracked(pg.fr, s, fn), args)
-        fn, args = _profiling.Recorded(pg, name, fn, args), ()
-    if async_op:
-        return Work(_flight.submit(pg, s, fn, *args), outputs, pg)
-    _flight.run(pg, s, fn, *args)
-    return None
+    fn, args = (Steps(name, steps), ()) if len(steps) > 1 else steps[0]
+    return pg.dispatch.call(name, buf, root, int(op), fn, args, async_op, outputs, timeout)
 
 
 # ---- all_reduce / reduce / broadcast ------------------------------------------------------
@@ -93,39 +58,23 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
     Example:
         >>> t = torch.ones(2); dist.all_reduce(t)   # t == world_size
     """
-    pg = world.default if group is None else resolve(group)
+    pg = world.default if group is None else current(group)
     if pg is None:
-        if group is None:
-            raise ValueError(NOT_INITIALIZED)
-        return None
+        return _absent(group)
     buf = buffer(tensor)
     be = pg.backend
     if buf.device != -1:
         check_devices(pg, (buf,), "tensor")
-    if op is _SUM and not _prof._is_profiler_enabled and not _timed.n:
-        fr = pg.fr  # the flight recorder, inline (see flight_recorder.Recorder)
-        if async_op:
-            s = fr.issue_buffer("all_reduce", buf, -1, D.SUM)
-            return Work(_flight.submit(pg, s, be.all_reduce, buf, D.SUM), [tensor], pg)
-        if pg.inline and not be._busy:
-            s = fr.started = fr.issue_buffer("all_reduce", buf, -1, D.SUM)
-            try:
-                be.all_reduce(buf, D.SUM)
-            except DistError as e:
-                fr.fail(s, e)
-                raise
-            fr.done = s
-        else:
-            _flight.run(pg, fr.issue_buffer("all_reduce", buf, -1, D.SUM), be.all_reduce, buf,
-                        D.SUM)
-        return None
+    if op is _SUM:
+        return pg.dispatch.call("all_reduce", buf, -1, D.SUM, be.all_reduce, (buf, D.SUM),
+                                async_op, (tensor,))
     code, pre, avg = reduce_plan(op, buf.dtype)
     steps = [(be.all_reduce, (buf, code))]
     if pre is not None:
         steps.insert(0, (scale, (buf, pre)))
     elif avg:
         steps.append((scale, (buf, 1.0 / pg._size)))
-    return _launch(pg, async_op, [tensor], "all_reduce", steps, (buf.count, buf.dtype, -1, op))
+    return _launch(pg, async_op, [tensor], "all_reduce", steps, buf, -1, op)
 
 
 def _some_buffers(tensors, name):
@@ -148,9 +97,9 @@ def _flat_input(pg, bufs):
 
 def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
     """all_reduce of several tensors of one dtype in one backend call."""
-    pg = _group(group)
+    pg = world.default if group is None else current(group)
     if pg is None:
-        return None
+        return _absent(group)
     bufs = _some_buffers(tensors, "tensors")
     code, pre, avg = reduce_plan(op, bufs[0].dtype)
     flat = _flat_input(pg, bufs)
@@ -163,20 +112,25 @@ def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
     if flat.obj is not bufs:
         steps.append((unstage, (flat, bufs)))
     return _launch(pg, async_op, list(tensors), "all_reduce_coalesced", steps,
-                   (flat.count, flat.dtype, -1, op))
+                   flat, -1, op)
 
 
 def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None):
     """Reduce ``tensor`` across the group into ``dst``'s tensor; the others keep theirs."""
-    pg = world.default if group is None else resolve(group)  # _group(group), inlined
+    pg = world.default if group is None else current(group)
     if pg is None:
-        if group is None:
-            raise ValueError(NOT_INITIALIZED)
-        return None
-    root = pg.peer(dst, group_dst, "dst", default=0)
+        return _absent(group)
+    root = pg.group_of_global.get(dst) if type(dst) is int and group_dst is None else None
+    if root is None:  # (a plain global rank: one dict lookup)
+        root = pg.peer(dst, group_dst, "dst", default=0)
     buf = buffer(tensor)
-    code, pre, avg = reduce_plan(op, buf.dtype)
     be = pg.backend
+    if op is _SUM:
+        if buf.device != -1:
+            check_devices(pg, (buf,), "tensor")
+        return pg.dispatch.call("reduce", buf, root, D.SUM, be.reduce, (buf, D.SUM, root),
+                                async_op, (tensor,))
+    code, pre, avg = reduce_plan(op, buf.dtype)
     if pre is not None:  # scale a copy: non-root inputs must not change
         settle(pg)
         tmp = copy_of(buf)
@@ -187,41 +141,22 @@ def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None
         steps = [(be.reduce, (buf, code, root))]
         if avg and pg._rank == root:
             steps.append((scale, (buf, 1.0 / pg._size)))
-    return _launch(pg, async_op, [tensor], "reduce", steps, (buf.count, buf.dtype, root, op))
+    return _launch(pg, async_op, [tensor], "reduce", steps, buf, root, op)
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     """Copy ``src``'s tensor into every rank's ``tensor``."""
-    pg = world.default if group is None else resolve(group)  # _group(group), inlined
+    pg = world.default if group is None else current(group)
     if pg is None:
-        if group is None:
-            raise ValueError(NOT_INITIALIZED)
-        return None
-    if type(src) is int and group_src is None and not async_op and not _prof._is_profiler_enabled \
-            and not _timed.n:
-        # the common blocking call: a plain global rank, resolved by one dict lookup
-        root = pg.group_of_global.get(src)
-        if root is not None:
-            be = pg.backend
-            buf = buffer(tensor)
-            if buf.device != -1:
-                check_devices(pg, (buf,), "tensor")
-            fr = pg.fr
-            if pg.inline and not be._busy:
-                s = fr.started = fr.issue_buffer("broadcast", buf, root)
-                try:
-                    be.broadcast(buf, root)
-                except DistError as e:
-                    fr.fail(s, e)
-                    raise
-                fr.done = s
-            else:
-                _flight.run(pg, fr.issue_buffer("broadcast", buf, root), be.broadcast, buf, root)
-            return None
-    root = pg.peer(src, group_src, "src", default=0)
-    buf = buffer(tensor)
-    return _launch(pg, async_op, [tensor], "broadcast", [(pg.backend.broadcast, (buf, root))],
-                   (buf.count, buf.dtype, root))
+        return _absent(group)
+    buf = buffer(tensor)  # (the tensor first, as torch checks it)
+    root = pg.group_of_global.get(src) if type(src) is int and group_src is None else None
+    if root is None:  # (a plain global rank: one dict lookup)
+        root = pg.peer(src, group_src, "src", default=0)
+    if buf.device != -1:
+        check_devices(pg, (buf,), "tensor")
+    return pg.dispatch.call("broadcast", buf, root, -1, pg.backend.broadcast, (buf, root),
+                            async_op, (tensor,))
 
 
 # ---- gathers ----------------------------------------------------------------------------
@@ -236,55 +171,40 @@ def _output_span(bufs, dtype, inp):
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     """Gather every rank's ``tensor`` into ``tensor_list`` (one tensor per rank) on every rank."""
-    pg = _group(group)
+    pg = world.default if group is None else current(group)
     if pg is None:
-        return None
+        return _absent(group)
     inp = buffer(tensor)
     outs = buffers(tensor_list, "tensor_list", inp.dtype, inp.count, pg._size)
     if pg.backend.gathers_into_list and separate_blocks(outs, inp, pg._rank):
         # separate tensors, as torch programs allocate them: the backend fills each one
         return _launch(pg, async_op, list(tensor_list), "all_gather",
-                       [(pg.backend.all_gather_list, (outs, inp))], (inp.count, inp.dtype))
+                       [(pg.backend.all_gather_list, (outs, inp))], inp)
     out, copy_out = _output_span(outs, inp.dtype, inp)
     steps = [(pg.backend.all_gather, (out, inp))]
     if copy_out:
         steps.append((unstage, (out, outs)))
-    return _launch(pg, async_op, list(tensor_list), "all_gather", steps, (inp.count, inp.dtype))
+    return _launch(pg, async_op, list(tensor_list), "all_gather", steps, inp)
 
 
 def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
     """Gather every rank's ``input_tensor`` into ``output_tensor`` (size * numel elements)."""
-    pg = world.default if group is None else resolve(group)  # _group(group), inlined
+    pg = world.default if group is None else current(group)
     if pg is None:
-        if group is None:
-            raise ValueError(NOT_INITIALIZED)
-        return None
+        return _absent(group)
     inp = buffer(input_tensor, "input_tensor")
     out = buffer(output_tensor, "output_tensor")
-    if not async_op and disjoint_gather(out, inp, pg._size) and not _prof._is_profiler_enabled \
-            and not _timed.n:
-        # the common blocking call
-        be = pg.backend
+    if disjoint_gather(out, inp, pg._size):  # the common call: checked, as the backend takes it
         if inp.device != -1 or out.device != -1:
             check_devices(pg, (out, inp), "output_tensor and input_tensor")
-        fr = pg.fr
-        if pg.inline and not be._busy:
-            s = fr.started = fr.issue_buffer("all_gather", inp)
-            try:
-                be.all_gather(out, inp)
-            except DistError as e:
-                fr.fail(s, e)
-                raise
-            fr.done = s
-        else:
-            _flight.run(pg, fr.issue_buffer("all_gather", inp), be.all_gather, out, inp)
-        return None
+        return pg.dispatch.call("all_gather", inp, -1, -1, pg.backend.all_gather, (out, inp),
+                                async_op, (output_tensor,))
     check_like(out, inp, "output_tensor", "input_tensor", inp.count * pg._size)
     if needs_own_copy(pg, out, inp):
         settle(pg)
         inp = copy_of(inp)
     return _launch(pg, async_op, [output_tensor], "all_gather",
-                   [(pg.backend.all_gather, (out, inp))], (inp.count, inp.dtype))
+                   [(pg.backend.all_gather, (out, inp))], inp)
 
 
 all_gather_into_tensor = all_gather_single
@@ -295,9 +215,9 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
     """Gather every rank's ``input_tensor_list`` in one backend call (torch's deprecated
     coalesced form): ``output_tensor_lists[r][i]`` receives rank r's ``input_tensor_list[i]``.
     The tensors share one dtype, as torch's gloo requires; their shapes may differ."""
-    pg = _group(group)
+    pg = world.default if group is None else current(group)
     if pg is None:
-        return None
+        return _absent(group)
     ins = _some_buffers(input_tensor_list, "input_tensor_list")
     if not isinstance(output_tensor_lists, (list, tuple)):
         raise TypeError(f"output_tensor_lists must be a list of lists of tensors (one list per "
@@ -318,54 +238,55 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
     if copy_out:
         steps.append((unstage, (out, outs)))
     return _launch(pg, async_op, [t for tensors in output_tensor_lists for t in tensors],
-                   "all_gather_coalesced", steps, (inp.count, dtype))
+                   "all_gather_coalesced", steps, inp)
+
+
+def _rooted(group, rank, group_rank, name, tensor, tensors, list_name, where):
+    """gather's and scatter's checks: (the group, the root, ``tensor``'s Buffer, the Buffers
+    of ``tensors``, one per rank, on the root and None elsewhere, where ``tensors`` must be
+    empty), or None on a rank outside the group."""
+    pg = world.default if group is None else current(group)
+    if pg is None:
+        return _absent(group)
+    root = pg.peer(rank, group_rank, name, default=0)
+    buf = buffer(tensor)
+    if pg._rank != root:
+        if tensors:
+            raise ValueError(f"Argument ``{list_name}`` must NOT be specified on non-{where} ranks.")
+        return pg, root, buf, None
+    if tensors is None:
+        raise ValueError(f"{list_name} must be given on the {where} rank")
+    return pg, root, buf, buffers(tensors, list_name, buf.dtype, buf.count, pg._size)
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
     """Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (None elsewhere)."""
-    pg = _group(group)
-    if pg is None:
+    got = _rooted(group, dst, group_dst, "dst", tensor, gather_list, "gather_list", "destination")
+    if got is None:
         return None
-    root = pg.peer(dst, group_dst, "dst", default=0)
-    inp = buffer(tensor)
-    if pg._rank == root:
-        if gather_list is None:
-            raise ValueError("gather_list must be given on the destination rank")
-        outs = buffers(gather_list, "gather_list", inp.dtype, inp.count, pg._size)
-        out, copy_out = _output_span(outs, inp.dtype, inp)
-        steps = [(pg.backend.gather, (out, inp, root))]
-        if copy_out:
-            steps.append((unstage, (out, outs)))
-        outputs = list(gather_list)
-    else:
-        if gather_list:
-            raise ValueError("Argument ``gather_list`` must NOT be specified on non-destination ranks.")
-        steps = [(pg.backend.gather, (None, inp, root))]
-        outputs = []
-    return _launch(pg, async_op, outputs, "gather", steps, (inp.count, inp.dtype, root))
+    pg, root, inp, outs = got
+    if outs is None:
+        return _launch(pg, async_op, [], "gather", [(pg.backend.gather, (None, inp, root))], inp,
+                       root)
+    out, copy_out = _output_span(outs, inp.dtype, inp)
+    steps = [(pg.backend.gather, (out, inp, root))]
+    if copy_out:
+        steps.append((unstage, (out, outs)))
+    return _launch(pg, async_op, list(gather_list), "gather", steps, inp, root)
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
     """Rank r receives ``scatter_list[r]`` of ``src`` into ``tensor``."""
-    pg = _group(group)
-    if pg is None:
+    got = _rooted(group, src, group_src, "src", tensor, scatter_list, "scatter_list", "source")
+    if got is None:
         return None
-    root = pg.peer(src, group_src, "src", default=0)
-    out = buffer(tensor)
-    if pg._rank == root:
-        if scatter_list is None:
-            raise ValueError("scatter_list must be given on the source rank")
-        ins = buffers(scatter_list, "scatter_list", out.dtype, out.count, pg._size)
-        inp = contiguous_span(ins)
-        if inp is None or overlaps(inp, out):
-            settle(pg)
-            inp = stage(ins, out.dtype, copy_in=True)
-    else:
-        if scatter_list:
-            raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
-        inp = None
+    pg, root, out, ins = got
+    inp = None if ins is None else contiguous_span(ins)
+    if ins is not None and (inp is None or overlaps(inp, out)):
+        settle(pg)
+        inp = stage(ins, out.dtype, copy_in=True)
     return _launch(pg, async_op, [tensor], "scatter", [(pg.backend.scatter, (out, inp, root))],
-                   (out.count, out.dtype, root))
+                   out, root)
 
 
 # ---- reduce_scatter ------------------------------------------------------------------------
@@ -381,14 +302,14 @@ def _reduce_scatter(pg, out, inp, op, async_op, outputs, staged_from=None):
     steps.append((pg.backend.reduce_scatter, (out, inp, code)))
     if avg:
         steps.append((scale, (out, 1.0 / pg._size)))
-    return _launch(pg, async_op, outputs, "reduce_scatter", steps, (out.count, out.dtype, -1, op))
+    return _launch(pg, async_op, outputs, "reduce_scatter", steps, out, -1, op)
 
 
 def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
     """Rank r's ``output`` gets the reduction over ranks of their ``input_list[r]``."""
-    pg = _group(group)
+    pg = world.default if group is None else current(group)
     if pg is None:
-        return None
+        return _absent(group)
     out = buffer(output, "output")
     ins = buffers(input_list, "input_list", out.dtype, out.count, pg._size)
     inp = contiguous_span(ins)
@@ -401,32 +322,16 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
 
 def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):  # noqa: A002
     """Rank r's ``output`` gets the reduction of slice r of every rank's ``input``."""
-    pg = world.default if group is None else resolve(group)  # _group(group), inlined
+    pg = world.default if group is None else current(group)
     if pg is None:
-        if group is None:
-            raise ValueError(NOT_INITIALIZED)
-        return None
+        return _absent(group)
     out = buffer(output, "output")
     inp = buffer(input, "input")
-    if op is _SUM and not async_op and disjoint_gather(inp, out, pg._size) \
-            and not _prof._is_profiler_enabled and not _timed.n:
-        # the common blocking call (FSDP's gradients): as all_gather_single's
-        be = pg.backend
+    if op is _SUM and disjoint_gather(inp, out, pg._size):  # (FSDP's gradients): as all_gather's
         if inp.device != -1 or out.device != -1:
             check_devices(pg, (out, inp), "output and input")
-        fr = pg.fr
-        if pg.inline and not be._busy:
-            s = fr.started = fr.issue_buffer("reduce_scatter", out, -1, D.SUM)
-            try:
-                be.reduce_scatter(out, inp, D.SUM)
-            except DistError as e:
-                fr.fail(s, e)
-                raise
-            fr.done = s
-        else:
-            _flight.run(pg, fr.issue_buffer("reduce_scatter", out, -1, D.SUM), be.reduce_scatter,
-                        out, inp, D.SUM)
-        return None
+        return pg.dispatch.call("reduce_scatter", out, -1, D.SUM, pg.backend.reduce_scatter,
+                                (out, inp, D.SUM), async_op, (output,))
     check_like(inp, out, "input", "output", out.count * pg._size)
     staged = None
     if needs_own_copy(pg, inp, out):
@@ -443,9 +348,9 @@ _reduce_scatter_base = reduce_scatter_single
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     """Rank r sends ``input_tensor_list[q]`` to rank q, which receives it in ``output_tensor_list[r]``."""
-    pg = _group(group)
+    pg = world.default if group is None else current(group)
     if pg is None:
-        return None
+        return _absent(group)
     n = pg._size
     ins = buffers(input_tensor_list, "input_tensor_list", length=n)
     outs = buffers(output_tensor_list, "output_tensor_list", ins[0].dtype if ins else None, length=n)
@@ -462,8 +367,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     steps = [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))]
     if copy_out:
         steps.append((unstage, (out, outs)))
-    return _launch(pg, async_op, list(output_tensor_list), "all_to_all", steps,
-                   (sum(in_counts), ins[0].dtype))
+    return _launch(pg, async_op, list(output_tensor_list), "all_to_all", steps, inp)
 
 
 def _rows(t):
@@ -488,9 +392,9 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                       group=None, async_op=False):
     """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``), send part q to rank q;
     receive rank r's part into ``output``'s r-th slice (``output_split_sizes``)."""
-    pg = _group(group)
+    pg = world.default if group is None else current(group)
     if pg is None:
-        return None
+        return _absent(group)
     n = pg._size
     inp = buffer(input, "input")
     out = buffer(output, "output")
@@ -505,7 +409,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         settle(pg)
         inp = copy_of(inp)
     return _launch(pg, async_op, [output], "all_to_all",
-                   [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))], (inp.count, inp.dtype))
+                   [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))], inp)
 
 
 # ---- barriers ------------------------------------------------------------------------------
@@ -516,30 +420,12 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     ``timeout`` (a timedelta or seconds, > 0) bounds this barrier instead of the group's
     timeout; past it, DistBackendError ("Timed out waiting <n>ms ..."), as torch's gloo.
     """
-    pg = world.default if group is None else resolve(group)  # _group(group), inlined
+    pg = world.default if group is None else current(group)
     if timeout is not None:
         timeout = timeout_seconds(timeout, "timeout", positive=True)
     if pg is None:
-        if group is None:
-            raise ValueError(NOT_INITIALIZED)
-        return None
-    if timeout is not None:
-        return _launch(pg, async_op, [], "barrier", [(pg.backend.barrier, ())], timeout=timeout)
-    if not async_op and not _prof._is_profiler_enabled and not _timed.n:
-        be = pg.backend
-        fr = pg.fr
-        if pg.inline and not be._busy:
-            s = fr.started = fr.issue("barrier")
-            try:
-                be.barrier()
-            except DistError as e:
-                fr.fail(s, e)
-                raise
-            fr.done = s
-        else:
-            _flight.run(pg, fr.issue("barrier"), be.barrier)
-        return None
-    return _launch(pg, async_op, [], "barrier", [(pg.backend.barrier, ())])
+        return _absent(group)
+    return pg.dispatch.call("barrier", None, -1, -1, pg.backend.barrier, (), async_op, (), timeout)
 
 
 __all__ = ["all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",

@@ -26,7 +26,7 @@ its dumps and the progress posts off), ``TORCH_FR_DUMP_TEMP_FILE`` else
 ``COLLECTIVES_FR_STACK`` (1: record the Python stack of every call; costly).
 
 This module holds the recorders and what the front end calls (:class:`Recorder`,
-:func:`run`, :func:`submit`, :func:`record`, :func:`p2p`, :func:`new_recorder`) and the
+:func:`run`, :func:`submit`, :func:`p2p`, :func:`new_recorder`) and the
 SIGUSR1 handler; :mod:`collectives.fr_progress` the dumps and the progress daemon;
 :mod:`collectives.fr_registry` the settings and the process's recorders. Their public
 names are importable from here.
@@ -73,7 +73,7 @@ class _PyCallRing:
     group's last ``size`` collectives as tuples ``(seq, kind, count, dtype, root, op,
     time_ns[, stack])``, and ``seq``, the last issued."""
 
-    __slots__ = ("seq", "size", "_ring", "_stack_fn")
+    __slots__ = ("seq", "size", "_ring", "_stack_fn", "started", "done")
 
     def __init__(self, size, stack=None):
         if size < 1:
@@ -81,7 +81,7 @@ class _PyCallRing:
         self.size = size
         self._ring = [None] * size
         self._stack_fn = stack
-        self.seq = 0
+        self.seq = self.started = self.done = 0
 
     def issue(self, kind, count=0, dtype=-1, root=-1, op=-1):
         """Record collective ``kind`` issued now; its sequence number. ``root``: a group
@@ -126,13 +126,12 @@ class Recorder(CallRing):
     slots (the cheapest stores from Python, two per call).
     """
 
-    __slots__ = ("started", "done", "name", "ranks", "rank", "backend", "failures", "p2p",
+    __slots__ = ("name", "ranks", "rank", "backend", "failures", "p2p",
                  "p2p_n", "ended", "__weakref__")
 
     def __init__(self, name, ranks, rank, backend):
         # off: one slot, overwritten (the counters still count)
         super().__init__(max(BUFFER_SIZE, 1), _stack if STACKS and ENABLED else None)
-        self.started = self.done = 0
         self.name = name
         self.ranks = list(ranks)
         self.rank = rank
@@ -259,23 +258,12 @@ class Tracked:
 
 
 def run(pg, s, fn, *args):
-    """``pg.run(fn, *args)`` as collective ``s`` (a blocking call that may queue). Where
-    ``pg.run`` is the base Backend.run and nothing is queued, the call runs here at once
-    (what Backend.run would do, without its frame and a Tracked)."""
+    """``pg.run(fn, *args)`` as collective ``s`` (a blocking call that may queue)."""
     fr = pg.fr
-    if pg.inline and not pg.backend._busy:
-        fr.started = s
-        try:
-            fn(*args)
-        except DistError as e:
-            fr.fail(s, e)
-            raise
-        fr.done = s
-        return
     try:
         pg.run(Tracked(fr, s, fn), *args)
     except DistError as e:
-        fr.fail(s, e)  # a wait that ran out before the call ran
+        fr.fail(s, e)  # a wait that ran out before the call ran (once: fail acts once)
         raise
 
 
@@ -289,7 +277,7 @@ def submit(pg, s, fn, *args):
     fr = pg.fr
     if fr.started < s:
         fr.started = s
-    return CollectiveRequest(pg.submit(fn, *args), fr, s)
+    return TrackedRequest(pg.submit(fn, *args), _CollectiveEnd(fr, s))
 
 
 def _base_submit():
@@ -297,61 +285,80 @@ def _base_submit():
     return Backend.submit
 
 
-class CollectiveRequest:
-    """An async collective's request, posted by the backend itself: done (or failed) once
-    a wait or test sees it so."""
+class TrackedRequest:
+    """A backend's request with the front end's hooks on its end: the flight recorder's
+    (``end``: a collective's :class:`_CollectiveEnd` or a point-to-point entry's
+    :class:`_P2PEnd`) and the profiler's span (``span``, closed on the thread whose wait
+    or test first finds the request done, before it goes on to its next op). A Work holds
+    one of these over the backend's own request; nothing else wraps it."""
 
-    __slots__ = ("_req", "_fr", "_s")
+    __slots__ = ("_req", "_end", "_span")
 
-    def __init__(self, req, fr, s):
-        self._req, self._fr, self._s = req, fr, s
+    def __init__(self, req, end=None, span=None):
+        self._req, self._end, self._span = req, end, span
 
-    def _completed(self):
-        if self._fr.done < self._s:
-            self._fr.done = self._s
+    def _close_span(self):
+        span, self._span = self._span, None
+        if span is not None:
+            span.close()
 
     def wait(self, timeout=None):
+        req, end = self._req, self._end
         try:
-            self._req.wait(timeout)
+            req.wait(timeout)
         except DistError as e:
-            self._fr.fail(self._s, e)
+            if end is not None:
+                end.failed(req, e)
             raise
-        self._completed()
+        finally:
+            if self._span is not None and req.test():
+                self._close_span()
+        if end is not None:
+            end.completed()
 
     def test(self):
         done = self._req.test()
-        if done and self._req.exception() is None:
-            self._completed()
+        if done:
+            if self._end is not None:
+                self._end.tested(self._req)
+            self._close_span()
         return done
 
-    def exception(self):
-        return self._req.exception()
-
-    @property
-    def source(self):
-        return self._req.source
-
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # exception, source and the backend's extras (nbytes, ...)
         return getattr(self._req, name)
 
 
-def record(pg, kind, buf=None, root=-1, op=-1):
-    """Record a collective on ``pg`` (``buf`` gives the count and dtype); its number."""
-    if buf is None:
-        return pg.fr.issue(kind)
-    return pg.fr.issue(kind, buf.count, buf.dtype, root, op)
+class _CollectiveEnd:
+    """An async collective posted by the backend itself: done (or failed) once a wait or
+    a test sees it so."""
+
+    __slots__ = ("fr", "s")
+
+    def __init__(self, fr, s):
+        self.fr, self.s = fr, s
+
+    def failed(self, req, exc):
+        self.fr.fail(self.s, exc)
+
+    def completed(self):
+        if self.fr.done < self.s:
+            self.fr.done = self.s
+
+    def tested(self, req):
+        if req.exception() is None:
+            self.completed()
 
 
-class P2PRequest:
-    """A point-to-point request whose completion (or failure) is written to its entry."""
+class _P2PEnd:
+    """A point-to-point call's entry, given its completion (or failure) once."""
 
-    __slots__ = ("_req", "_entry", "_fr")
+    __slots__ = ("entry", "fr")
 
-    def __init__(self, req, entry, fr):
-        self._req, self._entry, self._fr = req, entry, fr
+    def __init__(self, entry, fr):
+        self.entry, self.fr = entry, fr
 
     def _finished(self, exc):
-        e = self._entry
+        e = self.entry
         if e[7] in (COMPLETED, FAILED):
             return
         e[8] = now()
@@ -361,42 +368,29 @@ class P2PRequest:
             e[7], e[9] = FAILED, str(exc)
             if ENABLED and not getattr(exc, "_fr_seen", False):
                 exc._fr_seen = True
-                path = dump(reason=f"{e[1]} (peer {e[2]}, tag {e[3]}) in group {self._fr.name} "
+                path = dump(reason=f"{e[1]} (peer {e[2]}, tag {e[3]}) in group {self.fr.name} "
                                    f"failed: {exc}")
                 if path:
                     exc.args = (f"{exc} [flight recorder: {path}]",) + tuple(exc.args[1:])
 
-    def wait(self, timeout=None):
-        try:
-            self._req.wait(timeout)
-        except DistError as exc:
-            # the operation failed, or a blocking send/recv gave up on it
-            if self._entry[1] in ("send", "recv") or self._req.test():
-                self._finished(exc)
-            raise
+    def failed(self, req, exc):
+        # the operation failed, or a blocking send/recv gave up on it
+        if self.entry[1] in ("send", "recv") or req.test():
+            self._finished(exc)
+
+    def completed(self):
         self._finished(None)
 
-    def test(self):
-        done = self._req.test()
-        if done and self._entry[7] not in (COMPLETED, FAILED):
-            self._finished(self._req.exception())
-        return done
-
-    def exception(self):
-        return self._req.exception()
-
-    @property
-    def source(self):
-        return self._req.source
-
-    def __getattr__(self, name):  # backend extras (nbytes, add_done_callback, ...)
-        return getattr(self._req, name)
+    def tested(self, req):
+        if self.entry[7] not in (COMPLETED, FAILED):
+            self._finished(req.exception())
 
 
-def p2p(pg, kind, req, peer, tag, buf):
-    """``req`` (a posted isend/irecv) recorded on ``pg``'s recorder."""
+def p2p(pg, kind, req, peer, tag, buf, span=None):
+    """``req`` (a posted isend/irecv) recorded on ``pg``'s recorder (and ``span``, the
+    profiler's, closed when it is found done)."""
     fr = pg.fr
-    return P2PRequest(req, fr.issue_p2p(kind, peer, tag, buf), fr)
+    return TrackedRequest(req, _P2PEnd(fr.issue_p2p(kind, peer, tag, buf), fr), span)
 
 
 def new_recorder(pg):

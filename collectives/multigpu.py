@@ -7,7 +7,8 @@ import numpy as np
 
 from . import dtypes as D
 from ._frontend import buffer, buffers, reduce_plan, scale, settle
-from .collective_ops import _group, all_gather, all_reduce, broadcast, reduce, reduce_scatter
+from ._world import current as _group
+from .collective_ops import all_gather, all_reduce, broadcast, reduce, reduce_scatter
 from .reduce_op import ReduceOp, op_code
 from .work import Work
 
@@ -111,18 +112,31 @@ def reduce_multigpu(tensor_list, dst, op=ReduceOp.SUM, group=None, async_op=Fals
     return _sync_work(async_op, tensor_list)
 
 
-def all_gather_multigpu(output_tensor_lists, input_tensor_list, group=None, async_op=False):
-    """``output_tensor_lists[i][r * k + j]`` gets rank r's ``input_tensor_list[j]`` (k entries per rank)."""
+def _per_rank_lists(group, tensors, name, lists, lists_name):
+    """(the group, the Buffers of ``tensors``: k of them, after the group's queued work),
+    once ``lists`` is checked to hold k lists of size * k tensors like them
+    (all_gather_multigpu's outputs, reduce_scatter_multigpu's inputs); (None, None) on a
+    rank outside ``group``."""
     pg = _group(group)
     if pg is None:
-        return None
+        return None, None
     settle(pg)  # local reads and writes below follow queued async work
-    ins = buffers(input_tensor_list, "input_tensor_list")
+    bufs = buffers(tensors, name)
+    k = len(bufs)
+    if k == 0 or not isinstance(lists, list) or len(lists) != k:
+        raise ValueError(f"{lists_name} must hold one list per entry of {name}")
+    for i, lst in enumerate(lists):
+        buffers(lst, f"{lists_name}[{i}]", bufs[0].dtype, bufs[0].count, pg._size * k)
+    return pg, bufs
+
+
+def all_gather_multigpu(output_tensor_lists, input_tensor_list, group=None, async_op=False):
+    """``output_tensor_lists[i][r * k + j]`` gets rank r's ``input_tensor_list[j]`` (k entries per rank)."""
+    pg, ins = _per_rank_lists(group, input_tensor_list, "input_tensor_list", output_tensor_lists,
+                              "output_tensor_lists")
+    if pg is None:
+        return None
     k = len(ins)
-    if k == 0 or not isinstance(output_tensor_lists, list) or len(output_tensor_lists) != k:
-        raise ValueError("output_tensor_lists must hold one list per entry of input_tensor_list")
-    for i, lst in enumerate(output_tensor_lists):
-        buffers(lst, f"output_tensor_lists[{i}]", ins[0].dtype, ins[0].count, pg._size * k)
     mod = np if isinstance(input_tensor_list[0], np.ndarray) else None
     if mod is None:
         import torch
@@ -144,21 +158,15 @@ def reduce_scatter_multigpu(output_tensor_list, input_tensor_lists, op=ReduceOp.
                             async_op=False):
     """``output_tensor_list[i]`` on rank r gets the reduction, over every rank and entry, of
     ``input_tensor_lists[.][r * k + i]`` (k entries per rank)."""
-    pg = _group(group)
+    pg, outs = _per_rank_lists(group, output_tensor_list, "output_tensor_list",
+                               input_tensor_lists, "input_tensor_lists")
     if pg is None:
         return None
-    settle(pg)  # local reads and writes below follow queued async work
-    outs = buffers(output_tensor_list, "output_tensor_list")
-    k = len(outs)
-    if k == 0 or not isinstance(input_tensor_lists, list) or len(input_tensor_lists) != k:
-        raise ValueError("input_tensor_lists must hold one list per entry of output_tensor_list")
-    for i, lst in enumerate(input_tensor_lists):
-        buffers(lst, f"input_tensor_lists[{i}]", outs[0].dtype, outs[0].count, pg._size * k)
     code, _, _ = reduce_plan(op, outs[0].dtype)
     if op_code(op) in (D.AVG, D.PREMUL_SUM):
         raise ValueError("reduce_scatter_multigpu supports SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR; "
                          f"got {op!r}")
-    n = pg._size
+    n, k = pg._size, len(outs)
     # combine the k lists locally; then rank r's share is the k consecutive entries r*k..r*k+k-1
     combined = [t.clone() if hasattr(t, "clone") else t.copy() for t in input_tensor_lists[0]]
     for lst in input_tensor_lists[1:]:

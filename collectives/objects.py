@@ -13,21 +13,18 @@ import numpy as np
 
 from . import dtypes as D
 from . import flight_recorder as _flight
-from . import profiling as _profiling
 from . import safe_pickle
 from ._world import current as _group
 from .tensors import Buffer
-
-_prof = _profiling.tap  # torch's profiler module once torch is imported (profiling.bind)
-_profiling.bind(globals())
 
 
 _CODES = {np.dtype(np.uint8): D.UINT8, np.dtype(np.int64): D.INT64}
 
 
 def _run(pg, fn, *args):
-    """``pg.run(fn, *args)``; one profiler span, named after the backend call, while
-    torch's profiler runs (as torch records the collectives under its object calls).
+    """``fn(*args)`` as a collective of ``pg`` named after the backend call, through the
+    group's dispatcher (recorded; one profiler span while torch's profiler runs, as torch
+    records the collectives under its object calls).
     A backend that takes CUDA memory (nccl) gets copies on the current CUDA device, as
     torch's object calls use it, and the host arrays get the results back."""
     back = ()
@@ -35,11 +32,7 @@ def _run(pg, fn, *args):
         args, back = _on_cuda(args)
     buf = args[1] if fn.__name__ in ("all_gather", "gather") else args[0]  # the same on every rank
     root = args[-1] if type(args[-1]) is int else -1
-    s = _flight.record(pg, fn.__name__, buf, root)
-    if _prof._is_profiler_enabled:
-        _profiling.run(pg, fn.__name__, _flight.Tracked(pg.fr, s, fn), args)
-    else:
-        _flight.run(pg, s, fn, *args)
+    pg.dispatch.call(fn.__name__, buf, root, -1, fn, tuple(args))
     _copy_back(back)
 
 
@@ -127,29 +120,36 @@ def all_gather_object(object_list, obj, group=None, *, safe=None):
     return None
 
 
+def _rooted(group, rank, group_rank, name):
+    """(the group, the root's group rank) of a rooted object call, or (None, None) on a
+    rank outside ``group``."""
+    pg = _group(group)
+    if pg is None:
+        return None, None
+    return pg, pg.peer(rank, group_rank, name, default=0)
+
+
 def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None, *,
                   safe=None):
     """``object_gather_list[r]`` on ``dst`` becomes rank r's ``obj`` (pickled: trusted peers
     only; ``safe``: see the module docstring)."""
     safe = safe_pickle.check_safe(safe)
-    pg = _group(group)
+    pg, root = _rooted(group, dst, group_dst, "dst")
     if pg is None:
         return None
-    root = pg.peer(dst, group_dst, "dst", default=0)
-    n = pg._size
     if pg._rank == root:
         if object_gather_list is None:
             raise ValueError("object_gather_list must be given on the destination rank")
-        _output_list(object_gather_list, n, "object_gather_list")
+        _output_list(object_gather_list, pg._size, "object_gather_list")
     elif object_gather_list:
         raise ValueError("Argument ``object_gather_list`` must NOT be specified on non-destination ranks.")
     data = _pickle(obj)
     sizes = _all_gather_sizes(pg, data.size)
     width = int(sizes.max())
-    out = np.empty(n * width, np.uint8) if pg._rank == root else None
+    out = np.empty(pg._size * width, np.uint8) if pg._rank == root else None
     _run(pg, pg.backend.gather, None if out is None else _buf(out), _buf(_padded(data, width)), root)
     if out is not None:
-        for r in range(n):
+        for r in range(pg._size):
             object_gather_list[r] = _unpickle(out[r * width:r * width + sizes[r]], safe, pg, r)
     return None
 
@@ -159,10 +159,9 @@ def broadcast_object_list(object_list, src=None, group=None, device=None, group_
     """Every rank's ``object_list`` entries become ``src``'s (same length on every rank;
     ``safe``: see the module docstring)."""
     safe = safe_pickle.check_safe(safe)
-    pg = _group(group)
+    pg, root = _rooted(group, src, group_src, "src")
     if pg is None:
         return None
-    root = pg.peer(src, group_src, "src", default=0)
     if not isinstance(object_list, list):
         raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
     k = len(object_list)
@@ -189,10 +188,9 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
     """``scatter_object_output_list[0]`` on rank r becomes ``src``'s
     ``scatter_object_input_list[r]`` (``safe``: see the module docstring)."""
     safe = safe_pickle.check_safe(safe)
-    pg = _group(group)
+    pg, root = _rooted(group, src, group_src, "src")
     if pg is None:
         return None
-    root = pg.peer(src, group_src, "src", default=0)
     n = pg._size
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
         raise ValueError("Expected argument scatter_object_output_list to be a list of size at least 1.")

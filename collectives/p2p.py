@@ -39,46 +39,40 @@ def _buffer(pg, tensor):
     return buf
 
 
-def _isend(pg, buf, peer, tag, anywhere=True):
-    """The backend's isend, recorded by the flight recorder ("send" when blocking: not
-    ``anywhere``); while torch's profiler runs, one span until it is found done (a
-    blocking send's closes on its own thread)."""
+def _post(pg, send, buf, peer, tag, anywhere=True):
+    """The backend's isend (``send``) or irecv, recorded by the flight recorder (as
+    isend/irecv, or send/recv when blocking: not ``anywhere``); while torch's profiler
+    runs, one span under torch gloo's name (send, recv, recvAnySource) until it is found
+    done (a blocking call's closes on its own thread)."""
+    post = pg.backend.isend if send else pg.backend.irecv
+    kind = "send" if send else "recv"
+    span = None
     if _prof._is_profiler_enabled:
-        req = _profiling.RecordedRequest(pg, "send", anywhere, pg.backend.isend, buf, peer, tag)
+        name = kind if send or peer is not None else "recvAnySource"
+        req, span = _profiling.issue(pg, name, anywhere, post, buf, peer, tag)
     else:
-        req = pg.backend.isend(buf, peer, tag)
-    return _flight.p2p(pg, "isend" if anywhere else "send", req, peer, tag, buf)
+        req = post(buf, peer, tag)
+    return _flight.p2p(pg, "i" + kind if anywhere else kind, req, peer, tag, buf, span)
 
 
-def _irecv(pg, buf, peer, tag, anywhere=True):
-    if _prof._is_profiler_enabled:  # torch's gloo names these two kinds of receive
-        name = "recv" if peer is not None else "recvAnySource"
-        req = _profiling.RecordedRequest(pg, name, anywhere, pg.backend.irecv, buf, peer, tag)
-    else:
-        req = pg.backend.irecv(buf, peer, tag)
-    return _flight.p2p(pg, "irecv" if anywhere else "recv", req, peer, tag, buf)
+def _start(send, tensor, group, tag, rank, group_rank):
+    """isend's or irecv's Work (None on a rank outside ``group``)."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    peer = (_dst if send else _src)(pg, rank, group_rank)
+    check_tag(tag)  # [0, 2**31) on every backend (mpi: up to MPI_TAG_UB, checked there)
+    return Work(_post(pg, send, _buffer(pg, tensor), peer, tag), [tensor], pg)
 
 
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     """Start sending ``tensor`` to ``dst``; returns a Work (don't modify the tensor until it's done)."""
-    pg = _group(group)
-    if pg is None:
-        return None
-    peer = _dst(pg, dst, group_dst)
-    check_tag(tag)  # [0, 2**31) on every backend (mpi: up to MPI_TAG_UB, checked there)
-    buf = _buffer(pg, tensor)
-    return Work(_isend(pg, buf, peer, tag), [tensor], pg)
+    return _start(True, tensor, group, tag, dst, group_dst)
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     """Start receiving into ``tensor`` from ``src`` (None: any rank; ``Work.source_rank()`` names it)."""
-    pg = _group(group)
-    if pg is None:
-        return None
-    peer = _src(pg, src, group_src)
-    check_tag(tag)
-    buf = _buffer(pg, tensor)
-    return Work(_irecv(pg, buf, peer, tag), [tensor], pg)
+    return _start(False, tensor, group, tag, src, group_src)
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
@@ -88,7 +82,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
         return None
     peer = _dst(pg, dst, group_dst)
     check_tag(tag)
-    _isend(pg, _buffer(pg, tensor), peer, tag, False).wait()
+    _post(pg, True, _buffer(pg, tensor), peer, tag, False).wait()
     return None
 
 
@@ -100,7 +94,7 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
         return -1
     peer = _src(pg, src, group_src)
     check_tag(tag)
-    req = _irecv(pg, _buffer(pg, tensor), peer, tag, False)
+    req = _post(pg, False, _buffer(pg, tensor), peer, tag, False)
     req.wait()
     got = req.source if peer is None else peer
     if got < 0:

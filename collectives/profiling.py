@@ -125,47 +125,16 @@ class Recorded:
             self._span.close()
 
 
-class RecordedRequest:
-    """A point-to-point request whose span closes when ``wait``/``test`` first finds it
-    done, on the thread that looked (so before that thread goes on to its next op)."""
-
-    __slots__ = ("_req", "_span")
-
-    def __init__(self, pg, name, anywhere, issue, *args):
-        self._span = _Span(label(pg, name), anywhere)
-        try:
-            self._req = issue(*args)
-        except BaseException:
-            self._close()
-            raise
-
-    def _close(self):
-        self._span.close()
-
-    def wait(self, timeout=None):
-        try:
-            return self._req.wait(timeout)
-        finally:
-            if self._req.test():
-                self._close()
-
-    def test(self):
-        done = self._req.test()
-        if done:
-            self._close()
-        return done
-
-    def exception(self):
-        return self._req.exception()
-
-    @property
-    def source(self):
-        return self._req.source
-
-    def __getattr__(self, name):
-        if name == "add_done_callback":  # only where the backend's request has it
-            return getattr(self._req, name)
-        raise AttributeError(name)
+def issue(pg, name, anywhere, post, *args):
+    """``post(*args)`` (a backend's isend/irecv) and its span, opened first (``anywhere``:
+    one that may close on another thread); the span is closed again if ``post`` raises.
+    The request's wait or test closes it (flight_recorder.TrackedRequest)."""
+    span = _Span(label(pg, name), anywhere)
+    try:
+        return post(*args), span
+    except BaseException:
+        span.close()
+        raise
 
 
 @contextlib.contextmanager

@@ -9,18 +9,11 @@ import warnings
 from . import dtypes as D
 
 
-class RedOpType(enum.IntEnum):
-    """The op codes, as torch's ``ReduceOp.RedOpType``."""
-
-    SUM = D.SUM
-    AVG = D.AVG
-    PRODUCT = D.PRODUCT
-    MIN = D.MIN
-    MAX = D.MAX
-    BAND = D.BAND
-    BOR = D.BOR
-    BXOR = D.BXOR
-    PREMUL_SUM = D.PREMUL_SUM
+# the op codes, as torch's ``ReduceOp.RedOpType``: one member per name of dtypes.OP_NAMES
+# (the one list of the ops: the kernels' codes and their names)
+RedOpType = enum.IntEnum("RedOpType", [(name, code) for code, name in sorted(D.OP_NAMES.items())],
+                         module=__name__, qualname="RedOpType")
+RedOpType.__doc__ = "The op codes, as torch's ``ReduceOp.RedOpType``."
 
 
 class PremulSum(int):
@@ -60,20 +53,18 @@ class ReduceOp:
     """
 
     RedOpType = RedOpType
-    SUM = RedOpType.SUM
-    AVG = RedOpType.AVG
-    PRODUCT = RedOpType.PRODUCT
-    MIN = RedOpType.MIN
-    MAX = RedOpType.MAX
-    BAND = RedOpType.BAND
-    BOR = RedOpType.BOR
-    BXOR = RedOpType.BXOR
+    # SUM ... BXOR: RedOpType's members (set below, from its one list); PREMUL_SUM takes a factor
     PREMUL_SUM = _PremulSumMember()
 
     def __new__(cls, op=RedOpType.SUM):
         # ReduceOp(ReduceOp.MAX) is accepted by torch; the member itself is our value
         return op_code(op) if not isinstance(op, PremulSum) else op
 
+
+for _m in RedOpType:
+    if _m != D.PREMUL_SUM:
+        setattr(ReduceOp, _m.name, _m)
+del _m
 
 _MEMBERS = sorted(RedOpType, key=int)  # code -> member (the codes are 0..PREMUL_SUM)
 

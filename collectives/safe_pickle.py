@@ -18,8 +18,9 @@ Choose it per call (``safe=True`` on each object call) or for the process with
 COLLECTIVES_SAFE_OBJECTS=1 (default 0: full pickle, torch's behaviour).
 """
 import io
-import os
 import pickle
+
+from . import config
 
 SAFE_ENV = "COLLECTIVES_SAFE_OBJECTS"
 
@@ -38,11 +39,9 @@ _TORCH = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_par
 
 def safe_default():
     """Whether the object calls unpickle in safe mode when a call does not say
-    (COLLECTIVES_SAFE_OBJECTS: "1" yes, "0" or unset no)."""
-    raw = os.environ.get(SAFE_ENV, "0").strip()
-    if raw not in ("0", "1", ""):
-        raise ValueError(f"{SAFE_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    (COLLECTIVES_SAFE_OBJECTS, a bool by the settings registry's rule: unset, ``0``,
+    ``false``, ``no``, ``off`` are no, anything else yes)."""
+    return config.get(SAFE_ENV)
 
 
 def check_safe(safe, name="safe"):

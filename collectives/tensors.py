@@ -9,14 +9,9 @@ import numpy as np
 
 from . import dtypes as D
 
-_NP_CODES = {
-    np.dtype(np.float16): D.FLOAT16, np.dtype(np.float32): D.FLOAT32,
-    np.dtype(np.float64): D.FLOAT64, np.dtype(np.complex64): D.COMPLEX64,
-    np.dtype(np.complex128): D.COMPLEX128, np.dtype(np.int8): D.INT8,
-    np.dtype(np.uint8): D.UINT8, np.dtype(np.int16): D.INT16,
-    np.dtype(np.int32): D.INT32, np.dtype(np.int64): D.INT64,
-    np.dtype(np.bool_): D.BOOL,
-}
+# NumPy's and torch's dtypes by our codes, both named as dtypes.DTYPE_NAMES names them (the
+# one list of the dtypes); bfloat16 has no NumPy dtype
+_NP_CODES = {np.dtype(name): code for code, name in D.DTYPE_NAMES.items() if code != D.BFLOAT16}
 _NP_OF_CODE = {code: dt for dt, code in _NP_CODES.items()}
 # bfloat16 has no NumPy dtype; arrays of it are viewed as uint16 bits
 _NP_OF_CODE[D.BFLOAT16] = np.dtype(np.uint16)
@@ -31,13 +26,7 @@ def _torch_table():
 
         from . import profiling
         profiling.refresh()
-        _torch_codes = {
-            torch.float16: D.FLOAT16, torch.bfloat16: D.BFLOAT16, torch.float32: D.FLOAT32,
-            torch.float64: D.FLOAT64, torch.complex64: D.COMPLEX64,
-            torch.complex128: D.COMPLEX128, torch.int8: D.INT8, torch.uint8: D.UINT8,
-            torch.int16: D.INT16, torch.int32: D.INT32, torch.int64: D.INT64,
-            torch.bool: D.BOOL,
-        }
+        _torch_codes = {getattr(torch, name): code for code, name in D.DTYPE_NAMES.items()}
     return _torch_codes
 
 

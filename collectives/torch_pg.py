@@ -115,7 +115,7 @@ class TorchProcessGroup(CollectiveMethods, td.ProcessGroup):
                                wait_all_ranks=wait_all_ranks)
 
     def set_timeout(self, timeout):
-        ProcessGroupMethods.set_timeout(self._group, timeout)
+        self._group.set_timeout(timeout)  # (a plain group's: a BridgedGroup is never wrapped)
 
     # ---- life ----------------------------------------------------------------------------------
 
@@ -179,7 +179,8 @@ class BridgedGroup(TorchProcessGroup, _groups.ProcessGroup):
     # a subclass of torch's (pybind) class takes ~38 ns to read from its __dict__, ~13 ns
     # from a slot (a plain object's: ~10 ns)
     __slots__ = ("backend", "ranks", "_rank", "_size", "_our_name", "backend_name", "timeout",
-                 "store", "group_of_global", "run", "submit", "inline", "destroyed", "_group")
+                 "store", "group_of_global", "run", "submit", "fr", "dispatch", "destroyed",
+                 "_group")
 
     def __init__(self, backend, ranks, rank, name, backend_name, timeout, store):
         td.ProcessGroup.__init__(self, rank, len(ranks))

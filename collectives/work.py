@@ -26,18 +26,24 @@ class _PerCall(threading.local):
 _per_call = _PerCall()
 
 
-class _TimedCount:
-    """``timed.n``: how many threads are issuing calls with their own timeout now. The
-    front end's blocking fast paths (which skip the per-call check) run only while it is 0."""
+class _PyCounter:
+    """``collectives._core.Counter`` in Python: one count (``n``)."""
 
-    __slots__ = ("n", "lock")
+    __slots__ = ("n",)
 
     def __init__(self):
         self.n = 0
-        self.lock = threading.Lock()
 
 
-timed = _TimedCount()
+try:
+    from ._core import Counter
+except ImportError:  # extensions not built (or hidden)
+    Counter = _PyCounter
+
+#: ``timed.n``: how many threads are issuing calls with their own timeout now. The groups'
+#: dispatchers take their cheap path (which skips the per-call check) only while it is 0.
+timed = Counter()
+_timed_lock = threading.Lock()
 
 
 def call_timeout():
@@ -59,13 +65,13 @@ class per_call_timeout:  # noqa: N801  (a context manager, used like a function)
         if self.secs is not None:
             self.prev = _per_call.secs
             _per_call.secs = self.secs
-            with timed.lock:
+            with _timed_lock:
                 timed.n += 1
 
     def __exit__(self, *exc):
         if self.secs is not None:
             _per_call.secs = self.prev
-            with timed.lock:
+            with _timed_lock:
                 timed.n -= 1
 
 

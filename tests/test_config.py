@@ -123,6 +123,23 @@ def test_choice():
     assert config.get("COLLECTIVES_SHM_STREAM", {"COLLECTIVES_SHM_STREAM": "1"}) == "1"
 
 
+def test_the_transport_and_host_id_are_read_through_the_registry(monkeypatch):
+    """backends/select.py parses nothing itself: its two settings follow the registry's
+    rules (a choice is stripped and case-blind; an empty string is unset)."""
+    from collectives.backends import select
+    monkeypatch.setenv("COLLECTIVES_TRANSPORT", " SHM ")
+    assert select.transport_choice() == "shm"
+    monkeypatch.setenv("COLLECTIVES_TRANSPORT", "")
+    assert select.transport_choice() == "auto"
+    monkeypatch.setenv("COLLECTIVES_TRANSPORT", "udp")
+    with pytest.raises(ValueError, match="COLLECTIVES_TRANSPORT must be one of"):
+        select.transport_choice()
+    monkeypatch.setenv("COLLECTIVES_HOST_ID", " fake-host-3 ")
+    assert select.host_identity() == "fake-host-3"
+    monkeypatch.setenv("COLLECTIVES_HOST_ID", "  ")
+    assert select.host_identity() != "  " and "|" in select.host_identity()
+
+
 def test_unknown_name_is_a_key_error():
     with pytest.raises(KeyError, match="COLLECTIVES_NOPE is not declared"):
         config.get("COLLECTIVES_NOPE")

@@ -149,3 +149,33 @@ def test_the_shm_engines_c_files_call_only_down_their_layers():
                 if re.search(rf"\b{fn}\s*\(", srcs[name]):
                     problems.append(f"{name} calls {fn} of {other}")
     assert not problems, problems
+
+
+def _private_backend_reads(path):
+    """``be._x`` / ``<...>.backend._x`` reads in a module: a backend's private state."""
+    tree = ast.parse(open(path).read(), path)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            v = node.value
+            if (isinstance(v, ast.Name) and v.id in ("be", "backend")) or \
+                    (isinstance(v, ast.Attribute) and v.attr == "backend"):
+                out.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} .{node.attr}")
+    return out
+
+
+def test_the_front_end_reads_a_backend_only_through_its_contract():
+    """Above backends/, a backend is used through backends/base.py's public contract
+    (``pending``, the collectives, ``submit``/``run``...), never its private state."""
+    found = []
+    for name, path in _modules().items():
+        if path.endswith(".py") and not name.startswith("collectives.backends"):
+            found += _private_backend_reads(path)
+    assert found == []
+
+
+def test_the_private_read_finder_finds_one(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("def f(pg, be):\n    return pg.backend._busy or be._queue or be.pending.n\n")
+    assert [r.split(" ")[1] for r in _private_backend_reads(str(p))] == ["._busy", "._queue"]

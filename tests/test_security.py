@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collectives import auth, safe_pickle
+from collectives import auth, config, safe_pickle
 from collectives.auth import AuthError
 from collectives.backends import mesh, mesh_accept
 from collectives.backends.tcp import connect_mesh
@@ -514,12 +514,17 @@ def test_safe_mode_takes_torch_tensors_but_not_a_hostile_storage():
         safe_pickle.loads(pickle.dumps(HostileStorage()), True, "rank 0")
 
 
-def test_the_safe_setting_is_checked(monkeypatch):
-    monkeypatch.setenv(safe_pickle.SAFE_ENV, "1")
-    assert safe_pickle.check_safe(None) is True and safe_pickle.check_safe(False) is False
-    monkeypatch.setenv(safe_pickle.SAFE_ENV, "maybe")
-    with pytest.raises(ValueError, match=safe_pickle.SAFE_ENV):
-        safe_pickle.check_safe(None)
+def test_the_safe_setting_parses_as_the_registrys_bool(monkeypatch):
+    """COLLECTIVES_SAFE_OBJECTS is a bool by the registry's one rule (0/false/no/off, any
+    case, are false; anything else true), as every other bool setting."""
+    for raw, want in (("1", True), ("true", True), ("YES", True), ("on", True),
+                      ("0", False), ("false", False), ("No", False), ("OFF", False), ("", False)):
+        monkeypatch.setenv(safe_pickle.SAFE_ENV, raw)
+        assert safe_pickle.check_safe(None) is want, raw
+        assert safe_pickle.check_safe(None) is config.get(safe_pickle.SAFE_ENV)
+    assert safe_pickle.check_safe(False) is False and safe_pickle.check_safe(True) is True
+    monkeypatch.delenv(safe_pickle.SAFE_ENV)
+    assert safe_pickle.check_safe(None) is False
 
 
 # ---- jobs under collectives-run ---------------------------------------------------------

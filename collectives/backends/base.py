@@ -29,6 +29,7 @@ import threading
 from _thread import allocate_lock as _allocate_lock
 
 from ..errors import DistBackendError, DistError
+from ..work import Counter
 
 
 def timed_out(describe, timeout):
@@ -216,7 +217,15 @@ class Backend:
         self._cv = threading.Condition()
         self._thread = None
         self._closed = False
-        self._busy = 0  # submitted and not yet finished
+        #: ``pending.n``: calls submitted to the base progress thread and not yet finished.
+        #: While it is 0 a blocking call may run in the caller's thread: the front end's
+        #: cheap path reads it (in C) on every call of a backend whose ``run`` is this class's
+        self.pending = Counter()
+
+    @property
+    def _busy(self):
+        """``pending.n``, under its former name (for subclasses that still read it)."""
+        return self.pending.n
 
     # ---- collectives (blocking) --------------------------------------------
     def broadcast(self, buf, root):
@@ -286,7 +295,7 @@ class Backend:
             if self._closed:
                 raise DistBackendError(f"{self.name} backend is shut down")
             self._queue.append((fn, args, req))
-            self._busy += 1
+            self.pending.n += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._progress, daemon=True,
                                                 name=f"collectives-{self.name}-progress")
@@ -297,8 +306,8 @@ class Backend:
     def run(self, fn, *args):
         """Run a blocking collective in issue order: in this thread when nothing is
         queued (the fast path), else behind the queued work on the progress thread."""
-        if self._busy:
-            # the base queue, even where a subclass overrides submit: _busy counts only its items
+        if self.pending.n:
+            # the base queue, even where a subclass overrides submit: pending counts only its items
             req = Backend.submit(self, fn, *args)
             try:
                 req.wait()
@@ -314,17 +323,22 @@ class Backend:
             for item in self._queue:
                 if item[2] is req:
                     self._queue.remove(item)
-                    self._busy -= 1
+                    self.pending.n -= 1
                     return
+
+    def _take_queued(self):
+        """The next submitted call, (fn, args, req), or None once shut down and drained."""
+        with self._cv:
+            while not self._queue and not self._closed:
+                self._cv.wait()
+            return self._queue.popleft() if self._queue else None
 
     def _progress(self):
         while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                fn, args, req = self._queue.popleft()
+            item = self._take_queued()
+            if item is None:
+                return
+            fn, args, req = item
             try:
                 fn(*args)
             except DistError as e:
@@ -336,7 +350,7 @@ class Backend:
                 req.set_result()
             finally:
                 with self._cv:
-                    self._busy -= 1
+                    self.pending.n -= 1
 
     def interrupt(self):
         """Make running and queued work fail now, talking to no peer; ``shutdown`` still

@@ -18,6 +18,7 @@ import inspect
 import os
 import socket
 
+from .. import config
 from .. import fingerprint as F
 from ..errors import DistBackendError, DistError
 from .base import Backend
@@ -35,7 +36,7 @@ HOST_ID_ENV = "COLLECTIVES_HOST_ID"
 
 def host_identity():
     """This process's host identity: ranks with equal identities can share memory."""
-    forced = os.environ.get(HOST_ID_ENV)
+    forced = config.get(HOST_ID_ENV)
     if forced:
         return forced
     try:
@@ -51,11 +52,9 @@ def host_identity():
 
 
 def transport_choice():
-    """'auto', 'tcp' or 'shm' from COLLECTIVES_TRANSPORT; ValueError for anything else."""
-    v = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
-    if v not in ("auto", "tcp", "shm"):
-        raise ValueError(f"{TRANSPORT_ENV} must be 'auto', 'tcp' or 'shm', got {v!r}")
-    return v
+    """'auto', 'tcp' or 'shm' from COLLECTIVES_TRANSPORT (the registry's choice rule);
+    ValueError for anything else."""
+    return config.get(TRANSPORT_ENV)
 
 
 def exchange_hosts(store, rank, size):
