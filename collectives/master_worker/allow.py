@@ -68,7 +68,7 @@ class Entry:
 
 # torch mode's own entries: build a module or optimizer on a node, and call one there
 # (collectives/master_worker/nn_worker.py has the functions)
-COLLECTIVES_NAMES = (
+PACKAGE_FUNCTION_NAMES = (
     "collectives.module", "collectives.optimizer", "collectives.Module.__call__",
     "collectives.Module.train", "collectives.Module.zero_grad", "collectives.Module.state_dict",
     "collectives.Module.load_state_dict", "collectives.Optimizer.step",

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 import collectives.master_worker.protocol as P
-from .allow import COLLECTIVES_NAMES, Entry, numpy_table, refused, torch_table
+from .allow import PACKAGE_FUNCTION_NAMES, Entry, numpy_table, refused, torch_table
 from .codec import Const, TensorValue
 from .master import RemoteError, current_node, get_master
 from .ops import NUMPY_OPERATORS, dtype_name, numpy_names, torch_consts
@@ -47,7 +47,7 @@ def table(m):
     if t is None:
         if m.lib == "torch":  # and the names that call modules/optimizers on a node
             t = dict(torch_table()[0])
-            t.update((k, Entry(k, None)) for k in COLLECTIVES_NAMES)
+            t.update((k, Entry(k, None)) for k in PACKAGE_FUNCTION_NAMES)
         else:
             t = numpy_names()[0]
         m.names = t

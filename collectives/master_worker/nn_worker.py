@@ -1,7 +1,7 @@
 """The worker's side of modules and optimizers on a node (torch mode): the
 ``collectives.*`` entries of a torch worker's allow-list (see modules.py for the
 master's side and what travels)."""
-from .allow import COLLECTIVES_NAMES, Entry
+from .allow import PACKAGE_FUNCTION_NAMES, Entry
 from .registry import module_class
 
 
@@ -77,5 +77,5 @@ def worker_entries():
         "collectives.Optimizer.step": lambda opt: is_optimizer(opt).step(),
         "collectives.Optimizer.zero_grad": lambda opt, s: is_optimizer(opt).zero_grad(s),
     }
-    assert set(fns) == set(COLLECTIVES_NAMES)
+    assert set(fns) == set(PACKAGE_FUNCTION_NAMES)
     return {k: Entry(k, f) for k, f in fns.items()}

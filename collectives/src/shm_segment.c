@@ -464,9 +464,17 @@ SHM_HIDDEN int fp_settle(shm_comm *c, uint32_t s)
             if (q != c->me) {
                 /* q acked or posted a later step: the wait returns at once */
                 int rc = wait_post(c, q, c->fp_due[i].s0);
-                if (!rc)
-                    rc = fp_check_word(c, q, c->fp_due[i].k, c->fp_due[i].word);
                 if (rc)
+                    return rc;
+                /* q may have moved four collectives on since (as the root of broadcasts
+                 * of its own) and reused the slot: then it is no longer known what q
+                 * called there, and the readers of that broadcast compared at the call */
+                uint32_t k = c->fp_due[i].k;
+                uint32_t now = atomic_load_explicit(&c->ctl[q].post.fp_k[k % FP_SLOTS],
+                                                    memory_order_relaxed);
+                if ((int32_t)(now - k) > 0)
+                    continue;
+                if ((rc = fp_check_word(c, q, k, c->fp_due[i].word)))
                     return rc;
             }
     }

@@ -312,11 +312,13 @@ static inline void ack(shm_comm *c, uint32_t s) { ctr_set(&c->ctl[c->me].ack, s)
  * peer's. So no rank finishes collective k before every rank has arrived at k. One
  * exception: the root of a broadcast of one block returns once its data is in the
  * segment, without waiting for the readers (as MPI's roots do; the readers compare its
- * slot before they copy, and the root learns of a mismatch at its next call). A root can
- * only run ahead while its calls are such broadcasts, and it rewrites a half of its slot
- * only once every rank has acked the broadcast that last used it, two calls before; so no
- * rank publishes collective k + 4 while another may still read its slot for k, and four
- * slots suffice. A difference is recorded in the segment header (first writer wins) and
+ * slot before they copy, and the root compares theirs at its next wait that finds them
+ * arrived, learning of a mismatch at its next call). A rank runs ahead only while its
+ * calls are such broadcasts, and it rewrites its half only once every rank has acked the
+ * broadcast that last used it, two of its calls before; so no rank publishes collective
+ * k + 4 while another is still inside k, and four slots suffice. A root's deferred
+ * comparison may come later than that: a slot reused meanwhile is skipped (the readers of
+ * that broadcast compared it at the call). A difference is recorded in the segment header (first writer wins) and
  * every rank's waits fail at once; each raises the recorded description. */
 
 SHM_HIDDEN int record_fail(shm_comm *c, uint32_t state, uint32_t k, int a, int b, uint64_t wa,
