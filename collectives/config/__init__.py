@@ -206,8 +206,9 @@ SETTINGS = (
        choices=("auto", "two_shot", "single_copy"), read_in="backends/shm.py"),
     _s("COLLECTIVES_SHM_STREAM", "choice", "2",
        "How the segment is written for other ranks: 0 plain stores, 1 streaming "
-       "(non-temporal) stores, 2 streaming while the ranks' probes find their peers far "
-       "(another die or socket).", agree=True, rank0=True, choices=("0", "1", "2"),
+       "(non-temporal) stores, 2 measured: the all_reduce and the all_gather time both "
+       "kinds on their own calls and take the faster, the other collectives stream while "
+       "the ranks' probes find their peers far (another die or socket).", agree=True, rank0=True, choices=("0", "1", "2"),
        read_in="backends/shm.py"),
     _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False,
        "Allow the single-copy paths with more ranks than cores (measured slower there; the "
