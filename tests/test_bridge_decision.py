@@ -37,9 +37,12 @@ dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
+# quick: torch imported after init, then the bridge installed (both kinds of group in one run)
 @pytest.mark.parametrize("torch_first,install,expect", [
-    (True, False, ("BridgedGroup", "BridgedGroup", "BridgedGroup", "True", "True")),
-    (False, False, ("ProcessGroup", "ProcessGroup", "ProcessGroup", "False", "False")),
+    pytest.param(True, False, ("BridgedGroup", "BridgedGroup", "BridgedGroup", "True", "True"),
+                 marks=pytest.mark.slow),
+    pytest.param(False, False, ("ProcessGroup", "ProcessGroup", "ProcessGroup", "False", "False"),
+                 marks=pytest.mark.slow),
     (False, True, ("ProcessGroup", "ProcessGroup", "BridgedGroup", "True", "True")),
 ], ids=["torch-before-init", "torch-after-init", "torch-after-init-then-installed"])
 def test_every_group_of_a_world_is_of_the_kind_decided_at_init(torch_first, install, expect):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tests.profiles import examples
 from tests.collective_cases import DTYPES, FACTORS, HAVE_TORCH, LIBS, OPS_FOR, check, family, run_case
 from tests.ranks import available_configs, backend_pool
+from tests.marks import quick_only
 
 CONFIGS = available_configs()
 
@@ -262,7 +263,7 @@ def shrink_abort_case(ctx, flags):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("abort", [True, False], ids=["SHRINK_ABORT", "SHRINK_DEFAULT"])
+@pytest.mark.parametrize("abort", quick_only([True, False], True, ids=["SHRINK_ABORT", "SHRINK_DEFAULT"]))
 def test_shrink_abort_fails_the_old_groups_pending_work_at_once(config, abort):
     """SHRINK_ABORT: the all_reduce that waits for the excluded rank fails at once;
     SHRINK_DEFAULT lets it run out the old group's timeout (3 s)."""

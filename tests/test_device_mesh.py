@@ -277,6 +277,8 @@ def breakpoint_case(ctx, rank, skip, calls, seconds):
     return spent, log, errors
 
 
+@pytest.mark.faults
+@pytest.mark.slow  # waits out a 7 s timeout
 @pytest.mark.timeout(300)
 @needs_gloo
 def test_breakpoint_stops_one_rank_and_the_others_wait_past_the_group_timeout():

@@ -76,6 +76,7 @@ def test_every_collective_takes_the_cheap_path_when_nothing_needs_the_general_on
     assert {pg.fr.state(s) for s in range(1, len(kinds) + 1)} == {fr.COMPLETED}
 
 
+@pytest.mark.faults
 @needs_gloo
 def test_async_calls_and_timeouts_take_the_general_path(world1):
     dist, pg, general = world1

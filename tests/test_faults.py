@@ -16,6 +16,8 @@ import pytest
 from tests.collective_cases import HAVE_TORCH
 from tests.ranks import CONFIGS, ROOT, available_configs, free_port
 
+pytestmark = pytest.mark.faults
+
 GROUP_TIMEOUT = 3.0
 GRACE = 6.0  # "a few seconds" on a loaded 2-core machine
 WORLD = 3
@@ -170,6 +172,7 @@ def run_world(config, mode, op, world=WORLD, victim=VICTIM, **extra):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("config", FAULT_CONFIGS)
 @pytest.mark.parametrize("mode,op", [("kill", "all_reduce"), ("kill", "recv"), ("absent", "all_reduce"),
@@ -185,6 +188,7 @@ def test_other_ranks_raise_dist_error_within_the_timeout(config, mode, op):
         assert f"Rank {VICTIM} failed to pass monitoredBarrier" in results[0]["msg"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("config,victim,init", [(c, 1, "env") for c in FAULT_CONFIGS]
                          + [(c, 0, "file") for c in FAULT_CONFIGS if c == "gloo"])

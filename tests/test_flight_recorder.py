@@ -21,6 +21,7 @@ import pytest
 from tests.profiles import examples
 from tests.ranks import CONFIGS, ROOT, available_configs, free_port
 from tests.requires import needs_gloo
+from tests.marks import quick_only
 
 GROUP_TIMEOUT = 2.0
 WORLD = 3
@@ -159,6 +160,7 @@ def trace(where, *args):
     return p.stdout
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("config", FAULT_CONFIGS)
 def test_a_skipped_collective_is_named_by_the_timeout_error_and_by_the_trace(config, tmp_path):
@@ -207,6 +209,7 @@ def test_a_different_collective_is_named_by_the_trace(config, tmp_path):
     assert f"ranks {{0, 2}} called all_reduce(float32, {COUNT}, op=SUM)" in verdict, out
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("config", FAULT_CONFIGS)
 def test_a_rank_that_died_is_reported_without_its_dump(config, tmp_path):
@@ -227,7 +230,8 @@ def test_a_rank_that_died_is_reported_without_its_dump(config, tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("own_handler", [False, True])
+# quick: a program without a SIGUSR1 handler of its own (the recorder's wakeup fd)
+@pytest.mark.parametrize("own_handler", quick_only([False, True], False))
 def test_sigusr1_dumps_a_rank_blocked_in_a_collective(tmp_path, own_handler):
     """The dump comes while rank 0 still waits in the barrier (the GIL released in C), and a
     program's own handler still runs."""

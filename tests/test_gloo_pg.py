@@ -82,6 +82,7 @@ def _check(results, n):
         assert out["timeout"] == 30.0, out
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 3])
 def test_groups_made_with_a_timeout_or_a_device_compute_and_listen_where_told(n):
@@ -141,6 +142,7 @@ def test_misuse_raises_before_any_communication(call, exc, match):
         call()
 
 
+@pytest.mark.faults
 def test_options_with_a_bad_device_or_timeout_raise():
     o = dist.ProcessGroupGloo._Options()
     o._devices = ["lo"]

@@ -44,6 +44,7 @@ def test_remote_exception_carries_the_rank_traceback_and_pool_survives():
     assert pool.run(who) == [(0, 2), (1, 2)]
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(60)
 def test_a_hang_kills_the_pool_within_the_timeout():
     pool = get_pool(2, env={"HARNESS_TEST": "hang"})

@@ -135,6 +135,7 @@ def test_ranks_rendezvous_through_the_launchers_environment():
     assert sorted(rank_lines(out.stdout)) == [f"[{r}] rank {r} of 3 read [0, 1, 4]" for r in range(3)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_torchrun_starts_a_collectives_program():
     """A program that imports collectives as dist, launched by torch's own torchrun (whose
@@ -247,6 +248,7 @@ def test_a_failing_rank_stops_the_others_and_is_reported(tmp_path):
     assert len(pids(tmp_path)) == 6
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(60)
 def test_a_rank_that_ignores_sigterm_is_killed(tmp_path):
     t0 = time.monotonic()
@@ -325,6 +327,7 @@ def launch_nodes(n, args, delays=None, timeout=90, per_node=None):
     return [(rc, rank_json(out), err.decode()) for out, err, rc in ended]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_c10d_launchers_number_their_nodes_without_node_rank():
     got = launch_nodes(3, ["--nnodes", "3", "-n", "2", "--rdzv-conf", "close_timeout=5",
@@ -345,6 +348,7 @@ def test_c10d_launchers_number_their_nodes_without_node_rank():
     assert any("node 0 of 3 (round 0)" in err for _, _, err in got)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_c10d_nodes_may_start_different_numbers_of_ranks():
     got = launch_nodes(2, ["--nnodes", "2", "--rdzv-conf", "close_timeout=5", TARGET, "elastic"],
@@ -361,6 +365,7 @@ def test_c10d_nodes_may_start_different_numbers_of_ranks():
         == [0, 1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_c10d_a_failure_restarts_every_node_while_max_restarts_allows():
     got = launch_nodes(2, ["--nnodes", "2", "-n", "1", "--max-restarts", "1",
@@ -379,6 +384,7 @@ def test_c10d_a_failure_restarts_every_node_while_max_restarts_allows():
                for _, _, err in got), got
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_c10d_elastic_range_starts_with_min_and_takes_a_late_node_in():
     # MIN 1, MAX 2: the first node runs alone after last_call_timeout; the second joins
@@ -406,6 +412,7 @@ def test_c10d_on_one_node_with_port_0_as_torchrun_is_often_run():
     assert sorted((d["rank"], d["world"], d["sum"]) for d in got) == [(0, 2, 3), (1, 2, 3)]
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(60)
 def test_c10d_too_few_nodes_fail_after_join_timeout():
     got = launch_nodes(1, ["--nnodes", "2", "-n", "1", "--rdzv-conf",
@@ -415,6 +422,7 @@ def test_c10d_too_few_nodes_fail_after_join_timeout():
     assert "only 1 of at least 2 nodes joined the rendezvous within join_timeout=1 s" in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_c10d_a_signal_ends_launchers_waiting_for_nodes():
     port = free_port()
@@ -443,6 +451,7 @@ def test_c10d_a_signal_ends_launchers_waiting_for_nodes():
     assert host.returncode == 1 and "received SIGINT" in err.decode(), err.decode()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("ending", ["read_timeout", "signal"])
 def test_c10d_a_silent_store_ends_the_other_nodes_part(tmp_path, ending):
@@ -485,6 +494,7 @@ def test_c10d_a_silent_store_ends_the_other_nodes_part(tmp_path, ending):
     assert_all_gone(ranks)
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(60)
 def test_a_launcher_killed_by_sigkill_leaves_no_rank_behind(tmp_path):
     """SIGKILL gives the launcher no chance to clean up: its reaper process kills every

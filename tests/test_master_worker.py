@@ -436,6 +436,7 @@ def _memory_flat_over(job, n, timeout):
     assert after["seq"] - before["seq"] >= 2 * n
 
 
+@pytest.mark.slow  # quick: the 10k sibling
 @pytest.mark.timeout(600)
 def test_worker_memory_flat_over_100k_dropped_tensors(job):
     _memory_flat_over(job, 100_000, 550)
@@ -503,6 +504,7 @@ def test_seed_example_over_tcp(env):
     assert "SEED OK (0, -1) (1, -1)" in out
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_master_crash_on_another_host_leaves_no_worker():
     """Workers on other (faked) hosts cannot watch the master's pid: the closed TCP
@@ -514,6 +516,7 @@ def test_master_crash_on_another_host_leaves_no_worker():
     assert not any(pid_running(p) for p in pids)
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(180)
 def test_killed_worker_raises_on_master_within_timeout():
     j = Job(3, {"MW_TEST_TIMEOUT": "20"})

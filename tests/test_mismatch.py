@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from tests.profiles import examples
 from tests.ranks import available_configs, backend_pool, error_text
+from tests.marks import quick_only
 
 CONFIGS = [c for c in available_configs() if c != "store"]
 GROUP_TIMEOUT_S = 20  # a missed detection fails by this timeout instead of a silent return
@@ -291,7 +292,7 @@ def _mpi_covers(common, odd_spec):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", quick_only([2, 3, 4], 3))
 @pytest.mark.parametrize("name,common,odd_spec", CASES, ids=[c[0] for c in CASES])
 def test_mismatch_raises_on_every_rank(config, n, name, common, odd_spec):
     if not _applies(config, n, common, odd_spec):

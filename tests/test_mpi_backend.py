@@ -24,6 +24,8 @@ from collectives.tensors import Buffer
 from tests.profiles import examples
 from tests.ranks import ROOT, get_pool, mpiexec_path
 
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
 HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
 HAVE_MPI = HAVE_MPI4PY and mpiexec_path() is not None
 needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs mpi4py and mpiexec "
@@ -601,6 +603,7 @@ def test_any_source_receive_reports_the_sender(world):
     assert sorted(got) == [(r, r) for r in range(1, world)]
 
 
+@pytest.mark.faults
 @needs_mpi
 @pytest.mark.timeout(120)
 def test_a_request_wait_is_bounded_by_its_timeout():
@@ -915,6 +918,7 @@ STUCK_PROGRAM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.faults
 @needs_mpi
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("n", [2, 3])

@@ -19,6 +19,8 @@ import pytest
 
 from tests.ranks import ROOT
 
+pytestmark = [pytest.mark.multinode, pytest.mark.faults, pytest.mark.slow]
+
 TARGET = os.path.join(ROOT, "tests", "scripts", "multinode_target.py")
 GROUP_TIMEOUT = 4.0  # the target's
 GRACE = 8.0

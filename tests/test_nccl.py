@@ -11,6 +11,8 @@ from tests.collective_cases import check, run_case
 from tests.ranks import backend_pool
 from tests.test_collectives import MOVING, REDUCING, SHAPES, cases
 
+pytestmark = pytest.mark.gpu
+
 needs_gpu = pytest.mark.skipif(not nccl.is_available(),
                                reason="needs a CUDA device and libnccl (none on this machine)")
 
@@ -192,6 +194,7 @@ except dist.DistBackendError as e:
 """
 
 
+@pytest.mark.faults
 @needs_gpu
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["before_first", "after_first", "watchdog"])

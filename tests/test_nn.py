@@ -227,6 +227,7 @@ def _fixed(world, kind, op, members=None, root=None, shape=(5,), dtype="float64"
 @given(case=nn_cases())
 # always: ties for MAX/MIN (split evenly), zeros in a PRODUCT, a complex PRODUCT (the
 # gradient conjugates), a subgroup's root
+@pytest.mark.slow
 @example(case=_fixed(4, "all_reduce", "MAX"))
 @example(case=_fixed(3, "reduce_scatter", "MIN", shape=(2, 3)))
 @example(case=_fixed(4, "reduce", "PRODUCT", members=[0, 2, 3], root=3))

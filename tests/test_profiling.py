@@ -19,6 +19,7 @@ Properties:
 import pytest
 
 from tests.ranks import available_configs, backend_pool
+from tests.marks import quick_only
 
 torch = pytest.importorskip("torch")
 
@@ -107,7 +108,7 @@ def profiled_case(ctx):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", quick_only([2, 3], 2))
 def test_the_profiler_sees_each_collective_as_one_span(config, world):
     results = backend_pool(config, world).run(profiled_case, timeout=120)
     for rank, (spans, issued, res, b) in enumerate(results):

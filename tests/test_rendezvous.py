@@ -12,6 +12,7 @@ from collectives.rendezvous import env_local_rank, env_rank_world, meet
 from collectives.store import FileStore, HashStore, TCPStore
 from tests.ranks import free_port, get_pool, mpiexec_path
 from tests.requires import needs_gloo
+from tests.marks import quick_only
 
 TORCH_POOL = {"COLLECTIVES_TEST_POOL": "imports torch"}  # keeps the plain pools torch-free
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
@@ -106,6 +107,7 @@ def meet_through_agent_store(ctx, port, rounds):
     return reads
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_ranks_meet_through_torchruns_agent_store(world):
@@ -151,8 +153,8 @@ def init_again_on_the_same_port(ctx, port, rounds, with_torch):
 
 @pytest.mark.timeout(120)
 @needs_gloo
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("with_torch", [False, True], ids=["numpy", "torch"])
+@pytest.mark.parametrize("world", quick_only([2, 3], 3))
+@pytest.mark.parametrize("with_torch", quick_only([False, True], False, ids=["numpy", "torch"]))
 def test_destroy_and_init_again_on_the_same_port(world, with_torch):
     """The ranks that re-initialise first do not join the previous group's server, and
     rank 0's destroy stops that server (with torch imported too, where only the cycle

@@ -266,6 +266,7 @@ def test_a_store_for_an_ipv6_address_listens_there():
 
 # ---- hardened store server -------------------------------------------------------------
 
+@pytest.mark.faults
 @pytest.mark.timeout(60)
 def test_idle_half_open_connections_are_dropped_after_the_handshake_deadline(monkeypatch):
     monkeypatch.setattr(auth, "HANDSHAKE_TIMEOUT", 0.5)
@@ -661,6 +662,8 @@ def test_a_missing_key_file_is_an_error_naming_it(tmp_path):
     assert out.returncode != 0 and "--auth-key-file" in out.stderr and "nope" in out.stderr
 
 
+@pytest.mark.slow  # quick: the key tests on one node
+@pytest.mark.multinode
 @needs_gloo
 @pytest.mark.timeout(240)
 def test_the_c10d_rendezvous_across_two_nodes_uses_the_key(nodes, tmp_path):  # noqa: F811

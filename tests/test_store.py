@@ -238,6 +238,7 @@ def test_get_and_wait_block_until_another_client_sets(kind, tmp_path):
     assert reader.queue_pop("jobs") == b"j1"  # a blocking pop wakes on another client's push
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["tcp", "hash", "file", "prefix"])
 def test_timeouts_raise_dist_store_error_naming_the_keys(kind, tmp_path):
@@ -335,6 +336,7 @@ def test_master_waits_for_workers_and_times_out_naming_them():
     assert time.monotonic() - t0 < 3
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(30)
 def test_client_without_server_raises_network_error_within_timeout():
     port = free_port()  # nobody listens there
@@ -454,6 +456,7 @@ s.get("never-set")
 """
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(60)
 def test_client_killed_while_blocked_in_get_does_not_break_the_server():
     master = TCPStore("127.0.0.1", 0, None, True, timeout=10)
@@ -533,6 +536,7 @@ def test_threads_sharing_one_tcp_store_do_not_block_each_other():
     master.close()
 
 
+@pytest.mark.faults
 def test_server_deadline_heap_drops_answered_waiters():
     """Waits answered long before their deadline do not pile up in the server's heap."""
     from collectives.store import StoreServer, _Waiter

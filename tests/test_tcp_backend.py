@@ -231,6 +231,7 @@ def test_every_collective_equals_the_numpy_reference(case):
     check_collective(*case)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 @pytest.mark.parametrize("kind", ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"])
@@ -405,6 +406,7 @@ def p2p_big_both_ways(ctx, bname, nbytes):
     return bool((y == peer + 1).all() and q.nbytes == nbytes)
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("n", [2, 4])
 def test_both_sides_isend_a_large_message_then_irecv_without_deadlock(n):
@@ -597,6 +599,7 @@ DYING_RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n,nbytes", [(2, 64), (3, 64), (4, 8 << 20)])
 def test_a_peer_that_exits_makes_the_others_raise_within_the_timeout(n, nbytes):

@@ -227,6 +227,7 @@ def ddp_cases(draw, subgroups=True, hooks=False):
     return world, case
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @SETTINGS
 @given(case=ddp_cases())
@@ -247,6 +248,7 @@ def test_ddp_trains_as_one_process_on_all_ranks_data(config, case):
                                        err_msg=f"rank {r} parameter {k} of {case}, world {world}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @settings(SETTINGS, max_examples=examples(16))
 @given(case=ddp_cases(hooks=True))
@@ -297,6 +299,7 @@ def fsdp_case(ctx, case):
     return [p.full_tensor().detach().numpy() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @settings(SETTINGS, max_examples=examples(8))
 @given(case=ddp_cases(subgroups=False), flavor=st.sampled_from(["fsdp1", "fully_shard"]))
@@ -617,6 +620,7 @@ def group_timeout_case(ctx, secs):
     return got
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
 def test_torchs_new_group_of_all_ranks_keeps_its_own_timeout(config, world):
@@ -695,6 +699,7 @@ def life_case(ctx, port, how):
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif("gloo" not in CONFIGS, reason="the gloo configuration is not available")
 def test_who_sets_up_and_tears_down_torchs_default_group():
@@ -713,6 +718,8 @@ def test_who_sets_up_and_tears_down_torchs_default_group():
                    for r in range(3)]
 
 
+@pytest.mark.faults
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif("gloo" not in CONFIGS, reason="the gloo configuration is not available")
 def test_a_peer_that_never_arrives_makes_torchs_calls_raise_within_the_timeout():

@@ -16,6 +16,8 @@ import pytest
 import collectives
 from tests.ranks import free_port
 
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch", reason="the tutorial programs are torch programs")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
