@@ -8,14 +8,14 @@ Run it in pieces::
     pytest -m faults                        # dead peers, cut links, timeouts
     HYPOTHESIS_PROFILE=ci pytest -m "not slow"   # the quick selection at full example counts
 
-Profiles (tests/profiles.py): a run that names none gets ``dev`` (a tenth of each
+Profiles (tests/support/profiles.py): a run that names none gets ``dev`` (a tenth of each
 property test's examples) when its -m expression contains ``not slow``, else ``ci`` (every
 test's own count: ``pytest`` with no -m runs every property at full strength).
     COLLECTIVES_TEST_CONFIGS=gloo pytest    # one backend configuration
 
 Markers (registered in pyproject.toml) are set on the tests themselves: ``@pytest.mark.slow``
 (or ``faults``, ``multinode``, ...) on a test, ``pytestmark = ...`` on a module, and
-``tests/marks.py``'s ``quick_only(values, *quick)`` on a parametrised test whose other
+``tests/support/marks.py``'s ``quick_only(values, *quick)`` on a parametrised test whose other
 parameter values are slow. This file adds two by configuration: a test parametrised by
 ``config`` is ``slow`` on every configuration but the primary one, and ``mpi`` on the mpi
 one. ``mpi``: ranks under mpiexec; ``gpu``: CUDA; ``multinode``: network namespaces;
@@ -26,9 +26,9 @@ import os
 
 import pytest
 
-from tests import profiles
-from tests import ranks
-from tests.ranks import available_configs
+from tests.support import profiles
+from tests.support import ranks
+from tests.support.ranks import available_configs
 
 # The quick suite (-m "not slow") runs every configuration-parametrised test on one
 # configuration, PRIMARY (the default backend, gloo, where it is available); its runs on
@@ -45,7 +45,7 @@ def config(request):
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_pools(request):
-    """At a module's end, close the rank pools that only it uses (tests/ranks.py)."""
+    """At a module's end, close the rank pools that only it uses (tests/support/ranks.py)."""
     yield
     ranks.close_module_pools(request.module.__name__)
 
@@ -141,7 +141,7 @@ def pytest_configure(config):
 def pytest_report_header(config):
     from hypothesis import settings
     import collectives
-    return [f"hypothesis profile: {settings.get_current_profile_name()} (tests/profiles.py)",
+    return [f"hypothesis profile: {settings.get_current_profile_name()} (tests/support/profiles.py)",
             f"collectives {collectives.__version__} from {os.path.dirname(collectives.__file__)}"]
 
 
@@ -183,7 +183,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"rank pools started: {len(ranks.STARTS)} ({len(again)} of them again, after an "
             f"eviction or a kill), {secs:.1f} s until ready "
-            f"(tests/ranks.py; MAX_POOLS={ranks.MAX_POOLS} kept running at once)")
+            f"(tests/support/ranks.py; MAX_POOLS={ranks.MAX_POOLS} kept running at once)")
         verbose = terminalreporter.config.getoption("verbose") > 0
         for key, took, why, test in (ranks.STARTS if verbose else again):
             terminalreporter.write_line(f"  {why:7} {took:5.1f} s  {_pool_name(key)}  ({test})")

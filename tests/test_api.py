@@ -197,10 +197,10 @@ def test_process_group_count_and_backend_config(world):
 
 
 def test_a_third_party_backend_registers_once():
-    import tests.store_backend  # noqa: F401  registers "store"
+    import tests.support.store_backend  # noqa: F401  registers "store"
     assert "store" in backends.registered_backends()
     with pytest.raises(ValueError, match="already registered"):
-        dist.Backend.register_backend("store", tests.store_backend.StoreBackend)
+        dist.Backend.register_backend("store", tests.support.store_backend.StoreBackend)
 
 
 # ---- not initialised, initialised twice, bad init ------------------------------------------

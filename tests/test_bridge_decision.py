@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from tests.ranks import ROOT, free_port
-from tests.requires import needs_gloo
+from tests.support.ranks import ROOT, free_port
+from tests.support.requires import needs_gloo
 
 pytestmark = needs_gloo  # the worlds are gloo's
 

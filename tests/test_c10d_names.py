@@ -5,7 +5,7 @@ import datetime
 import pytest
 
 import collectives
-from tests.ranks import available_configs, backend_pool
+from tests.support.ranks import available_configs, backend_pool
 
 
 def test_the_package_names_and_the_constants_are_there():

@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from tests.profiles import examples
-from tests.ranks import ROOT, free_port
-from tests.requires import needs_gloo
+from tests.support.profiles import examples
+from tests.support.ranks import ROOT, free_port
+from tests.support.requires import needs_gloo
 
 
 def _rings():

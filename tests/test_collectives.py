@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.profiles import examples
-from tests.collective_cases import DTYPES, FACTORS, HAVE_TORCH, LIBS, OPS_FOR, check, family, run_case
-from tests.ranks import available_configs, backend_pool
-from tests.marks import quick_only
+from tests.support.profiles import examples
+from tests.support.collective_cases import DTYPES, FACTORS, HAVE_TORCH, LIBS, OPS_FOR, check, family, run_case
+from tests.support.ranks import available_configs, backend_pool
+from tests.support.marks import quick_only
 
 CONFIGS = available_configs()
 

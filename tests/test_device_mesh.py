@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import collectives as dist
 from collectives.device_mesh import MeshDimError
-from tests.profiles import examples
-from tests.ranks import available_configs, backend_pool, get_pool
-from tests.requires import needs_gloo
+from tests.support.profiles import examples
+from tests.support.ranks import available_configs, backend_pool, get_pool
+from tests.support.requires import needs_gloo
 
 CONFIGS = [c for c in available_configs() if c in ("gloo", "mpi", "gloo-hier")]
 SETTINGS = settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])

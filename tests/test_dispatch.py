@@ -14,7 +14,7 @@ from collectives.errors import DistBackendError
 from collectives.store import HashStore
 from collectives.work import per_call_timeout
 
-from tests.requires import needs_gloo
+from tests.support.requires import needs_gloo
 
 
 @pytest.fixture(params=["c", "python"])

@@ -10,8 +10,8 @@ import pytest
 import collectives
 from collectives import config
 from collectives.envreport import collect, format_text
-from tests.ranks import ROOT
-from tests.requires import HAVE_TORCH, needs_torch
+from tests.support.ranks import ROOT
+from tests.support.requires import HAVE_TORCH, needs_torch
 
 # run in a child as a program would be; "torch" set to None in sys.modules makes its import
 # fail, as where it is not installed

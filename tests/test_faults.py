@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tests.collective_cases import HAVE_TORCH
-from tests.ranks import CONFIGS, ROOT, available_configs, free_port
+from tests.support.collective_cases import HAVE_TORCH
+from tests.support.ranks import CONFIGS, ROOT, available_configs, free_port
 
 pytestmark = pytest.mark.faults
 
@@ -35,9 +35,9 @@ def init_rank():
     import collectives as dist
     backend = os.environ["FAULT_BACKEND"]
     if backend == "store":
-        import tests.store_backend  # noqa: F401
+        import tests.support.store_backend  # noqa: F401
     hosts = os.environ.get("COLLECTIVES_TEST_HOSTS")
-    if hosts:  # gloo-hier: faked hosts, dealt out as tests/ranks.py does
+    if hosts:  # gloo-hier: faked hosts, dealt out as tests/support/ranks.py does
         os.environ["COLLECTIVES_HOST_ID"] = f"host{int(os.environ['RANK']) % int(hosts)}"
     dist.init_process_group(backend, os.environ.get("FAULT_INIT"),
                             timeout=timedelta(seconds=GROUP_TIMEOUT))

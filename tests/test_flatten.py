@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.profiles import examples
+from tests.support.profiles import examples
 
 from collectives import _fallback as fb
 

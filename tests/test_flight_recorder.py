@@ -18,10 +18,10 @@ import time
 import numpy as np
 import pytest
 
-from tests.profiles import examples
-from tests.ranks import CONFIGS, ROOT, available_configs, free_port
-from tests.requires import needs_gloo
-from tests.marks import quick_only
+from tests.support.profiles import examples
+from tests.support.ranks import CONFIGS, ROOT, available_configs, free_port
+from tests.support.requires import needs_gloo
+from tests.support.marks import quick_only
 
 GROUP_TIMEOUT = 2.0
 WORLD = 3
@@ -293,7 +293,7 @@ def test_mpi_dumps_on_demand(tmp_path):
     """mpi under mpiexec (no store): the recorder records and dumps, and the trace reads it."""
     if "mpi" not in available_configs():
         pytest.skip("the mpi configuration is not available (mpi4py and mpiexec)")
-    from tests.ranks import mpiexec_path
+    from tests.support.ranks import mpiexec_path
     prefix = str(tmp_path / "mpi-rank")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", COLLECTIVES_FR_DUMP=prefix)
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_FR_DUMP_TEMP_FILE"):
@@ -333,7 +333,7 @@ def test_mpi_watchdog_dumps_before_it_ends_the_job(tmp_path):
     whose call hung leaves its dump first."""
     if "mpi" not in available_configs():
         pytest.skip("the mpi configuration is not available (mpi4py and mpiexec)")
-    from tests.ranks import mpiexec_path
+    from tests.support.ranks import mpiexec_path
     prefix = str(tmp_path / "hang-rank")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", COLLECTIVES_FR_DUMP=prefix)
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCH_FR_DUMP_TEMP_FILE",

@@ -14,8 +14,8 @@ import pytest
 
 import collectives as dist
 from collectives.store import HashStore
-from tests.ranks import get_pool, ipv4_interfaces
-from tests.requires import needs_gloo
+from tests.support.ranks import get_pool, ipv4_interfaces
+from tests.support.requires import needs_gloo
 
 pytestmark = needs_gloo
 

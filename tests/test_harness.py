@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from tests.ranks import RankError, get_pool, mpiexec_path
+from tests.support.ranks import RankError, get_pool, mpiexec_path
 
 
 def who(ctx):

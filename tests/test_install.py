@@ -12,7 +12,7 @@ import pytest
 import collectives
 from collectives import config
 from tests.conftest import installed_checkout
-from tests.ranks import ROOT
+from tests.support.ranks import ROOT
 
 DIST = importlib.metadata.distribution("collectives")
 

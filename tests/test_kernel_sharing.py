@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 import collectives  # noqa: F401  (first: COLLECTIVES_NO_EXTENSIONS hides the extensions on import)
-from tests.ranks import ROOT, backend_pool, config_available
+from tests.support.ranks import ROOT, backend_pool, config_available
 
 core = pytest.importorskip("collectives._core", reason="build it: setup.py build_ext --inplace")
 

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from tests.ranks import free_port
-from tests.requires import needs_gloo
+from tests.support.ranks import free_port
+from tests.support.requires import needs_gloo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGET = os.path.join(ROOT, "tests", "scripts", "launch_target.py")
+TARGET = os.path.join(ROOT, "tests", "support", "scripts", "launch_target.py")
 
 
 def _env(**extra):
@@ -156,7 +156,7 @@ def test_torchrun_starts_a_collectives_program():
 
 @pytest.mark.timeout(60)
 def test_module_and_no_python_forms():
-    out = launch(["--nproc-per-node", "2", "-m", "tests.scripts.launch_target", "env"])
+    out = launch(["--nproc-per-node", "2", "-m", "tests.support.scripts.launch_target", "env"])
     assert out.returncode == 0, out.stderr.decode()
     assert len(rank_lines(out.stdout)) == 2
     out = launch(["--nproc-per-node", "2", "--no-python", "--no-prefix", "sh", "-c", "echo rank=$RANK"])

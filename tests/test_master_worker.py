@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import collectives as dist
 import collectives.master_worker as mw
 from tests import mw_job
-from tests.requires import needs_gloo
+from tests.support.requires import needs_gloo
 
 pytestmark = needs_gloo  # the jobs' process group is gloo's
 

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.requires import needs_gloo
+from tests.support.requires import needs_gloo
 from tests.test_master_worker import ROOT, Job
 
 pytestmark = needs_gloo

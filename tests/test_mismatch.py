@@ -8,16 +8,16 @@ path), a rank's buffer is left as it was unless it legitimately received the roo
 Calls with equal fingerprints still work, shapes with equal element counts included.
 
 Each example runs in a fresh group (new_group), destroyed afterwards, inside ranks that
-stay up (tests/ranks.py). The module runs on every CPU configuration; "store" is the
+stay up (tests/support/ranks.py). The module runs on every CPU configuration; "store" is the
 harness's reference backend, not a transport, and is left out.
 """
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.profiles import examples
-from tests.ranks import available_configs, backend_pool, error_text
-from tests.marks import quick_only
+from tests.support.profiles import examples
+from tests.support.ranks import available_configs, backend_pool, error_text
+from tests.support.marks import quick_only
 
 CONFIGS = [c for c in available_configs() if c != "store"]
 GROUP_TIMEOUT_S = 20  # a missed detection fails by this timeout instead of a silent return

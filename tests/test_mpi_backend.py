@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from collectives import dtypes as D
 from collectives.tensors import Buffer
-from tests.profiles import examples
-from tests.ranks import ROOT, get_pool, mpiexec_path
+from tests.support.profiles import examples
+from tests.support.ranks import ROOT, get_pool, mpiexec_path
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -881,7 +881,7 @@ def test_an_mpi_subgroup_of_a_gloo_world_builds_its_communicator_through_the_sto
     in MPI_Init (which is collective over every process mpiexec started)."""
     if not front_end_built():
         pytest.skip("the front end (init_process_group) is not built yet")
-    from tests.ranks import free_port
+    from tests.support.ranks import free_port
     p = run_under_mpiexec(STORE_GROUP_PROGRAM, 3, {"MASTER_ADDR": "127.0.0.1",
                                                    "MASTER_PORT": str(free_port())},
                           args=["init-mpi" if init_mpi else "no-init"])

@@ -17,11 +17,11 @@ import time
 
 import pytest
 
-from tests.ranks import ROOT
+from tests.support.ranks import ROOT
 
 pytestmark = [pytest.mark.multinode, pytest.mark.faults, pytest.mark.slow]
 
-TARGET = os.path.join(ROOT, "tests", "scripts", "multinode_target.py")
+TARGET = os.path.join(ROOT, "tests", "support", "scripts", "multinode_target.py")
 GROUP_TIMEOUT = 4.0  # the target's
 GRACE = 8.0
 ADDRS = ("10.213.0.1", "10.213.0.2")

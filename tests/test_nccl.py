@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings
 
 import collectives as dist
 from collectives.backends import nccl
-from tests.profiles import examples
-from tests.collective_cases import check, run_case
-from tests.ranks import backend_pool
+from tests.support.profiles import examples
+from tests.support.collective_cases import check, run_case
+from tests.support.ranks import backend_pool
 from tests.test_collectives import MOVING, REDUCING, SHAPES, cases
 
 pytestmark = pytest.mark.gpu
@@ -68,7 +68,7 @@ def test_single_rank_collectives_on_cuda_tensors():
         dist.destroy_process_group()
 
 
-# ---- several ranks on CUDA tensors (ranks may share one GPU: see tests/ranks.py) --------------
+# ---- several ranks on CUDA tensors (ranks may share one GPU: see tests/support/ranks.py) --------------
 
 NCCL_DTYPES = ["float16", "bfloat16", "float32", "float64", "complex64", "complex128",
                "int8", "uint8", "int32", "int64", "bool"]
@@ -203,7 +203,7 @@ def test_a_dead_peer_makes_the_survivor_raise_within_the_timeout(tmp_path, mode)
     import subprocess
     import sys
 
-    from tests.ranks import ROOT, free_port
+    from tests.support.ranks import ROOT, free_port
     script = tmp_path / "peer.py"
     script.write_text(PEER_DIES)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",

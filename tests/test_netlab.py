@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from tests.ranks import ROOT
-from tests.requires import needs_gloo
+from tests.support.ranks import ROOT
+from tests.support.requires import needs_gloo
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import model  # noqa: E402

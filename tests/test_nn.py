@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import collectives as dist
-from tests.profiles import examples
-from tests.ranks import available_configs, backend_pool
+from tests.support.profiles import examples
+from tests.support.ranks import available_configs, backend_pool
 
 torch = pytest.importorskip("torch", reason="autograd collectives need torch")
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.profiles import examples
-from tests.ranks import available_configs, backend_pool
+from tests.support.profiles import examples
+from tests.support.ranks import available_configs, backend_pool
 
 CONFIGS = available_configs()
 

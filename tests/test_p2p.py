@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.profiles import examples
-from tests.collective_cases import (DTYPES, HAVE_TORCH, LIBS, assert_close, from_lib, gen, to_lib,
+from tests.support.profiles import examples
+from tests.support.collective_cases import (DTYPES, HAVE_TORCH, LIBS, assert_close, from_lib, gen, to_lib,
                                     value_dtype)
-from tests.ranks import available_configs, backend_pool
+from tests.support.ranks import available_configs, backend_pool
 
 CONFIGS = available_configs()
 

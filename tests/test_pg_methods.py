@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 import collectives as dist
-from tests.marks import quick_only
-from tests.ranks import available_configs, backend_pool
-from tests.requires import needs_torch
+from tests.support.marks import quick_only
+from tests.support.ranks import available_configs, backend_pool
+from tests.support.requires import needs_torch
 
 CONFIGS = [c for c in available_configs() if c in ("gloo", "gloo-tcp", "mpi")]
 WORLD = 4

@@ -18,8 +18,8 @@ Properties:
 """
 import pytest
 
-from tests.ranks import available_configs, backend_pool
-from tests.marks import quick_only
+from tests.support.ranks import available_configs, backend_pool
+from tests.support.marks import quick_only
 
 torch = pytest.importorskip("torch")
 

@@ -10,9 +10,9 @@ import pytest
 from collectives.errors import DistNetworkError, DistStoreError
 from collectives.rendezvous import env_local_rank, env_rank_world, meet
 from collectives.store import FileStore, HashStore, TCPStore
-from tests.ranks import free_port, get_pool, mpiexec_path
-from tests.requires import needs_gloo
-from tests.marks import quick_only
+from tests.support.ranks import free_port, get_pool, mpiexec_path
+from tests.support.requires import needs_gloo
+from tests.support.marks import quick_only
 
 TORCH_POOL = {"COLLECTIVES_TEST_POOL": "imports torch"}  # keeps the plain pools torch-free
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",

@@ -30,11 +30,11 @@ from collectives.store import (
 from collectives.store import server as store_server
 from tests import test_multinode as mn
 from tests.test_multinode import nodes  # noqa: F401  (the two network namespaces)
-from tests.profiles import examples  # noqa: E402
-from tests.requires import needs_gloo  # noqa: E402
+from tests.support.profiles import examples  # noqa: E402
+from tests.support.requires import needs_gloo  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGET = os.path.join(ROOT, "tests", "scripts", "security_target.py")
+TARGET = os.path.join(ROOT, "tests", "support", "scripts", "security_target.py")
 KEY = b"0123456789abcdef0123456789abcdef"
 
 

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from collectives import dtypes as D
 from collectives.tensors import to_buffer
-from tests.profiles import examples
-from tests.ranks import RankError, free_port, get_pool
-from tests.marks import quick_only
+from tests.support.profiles import examples
+from tests.support.ranks import RankError, free_port, get_pool
+from tests.support.marks import quick_only
 
 pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
 
@@ -698,7 +698,7 @@ def frontend_p2p_and_all_reduce(ctx):
 def test_frontend_default_backend(config):
     """`import collectives as dist` with torch tensors, on shared memory and forced TCP."""
     pytest.importorskip("torch")
-    from tests.ranks import backend_pool, config_available
+    from tests.support.ranks import backend_pool, config_available
     ok, why = config_available(config)
     if not ok:
         pytest.skip(why)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from collectives.launcher.hostlist import (derive_master, expand_hostlist, first_host,
                                            slurm_port)
 from collectives.rendezvous import meet
-from tests.ranks import ROOT, free_port, mpiexec_path
-from tests.requires import needs_gloo
+from tests.support.ranks import ROOT, free_port, mpiexec_path
+from tests.support.requires import needs_gloo
 
 PROGRAM = os.path.join(ROOT, "examples", "numpy_allreduce.py")
 EXPECTED = "all_reduce 10, broadcast [0, 1, 2], all_gather [0, 10, 20, 30]"

@@ -20,8 +20,8 @@ from collectives.store import (
     OP_GET, OP_SET, PROTOCOL_VERSION, FileStore, HashStore, PrefixStore, QueueEmptyError, Store,
     TCPStore, encode_request,
 )
-from tests.profiles import examples
-from tests.ranks import free_port
+from tests.support.profiles import examples
+from tests.support.ranks import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = 0.02  # the timeout of gets of missing keys in the model test

@@ -27,8 +27,8 @@ from hypothesis import strategies as st  # noqa: E402
 from collectives import dtypes as D  # noqa: E402
 from collectives.errors import DistBackendError  # noqa: E402
 from collectives.tensors import Buffer  # noqa: E402
-from tests.profiles import examples  # noqa: E402
-from tests.ranks import ROOT, get_pool, ipv4_interfaces  # noqa: E402
+from tests.support.profiles import examples  # noqa: E402
+from tests.support.ranks import ROOT, get_pool, ipv4_interfaces  # noqa: E402
 
 NP_OF = {D.FLOAT16: np.float16, D.BFLOAT16: np.uint16, D.FLOAT32: np.float32,
          D.FLOAT64: np.float64, D.COMPLEX64: np.complex64, D.COMPLEX128: np.complex128,
@@ -603,7 +603,7 @@ DYING_RANK = textwrap.dedent("""
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n,nbytes", [(2, 64), (3, 64), (4, 8 << 20)])
 def test_a_peer_that_exits_makes_the_others_raise_within_the_timeout(n, nbytes):
-    from tests.ranks import free_port
+    from tests.support.ranks import free_port
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [subprocess.Popen([sys.executable, "-c", DYING_RANK, str(r), str(n), str(port), str(nbytes)],

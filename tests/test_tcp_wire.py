@@ -30,8 +30,8 @@ from hypothesis import strategies as st  # noqa: E402
 from collectives import _tcp  # noqa: E402
 from collectives import dtypes as D  # noqa: E402
 from collectives import fingerprint as F  # noqa: E402
-from tests.profiles import examples  # noqa: E402
-from tests.ranks import available_configs, backend_pool, error_text, get_pool  # noqa: E402
+from tests.support.profiles import examples  # noqa: E402
+from tests.support.ranks import available_configs, backend_pool, error_text, get_pool  # noqa: E402
 
 GROUP_TIMEOUT_S = 60  # longer than a pool call: a rank left waiting fails the test, not slowly
 CALL_TIMEOUT_S = 45

@@ -62,7 +62,7 @@ def test_what_cannot_be_a_buffer_is_named(bad, exc, match):
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from tests.profiles import examples  # noqa: E402
+from tests.support.profiles import examples  # noqa: E402
 
 from collectives import _frontend, tensors  # noqa: E402
 from collectives.tensors import Buffer, _PyBuffer  # noqa: E402

@@ -39,8 +39,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.profiles import examples
-from tests.ranks import available_configs, backend_pool, free_port, get_pool
+from tests.support.profiles import examples
+from tests.support.ranks import available_configs, backend_pool, free_port, get_pool
 
 torch = pytest.importorskip("torch")
 

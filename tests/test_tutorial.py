@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import collectives
-from tests.ranks import free_port
+from tests.support.ranks import free_port
 
 pytestmark = pytest.mark.slow
 

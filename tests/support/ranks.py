@@ -32,7 +32,8 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Client, Listener
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import ROOT
+
 START_TIMEOUT = float(os.environ.get("COLLECTIVES_TEST_START_TIMEOUT", "120"))
 GROUP_TIMEOUT = float(os.environ.get("COLLECTIVES_TEST_GROUP_TIMEOUT", "30"))
 MAX_POOLS = int(os.environ.get("COLLECTIVES_TEST_MAX_POOLS", "24"))
@@ -106,7 +107,7 @@ class RankPool:
             "COLLECTIVES_POOL_KEY": key.hex(),
         })
         base_env.update(env or {})
-        worker = [sys.executable, "-m", "tests.ranks"]
+        worker = [sys.executable, "-m", "tests.support.ranks"]
         self._procs = []
         if launcher == "mpiexec":
             mpiexec = mpiexec_path()
@@ -353,7 +354,7 @@ def config_available(name):
     if not hasattr(importlib.import_module("collectives"), "init_process_group"):
         return False, "the front end (init_process_group) is not built yet"
     if name == "store":
-        return _has("tests/store_backend.py"), "tests/store_backend.py missing"
+        return _has("tests/support/store_backend.py"), "tests/support/store_backend.py missing"
     if name == "gloo":
         return _ext_built("_tcp"), "collectives._tcp is not built"
     if name in ("gloo-tcp", "gloo-hier"):
@@ -384,7 +385,7 @@ def init_config(ctx, config):
     import collectives
     backend = CONFIGS[config][0]
     if backend == "store":
-        import tests.store_backend  # noqa: F401  (registers the 'store' backend)
+        import tests.support.store_backend  # noqa: F401  (registers the 'store' backend)
     hosts = os.environ.get("COLLECTIVES_TEST_HOSTS")
     if hosts:  # fake that many hosts, ranks dealt out in turn
         os.environ["COLLECTIVES_HOST_ID"] = f"host{ctx.rank % int(hosts)}"

@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from tests.ranks import config_available
+from tests.support.ranks import config_available
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="needs torch (pip install 'collectives[torch]')")

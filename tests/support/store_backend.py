@@ -2,7 +2,7 @@
 
 Importing this module registers it as ``"store"``::
 
-    import tests.store_backend
+    import tests.support.store_backend
     dist.init_process_group("store", ...)
 
 Every operation moves its bytes through the group's store with set/get, so it is

@@ -3,9 +3,9 @@ test_distributed_spawn) with its process groups on collectives. Opt-in, not part
 pytest run: it takes 10-25 minutes on 2 cores, and needs ``expecttest`` (``pip install
 expecttest``) besides torch.
 
-    .venv/bin/python tests/scripts/torch_suite.py                   # as gloo, world 2
-    .venv/bin/python tests/scripts/torch_suite.py --world 3 -k test_all_reduce
-    .venv/bin/python tests/scripts/torch_suite.py --as collectives  # BACKEND=collectives
+    .venv/bin/python tests/support/scripts/torch_suite.py                   # as gloo, world 2
+    .venv/bin/python tests/support/scripts/torch_suite.py --world 3 -k test_all_reduce
+    .venv/bin/python tests/support/scripts/torch_suite.py --as collectives  # BACKEND=collectives
 
 ``--as gloo`` (the default) sets torch's ``BACKEND=gloo``, so that the tests torch runs
 on its gloo run here too, and turns ``torch.distributed.init_process_group("gloo")`` into
