@@ -32,7 +32,7 @@ SETTINGS = settings(max_examples=examples(8), deadline=None, derandomize=False,
 @st.composite
 def steps(draw, kinds, n, dtypes=DTYPES, ops=OPS_FOR, libs=LIBS, shapes=SHAPES):
     """One step; ``dtypes``, ``ops`` (per dtype family), ``libs`` and ``shapes`` narrow it
-    to what a backend takes (tests/test_nccl.py: CUDA tensors and NCCL's types and ops)."""
+    to what a backend takes (tests/backends/test_nccl.py: CUDA tensors and NCCL's types and ops)."""
     kind = draw(st.sampled_from(kinds))
     dtype = draw(st.sampled_from(dtypes))
     step = {

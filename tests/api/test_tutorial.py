@@ -14,13 +14,13 @@ import sys
 
 import pytest
 import collectives
+from tests.support import ROOT
 from tests.support.ranks import free_port
 
 pytestmark = pytest.mark.slow
 
 torch = pytest.importorskip("torch", reason="the tutorial programs are torch programs")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_IMPORT = "import torch.distributed as dist"
 OUR_IMPORT = "import collectives as dist"
 

@@ -153,7 +153,7 @@ def run_world(config, mode, op, world=WORLD, victim=VICTIM, **extra):
                    FAULT_MODE=mode, FAULT_BACKEND=backend, FAULT_OP=op, OMP_NUM_THREADS="1",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra_env,
                    **extra)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.test_faults"], env=env, cwd=ROOT,
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.backends.test_faults"], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = {}
     try:

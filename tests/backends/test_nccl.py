@@ -9,7 +9,7 @@ from collectives.backends import nccl
 from tests.support.profiles import examples
 from tests.support.collective_cases import check, run_case
 from tests.support.ranks import backend_pool
-from tests.test_collectives import MOVING, REDUCING, SHAPES, cases
+from tests.api.test_collectives import MOVING, REDUCING, SHAPES, cases
 
 pytestmark = pytest.mark.gpu
 

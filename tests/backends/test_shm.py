@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from collectives import dtypes as D
 from collectives.tensors import to_buffer
+from tests.support import ROOT
 from tests.support.profiles import examples
 from tests.support.ranks import RankError, free_port, get_pool
 from tests.support.marks import quick_only
@@ -551,7 +552,7 @@ def test_survivors_raise_within_timeout(tmp_path):
     import sys
     script = tmp_path / "survivors.py"
     script.write_text(_SURVIVOR_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    env = dict(os.environ, PYTHONPATH=ROOT,
                SURVIVOR_PORT=str(free_port()))
     before = shm_segments()
     p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
@@ -630,7 +631,7 @@ def _start_creator(name):
     import subprocess
     import sys
     p = subprocess.Popen([sys.executable, "-c", _CREATOR_SCRIPT, name], stdout=subprocess.PIPE,
-                         text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         text=True, cwd=ROOT)
     assert p.stdout.readline().strip() == "created"
     return p
 

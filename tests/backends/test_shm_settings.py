@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
 
 from collectives._shm import ShmComm, unlink  # noqa: E402
+from tests.support import ROOT  # noqa: E402
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                   "collectives", "src")
+SRC = os.path.join(ROOT, "collectives", "src")
 
 
 def test_the_engine_reads_no_environment_variable():

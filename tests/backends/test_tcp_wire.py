@@ -278,7 +278,7 @@ def test_a_p2p_receive_of_a_longer_message_or_another_dtype_raises_naming_both()
 # ---- mismatched collectives through the front end --------------------------------------
 
 # the nine cases of issue 28's table: (name, most ranks' call, the odd rank's call)
-from tests.test_mismatch import NINE  # noqa: E402
+from tests.diagnostics.test_mismatch import NINE  # noqa: E402
 
 MORE = [
     ("scatter_root", dict(kind="scatter", dtype="float64", count=9, root=0),

@@ -2,7 +2,7 @@
 
 The kernels are compiled once, into ``_core``; ``_tcp`` and ``_shm`` call them through the
 table ``_core`` exports (the capsule ``collectives._core._C_API``). So forcing an instruction
-set in ``_core`` (as tests/test_kernels.py does) switches what the TCP algorithms and the
+set in ``_core`` (as tests/core/test_kernels.py does) switches what the TCP algorithms and the
 shared-memory collectives run, and their results on every forced set equal NumPy's.
 """
 import importlib.util

@@ -3,7 +3,6 @@
 Each property first, then the examples that pin it down. Float results are compared
 bit for bit (NaN compared as NaN, payload ignored; -0.0 differs from 0.0).
 """
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.support import ROOT
 from tests.support.profiles import examples
 
 from collectives import _fallback as fb
@@ -596,8 +596,7 @@ def test_import_and_reduce_without_torch():
         assert "torch" not in sys.modules
         print("ok")
     """)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=50)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

@@ -5,7 +5,7 @@ Property: when one rank of a job skips a collective, calls a different one, or d
 rank that could dumps its recent calls, ``collectives-trace`` over the dumps alone names
 the rank and what it did instead, and a rank whose call timed out says in its error which
 ranks did not join and where they are. Ranks are plain processes (one may die), as in
-tests/test_faults.py; the group timeout is short.
+tests/backends/test_faults.py; the group timeout is short.
 """
 import json
 import os
@@ -119,9 +119,9 @@ def spawn(config, module_fn, world, **env_extra):
         for k in ("TORCH_FR_DUMP_TEMP_FILE", "COLLECTIVES_FR_DUMP", "TORCH_FR_BUFFER_SIZE"):
             if k not in env_extra:
                 env.pop(k, None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.test_flight_recorder"], env=env,
-                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.diagnostics.test_flight_recorder"],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
     return procs
 
 

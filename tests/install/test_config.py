@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from collectives import config
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = re.compile(r"COLLECTIVES_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_*])")  # not a prefix such as COLLECTIVES_SHM_*
 SOURCE_EXT = (".py", ".pyx", ".pxi", ".pxd", ".c", ".h")
 

@@ -85,7 +85,7 @@ def test_with_torch_the_report_gives_its_version_and_the_bridge():
 
 
 def test_settings_that_differ_are_listed_with_their_source_and_secrets_are_hidden():
-    typo = "COLLECTIVES_" + "TPC_SPIN_US"  # in two parts: tests/test_config.py finds whole names
+    typo = "COLLECTIVES_" + "TPC_SPIN_US"  # in two parts: tests/install/test_config.py finds whole names
     env = {"COLLECTIVES_TCP_SPIN_US": "7", "COLLECTIVES_SHM_ONESHOT_MAX": "65536",
            "TORCH_FR_BUFFER_SIZE": "3", "COLLECTIVES_AUTH_KEY": "s3cr3t-key",
            "COLLECTIVES_SHM_STREAM": "9", typo: "1"}

@@ -3,7 +3,8 @@ inside functions (issue: a cycle closed by deferred imports is still a cycle to 
 import ast
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import ROOT
+
 PKG = os.path.join(ROOT, "collectives")
 
 

@@ -1,10 +1,10 @@
 """A master-worker job for tests: every rank runs this module; the master serves calls
 from the test process (functions of this module, by name), the other ranks are workers.
 
-    python -m tests.mw_job            # env: RANK, WORLD_SIZE, MASTER_ADDR/PORT,
+    python -m tests.master_worker.mw_job            # env: RANK, WORLD_SIZE, MASTER_ADDR/PORT,
                                       # MW_TEST_ADDR, MW_TEST_KEY (the test's listener)
 
-Also the scripts of the lifecycle tests: ``python -m tests.mw_job <scenario>``.
+Also the scripts of the lifecycle tests: ``python -m tests.master_worker.mw_job <scenario>``.
 """
 import operator
 import os
@@ -670,8 +670,8 @@ def numpy_functions_case():
 
 
 def call_opinfo(which):
-    """tests/mw_opinfo.py's sweep on this master: the quick slice, or 'all'."""
-    from tests import mw_opinfo
+    """tests/master_worker/mw_opinfo.py's sweep on this master: the quick slice, or 'all'."""
+    from tests.master_worker import mw_opinfo
     s = mw_opinfo.sweep(None if which == "all" else mw_opinfo.QUICK)
     return {k: s[k] for k in ("ops", "passed", "counted", "fraction", "fail_classes", "results")}
 

@@ -1,9 +1,9 @@
 """torch's OpInfo database run on remote tensors: every sample input of every OpInfo that
 supports float32 on the CPU, once on a worker node and once locally, compared.
 
-Runs on a torch-mode master (from tests/mw_job.py, or alone as the sweep's bench run):
+Runs on a torch-mode master (from tests/master_worker/mw_job.py, or alone as the sweep's bench run):
 
-    collectives-run -n 2 -m tests.mw_opinfo [--out bench/results/<date>-mw-opinfo.md]
+    collectives-run -n 2 -m tests.master_worker.mw_opinfo [--out bench/results/<date>-mw-opinfo.md]
                                             [--ops name,name] [--samples N]
 
 An OpInfo passes when all its samples give torch's result (bit-exact, or within
@@ -216,7 +216,7 @@ def report(summary, args):
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     lines.append(f"# Master-worker: torch's OpInfo samples on a remote tensor ({datetime.date.today()})\n")
-    lines.append(f"- command: `collectives-run -n 2 -m tests.mw_opinfo --samples {args.samples}"
+    lines.append(f"- command: `collectives-run -n 2 -m tests.master_worker.mw_opinfo --samples {args.samples}"
                  f"{' --out ' + args.out if args.out else ''}`")
     lines.append(f"- commit: {commit}; torch {torch.__version__}; {platform.machine()}, "
                  f"{os.cpu_count()} cores, {platform.platform()}")

@@ -1,7 +1,7 @@
 """Master-worker mode (issue 31): remote tensors driven from rank 0.
 
 One job (a master and two worker nodes, plain env:// ranks) is started per module and
-reused: its master runs functions of tests/mw_job.py sent from here, and the property
+reused: its master runs functions of tests/master_worker/mw_job.py sent from here, and the property
 tests compare what comes back with the same program run on local NumPy arrays. The
 lifecycle tests start their own small jobs and check that no process is left behind.
 """
@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 import collectives as dist
 import collectives.master_worker as mw
-from tests import mw_job
+from tests.support import ROOT
+from tests.master_worker import mw_job
 from tests.support.requires import needs_gloo
 
 pytestmark = needs_gloo  # the jobs' process group is gloo's
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = int(os.environ.get("MW_TEST_EXAMPLES", "25"))
 HYP = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -56,13 +56,13 @@ def _default_sigint():
 
 
 def spawn(world, args, extra=None):
-    """``world`` ranks of ``python -m tests.mw_job *args`` (env://), their own sessions."""
+    """``world`` ranks of ``python -m tests.master_worker.mw_job *args`` (env://), their own sessions."""
     env = _env(world, extra)
     procs = []
     for r in range(world):  # "{rank}" in an extra value becomes the rank (fake hosts)
         e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
         e.update({k: v.format(rank=r) for k, v in (extra or {}).items() if "{rank}" in v})
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.mw_job", *args], env=e,
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.master_worker.mw_job", *args], env=e,
                                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True,
                                       preexec_fn=_default_sigint))
@@ -540,7 +540,7 @@ def test_seed_example_under_collectives_run():
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
     p = subprocess.run([sys.executable, "-m", "collectives.run", "--nproc-per-node", "3",
-                        "-m", "tests.mw_job", "seed"], env=env, cwd=ROOT, capture_output=True,
+                        "-m", "tests.master_worker.mw_job", "seed"], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=150)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "SEED OK (0, -1) (1, -1)" in p.stdout
@@ -559,7 +559,7 @@ def test_seed_example_under_mpiexec(backend):
     env = _env(3, {"MW_TEST_BACKEND": backend})
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
-    p = subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "tests.mw_job", "seed"],
+    p = subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "tests.master_worker.mw_job", "seed"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "SEED OK (0, -1) (1, -1)" in p.stdout

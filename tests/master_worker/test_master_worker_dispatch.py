@@ -5,7 +5,7 @@ their node through ``__torch_function__``; NumPy's ufuncs and array functions th
 ``__array_ufunc__``/``__array_function__``. The wire names the function and the worker
 checks the name against an allow-list built from the libraries' own lists. One torch job
 (a master and two worker nodes) serves every test of this module; its master runs
-functions of tests/mw_job.py. NumPy mode's cases run in test_master_worker.py's job.
+functions of tests/master_worker/mw_job.py. NumPy mode's cases run in test_master_worker.py's job.
 """
 import os
 import subprocess
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.support.requires import needs_gloo
-from tests.test_master_worker import ROOT, Job
+from tests.master_worker.test_master_worker import ROOT, Job
 
 pytestmark = needs_gloo
 

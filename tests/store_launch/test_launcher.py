@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from tests.support import ROOT
 from tests.support.ranks import free_port
 from tests.support.requires import needs_gloo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "tests", "support", "scripts", "launch_target.py")
 
 

@@ -28,12 +28,12 @@ from collectives.store import (
     MAX_FRAME, OP_GET, OP_SET, PROTOCOL_VERSION, HashStore, PrefixStore, TCPStore, encode_request,
 )
 from collectives.store import server as store_server
-from tests import test_multinode as mn
-from tests.test_multinode import nodes  # noqa: F401  (the two network namespaces)
+from tests.support import ROOT  # noqa: E402
+from tests.store_launch import test_multinode as mn
+from tests.store_launch.test_multinode import nodes  # noqa: F401  (the two network namespaces)
 from tests.support.profiles import examples  # noqa: E402
 from tests.support.requires import needs_gloo  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "tests", "support", "scripts", "security_target.py")
 KEY = b"0123456789abcdef0123456789abcdef"
 

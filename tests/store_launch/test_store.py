@@ -20,10 +20,10 @@ from collectives.store import (
     OP_GET, OP_SET, PROTOCOL_VERSION, FileStore, HashStore, PrefixStore, QueueEmptyError, Store,
     TCPStore, encode_request,
 )
+from tests.support import ROOT
 from tests.support.profiles import examples
 from tests.support.ranks import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = 0.02  # the timeout of gets of missing keys in the model test
 
 # ---- the model test: several clients, interleaved operations, against a dict -------------

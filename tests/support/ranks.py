@@ -330,7 +330,7 @@ CONFIGS = {
     "mpi": ("mpi", "mpiexec", {}),
     # CUDA tensors through NCCL; ranks that share a GPU each name a host of their own to
     # NCCL (NCCL_HOSTID), which refuses two ranks of one host on one device, so they talk
-    # through its socket transport on loopback. Run by tests/test_nccl.py only.
+    # through its socket transport on loopback. Run by tests/backends/test_nccl.py only.
     "nccl": ("nccl", "spawn", {"NCCL_SOCKET_IFNAME": "lo"}),
 }
 # configurations that take CUDA tensors: not in the generic suites' default list

@@ -1,4 +1,4 @@
-"""A rank of tests/test_multinode.py's jobs: ``multinode_target.py MODE DIR``.
+"""A rank of tests/store_launch/test_multinode.py's jobs: ``multinode_target.py MODE DIR``.
 
 check: every collective and a ring of point-to-point messages, against a NumPy
     reference; prints one JSON line (host name, backend, mismatches).

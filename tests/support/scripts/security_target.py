@@ -1,4 +1,4 @@
-"""A job for tests/test_security.py, run under collectives-run with the TCP transport.
+"""A job for tests/store_launch/test_security.py, run under collectives-run with the TCP transport.
 
     security_target.py MODE INIT DIR
 
