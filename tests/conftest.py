@@ -26,7 +26,7 @@ import os
 
 import pytest
 
-from tests.support import profiles
+from tests.support import installed_checkout, profiles
 from tests.support import ranks
 from tests.support.ranks import available_configs
 
@@ -98,24 +98,6 @@ def pytest_cmdline_main(config):
         opt.dist = "loadfile"
 
 
-# Tests that read the checkout's own files (sources, docs): the installed leg copies only
-# tests/, examples/ and bench/ out of the tree, so they skip there, saying so.
-SOURCE_TREE_TESTS = {
-    "test_layers",
-    "test_config::test_every_name_in_the_source_is_declared",
-    "test_config::test_every_declared_name_is_read_somewhere",
-    "test_config::test_generated_page_is_current",
-    "test_shm_settings::test_the_engine_reads_no_environment_variable",
-    "test_install::test_the_first_program_in_the_docs_is_the_example_file",
-}
-
-
-def installed_checkout():
-    """The checkout that .ci/run's installed leg built the wheel from
-    (COLLECTIVES_TEST_INSTALLED), or None in an ordinary run."""
-    return os.environ.get("COLLECTIVES_TEST_INSTALLED") or None
-
-
 def _check_installed():
     """In the installed leg, the tests must import the wheel's package from site-packages,
     never the checkout's: a file missing from the wheel must fail there."""
@@ -147,20 +129,13 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     primary = _primary()
-    installed = installed_checkout() is not None
     for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
-        name = getattr(item, "originalname", None) or item.name
         callspec = getattr(item, "callspec", None)
         cfg = callspec.params.get("config") if callspec is not None else None
         if cfg == "mpi":
             item.add_marker("mpi")
         if cfg is not None and cfg != primary:
             item.add_marker("slow")
-        if installed and (module in SOURCE_TREE_TESTS or f"{module}::{name}" in SOURCE_TREE_TESTS):
-            item.add_marker(pytest.mark.skip(
-                reason="reads the checkout's sources or docs; the installed leg runs the tests "
-                       "outside it"))
 
 
 @pytest.hookimpl(tryfirst=True)

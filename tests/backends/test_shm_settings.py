@@ -17,10 +17,12 @@ pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLEC
 
 from collectives._shm import ShmComm, unlink  # noqa: E402
 from tests.support import ROOT  # noqa: E402
+from tests.support.requires import needs_source_tree  # noqa: E402
 
 SRC = os.path.join(ROOT, "collectives", "src")
 
 
+@needs_source_tree
 def test_the_engine_reads_no_environment_variable():
     files = glob.glob(os.path.join(SRC, "shm_*.[ch]"))
     assert files

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from collectives import config
 from tests.support import ROOT
+from tests.support.requires import needs_source_tree
 
 NAME = re.compile(r"COLLECTIVES_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_*])")  # not a prefix such as COLLECTIVES_SHM_*
 SOURCE_EXT = (".py", ".pyx", ".pxi", ".pxd", ".c", ".h")
@@ -43,6 +44,7 @@ def _names(paths, skip=()):
     return found
 
 
+@needs_source_tree
 def test_every_name_in_the_source_is_declared():
     found = _names(["collectives", "setup.py", "tests", "bench"], {os.path.abspath(__file__)})
     missing = {n: where for n, where in found.items() if n not in {s.name for s in config.SETTINGS}}
@@ -50,6 +52,7 @@ def test_every_name_in_the_source_is_declared():
                          + ", ".join(f"{n} (read in {w})" for n, w in sorted(missing.items())))
 
 
+@needs_source_tree
 def test_every_declared_name_is_read_somewhere():
     here = os.path.abspath(__file__)
     registry = os.path.join(ROOT, "collectives", "config")
@@ -72,6 +75,7 @@ def test_declarations_are_complete():
             assert s.parse(None) == s.default
 
 
+@needs_source_tree
 def test_generated_page_is_current():
     path = os.path.join(ROOT, "docs", "configuration.md")
     with open(path, encoding="utf-8") as f:

@@ -11,8 +11,8 @@ import pytest
 
 import collectives
 from collectives import config
-from tests.conftest import installed_checkout
-from tests.support.ranks import ROOT
+from tests.support import ROOT, installed_checkout
+from tests.support.requires import needs_source_tree
 
 DIST = importlib.metadata.distribution("collectives")
 
@@ -103,6 +103,7 @@ def test_the_extensions_are_stripped():
             assert ".dynsym" in names  # its exports stay (PyInit_*)
 
 
+@needs_source_tree
 def test_the_first_program_in_the_docs_is_the_example_file():
     """docs/getting-started.md shows examples/numpy_allreduce.py as it is."""
     with open(os.path.join(ROOT, "docs", "getting-started.md")) as f:

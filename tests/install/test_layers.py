@@ -4,6 +4,9 @@ import ast
 import os
 
 from tests.support import ROOT
+from tests.support.requires import needs_source_tree
+
+pytestmark = needs_source_tree  # it reads the checkout's sources
 
 PKG = os.path.join(ROOT, "collectives")
 

@@ -6,3 +6,9 @@ import os
 
 # the checkout (or, in .ci/run's installed leg, the directory the tests were copied to)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def installed_checkout():
+    """The checkout that .ci/run's installed leg built the wheel from
+    (COLLECTIVES_TEST_INSTALLED), or None in an ordinary run."""
+    return os.environ.get("COLLECTIVES_TEST_INSTALLED") or None
