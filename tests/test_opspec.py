@@ -14,7 +14,7 @@ import inspect
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import collectives as dist
@@ -185,6 +185,14 @@ def reduction_cases(draw):
 @settings(max_examples=examples(12), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(case=reduction_cases())
+@example(case={"kind": "reduce", "dtype": "float32", "op": "PREMUL_SUM", "factor": 2.0,
+               "count": 5, "root": 1, "seed": 3})
+@example(case={"kind": "reduce_scatter", "dtype": "float64", "op": "PREMUL_SUM",
+               "factor": -1.0, "count": 3, "root": 0, "seed": 4})
+@example(case={"kind": "all_reduce_coalesced", "dtype": "float32", "op": "AVG", "count": 4,
+               "root": 0, "seed": 5})
+@example(case={"kind": "reduce", "dtype": "float64", "op": "AVG", "count": 2, "root": 2,
+               "seed": 6})
 def test_free_function_and_method_agree_with_numpy(config, case):
     results = backend_pool(config, WORLD).run(both_ways, case, timeout=90)
     dtype = np.dtype(case["dtype"]).type
