@@ -30,9 +30,9 @@ _DOCS = {
                   "on every rank.",
     "all_gather_single": "Gather every rank's ``input_tensor`` into ``output_tensor`` "
                          "(size * numel elements).",
-    "all_gather_coalesced": """Gather every rank's ``input_tensor_list`` in one backend call (torch's deprecated
-    coalesced form): ``output_tensor_lists[r][i]`` receives rank r's ``input_tensor_list[i]``.
-    The tensors share one dtype, as torch's gloo requires; their shapes may differ.""",
+    "all_gather_coalesced": """Gather every rank's ``input_tensor_list`` in one backend call
+    (torch's deprecated coalesced form): ``output_tensor_lists[r][i]`` receives rank r's
+    ``input_tensor_list[i]``. The tensors share one dtype, as torch's gloo requires; their shapes may differ.""",
     "gather": "Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (None elsewhere).",
     "scatter": "Rank r receives ``scatter_list[r]`` of ``src`` into ``tensor``.",
     "reduce_scatter": "Rank r's ``output`` gets the reduction over ranks of their "
@@ -41,8 +41,8 @@ _DOCS = {
                              "rank's ``input``.",
     "all_to_all": "Rank r sends ``input_tensor_list[q]`` to rank q, which receives it in "
                   "``output_tensor_list[r]``.",
-    "all_to_all_single": """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``), send part q to rank q;
-    receive rank r's part into ``output``'s r-th slice (``output_split_sizes``).""",
+    "all_to_all_single": """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``),
+    send part q to rank q; receive rank r's part into ``output``'s r-th slice (``output_split_sizes``).""",
     "barrier": """Block until every rank of the group has reached this barrier.
 
     ``timeout`` (a timedelta or seconds, > 0) bounds this barrier instead of the group's
