@@ -32,7 +32,8 @@ _DOCS = {
                          "(size * numel elements).",
     "all_gather_coalesced": """Gather every rank's ``input_tensor_list`` in one backend call
     (torch's deprecated coalesced form): ``output_tensor_lists[r][i]`` receives rank r's
-    ``input_tensor_list[i]``. The tensors share one dtype, as torch's gloo requires; their shapes may differ.""",
+    ``input_tensor_list[i]``. The tensors share one dtype, as torch's gloo requires; their
+    shapes may differ.""",
     "gather": "Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (None elsewhere).",
     "scatter": "Rank r receives ``scatter_list[r]`` of ``src`` into ``tensor``.",
     "reduce_scatter": "Rank r's ``output`` gets the reduction over ranks of their "
