@@ -12,7 +12,8 @@ An OpSpec holds what the front end knows about a collective:
 - ``method`` and ``args``: the backend method (``backends/base.py``'s contract) and its
   arguments;
 - ``record``: what the flight recorder and the fingerprint take (the kind, the buffer
-  whose count and dtype are recorded, the root, the op).
+  whose count and dtype are recorded, the root, the op); ``fingerprint``: the kind code
+  the backend's fingerprint carries for the call (:mod:`collectives.fingerprint`).
 
 From each OpSpec two functions are made (:func:`build`, as :mod:`dataclasses` makes
 ``__init__``: source text compiled once at import): the free function
@@ -32,6 +33,7 @@ import numpy as np
 
 from . import _frontend as _fe
 from . import dtypes as D
+from .fingerprint import KIND_NAMES
 from ._frontend import (Steps, buffer, buffers, check_devices, check_like, contiguous_span,
                         copy_into, copy_of, disjoint_gather, needs_own_copy, overlaps,
                         reduce_plan, scale, separate_blocks, settle, stage, unstage)
@@ -317,13 +319,16 @@ class Role:
         return f"{self.var} = buffer({self.param}{label})"
 
 
+_FINGERPRINT_KIND = {name: code for code, name in KIND_NAMES.items()}  # backend method -> kind
+
+
 class OpSpec:
     """One collective: see the module's docstring. ``free`` and ``run`` are made by
     :func:`build`."""
 
     __slots__ = ("name", "params", "kind", "roles", "root", "root_first", "fast", "devices",
                  "method", "args", "record", "outputs", "timeout", "plan", "plan_args",
-                 "free", "run")
+                 "fingerprint", "free", "run")
 
     def __init__(self, name, params, kind, roles=(), root=None, root_first=False, fast=False,
                  devices=(), method=None, args="()", record=("None", "-1", "-1"), outputs="()",
@@ -332,6 +337,7 @@ class OpSpec:
         self.root, self.root_first, self.fast, self.devices = root, root_first, fast, devices
         self.method, self.args, self.record, self.outputs = method, args, record, outputs
         self.timeout, self.plan, self.plan_args = timeout, plan, plan_args
+        self.fingerprint = _FINGERPRINT_KIND[method]
         self.free = self.run = None
 
     def __repr__(self):
@@ -351,7 +357,7 @@ SPECS = {s.name: s for s in (
            method="all_reduce", args="(buf, _SUM_CODE)", record=("buf", "-1", "_SUM_CODE"),
            outputs="(tensor,)", plan=_all_reduce, plan_args="buf, tensor, op, async_op"),
     OpSpec("all_reduce_coalesced", "tensors, op=_SUM, group=None, async_op=False",
-           "all_reduce_coalesced", plan=_all_reduce_coalesced, plan_args="tensors, op, async_op"),
+           "all_reduce_coalesced", method="all_reduce", plan=_all_reduce_coalesced, plan_args="tensors, op, async_op"),
     OpSpec("reduce", "tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None",
            "reduce", roles=(Role("buf", "tensor"),), root="dst", root_first=True,
            fast="op is _SUM", devices=(("buf",), "tensor"), method="reduce",
@@ -363,7 +369,7 @@ SPECS = {s.name: s for s in (
            record=("buf", "root", "-1"), outputs="(tensor,)"),
     OpSpec("all_gather", "tensor_list, tensor, group=None, async_op=False", "all_gather",
            roles=(Role("inp", "tensor"), Role("outs", "tensor_list", like="inp")),
-           plan=_all_gather, plan_args="inp, outs, tensor_list, async_op"),
+           method="all_gather", plan=_all_gather, plan_args="inp, outs, tensor_list, async_op"),
     OpSpec("all_gather_single", "output_tensor, input_tensor, group=None, async_op=False",
            "all_gather",
            roles=(Role("inp", "input_tensor", "input_tensor"),
@@ -373,16 +379,18 @@ SPECS = {s.name: s for s in (
            args="(out, inp)", record=("inp", "-1", "-1"), outputs="(output_tensor,)",
            plan=_all_gather_single, plan_args="out, inp, output_tensor, async_op"),
     OpSpec("all_gather_coalesced", "output_tensor_lists, input_tensor_list, group=None, "
-           "async_op=False", "all_gather_coalesced", plan=_all_gather_coalesced,
+           "async_op=False", "all_gather_coalesced", method="all_gather",
+           plan=_all_gather_coalesced,
            plan_args="output_tensor_lists, input_tensor_list, async_op"),
     OpSpec("gather", "tensor, gather_list=None, dst=None, group=None, async_op=False, "
            "group_dst=None", "gather", roles=(Role("inp", "tensor"),), root="dst",
-           root_first=True, plan=_gather, plan_args="inp, root, gather_list, async_op"),
+           root_first=True, method="gather", plan=_gather, plan_args="inp, root, gather_list, async_op"),
     OpSpec("scatter", "tensor, scatter_list=None, src=None, group=None, async_op=False, "
            "group_src=None", "scatter", roles=(Role("out", "tensor"),), root="src",
-           root_first=True, plan=_scatter, plan_args="out, root, tensor, scatter_list, async_op"),
+           root_first=True, method="scatter", plan=_scatter, plan_args="out, root, tensor, scatter_list, async_op"),
     OpSpec("reduce_scatter", "output, input_list, op=_SUM, group=None, async_op=False",
-           "reduce_scatter", roles=(Role("out", "output", "output"),), plan=_reduce_scatter,
+           "reduce_scatter", roles=(Role("out", "output", "output"),),
+           method="reduce_scatter", plan=_reduce_scatter,
            plan_args="out, output, input_list, op, async_op"),
     OpSpec("reduce_scatter_single", "output, input, op=_SUM, group=None, async_op=False",
            "reduce_scatter",
@@ -393,12 +401,12 @@ SPECS = {s.name: s for s in (
            outputs="(output,)", plan=_reduce_scatter_single,
            plan_args="out, inp, output, op, async_op"),
     OpSpec("all_to_all", "output_tensor_list, input_tensor_list, group=None, async_op=False",
-           "all_to_all", plan=_all_to_all,
+           "all_to_all", method="all_to_all", plan=_all_to_all,
            plan_args="output_tensor_list, input_tensor_list, async_op"),
     OpSpec("all_to_all_single", "output, input, output_split_sizes=None, input_split_sizes=None, "
            "group=None, async_op=False", "all_to_all",
            roles=(Role("inp", "input", "input"), Role("out", "output", "output")),
-           plan=_all_to_all_single,
+           method="all_to_all", plan=_all_to_all_single,
            plan_args="out, inp, output, input, output_split_sizes, input_split_sizes, async_op"),
     OpSpec("barrier", "group=None, async_op=False, device_ids=None, timeout=None", "barrier",
            fast=None, method="barrier", timeout=True),

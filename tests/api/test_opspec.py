@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 import collectives as dist
 from collectives import collective_ops, opspec
 from collectives.backends.base import Backend
-from tests.profiles import examples
-from tests.ranks import available_configs, backend_pool
+from collectives.fingerprint import KIND_NAMES
+from tests.support.profiles import examples
+from tests.support.ranks import available_configs, backend_pool
 
 CONFIGS = [c for c in available_configs() if c == "gloo"]
 
@@ -62,7 +63,8 @@ def test_the_free_function_and_the_method_run_one_body(name):
 @pytest.mark.parametrize("name", sorted(opspec.SPECS))
 def test_the_table_names_backend_methods_and_recorded_kinds(name):
     spec = opspec.SPECS[name]
-    assert spec.method is None or callable(getattr(Backend, spec.method))
+    assert callable(getattr(Backend, spec.method))
+    assert KIND_NAMES[spec.fingerprint] == spec.method  # the kind the backend fingerprints
     assert spec.kind in {"all_reduce", "all_reduce_coalesced", "reduce", "broadcast",
                          "all_gather", "all_gather_coalesced", "gather", "scatter",
                          "reduce_scatter", "all_to_all", "barrier"}
