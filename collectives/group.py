@@ -73,6 +73,12 @@ class ProcessGroup(GroupBase, CollectiveMethods, ProcessGroupMethods):
         self.fr = _flight.new_recorder(self)  # the flight recorder: this group's last calls
         self.dispatch = _dispatch.for_group(self)  # every collective call's one path
 
+    @property
+    def _group(self):
+        """The collectives group the methods run on: this one (a torch group over one of
+        ours, collectives.torch_pg's, names that one)."""
+        return self
+
 
 # ---- initialisation ------------------------------------------------------------------
 

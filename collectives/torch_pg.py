@@ -40,9 +40,9 @@ import torch
 import torch.distributed as td
 from torch.distributed import distributed_c10d as _c10d
 
-from . import collective_ops as _ops
 from . import config
-from ._pg_methods import CollectiveMethods, ProcessGroupMethods, normalise
+from ._monitored_barrier import monitored_barrier as _monitored_barrier
+from ._pg_methods import CollectiveMethods
 from .torch_store import FromTorchStore as _FromTorchStore
 from .torch_work import TorchWork, _Completer, _timeout  # noqa: F401  (_Completer: tests)
 from .work import timeout_seconds
@@ -52,37 +52,22 @@ _groups = importlib.import_module(f"{__package__}.group")  # (the package's `gro
 BACKEND_NAME = "collectives"
 
 
-def _torch_work(_pg, call, work, outputs):
-    """The result adapter of torch's groups: torch's Work over our call's (None when the
-    call blocked), whose future is torch's and holds ``outputs``."""
-    return TorchWork(work if call.async_op else None, outputs, call.group)
+def _torch_work(call, work, outputs, group):
+    """torch's Work over our call's (None when a collective blocked; ``call`` None: a
+    point-to-point one), whose future is torch's and holds ``outputs``."""
+    return TorchWork(work if call is None or call.async_op else None, outputs, group)
 
 
-class TorchProcessGroup(CollectiveMethods, td.ProcessGroup):
-    """A ``torch.distributed.ProcessGroup`` over the collectives group ``group``.
+class _TorchSide:
+    """What a torch ``ProcessGroup`` over a collectives group (``self._group``) answers
+    beyond the collective methods: the name and description torch gives it, its backend's
+    name, ``collectives_group``, torch's ``monitored_barrier``. Shared by the two torch
+    classes below; it is no ProcessGroup itself."""
 
-    Its collective and point-to-point methods are collectives' one table
-    (``_pg_methods.CollectiveMethods``), run on ``group``, returning torch's Work; they
-    take torch's ``*Options`` structs (as torch's front end and DDP's reducer pass them),
-    ours, or the legacy positional forms.
-
-    Ranks in options (``rootRank``, ``dstRank``, ``srcRank``) are ranks of the group, as
-    torch's front end passes them.
-    """
-
-    def __init__(self, group, owned=False):
-        super().__init__(group.rank(), group.size())
-        self._group = group
-        self._owned = owned  # made for torch (its init or new_group): torch's shutdown ends it
-
-    # torch's C++ ProcessGroup keeps its name and description in its backends, and this
-    # one has none: they live here, for torch's Python code (destroy_process_group...)
+    # torch's C++ ProcessGroup keeps its name and description in its backends, and these
+    # have none: they live here, for torch's Python code (destroy_process_group...)
     def _set_group_name(self, name):
         self._name = name
-
-    @property
-    def group_name(self):
-        return getattr(self, "_name", None) or self._group.group_name
 
     def _set_group_desc(self, desc):
         self._desc = desc
@@ -99,20 +84,36 @@ class TorchProcessGroup(CollectiveMethods, td.ProcessGroup):
     def getBackendName(self):  # noqa: N802  (torch's name)
         return BACKEND_NAME
 
-    def _target(self):
-        return self._group
-
-    def _call(self, first, opts, cls, **legacy):
-        return normalise(self._group, first, opts, cls, legacy)
-
-    _result = _torch_work
-
-    def _p2p_result(self, work, tensor, group):
-        return TorchWork(work, [tensor], group)
-
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        _ops.monitored_barrier(group=self._group, timeout=_timeout(timeout),
-                               wait_all_ranks=wait_all_ranks)
+        _monitored_barrier(group=self._group, timeout=_timeout(timeout),
+                           wait_all_ranks=wait_all_ranks)
+
+
+class TorchProcessGroup(_TorchSide, CollectiveMethods, td.ProcessGroup):
+    """A ``torch.distributed.ProcessGroup`` over the collectives group ``group``, for a
+    group made before torch was imported or with the bridge off (:func:`to_torch`), and
+    for the second name torch gives the world (see ``_create_group``).
+
+    Its collective and point-to-point methods are collectives' one table
+    (``_pg_methods.CollectiveMethods``), run on ``group``, returning torch's Work; they
+    take torch's ``*Options`` structs (as torch's front end and DDP's reducer pass them),
+    ours, or the legacy positional forms.
+
+    Ranks in options (``rootRank``, ``dstRank``, ``srcRank``) are ranks of the group, as
+    torch's front end passes them.
+    """
+
+    def __init__(self, group, owned=False):
+        super().__init__(group.rank(), group.size())
+        self._group = group
+        self._owned = owned  # made for torch (its init or new_group): torch's shutdown ends it
+
+    @property
+    def group_name(self):
+        return getattr(self, "_name", None) or self._group.group_name
+
+    def _result(self, call, work, outputs):
+        return _torch_work(call, work, outputs, self._group)
 
     def set_timeout(self, timeout):
         self._group.set_timeout(timeout)  # (a plain group's: a BridgedGroup is never wrapped)
@@ -157,20 +158,21 @@ def _holds_torch_tensor(x):
     return False
 
 
-class BridgedGroup(TorchProcessGroup, _groups.ProcessGroup):
+class BridgedGroup(_TorchSide, _groups.ProcessGroup, td.ProcessGroup):
     """A collectives group that is also a ``torch.distributed.ProcessGroup``: what
     collectives makes its groups when the program has imported torch (unless
     ``COLLECTIVES_TORCH_BRIDGE=0``). ``DistributedDataParallel(model,
     process_group=dist.new_group(...))``, FSDP and ``torch.distributed``'s functions take
     it as it is; collectives' functions and methods work on it as on any of its groups.
 
-    The collective methods (``allreduce``, ``broadcast``...) are collectives' one table;
-    they return torch's Work when called torch's way: with torch's options (as torch's
-    front end and its C++ callers, DDP's reducer among them, always pass them), or with
-    torch tensors and no options of ours (as a comm hook's
-    ``group.allreduce([bucket.buffer()])``); collectives' Work otherwise (NumPy arrays, or
-    our options or ReduceOp). The point-to-point ones return collectives' Work (it answers
-    torch's ``_source_rank``).
+    Our ProcessGroup comes before torch's base, so its methods (``rank``, ``name``,
+    ``allreduce``...) are the ones called; torch's C++ base holds only what torch's own
+    code needs of a ProcessGroup object. The collective methods return torch's Work when
+    called torch's way: with torch's options (as torch's front end and its C++ callers,
+    DDP's reducer among them, always pass them), or with torch tensors and no options of
+    ours (as a comm hook's ``group.allreduce([bucket.buffer()])``); collectives' Work
+    otherwise (NumPy arrays, or our options or ReduceOp). The point-to-point ones return
+    collectives' Work (it answers torch's ``_source_rank``).
     ``name()`` is the transport's ('gloo', 'mpi'...), ``group_name`` torch's name for it
     once torch has named it.
     """
@@ -179,12 +181,10 @@ class BridgedGroup(TorchProcessGroup, _groups.ProcessGroup):
     # a subclass of torch's (pybind) class takes ~38 ns to read from its __dict__, ~13 ns
     # from a slot (a plain object's: ~10 ns)
     __slots__ = ("backend", "ranks", "_rank", "_size", "_our_name", "backend_name", "timeout",
-                 "store", "group_of_global", "run", "submit", "fr", "dispatch", "destroyed",
-                 "_group")
+                 "store", "group_of_global", "run", "submit", "fr", "dispatch", "destroyed")
 
     def __init__(self, backend, ranks, rank, name, backend_name, timeout, store):
         td.ProcessGroup.__init__(self, rank, len(ranks))
-        self._group = self
         _groups.ProcessGroup.__init__(self, backend, ranks, rank, name, backend_name, timeout, store)
 
     @property
@@ -195,21 +195,16 @@ class BridgedGroup(TorchProcessGroup, _groups.ProcessGroup):
     def group_name(self, name):
         self._our_name = name
 
+    def _result(self, call, work, outputs):
+        if call is not None and (call.theirs or (call.theirs is None
+                                                 and _holds_torch_tensor(call.first))):
+            return _torch_work(call, work, outputs, self)
+        return super()._result(call, work, outputs)
+
     def shutdown(self):
         _end(self)
 
-    def _result(self, call, work, outputs):
-        if call.theirs or (call.theirs is None and _holds_torch_tensor(call.first)):
-            return _torch_work(self, call, work, outputs)
-        return CollectiveMethods._result(self, call, work, outputs)
-
     abort = shutdown
-    _p2p_result = CollectiveMethods._p2p_result
-    name = ProcessGroupMethods.name
-    get_group_store = ProcessGroupMethods.get_group_store
-    monitored_barrier = TorchProcessGroup.monitored_barrier
-    set_timeout = ProcessGroupMethods.set_timeout
-    __repr__ = _groups.ProcessGroup.__repr__
 
 
 def register_group(pg):
@@ -359,11 +354,12 @@ def install_default(pg, ranks=None):
 
 
 def uninstall_default():
-    """Destroy torch's default group if it is a TorchProcessGroup (collectives'
-    ``destroy_process_group`` calls it), unless torch's destroy is what got us here."""
+    """Destroy torch's default group if it runs on collectives (a TorchProcessGroup or a
+    BridgedGroup; collectives' ``destroy_process_group`` calls it), unless torch's destroy
+    is what got us here."""
     if getattr(_state, "tearing_down", False) or not td.is_initialized():
         return
-    if isinstance(td.distributed_c10d._get_default_group(), TorchProcessGroup):
+    if isinstance(td.distributed_c10d._get_default_group(), _TorchSide):
         _state.tearing_down = True
         try:
             td.destroy_process_group()
