@@ -85,6 +85,7 @@ static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uin
     c->fp = fp;
     c->s0_of[k % FP_SLOTS] = s;
     c->ahead = 1;
+    c->bc_last = s;
     post(c, s);
     if (me == root) {
         ack(c, s);

@@ -477,7 +477,17 @@ SHM_HIDDEN int bc_settle(shm_comm *c, int i)
 SHM_HIDDEN int fp_catch_up(shm_comm *c, uint32_t k)
 {
     /* q has started collective k - 3, so it has compared k - 4, whose slot k reuses */
-    return wait_posts(c, c->s0_of[(k + 1) % FP_SLOTS]);
+    int rc = wait_posts(c, c->s0_of[(k + 1) % FP_SLOTS]);
+    if (rc)
+        return rc;
+    /* once every peer is past the last small broadcast, the other collectives bound the
+     * run-ahead themselves (a one-block broadcast's root by its halves' acks) */
+    for (int q = 0; q < c->n; q++)
+        if (q != c->me && !ge(atomic_load_explicit(&c->ctl[q].ack.v, memory_order_acquire),
+                              c->bc_last))
+            return SHM_OK;
+    c->ahead = 0;
+    return SHM_OK;
 }
 
 SHM_HIDDEN int fp_settle(shm_comm *c, uint32_t s)

@@ -218,6 +218,7 @@ struct shm_comm {
     /* this rank finished a small broadcast without knowing that every peer is past the
      * collectives before it: its next post-line fingerprint waits for them (fp_publish) */
     int ahead;
+    uint32_t bc_last;  /* the step of this rank's last small broadcast */
     /* small broadcasts this rank was the root of, per ring record: compared with every
      * peer when the record is reused or at the next fp_check_all */
     struct { uint32_t k, s; uint64_t word; int due; } bc_due[BC_RING];
