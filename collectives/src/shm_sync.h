@@ -343,7 +343,11 @@ static inline void ack(shm_comm *c, uint32_t s) { ctr_set(&c->ctl[c->me].ack, s)
  * broadcast that last used it, two of its calls before; so no rank publishes collective
  * k + 4 while another is still inside k, and four slots suffice. A root's deferred
  * comparison may come later than that: a slot reused meanwhile is skipped (the readers of
- * that broadcast compared it at the call). A difference is recorded in the segment header (first writer wins) and
+ * that broadcast compared it at the call). A broadcast of at most BC_INLINE bytes keeps
+ * its fingerprints in the ring records instead (bc_rec_t; broadcast_inline in shm_coll.c)
+ * and may run up to BC_RING calls ahead; a rank that did so waits before its next
+ * post-line fingerprint until every peer is past collective k - 4 (fp_catch_up). A
+ * difference is recorded in the segment header (first writer wins) and
  * every rank's waits fail at once; each raises the recorded description. */
 
 SHM_HIDDEN int record_fail(shm_comm *c, uint32_t state, uint32_t k, int a, int b, uint64_t wa,
