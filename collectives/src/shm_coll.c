@@ -229,16 +229,24 @@ static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int o
     return SHM_OK;
 }
 
+/* A reduction's entry: the group still usable, the dtype known (its item size in *isz)
+ * and the op defined for it. */
+static int reduction_entry(shm_comm *c, int dtype, int op, size_t *isz)
+{
+    CHECK(c);
+    if (!(*isz = coll_itemsize(dtype)))
+        return COLL_EDTYPE;
+    return coll_op_valid(dtype, op) ? SHM_OK : COLL_EOP;
+}
+
 /* Reduce to every rank (root < 0) or to root only. */
 static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, int root,
                        uint64_t fp)
 {
-    CHECK(c);
-    size_t isz = coll_itemsize(dtype);
-    if (!isz)
-        return COLL_EDTYPE;
-    if (!coll_op_valid(dtype, op))
-        return COLL_EOP;
+    size_t isz;
+    int rc = reduction_entry(c, dtype, op, &isz);
+    if (rc)
+        return rc;
     if (c->n == 1)
         return SHM_OK;
     if (count == 0)
@@ -248,7 +256,6 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
     const void **srcs = n <= MAX_STACK_SRCS ? stack_srcs : malloc(sizeof(void *) * (size_t)n);
     if (!srcs)
         return SHM_ESYS;
-    int rc = SHM_OK;
     size_t nbytes = count * isz;
     if (nbytes <= c->oneshot_max) {
         /* one-shot: every reader reduces all inputs in rank order: bitwise identical */
@@ -543,12 +550,10 @@ int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root,
 int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int dtype, int op,
                        uint64_t fp)
 {
-    CHECK(c);
-    size_t isz = coll_itemsize(dtype);
-    if (!isz)
-        return COLL_EDTYPE;
-    if (!coll_op_valid(dtype, op))
-        return COLL_EOP;
+    size_t isz;
+    int rc = reduction_entry(c, dtype, op, &isz);
+    if (rc)
+        return rc;
     int n = c->n, me = c->me;
     if (n == 1) {
         copy(out, in, count * isz);
@@ -560,7 +565,6 @@ int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int
     const void **srcs = n <= MAX_STACK_SRCS ? stack_srcs : malloc(sizeof(void *) * (size_t)n);
     if (!srcs)
         return SHM_ESYS;
-    int rc = SHM_OK;
     size_t ce = c->half / ((size_t)n * isz);
     uintptr_t o0 = (uintptr_t)out, i0 = (uintptr_t)in;
     /* my own slice is reduced straight from my input unless the output overlaps the input

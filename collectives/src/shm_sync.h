@@ -395,17 +395,19 @@ static inline int fp_publish(shm_comm *c, uint64_t word)
 static inline int fp_find(const shm_comm *c, int q, uint32_t k, uint32_t s, uint64_t *w)
 {
     const ctr_t *p = &c->ctl[q].post;
-    const bc_rec_t *e = &c->ctl[q].bc[s % BC_RING];
     uint32_t k1 = atomic_load_explicit(&p->fp_k[k % FP_SLOTS], memory_order_acquire);
     uint64_t pw = atomic_load_explicit(&p->fp_word[k % FP_SLOTS], memory_order_relaxed);
-    uint32_t e1 = atomic_load_explicit(&e->k, memory_order_acquire);
-    uint64_t ew = atomic_load_explicit(&e->word, memory_order_relaxed);
     atomic_thread_fence(memory_order_acquire);
     uint32_t k2 = atomic_load_explicit(&p->fp_k[k % FP_SLOTS], memory_order_relaxed);
-    uint32_t e2 = atomic_load_explicit(&e->k, memory_order_relaxed);
     *w = pw;
     if (k1 == k && k2 == k)
         return FP_FOUND;
+    /* not in the post line: the ring record (another line) */
+    const bc_rec_t *e = &c->ctl[q].bc[s % BC_RING];
+    uint32_t e1 = atomic_load_explicit(&e->k, memory_order_acquire);
+    uint64_t ew = atomic_load_explicit(&e->word, memory_order_relaxed);
+    atomic_thread_fence(memory_order_acquire);
+    uint32_t e2 = atomic_load_explicit(&e->k, memory_order_relaxed);
     if (e1 == k && e2 == k) {
         *w = ew;
         return FP_FOUND;
