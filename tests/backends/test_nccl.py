@@ -1,0 +1,221 @@
+"""The nccl backend: a clear error where it cannot run; CUDA tensors where it can."""
+from datetime import timedelta
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import collectives as dist
+from collectives.backends import nccl
+from tests.support.profiles import examples
+from tests.support.collective_cases import check, run_case
+from tests.support.ranks import backend_pool
+from tests.api.test_collectives import MOVING, REDUCING, SHAPES, cases
+
+pytestmark = pytest.mark.gpu
+
+needs_gpu = pytest.mark.skipif(not nccl.is_available(),
+                               reason="needs a CUDA device and libnccl (none on this machine)")
+
+
+def test_availability_agrees_with_the_front_end():
+    assert dist.is_nccl_available() == nccl.is_available()
+
+
+@pytest.mark.skipif(nccl.is_available(), reason="NCCL is available here; the error path is not reachable")
+def test_asking_for_nccl_without_a_gpu_names_what_is_missing():
+    with pytest.raises(RuntimeError, match="nccl backend needs"):
+        nccl.create_nccl_backend(dist.HashStore(), 0, 1, 10.0)
+
+
+def test_the_unique_id_travels_whole_though_it_holds_nul_bytes():
+    """Rank 0's id went through the store cut at its first NUL byte (a c_char array field
+    reads as a C string), so every NCCL group of more than one rank hung in its setup."""
+    import ctypes
+    raw = bytes([2, 0, 0x1F, 0x90, 127, 0, 0, 1] + list(range(120)))
+    uid = nccl._UniqueId()
+    ctypes.memmove(ctypes.byref(uid), raw, len(raw))
+    assert uid.raw() == raw and len(uid.raw()) == 128
+
+
+def test_the_config_has_ncclconfig_v21700s_layout():
+    """size_t size; unsigned magic, version; int blocking, cgaClusterSize, minCTAs, maxCTAs;
+    const char *netName: NCCL reads a config by the size and version it carries."""
+    import ctypes
+    c = nccl._nonblocking_config()
+    assert ctypes.sizeof(c) == c.size == 40
+    assert nccl._Config.netName.offset == 32 and nccl._Config.blocking.offset == 16
+    assert (c.magic, c.version, c.blocking, c.minCTAs) == (0xCAFEBEEF, 21700, 0, -2**31)
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+def test_single_rank_collectives_on_cuda_tensors():
+    import torch
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        t = torch.arange(10, dtype=torch.float32, device="cuda")
+        dist.all_reduce(t)
+        dist.broadcast(t, src=0)
+        out = torch.empty(10, device="cuda")
+        dist.all_gather_into_tensor(out, t)
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), torch.arange(10, dtype=torch.float32))
+        h = torch.ones(4, dtype=torch.bfloat16, device="cuda")
+        dist.all_reduce(h, op=dist.ReduceOp.MAX)
+        assert h.cpu().tolist() == [1.0] * 4
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- several ranks on CUDA tensors (ranks may share one GPU: see tests/support/ranks.py) --------------
+
+NCCL_DTYPES = ["float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+               "int8", "uint8", "int32", "int64", "bool"]
+NCCL_OPS = {"float": ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM"],
+            "complex": ["SUM", "AVG", "PREMUL_SUM"],  # NCCL reduces complex as pairs of reals
+            "int": ["SUM", "PRODUCT", "MIN", "MAX"], "bool": ["SUM", "PRODUCT", "MIN", "MAX"]}
+
+
+def nccl_cases():
+    """Every collective on CUDA tensors, worlds 1-4, NCCL's dtypes and ops."""
+    return cases(REDUCING + MOVING, max_world=4, dtypes=NCCL_DTYPES, ops=NCCL_OPS, libs=("cuda",),
+                 shapes=SHAPES + [(1000,)])
+
+
+@needs_gpu
+@pytest.mark.timeout(900)
+@settings(max_examples=examples(40), deadline=None, derandomize=False,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(wc=nccl_cases())
+def test_every_collective_on_cuda_tensors_matches_numpy(wc):
+    world, case = wc
+    results = backend_pool("nccl", world).run(run_case, case, timeout=120)
+    check(case, results, world)
+
+
+def _mixups(ctx):
+    """Tensors on the wrong device for a group raise ValueError before any communication;
+    objects and point-to-point go through the nccl group."""
+    import torch
+
+    import collectives as dist
+    out = {}
+    if "gloo" not in ctx.state:
+        ctx.state["gloo"] = dist.new_group(backend="gloo")
+    gloo = ctx.state["gloo"]
+    cuda = torch.ones(3, device="cuda")
+    for what, call in [
+            ("cuda_to_gloo", lambda: dist.all_reduce(cuda, group=gloo)),
+            ("cuda_to_gloo_gather", lambda: dist.all_gather([torch.empty(3, device="cuda")
+                                                             for _ in range(ctx.world_size)],
+                                                            cuda, group=gloo)),
+            ("cpu_to_nccl", lambda: dist.all_reduce(torch.ones(3))),
+            ("cpu_to_nccl_broadcast", lambda: dist.broadcast(torch.ones(3), 0)),
+            ("mixed_list", lambda: dist.all_gather([torch.empty(3)] + [torch.empty(3, device="cuda")
+                                                                       for _ in range(ctx.world_size - 1)],
+                                                   cuda))]:
+        try:
+            call()
+            out[what] = "no error"
+        except ValueError as e:
+            out[what] = str(e)
+    t = torch.full((4,), float(ctx.rank + 1))
+    dist.all_reduce(t, group=gloo)  # the gloo group still works
+    out["gloo_sum"] = t.tolist()
+    objs = [None] * ctx.world_size
+    dist.all_gather_object(objs, {"rank": ctx.rank})
+    out["objects"] = objs
+    lst = ["from root", ctx.rank] if ctx.rank == 0 else [None, None]
+    dist.broadcast_object_list(lst, 0)
+    out["broadcast_objects"] = lst
+    nxt, prv = (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size
+    send = torch.full((5,), float(ctx.rank), device="cuda")
+    recv = torch.empty(5, device="cuda")
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)])
+    for r in reqs:
+        r.wait()
+    out["ring"] = recv.tolist()
+    if ctx.rank == 0:
+        dist.send_object_list([{"x": 1}], dst=1)
+    elif ctx.rank == 1:
+        got = [None]
+        dist.recv_object_list(got, src=0)
+        out["p2p_object"] = got
+    return out
+
+
+@needs_gpu
+@pytest.mark.timeout(300)
+def test_tensors_on_the_wrong_device_raise_and_objects_travel_through_nccl():
+    n = 3
+    res = backend_pool("nccl", n).run(_mixups, timeout=120)
+    for r, out in enumerate(res):
+        assert "takes CPU tensors" in out["cuda_to_gloo"], out
+        assert "takes CPU tensors" in out["cuda_to_gloo_gather"], out
+        assert "CUDA" in out["cpu_to_nccl"], out
+        assert "CUDA" in out["cpu_to_nccl_broadcast"], out
+        assert "one device" in out["mixed_list"], out
+        assert out["gloo_sum"] == [6.0] * 4
+        assert out["objects"] == [{"rank": q} for q in range(n)]
+        assert out["broadcast_objects"] == ["from root", 0]
+        assert out["ring"] == [float((r - 1) % n)] * 5
+    assert res[1]["p2p_object"] == [{"x": 1}]
+
+
+PEER_DIES = r"""
+import os, sys, time
+rank = int(os.environ["RANK"])
+os.environ["NCCL_HOSTID"] = f"peer-dies-{rank}"
+import torch
+import collectives as dist
+from datetime import timedelta
+torch.cuda.set_device(0)
+mode = sys.argv[1]
+dist.init_process_group("nccl", timeout=timedelta(seconds=5))
+t = torch.ones(1 << 16, device="cuda")
+if mode != "before_first":
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+if rank == 1:
+    os._exit(0)
+time.sleep(1)
+start = time.monotonic()
+try:
+    if mode == "watchdog":
+        dist.all_reduce(t)          # enqueued; nobody waits: the watchdog must abort it
+        torch.cuda.synchronize()    # returns once the communicator is aborted
+        dist.all_reduce(t)          # the next call raises
+    else:
+        dist.all_reduce(t, async_op=True).wait()
+    print("NO ERROR", flush=True)
+except dist.DistBackendError as e:
+    print(f"RAISED after {time.monotonic() - start:.1f} s: {e}", flush=True)
+"""
+
+
+@pytest.mark.faults
+@needs_gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["before_first", "after_first", "watchdog"])
+def test_a_dead_peer_makes_the_survivor_raise_within_the_timeout(tmp_path, mode):
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.ranks import ROOT, free_port
+    script = tmp_path / "peer.py"
+    script.write_text(PEER_DIES)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               NCCL_SOCKET_IFNAME="lo", PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([sys.executable, str(script), mode], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert "RAISED after" in outs[0], outs[0]
+    secs = float(outs[0].split("RAISED after ")[1].split(" s")[0])
+    assert secs < 15, outs[0]
