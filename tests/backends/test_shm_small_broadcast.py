@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.profiles import examples
-from tests.ranks import available_configs, backend_pool
-from tests.test_mismatch import GROUP_TIMEOUT_S, _run
+from tests.diagnostics.test_mismatch import GROUP_TIMEOUT_S, _run
+from tests.support.profiles import examples
+from tests.support.ranks import available_configs, backend_pool
 
 pytestmark = pytest.mark.skipif("gloo" not in available_configs(),
                                 reason="needs the default (shared-memory) configuration")
