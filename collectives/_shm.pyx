@@ -484,26 +484,28 @@ cdef class ShmComm:
         self._check(rc, "all_to_all")
 
     # ---- point to point: byte streams per ordered pair ------------------------------
-    def p2p_try_send(self, int dst, bytes hdr, size_t ptr, size_t nbytes):
-        """Write hdr + payload to dst's ring if it fits now; True if written."""
+    cdef int _p2p_send(self, int dst, bytes hdr, size_t ptr, size_t nbytes, bint wait) except -1:
+        """hdr + payload into dst's ring: waiting for room, or (not wait) only if it fits
+        now; 1 if written, 0 if not (an error raises)."""
         cdef shm_comm *c = self._live("send")
         cdef const char *h = hdr
         cdef size_t hl = len(hdr)
         cdef int rc
         with nogil:
-            rc = shm_p2p_try_send(c, dst, h, hl, <const void *>ptr, nbytes)
+            if wait:
+                rc = shm_p2p_send(c, dst, h, hl, <const void *>ptr, nbytes)
+            else:
+                rc = shm_p2p_try_send(c, dst, h, hl, <const void *>ptr, nbytes)
         if rc < 0:
             self._check(rc, "send", dst)
-        return rc == 1
+        return 1 if wait else rc
+
+    def p2p_try_send(self, int dst, bytes hdr, size_t ptr, size_t nbytes):
+        """Write hdr + payload to dst's ring if it fits now; True if written."""
+        return self._p2p_send(dst, hdr, ptr, nbytes, False) == 1
 
     def p2p_send(self, int dst, bytes hdr, size_t ptr, size_t nbytes):
-        cdef shm_comm *c = self._live("send")
-        cdef const char *h = hdr
-        cdef size_t hl = len(hdr)
-        cdef int rc
-        with nogil:
-            rc = shm_p2p_send(c, dst, h, hl, <const void *>ptr, nbytes)
-        self._check(rc, "send", dst)
+        self._p2p_send(dst, hdr, ptr, nbytes, True)
 
     def p2p_poll(self, size_t need, double wait_s, bint background=False, uint32_t since=0):
         """A source with >= need readable bytes, or -1 after wait_s seconds. It only looks.

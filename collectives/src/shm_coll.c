@@ -30,7 +30,7 @@ static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root, uint64
         head = (nbytes / (size_t)n * (size_t)(n - 1)) & ~(size_t)4095;
     thp_prepare(c, buf, nbytes);
     atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)buf, memory_order_relaxed);
-    fp_publish(c, fp);
+    TRY(c, fp_publish(c, fp));
     uint32_t s = ++c->seq;
     post(c, s);
     if (me == root) {
@@ -60,6 +60,49 @@ static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root, uint64
     return SHM_OK;
 }
 
+/* A broadcast of at most BC_INLINE bytes, through the ranks' ring records (bc_rec_t): the
+ * root writes the data and its fingerprint into record s % BC_RING, posts s and returns;
+ * each reader writes its fingerprint into its own record, posts s (its arrival), waits for
+ * the root's post, compares the root's fingerprint and copies. Nobody waits for the
+ * readers: the root compares theirs when it reuses the record (after every rank acked the
+ * step that last used it, BC_RING broadcasts later) or at its next fp_check_all. */
+static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
+{
+    const uint32_t k = c->coll + 1, s = c->seq + 1;
+    const int i = (int)(s % BC_RING), me = c->me;
+    bc_rec_t *mine = &c->ctl[me].bc[i];
+    if (me == root) {
+        if (c->bc_due[i].due)
+            TRY(c, bc_settle(c, i));
+        for (int q = 0; q < c->n; q++)  /* every rank has read the record's last data */
+            if (q != me)
+                TRY(c, wait_ctr(c, &c->ctl[q].ack, c->bc_due[i].s, q, -1));
+        memcpy(mine->data, buf, nbytes);
+    }
+    fp_store(&mine->k, &mine->word, k, fp);
+    c->coll = k;
+    c->seq = s;
+    c->fp = fp;
+    c->s0_of[k % FP_SLOTS] = s;
+    c->ahead = 1;
+    c->bc_last = s;
+    post(c, s);
+    if (me == root) {
+        ack(c, s);
+        c->bc_due[i].k = k;
+        c->bc_due[i].s = s;
+        c->bc_due[i].word = fp;
+        c->bc_due[i].due = 1;
+        c->bc_n_due++;
+        return SHM_OK;
+    }
+    TRY(c, wait_post(c, root, s));
+    TRY(c, fp_check(c, root));  /* before copying the root's data into buf */
+    memcpy(buf, c->ctl[root].bc[i].data, nbytes);
+    ack(c, s);
+    return SHM_OK;
+}
+
 int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
 {
     CHECK(c);
@@ -67,6 +110,8 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
         return SHM_OK;
     if (nbytes == 0)
         return fp_sync(c, fp);
+    if (nbytes <= BC_INLINE)
+        return broadcast_inline(c, buf, nbytes, root, fp);
     if (c->cma && c->cma_bcast_min && nbytes >= c->cma_bcast_min)
         return broadcast_cma(c, buf, nbytes, root, fp);
     tick(c, nbytes);
@@ -74,7 +119,7 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
     /* one block: the root returns once it is in the segment, without waiting for the
      * readers to arrive (they compare its fingerprint before they copy; see shm_sync.h) */
     const int lead = nbytes <= c->half;
-    fp_publish(c, fp);
+    TRY(c, fp_publish(c, fp));
     /* whole halves: measured as fast as 1 MiB blocks or faster (4 ranks, 2 cores) */
     for (size_t off = 0; off < nbytes;) {
         size_t len = nbytes - off < c->half ? nbytes - off : c->half;
@@ -140,7 +185,8 @@ static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int o
     char *ubuf = buf;
     thp_prepare(c, buf, count * isz);
     atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)buf, memory_order_relaxed);
-    fp_publish(c, fp);
+    if ((rc = fp_publish(c, fp)))
+        return rc;
     uint32_t s1 = ++c->seq;
     post(c, s1);
     if ((rc = fp_check_all(c, s1)))
@@ -183,16 +229,24 @@ static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int o
     return SHM_OK;
 }
 
+/* A reduction's entry: the group still usable, the dtype known (its item size in *isz)
+ * and the op defined for it. */
+static int reduction_entry(shm_comm *c, int dtype, int op, size_t *isz)
+{
+    CHECK(c);
+    if (!(*isz = coll_itemsize(dtype)))
+        return COLL_EDTYPE;
+    return coll_op_valid(dtype, op) ? SHM_OK : COLL_EOP;
+}
+
 /* Reduce to every rank (root < 0) or to root only. */
 static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, int root,
                        uint64_t fp)
 {
-    CHECK(c);
-    size_t isz = coll_itemsize(dtype);
-    if (!isz)
-        return COLL_EDTYPE;
-    if (!coll_op_valid(dtype, op))
-        return COLL_EOP;
+    size_t isz;
+    int rc = reduction_entry(c, dtype, op, &isz);
+    if (rc)
+        return rc;
     if (c->n == 1)
         return SHM_OK;
     if (count == 0)
@@ -202,7 +256,6 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
     const void **srcs = n <= MAX_STACK_SRCS ? stack_srcs : malloc(sizeof(void *) * (size_t)n);
     if (!srcs)
         return SHM_ESYS;
-    int rc = SHM_OK;
     size_t nbytes = count * isz;
     if (nbytes <= c->oneshot_max) {
         /* one-shot: every reader reduces all inputs in rank order: bitwise identical */
@@ -210,7 +263,8 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         if ((rc = half_acquire(c, &h)))
             goto out;
         seg_put(c, HALF(c, me, h), buf, nbytes);
-        fp_publish(c, fp);
+        if ((rc = fp_publish(c, fp)))
+            goto out;
         uint32_t s = ++c->seq;
         post(c, s);
         c->free_after[h] = s;
@@ -237,7 +291,8 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         goto out;
     }
     const int stream = arm == ARM_TWO_STREAM;
-    fp_publish(c, fp);
+    if ((rc = fp_publish(c, fp)))
+        goto out;
     const uint32_t s0 = c->seq + 1;  /* the first chunk's first step */
     /* two-shot: each rank reduces its own slice of the chunk (from its own buffer and
      * the others' copies) into its half, then every rank copies the other slices out.
@@ -339,7 +394,7 @@ static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in,
     atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)(reader && !pull ? out : NULL),
                           memory_order_relaxed);
     atomic_store_explicit(&c->ctl[me].xfer.src, (uint64_t)(uintptr_t)in, memory_order_relaxed);
-    fp_publish(c, fp);
+    TRY(c, fp_publish(c, fp));
     uint32_t s = ++c->seq;
     post(c, s);
     /* every writer and reader compares with every peer before a byte moves: a gather's
@@ -402,7 +457,7 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
             tune_done(c, TUNE_ALL_GATHER, nbytes, arm, t0);
         return rc;
     }
-    fp_publish(c, fp);
+    TRY(c, fp_publish(c, fp));
     const uint32_t s0 = c->seq + 1;
     int stream = outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
     for (size_t off = 0; off < nbytes;) {
@@ -458,7 +513,7 @@ int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root,
     if (nbytes == 0)
         return fp_sync(c, fp);
     tick(c, nbytes);
-    fp_publish(c, fp);
+    TRY(c, fp_publish(c, fp));
     const uint32_t s0 = c->seq + 1;  /* the first step: every rank posts it */
     size_t p = (c->half / (size_t)n) & ~(size_t)63;
     for (size_t off = 0; off < nbytes; off += p) {
@@ -495,12 +550,10 @@ int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root,
 int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int dtype, int op,
                        uint64_t fp)
 {
-    CHECK(c);
-    size_t isz = coll_itemsize(dtype);
-    if (!isz)
-        return COLL_EDTYPE;
-    if (!coll_op_valid(dtype, op))
-        return COLL_EOP;
+    size_t isz;
+    int rc = reduction_entry(c, dtype, op, &isz);
+    if (rc)
+        return rc;
     int n = c->n, me = c->me;
     if (n == 1) {
         copy(out, in, count * isz);
@@ -512,14 +565,14 @@ int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int
     const void **srcs = n <= MAX_STACK_SRCS ? stack_srcs : malloc(sizeof(void *) * (size_t)n);
     if (!srcs)
         return SHM_ESYS;
-    int rc = SHM_OK;
     size_t ce = c->half / ((size_t)n * isz);
     uintptr_t o0 = (uintptr_t)out, i0 = (uintptr_t)in;
     /* my own slice is reduced straight from my input unless the output overlaps the input
      * otherwise than as exactly that slice (coll_reduce_many may write over one source) */
     const int direct = o0 + count * isz <= i0 || i0 + (size_t)n * count * isz <= o0
                        || o0 == i0 + (size_t)me * count * isz;
-    fp_publish(c, fp);
+    if ((rc = fp_publish(c, fp)))
+        goto out;
     const uint32_t s0 = c->seq + 1;
     for (size_t off = 0; off < count; off += ce) {
         size_t cnt = count - off < ce ? count - off : ce;
@@ -579,7 +632,10 @@ int shm_all_to_all(shm_comm *c, void *out, const void *in, const size_t *out_byt
     }
     uint64_t my_rounds = (mx + p - 1) / p, rounds = 1;
     int rc = SHM_OK;
-    fp_publish(c, fp);
+    if ((rc = fp_publish(c, fp))) {
+        free(in_off);
+        return fail(c, rc);
+    }
     for (uint64_t t = 0; t < rounds; t++) {
         int h;
         if ((rc = half_acquire(c, &h)))

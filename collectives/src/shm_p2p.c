@@ -40,6 +40,15 @@ int shm_p2p_try_send(shm_comm *c, int dst, const void *hdr, size_t hdr_len, cons
     return 1;
 }
 
+/* Wait until the bell passes b (a ring to or from peer moved), by the deadline, which the
+ * first wait sets (the timeout runs from the last progress). */
+static int bell_wait(shm_comm *c, ctr_t *bell, uint32_t b, int peer, int64_t *deadline)
+{
+    if (*deadline < 0)
+        *deadline = now_ns() + c->timeout_ns;
+    return wait_ctr(c, bell, b + 1, peer, *deadline);
+}
+
 static int stream_send(shm_comm *c, int dst, const char *p, size_t len)
 {
     ring_ctl_t *r = &c->rctl[(size_t)c->me * c->n + dst];
@@ -53,9 +62,7 @@ static int stream_send(shm_comm *c, int dst, const char *p, size_t len)
         uint64_t tail = atomic_load_explicit(&r->tail, memory_order_acquire);
         size_t room = c->ring - (size_t)(head - tail);
         if (room == 0) {
-            if (deadline < 0)
-                deadline = now_ns() + c->timeout_ns;
-            int rc = wait_ctr(c, bell, b + 1, dst, deadline);
+            int rc = bell_wait(c, bell, b, dst, &deadline);
             if (rc)
                 return rc;
             continue;
@@ -172,9 +179,7 @@ int shm_p2p_read(shm_comm *c, int src, void *buf, size_t nbytes)
         uint64_t tail = atomic_load_explicit(&r->tail, memory_order_relaxed);
         size_t avail = (size_t)(head - tail);
         if (avail == 0) {
-            if (deadline < 0)
-                deadline = now_ns() + c->timeout_ns;
-            int rc = wait_ctr(c, bell, b + 1, src, deadline);
+            int rc = bell_wait(c, bell, b, src, &deadline);
             if (rc)
                 return rc;
             continue;

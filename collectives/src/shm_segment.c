@@ -449,7 +449,45 @@ SHM_HIDDEN int fp_check_all(shm_comm *c, uint32_t s)
             if (rc)
                 return rc;
         }
+    c->ahead = 0;  /* every peer has started this collective: it is past the earlier ones */
+    for (int i = 0; c->bc_n_due && i < BC_RING; i++)
+        if (c->bc_due[i].due) {
+            int rc = bc_settle(c, i);
+            if (rc)
+                return rc;
+        }
     return c->n_due ? fp_settle(c, s) : SHM_OK;
+}
+
+SHM_HIDDEN int bc_settle(shm_comm *c, int i)
+{
+    for (int q = 0; q < c->n; q++)
+        if (q != c->me) {
+            int rc = wait_post(c, q, c->bc_due[i].s);  /* q has arrived there */
+            if (!rc)  /* a reader that has moved on compared the root's record at the call */
+                rc = fp_check_word(c, q, c->bc_due[i].k, c->bc_due[i].s, c->bc_due[i].word, 1);
+            if (rc)
+                return rc;
+        }
+    c->bc_due[i].due = 0;
+    c->bc_n_due--;
+    return SHM_OK;
+}
+
+SHM_HIDDEN int fp_catch_up(shm_comm *c, uint32_t k)
+{
+    /* q has started collective k - 3, so it has compared k - 4, whose slot k reuses */
+    int rc = wait_posts(c, c->s0_of[(k + 1) % FP_SLOTS]);
+    if (rc)
+        return rc;
+    /* once every peer is past the last small broadcast, the other collectives bound the
+     * run-ahead themselves (a one-block broadcast's root by its halves' acks) */
+    for (int q = 0; q < c->n; q++)
+        if (q != c->me && !ge(atomic_load_explicit(&c->ctl[q].ack.v, memory_order_acquire),
+                              c->bc_last))
+            return SHM_OK;
+    c->ahead = 0;
+    return SHM_OK;
 }
 
 SHM_HIDDEN int fp_settle(shm_comm *c, uint32_t s)
@@ -464,17 +502,12 @@ SHM_HIDDEN int fp_settle(shm_comm *c, uint32_t s)
             if (q != c->me) {
                 /* q acked or posted a later step: the wait returns at once */
                 int rc = wait_post(c, q, c->fp_due[i].s0);
-                if (rc)
-                    return rc;
                 /* q may have moved four collectives on since (as the root of broadcasts
                  * of its own) and reused the slot: then it is no longer known what q
                  * called there, and the readers of that broadcast compared at the call */
-                uint32_t k = c->fp_due[i].k;
-                uint32_t now = atomic_load_explicit(&c->ctl[q].post.fp_k[k % FP_SLOTS],
-                                                    memory_order_relaxed);
-                if ((int32_t)(now - k) > 0)
-                    continue;
-                if ((rc = fp_check_word(c, q, k, c->fp_due[i].word)))
+                if (!rc)
+                    rc = fp_check_word(c, q, c->fp_due[i].k, c->fp_due[i].s0, c->fp_due[i].word, 1);
+                if (rc)
                     return rc;
             }
     }
@@ -499,7 +532,9 @@ SHM_HIDDEN int fp_defer(shm_comm *c, uint32_t s0)
 /* A collective with no data on this rank (zero bytes): one step to compare fingerprints. */
 SHM_HIDDEN int fp_sync(shm_comm *c, uint64_t word)
 {
-    fp_publish(c, word);
+    int rc = fp_publish(c, word);
+    if (rc)
+        return fail(c, rc);
     uint32_t s = ++c->seq;
     post(c, s);
     return fail(c, fp_check_all(c, s));

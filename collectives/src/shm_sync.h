@@ -45,7 +45,7 @@
 
 #define CL 64
 #define PAGE 4096
-#define SHM_MAGIC 0x636f6c6c73686d36ULL /* "collshm6": measured all_gather stores */
+#define SHM_MAGIC 0x636f6c6c73686d37ULL /* "collshm7": the small broadcasts' rings */
 #define MAX_STACK_SRCS 64
 /* latency probes (see "near and far peers") */
 #define PROBE_EVERY 16
@@ -78,6 +78,21 @@ typedef struct {
 } ctr_t;
 _Static_assert(sizeof(ctr_t) == CL, "a counter and its fingerprint slots fill one cache line");
 
+/* A broadcast of at most BC_INLINE bytes goes through a ring of BC_RING records per rank,
+ * one cache line each, record s % BC_RING for the broadcast whose step is s: the root's
+ * holds the call's fingerprint and the data, a reader's its fingerprint. The root reuses a
+ * record once every rank has acked the step that last used it, so it runs up to BC_RING
+ * broadcasts ahead of the slowest reader, and the readers do not wait for each other. */
+#define BC_RING 16
+#define BC_INLINE 48
+typedef struct {
+    _Atomic uint32_t k;      /* collective number; 0 while being rewritten */
+    uint32_t pad;
+    _Atomic uint64_t word;   /* fingerprint */
+    char data[BC_INLINE];
+} bc_rec_t;
+_Static_assert(sizeof(bc_rec_t) == CL, "a small broadcast's record fills one cache line");
+
 typedef struct {
     ctr_t post;   /* last step whose data this rank published */
     ctr_t ack;    /* last step whose data this rank finished reading */
@@ -101,6 +116,7 @@ typedef struct {
      * read by every rank at its next call of that class (see shm_tune.c) */
     _Atomic int64_t tune[TUNE_KINDS][TUNE_BUCKETS][TUNE_ARMS];
     char tune_pad[(CL - (TUNE_KINDS * TUNE_BUCKETS * TUNE_ARMS * 8) % CL) % CL];
+    bc_rec_t bc[BC_RING];  /* small broadcasts (see bc_rec_t) */
 } rank_ctl_t;
 _Static_assert(sizeof(rank_ctl_t) % CL == 0, "a rank's control block fills whole cache lines");
 
@@ -198,6 +214,15 @@ struct shm_comm {
      * at the root's next wait that finds them arrived (fp_settle) */
     struct { uint32_t k, s0; uint64_t word; } fp_due[FP_SLOTS];
     int n_due;
+    uint32_t s0_of[FP_SLOTS];  /* the first step of collective k, at k % FP_SLOTS */
+    /* this rank finished a small broadcast without knowing that every peer is past the
+     * collectives before it: its next post-line fingerprint waits for them (fp_publish) */
+    int ahead;
+    uint32_t bc_last;  /* the step of this rank's last small broadcast */
+    /* small broadcasts this rank was the root of, per ring record: compared with every
+     * peer when the record is reused or at the next fp_check_all */
+    struct { uint32_t k, s; uint64_t word; int due; } bc_due[BC_RING];
+    int bc_n_due;
     _Atomic int broken;
     _Atomic int aborted;
     /* this process's receives waited on by their own thread (shm_p2p_direct): while there
@@ -318,36 +343,107 @@ static inline void ack(shm_comm *c, uint32_t s) { ctr_set(&c->ctl[c->me].ack, s)
  * broadcast that last used it, two of its calls before; so no rank publishes collective
  * k + 4 while another is still inside k, and four slots suffice. A root's deferred
  * comparison may come later than that: a slot reused meanwhile is skipped (the readers of
- * that broadcast compared it at the call). A difference is recorded in the segment header (first writer wins) and
+ * that broadcast compared it at the call). A broadcast of at most BC_INLINE bytes keeps
+ * its fingerprints in the ring records instead (bc_rec_t; broadcast_inline in shm_coll.c)
+ * and may run up to BC_RING calls ahead; a rank that did so waits before its next
+ * post-line fingerprint until every peer is past collective k - 4 (fp_catch_up). A
+ * difference is recorded in the segment header (first writer wins) and
  * every rank's waits fail at once; each raises the recorded description. */
 
 SHM_HIDDEN int record_fail(shm_comm *c, uint32_t state, uint32_t k, int a, int b, uint64_t wa,
                            uint64_t wb, const char *text);
 
-static inline void fp_publish(shm_comm *c, uint64_t word)
+/* Write {k, word} where a peer may be reading an older one: k reads k | FP_WRITING in
+ * between, so a reader that sees k before and after the word has k's word (fp_find).
+ * (Collective numbers are taken to stay below 2^31.) */
+#define FP_WRITING 0x80000000u
+static inline void fp_store(_Atomic uint32_t *kp, _Atomic uint64_t *wp, uint32_t k, uint64_t word)
 {
-    uint32_t k = ++c->coll;
-    ctr_t *p = &c->ctl[c->me].post;
-    atomic_store_explicit(&p->fp_k[k % FP_SLOTS], k, memory_order_relaxed);
-    atomic_store_explicit(&p->fp_word[k % FP_SLOTS], word, memory_order_relaxed);  /* the post releases both */
-    c->fp = word;
+    atomic_store_explicit(kp, k | FP_WRITING, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
+    atomic_store_explicit(wp, word, memory_order_relaxed);
+    atomic_store_explicit(kp, k, memory_order_release);
 }
 
-/* Compare peer q's fingerprint with mine, once q has posted this collective's first step
- * (the wait's acquire load made q's slot visible). */
-static inline int fp_check_word(shm_comm *c, int q, uint32_t coll, uint64_t word)
+/* A rank ahead after small broadcasts: wait until every peer is past collective k - 4. */
+SHM_HIDDEN int fp_catch_up(shm_comm *c, uint32_t k);
+
+/* Start collective number ++coll, whose first step is seq + 1: its fingerprint in the post
+ * line (the first step's post releases it), or, for a small broadcast, the ring record. */
+static inline int fp_publish(shm_comm *c, uint64_t word)
 {
-    ctr_t *p = &c->ctl[q].post;
-    uint32_t k = atomic_load_explicit(&p->fp_k[coll % FP_SLOTS], memory_order_relaxed);
-    uint64_t w = atomic_load_explicit(&p->fp_word[coll % FP_SLOTS], memory_order_relaxed);
-    if (k == coll && w == word)
-        return SHM_OK;
-    record_fail(c, SHM_FAIL_MISMATCH, coll, c->me, q, word, w, NULL);
+    uint32_t k = c->coll + 1;
+    if (c->ahead) {
+        int rc = fp_catch_up(c, k);
+        if (rc)
+            return rc;
+    }
+    c->coll = k;
+    ctr_t *p = &c->ctl[c->me].post;
+    fp_store(&p->fp_k[k % FP_SLOTS], &p->fp_word[k % FP_SLOTS], k, word);
+    c->s0_of[k % FP_SLOTS] = c->seq + 1;
+    c->fp = word;
+    return SHM_OK;
+}
+
+#define FP_FOUND 0
+#define FP_ABSENT 1  /* not where q would have put it: q called something else */
+#define FP_GONE 2    /* q has moved past k and reused the place */
+
+/* Peer q's fingerprint of collective k, whose first step is s, once q has posted s: in q's
+ * post line or in q's small-broadcast record of step s. */
+static inline int fp_find(const shm_comm *c, int q, uint32_t k, uint32_t s, uint64_t *w)
+{
+    const ctr_t *p = &c->ctl[q].post;
+    uint32_t k1 = atomic_load_explicit(&p->fp_k[k % FP_SLOTS], memory_order_acquire);
+    uint64_t pw = atomic_load_explicit(&p->fp_word[k % FP_SLOTS], memory_order_relaxed);
+    atomic_thread_fence(memory_order_acquire);
+    uint32_t k2 = atomic_load_explicit(&p->fp_k[k % FP_SLOTS], memory_order_relaxed);
+    *w = pw;
+    if (k1 == k && k2 == k)
+        return FP_FOUND;
+    /* not in the post line: the ring record (another line) */
+    const bc_rec_t *e = &c->ctl[q].bc[s % BC_RING];
+    uint32_t e1 = atomic_load_explicit(&e->k, memory_order_acquire);
+    uint64_t ew = atomic_load_explicit(&e->word, memory_order_relaxed);
+    atomic_thread_fence(memory_order_acquire);
+    uint32_t e2 = atomic_load_explicit(&e->k, memory_order_relaxed);
+    if (e1 == k && e2 == k) {
+        *w = ew;
+        return FP_FOUND;
+    }
+    /* rewritten since, or being rewritten: q published a later collective there */
+    k2 &= ~FP_WRITING;
+    e2 &= ~FP_WRITING;
+    if ((k2 && (int32_t)(k2 - k) > 0) || (e2 && (int32_t)(e2 - k) > 0))
+        return FP_GONE;
+    return FP_ABSENT;
+}
+
+static inline int fp_mismatch(shm_comm *c, int q, uint32_t k, uint64_t mine, uint64_t theirs)
+{
+    record_fail(c, SHM_FAIL_MISMATCH, k, c->me, q, mine, theirs, NULL);
     c->err_peer = q;
     return SHM_EFAILED;
 }
 
-static inline int fp_check(shm_comm *c, int q) { return fp_check_word(c, q, c->coll, c->fp); }
+/* Compare peer q's fingerprint of collective k (first step s) with word, once q has
+ * posted s (the wait's acquire load made it visible). skip_gone: a peer that has moved on
+ * since counts as compared (the comparisons of a call made later). */
+static inline int fp_check_word(shm_comm *c, int q, uint32_t k, uint32_t s, uint64_t word,
+                                int skip_gone)
+{
+    uint64_t w;
+    int found = fp_find(c, q, k, s, &w);
+    if ((found == FP_FOUND && w == word) || (found == FP_GONE && skip_gone))
+        return SHM_OK;
+    return fp_mismatch(c, q, k, word, w);
+}
+
+static inline int fp_check(shm_comm *c, int q)
+{
+    return fp_check_word(c, q, c->coll, c->s0_of[c->coll % FP_SLOTS], c->fp, 0);
+}
 
 /* Every peer's post of step s, each compared (and the deferred comparisons settled). */
 SHM_HIDDEN int fp_check_all(shm_comm *c, uint32_t s);
@@ -357,5 +453,7 @@ SHM_HIDDEN int fp_defer(shm_comm *c, uint32_t s0);
 /* Compare the due broadcasts whose first step is s or earlier with every peer. */
 SHM_HIDDEN int fp_settle(shm_comm *c, uint32_t s);
 SHM_HIDDEN int fp_sync(shm_comm *c, uint64_t word);
+/* Compare the small broadcast this rank was the root of in ring record i with every peer. */
+SHM_HIDDEN int bc_settle(shm_comm *c, int i);
 
 #endif
