@@ -37,6 +37,21 @@ HEADER_BYTES = 48
 HEADER_FIELDS = ("magic", "version", "ftype", "kind", "dtype", "flags", "group", "tag", "seq",
                  "fp", "aux", "len")
 
+cdef enum:  # the collectives of Engine._run
+    _BARRIER, _BROADCAST, _ALLREDUCE, _REDUCE, _ALLGATHER, _GATHER, _SCATTER, _REDUCE_SCATTER, _ALLTOALL
+
+
+cdef int *_int_array(values, int n, int hole) except NULL:
+    """A malloc'd copy of the ``n`` ints ``values`` (entry ``hole`` set to -1; -1: none), for
+    the caller to free."""
+    cdef int *a = <int *>malloc(sizeof(int) * n)
+    if a == NULL:
+        raise MemoryError()
+    for i in range(n):
+        a[i] = -1 if i == hole else int(values[i])
+    return a
+
+
 cdef str _text(char *err, eng):
     """The engine's error text for users (collectives.engine_errors: dtype codes named, a
     fingerprint mismatch spelled out from the engine's record)."""
@@ -90,11 +105,7 @@ cdef class Engine:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
         if len(fds) != size:
             raise ValueError(f"fds must have {size} entries, got {len(fds)}")
-        cdef int *cfds = <int *>malloc(sizeof(int) * size)
-        if cfds == NULL:
-            raise MemoryError()
-        for i in range(size):
-            cfds[i] = -1 if i == rank else int(fds[i])
+        cdef int *cfds = _int_array(fds, size, rank)
         self.e = tcp_engine_new(rank, size, cfds, group, timeout)
         free(cfds)
         if self.e == NULL:
@@ -137,11 +148,7 @@ cdef class Engine:
         if names is not None:
             if len(names) != self.size:
                 raise ValueError(f"names must have {self.size} entries, got {len(names)}")
-            cnames = <int *>malloc(sizeof(int) * self.size)
-            if cnames == NULL:
-                raise MemoryError()
-            for i in range(self.size):
-                cnames[i] = int(names[i])
+            cnames = _int_array(names, self.size, -1)
         rc = tcp_set_rank_names(e, cnames)
         free(cnames)
         if rc != 0:
@@ -191,74 +198,60 @@ cdef class Engine:
         return tcp_engine_seq(self._eng())
 
     # ---- collectives (fp: this rank's fingerprint of the call) ----------------------
-    def barrier(self, uint64_t fp):
+    cdef int _run(self, int kind, uintptr_t out, uintptr_t inp, size_t n, int dtype, int op,
+                  int root, uint64_t fp, const size_t *ob=NULL, const size_t *ib=NULL) except -1:
+        """The one nogil call of every collective: ``kind`` picks the engine's entry, ``n``
+        is its count or byte size, ``out``/``inp`` its buffers (one buffer: ``out``)."""
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef int rc
         with nogil:
-            rc = tcp_barrier(e, fp, err, ERRLEN)
-        _check(rc, err, self)
+            if kind == _BARRIER:
+                rc = tcp_barrier(e, fp, err, ERRLEN)
+            elif kind == _BROADCAST:
+                rc = tcp_broadcast(e, <void *>out, n, root, fp, err, ERRLEN)
+            elif kind == _ALLREDUCE:
+                rc = tcp_allreduce(e, <void *>out, n, dtype, op, fp, err, ERRLEN)
+            elif kind == _REDUCE:
+                rc = tcp_reduce(e, <void *>out, n, dtype, op, root, fp, err, ERRLEN)
+            elif kind == _ALLGATHER:
+                rc = tcp_allgather(e, <void *>out, <const void *>inp, n, fp, err, ERRLEN)
+            elif kind == _GATHER:
+                rc = tcp_gather(e, <void *>out, <const void *>inp, n, root, fp, err, ERRLEN)
+            elif kind == _SCATTER:
+                rc = tcp_scatter(e, <void *>out, <const void *>inp, n, root, fp, err, ERRLEN)
+            elif kind == _REDUCE_SCATTER:
+                rc = tcp_reduce_scatter(e, <void *>out, <const void *>inp, n, dtype, op, fp,
+                                        err, ERRLEN)
+            else:
+                rc = tcp_alltoall(e, <void *>out, <const void *>inp, ob, ib, fp, err, ERRLEN)
+        return _check(rc, err, self)
+
+    def barrier(self, uint64_t fp):
+        self._run(_BARRIER, 0, 0, 0, 0, 0, 0, fp)
 
     def broadcast(self, uintptr_t ptr, size_t nbytes, int root, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_broadcast(e, <void *>ptr, nbytes, root, fp, err, ERRLEN)
-        _check(rc, err, self)
+        self._run(_BROADCAST, ptr, 0, nbytes, 0, 0, root, fp)
 
     def all_reduce(self, uintptr_t ptr, size_t count, int dtype, int op, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_allreduce(e, <void *>ptr, count, dtype, op, fp, err, ERRLEN)
-        _check(rc, err, self)
+        self._run(_ALLREDUCE, ptr, 0, count, dtype, op, 0, fp)
 
     def reduce(self, uintptr_t ptr, size_t count, int dtype, int op, int root, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_reduce(e, <void *>ptr, count, dtype, op, root, fp, err, ERRLEN)
-        _check(rc, err, self)
+        self._run(_REDUCE, ptr, 0, count, dtype, op, root, fp)
 
     def all_gather(self, uintptr_t out, uintptr_t inp, size_t nbytes, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_allgather(e, <void *>out, <const void *>inp, nbytes, fp, err, ERRLEN)
-        _check(rc, err, self)
+        self._run(_ALLGATHER, out, inp, nbytes, 0, 0, 0, fp)
 
     def gather(self, uintptr_t out, uintptr_t inp, size_t nbytes, int root, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_gather(e, <void *>out, <const void *>inp, nbytes, root, fp, err, ERRLEN)
-        _check(rc, err, self)
+        self._run(_GATHER, out, inp, nbytes, 0, 0, root, fp)
 
     def scatter(self, uintptr_t out, uintptr_t inp, size_t nbytes, int root, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_scatter(e, <void *>out, <const void *>inp, nbytes, root, fp, err, ERRLEN)
-        _check(rc, err, self)
+        self._run(_SCATTER, out, inp, nbytes, 0, 0, root, fp)
 
     def reduce_scatter(self, uintptr_t out, uintptr_t inp, size_t count, int dtype, int op, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_reduce_scatter(e, <void *>out, <const void *>inp, count, dtype, op, fp, err, ERRLEN)
-        _check(rc, err, self)
+        self._run(_REDUCE_SCATTER, out, inp, count, dtype, op, 0, fp)
 
     def all_to_all(self, uintptr_t out, uintptr_t inp, out_bytes, in_bytes, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
         cdef int n = self.size
         if len(out_bytes) != n or len(in_bytes) != n:
             raise ValueError(f"out_bytes and in_bytes must have {n} entries")
@@ -269,35 +262,35 @@ cdef class Engine:
         for i in range(n):
             ob[i] = out_bytes[i]
             ib[i] = in_bytes[i]
-        with nogil:
-            rc = tcp_alltoall(e, <void *>out, <const void *>inp, ob, ib, fp, err, ERRLEN)
-        free(ob)
-        _check(rc, err, self)
+        try:
+            self._run(_ALLTOALL, out, inp, 0, 0, 0, 0, fp, ob, ib)
+        finally:
+            free(ob)
 
     # ---- point to point ------------------------------------------------------
-    def isend(self, uintptr_t ptr, size_t nbytes, int dtype, int dst, int32_t tag, keep=None):
-        """Post a send of ``nbytes`` of ``dtype`` (a dtype code, :data:`NO_DTYPE`: bytes) at
-        ``ptr``; ``keep`` is held until it finishes."""
+    cdef PendingOp _post(self, bint send, uintptr_t ptr, size_t nbytes, int dtype, int peer,
+                         int32_t tag, keep):
         cdef tcp_engine *e = self._eng()
         cdef char err[ERRLEN]
         cdef tcp_req *r
         with nogil:
-            r = tcp_isend(e, <const void *>ptr, nbytes, dtype, dst, tag, err, ERRLEN)
+            if send:
+                r = tcp_isend(e, <const void *>ptr, nbytes, dtype, peer, tag, err, ERRLEN)
+            else:
+                r = tcp_irecv(e, <void *>ptr, nbytes, dtype, peer, tag, err, ERRLEN)
         if r == NULL:
             _check(-1, err, self)
         return PendingOp._make(self, r, keep)
+
+    def isend(self, uintptr_t ptr, size_t nbytes, int dtype, int dst, int32_t tag, keep=None):
+        """Post a send of ``nbytes`` of ``dtype`` (a dtype code, :data:`NO_DTYPE`: bytes) at
+        ``ptr``; ``keep`` is held until it finishes."""
+        return self._post(True, ptr, nbytes, dtype, dst, tag, keep)
 
     def irecv(self, uintptr_t ptr, size_t nbytes, int dtype, int src, int32_t tag, keep=None):
         """Post a receive into ``nbytes`` of ``dtype`` at ``ptr`` from ``src`` (-1: any rank);
         a message of another size or dtype fails it."""
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef tcp_req *r
-        with nogil:
-            r = tcp_irecv(e, <void *>ptr, nbytes, dtype, src, tag, err, ERRLEN)
-        if r == NULL:
-            _check(-1, err, self)
-        return PendingOp._make(self, r, keep)
+        return self._post(False, ptr, nbytes, dtype, src, tag, keep)
 
 
 cdef class PendingOp:
@@ -330,32 +323,35 @@ cdef class PendingOp:
             self.error = DistBackendError(_text(err, self.eng))
         self.keep = None
 
-    def wait(self, double timeout=-1.0):
-        """Block until done (``timeout`` seconds, negative: the group timeout)."""
+    cdef _progress(self, bint block, double timeout):
+        """Wait for the request (``block``: up to ``timeout`` seconds) or test it once, and
+        record how it finished; a wait that timed out raises and leaves it posted."""
         cdef char err[ERRLEN]
         cdef int rc
-        cdef tcp_engine *e
-        if self.state == 0:
-            e = self.eng._eng()
-            with nogil:
+        cdef tcp_engine *e = self.eng._eng()
+        with nogil:
+            if block:
                 rc = tcp_req_wait(e, self.r, timeout, err, ERRLEN)
-            if rc == -2:  # timed out: still posted, a later wait may finish it
-                raise DistBackendError(_text(err, self.eng))
-            self._finish(rc, err)
+                if rc == 0:
+                    rc = 1  # tcp_req_test's "done"
+            else:
+                rc = tcp_req_test(e, self.r, err, ERRLEN)
+        if rc == -2:  # timed out: still posted, a later wait may finish it
+            raise DistBackendError(_text(err, self.eng))
+        if rc != 0:
+            self._finish(0 if rc > 0 else -1, err)
+
+    def wait(self, double timeout=-1.0):
+        """Block until done (``timeout`` seconds, negative: the group timeout)."""
+        if self.state == 0:
+            self._progress(True, timeout)
         if self.state < 0:
             raise self.error
 
     def test(self):
         """True when finished (successfully or not); makes progress without blocking."""
-        cdef char err[ERRLEN]
-        cdef int rc
-        cdef tcp_engine *e
         if self.state == 0:
-            e = self.eng._eng()
-            with nogil:
-                rc = tcp_req_test(e, self.r, err, ERRLEN)
-            if rc != 0:
-                self._finish(0 if rc > 0 else -1, err)
+            self._progress(False, 0.0)
         return self.state != 0
 
     def exception(self):
