@@ -256,6 +256,22 @@ static void peer_dead_errno(tcp_engine *e, int pi, int err)
     peer_dead(e, pi, m);
 }
 
+static void peer_eof(tcp_engine *e, int pi);
+
+/* After a send or receive on pi's socket that moved nothing (k == 0: the peer closed; k < 0:
+ * errno says why): 1 to try again at once (EINTR), 0 to leave the peer for now (its socket
+ * is not ready, or the peer is gone, now marked so). */
+static inline int io_retry(tcp_engine *e, int pi, ssize_t k)
+{
+    if (k == 0) {
+        peer_eof(e, pi);
+        return 0;
+    }
+    if (errno == EINTR) return 1;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) peer_dead_errno(e, pi, errno);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ sending */
 
 /* Write as much of pi's send queue as the socket takes, at most duplex_chunk bytes per
@@ -288,9 +304,7 @@ TCP_HIDDEN void flush_peer(tcp_engine *e, int pi)
         mh.msg_iovlen = n;
         ssize_t k = sendmsg(p->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-            peer_dead_errno(e, pi, errno);
+            if (io_retry(e, pi, k)) continue;
             return;
         }
         r->sent += (size_t)k;
@@ -707,10 +721,7 @@ static void progress_recv_inner(tcp_engine *e, int pi)
                 budget = (size_t)k >= budget ? 0 : budget - (size_t)k;
                 continue;
             }
-            if (k == 0) { peer_eof(e, pi); return; }
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-            peer_dead_errno(e, pi, errno);
+            if (io_retry(e, pi, k)) continue;
             return;
         }
         if (avail) {
@@ -744,10 +755,7 @@ static void progress_recv_inner(tcp_engine *e, int pi)
             }
             continue;
         }
-        if (k == 0) { peer_eof(e, pi); return; }
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-        peer_dead_errno(e, pi, errno);
+        if (io_retry(e, pi, k)) continue;
         return;
     }
 }
