@@ -10,19 +10,9 @@ static void engine_free_memory(tcp_engine *e)
     if (e->peers)
         for (int i = 0; i < e->size; i++) free(e->peers[i].stage);
     for (int i = 0; i < 4; i++) free(e->spare[i]);
-    free(e->peers);
-    free(e->pfds);
-    free(e->pidx);
-    free(e->names);
-    free(e->creqs);
-    free(e->cptr);
-    free(e->fpreqs);
-    free(e->fpptr);
-    free(e->data_to);
-    free(e->heard);
-    free(e->scratch);
-    free(e->tmp);
-    free(e);
+    void *blocks[] = {e->peers, e->pfds, e->pidx, e->names, e->creqs, e->cptr, e->fpreqs,
+                      e->fpptr, e->data_to, e->heard, e->scratch, e->tmp, e};
+    for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) free(blocks[i]);
 }
 
 tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, double timeout_s)
@@ -255,12 +245,12 @@ void tcp_engine_free(tcp_engine *e)
 static tcp_req *p2p_new(tcp_engine *e, int is_send, void *buf, size_t len, int dtype, int peer,
                         int32_t tag, char *err, size_t errlen)
 {
-    tcp_req *r = calloc(1, sizeof *r);
+    tcp_req *r = malloc(sizeof *r);
     if (!r) {
         fmt(err, errlen, "out of memory");
         return NULL;
     }
-    req_set(r, is_send, peer, K_P2P, tag, 0, 0, dtype, buf, len);
+    req_init(r, is_send, peer, K_P2P, tag, 0, 0, dtype, buf, len);
     pthread_mutex_lock(&e->mu);
     if (e->closed) {
         pthread_mutex_unlock(&e->mu);
@@ -507,8 +497,7 @@ TCP_HIDDEN int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
 TCP_HIDDEN tcp_req *cset(tcp_engine *e, int i, int is_send, int peer, int32_t tag, const void *buf, size_t len)
 {
     tcp_req *r = &e->creqs[i];
-    memset(r, 0, sizeof *r);
-    req_set(r, is_send, peer, e->cur_kind, tag, e->seq, e->cur_fp, TCP_NO_DTYPE, buf, len);
+    req_init(r, is_send, peer, e->cur_kind, tag, e->seq, e->cur_fp, TCP_NO_DTYPE, buf, len);
     e->cptr[i] = r;
     return r;
 }
@@ -562,8 +551,7 @@ TCP_HIDDEN int cxfer(tcp_engine *e, int n, char *err, size_t errlen)
 static void fp_set(tcp_engine *e, int i, int is_send, int peer, int round)
 {
     tcp_req *r = &e->fpreqs[i];
-    memset(r, 0, sizeof *r);
-    req_set(r, is_send, peer, e->cur_kind, TAG_FP(round), e->seq, e->cur_fp, TCP_NO_DTYPE, NULL, 0);
+    req_init(r, is_send, peer, e->cur_kind, TAG_FP(round), e->seq, e->cur_fp, TCP_NO_DTYPE, NULL, 0);
     e->fpptr[i] = r;
 }
 

@@ -241,21 +241,14 @@ TCP_HIDDEN void poll_once(tcp_engine *e, int ms);
 TCP_HIDDEN int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, double span,
                        int coll, char *err, size_t errlen);
 
-/* Address a zeroed request: direction, peer, traffic kind and tag, the call it belongs to
- * (seq, fp), what it carries; a receive's source is unknown (-1) until it matches. */
-static inline void req_set(tcp_req *r, int is_send, int peer, int kind, int32_t tag,
-                           uint64_t seq, uint64_t fp, int dtype, const void *buf, size_t len)
+/* Make *r a fresh request (every other field zero): direction, peer, traffic kind and tag,
+ * the call it belongs to (seq, fp), what it carries; a receive's source is unknown (-1)
+ * until it matches. */
+static inline void req_init(tcp_req *r, int is_send, int peer, int kind, int32_t tag,
+                            uint64_t seq, uint64_t fp, int dtype, const void *buf, size_t len)
 {
-    r->is_send = is_send;
-    r->peer = peer;
-    r->kind = kind;
-    r->tag = tag;
-    r->seq = seq;
-    r->fp = fp;
-    r->dtype = dtype;
-    r->buf = (char *)buf;
-    r->len = len;
-    r->source = -1;
+    *r = (tcp_req){.is_send = is_send, .peer = peer, .kind = kind, .tag = tag, .seq = seq,
+                   .fp = fp, .dtype = dtype, .buf = (char *)buf, .len = len, .source = -1};
 }
 
 /* The two turns of a wait, mutex held. A thread that finds nobody polling becomes the

@@ -347,9 +347,9 @@ TCP_HIDDEN void send_control(tcp_engine *e, int pi, int ftype, uint64_t seq, con
                              size_t len, uint64_t fp, int flags)
 {
     if (len >= ERRTEXT) len = ERRTEXT - 1;
-    tcp_req *r = calloc(1, sizeof(tcp_req) + len);
+    tcp_req *r = malloc(sizeof(tcp_req) + len);
     if (!r) return;
-    req_set(r, 1, pi, K_P2P, 0, seq, fp, TCP_NO_DTYPE, r + 1, len);
+    req_init(r, 1, pi, K_P2P, 0, seq, fp, TCP_NO_DTYPE, r + 1, len);
     r->owned = 1;
     r->flags = flags;
     if (len) memcpy(r->buf, data, len);
