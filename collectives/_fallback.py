@@ -371,45 +371,48 @@ def kernel_isa():
     return "numpy"
 
 
+def _u8(v):
+    """The bytes of the array view ``v``, flat (an empty one for no elements)."""
+    return v.view(np.uint8) if v.size else np.empty(0, np.uint8)
+
+
 def _collect(buffers, name, writable):
     if isinstance(buffers, (str, bytes)) or not hasattr(buffers, "__len__"):
         raise TypeError(f"{name} must be a sequence of arrays/tensors, got {type(buffers).__name__}")
-    views = []
-    for i, b in enumerate(buffers):
-        v, _ = _view(b, f"{name}[{i}]", writable)
-        views.append(v.view(np.uint8) if v.size else np.empty(0, np.uint8))
-    return views
+    return [_u8(_view(b, f"{name}[{i}]", writable)[0]) for i, b in enumerate(buffers)]
+
+
+def _packed(views, flat, name, writable, whose):
+    """``flat``'s bytes (it must hold exactly the ``views``' total, ``whose`` total) and,
+    for each view, the slice of them it packs into."""
+    total = sum(v.nbytes for v in views)
+    f, _ = _view(flat, name, writable)
+    if f.nbytes != total:
+        raise ValueError(f"{name} must hold exactly {total} bytes ({whose} total), got {f.nbytes}")
+    spans, off = [], 0
+    for v in views:
+        spans.append(slice(off, off + v.nbytes))
+        off += v.nbytes
+    return _u8(f), spans
 
 
 def flatten(buffers, out=None):
     """The bytes of every array/tensor in ``buffers``, back to back. See ``_core.flatten``."""
     views = _collect(buffers, "buffers", False)
-    total = sum(v.nbytes for v in views)
     if out is None:
-        out = np.empty(total, np.uint8)
+        out = np.empty(sum(v.nbytes for v in views), np.uint8)
     elif not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
-    o, _ = _view(out, "out", True)
-    if o.nbytes != total:
-        raise ValueError(f"out must hold exactly {total} bytes (the inputs' total), got {o.nbytes}")
-    flat = o.view(np.uint8) if o.size else np.empty(0, np.uint8)
-    off = 0
-    for v in views:
-        flat[off:off + v.nbytes] = v
-        off += v.nbytes
+    flat, spans = _packed(views, out, "out", True, "the inputs'")
+    for v, s in zip(views, spans):
+        flat[s] = v
     return out
 
 
 def unflatten(flat, buffers):
     """Copy the bytes of ``flat`` back into ``buffers``. See ``_core.unflatten``."""
     views = _collect(buffers, "buffers", True)
-    total = sum(v.nbytes for v in views)
-    f, _ = _view(flat, "flat", False)
-    if f.nbytes != total:
-        raise ValueError(f"flat must hold exactly {total} bytes (the buffers' total), got {f.nbytes}")
-    fb = f.view(np.uint8) if f.size else np.empty(0, np.uint8)
-    off = 0
-    for v in views:
-        v[...] = fb[off:off + v.nbytes]
-        off += v.nbytes
+    fb, spans = _packed(views, flat, "flat", False, "the buffers'")
+    for v, s in zip(views, spans):
+        v[...] = fb[s]
     return buffers

@@ -37,6 +37,21 @@ HEADER_BYTES = 48
 HEADER_FIELDS = ("magic", "version", "ftype", "kind", "dtype", "flags", "group", "tag", "seq",
                  "fp", "aux", "len")
 
+cdef enum:  # the collectives of _collective
+    _BARRIER, _BROADCAST, _ALLREDUCE, _REDUCE, _ALLGATHER, _GATHER, _SCATTER, _REDUCE_SCATTER, _ALLTOALL
+
+
+cdef int *_int_array(values, int n, int hole) except NULL:
+    """A malloc'd copy of the ``n`` ints ``values`` (entry ``hole`` set to -1; -1: none), for
+    the caller to free."""
+    cdef int *a = <int *>malloc(sizeof(int) * n)
+    if a == NULL:
+        raise MemoryError()
+    for i in range(n):
+        a[i] = -1 if i == hole else int(values[i])
+    return a
+
+
 cdef str _text(char *err, eng):
     """The engine's error text for users (collectives.engine_errors: dtype codes named, a
     fingerprint mismatch spelled out from the engine's record)."""
@@ -70,6 +85,37 @@ def parse_wire_header(const unsigned char[:] data):
     return tuple(out)
 
 
+cdef inline int _collective(eng, tcp_engine *e, int kind, uintptr_t out, uintptr_t inp, size_t n,
+                            int dtype, int op, int root, uint64_t fp, const size_t *ob,
+                            const size_t *ib) except -1:
+    """The one nogil call of every collective of ``eng`` (its engine ``e``): ``kind`` picks the
+    engine's entry (inlined into each wrapper, where it is a constant), ``n`` is its count or
+    byte size, ``out``/``inp`` its buffers (one buffer: ``out``)."""
+    cdef char err[ERRLEN]
+    cdef int rc
+    with nogil:
+        if kind == _BARRIER:
+            rc = tcp_barrier(e, fp, err, ERRLEN)
+        elif kind == _BROADCAST:
+            rc = tcp_broadcast(e, <void *>out, n, root, fp, err, ERRLEN)
+        elif kind == _ALLREDUCE:
+            rc = tcp_allreduce(e, <void *>out, n, dtype, op, fp, err, ERRLEN)
+        elif kind == _REDUCE:
+            rc = tcp_reduce(e, <void *>out, n, dtype, op, root, fp, err, ERRLEN)
+        elif kind == _ALLGATHER:
+            rc = tcp_allgather(e, <void *>out, <const void *>inp, n, fp, err, ERRLEN)
+        elif kind == _GATHER:
+            rc = tcp_gather(e, <void *>out, <const void *>inp, n, root, fp, err, ERRLEN)
+        elif kind == _SCATTER:
+            rc = tcp_scatter(e, <void *>out, <const void *>inp, n, root, fp, err, ERRLEN)
+        elif kind == _REDUCE_SCATTER:
+            rc = tcp_reduce_scatter(e, <void *>out, <const void *>inp, n, dtype, op, fp,
+                                    err, ERRLEN)
+        else:
+            rc = tcp_alltoall(e, <void *>out, <const void *>inp, ob, ib, fp, err, ERRLEN)
+    return _check(rc, err, eng)
+
+
 cdef class Engine:
     """The connections of one group and the collectives over them.
 
@@ -90,11 +136,7 @@ cdef class Engine:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
         if len(fds) != size:
             raise ValueError(f"fds must have {size} entries, got {len(fds)}")
-        cdef int *cfds = <int *>malloc(sizeof(int) * size)
-        if cfds == NULL:
-            raise MemoryError()
-        for i in range(size):
-            cfds[i] = -1 if i == rank else int(fds[i])
+        cdef int *cfds = _int_array(fds, size, rank)
         self.e = tcp_engine_new(rank, size, cfds, group, timeout)
         free(cfds)
         if self.e == NULL:
@@ -137,11 +179,7 @@ cdef class Engine:
         if names is not None:
             if len(names) != self.size:
                 raise ValueError(f"names must have {self.size} entries, got {len(names)}")
-            cnames = <int *>malloc(sizeof(int) * self.size)
-            if cnames == NULL:
-                raise MemoryError()
-            for i in range(self.size):
-                cnames[i] = int(names[i])
+            cnames = _int_array(names, self.size, -1)
         rc = tcp_set_rank_names(e, cnames)
         free(cnames)
         if rc != 0:
@@ -192,73 +230,30 @@ cdef class Engine:
 
     # ---- collectives (fp: this rank's fingerprint of the call) ----------------------
     def barrier(self, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_barrier(e, fp, err, ERRLEN)
-        _check(rc, err, self)
+        _collective(self, self._eng(), _BARRIER, 0, 0, 0, 0, 0, 0, fp, NULL, NULL)
 
     def broadcast(self, uintptr_t ptr, size_t nbytes, int root, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_broadcast(e, <void *>ptr, nbytes, root, fp, err, ERRLEN)
-        _check(rc, err, self)
+        _collective(self, self._eng(), _BROADCAST, ptr, 0, nbytes, 0, 0, root, fp, NULL, NULL)
 
     def all_reduce(self, uintptr_t ptr, size_t count, int dtype, int op, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_allreduce(e, <void *>ptr, count, dtype, op, fp, err, ERRLEN)
-        _check(rc, err, self)
+        _collective(self, self._eng(), _ALLREDUCE, ptr, 0, count, dtype, op, 0, fp, NULL, NULL)
 
     def reduce(self, uintptr_t ptr, size_t count, int dtype, int op, int root, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_reduce(e, <void *>ptr, count, dtype, op, root, fp, err, ERRLEN)
-        _check(rc, err, self)
+        _collective(self, self._eng(), _REDUCE, ptr, 0, count, dtype, op, root, fp, NULL, NULL)
 
     def all_gather(self, uintptr_t out, uintptr_t inp, size_t nbytes, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_allgather(e, <void *>out, <const void *>inp, nbytes, fp, err, ERRLEN)
-        _check(rc, err, self)
+        _collective(self, self._eng(), _ALLGATHER, out, inp, nbytes, 0, 0, 0, fp, NULL, NULL)
 
     def gather(self, uintptr_t out, uintptr_t inp, size_t nbytes, int root, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_gather(e, <void *>out, <const void *>inp, nbytes, root, fp, err, ERRLEN)
-        _check(rc, err, self)
+        _collective(self, self._eng(), _GATHER, out, inp, nbytes, 0, 0, root, fp, NULL, NULL)
 
     def scatter(self, uintptr_t out, uintptr_t inp, size_t nbytes, int root, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_scatter(e, <void *>out, <const void *>inp, nbytes, root, fp, err, ERRLEN)
-        _check(rc, err, self)
+        _collective(self, self._eng(), _SCATTER, out, inp, nbytes, 0, 0, root, fp, NULL, NULL)
 
     def reduce_scatter(self, uintptr_t out, uintptr_t inp, size_t count, int dtype, int op, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
-        with nogil:
-            rc = tcp_reduce_scatter(e, <void *>out, <const void *>inp, count, dtype, op, fp, err, ERRLEN)
-        _check(rc, err, self)
+        _collective(self, self._eng(), _REDUCE_SCATTER, out, inp, count, dtype, op, 0, fp, NULL, NULL)
 
     def all_to_all(self, uintptr_t out, uintptr_t inp, out_bytes, in_bytes, uint64_t fp):
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef int rc
         cdef int n = self.size
         if len(out_bytes) != n or len(in_bytes) != n:
             raise ValueError(f"out_bytes and in_bytes must have {n} entries")
@@ -269,35 +264,37 @@ cdef class Engine:
         for i in range(n):
             ob[i] = out_bytes[i]
             ib[i] = in_bytes[i]
-        with nogil:
-            rc = tcp_alltoall(e, <void *>out, <const void *>inp, ob, ib, fp, err, ERRLEN)
-        free(ob)
-        _check(rc, err, self)
+        try:
+            _collective(self, self._eng(), _ALLTOALL, out, inp, 0, 0, 0, 0, fp, ob, ib)
+        finally:
+            free(ob)
 
     # ---- point to point ------------------------------------------------------
     def isend(self, uintptr_t ptr, size_t nbytes, int dtype, int dst, int32_t tag, keep=None):
         """Post a send of ``nbytes`` of ``dtype`` (a dtype code, :data:`NO_DTYPE`: bytes) at
         ``ptr``; ``keep`` is held until it finishes."""
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef tcp_req *r
-        with nogil:
-            r = tcp_isend(e, <const void *>ptr, nbytes, dtype, dst, tag, err, ERRLEN)
-        if r == NULL:
-            _check(-1, err, self)
-        return PendingOp._make(self, r, keep)
+        return _post(self, True, ptr, nbytes, dtype, dst, tag, keep)
 
     def irecv(self, uintptr_t ptr, size_t nbytes, int dtype, int src, int32_t tag, keep=None):
         """Post a receive into ``nbytes`` of ``dtype`` at ``ptr`` from ``src`` (-1: any rank);
         a message of another size or dtype fails it."""
-        cdef tcp_engine *e = self._eng()
-        cdef char err[ERRLEN]
-        cdef tcp_req *r
-        with nogil:
-            r = tcp_irecv(e, <void *>ptr, nbytes, dtype, src, tag, err, ERRLEN)
-        if r == NULL:
-            _check(-1, err, self)
-        return PendingOp._make(self, r, keep)
+        return _post(self, False, ptr, nbytes, dtype, src, tag, keep)
+
+
+cdef inline PendingOp _post(Engine eng, bint send, uintptr_t ptr, size_t nbytes, int dtype,
+                            int peer, int32_t tag, keep):
+    """isend (``send``) or irecv: the one nogil call that posts a request."""
+    cdef tcp_engine *e = eng._eng()
+    cdef char err[ERRLEN]
+    cdef tcp_req *r
+    with nogil:
+        if send:
+            r = tcp_isend(e, <const void *>ptr, nbytes, dtype, peer, tag, err, ERRLEN)
+        else:
+            r = tcp_irecv(e, <void *>ptr, nbytes, dtype, peer, tag, err, ERRLEN)
+    if r == NULL:
+        _check(-1, err, eng)
+    return PendingOp._make(eng, r, keep)
 
 
 cdef class PendingOp:
@@ -332,30 +329,15 @@ cdef class PendingOp:
 
     def wait(self, double timeout=-1.0):
         """Block until done (``timeout`` seconds, negative: the group timeout)."""
-        cdef char err[ERRLEN]
-        cdef int rc
-        cdef tcp_engine *e
         if self.state == 0:
-            e = self.eng._eng()
-            with nogil:
-                rc = tcp_req_wait(e, self.r, timeout, err, ERRLEN)
-            if rc == -2:  # timed out: still posted, a later wait may finish it
-                raise DistBackendError(_text(err, self.eng))
-            self._finish(rc, err)
+            _progress(self, True, timeout)
         if self.state < 0:
             raise self.error
 
     def test(self):
         """True when finished (successfully or not); makes progress without blocking."""
-        cdef char err[ERRLEN]
-        cdef int rc
-        cdef tcp_engine *e
         if self.state == 0:
-            e = self.eng._eng()
-            with nogil:
-                rc = tcp_req_test(e, self.r, err, ERRLEN)
-            if rc != 0:
-                self._finish(0 if rc > 0 else -1, err)
+            _progress(self, False, 0.0)
         return self.state != 0
 
     def exception(self):
@@ -368,3 +350,23 @@ cdef class PendingOp:
     @property
     def nbytes(self):
         return tcp_req_nbytes(self.r) if self.state == 1 else 0
+
+
+cdef inline int _progress(PendingOp req, bint block, double timeout) except -1:
+    """Wait for the request (``block``: up to ``timeout`` seconds) or test it once, and
+    record how it finished; a wait that timed out raises and leaves it posted."""
+    cdef char err[ERRLEN]
+    cdef int rc
+    cdef tcp_engine *e = req.eng._eng()
+    with nogil:
+        if block:
+            rc = tcp_req_wait(e, req.r, timeout, err, ERRLEN)
+            if rc == 0:
+                rc = 1  # tcp_req_test's "done"
+        else:
+            rc = tcp_req_test(e, req.r, err, ERRLEN)
+    if rc == -2:  # timed out: still posted, a later wait may finish it
+        raise DistBackendError(_text(err, req.eng))
+    if rc != 0:
+        req._finish(0 if rc > 0 else -1, err)
+    return 0

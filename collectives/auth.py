@@ -88,22 +88,32 @@ class AuthError(DistNetworkError):
     """A connection was refused because the two ends do not share a key."""
 
 
-def _recv_exact(sock, n, deadline, where):
+def recv_exact(sock, n, deadline, timed_out, closed):
+    """``n`` bytes from the blocking socket ``sock`` by ``deadline`` (time.monotonic());
+    raises ``timed_out()`` when the deadline passes first, ``closed()`` when the peer
+    closes the connection (each a callable that makes the exception)."""
     buf = bytearray()
     while len(buf) < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise DistNetworkError(f"{where}: timed out during the authentication handshake")
+            raise timed_out()
         sock.settimeout(left)
         try:
             chunk = sock.recv(n - len(buf))
         except socket.timeout:
             continue
         if not chunk:
-            raise ConnectionResetError(f"{where}: the server closed the connection during the "
-                                       f"authentication handshake")
+            raise closed()
         buf += chunk
     return bytes(buf)
+
+
+def _recv_exact(sock, n, deadline, where):
+    return recv_exact(
+        sock, n, deadline,
+        lambda: DistNetworkError(f"{where}: timed out during the authentication handshake"),
+        lambda: ConnectionResetError(f"{where}: the server closed the connection during the "
+                                     f"authentication handshake"))
 
 
 def client_handshake(sock, key, deadline, where, wait_ok=True):
@@ -222,4 +232,4 @@ def peer_name(sock):
 
 
 __all__ = ["ENV_KEY", "AuthError", "ServerHandshake", "check_key", "client_handshake",
-           "env_key", "key_of", "resolve_key"]
+           "env_key", "key_of", "recv_exact", "resolve_key"]

@@ -94,20 +94,10 @@ def advertised_host():
 
 
 def _recv_exact(sock, n, deadline, what):
-    data = b""
-    while len(data) < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DistNetworkError(f"tcp backend: timed out waiting for {what}")
-        sock.settimeout(remaining)
-        try:
-            chunk = sock.recv(n - len(data))
-        except socket.timeout:
-            continue
-        if not chunk:
-            raise DistNetworkError(f"tcp backend: connection closed while waiting for {what}")
-        data += chunk
-    return data
+    return auth.recv_exact(
+        sock, n, deadline,
+        lambda: DistNetworkError(f"tcp backend: timed out waiting for {what}"),
+        lambda: DistNetworkError(f"tcp backend: connection closed while waiting for {what}"))
 
 
 def _family(host):

@@ -288,27 +288,26 @@ class TcpBackend(Backend):
             fp = _pack(F.ALL_GATHER, inp.dtype, inp.count)
         self._engine.all_gather(out.ptr, inp.ptr, inp.nbytes, fp)
 
-    def gather(self, out, inp, root, fp=None):
+    def _root_blocks(self, code, mine, blocks, root, fp, what):
+        """gather's and scatter's checks: ``mine`` this rank's block, ``blocks`` the root's
+        ``size`` blocks (``what``: which argument; ignored off the root). Their address (0 off
+        the root) and the fingerprint."""
         self._check_rank(root, "root")
         if fp is None:
-            fp = _pack(F.GATHER, inp.dtype, inp.count, root)
-        if self.rank == root:
-            if out is None or out.nbytes != inp.nbytes * self.size:
-                raise ValueError(f"gather output on root must hold {self.size} x {inp.count} elements")
-            self._engine.gather(out.ptr, inp.ptr, inp.nbytes, root, fp)
-        else:
-            self._engine.gather(0, inp.ptr, inp.nbytes, root, fp)
+            fp = _pack(code, mine.dtype, mine.count, root)
+        if self.rank != root:
+            return 0, fp
+        if blocks is None or blocks.nbytes != mine.nbytes * self.size:
+            raise ValueError(f"{what} on root must hold {self.size} x {mine.count} elements")
+        return blocks.ptr, fp
+
+    def gather(self, out, inp, root, fp=None):
+        ptr, fp = self._root_blocks(F.GATHER, inp, out, root, fp, "gather output")
+        self._engine.gather(ptr, inp.ptr, inp.nbytes, root, fp)
 
     def scatter(self, out, inp, root, fp=None):
-        self._check_rank(root, "root")
-        if fp is None:
-            fp = _pack(F.SCATTER, out.dtype, out.count, root)
-        if self.rank == root:
-            if inp is None or inp.nbytes != out.nbytes * self.size:
-                raise ValueError(f"scatter input on root must hold {self.size} x {out.count} elements")
-            self._engine.scatter(out.ptr, inp.ptr, out.nbytes, root, fp)
-        else:
-            self._engine.scatter(out.ptr, 0, out.nbytes, root, fp)
+        ptr, fp = self._root_blocks(F.SCATTER, out, inp, root, fp, "scatter input")
+        self._engine.scatter(out.ptr, ptr, out.nbytes, root, fp)
 
     def reduce_scatter(self, out, inp, op, fp=None):
         self._check_op(op, out)

@@ -117,11 +117,25 @@ _PARSERS: "dict[str, Callable[[Setting, str], Any]]" = {
     "bool": _bool, "int": _int, "choice": _choice, "str": _str}
 
 
-def _s(*args, **kw):
-    return Setting(*args, **kw)
+def _section(**common):
+    """The declarer of one section of the registry: its settings share the keywords
+    ``common`` (a keyword a setting names itself wins)."""
+    def declare(*args, **kw):
+        return Setting(*args, **{**common, **kw})
+    return declare
+
+
+_s = _section()
+_engine = _section(read_in="backends/tcp.py -> tcp_engine.c")
+_shm = _section(read_in="backends/shm.py", agree=True, rank0=True)
+_fr = _section(read_in="fr_registry.py")
+_build = _section(scope="build", read_in="setup.py")
+_test = _section(scope="test", read_in="tests/ranks.py")
 
 
 # ---- the registry: add a new setting HERE (and nowhere else) -----------------------------
+# Each section declares through its own declarer, which fills the keywords the section's
+# settings share (where they are read, their scope); a setting names only what is its own.
 SETTINGS = (
     # transport selection and addressing
     _s("COLLECTIVES_TRANSPORT", "choice", "auto",
@@ -146,70 +160,63 @@ SETTINGS = (
        "above the kernel's cap (net.core.wmem_max / rmem_max) is not set, so the kernel "
        "keeps tuning that buffer itself instead of cutting it to the cap.",
        unit="bytes", read_in="backends/tcp.py, backends/mesh.py"),
-    _s("COLLECTIVES_TCP_RD_MAX", "int", 64 * KiB,
-       "all_reduce uses recursive doubling up to this size, reduce-scatter + all-gather above. "
-       "Unset, a group of more than 2 ranks that span hosts uses 32 KiB.",
-       agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
-    _s("COLLECTIVES_TCP_HD_MAX", "int", 0,
-       "all_reduce above COLLECTIVES_TCP_RD_MAX uses recursive halving-doubling up to this "
-       "size in groups of more than 2 ranks, the ring or direct exchange above; 0: never. "
-       "Unset, a group of more than 2 ranks that span hosts uses 64 KiB.",
-       agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
-    _s("COLLECTIVES_TCP_TREE_MAX", "int", 64 * KiB,
-       "broadcast uses a hypercube exchange and reduce a binomial tree up to this size "
-       "(broadcast also with 2 ranks), a pipelined chain above.",
-       agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
-    _s("COLLECTIVES_TCP_SEGMENT", "int", 1 * MiB,
-       "Pipelining segment of the large-message algorithms.",
-       agree=True, minimum=1, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
-    _s("COLLECTIVES_TCP_DIRECT_MAX", "int", 64 * KiB,
-       "all_gather and reduce_scatter use a one-round direct exchange up to this size.",
-       agree=True, unit="bytes", read_in="backends/tcp.py -> tcp_engine.c"),
-    _s("COLLECTIVES_TCP_DIRECT_WORLD", "int", 8,
-       "Large all_reduce uses the two-round direct exchange up to this world size, the ring "
-       "above it. Unset, a group whose ranks span hosts uses the ring at every size (one "
-       "flow per link).", agree=True, read_in="backends/tcp.py -> tcp_engine.c"),
-    _s("COLLECTIVES_TCP_DUPLEX_CHUNK", "int", 1 * MiB,
-       "Bytes written per send call, and read per call while sends to that peer wait, so both "
-       "directions of an exchange flow; 0: no limit.", unit="bytes",
-       read_in="backends/tcp.py -> tcp_engine.c"),
-    _s("COLLECTIVES_TCP_NO_LOWAT", "bool", False,
-       "True: never raise SO_RCVLOWAT while a large payload arrives (by default poll wakes "
-       "once 256 KiB-1 MiB of it is there).", read_in="backends/tcp.py -> tcp_engine.c"),
+    _engine("COLLECTIVES_TCP_RD_MAX", "int", 64 * KiB,
+            "all_reduce uses recursive doubling up to this size, reduce-scatter + all-gather above. "
+            "Unset, a group of more than 2 ranks that span hosts uses 32 KiB.",
+            agree=True, unit="bytes"),
+    _engine("COLLECTIVES_TCP_HD_MAX", "int", 0,
+            "all_reduce above COLLECTIVES_TCP_RD_MAX uses recursive halving-doubling up to this "
+            "size in groups of more than 2 ranks, the ring or direct exchange above; 0: never. "
+            "Unset, a group of more than 2 ranks that span hosts uses 64 KiB.",
+            agree=True, unit="bytes"),
+    _engine("COLLECTIVES_TCP_TREE_MAX", "int", 64 * KiB,
+            "broadcast uses a hypercube exchange and reduce a binomial tree up to this size "
+            "(broadcast also with 2 ranks), a pipelined chain above.",
+            agree=True, unit="bytes"),
+    _engine("COLLECTIVES_TCP_SEGMENT", "int", 1 * MiB,
+            "Pipelining segment of the large-message algorithms.",
+            agree=True, minimum=1, unit="bytes"),
+    _engine("COLLECTIVES_TCP_DIRECT_MAX", "int", 64 * KiB,
+            "all_gather and reduce_scatter use a one-round direct exchange up to this size.",
+            agree=True, unit="bytes"),
+    _engine("COLLECTIVES_TCP_DIRECT_WORLD", "int", 8,
+            "Large all_reduce uses the two-round direct exchange up to this world size, the ring "
+            "above it. Unset, a group whose ranks span hosts uses the ring at every size (one "
+            "flow per link).", agree=True),
+    _engine("COLLECTIVES_TCP_DUPLEX_CHUNK", "int", 1 * MiB,
+            "Bytes written per send call, and read per call while sends to that peer wait, so both "
+            "directions of an exchange flow; 0: no limit.", unit="bytes"),
+    _engine("COLLECTIVES_TCP_NO_LOWAT", "bool", False,
+            "True: never raise SO_RCVLOWAT while a large payload arrives (by default poll wakes "
+            "once 256 KiB-1 MiB of it is there)."),
     # the shared-memory backend
     _s("COLLECTIVES_SHM_HALF_BYTES", "int", 2 * MiB,
        "Bytes per half data slot of the group's segment (at least 4096 and 64 + 128 x "
        "world size). It sets the segment's layout.", agree=True, unit="bytes",
        read_in="backends/shm.py"),
-    _s("COLLECTIVES_SHM_ONESHOT_MAX", "int", 64 * KiB,
-       "Largest all_reduce done one-shot (one synchronisation); two-shot above.",
-       agree=True, rank0=True, unit="bytes", read_in="backends/shm.py"),
-    _s("COLLECTIVES_SHM_CHUNK_BYTES", "int", 512 * KiB,
-       "Chunk of the two-shot all_reduce and reduce.",
-       agree=True, rank0=True, minimum=1, unit="bytes", read_in="backends/shm.py"),
-    _s("COLLECTIVES_SHM_CMA_MIN", "int", 256 * KiB,
-       "all_gather and gather blocks from this size go in one copy (process_vm_readv/writev) "
-       "where the ranks may read each other's memory; 0 turns it off.",
-       agree=True, rank0=True, unit="bytes", read_in="backends/shm.py"),
-    _s("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB,
-       "broadcast from this size goes in one copy; 0 turns it off.",
-       agree=True, rank0=True, unit="bytes", read_in="backends/shm.py"),
-    _s("COLLECTIVES_SHM_CMA_AR_MIN", "int", 64 * KiB,
-       "all_reduce from this size (above the one-shot size) may go in one copy; 0 turns "
-       "the single copy off for all_reduce.", agree=True, rank0=True, unit="bytes",
-       read_in="backends/shm.py"),
-    _s("COLLECTIVES_SHM_AR_ALGO", "choice", "auto",
-       "all_reduce above the one-shot size: auto (the ranks time two-shot with plain and "
-       "with streaming stores and the single copy on their own calls, per size class, and "
-       "all take the fastest), two_shot (stores by COLLECTIVES_SHM_STREAM) or single_copy "
-       "(where the ranks may read each other's memory).", agree=True, rank0=True,
-       choices=("auto", "two_shot", "single_copy"), read_in="backends/shm.py"),
-    _s("COLLECTIVES_SHM_STREAM", "choice", "2",
-       "How the segment is written for other ranks: 0 plain stores, 1 streaming "
-       "(non-temporal) stores, 2 measured: the all_reduce and the all_gather time both "
-       "kinds on their own calls and take the faster, the other collectives stream while "
-       "the ranks' probes find their peers far (another die or socket).", agree=True, rank0=True, choices=("0", "1", "2"),
-       read_in="backends/shm.py"),
+    _shm("COLLECTIVES_SHM_ONESHOT_MAX", "int", 64 * KiB,
+         "Largest all_reduce done one-shot (one synchronisation); two-shot above.", unit="bytes"),
+    _shm("COLLECTIVES_SHM_CHUNK_BYTES", "int", 512 * KiB,
+         "Chunk of the two-shot all_reduce and reduce.", minimum=1, unit="bytes"),
+    _shm("COLLECTIVES_SHM_CMA_MIN", "int", 256 * KiB,
+         "all_gather and gather blocks from this size go in one copy (process_vm_readv/writev) "
+         "where the ranks may read each other's memory; 0 turns it off.", unit="bytes"),
+    _shm("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB,
+         "broadcast from this size goes in one copy; 0 turns it off.", unit="bytes"),
+    _shm("COLLECTIVES_SHM_CMA_AR_MIN", "int", 64 * KiB,
+         "all_reduce from this size (above the one-shot size) may go in one copy; 0 turns "
+         "the single copy off for all_reduce.", unit="bytes"),
+    _shm("COLLECTIVES_SHM_AR_ALGO", "choice", "auto",
+         "all_reduce above the one-shot size: auto (the ranks time two-shot with plain and "
+         "with streaming stores and the single copy on their own calls, per size class, and "
+         "all take the fastest), two_shot (stores by COLLECTIVES_SHM_STREAM) or single_copy "
+         "(where the ranks may read each other's memory).",
+         choices=("auto", "two_shot", "single_copy")),
+    _shm("COLLECTIVES_SHM_STREAM", "choice", "2",
+         "How the segment is written for other ranks: 0 plain stores, 1 streaming "
+         "(non-temporal) stores, 2 measured: the all_reduce and the all_gather time both "
+         "kinds on their own calls and take the faster, the other collectives stream while "
+         "the ranks' probes find their peers far (another die or socket).", choices=("0", "1", "2")),
     _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False,
        "Allow the single-copy paths with more ranks than cores (measured slower there; the "
        "tests use it).", read_in="_shm.pyx -> src/shm_copy.c"),
@@ -256,66 +263,54 @@ SETTINGS = (
        "allow-list (plain data, NumPy arrays, torch tensors) instead of full pickle; per "
        "call: safe=True.", read_in="safe_pickle.py"),
     # the flight recorder (collectives/fr_registry.py; torch's TORCH_FR_* names first)
-    _s("COLLECTIVES_FR_BUFFER_SIZE", "int", 256,
-       "Collectives the flight recorder keeps per group (torch's TORCH_FR_BUFFER_SIZE, where "
-       "set, comes first); 0 turns the recorder, its dumps and progress posts off.",
-       read_in="fr_registry.py"),
-    _s("COLLECTIVES_FR_DUMP", "str", None,
-       "Path prefix of the flight recorder's dumps, the global rank appended (torch's "
-       "TORCH_FR_DUMP_TEMP_FILE, where set, comes first). Default: a file in the temp "
-       "directory named after the job.", read_in="fr_registry.py"),
-    _s("COLLECTIVES_FR_STACK", "bool", False,
-       "Record the Python stack of every call in the flight recorder (costly).",
-       read_in="fr_registry.py"),
+    _fr("COLLECTIVES_FR_BUFFER_SIZE", "int", 256,
+        "Collectives the flight recorder keeps per group (torch's TORCH_FR_BUFFER_SIZE, where "
+        "set, comes first); 0 turns the recorder, its dumps and progress posts off."),
+    _fr("COLLECTIVES_FR_DUMP", "str", None,
+        "Path prefix of the flight recorder's dumps, the global rank appended (torch's "
+        "TORCH_FR_DUMP_TEMP_FILE, where set, comes first). Default: a file in the temp "
+        "directory named after the job."),
+    _fr("COLLECTIVES_FR_STACK", "bool", False,
+        "Record the Python stack of every call in the flight recorder (costly)."),
     _s("COLLECTIVES_NO_EXTENSIONS", "bool", False,
        "Hide the compiled extensions (_core, _buffer, _tcp, _shm): the package runs on its "
        "pure-Python/NumPy fallback, as when they are not built (kernels and the mpi and "
        "registered backends work; the gloo backend needs _tcp). For tests and debugging.",
        agree=True, read_in="config.py"),
     # build (setup.py)
-    _s("COLLECTIVES_ONLY", "str", None,
-       "Comma-separated extensions to build (e.g. _shm,_core); default all. _tcp and _shm "
-       "call _core's kernels, and _core and _shm read _buffer's Buffer, so they import only "
-       "where those are built.",
-       scope="build", read_in="setup.py"),
-    _s("COLLECTIVES_MARCH_NATIVE", "bool", False,
-       "Compile with -march=native (not for wheels; the kernels dispatch at run time anyway).",
-       scope="build", read_in="setup.py"),
-    _s("COLLECTIVES_DEBUG_SYMBOLS", "bool", False,
-       "Keep debug information in the extensions (for gdb or perf on a checkout). By default "
-       "they are compiled with -g0 and linked with --strip-all, as released wheels are.",
-       scope="build", read_in="setup.py"),
+    _build("COLLECTIVES_ONLY", "str", None,
+           "Comma-separated extensions to build (e.g. _shm,_core); default all. _tcp and _shm "
+           "call _core's kernels, and _core and _shm read _buffer's Buffer, so they import only "
+           "where those are built."),
+    _build("COLLECTIVES_MARCH_NATIVE", "bool", False,
+           "Compile with -march=native (not for wheels; the kernels dispatch at run time anyway)."),
+    _build("COLLECTIVES_DEBUG_SYMBOLS", "bool", False,
+           "Keep debug information in the extensions (for gdb or perf on a checkout). By default "
+           "they are compiled with -g0 and linked with --strip-all, as released wheels are."),
     # tests (tests/ranks.py and the test modules)
-    _s("COLLECTIVES_TEST_CONFIGS", "str", None,
-       "Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, "
-       "mpi, nccl); default every available host configuration.",
-       scope="test", read_in="tests/ranks.py"),
-    _s("COLLECTIVES_TEST_START_TIMEOUT", "int", 120,
-       "Seconds a rank pool may take to start.", scope="test", minimum=1,
-       read_in="tests/ranks.py"),
-    _s("COLLECTIVES_TEST_GROUP_TIMEOUT", "int", 30,
-       "Group timeout (seconds) of the test pools' process groups.", scope="test", minimum=1,
-       read_in="tests/ranks.py"),
-    _s("COLLECTIVES_TEST_MAX_POOLS", "int", 8,
-       "Rank pools kept running at once (the least recently used is closed; a test "
-       "module's own pools close at its end).",
-       scope="test", minimum=1, read_in="tests/ranks.py"),
-    _s("COLLECTIVES_TEST_HOSTS", "int", None,
-       "Fake this many hosts in a pool, ranks dealt out in turn (the gloo-hier "
-       "configuration).", scope="test", minimum=1, read_in="tests/ranks.py"),
-    _s("COLLECTIVES_TEST_POOL", "str", None,
-       "A label that keeps pools apart (tests give pools that import torch their own).",
-       scope="test", read_in="tests/ranks.py"),
-    _s("COLLECTIVES_TEST_INSTALLED", "str", None,
-       "Set by .ci/run's installed leg to the checkout the wheel was built from: the run "
-       "fails if collectives is imported from there rather than from site-packages.",
-       scope="test", read_in="tests/conftest.py"),
-    _s("COLLECTIVES_POOL_ADDR", "str", None,
-       "Set by the test harness for its rank processes: where to connect back. Not for users.",
-       scope="test", read_in="tests/ranks.py"),
-    _s("COLLECTIVES_POOL_KEY", "str", None,
-       "Set by the test harness for its rank processes: the connection's key. Not for users.",
-       scope="test", read_in="tests/ranks.py"),
+    _test("COLLECTIVES_TEST_CONFIGS", "str", None,
+          "Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, "
+          "mpi, nccl); default every available host configuration."),
+    _test("COLLECTIVES_TEST_START_TIMEOUT", "int", 120,
+          "Seconds a rank pool may take to start.", minimum=1),
+    _test("COLLECTIVES_TEST_GROUP_TIMEOUT", "int", 30,
+          "Group timeout (seconds) of the test pools' process groups.", minimum=1),
+    _test("COLLECTIVES_TEST_MAX_POOLS", "int", 8,
+          "Rank pools kept running at once (the least recently used is closed; a test "
+          "module's own pools close at its end).", minimum=1),
+    _test("COLLECTIVES_TEST_HOSTS", "int", None,
+          "Fake this many hosts in a pool, ranks dealt out in turn (the gloo-hier "
+          "configuration).", minimum=1),
+    _test("COLLECTIVES_TEST_POOL", "str", None,
+          "A label that keeps pools apart (tests give pools that import torch their own)."),
+    _test("COLLECTIVES_TEST_INSTALLED", "str", None,
+          "Set by .ci/run's installed leg to the checkout the wheel was built from: the run "
+          "fails if collectives is imported from there rather than from site-packages.",
+          read_in="tests/conftest.py"),
+    _test("COLLECTIVES_POOL_ADDR", "str", None,
+          "Set by the test harness for its rank processes: where to connect back. Not for users."),
+    _test("COLLECTIVES_POOL_KEY", "str", None,
+          "Set by the test harness for its rank processes: the connection's key. Not for users."),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}

@@ -8,22 +8,25 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 from .output import Sink, Stream
 from .ports import free_port
 from .reaper import Reaper
 
 
+@dataclass(eq=False)
 class Rank:
-    def __init__(self, rank, local_rank, proc, out, err):
-        self.rank = rank
-        self.local_rank = local_rank
-        self.proc = proc
-        self.out = out
-        self.err = err
-        self.returncode = None
-        self.ended = None
-        self.killed_by_us = False
+    """One started rank: its process, output streams and how it ended."""
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    out: Stream
+    err: Stream
+    returncode: Optional[int] = None
+    ended: Optional[float] = None
+    killed_by_us: bool = False
 
     def describe(self):
         rc = self.returncode

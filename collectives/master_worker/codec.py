@@ -8,6 +8,7 @@ dtype name and requires_grad) and a named constant (``Const('dtype:float32')``,
 Decoding builds only those types: nothing from the wire names code to run (no pickle, no
 marshal).
 """
+import operator
 import struct
 
 import numpy as np
@@ -27,41 +28,41 @@ _ARRAY_DTYPES = frozenset(("bool", "uint8", "int8", "int16", "int32", "int64", "
 MAX_DEPTH = 32
 
 
-class Ref:
+class _Token:
+    """A value of one field (``_key`` reads it): equal to another of its class holding an
+    equal value, hashable, shown as ``Class(value)``."""
+
+    __slots__ = ()
+
+    def __eq__(self, other):
+        return isinstance(other, type(self)) and self._key(other) == self._key(self)
+
+    def __hash__(self):
+        return hash((type(self).__name__, self._key(self)))
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self._key(self)!r})"
+
+
+class Ref(_Token):
     """A reference to handle ``hid`` on the node a message goes to."""
 
     __slots__ = ("hid",)
+    _key = operator.attrgetter("hid")
 
     def __init__(self, hid):
         self.hid = hid
 
-    def __eq__(self, other):
-        return isinstance(other, Ref) and other.hid == self.hid
 
-    def __hash__(self):
-        return hash(("Ref", self.hid))
-
-    def __repr__(self):
-        return f"Ref({self.hid})"
-
-
-class Const:
+class Const(_Token):
     """A named constant of the array library (a dtype, device, layout or memory format),
     as ``'<kind>:<name>'``; the receiver looks the name up in a fixed table."""
 
     __slots__ = ("name",)
+    _key = operator.attrgetter("name")
 
     def __init__(self, name):
         self.name = name
-
-    def __eq__(self, other):
-        return isinstance(other, Const) and other.name == self.name
-
-    def __hash__(self):
-        return hash(("Const", self.name))
-
-    def __repr__(self):
-        return f"Const({self.name!r})"
 
 
 class TensorValue:

@@ -110,22 +110,13 @@ def operator_entry(m, op, reflected=False):
     return e
 
 
+#: the binary operators with a reflected form (``radd``...): torch.Tensor has both dunders
+_REFLECTED = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
+              "xor", "lshift", "rshift")
 _TORCH_OPERATORS = {
-    "add": "torch.Tensor.__add__", "radd": "torch.Tensor.__radd__",
-    "sub": "torch.Tensor.__sub__", "rsub": "torch.Tensor.__rsub__",
-    "mul": "torch.Tensor.__mul__", "rmul": "torch.Tensor.__rmul__",
-    "truediv": "torch.Tensor.__truediv__", "rtruediv": "torch.Tensor.__rdiv__",
-    "floordiv": "torch.Tensor.__floordiv__", "rfloordiv": "torch.Tensor.__rfloordiv__",
-    "mod": "torch.Tensor.__mod__", "rmod": "torch.Tensor.__rmod__",
-    "pow": "torch.Tensor.__pow__", "rpow": "torch.Tensor.__rpow__",
-    "matmul": "torch.Tensor.__matmul__", "rmatmul": "torch.Tensor.__rmatmul__",
-    "and": "torch.Tensor.__and__", "rand": "torch.Tensor.__rand__",
-    "or": "torch.Tensor.__or__", "ror": "torch.Tensor.__ror__",
-    "xor": "torch.Tensor.__xor__", "rxor": "torch.Tensor.__rxor__",
-    "lshift": "torch.Tensor.__lshift__", "rlshift": "torch.Tensor.__rlshift__",
-    "rshift": "torch.Tensor.__rshift__", "rrshift": "torch.Tensor.__rrshift__",
-    "eq": "torch.Tensor.__eq__", "ne": "torch.Tensor.__ne__", "lt": "torch.Tensor.__lt__",
-    "le": "torch.Tensor.__le__", "gt": "torch.Tensor.__gt__", "ge": "torch.Tensor.__ge__",
+    **{k: f"torch.Tensor.__{k}__" for op in _REFLECTED for k in (op, "r" + op)},
+    **{op: f"torch.Tensor.__{op}__" for op in ("eq", "ne", "lt", "le", "gt", "ge")},
+    "rtruediv": "torch.Tensor.__rdiv__",
     "neg": "torch.Tensor.neg", "pos": "torch.Tensor.positive", "abs": "torch.Tensor.abs",
     "invert": "torch.Tensor.bitwise_not"}
 

@@ -274,42 +274,8 @@ class RemoteTensor:
         return dispatch.call_entry(m, m.operators.get(op) or operator_entry(m, op),
                                    (other, self), None)
 
-    def __add__(self, o): return self._op("add", o)  # noqa: E704
-    def __radd__(self, o): return self._rop("add", o)  # noqa: E704
-    def __sub__(self, o): return self._op("sub", o)  # noqa: E704
-    def __rsub__(self, o): return self._rop("sub", o)  # noqa: E704
-    def __mul__(self, o): return self._op("mul", o)  # noqa: E704
-    def __rmul__(self, o): return self._rop("mul", o)  # noqa: E704
-    def __truediv__(self, o): return self._op("truediv", o)  # noqa: E704
-    def __rtruediv__(self, o): return self._rop("truediv", o)  # noqa: E704
-    def __floordiv__(self, o): return self._op("floordiv", o)  # noqa: E704
-    def __rfloordiv__(self, o): return self._rop("floordiv", o)  # noqa: E704
-    def __mod__(self, o): return self._op("mod", o)  # noqa: E704
-    def __rmod__(self, o): return self._rop("mod", o)  # noqa: E704
-    def __pow__(self, o): return self._op("pow", o)  # noqa: E704
-    def __rpow__(self, o): return self._rop("pow", o)  # noqa: E704
-    def __matmul__(self, o): return self._op("matmul", o)  # noqa: E704
-    def __rmatmul__(self, o): return self._rop("matmul", o)  # noqa: E704
-    def __and__(self, o): return self._op("and", o)  # noqa: E704
-    def __rand__(self, o): return self._rop("and", o)  # noqa: E704
-    def __or__(self, o): return self._op("or", o)  # noqa: E704
-    def __ror__(self, o): return self._rop("or", o)  # noqa: E704
-    def __xor__(self, o): return self._op("xor", o)  # noqa: E704
-    def __rxor__(self, o): return self._rop("xor", o)  # noqa: E704
-    def __lshift__(self, o): return self._op("lshift", o)  # noqa: E704
-    def __rshift__(self, o): return self._op("rshift", o)  # noqa: E704
-    def __eq__(self, o): return self._op("eq", o)  # noqa: E704
-    def __ne__(self, o): return self._op("ne", o)  # noqa: E704
-    def __lt__(self, o): return self._op("lt", o)  # noqa: E704
-    def __le__(self, o): return self._op("le", o)  # noqa: E704
-    def __gt__(self, o): return self._op("gt", o)  # noqa: E704
-    def __ge__(self, o): return self._op("ge", o)  # noqa: E704
+    # the arithmetic, bitwise and comparison operators: _operators() below
     __hash__ = object.__hash__
-
-    def __neg__(self): return self._op("neg")  # noqa: E704
-    def __pos__(self): return self._op("pos")  # noqa: E704
-    def __abs__(self): return self._op("abs")  # noqa: E704
-    def __invert__(self): return self._op("invert")  # noqa: E704
 
     def __iadd__(self, o): return self.add_(o)  # noqa: E704
     def __isub__(self, o): return self.sub_(o)  # noqa: E704
@@ -373,6 +339,30 @@ def _method(attr):
     return method
 
 
+def _operators(cls):
+    """Give ``cls`` the operator dunders, each queuing ``_op``/``_rop`` with its name."""
+    def binary(op):
+        return lambda self, o: self._op(op, o)
+
+    def reflected(op):
+        return lambda self, o: self._rop(op, o)
+
+    def unary(op):
+        return lambda self: self._op(op)
+
+    table = [(op, binary) for op in ("lshift", "rshift", "eq", "ne", "lt", "le", "gt", "ge")]
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and",
+               "or", "xor"):
+        table += [(op, binary), ("r" + op, reflected)]
+    table += [(op, unary) for op in ("neg", "pos", "abs", "invert")]
+    for name, make in table:
+        f = make(name[1:] if make is reflected else name)
+        f.__name__ = f"__{name}__"
+        f.__qualname__ = f"{cls.__name__}.__{name}__"
+        setattr(cls, f.__name__, f)
+
+
+_operators(RemoteTensor)
 dispatch.Handle = RemoteTensor
 
 

@@ -64,6 +64,12 @@ def wait_request(req, timeout, alive, what):
             raise DistBackendError(f"{what}: no answer within {timeout:.1f}s")
 
 
+#: the commands whose arguments are the handler method's, as they come
+_HANDLERS = {P.C_PUT: "put", P.C_GET: "get", P.C_CALL: "call", P.C_CALLR: "call_reply",
+             P.C_BIND: "bind", P.C_SENDTO: "send_to", P.C_RECVFROM: "recv_from",
+             P.C_COLL: "collective", P.C_RPC: "rpc"}
+
+
 class Worker:
     """One worker's state: its handle table, failures, pending sends and subgroups."""
 
@@ -140,28 +146,12 @@ class Worker:
             elif op == P.C_ALLOC:
                 out, kind, shape, dtype, value, device = args
                 self.run(out, "allocate " + kind, lambda: self.lib.alloc(kind, shape, dtype, value, device))
-            elif op == P.C_PUT:
-                self.put(*args)
-            elif op == P.C_GET:
-                self.get(*args)
+            elif op in _HANDLERS:
+                getattr(self, _HANDLERS[op])(*args)
             elif op == P.C_META:
                 self.meta(args[0])
-            elif op == P.C_CALL:
-                self.call(*args)
-            elif op == P.C_CALLR:
-                self.call_reply(*args)
-            elif op == P.C_BIND:
-                self.bind(*args)
             elif op == P.C_GRAD:
                 self.lib.set_grad(args[0])
-            elif op == P.C_SENDTO:
-                self.send_to(*args)
-            elif op == P.C_RECVFROM:
-                self.recv_from(*args)
-            elif op == P.C_COLL:
-                self.collective(*args)
-            elif op == P.C_RPC:
-                self.rpc(*args)
             elif op == P.C_PAIR:
                 self.pair = new_group([0, self.pg.rank()], use_local_synchronization=True)
             elif op == P.C_SEED:

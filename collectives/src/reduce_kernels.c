@@ -209,17 +209,9 @@ size_t coll_chunk_elems(int dtype)
     return size ? COLL_CHUNK_BYTES / size : 0;
 }
 
-int coll_reduce(void *dst, const void *src, size_t count, int dtype, int op)
-{
-    int rc = coll_check(dtype, op);
-    if (rc != COLL_OK)
-        return rc;
-    if (count)
-        coll_binops[dtype][op](dst, dst, src, count);
-    return COLL_OK;
-}
-
-int coll_reduce3(void *dst, const void *a, const void *b, size_t count, int dtype, int op)
+/* dst = a op b, checked; inlined into both entry points (an exported function is not
+ * inlined into another under -fPIC, so neither calls the other) */
+static inline int reduce3(void *dst, const void *a, const void *b, size_t count, int dtype, int op)
 {
     int rc = coll_check(dtype, op);
     if (rc != COLL_OK)
@@ -227,6 +219,16 @@ int coll_reduce3(void *dst, const void *a, const void *b, size_t count, int dtyp
     if (count)
         coll_binops[dtype][op](dst, a, b, count);
     return COLL_OK;
+}
+
+int coll_reduce(void *dst, const void *src, size_t count, int dtype, int op)
+{
+    return reduce3(dst, dst, src, count, dtype, op);
+}
+
+int coll_reduce3(void *dst, const void *a, const void *b, size_t count, int dtype, int op)
+{
+    return reduce3(dst, a, b, count, dtype, op);
 }
 
 /* coll_reduce_many where dst is one of srcs[2..]: each chunk is folded in a 16 KiB stack
@@ -430,30 +432,30 @@ static inline __m256i K(f16_pack)(__m512 f) { return _mm512_cvtps_ph(f, _MM_FROU
 
 static inline __m512 K(v_sum)(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 static inline __m512 K(v_prod)(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
-static inline __m512 K(v_min)(__m512 a, __m512 b)
-{
-    /* a where a < b, else b (the second operand wins ties); then NaN if either is NaN */
-    __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), b, a);
-    return _mm512_mask_add_ps(r, _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q), a, b);
-}
-static inline __m512 K(v_max)(__m512 a, __m512 b)
-{
-    __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), b, a);
-    return _mm512_mask_add_ps(r, _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q), a, b);
-}
+/* min (CMP _CMP_LT_OQ) and max (_CMP_GT_OQ) on W (__m512 or __m256, intrinsics prefix PS):
+ * a where a CMP b, else b (the second operand wins ties); then NaN if either is NaN */
+#define DEF_V_PICK(NAME, W, PS, CMP)                                                  \
+    static inline W K(NAME)(W a, W b)                                                 \
+    {                                                                                 \
+        W r = PS##_mask_blend_ps(PS##_cmp_ps_mask(a, b, CMP), b, a);                  \
+        return PS##_mask_add_ps(r, PS##_cmp_ps_mask(a, b, _CMP_UNORD_Q), a, b);       \
+    }
+DEF_V_PICK(v_min, __m512, _mm512, _CMP_LT_OQ)
+DEF_V_PICK(v_max, __m512, _mm512, _CMP_GT_OQ)
 static inline __m256 K(v_sum8)(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 static inline __m256 K(v_prod8)(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
-static inline __m256 K(v_min8)(__m256 a, __m256 b)
-{
-    __m256 r = _mm256_mask_blend_ps(_mm256_cmp_ps_mask(a, b, _CMP_LT_OQ), b, a);
-    return _mm256_mask_add_ps(r, _mm256_cmp_ps_mask(a, b, _CMP_UNORD_Q), a, b);
-}
-static inline __m256 K(v_max8)(__m256 a, __m256 b)
-{
-    __m256 r = _mm256_mask_blend_ps(_mm256_cmp_ps_mask(a, b, _CMP_GT_OQ), b, a);
-    return _mm256_mask_add_ps(r, _mm256_cmp_ps_mask(a, b, _CMP_UNORD_Q), a, b);
-}
+DEF_V_PICK(v_min8, __m256, _mm256, _CMP_LT_OQ)
+DEF_V_PICK(v_max8, __m256, _mm256, _CMP_GT_OQ)
+#undef DEF_V_PICK
 
+/* the 32 bfloat16 at pa + i and pb + i widened (zeros below, in-lane unpacks), as lo and
+ * hi halves, and combined by OPV */
+#define BF16_LOHI(OPV)                                                                \
+    __m512i va = _mm512_loadu_si512(pa + i), vb = _mm512_loadu_si512(pb + i);         \
+    __m512 lo = K(OPV)(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, va)),             \
+                       _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, vb)));            \
+    __m512 hi = K(OPV)(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, va)),             \
+                       _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, vb)));
 #ifdef COLL_ISA_BF16
 /* AVX512_BF16's vcvtne2ps2bf16 rounds to nearest-even like bf16_round, except that it
  * treats denormals as zero and keeps NaN payloads: a vector holding a denormal or NaN
@@ -465,11 +467,7 @@ static inline __m256 K(v_max8)(__m256 a, __m256 b)
                                                11, 10, 9, 8, 23, 22, 21, 20, 7, 6, 5, 4, \
                                                19, 18, 17, 16, 3, 2, 1, 0);           \
         for (; i + 32 <= n; i += 32) {                                                \
-            __m512i va = _mm512_loadu_si512(pa + i), vb = _mm512_loadu_si512(pb + i); \
-            __m512 lo = K(OPV)(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, va)),     \
-                               _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, vb)));    \
-            __m512 hi = K(OPV)(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, va)),     \
-                               _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, vb)));    \
+            BF16_LOHI(OPV)                                                            \
             __mmask16 odd = _mm512_fpclass_ps_mask(lo, 0xA1) | _mm512_fpclass_ps_mask(hi, 0xA1); \
             __m512i r;                                                                \
             if (__builtin_expect(odd != 0, 0))                                        \
@@ -484,11 +482,7 @@ static inline __m256 K(v_max8)(__m256 a, __m256 b)
     {                                                                                 \
         const __m512i z = _mm512_setzero_si512();                                     \
         for (; i + 32 <= n; i += 32) {                                                \
-            __m512i va = _mm512_loadu_si512(pa + i), vb = _mm512_loadu_si512(pb + i); \
-            __m512 lo = K(OPV)(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, va)),     \
-                               _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, vb)));    \
-            __m512 hi = K(OPV)(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, va)),     \
-                               _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, vb)));    \
+            BF16_LOHI(OPV)                                                            \
             _mm512_storeu_si512(d + i, _mm512_packus_epi32(K(bf16_round)(lo), K(bf16_round)(hi))); \
         }                                                                             \
     }
@@ -529,6 +523,7 @@ DEF_HALF(f16_prod, f16, F16_MAIN, v_prod)
 DEF_HALF(f16_min, f16, F16_MAIN, v_min)
 DEF_HALF(f16_max, f16, F16_MAIN, v_max)
 #undef BF16_MAIN
+#undef BF16_LOHI
 #undef F16_MAIN
 #undef F16_RND
 
@@ -544,18 +539,17 @@ DEF_HALF_PORTABLE(bf16_max, coll_bf16_to_f32, coll_f32_to_bf16, F_MAX(a, b))
 
 static inline __m256 K(v_sum)(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 static inline __m256 K(v_prod)(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
-static inline __m256 K(v_min)(__m256 a, __m256 b)
-{
-    __m256 r = _mm256_blendv_ps(b, a, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
-    __m256 nan = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
-    return _mm256_blendv_ps(r, _mm256_add_ps(a, b), nan);
-}
-static inline __m256 K(v_max)(__m256 a, __m256 b)
-{
-    __m256 r = _mm256_blendv_ps(b, a, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
-    __m256 nan = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
-    return _mm256_blendv_ps(r, _mm256_add_ps(a, b), nan);
-}
+/* min (CMP _CMP_LT_OQ) and max (_CMP_GT_OQ): a where a CMP b, else b; NaN if either is */
+#define DEF_V_PICK(NAME, CMP)                                                         \
+    static inline __m256 K(NAME)(__m256 a, __m256 b)                                  \
+    {                                                                                 \
+        __m256 r = _mm256_blendv_ps(b, a, _mm256_cmp_ps(a, b, CMP));                  \
+        __m256 nan = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);                               \
+        return _mm256_blendv_ps(r, _mm256_add_ps(a, b), nan);                         \
+    }
+DEF_V_PICK(v_min, _CMP_LT_OQ)
+DEF_V_PICK(v_max, _CMP_GT_OQ)
+#undef DEF_V_PICK
 #define F16_ROUND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define DEF_F16(NAME, OPV, EXPR)                                                      \
     static void K(NAME)(void *dv, const void *av, const void *bv, size_t n)           \

@@ -632,56 +632,51 @@ int tcp_allgather(tcp_engine *e, void *out, const void *in, size_t nb, uint64_t 
     return coll_end(e, rc, err, errlen);
 }
 
-int tcp_gather(tcp_engine *e, void *out, const void *in, size_t nb, int root, uint64_t fp, char *err,
-               size_t errlen)
+/* gather (to_root: every rank's block goes to the root) and scatter (the root's blocks go
+ * out): the root holds n blocks of nb bytes at blocks, every rank its own block at mine.
+ * Only the root's links carry data, so the fingerprints travel there alone (the side away
+ * from the root only sends, or hears from the root alone). */
+static int rooted(tcp_engine *e, int kind, int to_root, char *blocks, char *mine, size_t nb,
+                  int root, uint64_t fp, char *err, size_t errlen)
 {
     int n = e->size, r = e->rank;
-    if (r == root && (const char *)in != (char *)out + (size_t)r * nb)
-        memmove((char *)out + (size_t)r * nb, in, nb);
+    if (r == root && mine != blocks + (size_t)r * nb) {
+        if (to_root) memmove(blocks + (size_t)r * nb, mine, nb);
+        else memmove(mine, blocks + (size_t)r * nb, nb);
+    }
     if (n == 1) return 0;
-    if (coll_begin(e, K_GATHER, fp, err, errlen)) return -1;
+    if (coll_begin(e, kind, fp, err, errlen)) return -1;
     int rc = 0, k = 0;
     links_clear(e);
-    if (r == root) memset(e->data_from, 1, (size_t)n);
-    else e->data_to[root] = 1;
-    fp_begin(e);  /* the others only send */
+    unsigned char *at_root = to_root ? e->data_from : e->data_to;
+    unsigned char *at_other = to_root ? e->data_to : e->data_from;
+    if (r == root) memset(at_root, 1, (size_t)n);
+    else at_other[root] = 1;
+    fp_begin(e);
     if (ensure_reqs(e, (size_t)n)) rc = oom(err, errlen);
     else if (r == root) {
-        for (int j = 0; j < n; j++)
-            if (j != r) cset(e, k++, 0, j, TAG(0, 0), (char *)out + (size_t)j * nb, nb);
+        for (int s = 1; s < n; s++) {
+            int j = (r + s) % n;
+            cset(e, k++, !to_root, j, TAG(0, 0), blocks + (size_t)j * nb, nb);
+        }
     } else {
-        cset(e, k++, 1, root, TAG(0, 0), in, nb);
+        cset(e, k++, to_root, root, TAG(0, 0), mine, nb);
     }
     if (!rc) rc = cxfer(e, k, err, errlen);
     rc = fp_finish(e, rc, err, errlen);
     return coll_end(e, rc, err, errlen);
 }
 
+int tcp_gather(tcp_engine *e, void *out, const void *in, size_t nb, int root, uint64_t fp, char *err,
+               size_t errlen)
+{
+    return rooted(e, K_GATHER, 1, (char *)out, (char *)in, nb, root, fp, err, errlen);
+}
+
 int tcp_scatter(tcp_engine *e, void *out, const void *in, size_t nb, int root, uint64_t fp, char *err,
                 size_t errlen)
 {
-    int n = e->size, r = e->rank;
-    if (r == root && (char *)out != (const char *)in + (size_t)r * nb)
-        memmove(out, (const char *)in + (size_t)r * nb, nb);
-    if (n == 1) return 0;
-    if (coll_begin(e, K_SCATTER, fp, err, errlen)) return -1;
-    int rc = 0, k = 0;
-    links_clear(e);
-    if (r == root) memset(e->data_to, 1, (size_t)n);
-    else e->data_from[root] = 1;
-    fp_begin(e);  /* the root only sends, the others hear from it alone */
-    if (ensure_reqs(e, (size_t)n)) rc = oom(err, errlen);
-    else if (r == root) {
-        for (int s = 1; s < n; s++) {
-            int j = (r + s) % n;
-            cset(e, k++, 1, j, TAG(0, 0), (const char *)in + (size_t)j * nb, nb);
-        }
-    } else {
-        cset(e, k++, 0, root, TAG(0, 0), out, nb);
-    }
-    if (!rc) rc = cxfer(e, k, err, errlen);
-    rc = fp_finish(e, rc, err, errlen);
-    return coll_end(e, rc, err, errlen);
+    return rooted(e, K_SCATTER, 0, (char *)in, (char *)out, nb, root, fp, err, errlen);
 }
 
 int tcp_reduce_scatter(tcp_engine *e, void *out, const void *in, size_t count, int dtype, int op,

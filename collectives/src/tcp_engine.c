@@ -4,6 +4,17 @@
 
 /* --------------------------------------------------------------- lifecycle */
 
+/* The engine's memory: every block it owns (NULL where not allocated yet) and itself. */
+static void engine_free_memory(tcp_engine *e)
+{
+    if (e->peers)
+        for (int i = 0; i < e->size; i++) free(e->peers[i].stage);
+    for (int i = 0; i < 4; i++) free(e->spare[i]);
+    void *blocks[] = {e->peers, e->pfds, e->pidx, e->names, e->creqs, e->cptr, e->fpreqs,
+                      e->fpptr, e->data_to, e->heard, e->scratch, e->tmp, e};
+    for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) free(blocks[i]);
+}
+
 tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, double timeout_s)
 {
     tcp_engine *e = calloc(1, sizeof *e);
@@ -50,16 +61,7 @@ tcp_engine *tcp_engine_new(int rank, int size, const int *fds, uint32_t group, d
     e->direct_max = 64 * 1024;
     return e;
 bad:
-    if (e->peers)
-        for (int i = 0; i < size; i++) free(e->peers[i].stage);
-    free(e->peers);
-    free(e->pfds);
-    free(e->pidx);
-    free(e->fpreqs);
-    free(e->fpptr);
-    free(e->data_to);
-    free(e->heard);
-    free(e);
+    engine_free_memory(e);
     return NULL;
 }
 
@@ -230,26 +232,12 @@ void tcp_engine_free(tcp_engine *e)
         peer_t *p = &e->peers[i];
         if (p->fd >= 0) close(p->fd);
         while (p->uq_head) msg_drop(e, i, p->uq_head);
-        free(p->stage);
     }
-    for (int i = 0; i < 4; i++) free(e->spare[i]);
     close(e->wake[0]);
     close(e->wake[1]);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
-    free(e->peers);
-    free(e->pfds);
-    free(e->pidx);
-    free(e->names);
-    free(e->creqs);
-    free(e->cptr);
-    free(e->fpreqs);
-    free(e->fpptr);
-    free(e->data_to);
-    free(e->heard);
-    free(e->scratch);
-    free(e->tmp);
-    free(e);
+    engine_free_memory(e);
 }
 
 /* ----------------------------------------------------------- point to point */
@@ -257,19 +245,12 @@ void tcp_engine_free(tcp_engine *e)
 static tcp_req *p2p_new(tcp_engine *e, int is_send, void *buf, size_t len, int dtype, int peer,
                         int32_t tag, char *err, size_t errlen)
 {
-    tcp_req *r = calloc(1, sizeof *r);
+    tcp_req *r = malloc(sizeof *r);
     if (!r) {
         fmt(err, errlen, "out of memory");
         return NULL;
     }
-    r->is_send = is_send;
-    r->peer = peer;
-    r->kind = K_P2P;
-    r->tag = tag;
-    r->dtype = dtype;
-    r->buf = buf;
-    r->len = len;
-    r->source = -1;
+    req_init(r, is_send, peer, K_P2P, tag, 0, 0, dtype, buf, len);
     pthread_mutex_lock(&e->mu);
     if (e->closed) {
         pthread_mutex_unlock(&e->mu);
@@ -311,12 +292,8 @@ int tcp_req_wait(tcp_engine *e, tcp_req *r, double timeout_s, char *err, size_t 
 int tcp_req_test(tcp_engine *e, tcp_req *r, char *err, size_t errlen)
 {
     pthread_mutex_lock(&e->mu);
-    if (r->state == 0 && !e->polling && !e->closed) {
-        e->polling = 1;
-        poll_once(e, 0);
-        e->polling = 0;
-        if (e->nwaiters) pthread_cond_broadcast(&e->cv);
-    }
+    if (r->state == 0 && !e->polling && !e->closed)
+        poll_as_poller(e, 0);
     int st = r->state;
     if (st < 0) fmt(err, errlen, "%s", r->err);
     pthread_mutex_unlock(&e->mu);
@@ -428,20 +405,10 @@ static void mm_settle(tcp_engine *e, double deadline)
         double t = now_s();
         if (all) mm_canonical(e);
         if (all || e->closed || t >= deadline) return;
-        if (!e->polling) {
-            e->polling = 1;
-            poll_once(e, 20);
-            e->polling = 0;
-            if (e->nwaiters) pthread_cond_broadcast(&e->cv);
-        } else {
-            double until = deadline < t + 0.05 ? deadline : t + 0.05;
-            struct timespec ts;
-            ts.tv_sec = (time_t)until;
-            ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
-            e->nwaiters++;
-            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
-            e->nwaiters--;
-        }
+        if (!e->polling)
+            poll_as_poller(e, 20);
+        else
+            sleep_while_polled(e, t, deadline);
     }
 }
 
@@ -530,17 +497,7 @@ TCP_HIDDEN int coll_end(tcp_engine *e, int rc, char *err, size_t errlen)
 TCP_HIDDEN tcp_req *cset(tcp_engine *e, int i, int is_send, int peer, int32_t tag, const void *buf, size_t len)
 {
     tcp_req *r = &e->creqs[i];
-    memset(r, 0, sizeof *r);
-    r->is_send = is_send;
-    r->peer = peer;
-    r->kind = e->cur_kind;
-    r->tag = tag;
-    r->seq = e->seq;
-    r->fp = e->cur_fp;
-    r->dtype = TCP_NO_DTYPE;
-    r->buf = (char *)buf;
-    r->len = len;
-    r->source = -1;
+    req_init(r, is_send, peer, e->cur_kind, tag, e->seq, e->cur_fp, TCP_NO_DTYPE, buf, len);
     e->cptr[i] = r;
     return r;
 }
@@ -594,15 +551,7 @@ TCP_HIDDEN int cxfer(tcp_engine *e, int n, char *err, size_t errlen)
 static void fp_set(tcp_engine *e, int i, int is_send, int peer, int round)
 {
     tcp_req *r = &e->fpreqs[i];
-    memset(r, 0, sizeof *r);
-    r->is_send = is_send;
-    r->peer = peer;
-    r->kind = e->cur_kind;
-    r->tag = TAG_FP(round);
-    r->seq = e->seq;
-    r->fp = e->cur_fp;
-    r->dtype = TCP_NO_DTYPE;
-    r->source = -1;
+    req_init(r, is_send, peer, e->cur_kind, TAG_FP(round), e->seq, e->cur_fp, TCP_NO_DTYPE, NULL, 0);
     e->fpptr[i] = r;
 }
 

@@ -241,6 +241,38 @@ TCP_HIDDEN void poll_once(tcp_engine *e, int ms);
 TCP_HIDDEN int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, double span,
                        int coll, char *err, size_t errlen);
 
+/* Make *r a fresh request (every other field zero): direction, peer, traffic kind and tag,
+ * the call it belongs to (seq, fp), what it carries; a receive's source is unknown (-1)
+ * until it matches. */
+static inline void req_init(tcp_req *r, int is_send, int peer, int kind, int32_t tag,
+                            uint64_t seq, uint64_t fp, int dtype, const void *buf, size_t len)
+{
+    *r = (tcp_req){.is_send = is_send, .peer = peer, .kind = kind, .tag = tag, .seq = seq,
+                   .fp = fp, .dtype = dtype, .buf = (char *)buf, .len = len, .source = -1};
+}
+
+/* The two turns of a wait, mutex held. A thread that finds nobody polling becomes the
+ * poller for one poll_once (up to ms) and wakes the sleepers after; any other sleeps on the
+ * condition variable until the poller wakes it, 50 ms pass or the deadline comes. */
+static inline void poll_as_poller(tcp_engine *e, int ms)
+{
+    e->polling = 1;
+    poll_once(e, ms);
+    e->polling = 0;
+    if (e->nwaiters) pthread_cond_broadcast(&e->cv);
+}
+
+static inline void sleep_while_polled(tcp_engine *e, double t, double deadline)
+{
+    double until = deadline < t + 0.05 ? deadline : t + 0.05;
+    struct timespec ts;
+    ts.tv_sec = (time_t)until;
+    ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+    e->nwaiters++;
+    pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    e->nwaiters--;
+}
+
 /* collective plumbing and fingerprint frames (tcp_engine.c) */
 TCP_HIDDEN int ensure_buf(char **p, size_t *cap, size_t need);
 TCP_HIDDEN int ensure_reqs(tcp_engine *e, size_t n);

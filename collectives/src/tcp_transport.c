@@ -256,6 +256,22 @@ static void peer_dead_errno(tcp_engine *e, int pi, int err)
     peer_dead(e, pi, m);
 }
 
+static void peer_eof(tcp_engine *e, int pi);
+
+/* After a send or receive on pi's socket that moved nothing (k == 0: the peer closed; k < 0:
+ * errno says why): 1 to try again at once (EINTR), 0 to leave the peer for now (its socket
+ * is not ready, or the peer is gone, now marked so). */
+static inline int io_retry(tcp_engine *e, int pi, ssize_t k)
+{
+    if (k == 0) {
+        peer_eof(e, pi);
+        return 0;
+    }
+    if (errno == EINTR) return 1;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) peer_dead_errno(e, pi, errno);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ sending */
 
 /* Write as much of pi's send queue as the socket takes, at most duplex_chunk bytes per
@@ -288,9 +304,7 @@ TCP_HIDDEN void flush_peer(tcp_engine *e, int pi)
         mh.msg_iovlen = n;
         ssize_t k = sendmsg(p->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-            peer_dead_errno(e, pi, errno);
+            if (io_retry(e, pi, k)) continue;
             return;
         }
         r->sent += (size_t)k;
@@ -333,18 +347,11 @@ TCP_HIDDEN void send_control(tcp_engine *e, int pi, int ftype, uint64_t seq, con
                              size_t len, uint64_t fp, int flags)
 {
     if (len >= ERRTEXT) len = ERRTEXT - 1;
-    tcp_req *r = calloc(1, sizeof(tcp_req) + len);
+    tcp_req *r = malloc(sizeof(tcp_req) + len);
     if (!r) return;
+    req_init(r, 1, pi, K_P2P, 0, seq, fp, TCP_NO_DTYPE, r + 1, len);
     r->owned = 1;
-    r->is_send = 1;
-    r->peer = pi;
-    r->kind = K_P2P;
-    r->dtype = TCP_NO_DTYPE;
-    r->seq = seq;
-    r->fp = fp;
     r->flags = flags;
-    r->buf = (char *)(r + 1);
-    r->len = len;
     if (len) memcpy(r->buf, data, len);
     fill_hdr(e, r, ftype);
     post_send_locked(e, r);
@@ -627,23 +634,18 @@ static void on_header(tcp_engine *e, int pi)
         p->closing = 1;
         break;
     case F_ERROR:
-        if (p->h.len >= ERRTEXT) {
-            fmt(m, sizeof m, "received a corrupted error frame from rank %d", RN(e, pi));
+    case F_MISMATCH: {
+        int error = p->h.ftype == F_ERROR;
+        if (error ? p->h.len >= ERRTEXT : p->h.len != MISMATCH_LEN) {
+            fmt(m, sizeof m, "received a corrupted %s frame from rank %d",
+                error ? "error" : "mismatch", RN(e, pi));
             peer_dead(e, pi, m);
             return;
         }
         p->mode = M_ERR;
         p->dst = p->errtext;
         break;
-    case F_MISMATCH:
-        if (p->h.len != MISMATCH_LEN) {
-            fmt(m, sizeof m, "received a corrupted mismatch frame from rank %d", RN(e, pi));
-            peer_dead(e, pi, m);
-            return;
-        }
-        p->mode = M_ERR;
-        p->dst = p->errtext;
-        break;
+    }
     case F_DATA:
         if (p->h.kind == K_P2P) match_p2p(e, pi);
         else if (p->h.kind < K_NKINDS) match_coll(e, pi);
@@ -719,10 +721,7 @@ static void progress_recv_inner(tcp_engine *e, int pi)
                 budget = (size_t)k >= budget ? 0 : budget - (size_t)k;
                 continue;
             }
-            if (k == 0) { peer_eof(e, pi); return; }
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-            peer_dead_errno(e, pi, errno);
+            if (io_retry(e, pi, k)) continue;
             return;
         }
         if (avail) {
@@ -756,10 +755,7 @@ static void progress_recv_inner(tcp_engine *e, int pi)
             }
             continue;
         }
-        if (k == 0) { peer_eof(e, pi); return; }
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-        peer_dead_errno(e, pi, errno);
+        if (io_retry(e, pi, k)) continue;
         return;
     }
 }
@@ -962,7 +958,6 @@ TCP_HIDDEN int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, 
             goto fail;
         }
         if (!e->polling) {
-            e->polling = 1;
             int ms = 0;
             if (t - t0 >= e->spin_s) {
                 double rem = deadline - t;
@@ -970,9 +965,7 @@ TCP_HIDDEN int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, 
                 ms = (int)ceil(rem * 1000.0);
                 if (ms < 1) ms = 1;
             }
-            poll_once(e, ms);
-            e->polling = 0;
-            if (e->nwaiters) pthread_cond_broadcast(&e->cv);
+            poll_as_poller(e, ms);
             if (!ms) {
                 /* spinning: let ranks that share our core run (they are often whom we wait for) */
                 pthread_mutex_unlock(&e->mu);
@@ -980,13 +973,7 @@ TCP_HIDDEN int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, 
                 pthread_mutex_lock(&e->mu);
             }
         } else {
-            double until = deadline < t + 0.05 ? deadline : t + 0.05;
-            struct timespec ts;
-            ts.tv_sec = (time_t)until;
-            ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
-            e->nwaiters++;
-            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
-            e->nwaiters--;
+            sleep_while_polled(e, t, deadline);
         }
     }
 fail:

@@ -87,26 +87,19 @@ class TCPStore(Store):
     @staticmethod
     def _start_server(port, listen_fd, multi_tenant, host, key):
         shared = multi_tenant and port
-        if shared:
-            with _SERVERS_LOCK:
-                server = _SERVERS.get(port)
-                if server is not None:
-                    _same_key(server, key)
-                    server.refs += 1
-                    return server
+        server = _take_shared(port, key) if shared else None
+        if server is not None:
+            return server
         # Started outside the lock: Thread.start waits for the new thread, which may run
         # the cyclic GC on its first allocation, and so a finalizer of a dropped store,
         # _release_server, which takes the lock (a test once hung there for good).
         try:
             server = StoreServer(port, listen_fd, host, key)
         except OSError as e:
-            if shared:  # another thread of this process may have just started it
-                with _SERVERS_LOCK:
-                    other = _SERVERS.get(port)
-                    if other is not None:
-                        _same_key(other, key)
-                        other.refs += 1
-                        return other
+            # another thread of this process may have just started it
+            other = _take_shared(port, key) if shared else None
+            if other is not None:
+                return other
             raise DistNetworkError(f"TCPStore master could not listen on port {port}: {e}") from e
         with _SERVERS_LOCK:
             if multi_tenant:
@@ -324,6 +317,17 @@ class _TimedOut:
 
     def __init__(self, missing):
         self.missing = missing
+
+
+def _take_shared(port, key):
+    """The server this process runs on ``port``, with one more reference (its key checked
+    against ``key``), or None."""
+    with _SERVERS_LOCK:
+        server = _SERVERS.get(port)
+        if server is not None:
+            _same_key(server, key)
+            server.refs += 1
+        return server
 
 
 def _recv_exact(sock, n):
