@@ -25,6 +25,29 @@ def test_asking_for_nccl_without_a_gpu_names_what_is_missing():
         nccl.create_nccl_backend(dist.HashStore(), 0, 1, 10.0)
 
 
+def test_the_reduction_table_agrees_with_the_checked_lookup():
+    """Each call reads (NCCL dtype, count, NCCL op) from a table; the checked lookup
+    (``_dtype``) is its definition and names what NCCL lacks: the two agree on every
+    dtype and op, and host memory is refused by both (no GPU needed)."""
+    from collectives import dtypes as D
+    from collectives.tensors import _PyBuffer
+    be = object.__new__(nccl.NcclBackend)  # no communicator: these read only the tables
+    for dtype in D.DTYPE_NAMES:
+        for op in D.OP_NAMES:
+            for device in (0, -1):
+                buf = _PyBuffer(4096, 3, dtype, device)
+                got = want = None
+                try:
+                    want = be._dtype(buf, op)
+                except ValueError as e:
+                    want = str(e)
+                try:
+                    got = be._reduction(buf, op)
+                except ValueError as e:
+                    got = str(e)
+                assert got == want, (D.DTYPE_NAMES[dtype], D.OP_NAMES[op], device)
+
+
 def test_the_unique_id_travels_whole_though_it_holds_nul_bytes():
     """Rank 0's id went through the store cut at its first NUL byte (a c_char array field
     reads as a C string), so every NCCL group of more than one rank hung in its setup."""
