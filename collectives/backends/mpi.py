@@ -322,11 +322,9 @@ class MpiBackend(Backend):
         self.comm.Gather(send, recv, root)
 
     def scatter(self, out, inp, root):
-        self._checked((F.SCATTER, out.dtype, out.count, root, -1), self._scatter, out, inp, root)
-
-    def _scatter(self, out, inp, root):
         if self._async_mode:
             return self._iscatter(out, inp, root).wait()
+        self._fp_log.append((F.SCATTER, out.dtype, out.count, root, -1))
         send, recv, _keep = self._scatter_specs(out, inp, root)
         self.comm.Scatter(send, recv, root)
 
