@@ -20,7 +20,7 @@ cdef enum:
     FIELDS = 5         # kind, dtype, count, root, op
     N_OPS = 256        # the backend's op table: dtype * 16 + op
 
-cdef int BARRIER = 1, BROADCAST = 2, ALL_REDUCE = 3, NO_DTYPE = 15  # collectives.fingerprint
+cdef int BARRIER = 1, BROADCAST = 2, ALL_REDUCE = 3, ALL_GATHER = 5, NO_DTYPE = 15  # collectives.fingerprint
 
 
 cdef class CallLog:
@@ -33,7 +33,7 @@ cdef class CallLog:
     cdef readonly int n
     cdef public object failed
     cdef object _compare, _error
-    cdef object _allreduce, _bcast, _barrier, _in_place, _datatypes, _ops, _half_op
+    cdef object _allreduce, _bcast, _barrier, _allgather, _in_place, _datatypes, _ops, _half_op
 
     def __init__(self, compare, error):
         self._compare = compare
@@ -41,13 +41,15 @@ cdef class CallLog:
         self.failed = None
         self.n = 0
 
-    def bind(self, allreduce, bcast, barrier, in_place, list datatypes, list ops, half_op):
-        """The MPI calls (the communicator's bound Allreduce, Bcast, Barrier), MPI.IN_PLACE,
+    def bind(self, allreduce, bcast, barrier, allgather, in_place, list datatypes, list ops,
+             half_op):
+        """The MPI calls (the communicator's bound Allreduce, Bcast, Barrier, Allgather), MPI.IN_PLACE,
         the datatype table (dtype code -> Datatype), the op table (dtype * 16 + op -> Op or
         None) and ``half_op(dtype, op)`` for the ops the table lacks."""
         if len(ops) != N_OPS:
             raise ValueError(f"ops must hold {N_OPS} entries, got {len(ops)}")
         self._allreduce, self._bcast, self._barrier = allreduce, bcast, barrier
+        self._allgather = allgather
         self._in_place, self._datatypes, self._ops, self._half_op = in_place, datatypes, ops, half_op
 
     cdef int _add(self, int64_t kind, int64_t dtype, int64_t count, int64_t root,
@@ -114,3 +116,17 @@ cdef class CallLog:
         """Log, then ``Barrier()``."""
         self._add(BARRIER, NO_DTYPE, 0, -1, -1)
         self._barrier()
+
+    def all_gather(self, Buffer out, Buffer inp, Py_ssize_t size):
+        """Log; then, where ``out`` takes ``size`` blocks like ``inp`` and shares no byte
+        with it (the common call), ``Allgather`` and True; else False: the caller makes
+        the call (in place, or from a private copy)."""
+        self._add(ALL_GATHER, inp.dtype, inp.count, -1, -1)
+        cdef size_t onb = <size_t>out.count * out.itemsize, inb = <size_t>inp.count * inp.itemsize
+        if out.dtype != inp.dtype or out.count != inp.count * size:
+            return False
+        if not (inb == 0 or out.ptr >= inp.ptr + inb or inp.ptr >= out.ptr + onb):
+            return False
+        dt = self._datatypes[inp.dtype]
+        self._allgather((inp, dt), (out, dt))
+        return True

@@ -221,8 +221,8 @@ class MpiBackend(Backend):
         self._fp = _FingerprintCheck(comm, f"mpi group (size {self.size})", _MPI, _C_LOG)
         self._fp_log = self._fp.log  # this group's calls since the last comparison
         if _C_LOG:
-            self._fp_log.bind(comm.Allreduce, comm.Bcast, comm.Barrier, _IN_PLACE, _DATATYPE, _OPS,
-                              _half_op)
+            self._fp_log.bind(comm.Allreduce, comm.Bcast, comm.Barrier, comm.Allgather, _IN_PLACE,
+                              _DATATYPE, _OPS, _half_op)
         _watchdog.watch(self)
         self._allreduce = comm.Allreduce
         self._bcast = comm.Bcast
@@ -290,6 +290,8 @@ class MpiBackend(Backend):
             self.comm.Reduce(spec, None, mpi_op, root)
 
     def all_gather(self, out, inp):
+        if _C_LOG and not self._async_mode:  # logged in C, and made there in the common case
+            return self._fp_log.all_gather(out, inp, self.size) or self._all_gather(out, inp)
         self._checked((F.ALL_GATHER, inp.dtype, inp.count, -1, -1), self._all_gather, out, inp)
 
     def _all_gather(self, out, inp):
