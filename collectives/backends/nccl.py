@@ -15,6 +15,7 @@ Limits, as NCCL's: no any-source receive, no BAND/BOR/BXOR, no int16 and no
 complex PRODUCT/MIN/MAX; these raise ValueError before anything is enqueued.
 """
 import ctypes
+import functools
 import glob
 import importlib.util
 import os
@@ -54,6 +55,21 @@ _UNDEF_INT = -2**31
 
 _lib = None
 
+try:  # NCCL's collectives called by address (a ctypes call costs more than the rest of one)
+    from .. import _ncclcall
+except ImportError:  # extensions not built: through ctypes
+    _ncclcall = None
+
+
+def _entry(lib, name, arity):
+    """``f(*args, comm, stream)``: NCCL's ``name`` (``arity`` arguments), ``comm`` and
+    ``stream`` as addresses; by address through collectives._ncclcall where built."""
+    fn = getattr(lib, name)
+    if _ncclcall is None:
+        return fn  # its argtypes take ints and None
+    call = {6: _ncclcall.call6, 7: _ncclcall.call7, 8: _ncclcall.call8}[arity]
+    return functools.partial(call, ctypes.cast(fn, ctypes.c_void_p).value)
+
 
 def _library_paths():
     env = config.get("COLLECTIVES_NCCL_LIB")
@@ -90,19 +106,25 @@ def _load():
         if hasattr(lib, "ncclGetLastError"):
             lib.ncclGetLastError.restype = ctypes.c_char_p
             lib.ncclGetLastError.argtypes = [ctypes.c_void_p]
-        # the per-call entry points take Python ints for pointers and counts (ctypes converts
-        # them in C, by these types, with no c_void_p or c_size_t object made per call)
-        vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-        for name, args in (("ncclAllReduce", [vp, vp, sz, i, i, vp, vp]),
-                           ("ncclBroadcast", [vp, vp, sz, i, i, vp, vp]),
-                           ("ncclReduce", [vp, vp, sz, i, i, i, vp, vp]),
-                           ("ncclAllGather", [vp, vp, sz, i, vp, vp]),
-                           ("ncclReduceScatter", [vp, vp, sz, i, i, vp, vp]),
-                           ("ncclSend", [vp, sz, i, i, vp, vp]),
-                           ("ncclRecv", [vp, sz, i, i, vp, vp])):
-            getattr(lib, name).argtypes = args
+        _set_argtypes(lib)
         _lib = lib
     return _lib
+
+
+def _set_argtypes(lib):
+    """The per-call entry points take Python ints for pointers and counts (and None for
+    NULL): ctypes converts them by these types."""
+    vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    for name, args in (("ncclAllReduce", [vp, vp, sz, i, i, vp, vp]),
+                       ("ncclBroadcast", [vp, vp, sz, i, i, vp, vp]),
+                       ("ncclReduce", [vp, vp, sz, i, i, i, vp, vp]),
+                       ("ncclAllGather", [vp, vp, sz, i, vp, vp]),
+                       ("ncclReduceScatter", [vp, vp, sz, i, i, vp, vp]),
+                       ("ncclSend", [vp, sz, i, i, vp, vp]),
+                       ("ncclRecv", [vp, sz, i, i, vp, vp])):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = args
 
 
 def is_available():
@@ -190,6 +212,12 @@ class NcclBackend(Backend):
         self._cur = (None, None, None)  # (that key, raw pointer, torch Stream) last seen
         self._one = None  # barrier's one-element scratch on the device, made at its first use
         self._comm = ctypes.c_void_p()
+        lib = self._lib
+        self._nccl_all_reduce = _entry(lib, "ncclAllReduce", 7)
+        self._nccl_broadcast = _entry(lib, "ncclBroadcast", 7)
+        self._nccl_reduce = _entry(lib, "ncclReduce", 8)
+        self._nccl_all_gather = _entry(lib, "ncclAllGather", 6)
+        self._nccl_reduce_scatter = _entry(lib, "ncclReduceScatter", 7)
         self._failed = None  # why the communicator was aborted
         self._pending = []  # (event, deadline, what) enqueued and not yet seen finished
         self._lock = threading.RLock()  # guards the communicator (see _enqueue)
@@ -370,13 +398,14 @@ class NcclBackend(Backend):
         return self._record(what, cur[2])
 
     def _post(self, what, fn, *args):
-        """``fn(*args, comm, stream)``, one NCCL collective, as ``_enqueue`` makes it (the
-        collectives' path: no closure per call); raises on its error code."""
+        """``fn(*args, comm, stream)`` (an ``_entry``), one NCCL collective, as
+        ``_enqueue`` makes it (the collectives' path: no closure per call); raises on its
+        error code."""
         with self._lock:
             if self._failed is not None:
                 self._live()
             cur = self._stream()
-            code = fn(*args, self._comm, cur[1])
+            code = fn(*args, self._comm.value, cur[1])
             if code:
                 self._check(code, what)
         self._record(what, cur[2])
@@ -396,25 +425,25 @@ class NcclBackend(Backend):
     def all_reduce(self, buf, op):
         dt, n, rop = self._reduction(buf, op)
         p = buf.ptr
-        self._post("ncclAllReduce", self._lib.ncclAllReduce, p, p, n, dt, rop)
+        self._post("ncclAllReduce", self._nccl_all_reduce, p, p, n, dt, rop)
 
     def broadcast(self, buf, root):
         p = self._device_ptr(buf)
-        self._post("ncclBroadcast", self._lib.ncclBroadcast, p, p, buf.nbytes, _U8, root)
+        self._post("ncclBroadcast", self._nccl_broadcast, p, p, buf.nbytes, _U8, root)
 
     def reduce(self, buf, op, root):
         dt, n, rop = self._reduction(buf, op)
         p = buf.ptr
         # non-root buffers stay unchanged: NCCL writes recvbuff on root only
-        self._post("ncclReduce", self._lib.ncclReduce, p, p, n, dt, rop, root)
+        self._post("ncclReduce", self._nccl_reduce, p, p, n, dt, rop, root)
 
     def all_gather(self, out, inp):
-        self._post("ncclAllGather", self._lib.ncclAllGather, self._device_ptr(inp),
+        self._post("ncclAllGather", self._nccl_all_gather, self._device_ptr(inp),
                    self._device_ptr(out), inp.nbytes, _U8)
 
     def reduce_scatter(self, out, inp, op):
         dt, n, rop = self._reduction(out, op)
-        self._post("ncclReduceScatter", self._lib.ncclReduceScatter, self._device_ptr(inp),
+        self._post("ncclReduceScatter", self._nccl_reduce_scatter, self._device_ptr(inp),
                    out.ptr, n, dt, rop)
 
     def _grouped(self, sends, recvs, what):
