@@ -1,0 +1,68 @@
+"""The shared-memory engine takes its settings from the configuration registry.
+
+The C engine (collectives/src/shm_*.c) reads no environment variable itself: _shm.pyx
+reads COLLECTIVES_SHM_SPIN, _YIELD_US, _FAR_NS, _LLC_BYTES, _THP and _CMA_ANY_CORES
+through collectives.config and hands them to shm_comm_set_tuning, so they parse by the
+registry's rules. That the values reach the engine is tested in test_shm.py
+(COLLECTIVES_SHM_FAR_NS, _THP, _LLC_BYTES, _CMA_ANY_CORES change what the ranks do).
+"""
+import glob
+import os
+import re
+import secrets
+
+import pytest
+
+pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
+
+from collectives._shm import ShmComm, unlink  # noqa: E402
+from tests.support import ROOT  # noqa: E402
+from tests.support.requires import needs_source_tree  # noqa: E402
+
+SRC = os.path.join(ROOT, "collectives", "src")
+
+
+@needs_source_tree
+def test_the_engine_reads_no_environment_variable():
+    files = glob.glob(os.path.join(SRC, "shm_*.[ch]"))
+    assert files
+    calls = [f"{os.path.basename(p)}: {line.strip()}" for p in files
+             for line in open(p) if re.search(r"\bgetenv\s*\(", line)]
+    assert not calls, calls
+
+
+def _segments():
+    return set(glob.glob("/dev/shm/collectives-*"))
+
+
+@pytest.mark.parametrize("var, value", [("COLLECTIVES_SHM_SPIN", "fast"),
+                                        ("COLLECTIVES_SHM_YIELD_US", "-5"),
+                                        ("COLLECTIVES_SHM_LLC_BYTES", "32M"),
+                                        ("COLLECTIVES_SHM_FAR_NS", "1.5")])
+def test_a_bad_value_is_a_value_error_naming_the_variable(monkeypatch, var, value):
+    """Before, the C engine's atoi read "fast" as 0 spins; now the registry refuses it,
+    before anything is mapped."""
+    monkeypatch.setenv(var, value)
+    before = _segments()
+    name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
+    with pytest.raises(ValueError, match=var):
+        ShmComm(name, True, 0, 1, 1 << 16, 1 << 12, 5.0)
+    assert _segments() == before
+
+
+@pytest.mark.parametrize("var, value", [("COLLECTIVES_SHM_SPIN", "0"),
+                                        ("COLLECTIVES_SHM_YIELD_US", "0"),
+                                        ("COLLECTIVES_SHM_FAR_NS", "-1"),
+                                        ("COLLECTIVES_SHM_LLC_BYTES", "4096"),
+                                        ("COLLECTIVES_SHM_THP", "off"),
+                                        ("COLLECTIVES_SHM_CMA_ANY_CORES", "0")])
+def test_a_one_rank_group_works_with_each_setting(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
+    comm = ShmComm(name, True, 0, 1, 1 << 16, 1 << 12, 5.0)
+    try:
+        comm.barrier()
+        assert comm.cma_probe() is False  # one rank: nobody to copy from
+    finally:
+        unlink(name)
+        comm.close()
