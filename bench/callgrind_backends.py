@@ -16,9 +16,10 @@ file ``*-01``), ``PYTHONHASHSEED=0``:
   ``_FAKE_NCCL_C``, loaded through ``COLLECTIVES_NCCL_LIB``), and torch's CUDA entry points
   the backend reaches are faked at torch's C level only (see ``_fake_cuda``): torch's own
   Python around them (``Event.__new__``, ``Event.record``, ``current_stream``,
-  ``Stream.__new__``) runs as it does on a GPU build. A call goes through the group's dispatcher as the front end
-  hands it over (``pg.dispatch.call``: torch's CPU build here cannot make a CUDA tensor,
-  so the front-end function's planning is left out); the buffer says device 0. The
+  ``Stream.__new__``) runs as it does on a GPU build. A call goes through the group's
+  dispatcher as the front end hands it over (``pg.dispatch.call``: torch's CPU build here
+  cannot make a CUDA tensor, so the front-end function's planning is left out); the
+  buffer says device 0. The
   stand-ins' own instructions are counted: compare trees, not against a GPU.
 
 Usage::
@@ -41,7 +42,8 @@ _FAKE_NCCL_C = r"""
 #include <string.h>
 typedef struct { char internal[128]; } ncclUniqueId;
 int ncclGetUniqueId(ncclUniqueId *u) { memset(u, 0, sizeof *u); return 0; }
-int ncclCommInitRankConfig(void **comm, int n, ncclUniqueId u, int r, void *cfg) { *comm = (void *)1; return 0; }
+int ncclCommInitRankConfig(void **comm, int n, ncclUniqueId u, int r, void *cfg) {
+    *comm = (void *)1; return 0; }
 int ncclCommGetAsyncError(void *comm, int *state) { *state = 0; return 0; }
 int ncclCommAbort(void *comm) { return 0; }
 int ncclCommDestroy(void *comm) { return 0; }
