@@ -34,6 +34,8 @@ KERNEL_IMPORT = ["collectives/src/reduce_kernels_import.c"]
 MODULES = {
     "_core": KERNEL_SOURCES,
     "_buffer": [],
+    "_ncclcall": [],  # the nccl backend's calls into libnccl by address
+    "_mpilog": [],  # the mpi backend's call log (collectives.backends.mpi_fingerprint)
     "_tcp": KERNEL_IMPORT + ["collectives/src/tcp_transport.c", "collectives/src/tcp_engine.c",
                              "collectives/src/tcp_algorithms.c"],
     "_shm": KERNEL_IMPORT + ["collectives/src/shm_segment.c", "collectives/src/shm_copy.c",

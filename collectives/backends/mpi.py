@@ -36,6 +36,7 @@ from ..tensors import Buffer as _Buffer
 from ..tensors import _PyBuffer
 from . import mpi_request as _request
 from .base import Backend
+from .mpi_fingerprint import CallLog as _CallLog
 from .mpi_fingerprint import FingerprintCheck as _FingerprintCheck
 from .mpi_request import MpiRequest
 from .mpi_watchdog import watchdog as _watchdog
@@ -49,6 +50,9 @@ _IN_PLACE = None
 _TAG_UB = 32767     # MPI_TAG_UB (the standard's floor until MPI is loaded)
 _fromaddress = None
 _EXPORTS = _Buffer is not _PyBuffer  # a Buffer is itself a buffer-protocol object
+# the call log in C (collectives._mpilog) makes all_reduce, broadcast and barrier's MPI call
+# itself; it takes the compiled Buffer
+_C_LOG = _EXPORTS and _CallLog is not None
 
 
 def is_available():
@@ -138,7 +142,7 @@ def _mpi_op(dtype, op):
 
 def _spec(buf):
     """The mpi4py buffer spec over a Buffer's memory (zero-copy)."""
-    return [buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[buf.dtype]]
+    return (buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[buf.dtype])
 
 
 def _overlap(a, b):
@@ -214,8 +218,11 @@ class MpiBackend(Backend):
     def __init__(self, comm, timeout, options=None):
         super().__init__(None, comm.Get_rank(), comm.Get_size(), timeout, options)
         self.comm = comm
-        self._fp = _FingerprintCheck(comm, f"mpi group (size {self.size})", _MPI)
+        self._fp = _FingerprintCheck(comm, f"mpi group (size {self.size})", _MPI, _C_LOG)
         self._fp_log = self._fp.log  # this group's calls since the last comparison
+        if _C_LOG:
+            self._fp_log.bind(comm.Allreduce, comm.Bcast, comm.Barrier, comm.Allgather, _IN_PLACE,
+                              _DATATYPE, _OPS, _half_op)
         _watchdog.watch(self)
         self._allreduce = comm.Allreduce
         self._bcast = comm.Bcast
@@ -239,39 +246,32 @@ class MpiBackend(Backend):
         }
 
     # ---- blocking collectives: one MPI call each ------------------------------------
-    # The hot ones are written out flat: every attribute lookup and call is ~50 ns
-    # against a 4-byte MPI_Allreduce of ~1 us.
-    # Each starts the fingerprint check, makes MPI's call, and finishes the check (see the
-    # module docstring); _checked does it for the less hot ones.
+    # Each appends its fingerprint to the call log (which compares the ranks' logs when
+    # full, see the module docstring) and makes MPI's call. The hot ones are one call of
+    # the C log (collectives._mpilog), which builds the buffer spec and calls mpi4py: every
+    # Python attribute lookup and call here is ~50 ns against a 4-byte MPI_Allreduce of
+    # ~1 us. They stay Python methods: the watchdog knows a blocking call by its frame.
     def all_reduce(self, buf, op):
         if self._async_mode:  # async calls are not checked: natively posted ones cannot be
             return self._iall_reduce(buf, op).wait()
+        if _C_LOG:
+            return self._fp_log.all_reduce(buf, op)
         dt = buf.dtype
-        log = self._fp_log
-        log.append((3, dt, buf.count, -1, op))  # fingerprint.ALL_REDUCE
-        if len(log) >= 64:  # _FingerprintCheck.CHECK_EVERY
-            self._fp.compare(self)
-        self._allreduce(_IN_PLACE, [buf if _EXPORTS else _fromaddress(
-            buf.ptr, buf.count * buf.itemsize), _DATATYPE[dt]],
-            _OPS[dt * 16 + op] or _half_op(dt, op))
+        self._fp_log.append((F.ALL_REDUCE, dt, buf.count, -1, op))
+        self._allreduce(_IN_PLACE, _spec(buf), _OPS[dt * 16 + op] or _half_op(dt, op))
 
     def broadcast(self, buf, root):
         if self._async_mode:
             return self._ibroadcast(buf, root).wait()
-        log = self._fp_log
-        log.append((2, buf.dtype, buf.count, root, -1))  # fingerprint.BROADCAST
-        if len(log) >= 64:
-            self._fp.compare(self)
-        self._bcast([buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize),
-                     _DATATYPE[buf.dtype]], root)
+        if _C_LOG:
+            return self._fp_log.broadcast(buf, root)
+        self._fp_log.append((F.BROADCAST, buf.dtype, buf.count, root, -1))
+        self._bcast(_spec(buf), root)
 
     def _checked(self, entry, fn, *args):
         if self._async_mode:  # as in all_reduce: async calls are not checked
             return fn(*args)
-        log = self._fp_log
-        log.append(entry)
-        if len(log) >= 64:
-            self._fp.compare(self)
+        self._fp_log.append(entry)
         fn(*args)
 
     def reduce(self, buf, op, root):
@@ -290,6 +290,8 @@ class MpiBackend(Backend):
             self.comm.Reduce(spec, None, mpi_op, root)
 
     def all_gather(self, out, inp):
+        if _C_LOG and not self._async_mode:  # logged in C, and made there in the common case
+            return self._fp_log.all_gather(out, inp, self.size) or self._all_gather(out, inp)
         self._checked((F.ALL_GATHER, inp.dtype, inp.count, -1, -1), self._all_gather, out, inp)
 
     def _all_gather(self, out, inp):
@@ -318,23 +320,15 @@ class MpiBackend(Backend):
     def _gather(self, out, inp, root):
         if self._async_mode:
             return self._igather(out, inp, root).wait()
-        if self.rank == root:
-            send, _keep = self._gather_send(out, inp)
-            self.comm.Gather(send, _spec(out), root)
-        else:
-            self.comm.Gather(_spec(inp), None, root)
+        send, recv, _keep = self._gather_specs(out, inp, root)
+        self.comm.Gather(send, recv, root)
 
     def scatter(self, out, inp, root):
-        self._checked((F.SCATTER, out.dtype, out.count, root, -1), self._scatter, out, inp, root)
-
-    def _scatter(self, out, inp, root):
         if self._async_mode:
             return self._iscatter(out, inp, root).wait()
-        if self.rank == root:
-            send, _keep = self._send_spec(out, inp)
-            self.comm.Scatter(send, _spec(out), root)
-        else:
-            self.comm.Scatter(None, _spec(out), root)
+        self._fp_log.append((F.SCATTER, out.dtype, out.count, root, -1))
+        send, recv, _keep = self._scatter_specs(out, inp, root)
+        self.comm.Scatter(send, recv, root)
 
     def reduce_scatter(self, out, inp, op):
         self._checked((F.REDUCE_SCATTER, out.dtype, out.count, -1, op), self._reduce_scatter,
@@ -357,6 +351,8 @@ class MpiBackend(Backend):
         self.comm.Alltoallv(send, recv)
 
     def barrier(self):
+        if _C_LOG and not self._async_mode:
+            return self._fp_log.barrier()
         self._checked(_BARRIER_ENTRY, self._barrier)
 
     def _barrier(self):
@@ -385,7 +381,7 @@ class MpiBackend(Backend):
         One of this backend's collectives is posted at once as MPI's non-blocking form
         when nothing is queued; anything else (or anything while the queue is busy)
         runs on the progress thread, its collectives again in non-blocking form."""
-        if not self._busy and getattr(fn, "__self__", None) is self:
+        if not self.pending.n and getattr(fn, "__self__", None) is self:
             start = self._native.get(getattr(fn, "__func__", None))
             if start is not None:
                 return start(self, *args)
@@ -413,22 +409,12 @@ class MpiBackend(Backend):
         return self._request(self.comm.Iallgather(send, _spec(out)), (out, inp, keep), "all_gather")
 
     def _igather(self, out, inp, root):
-        if self.rank == root:
-            send, keep = self._gather_send(out, inp)
-            req = self.comm.Igather(send, _spec(out), root)
-        else:
-            keep = None
-            req = self.comm.Igather(_spec(inp), None, root)
-        return self._request(req, (out, inp, keep), "gather")
+        send, recv, keep = self._gather_specs(out, inp, root)
+        return self._request(self.comm.Igather(send, recv, root), (out, inp, keep), "gather")
 
     def _iscatter(self, out, inp, root):
-        if self.rank == root:
-            send, keep = self._send_spec(out, inp)
-            req = self.comm.Iscatter(send, _spec(out), root)
-        else:
-            keep = None
-            req = self.comm.Iscatter(None, _spec(out), root)
-        return self._request(req, (out, inp, keep), "scatter")
+        send, recv, keep = self._scatter_specs(out, inp, root)
+        return self._request(self.comm.Iscatter(send, recv, root), (out, inp, keep), "scatter")
 
     def _ireduce_scatter(self, out, inp, op):
         send, keep = self._send_spec(out, inp)
@@ -449,6 +435,20 @@ class MpiBackend(Backend):
         if inp.count and inp.ptr == out.ptr + self.rank * inp.count * inp.itemsize:
             return _IN_PLACE, None
         return self._send_spec(out, inp)
+
+    def _gather_specs(self, out, inp, root):
+        """(send, recv, keepalive) of (I)gather: root receives into out, the others send only."""
+        if self.rank == root:
+            send, keep = self._gather_send(out, inp)
+            return send, _spec(out), keep
+        return _spec(inp), None, None
+
+    def _scatter_specs(self, out, inp, root):
+        """(send, recv, keepalive) of (I)scatter: root sends inp, every rank receives into out."""
+        if self.rank == root:
+            send, keep = self._send_spec(out, inp)
+            return send, _spec(out), keep
+        return None, _spec(out), None
 
     @staticmethod
     def _send_spec(out, inp):

@@ -25,55 +25,93 @@ from ..errors import DistBackendError
 _MASK64 = (1 << 64) - 1
 
 
-class Unusable:
-    """The call log of a group whose calls differed: every later call raises."""
+class PyCallLog(list):
+    """``collectives._mpilog.CallLog`` in Python (where the extension is not built): the
+    fingerprints of a group's blocking calls since the last comparison, as tuples."""
 
-    def __init__(self, message):
-        self.message = message
+    def __init__(self, compare, error):
+        super().__init__()
+        self._compare = compare
+        self._error = error
+        self.failed = None  # the message once the ranks' calls differed
 
     def append(self, entry):
-        raise DistBackendError(f"group unusable after an earlier failure: {self.message}")
+        """Log one call's (kind, dtype, count, root, op); compare when the log is full."""
+        if self.failed is not None:
+            raise self._error(f"group unusable after an earlier failure: {self.failed}")
+        list.append(self, entry)
+        if len(self) >= FingerprintCheck.CHECK_EVERY:
+            self._compare()
+
+    def entries(self):
+        return list(self)
+
+    def digest(self):
+        """CallLog.digest's hash (FNV-1a over the entries' words, then a final mix)."""
+        h = 14695981039346656037
+        for entry in self:
+            for word in entry:
+                h = ((h ^ (word & _MASK64)) * 1099511628211) & _MASK64
+        h ^= h >> 33
+        h = (h * 0xff51afd7ed558ccd) & _MASK64
+        return h ^ (h >> 33)
+
+    def clear(self):
+        del self[:]
+
+
+try:
+    from .._mpilog import CallLog
+except ImportError:  # extensions not built
+    CallLog = None
 
 
 class FingerprintCheck:
     """The always-on check of a group's blocking collective calls (see the module
     docstring). Each call appends (kind, dtype, count, root, op), fingerprint.pack's
-    arguments, to ``log`` (a tuple and an append: ~0.1 us); every CHECK_EVERY-th call the
-    ranks compare a hash of their logs (one MIN all_reduce of (hash, ~hash) on a duplicate
-    communicator) and, where they differ, the logs themselves (an allgather, on mismatch
-    only), to name the first pair of calls that differed."""
+    arguments, to ``log`` (machine words in ``collectives._mpilog.CallLog``: no
+    allocation; tuples in :class:`PyCallLog` without the extension); every
+    CHECK_EVERY-th call the ranks compare a hash of their logs (one MIN all_reduce of
+    (hash, ~hash) on a duplicate communicator) and, where they differ, the logs
+    themselves (an allgather, on mismatch only), to name the first pair of calls that
+    differed."""
 
     CHECK_EVERY = 64
 
-    def __init__(self, comm, label, mpi):
+    def __init__(self, comm, label, mpi, c_log=True):
         self.mpi = mpi  # the loaded mpi4py.MPI
         self.comm = comm.Dup()
         self.label = label
-        self.log = []
+        make = CallLog if c_log and CallLog is not None else PyCallLog
+        self.log = make(self.compare, DistBackendError)
         self.done = 0       # calls compared so far (the numbering in messages)
         self.buf = np.zeros(2, np.uint64)
 
-    def compare(self, backend):
-        log, self.log = self.log, []
+    def compare(self):
+        """Compare the ranks' logs (the log is full: every rank is here); raise
+        DistBackendError naming the first pair of calls that differed, if any."""
+        log = self.log
         first, self.done = self.done, self.done + len(log)
-        h = hash(tuple(log)) & _MASK64  # ints and tuples of ints hash alike in every process
+        h = log.digest()
         buf = self.buf
         buf[0] = h
         buf[1] = h ^ _MASK64
         mpi = self.mpi
         self.comm.Allreduce(mpi.IN_PLACE, [buf, mpi.UINT64_T], mpi.MIN)
         if buf[0] == h and buf[1] == h ^ _MASK64:
-            backend._fp_log = self.log
+            log.clear()
             return
-        logs = self.comm.allgather(log)  # every rank is here: all saw MIN != MAX
+        entries = log.entries()
+        log.clear()
+        logs = self.comm.allgather(entries)  # every rank is here: all saw MIN != MAX
         message = f"ranks called different collectives in {self.label}"
-        for i, entries in enumerate(zip(*logs)):
-            q = next((r for r, e in enumerate(entries) if e != entries[0]), None)
+        for i, calls in enumerate(zip(*logs)):
+            q = next((r for r, e in enumerate(calls) if e != calls[0]), None)
             if q is not None:
-                message = F.mismatch_message(first + i + 1, 0, F.pack(*entries[0]), q,
-                                             F.pack(*entries[q]), self.label)
+                message = F.mismatch_message(first + i + 1, 0, F.pack(*calls[0]), q,
+                                             F.pack(*calls[q]), self.label)
                 break
-        backend._fp_log = Unusable(message)
+        log.failed = message  # every later call on the group raises
         raise DistBackendError(message)
 
     def free(self):

@@ -15,6 +15,7 @@ Limits, as NCCL's: no any-source receive, no BAND/BOR/BXOR, no int16 and no
 complex PRODUCT/MIN/MAX; these raise ValueError before anything is enqueued.
 """
 import ctypes
+import functools
 import glob
 import importlib.util
 import os
@@ -36,6 +37,16 @@ _NCCL_DTYPE = {
 _NCCL_OP = {D.SUM: 0, D.PRODUCT: 1, D.MAX: 2, D.MIN: 3}
 # bool follows torch's gloo: SUM is OR (MAX), PRODUCT is AND (MIN)
 _BOOL_OP = {D.SUM: 2, D.PRODUCT: 3, D.MAX: 2, D.MIN: 3}
+# dtype code * 16 + op code -> (ncclDataType_t, elements per element, ncclRedOp_t): every
+# pair NCCL reduces (the others go through NcclBackend._dtype, which names what is missing)
+_REDUCE = [None] * 256
+for _dt, _nccl_dt in _NCCL_DTYPE.items():
+    for _op in (_BOOL_OP if _dt == D.BOOL else _NCCL_OP):
+        if _dt in D.COMPLEX and _op != D.SUM:
+            continue
+        _REDUCE[_dt * 16 + _op] = (_nccl_dt, 2 if _dt in D.COMPLEX else 1,
+                                   (_BOOL_OP if _dt == D.BOOL else _NCCL_OP)[_op])
+_U8 = _NCCL_DTYPE[D.UINT8]  # byte moves (broadcast, all_gather) go as uint8
 _UNIQUE_ID_BYTES = 128
 _SUCCESS, _INVALID_USAGE, _IN_PROGRESS = 0, 5, 7
 _CONFIG_MAGIC = 0xCAFEBEEF
@@ -43,6 +54,21 @@ _CONFIG_VERSION = 21700  # the oldest ncclConfig_t layout (NCCL 2.17); newer NCC
 _UNDEF_INT = -2**31
 
 _lib = None
+
+try:  # NCCL's collectives called by address (a ctypes call costs more than the rest of one)
+    from .. import _ncclcall
+except ImportError:  # extensions not built: through ctypes
+    _ncclcall = None
+
+
+def _entry(lib, name, arity):
+    """``f(*args, comm, stream)``: NCCL's ``name`` (``arity`` arguments), ``comm`` and
+    ``stream`` as addresses; by address through collectives._ncclcall where built."""
+    fn = getattr(lib, name)
+    if _ncclcall is None:
+        return fn  # its argtypes take ints and None
+    call = {6: _ncclcall.call6, 7: _ncclcall.call7, 8: _ncclcall.call8}[arity]
+    return functools.partial(call, ctypes.cast(fn, ctypes.c_void_p).value)
 
 
 def _library_paths():
@@ -80,8 +106,25 @@ def _load():
         if hasattr(lib, "ncclGetLastError"):
             lib.ncclGetLastError.restype = ctypes.c_char_p
             lib.ncclGetLastError.argtypes = [ctypes.c_void_p]
+        _set_argtypes(lib)
         _lib = lib
     return _lib
+
+
+def _set_argtypes(lib):
+    """The per-call entry points take Python ints for pointers and counts (and None for
+    NULL): ctypes converts them by these types."""
+    vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    for name, args in (("ncclAllReduce", [vp, vp, sz, i, i, vp, vp]),
+                       ("ncclBroadcast", [vp, vp, sz, i, i, vp, vp]),
+                       ("ncclReduce", [vp, vp, sz, i, i, i, vp, vp]),
+                       ("ncclAllGather", [vp, vp, sz, i, vp, vp]),
+                       ("ncclReduceScatter", [vp, vp, sz, i, i, vp, vp]),
+                       ("ncclSend", [vp, sz, i, i, vp, vp]),
+                       ("ncclRecv", [vp, sz, i, i, vp, vp])):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = args
 
 
 def is_available():
@@ -164,8 +207,17 @@ class NcclBackend(Backend):
         self._torch = torch
         self._lib = _load()
         self._device = torch.cuda.current_device()
-        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        # the current stream as (stream_id, device_index, device_type): one C call, no object
+        self._stream_key = getattr(torch._C, "_cuda_getCurrentStream", None)
+        self._cur = (None, None, None)  # (that key, raw pointer, torch Stream) last seen
+        self._one = None  # barrier's one-element scratch on the device, made at its first use
         self._comm = ctypes.c_void_p()
+        lib = self._lib
+        self._nccl_all_reduce = _entry(lib, "ncclAllReduce", 7)
+        self._nccl_broadcast = _entry(lib, "ncclBroadcast", 7)
+        self._nccl_reduce = _entry(lib, "ncclReduce", 8)
+        self._nccl_all_gather = _entry(lib, "ncclAllGather", 6)
+        self._nccl_reduce_scatter = _entry(lib, "ncclReduceScatter", 7)
         self._failed = None  # why the communicator was aborted
         self._pending = []  # (event, deadline, what) enqueued and not yet seen finished
         self._lock = threading.RLock()  # guards the communicator (see _enqueue)
@@ -263,11 +315,17 @@ class NcclBackend(Backend):
             _pause(spins)
 
     def _stream(self):
-        """The device's current torch stream, as NCCL takes it."""
-        self._live()
-        if self._raw_stream is not None:  # the raw pointer, without a Stream object
-            return ctypes.c_void_p(self._raw_stream(self._device))
-        return ctypes.c_void_p(self._torch.cuda.current_stream(self._device).cuda_stream)
+        """The device's current torch stream (the calling thread's) as (key, raw pointer,
+        Stream): the Stream object is made once per stream, not per call (a Stream is its
+        (stream_id, device_index, device_type), which the key is)."""
+        key = self._stream_key(self._device) if self._stream_key is not None else None
+        cur = self._cur
+        if key is None or cur[0] != key:
+            st = self._torch.cuda.current_stream(self._device)
+            cur = (key, st.cuda_stream, st)
+            if key is not None:
+                self._cur = cur  # one tuple, replaced whole: other threads see old or new
+        return cur
 
     @staticmethod
     def _on_device(*bufs):
@@ -289,10 +347,11 @@ class NcclBackend(Backend):
             raise ValueError(f"nccl has no {D.OP_NAMES[op]} reduction")
         return _NCCL_DTYPE[buf.dtype], count, table[op]
 
-    def _record(self, what):
-        """An event after the work just enqueued, watched until it finishes."""
+    def _record(self, what, stream=None):
+        """An event after the work just enqueued on ``stream`` (a torch Stream; None: the
+        current one), watched until it finishes."""
         ev = self._torch.cuda.Event()
-        ev.record(self._torch.cuda.current_stream(self._device))
+        ev.record(stream if stream is not None else self._stream()[2])
         with self._plock:
             self._pending.append((ev, time.monotonic() + self.timeout, what))
             if self._watchdog is None:
@@ -326,55 +385,66 @@ class NcclBackend(Backend):
             print(f"collectives: rank {self.rank}: nccl communicator aborted ({reason}); the "
                   f"output of unfinished collectives is undefined", file=sys.stderr, flush=True)
 
-    def _bytes(self, *bufs):
-        self._on_device(*bufs)
-        return _NCCL_DTYPE[D.UINT8], bufs[-1].nbytes
-
     # ---- collectives -------------------------------------------------------------
     def _enqueue(self, what, call):
-        """``call(comm, stream)`` (NCCL calls on the communicator) under the communicator's
-        lock, which the watchdog's abort also takes: NCCL must never be handed a
-        communicator another thread is tearing down. Then an event watches the work."""
+        """``call(comm, stream)`` (NCCL calls on the communicator, ``stream`` its raw
+        pointer) under the communicator's lock, which the watchdog's abort also takes: NCCL
+        must never be handed a communicator another thread is tearing down. Then an event
+        watches the work."""
         with self._lock:
             self._live()
-            call(self._comm, self._stream())
-        return self._record(what)
+            cur = self._stream()
+            call(self._comm, cur[1])
+        return self._record(what, cur[2])
+
+    def _post(self, what, fn, *args):
+        """``fn(*args, comm, stream)`` (an ``_entry``), one NCCL collective, as
+        ``_enqueue`` makes it (the collectives' path: no closure per call); raises on its
+        error code."""
+        with self._lock:
+            if self._failed is not None:
+                self._live()
+            cur = self._stream()
+            code = fn(*args, self._comm.value, cur[1])
+            if code:
+                self._check(code, what)
+        self._record(what, cur[2])
+
+    def _reduction(self, buf, op):
+        """(ncclDataType_t, count, ncclRedOp_t) of a reduction of ``buf`` by ``op``."""
+        spec = _REDUCE[buf.dtype * 16 + op] if 0 <= op < 16 else None
+        if spec is None or buf.device < 0:
+            return self._dtype(buf, op)  # raises ValueError naming what NCCL lacks
+        return spec[0], buf.count * spec[1], spec[2]
+
+    def _device_ptr(self, buf):
+        if buf.device < 0:
+            self._on_device(buf)  # raises
+        return buf.ptr
 
     def all_reduce(self, buf, op):
-        dt, n, rop = self._dtype(buf, op)
-        p = ctypes.c_void_p(buf.ptr)
-        self._enqueue("all_reduce", lambda comm, stream: self._check(
-            self._lib.ncclAllReduce(p, p, ctypes.c_size_t(n), dt, rop, comm, stream),
-            "ncclAllReduce"))
+        dt, n, rop = self._reduction(buf, op)
+        p = buf.ptr
+        self._post("ncclAllReduce", self._nccl_all_reduce, p, p, n, dt, rop)
 
     def broadcast(self, buf, root):
-        dt, n = self._bytes(buf)
-        p = ctypes.c_void_p(buf.ptr)
-        self._enqueue("broadcast", lambda comm, stream: self._check(
-            self._lib.ncclBroadcast(p, p, ctypes.c_size_t(n), dt, root, comm, stream),
-            "ncclBroadcast"))
+        p = self._device_ptr(buf)
+        self._post("ncclBroadcast", self._nccl_broadcast, p, p, buf.nbytes, _U8, root)
 
     def reduce(self, buf, op, root):
-        dt, n, rop = self._dtype(buf, op)
-        p = ctypes.c_void_p(buf.ptr)
+        dt, n, rop = self._reduction(buf, op)
+        p = buf.ptr
         # non-root buffers stay unchanged: NCCL writes recvbuff on root only
-        self._enqueue("reduce", lambda comm, stream: self._check(
-            self._lib.ncclReduce(p, p, ctypes.c_size_t(n), dt, rop, root, comm, stream),
-            "ncclReduce"))
+        self._post("ncclReduce", self._nccl_reduce, p, p, n, dt, rop, root)
 
     def all_gather(self, out, inp):
-        dt, n = self._bytes(out, inp)
-        self._enqueue("all_gather", lambda comm, stream: self._check(
-            self._lib.ncclAllGather(ctypes.c_void_p(inp.ptr), ctypes.c_void_p(out.ptr),
-                                    ctypes.c_size_t(n), dt, comm, stream), "ncclAllGather"))
+        self._post("ncclAllGather", self._nccl_all_gather, self._device_ptr(inp),
+                   self._device_ptr(out), inp.nbytes, _U8)
 
     def reduce_scatter(self, out, inp, op):
-        self._on_device(inp)
-        dt, n, rop = self._dtype(out, op)
-        self._enqueue("reduce_scatter", lambda comm, stream: self._check(
-            self._lib.ncclReduceScatter(ctypes.c_void_p(inp.ptr), ctypes.c_void_p(out.ptr),
-                                        ctypes.c_size_t(n), dt, rop, comm, stream),
-            "ncclReduceScatter"))
+        dt, n, rop = self._reduction(out, op)
+        self._post("ncclReduceScatter", self._nccl_reduce_scatter, self._device_ptr(inp),
+                   out.ptr, n, dt, rop)
 
     def _grouped(self, sends, recvs, what):
         """sends/recvs: lists of (ptr, nbytes, peer); one ncclGroupStart/End around them."""
@@ -385,11 +455,9 @@ class NcclBackend(Backend):
             self._check(lib.ncclGroupStart(), "ncclGroupStart")
             try:
                 for ptr, nbytes, peer in sends:
-                    self._check(lib.ncclSend(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), u8,
-                                             peer, comm, stream), what)
+                    self._check(lib.ncclSend(ptr, nbytes, u8, peer, comm, stream), what)
                 for ptr, nbytes, peer in recvs:
-                    self._check(lib.ncclRecv(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), u8,
-                                             peer, comm, stream), what)
+                    self._check(lib.ncclRecv(ptr, nbytes, u8, peer, comm, stream), what)
             finally:
                 self._check(lib.ncclGroupEnd(), what)
         return self._enqueue(what, post)
@@ -421,10 +489,12 @@ class NcclBackend(Backend):
         self._grouped(sends, recvs, "all_to_all")
 
     def barrier(self):
-        one = self._torch.ones(1, device=self._device)
-        p = ctypes.c_void_p(one.data_ptr())
+        one = self._one
+        if one is None:  # one scratch element per group; MAX keeps it 1 (its value is unused)
+            one = self._one = self._torch.ones(1, device=self._device)
+        p = one.data_ptr()
         ev = self._enqueue("barrier", lambda comm, stream: self._check(
-            self._lib.ncclAllReduce(p, p, ctypes.c_size_t(1), _NCCL_DTYPE[D.FLOAT32], 0, comm,
+            self._lib.ncclAllReduce(p, p, 1, _NCCL_DTYPE[D.FLOAT32], _NCCL_OP[D.MAX], comm,
                                     stream), "barrier"))
         self._await(ev, "barrier")
 
@@ -456,9 +526,6 @@ class NcclBackend(Backend):
         # NCCL ops are already asynchronous on the stream: enqueue now, finish on wait
         fn(*args)
         return self._done(getattr(fn, "__name__", "operation"))
-
-    def run(self, fn, *args):
-        return fn(*args)
 
     def shutdown(self):
         self._closed = True

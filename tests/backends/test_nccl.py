@@ -1,4 +1,7 @@
 """The nccl backend: a clear error where it cannot run; CUDA tensors where it can."""
+import ctypes
+import shutil
+import subprocess
 from datetime import timedelta
 
 import pytest
@@ -25,6 +28,70 @@ def test_availability_agrees_with_the_front_end():
 def test_asking_for_nccl_without_a_gpu_names_what_is_missing():
     with pytest.raises(RuntimeError, match="nccl backend needs"):
         nccl.create_nccl_backend(dist.HashStore(), 0, 1, 10.0)
+
+
+def test_the_reduction_table_agrees_with_the_checked_lookup():
+    """Each call reads (NCCL dtype, count, NCCL op) from a table; the checked lookup
+    (``_dtype``) is its definition and names what NCCL lacks: the two agree on every
+    dtype and op, and host memory is refused by both (no GPU needed)."""
+    from collectives import dtypes as D
+    from collectives.tensors import _PyBuffer
+    be = object.__new__(nccl.NcclBackend)  # no communicator: these read only the tables
+    for dtype in D.DTYPE_NAMES:
+        for op in D.OP_NAMES:
+            for device in (0, -1):
+                buf = _PyBuffer(4096, 3, dtype, device)
+                got = want = None
+                try:
+                    want = be._dtype(buf, op)
+                except ValueError as e:
+                    want = str(e)
+                try:
+                    got = be._reduction(buf, op)
+                except ValueError as e:
+                    got = str(e)
+                assert got == want, (D.DTYPE_NAMES[dtype], D.OP_NAMES[op], device)
+
+
+_RECORDING_NCCL = r"""
+#include <stddef.h>
+#include <stdint.h>
+uintptr_t g[8];
+int ncclAllReduce(const void *s, void *r, size_t n, int dt, int op, void *c, void *st) {
+    g[0] = (uintptr_t)s; g[1] = (uintptr_t)r; g[2] = n; g[3] = dt; g[4] = op;
+    g[5] = (uintptr_t)c; g[6] = (uintptr_t)st; return 3; }
+int ncclReduce(const void *s, void *r, size_t n, int dt, int op, int root, void *c, void *st) {
+    g[0] = (uintptr_t)s; g[1] = (uintptr_t)r; g[2] = n; g[3] = dt; g[4] = op; g[5] = root;
+    g[6] = (uintptr_t)c; g[7] = (uintptr_t)st; return 0; }
+int ncclAllGather(const void *s, void *r, size_t n, int dt, void *c, void *st) {
+    g[0] = (uintptr_t)s; g[1] = (uintptr_t)r; g[2] = n; g[3] = dt; g[4] = (uintptr_t)c;
+    g[5] = (uintptr_t)st; return 0; }
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a stand-in libnccl")
+@pytest.mark.parametrize("by_address", [True, False], ids=["by-address", "ctypes"])
+def test_nccl_entry_points_get_every_argument_whole(tmp_path, monkeypatch, by_address):
+    """The collectives call NCCL by address (collectives._ncclcall) or through ctypes:
+    a stand-in library records what it was given (64-bit pointers and counts, a NULL
+    communicator) and its return code comes back (no GPU needed)."""
+    if by_address and nccl._ncclcall is None:
+        pytest.skip("collectives._ncclcall is not built")
+    src, so = tmp_path / "rec.c", tmp_path / "librec.so"
+    src.write_text(_RECORDING_NCCL)
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    lib = ctypes.CDLL(str(so))
+    if not by_address:
+        monkeypatch.setattr(nccl, "_ncclcall", None)
+        nccl._set_argtypes(lib)
+    g = (ctypes.c_uint64 * 8).in_dll(lib, "g")
+    ptr, comm = 0x7FFF12345678, 0x5555AAAA0000
+    assert nccl._entry(lib, "ncclAllReduce", 7)(ptr, ptr + 8, 2**33 + 5, 7, 2, comm, 0x1000) == 3
+    assert list(g[:7]) == [ptr, ptr + 8, 2**33 + 5, 7, 2, comm, 0x1000]
+    assert nccl._entry(lib, "ncclReduce", 8)(ptr, ptr, 9, 1, 3, 1, None, 0x2000) == 0
+    assert list(g[:8]) == [ptr, ptr, 9, 1, 3, 1, 0, 0x2000]
+    assert nccl._entry(lib, "ncclAllGather", 6)(ptr, ptr + 64, 16, 0, comm, 0x3000) == 0
+    assert list(g[:6]) == [ptr, ptr + 64, 16, 0, comm, 0x3000]
 
 
 def test_the_unique_id_travels_whole_though_it_holds_nul_bytes():
