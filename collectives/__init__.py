@@ -6,12 +6,11 @@ from . import config  # noqa: F401  (first: COLLECTIVES_NO_EXTENSIONS acts befor
 from . import dtypes
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError
 
-# ---- stores and rendezvous (lead's section: exports of store.py / rendezvous.py go here) ----
+# ---- stores and rendezvous ----------------------------------------------------------------
 from .store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore  # noqa: E402
 # torch.distributed's names: dist.rendezvous is the function (the module stays importable as
 # collectives.rendezvous through sys.modules, e.g. ``from collectives.rendezvous import meet``)
 from .rendezvous import register_rendezvous_handler, rendezvous  # noqa: E402
-# ---- end of the lead's section ----------------------------------------------------------------
 
 # ---- the torch.distributed front end ---------------------------------------------------------
 from .backends import register_backend  # noqa: E402
@@ -47,7 +46,7 @@ from .options import (  # noqa: E402
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
-# the front end's public names (the lead's section extends this with its own)
+# the public names
 __all__ = [
     "FileStore", "HashStore", "PrefixStore", "QueueEmptyError", "Store", "TCPStore",
     "register_rendezvous_handler", "rendezvous", "dump_flight_recorder",

@@ -457,7 +457,7 @@ def test_a_large_hierarchical_all_reduce_in_pieces_matches_numpy(hosts):
     part of one beside the hosts' parts of the next): odd counts, a last short piece, every
     rank equal to the NumPy reference; the leaders number the pieces as parts of one
     collective; a count that differs between hosts raises on every rank, naming the call."""
-    from collectives.backends.select import PIPE_MIN, PIPE_PIECE, PIPE_SHIFT
+    from collectives.backends.hierarchical import PIPE_MIN, PIPE_PIECE, PIPE_SHIFT
     world = len(hosts)
     pool = get_pool(world, setup=setup_hier, setup_args=(hosts,), env=ENV_SMALL)
     for dtype, op, count in ((D.FLOAT32, D.SUM, PIPE_MIN // 4 + 12345),

@@ -1,7 +1,11 @@
-"""The package's modules import only downward: no import cycle, counting the imports made
-inside functions (issue: a cycle closed by deferred imports is still a cycle to read)."""
+"""The package's modules import only downward, by layer: each folder (and each public module
+at the top level) sits in one layer of LAYERS, and a module imports from its own layer or the
+layers below it, never above, counting the imports made inside functions and the modules
+named in strings (``importlib.import_module``, ``sys.modules.get``). No import cycle either
+(issue 43: a cycle closed by deferred imports is still a cycle to read)."""
 import ast
 import os
+import re
 
 from tests.support import ROOT
 from tests.support.requires import needs_source_tree
@@ -10,10 +14,39 @@ pytestmark = needs_source_tree  # it reads the checkout's sources
 
 PKG = os.path.join(ROOT, "collectives")
 
+# The layers, lowest first: (name, the folders and top-level modules in it, relative to
+# collectives/; "" is the package's own __init__). docs/architecture.md draws this tree.
+LAYERS = [
+    ("extensions", ["_core", "_buffer", "_tcp", "_shm"]),  # compiled (their .pyx: leaves here)
+    ("settings", ["config"]),
+    ("core", ["core", "security"]),
+    ("services", ["store", "launcher", "rendezvous"]),
+    ("backends", ["backends"]),
+    ("diagnostics", ["diagnostics", "flight_recorder", "debug"]),
+    ("api", ["api"]),
+    ("bridges", ["torch_bridge", "master_worker"]),
+    # the package, its __main__ and the modules named as torch.distributed's public ones
+    ("public", ["", "__main__", "constants", "device_mesh", "distributed_c10d", "nn", "run"]),
+]
+# Known imports up the layers, each with its reason: (importer, imported). The list only
+# shrinks (the test fails when an entry is no longer needed).
+UPWARD = {
+    # a group made once torch is imported is torch's too (BridgedGroup), and the world's
+    # default group is installed in torch: to become a hook the bridge registers (item 3)
+    ("collectives.api.group", "collectives.torch_bridge"): "the torch bridge",
+    ("collectives.api.group", "collectives.torch_bridge.torch_pg"): "the torch bridge",
+    # the MPI watchdog dumps the flight recorder when a blocking call hangs: to become a
+    # hook the recorder registers
+    ("collectives.backends.mpi.watchdog", "collectives.flight_recorder"): "dump on a hang",
+    # collectives-info reports where the package is installed and its version
+    ("collectives.diagnostics.envreport", "collectives"): "the report names the package",
+}
+
 
 def _modules():
     mods = {}
-    for dirpath, _, files in os.walk(PKG):
+    for dirpath, dirs, files in os.walk(PKG):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
         for f in files:
             if f.endswith(".py") or f.endswith(".pyx"):  # extensions: leaves
                 path = os.path.join(dirpath, f)
@@ -24,14 +57,57 @@ def _modules():
     return mods
 
 
+def _string_target(arg, base):
+    """The module a string names: "collectives.x", ".x" (from the package ``base``),
+    ``__package__ + ".x"`` or ``f"{__package__}.x"``; None for anything else."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        s = arg.value
+        if s.startswith("."):
+            level = len(s) - len(s.lstrip("."))
+            return ".".join(base[:len(base) - level + 1] + ([s[level:]] if s[level:] else []))
+        return s
+    if isinstance(arg, ast.BinOp) and getattr(arg.left, "id", None) == "__package__" \
+            and isinstance(arg.right, ast.Constant) and isinstance(arg.right.value, str):
+        return ".".join(base) + arg.right.value
+    if isinstance(arg, ast.JoinedStr) and len(arg.values) == 2 \
+            and isinstance(arg.values[0], ast.FormattedValue) \
+            and getattr(arg.values[0].value, "id", None) == "__package__" \
+            and isinstance(arg.values[1], ast.Constant):
+        return ".".join(base) + arg.values[1].value
+    return None
+
+
+def _named_module(node, base):
+    """The module that ``importlib.import_module(...)``, ``sys.modules.get(...)`` or
+    ``sys.modules[...]`` names, where a string spells it out; else None."""
+    if isinstance(node, ast.Call) and node.args:
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+        modules_get = name == "get" and isinstance(f, ast.Attribute) and \
+            getattr(f.value, "attr", None) == "modules"
+        if name == "import_module" or modules_get:
+            return _string_target(node.args[0], base)
+    if isinstance(node, ast.Subscript) and getattr(node.value, "attr", None) == "modules":
+        return _string_target(node.slice, base)
+    return None
+
+
 def _imports(name, path, known):
-    """Modules of the package that ``name`` imports anywhere in its source. ``from . import
-    x`` runs the package's ``__init__`` before it finds ``x``, so it counts as importing
-    both (only the top package's ``__init__``, which gathers the public names, is exempt)."""
+    """Modules of the package that ``name`` imports anywhere in its source. ``from .x import
+    y`` runs the package ``x``'s ``__init__`` too, so it counts as importing both; the top
+    package counts only where a name is taken from it (``from .. import config`` reaches the
+    subpackage, ``from collectives import all_reduce`` the public namespace)."""
     tree = ast.parse(open(path).read(), path)
     is_pkg = path.endswith("__init__.py")
     base = name.split(".") if is_pkg else name.split(".")[:-1]
     out = set()
+
+    def add(c):
+        while c and c not in known:
+            c = c.rpartition(".")[0]
+        if c and c != name:
+            out.add(c)
+
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -39,17 +115,89 @@ def _imports(name, path, known):
                 mod = ".".join(parts + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            cands = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            if mod != "collectives":
+                add(mod)
+            for a in node.names:
+                if f"{mod}.{a.name}" in known:
+                    add(f"{mod}.{a.name}")
+                elif mod == "collectives":
+                    add(mod)
         elif isinstance(node, ast.Import):
-            cands = [a.name for a in node.names]
+            for a in node.names:
+                add(a.name)
         else:
-            continue
-        for c in cands:
-            while c and c not in known:
-                c = c.rpartition(".")[0]
-            if c and c != name and c != "collectives":
-                out.add(c)
+            target = _named_module(node, base)
+            if target and target.startswith("collectives"):
+                add(target)
     return out
+
+
+def _layer_of(mod):
+    """The index in LAYERS of a module (by its longest placed prefix); None if unplaced."""
+    rel = mod[len("collectives."):] if mod.startswith("collectives.") else ""
+    best, where = -1, None
+    for i, (_, places) in enumerate(LAYERS):
+        for p in places:
+            if (rel == p or (p and rel.startswith(p + "."))) and len(p) > best:
+                best, where = len(p), i
+    return where
+
+
+def _graph():
+    mods = _modules()
+    return {m: _imports(m, p, mods) if p.endswith(".py") else set() for m, p in mods.items()}
+
+
+def _upward(graph):
+    """(importer, imported) pairs where the imported module sits in a higher layer (an
+    unplaced module is test_every_module_has_a_layer's to report)."""
+    return [(m, d) for m, deps in sorted(graph.items()) for d in sorted(deps)
+            if None not in (_layer_of(m), _layer_of(d)) and _layer_of(d) > _layer_of(m)]
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in _modules() if _layer_of(m) is None] == []
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    got = _upward(_graph())
+    assert [e for e in got if e not in UPWARD] == []
+    assert [e for e in UPWARD if e not in got] == []  # gone: take it off UPWARD
+
+
+def test_the_layer_check_finds_an_import_upward(tmp_path):
+    """An import of the api from core/ (inside a function, or through importlib or
+    sys.modules) is found, and its layers are in the wrong order."""
+    known = {"collectives.core", "collectives.core.tensors", "collectives.api", "collectives.api.group"}
+    p = tmp_path / "tensors.py"
+    p.write_text("def f():\n    from ..api import group\n    return group\n")
+    deps = _imports("collectives.core.tensors", str(p), known)
+    assert deps == {"collectives.api", "collectives.api.group"}
+    assert _upward({"collectives.core.tensors": deps}) == [
+        ("collectives.core.tensors", "collectives.api"),
+        ("collectives.core.tensors", "collectives.api.group")]
+    p.write_text("import importlib\nimport sys\n\n\ndef f():\n"
+                 "    return importlib.import_module('..api.group', __package__)\n\n\n"
+                 "def g():\n    return sys.modules.get('collectives.api.group')\n")
+    assert _imports("collectives.core.tensors", str(p), known) == {"collectives.api.group"}
+    assert _upward({"collectives.api.group": {"collectives.core.tensors"}}) == []
+
+
+def test_every_folder_is_a_package_that_the_wheel_lists():
+    """Each folder of modules has an __init__.py, and pyproject.toml's package list names
+    every one (the wheel would leave the others out)."""
+    found, missing = set(), []
+    for dirpath, dirs, files in os.walk(PKG):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        if any(f.endswith(".py") for f in files):
+            name = os.path.relpath(dirpath, ROOT).replace(os.sep, ".")
+            found.add(name)
+            if "__init__.py" not in files:
+                missing.append(name)
+    assert missing == []
+    text = open(os.path.join(ROOT, "pyproject.toml")).read()
+    listed = re.search(r"^packages\s*=\s*\[([^\]]*)\]", text, re.M).group(1)
+    assert set(re.findall(r'"([\w.]+)"', listed)) == found
 
 
 def _cycles(graph):
@@ -84,11 +232,9 @@ def _cycles(graph):
     return comps
 
 
-def test_no_module_imports_back_up_the_package():
-    mods = _modules()
-    # the package's __init__ gathers the public names: importing it from below is not a
-    # layer going up only when nothing below does it, so it counts like any other module
-    graph = {m: _imports(m, p, mods) if p.endswith(".py") else set() for m, p in mods.items()}
+def test_no_import_cycle():
+    """(UPWARD's known edges aside, which the layer test lists: each closes a cycle.)"""
+    graph = {m: {d for d in deps if (m, d) not in UPWARD} for m, deps in _graph().items()}
     assert _cycles(graph) == []
 
 
@@ -98,7 +244,9 @@ def test_the_cycle_finder_finds_a_cycle():
 
 # ---- the shared-memory engine's C layers ---------------------------------------------
 
-SRC = os.path.join(PKG, "src")
+SRC = os.path.join(PKG, "src", "shm")  # the shm engine's C sources
+if not os.path.isdir(SRC):  # before the C sources moved into folders by component
+    SRC = os.path.join(PKG, "src")
 # each shm C file, lowest layer first, and the shm headers it may include: a layer calls
 # only functions of its own layer or of the layers below it
 SHM_LAYERS = [
