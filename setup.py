@@ -28,19 +28,19 @@ if os.environ.get("COLLECTIVES_DEBUG_SYMBOLS") != "1":
 # The reduction kernels are compiled once, into _core, which exports them as a C table in the
 # capsule collectives._core._C_API; _tcp and _shm call through it (reduce_kernels_import.c), so
 # they need a built _core at import and share its instruction-set dispatch.
-KERNEL_SOURCES = ["collectives/src/reduce_kernels.c"]
-KERNEL_IMPORT = ["collectives/src/reduce_kernels_import.c"]
+KERNEL_SOURCES = ["collectives/src/kernels/reduce_kernels.c"]
+KERNEL_IMPORT = ["collectives/src/kernels/reduce_kernels_import.c"]
 # module -> its C sources besides the .pyx
 MODULES = {
     "_core": KERNEL_SOURCES,
     "_buffer": [],
     "_ncclcall": [],  # the nccl backend's calls into libnccl by address
-    "_mpilog": [],  # the mpi backend's call log (collectives.backends.mpi_fingerprint)
-    "_tcp": KERNEL_IMPORT + ["collectives/src/tcp_transport.c", "collectives/src/tcp_engine.c",
-                             "collectives/src/tcp_algorithms.c"],
-    "_shm": KERNEL_IMPORT + ["collectives/src/shm_segment.c", "collectives/src/shm_copy.c",
-                             "collectives/src/shm_coll.c", "collectives/src/shm_p2p.c",
-                             "collectives/src/shm_tune.c"],
+    "_mpilog": [],  # the mpi backend's call log (collectives.backends.mpi.fingerprint)
+    "_tcp": KERNEL_IMPORT + ["collectives/src/tcp/tcp_transport.c", "collectives/src/tcp/tcp_engine.c",
+                             "collectives/src/tcp/tcp_algorithms.c"],
+    "_shm": KERNEL_IMPORT + ["collectives/src/shm/shm_segment.c", "collectives/src/shm/shm_copy.c",
+                             "collectives/src/shm/shm_coll.c", "collectives/src/shm/shm_p2p.c",
+                             "collectives/src/shm/shm_tune.c"],
 }
 
 only = [m for m in os.environ.get("COLLECTIVES_ONLY", "").split(",") if m]

@@ -98,9 +98,9 @@ class Impl:
 
     def _init_backend(self):
 
-        from collectives import dtypes as D
+        from collectives.core import dtypes as D
         from collectives.backends.mpi import create_mpi_backend, world_rank_size
-        from collectives.tensors import Buffer
+        from collectives.core.tensors import Buffer
         self.rank, self.world = world_rank_size()
         be = create_mpi_backend(None, self.rank, self.world, 300.0)
 

@@ -7,7 +7,7 @@
 The same program trains the same model with ``torch.nn.parallel.DistributedDataParallel``
 in both: ``torch:gloo`` calls ``torch.distributed.init_process_group("gloo")``,
 ``collectives:gloo`` calls ``collectives.init_process_group("gloo")`` (torch's default
-group then runs on collectives, see collectives/torch_pg.py). The model is an MLP of
+group then runs on collectives, see collectives/torch_bridge/torch_pg.py). The model is an MLP of
 ``--depth`` Linear+ReLU layers of ``--widths`` features (float32), batch ``--batch`` per
 rank, SGD. Each rank first times the steps without DDP (``local``: the compute alone,
 under the same load from the other ranks), then with DDP; rank 0 reports the median

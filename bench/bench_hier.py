@@ -49,11 +49,11 @@ def worker(rank, world, port, hosts, ops, sizes, budget, samples):
     import numpy as np
 
     from bench.bench_tcp import agreement
-    from collectives import dtypes as D
+    from collectives.core import dtypes as D
     from collectives.backends.select import create_default_backend
     from collectives.backends.tcp import TcpBackend
     from collectives.store import PrefixStore, TCPStore
-    from collectives.tensors import to_buffer
+    from collectives.core.tensors import to_buffer
     os.environ["COLLECTIVES_HOST_ID"] = hosts[rank]
     store = TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
     hier = create_default_backend(PrefixStore("hier", store), rank, world, 60.0)

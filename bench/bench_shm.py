@@ -59,10 +59,10 @@ def worker():
     else:
         from datetime import timedelta
 
-        from collectives import dtypes as D
+        from collectives.core import dtypes as D
         from collectives.backends.select import create_default_backend
         from collectives.store import TCPStore
-        from collectives.tensors import to_buffer
+        from collectives.core.tensors import to_buffer
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
                          timeout=timedelta(seconds=60))

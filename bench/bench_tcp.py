@@ -49,7 +49,7 @@ def agreement(backend):
     run the same number of timed calls."""
     import numpy as np
 
-    from collectives.tensors import to_buffer
+    from collectives.core.tensors import to_buffer
     cnt = np.zeros(1, np.int64)
     bcnt = to_buffer(cnt)
 
@@ -64,10 +64,10 @@ def worker(rank, world, port, tport, ops, sizes, budget, reps, with_torch):
     sys.path.insert(0, ROOT)
     import numpy as np
 
-    from collectives import dtypes as D
+    from collectives.core import dtypes as D
     from collectives.backends.tcp import TcpBackend
     from collectives.store import TCPStore
-    from collectives.tensors import to_buffer
+    from collectives.core.tensors import to_buffer
     store = TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
     ours = TcpBackend(store, rank, world, 60.0)
     dist = None

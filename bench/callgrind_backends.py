@@ -127,7 +127,7 @@ def one(impl, op, n):
         fini = None
     else:
         import collectives as dist
-        from collectives import dtypes as D
+        from collectives.core import dtypes as D
         from collectives.store import HashStore
         if impl.startswith("mpi"):
             dist.init_process_group("mpi")
@@ -144,8 +144,8 @@ def one(impl, op, n):
                      "reduce_scatter": lambda: dist.reduce_scatter_tensor(o, b),
                      "barrier": lambda: dist.barrier()}
         else:
-            from collectives import tensors as T
-            from collectives._world import world
+            from collectives.core import tensors as T
+            from collectives.core.world import world
             pg = world.default
             be = pg.backend
             dev = 0 if impl == "nccl" else -1

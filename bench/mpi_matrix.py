@@ -36,8 +36,8 @@ def label_worker():
 
     sys.path.insert(0, HERE)
     import shm_ranks
-    from collectives import dtypes as D
-    from collectives.tensors import to_buffer
+    from collectives.core import dtypes as D
+    from collectives.core.tensors import to_buffer
     be, rank, world = shm_ranks.open_backend()
     comm = be._comm
     comm.set_ar_algo("two_shot")

@@ -65,7 +65,7 @@ def verify(dist, impl, rank, n, ops):
                 bad.append(f"{op} count={count} rank={rank}")
     if impl == "collectives":  # the settings that follow a group spanning hosts
         from collectives import config
-        from collectives._world import world
+        from collectives.core.world import world
         from collectives.backends.tcp import _TUNING, placement_defaults
         be = world.default.backend
         tcp = getattr(be, "leaders", None) or be  # hierarchical: the leaders' group

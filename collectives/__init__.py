@@ -3,8 +3,8 @@
 ``import collectives as dist`` in a program written for torch.distributed.
 """
 from . import config  # noqa: F401  (first: COLLECTIVES_NO_EXTENSIONS acts before any extension loads)
-from . import dtypes
-from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError
+from .core import dtypes
+from .core.errors import DistBackendError, DistError, DistNetworkError, DistStoreError
 
 # ---- stores and rendezvous ----------------------------------------------------------------
 from .store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore  # noqa: E402
@@ -15,12 +15,12 @@ from .rendezvous import register_rendezvous_handler, rendezvous  # noqa: E402
 # ---- the torch.distributed front end ---------------------------------------------------------
 from .backends import register_backend  # noqa: E402
 from .debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env  # noqa: E402
-from .collective_ops import (
+from .api.collective_ops import (
     _all_gather_base, _reduce_scatter_base, all_gather, all_gather_coalesced, all_gather_into_tensor,
     all_gather_single, all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single, barrier,
     broadcast, gather, monitored_barrier, reduce, reduce_scatter, reduce_scatter_single,
     reduce_scatter_tensor, scatter)
-from .group import (
+from .api.group import (
     Backend, GroupMember, ProcessGroup, default_pg_timeout, destroy_process_group, get_backend,
     get_backend_config, get_default_backend_for_device, get_global_rank, get_group_rank,
     get_node_local_rank, get_pg_count, get_process_group_ranks, get_rank, get_world_size, group,
@@ -28,21 +28,21 @@ from .group import (
     is_mpi_available, is_nccl_available, is_torchelastic_launched, is_ucc_available,
     is_xccl_available, new_group, new_subgroups, new_subgroups_by_enumeration, shrink_group,
     split_group)
-from .multigpu import (
+from .api.multigpu import (
     all_gather_multigpu, all_reduce_multigpu, broadcast_multigpu, reduce_multigpu,
     reduce_scatter_multigpu)
-from .objects import (
+from .api.objects import (
     all_gather_object, broadcast_object_list, gather_object, recv_object_list, scatter_object_list,
     send_object_list)
-from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .api.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .flight_recorder import dump_flight_recorder  # noqa: E402
-from .profiling import record_comm
-from .reduce_op import ReduceOp, reduce_op, supports_complex
-from .work import Future, Work
-from ._breakpoint import breakpoint  # noqa: E402,A004  (torch's name)
+from .core.profiling import record_comm
+from .core.reduce_op import ReduceOp, reduce_op, supports_complex
+from .core.work import Future, Work
+from .api.breakpoint import breakpoint  # noqa: E402,A004  (torch's name)
 from .device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
-from .gloo import ProcessGroupGloo  # noqa: E402
-from .options import (  # noqa: E402
+from .torch_bridge.gloo import ProcessGroupGloo  # noqa: E402
+from .core.options import (  # noqa: E402
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
 

@@ -1,7 +1,7 @@
-"""``python -m collectives``: the environment report (:mod:`collectives.envreport`)."""
+"""``python -m collectives``: the environment report (:mod:`collectives.diagnostics.envreport`)."""
 import sys
 
-from .envreport import main
+from .diagnostics.envreport import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,11 +14,11 @@ from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
 
 import numpy as np
 
-from . import dtypes as _D
+from .core import dtypes as _D
 
 cnp.import_array()
 
-cdef extern from "reduce_kernels.h":
+cdef extern from "kernels/reduce_kernels.h":
     enum:
         NUM_DTYPES "COLL_NUM_DTYPES"  # the dtype codes' one definition (dtypes.py repeats it)
 
@@ -61,7 +61,7 @@ cdef class Buffer:
     Attributes:
         ptr: address of the first element.
         count: number of elements.
-        dtype: dtype code from :mod:`collectives.dtypes`.
+        dtype: dtype code from :mod:`collectives.core.dtypes`.
         itemsize: bytes per element.
         device: -1 for host memory, else the CUDA device index.
         obj: the array or tensor that owns the memory (kept alive by the Buffer).
@@ -85,7 +85,7 @@ cdef class Buffer:
 
     def numpy(self):
         """A NumPy view of host memory (bfloat16 as uint16 bits); zero-copy."""
-        from .tensors import _buffer_numpy
+        from .core.tensors import _buffer_numpy
         return _buffer_numpy(self)
 
     def bytes_view(self):
@@ -97,7 +97,7 @@ cdef class Buffer:
         return _make(self.ptr + start * self.itemsize, stop - start, self.dtype, self.device, self.obj)
 
     def __repr__(self):
-        from .tensors import _buffer_repr
+        from .core.tensors import _buffer_repr
         return _buffer_repr(self)
 
     def __getbuffer__(self, Py_buffer *view, int flags):

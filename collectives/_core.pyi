@@ -1,13 +1,13 @@
-"""Type stubs for collectives._core (the Cython kernels); collectives._fallback has the same API."""
+"""Type stubs for collectives._core (the Cython kernels); collectives.core.kernels_numpy has the same API."""
 from typing import Any, Optional, Sequence, SupportsIndex, SupportsInt, TypeVar, Union
 
 import numpy as np
 
 from .tensors import Buffer
 
-#: An ndarray, a torch CPU tensor or a collectives.tensors.Buffer (host memory).
+#: An ndarray, a torch CPU tensor or a collectives.core.tensors.Buffer (host memory).
 ArrayLike = Any
-#: An op code from collectives.dtypes, a ReduceOp member, or anything with __index__/__int__.
+#: An op code from collectives.core.dtypes, a ReduceOp member, or anything with __index__/__int__.
 OpLike = Union[SupportsIndex, SupportsInt]
 _T = TypeVar("_T")
 _S = TypeVar("_S", bound=Sequence[Any])
@@ -59,7 +59,7 @@ class ProfilerTap:
 
 
 class Dispatcher:
-    """One group's path for every collective call (collectives.dispatch)."""
+    """One group's path for every collective call (collectives.api.dispatch)."""
     fr: CallRing
     pg: Any
     backend: Any

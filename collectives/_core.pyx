@@ -15,15 +15,15 @@ import operator
 
 import numpy as np
 
-from . import dtypes as _D
-from .tensors import Buffer, to_buffer
+from .core import dtypes as _D
+from .core.tensors import Buffer, to_buffer
 
 cnp.import_array()
 
 cdef extern from "numpy/ndarraytypes.h":
     int NPY_HALF  # absent from numpy's __init__.pxd
 
-cdef extern from "reduce_kernels.h" nogil:
+cdef extern from "kernels/reduce_kernels.h" nogil:
     size_t COLL_CHUNK_BYTES_C "COLL_CHUNK_BYTES"
     enum:
         COLL_FLOAT16, COLL_BFLOAT16, COLL_FLOAT32, COLL_FLOAT64, COLL_COMPLEX64, COLL_COMPLEX128,
@@ -52,7 +52,7 @@ cdef extern from "reduce_kernels.h" nogil:
 #: transport can receive chunk k+1 while reducing chunk k).
 CHUNK_BYTES = COLL_CHUNK_BYTES_C
 
-# the C header's dtype and op codes (reduce_kernels.h), which collectives/dtypes.py repeats
+# the C header's dtype and op codes (reduce_kernels.h), which collectives/core/dtypes.py repeats
 # for the pure-Python path: tests/test_kernels.py checks that the two agree
 C_CODES = {
     "FLOAT16": COLL_FLOAT16, "BFLOAT16": COLL_BFLOAT16, "FLOAT32": COLL_FLOAT32,
@@ -64,7 +64,7 @@ C_CODES = {
     "PREMUL_SUM": COLL_PREMUL_SUM,
 }
 
-#: The kernels' C table (struct coll_kernel_api, src/reduce_kernels.h) for collectives._tcp and
+#: The kernels' C table (struct coll_kernel_api, src/kernels/reduce_kernels.h) for collectives._tcp and
 #: collectives._shm, which are built without a copy of the kernels and call this module's.
 _C_API = PyCapsule_New(<void *>coll_kernel_api_get(), "collectives._core._C_API", NULL)
 

@@ -1,5 +1,5 @@
-# A group's dispatcher (collectives.dispatch makes one per group), included by _core.pyx
-# beside the recorder's ring it writes. collectives.dispatch._PyDispatcher is the same in
+# A group's dispatcher (collectives.api.dispatch makes one per group), included by _core.pyx
+# beside the recorder's ring it writes. collectives.api.dispatch._PyDispatcher is the same in
 # Python (the package without its extensions), as work._PyCounter is Counter.
 
 
@@ -13,7 +13,7 @@ cdef class Counter:
 
 cdef class ProfilerTap:
     """Where the dispatchers read torch's profiler flag: ``module`` is torch's profiler
-    module once torch is imported, else None. ``collectives.profiling.bind`` keeps it
+    module once torch is imported, else None. ``collectives.core.profiling.bind`` keeps it
     current (``tap["_prof"] = module``, as it does a module's globals)."""
 
     cdef public object module

@@ -1,10 +1,10 @@
-# The reduction kernels, called through collectives._core's table (src/reduce_kernels_import.h).
+# The reduction kernels, called through collectives._core's table (src/kernels/reduce_kernels_import.h).
 # They are compiled once, into _core: this module's C code runs _core's instruction-set
 # dispatch, so forcing an instruction set there (_core._force_isa) switches it here too.
 # Included from _tcp.pyx and _shm.pyx; runs at module import, before any C call.
 from cpython.pycapsule cimport PyCapsule_GetPointer
 
-cdef extern from "reduce_kernels_import.h":
+cdef extern from "kernels/reduce_kernels_import.h":
     int coll_kernels_set(const void *api)
     const char *coll_kernel_isa()
 

@@ -3,7 +3,7 @@
 
 :class:`CallLog` holds the fingerprints (kind, dtype, count, root, op) of a group's blocking
 collectives since the ranks last compared them (see
-:mod:`collectives.backends.mpi_fingerprint`) as machine words: appending one allocates
+:mod:`collectives.backends.mpi.fingerprint`) as machine words: appending one allocates
 nothing. Its ``all_reduce``, ``broadcast`` and ``barrier`` append the call's fingerprint
 and make mpi4py's call with the buffer spec built in C (``(buffer, datatype)``), so the
 backend's Python method is one call. The backend still calls them from its own Python
@@ -20,7 +20,8 @@ cdef enum:
     FIELDS = 5         # kind, dtype, count, root, op
     N_OPS = 256        # the backend's op table: dtype * 16 + op
 
-cdef int BARRIER = 1, BROADCAST = 2, ALL_REDUCE = 3, ALL_GATHER = 5, NO_DTYPE = 15  # collectives.fingerprint
+cdef int BARRIER = 1, BROADCAST = 2, ALL_REDUCE = 3, ALL_GATHER = 5, NO_DTYPE = 15
+# (the codes of collectives.core.fingerprint)
 
 
 cdef class CallLog:

@@ -109,14 +109,14 @@ cdef int _op_code(object op) except -1:
     if type(op) is int:
         code = op
     elif isinstance(op, (bool, float, complex, str)):
-        raise TypeError(f"op must be a reduction op (collectives.dtypes code or ReduceOp), "
+        raise TypeError(f"op must be a reduction op (collectives.core.dtypes code or ReduceOp), "
                         f"got {type(op).__name__} {op!r}")
     else:
         try:
             code = operator.index(op)
         except TypeError:
             if not hasattr(type(op), "__int__"):
-                raise TypeError(f"op must be a reduction op (collectives.dtypes code or ReduceOp), "
+                raise TypeError(f"op must be a reduction op (collectives.core.dtypes code or ReduceOp), "
                                 f"got {type(op).__name__}") from None
             code = int(op)
     if code == COLL_AVG or code == COLL_PREMUL_SUM:
@@ -133,10 +133,10 @@ cdef int _dtype_arg(object dtype) except -1:
     try:
         code = operator.index(dtype)
     except TypeError:
-        raise TypeError(f"dtype must be a collectives.dtypes code (int), "
+        raise TypeError(f"dtype must be a collectives.core.dtypes code (int), "
                         f"got {type(dtype).__name__}") from None
     if coll_itemsize(code) == 0:
-        raise ValueError(f"dtype must be a collectives.dtypes code 0-{COLL_BOOL}, got {code}")
+        raise ValueError(f"dtype must be a collectives.core.dtypes code 0-{COLL_BOOL}, got {code}")
     return code
 
 
@@ -195,7 +195,7 @@ def reduce_into(dst, src, op):
     Args:
         dst: contiguous, writeable NumPy array or torch CPU tensor.
         src: contiguous array/tensor of the same dtype and element count (shape may differ).
-        op: SUM, PRODUCT, MIN, MAX, BAND, BOR or BXOR (code from collectives.dtypes or a
+        op: SUM, PRODUCT, MIN, MAX, BAND, BOR or BXOR (code from collectives.core.dtypes or a
             ReduceOp). AVG/PREMUL_SUM: reduce with SUM, then :func:`scale`.
 
     Returns:
@@ -310,11 +310,11 @@ def scale(dst, factor):
 
 
 def reduce_buffers(dst, src, op):
-    """``reduce_into`` on two :class:`collectives.tensors.Buffer` objects (host memory)."""
+    """``reduce_into`` on two :class:`collectives.core.tensors.Buffer` objects (host memory)."""
     if not isinstance(dst, Buffer):
-        raise TypeError(f"dst must be a collectives.tensors.Buffer, got {type(dst).__name__}")
+        raise TypeError(f"dst must be a collectives.core.tensors.Buffer, got {type(dst).__name__}")
     if not isinstance(src, Buffer):
-        raise TypeError(f"src must be a collectives.tensors.Buffer, got {type(src).__name__}")
+        raise TypeError(f"src must be a collectives.core.tensors.Buffer, got {type(src).__name__}")
     reduce_into(dst, src, op)
     return dst
 

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Same-host shared-memory transport: one segment per group, collectives in C.
 
-Every collective runs in C with the GIL released (src/shm_coll.c); this module
+Every collective runs in C with the GIL released (src/shm/shm_coll.c); this module
 only converts arguments and turns error codes into DistBackendError.
 """
 from libc.stdint cimport int64_t, uint32_t, uint64_t
@@ -10,15 +10,15 @@ from libc.stdlib cimport free, malloc
 from ._buffer cimport Buffer
 
 from . import config as _config
-from . import dtypes as _D
-from . import fingerprint as _fp
-from .engine_errors import expand as _expand
-from .errors import DistBackendError
+from .core import dtypes as _D
+from .core import fingerprint as _fp
+from .core.engine_errors import expand as _expand
+from .core.errors import DistBackendError
 
 include "_kernels_import.pxi"
 
 
-cdef extern from "shm_coll.h" nogil:
+cdef extern from "shm/shm_coll.h" nogil:
     ctypedef struct shm_comm:
         pass
     int SHM_OK, SHM_ETIMEDOUT, SHM_EPEERDEAD, SHM_EBROKEN, SHM_ESYS, SHM_EINVAL, SHM_ECLOSED
@@ -84,7 +84,7 @@ cdef int K_ALL_TO_ALL = _fp.ALL_TO_ALL, NO_DTYPE = _fp.NO_DTYPE
 
 
 cdef inline uint64_t _pack(int kind, int dtype, uint64_t count, int root, int op) noexcept:
-    """collectives.fingerprint.pack, in C (a call's fingerprint costs nanoseconds)."""
+    """collectives.core.fingerprint.pack, in C (a call's fingerprint costs nanoseconds)."""
     return (<uint64_t>(kind & 0xF) | (<uint64_t>(dtype & 0xF) << 4)
             | (<uint64_t>((op + 1) & 0xF) << 8) | (<uint64_t>((root + 1) & 0xFFF) << 12)
             | ((count & ((<uint64_t>1 << 40) - 1)) << 24))
@@ -92,7 +92,7 @@ cdef inline uint64_t _pack(int kind, int dtype, uint64_t count, int root, int op
 
 def pack(int kind, int dtype=NO_DTYPE, uint64_t count=0, int root=-1, int op=-1):
     """The word the collectives below compute when not given one (tests compare it with
-    collectives.fingerprint.pack)."""
+    collectives.core.fingerprint.pack)."""
     return _pack(kind, dtype, count, root, op)
 
 
@@ -164,7 +164,7 @@ cdef class ShmComm:
             self.c = NULL
 
     cdef int _check(self, int rc, str op, int peer=-1) except -1:
-        """The engines' one error convention (collectives.engine_errors): the engine's
+        """The engines' one error convention (collectives.core.engine_errors): the engine's
         text for rc, raised as DistBackendError."""
         if rc == SHM_OK:
             return 0
@@ -329,7 +329,7 @@ cdef class ShmComm:
     # ---- collectives on Buffers ---------------------------------------------------
     # Each takes collectives._buffer.Buffer objects and reads their fields in C (a small
     # call's cost is mostly argument passing). fp: the caller's fingerprint of the call
-    # (collectives.fingerprint.pack; 0: computed here from the arguments); every rank
+    # (collectives.core.fingerprint.pack; 0: computed here from the arguments); every rank
     # compares every peer's with its own (see shm_coll.h)
     def barrier(self, uint64_t fp=0):
         cdef shm_comm *c = self._live("barrier")

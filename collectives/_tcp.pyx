@@ -1,19 +1,19 @@
 # cython: language_level=3
-"""The TCP transport engine (collectives/src/tcp_engine.c) for the 'gloo' backend.
+"""The TCP transport engine (collectives/src/tcp/tcp_engine.c) for the 'gloo' backend.
 
 Thin wrappers: arguments are prepared with the GIL held, then each call runs in
 one ``with nogil:`` block; a failure comes back as DistBackendError. Every collective
-takes ``fp``, this rank's fingerprint of the call (:func:`collectives.fingerprint.pack`);
+takes ``fp``, this rank's fingerprint of the call (:func:`collectives.core.fingerprint.pack`);
 a peer whose fingerprint differs fails the call on every rank with
-:func:`collectives.fingerprint.mismatch_message`.
+:func:`collectives.core.fingerprint.mismatch_message`.
 """
 
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
-from .errors import DistBackendError
-from .engine_errors import expand as _expand
-from .fingerprint import mismatch_message
+from .core.errors import DistBackendError
+from .core.engine_errors import expand as _expand
+from .core.fingerprint import mismatch_message
 
 include "_tcp_decl.pxi"
 include "_kernels_import.pxi"
@@ -53,7 +53,7 @@ cdef int *_int_array(values, int n, int hole) except NULL:
 
 
 cdef str _text(char *err, eng):
-    """The engine's error text for users (collectives.engine_errors: dtype codes named, a
+    """The engine's error text for users (collectives.core.engine_errors: dtype codes named, a
     fingerprint mismatch spelled out from the engine's record)."""
     return _expand(err.decode("utf-8", "replace"),
                    mismatch=eng.mismatch_message if eng is not None else None)
@@ -196,7 +196,7 @@ cdef class Engine:
         return seq, a, fa, b, fb
 
     def mismatch_message(self):
-        """:func:`collectives.fingerprint.mismatch_message` of :meth:`mismatch` (None if none)."""
+        """:func:`collectives.core.fingerprint.mismatch_message` of :meth:`mismatch` (None if none)."""
         mm = self.mismatch()
         if mm is None:
             return None

@@ -1,8 +1,8 @@
-# C declarations of collectives/src/tcp_engine.h (all callable without the GIL).
+# C declarations of collectives/src/tcp/tcp_engine.h (all callable without the GIL).
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 
-cdef extern from "tcp_engine.h" nogil:
+cdef extern from "tcp/tcp_engine.h" nogil:
     ctypedef struct tcp_engine:
         pass
     ctypedef struct tcp_req:

@@ -22,7 +22,7 @@ import numpy as np
 
 
 # the module (the package attribute ``group`` is torch's dist.group class)
-_g = importlib.import_module(".group", __package__)
+_g = importlib.import_module(".api.group", __package__)
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 

@@ -16,8 +16,8 @@ import warnings
 from . import *  # noqa: F401,F403  (the package's __all__)
 from . import __all__ as _public
 from .constants import default_pg_nccl_timeout, default_pg_timeout
-from .group import (SHRINK_ABORT, SHRINK_DEFAULT, GroupMember, default_group, get_global_rank,
-                    get_world_size, world)
+from .api.group import (SHRINK_ABORT, SHRINK_DEFAULT, GroupMember, default_group, get_global_rank,
+                        get_world_size, world)
 
 __all__ = list(_public) + ["SHRINK_ABORT", "SHRINK_DEFAULT"]
 
@@ -76,7 +76,7 @@ def _get_default_store():
 
 def _set_pg_timeout(timeout, group=None):
     """torch's: the timeout of ``group``'s (default: the default group's) later calls."""
-    from .group import resolve
+    from .api.group import resolve
     pg = resolve(group)
     if pg is None:
         raise ValueError("Invalid process group specified")

@@ -11,7 +11,7 @@ collectives._core.CallRing) and a few integer stores.
 A rank's recorders are written to one JSON file (:func:`dump`): when one of its calls
 fails (a timeout, a lost peer, calls that do not match), when another rank's call failed
 (through the store), on SIGUSR1, and on demand (``collectives.dump_flight_recorder``).
-``collectives-trace`` (:mod:`collectives.trace`) reads a job's files and says where the
+``collectives-trace`` (:mod:`collectives.diagnostics.trace`) reads a job's files and says where the
 ranks parted.
 
 A daemon thread per process posts each group's progress (last collective issued and
@@ -27,8 +27,8 @@ its dumps and the progress posts off), ``TORCH_FR_DUMP_TEMP_FILE`` else
 
 This module holds the recorders and what the front end calls (:class:`Recorder`,
 :func:`run`, :func:`submit`, :func:`p2p`, :func:`new_recorder`) and the
-SIGUSR1 handler; :mod:`collectives.fr_progress` the dumps and the progress daemon;
-:mod:`collectives.fr_registry` the settings and the process's recorders. Their public
+SIGUSR1 handler; :mod:`collectives.diagnostics.progress` the dumps and the progress daemon;
+:mod:`collectives.diagnostics.fr_registry` the settings and the process's recorders. Their public
 names are importable from here.
 """
 import logging
@@ -39,12 +39,12 @@ import threading
 import time
 import warnings
 
-from . import dtypes as D
-from .errors import DistError
-from .fr_progress import (FORMAT, VERSION, _HOST, _gone, _progress, _trace_arg,  # noqa: F401
-                          _within, dump, dump_flight_recorder, dump_prefix, job_id, snapshot)
-from .fr_registry import (BUFFER_SIZE, DUMP_PREFIX, ENABLED, STACKS, describe,  # noqa: F401
-                          global_rank, live_recorders, recorders, register)
+from .core import dtypes as D
+from .core.errors import DistError
+from .diagnostics.progress import (FORMAT, VERSION, _HOST, _gone, _progress, _trace_arg,  # noqa: F401
+                                   _within, dump, dump_flight_recorder, dump_prefix, job_id, snapshot)
+from .diagnostics.fr_registry import (BUFFER_SIZE, DUMP_PREFIX, ENABLED, STACKS, describe,  # noqa: F401
+                                      global_rank, live_recorders, recorders, register)
 
 _log = logging.getLogger("collectives")
 

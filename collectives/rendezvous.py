@@ -29,8 +29,8 @@ import time
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
-from . import auth
-from .errors import DistError, DistNetworkError, DistStoreError
+from .security import auth
+from .core.errors import DistError, DistNetworkError, DistStoreError
 from .store import DEFAULT_TIMEOUT, FileStore, Store, TCPStore, to_seconds
 
 # (rank variable, world-size variable, who sets them), in order of preference
@@ -184,7 +184,7 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
             are required and ``init_method`` must be None).
         environ: the environment to read (default ``os.environ``).
         auth_key: the job's key (str or bytes), else COLLECTIVES_AUTH_KEY's (see
-            :mod:`collectives.auth`): the TCPStore authenticates with it, and the returned
+            :mod:`collectives.security.auth`): the TCPStore authenticates with it, and the returned
             store carries it for the TCP transport's connections (a FileStore or given
             store too). None and no COLLECTIVES_AUTH_KEY: no authentication.
 

@@ -1,6 +1,6 @@
 """The Backend interface (the seed design's DataChannel) and the request objects.
 
-A backend works on :class:`collectives.tensors.Buffer` objects and group ranks
+A backend works on :class:`collectives.core.tensors.Buffer` objects and group ranks
 (0..size-1); it never sees a torch tensor or a global rank. The front end
 validates every argument before calling it, so a backend may assume:
 
@@ -28,8 +28,8 @@ import collections
 import threading
 from _thread import allocate_lock as _allocate_lock
 
-from ..errors import DistBackendError, DistError
-from ..work import Counter
+from ..core.errors import DistBackendError, DistError
+from ..core.work import Counter
 
 
 def timed_out(describe, timeout):

@@ -4,8 +4,8 @@ select.py): shared memory within each host, TCP among the host leaders
 import functools
 import inspect
 
-from .. import fingerprint as F
-from ..errors import DistBackendError, DistError
+from ..core import fingerprint as F
+from ..core.errors import DistBackendError, DistError
 from .base import Backend
 
 # A hierarchical all_reduce of at least PIPE_MIN bytes runs in pieces of PIPE_PIECE bytes
@@ -71,7 +71,7 @@ class HierarchicalBackend(Backend):
     source must see every sender on one transport.
 
     Fingerprints: every part of a collective carries the fingerprint of the ORIGINAL call
-    (kind, dtype, count, root, op; collectives.fingerprint), so ranks of one host that
+    (kind, dtype, count, root, op; collectives.core.fingerprint), so ranks of one host that
     called different collectives raise in the shared-memory part, naming both calls as the
     group's ranks and collective number, and leaders whose hosts called different ones
     raise in the TCP part. A failure in one part reaches the ranks waiting in another: a
@@ -181,7 +181,7 @@ class HierarchicalBackend(Backend):
     # ---- helpers -------------------------------------------------------------------
     @staticmethod
     def _scratch(count, dtype, like=None):
-        from ..tensors import empty_like_buffer
+        from ..core.tensors import empty_like_buffer
         buf = empty_like_buffer(count, dtype)
         if like is not None:
             buf.numpy()[:] = like.numpy()

@@ -24,8 +24,8 @@ import threading
 import time
 
 from .. import config
-from .. import dtypes as D
-from ..errors import DistBackendError
+from ..core import dtypes as D
+from ..core.errors import DistBackendError
 from .base import Backend, Request
 
 # ncclDataType_t and ncclRedOp_t values from nccl.h

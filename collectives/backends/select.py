@@ -17,7 +17,7 @@ import os
 import socket
 
 from .. import config
-from ..errors import DistBackendError
+from ..core.errors import DistBackendError
 from .hierarchical import HierarchicalBackend, _prefixed, _tcp
 
 TRANSPORT_ENV = "COLLECTIVES_TRANSPORT"

@@ -21,7 +21,7 @@ measured stores for the segment; see DEFAULT_STREAM) and COLLECTIVES_SHM_FAR_NS 
 probe's cache-line round trip from which a peer counts as far, 250 by default).
 COLLECTIVES_SHM_THP=0 stops a rank from collapsing the buffers its peers copy by
 process_vm_readv/writev into huge pages (MADV_COLLAPSE, the second time it sees a
-buffer: they copy twice as fast from it; see thp_prepare in src/shm_copy.c).
+buffer: they copy twice as fast from it; see thp_prepare in src/shm/shm_copy.c).
 """
 import collections
 import os
@@ -33,8 +33,8 @@ import time
 import numpy as np
 
 from .. import config
-from .. import dtypes as D
-from ..errors import DistBackendError, DistError
+from ..core import dtypes as D
+from ..core.errors import DistBackendError, DistError
 from .base import Backend, DoneRequest, FutureRequest
 
 # a message's header: tag, payload bytes, dtype code (a receive must match both: one of
@@ -63,7 +63,7 @@ DEFAULT_CMA_BCAST_MIN = 64 * 1024
 # all_reduce: whether two-shot or the single copy is faster depends on the host and the
 # ranks' placement (while the VM's cores share caches two-shot took 0.65-0.8x the single
 # copy's time, while they do not the single copy 0.25-0.35x two-shot's), so above the
-# one-shot size the ranks measure both (COLLECTIVES_SHM_AR_ALGO=auto, src/shm_tune.c);
+# one-shot size the ranks measure both (COLLECTIVES_SHM_AR_ALGO=auto, src/shm/shm_tune.c);
 # COLLECTIVES_SHM_CMA_AR_MIN=0 leaves the single copy out.
 DEFAULT_CMA_AR_MIN = 64 * 1024
 DEFAULT_AR_ALGO = "auto"
@@ -220,7 +220,7 @@ class ShmBackend(Backend):
 
     # ---- collectives ---------------------------------------------------------------
     # Each call carries its fingerprint (kind, dtype, element count, root, op; computed in
-    # _shm from these arguments, or ``fp``, a collectives.fingerprint.pack word, where a
+    # _shm from these arguments, or ``fp``, a collectives.core.fingerprint.pack word, where a
     # caller such as the hierarchical backend passes the original call's): a rank whose
     # peer called something else raises DistBackendError naming both calls, on every rank.
     def broadcast(self, buf, root, fp=0):

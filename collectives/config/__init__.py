@@ -39,7 +39,7 @@ __all__ = ["Setting", "SETTINGS", "get", "declared", "settings", "markdown", "EX
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 #: the compiled extension modules (``collectives.<name>``) COLLECTIVES_NO_EXTENSIONS hides
-EXTENSIONS = ("_core", "_buffer", "_tcp", "_shm")
+EXTENSIONS = ("_core", "_buffer", "_tcp", "_shm", "_mpilog", "_ncclcall")
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -126,11 +126,11 @@ def _section(**common):
 
 
 _s = _section()
-_engine = _section(read_in="backends/tcp.py -> tcp_engine.c")
+_engine = _section(read_in="backends/tcp/__init__.py -> src/tcp/tcp_engine.c")
 _shm = _section(read_in="backends/shm.py", agree=True, rank0=True)
-_fr = _section(read_in="fr_registry.py")
+_fr = _section(read_in="diagnostics/fr_registry.py")
 _build = _section(scope="build", read_in="setup.py")
-_test = _section(scope="test", read_in="tests/ranks.py")
+_test = _section(scope="test", read_in="tests/support/ranks.py")
 
 
 # ---- the registry: add a new setting HERE (and nowhere else) -----------------------------
@@ -151,15 +151,16 @@ SETTINGS = (
        "Network interface whose IPv4 address TCP peers connect to (the first of a "
        "comma-separated list). Default: torch's GLOO_SOCKET_IFNAME, else the interface that "
        "routes to MASTER_ADDR. A name without an IPv4 address raises ValueError at init.",
-       read_in="backends/tcp.py, gloo.py"),
+       read_in="backends/tcp/__init__.py, torch_bridge/gloo.py"),
     # the TCP engine
     _s("COLLECTIVES_TCP_SPIN_US", "int", 20,
-       "How long a TCP wait polls before it blocks.", unit="us", read_in="backends/tcp.py, backends/mesh.py"),
+       "How long a TCP wait polls before it blocks.", unit="us",
+       read_in="backends/tcp/__init__.py, backends/tcp/mesh.py"),
     _s("COLLECTIVES_TCP_SOCKBUF", "int", 4 * MiB,
        "Socket send/receive buffer size; 0 keeps the operating system's default. A size "
        "above the kernel's cap (net.core.wmem_max / rmem_max) is not set, so the kernel "
        "keeps tuning that buffer itself instead of cutting it to the cap.",
-       unit="bytes", read_in="backends/tcp.py, backends/mesh.py"),
+       unit="bytes", read_in="backends/tcp/__init__.py, backends/tcp/mesh.py"),
     _engine("COLLECTIVES_TCP_RD_MAX", "int", 64 * KiB,
             "all_reduce uses recursive doubling up to this size, reduce-scatter + all-gather above. "
             "Unset, a group of more than 2 ranks that span hosts uses 32 KiB.",
@@ -219,50 +220,50 @@ SETTINGS = (
          "the ranks' probes find their peers far (another die or socket).", choices=("0", "1", "2")),
     _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False,
        "Allow the single-copy paths with more ranks than cores (measured slower there; the "
-       "tests use it).", read_in="_shm.pyx -> src/shm_copy.c"),
+       "tests use it).", read_in="_shm.pyx -> src/shm/shm_copy.c"),
     _s("COLLECTIVES_SHM_SPIN", "int", None,
        "Polls before a waiting rank yields. Default: about 2 us worth when every rank has a "
-       "core, none when the ranks outnumber the cores.", read_in="_shm.pyx -> src/shm_segment.c"),
+       "core, none when the ranks outnumber the cores.", read_in="_shm.pyx -> src/shm/shm_segment.c"),
     _s("COLLECTIVES_SHM_YIELD_US", "int", None,
        "How long a waiting rank yields before it sleeps on a futex. Default: 200 us when "
-       "every rank has a core, 20 us otherwise.", unit="us", read_in="_shm.pyx -> src/shm_segment.c"),
+       "every rank has a core, 20 us otherwise.", unit="us", read_in="_shm.pyx -> src/shm/shm_segment.c"),
     _s("COLLECTIVES_SHM_FAR_NS", "int", 250,
        "Cache-line round trip from which a peer counts as far (streaming stores pay off); "
-       "0 or less: the default.", minimum=None, unit="ns", read_in="_shm.pyx -> src/shm_copy.c"),
+       "0 or less: the default.", minimum=None, unit="ns", read_in="_shm.pyx -> src/shm/shm_copy.c"),
     _s("COLLECTIVES_SHM_LLC_BYTES", "int", None,
        "Last-level cache size: an all_gather whose outputs (all ranks' together) fill it "
        "writes the local block with streaming stores. Default: read from sysfs.",
-       unit="bytes", read_in="_shm.pyx -> src/shm_copy.c"),
+       unit="bytes", read_in="_shm.pyx -> src/shm/shm_copy.c"),
     _s("COLLECTIVES_SHM_THP", "bool", True,
        "Collapse buffers that peers copy by process_vm_readv/writev into huge pages "
        "(MADV_COLLAPSE, Linux 6.1; they copy twice as fast); false turns it off.",
-       read_in="_shm.pyx -> src/shm_copy.c"),
+       read_in="_shm.pyx -> src/shm/shm_copy.c"),
     # other backends and torch
     _s("COLLECTIVES_MPI_WATCHDOG", "bool", True,
        "The mpi backend's watchdog: a blocking call stuck past the group timeout prints its "
        "stack and calls MPI_Abort. False: such a call waits forever.",
-       read_in="backends/mpi_watchdog.py"),
+       read_in="backends/mpi/watchdog.py"),
     _s("COLLECTIVES_NCCL_LIB", "str", None,
        "Path of the libnccl the nccl backend loads. Default: torch's nvidia-nccl wheel, else "
        "any libnccl.so.2 the loader finds.", read_in="backends/nccl.py"),
     _s("COLLECTIVES_TORCH_BRIDGE", "bool", True,
        "Where torch is imported, our groups are torch.distributed ProcessGroups too and the "
        "default group becomes torch's; false turns that off.",
-       agree=True, read_in="group.py, torch_pg.py"),
+       agree=True, read_in="api/group.py, torch_bridge/torch_pg.py"),
     _s("COLLECTIVES_TORCH_BACKEND", "str", "gloo",
        "Backend of the groups that torch.distributed.init_process_group('collectives') makes.",
-       agree=True, read_in="torch_pg.py"),
+       agree=True, read_in="torch_bridge/torch_pg.py"),
     # security (docs/security.md)
     _s("COLLECTIVES_AUTH_KEY", "str", None,
        "The job's shared key: every store and rank-to-rank connection opens with an "
        "HMAC-SHA256 challenge-response on it, and a peer without it is refused. "
        "collectives-run sets a random one for a single-node job (or takes --auth-key-file). "
-       "Default: no key, no handshake (torch's behaviour).", agree=True, read_in="auth.py"),
+       "Default: no key, no handshake (torch's behaviour).", agree=True, read_in="security/auth.py"),
     _s("COLLECTIVES_SAFE_OBJECTS", "bool", False,
        "The object calls (broadcast_object_list, all_gather_object, ...) unpickle with an "
        "allow-list (plain data, NumPy arrays, torch tensors) instead of full pickle; per "
-       "call: safe=True.", read_in="safe_pickle.py"),
-    # the flight recorder (collectives/fr_registry.py; torch's TORCH_FR_* names first)
+       "call: safe=True.", read_in="security/safe_pickle.py"),
+    # the flight recorder (collectives/diagnostics/fr_registry.py; torch's TORCH_FR_* names first)
     _fr("COLLECTIVES_FR_BUFFER_SIZE", "int", 256,
         "Collectives the flight recorder keeps per group (torch's TORCH_FR_BUFFER_SIZE, where "
         "set, comes first); 0 turns the recorder, its dumps and progress posts off."),
@@ -273,8 +274,8 @@ SETTINGS = (
     _fr("COLLECTIVES_FR_STACK", "bool", False,
         "Record the Python stack of every call in the flight recorder (costly)."),
     _s("COLLECTIVES_NO_EXTENSIONS", "bool", False,
-       "Hide the compiled extensions (_core, _buffer, _tcp, _shm): the package runs on its "
-       "pure-Python/NumPy fallback, as when they are not built (kernels and the mpi and "
+       "Hide the compiled extensions (_core, _buffer, _tcp, _shm, _mpilog, _ncclcall): the "
+       "package runs on its pure-Python/NumPy fallback, as when they are not built (kernels and the mpi and "
        "registered backends work; the gloo backend needs _tcp). For tests and debugging.",
        agree=True, read_in="config.py"),
     # build (setup.py)
@@ -306,7 +307,7 @@ SETTINGS = (
     _test("COLLECTIVES_TEST_INSTALLED", "str", None,
           "Set by .ci/run's installed leg to the checkout the wheel was built from: the run "
           "fails if collectives is imported from there rather than from site-packages.",
-          read_in="tests/conftest.py"),
+          read_in="tests/support/__init__.py"),
     _test("COLLECTIVES_POOL_ADDR", "str", None,
           "Set by the test harness for its rank processes: where to connect back. Not for users."),
     _test("COLLECTIVES_POOL_KEY", "str", None,

@@ -92,8 +92,8 @@ class NodeRendezvous:
 
     def __init__(self, host, port, run_id, min_nodes, max_nodes, conf, free_port,
                  stopped=lambda: False, auth_key=None):
-        from ..auth import AuthError
-        from ..errors import DistError
+        from ..security.auth import AuthError
+        from ..core.errors import DistError
         from ..store import TCPStore
         self._DistError = DistError
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
@@ -146,7 +146,7 @@ class NodeRendezvous:
         request that must not be made twice (an add of 1) waits ``read_timeout`` once, or
         ``timeout``. ``wait=False``: one try, then Silent, unless the store has not
         answered for ``read_timeout``. Raises Stop when the store is lost."""
-        from ..errors import DistNetworkError, DistStoreError
+        from ..core.errors import DistNetworkError, DistStoreError
         if self.lost:
             raise Stop(self.lost)
         deadline = (time.monotonic() if wait else self._last_answer) + self.read_timeout

@@ -5,7 +5,7 @@ import os
 import secrets
 import sys
 
-from ..auth import ENV_KEY, env_key
+from ..security.auth import ENV_KEY, env_key
 
 
 class _Parser(argparse.ArgumentParser):

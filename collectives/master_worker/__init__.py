@@ -7,7 +7,7 @@ from .master import RemoteError, init_master_worker, is_master_worker_initialize
 from .dispatch import call
 from .modules import RemoteModule, RemoteOptimizer, optim, to_node
 from .registry import register_function, register_module
-from .streams import (
+from .commands import (
     Event, all_gather, all_reduce, broadcast, enable_dist_send, manual_seed, remote, rpc_async,
     rpc_sync, synchronize, worker_stats)
 from .tensor import (

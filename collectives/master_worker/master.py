@@ -17,10 +17,10 @@ import zlib
 
 import numpy as np
 
-from .. import collective_ops as coll
-from ..group import destroy_process_group, init_process_group, new_group, world
-from .._frontend import buffer
-from ..errors import DistBackendError, DistError
+from ..api import collective_ops as coll
+from ..api.group import destroy_process_group, init_process_group, new_group, world
+from ..core.plans import buffer
+from ..core.errors import DistBackendError, DistError
 import collectives.master_worker.protocol as P
 from .codec import frame, unframe
 from .worker import pid_alive, run_worker, wait_request

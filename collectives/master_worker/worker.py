@@ -10,11 +10,11 @@ import traceback
 
 import numpy as np
 
-from .. import collective_ops as _coll
-from ..group import destroy_process_group, new_group
-from .._frontend import buffer
-from ..errors import DistError
-from ..reduce_op import ReduceOp
+from ..api import collective_ops as _coll
+from ..api.group import destroy_process_group, new_group
+from ..core.plans import buffer
+from ..core.errors import DistError
+from ..core.reduce_op import ReduceOp
 import collectives.master_worker.protocol as P
 from .codec import Const, Ref, TensorValue, encode, frame, unframe
 from .ops import make_lib
@@ -60,7 +60,7 @@ def wait_request(req, timeout, alive, what):
         waited += step
         alive()
         if timeout is not None and waited >= timeout:
-            from ..errors import DistBackendError
+            from ..core.errors import DistBackendError
             raise DistBackendError(f"{what}: no answer within {timeout:.1f}s")
 
 

@@ -28,10 +28,10 @@ Example:
 import torch
 from torch.autograd import Function
 
-from .. import collective_ops as _c
-from .. import dtypes as D
-from ..group import get_rank, get_world_size, resolve
-from ..reduce_op import RedOpType, ReduceOp, op_code
+from ..api import collective_ops as _c
+from ..core import dtypes as D
+from ..api.group import get_rank, get_world_size, resolve
+from ..core.reduce_op import RedOpType, ReduceOp, op_code
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "all_to_all_single", "broadcast", "gather",
            "reduce", "reduce_scatter", "scatter"]

@@ -4,7 +4,7 @@
 append-only log in a shared file), ``HashStore`` (one process) and
 ``PrefixStore`` (a namespace inside another store). Keys are str, values bytes
 (str is accepted and UTF-8 encoded). ``get`` and ``wait`` block until the keys
-exist or the timeout passes, then raise :class:`~collectives.errors.DistStoreError`
+exist or the timeout passes, then raise :class:`~collectives.core.errors.DistStoreError`
 naming the keys. Timeouts are ``datetime.timedelta`` (as torch) or float seconds;
 zero means no timeout, as torch's ``kNoTimeout``.
 

@@ -3,8 +3,8 @@ in-memory semantics that HashStore, FileStore and the TCP server share."""
 import time
 from datetime import timedelta
 
-from .._args import wait_seconds
-from ..errors import DistStoreError
+from ..core.args import wait_seconds
+from ..core.errors import DistStoreError
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 _INIT_KEY = "init/"  # the key torch's TCPStore counts arriving workers on
@@ -98,7 +98,7 @@ class Store:
     Keys reach the ``_`` methods already checked; values already bytes; timeouts in seconds.
     """
 
-    _auth_key = None  # the job's key (bytes) where the store carries one: see collectives.auth
+    _auth_key = None  # the job's key (bytes) where the store carries one: see collectives.security.auth
 
     def __init__(self, timeout=DEFAULT_TIMEOUT):
         self._timeout = to_seconds(timeout)

@@ -6,7 +6,7 @@ import threading
 import time
 import weakref
 
-from ..errors import DistStoreError
+from ..core.errors import DistStoreError
 from .base import QueueEmptyError, Store, _add, _compare_set, _deadline, _timeout_error
 from .wire import _HDR
 

@@ -9,8 +9,8 @@ import socket
 import threading
 import time
 
-from .. import auth
-from ..errors import DistStoreError
+from ..security import auth
+from ..core.errors import DistStoreError
 from .base import _add, _compare_set
 from .wire import (
     _HDR, _REQ, MAX_FRAME, OP_ADD, OP_APPEND, OP_CAS, OP_CHECK, OP_DELETE, OP_GET, OP_LIST_KEYS,

@@ -4,8 +4,8 @@ import threading
 import time
 import weakref
 
-from .. import auth
-from ..errors import DistNetworkError, DistStoreError
+from ..security import auth
+from ..core.errors import DistNetworkError, DistStoreError
 from .base import _INIT_KEY, DEFAULT_TIMEOUT, QueueEmptyError, Store, _deadline, _timeout_error
 from .server import _SERVERS, _SERVERS_LOCK, StoreServer, _close_socks, _release_server
 from .wire import (
@@ -38,7 +38,7 @@ class TCPStore(Store):
 
     Raises:
         DistNetworkError: the server could not be reached within the timeout, or the
-            two ends do not hold the same key (:class:`collectives.auth.AuthError`).
+            two ends do not hold the same key (:class:`collectives.security.auth.AuthError`).
         DistStoreError: a blocking operation timed out (naming the keys).
     """
 

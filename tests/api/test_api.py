@@ -14,7 +14,7 @@ import pytest
 import collectives as dist
 from collectives import backends
 from collectives.backends import Backend, DoneRequest
-from collectives.errors import DistBackendError
+from collectives.core.errors import DistBackendError
 from collectives.store import HashStore
 
 try:
@@ -126,7 +126,7 @@ def test_torch_reduce_ops_are_taken_as_ours():
     """A program that spells its ops torch.distributed.ReduceOp.X gets the same reduction."""
     import torch.distributed as tdist
 
-    from collectives.reduce_op import op_code
+    from collectives.core.reduce_op import op_code
     for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
         theirs = getattr(tdist.ReduceOp, name)
         assert op_code(theirs) == op_code(tdist.ReduceOp(theirs)) == getattr(dist.ReduceOp, name)
@@ -559,8 +559,8 @@ def test_all_gather_into_separate_tensors_reaches_a_list_backend_unstaged(world,
 @needs_torch
 def test_a_cuda_tensor_on_a_cpu_backend_is_refused_before_communicating(world, monkeypatch):
     # no GPU here: stand in for a CUDA tensor by making the conversion report device 0
-    from collectives import _frontend
-    from collectives.tensors import Buffer
+    from collectives.core import plans as _frontend
+    from collectives.core.tensors import Buffer
 
     def as_cuda(t, name="tensor"):
         return Buffer(0xDEAD0000, t.numel(), dist.dtypes.FLOAT32, 0, t)

@@ -289,7 +289,7 @@ def detail_case(ctx, seed):
     import numpy as np
 
     import collectives as dist
-    from collectives.errors import DistBackendError
+    from collectives.core.errors import DistBackendError
     n, r = ctx.world_size, ctx.rank
     odd = seed % n  # the rank that calls something else
     dist.set_debug_level(dist.DebugLevel.DETAIL)

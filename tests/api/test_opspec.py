@@ -1,4 +1,4 @@
-"""The op table (collectives.opspec): each collective described once, and the two ways in
+"""The op table (collectives.api.opspec): each collective described once, and the two ways in
 made from it.
 
 - Every collective the front end exports is made from its OpSpec; the free function and
@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import collectives as dist
-from collectives import collective_ops, opspec
+from collectives.api import collective_ops, opspec
 from collectives.backends.base import Backend
-from collectives.fingerprint import KIND_NAMES
+from collectives.core.fingerprint import KIND_NAMES
 from tests.support.profiles import examples
 from tests.support.ranks import available_configs, backend_pool
 

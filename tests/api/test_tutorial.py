@@ -25,7 +25,7 @@ TORCH_IMPORT = "import torch.distributed as dist"
 OUR_IMPORT = "import collectives as dist"
 
 needs_gloo = pytest.mark.skipif(not collectives.is_gloo_available(),
-                                reason="collectives' gloo backend (collectives/backends/tcp.py) is absent")
+                                reason="collectives' gloo backend (collectives/backends/tcp) is absent")
 
 MAIN = '''
 import os

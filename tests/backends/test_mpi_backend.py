@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collectives import dtypes as D
-from collectives.tensors import Buffer
+from collectives.core import dtypes as D
+from collectives.core.tensors import Buffer
 from tests.support.profiles import examples
 from tests.support.ranks import ROOT, get_pool, mpiexec_path
 
@@ -51,7 +51,7 @@ def have_half_kernels():
 
 
 HAVE_HALF = have_half_kernels()
-NO_HALF = "float16/bfloat16 need reduce_ptr from collectives._core or collectives._fallback"
+NO_HALF = "float16/bfloat16 need reduce_ptr from collectives._core or collectives.core.kernels_numpy"
 # every (dtype, op) pair as its own test, a few hypothesis examples each
 CASE_PARAMS = [pytest.param(dt, op, id=f"{D.DTYPE_NAMES[dt]}-{D.OP_NAMES[op]}",
                             marks=pytest.mark.skipif(dt in HALF and not HAVE_HALF, reason=NO_HALF))
@@ -260,7 +260,7 @@ def r_tag_above_tag_ub(ctx):
 def r_recv_timeout(ctx):
     """An irecv with no matching send times out within its timeout; a later send completes it."""
     be = ctx.state["be"]
-    from collectives.errors import DistBackendError
+    from collectives.core.errors import DistBackendError
     if ctx.rank == 1:
         a = np.zeros(1, np.int64)
         r = be.irecv(buf(a), 0, tag=4242)

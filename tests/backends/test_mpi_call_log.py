@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collectives.backends.mpi_fingerprint import CallLog, FingerprintCheck, PyCallLog
-from collectives.errors import DistBackendError
+from collectives.backends.mpi.fingerprint import CallLog, FingerprintCheck, PyCallLog
+from collectives.core.errors import DistBackendError
 
 LOGS = [PyCallLog] + ([CallLog] if CallLog is not None else [])
 EVERY = FingerprintCheck.CHECK_EVERY

@@ -34,8 +34,8 @@ def test_the_reduction_table_agrees_with_the_checked_lookup():
     """Each call reads (NCCL dtype, count, NCCL op) from a table; the checked lookup
     (``_dtype``) is its definition and names what NCCL lacks: the two agree on every
     dtype and op, and host memory is refused by both (no GPU needed)."""
-    from collectives import dtypes as D
-    from collectives.tensors import _PyBuffer
+    from collectives.core import dtypes as D
+    from collectives.core.tensors import _PyBuffer
     be = object.__new__(nccl.NcclBackend)  # no communicator: these read only the tables
     for dtype in D.DTYPE_NAMES:
         for op in D.OP_NAMES:

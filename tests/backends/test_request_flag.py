@@ -6,7 +6,7 @@ import time
 import pytest
 
 from collectives.backends.base import FutureRequest, _Flag
-from collectives.errors import DistError
+from collectives.core.errors import DistError
 
 
 def test_a_flag_is_clear_until_set_and_then_stays_set():

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collectives import dtypes as D
-from collectives.tensors import to_buffer
+from collectives.core import dtypes as D
+from collectives.core.tensors import to_buffer
 from tests.support import ROOT
 from tests.support.profiles import examples
 from tests.support.ranks import RankError, free_port, get_pool
@@ -245,7 +245,7 @@ def segment_name(ctx):
 def die_in_collective(ctx, victim, op="all_reduce"):
     """The victim SIGKILLs itself; the others, in `op` (then a barrier), must raise
     DistBackendError within the timeout."""
-    from collectives.errors import DistBackendError
+    from collectives.core.errors import DistBackendError
     be = ctx.state["be"]
     if ctx.rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -430,7 +430,7 @@ def hier_all_reduce_pieces(ctx, counts, dtype, op, seed, tag=None):
     bytes runs in pieces), in the pool's group or (``tag``) a new one; returns (result or
     error text, the leaders' collective number, the group's)."""
     from collectives.backends.select import create_default_backend
-    from collectives.errors import DistError
+    from collectives.core.errors import DistError
     from collectives.store import PrefixStore
     be = ctx.state["be"]
     if tag is not None:
@@ -494,7 +494,7 @@ def timed_out_message(ctx, callers, tag):
     """A fresh hierarchical group with a short timeout; the ranks in ``callers`` call
     all_reduce, the others do not. Returns a caller's error message."""
     from collectives.backends.select import create_default_backend
-    from collectives.errors import DistError
+    from collectives.core.errors import DistError
     from collectives.store import PrefixStore
     be = create_default_backend(PrefixStore(tag, ctx.state["store"]), ctx.rank,
                                 ctx.world_size, 1.5)
@@ -574,8 +574,8 @@ def worker(rank, port, q):
     from datetime import timedelta
     from collectives.store import TCPStore
     from collectives.backends.shm import ShmBackend
-    from collectives.tensors import to_buffer
-    from collectives.errors import DistBackendError
+    from collectives.core.tensors import to_buffer
+    from collectives.core.errors import DistBackendError
     from collectives import dtypes as D
     store = TCPStore("127.0.0.1", port, 4, rank == 0, timeout=timedelta(seconds=30))
     be = ShmBackend(store, rank, 4, 20.0)
@@ -690,7 +690,7 @@ def frontend_p2p_and_all_reduce(ctx):
     s.wait()
     q.wait()
     ok = ok and bool(torch.equal(got, torch.arange(1 << 20, dtype=torch.float32) + (r - 1) % n))
-    from collectives.group import default_group
+    from collectives.api.group import default_group
     return ok, type(default_group().backend).__name__
 
 
@@ -739,7 +739,7 @@ def test_p2p_send_timeout_runs_from_the_last_progress_not_from_any_bell():
     import threading
 
     from collectives._shm import ShmComm, unlink
-    from collectives.errors import DistError
+    from collectives.core.errors import DistError
     name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
     tmo = 1.0
     comms = [ShmComm(name, r == 0, r, 3, 4096, 64 * 1024, tmo, "test") for r in range(3)]

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from collectives.errors import DistError
+from collectives.core.errors import DistError
 from collectives.store import HashStore
-from collectives.tensors import to_buffer
+from collectives.core.tensors import to_buffer
 
 pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
 from collectives.backends import shm as shm_backend  # noqa: E402

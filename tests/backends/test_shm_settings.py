@@ -1,6 +1,6 @@
 """The shared-memory engine takes its settings from the configuration registry.
 
-The C engine (collectives/src/shm_*.c) reads no environment variable itself: _shm.pyx
+The C engine (collectives/src/shm/shm_*.c) reads no environment variable itself: _shm.pyx
 reads COLLECTIVES_SHM_SPIN, _YIELD_US, _FAR_NS, _LLC_BYTES, _THP and _CMA_ANY_CORES
 through collectives.config and hands them to shm_comm_set_tuning, so they parse by the
 registry's rules. That the values reach the engine is tested in test_shm.py
@@ -24,7 +24,7 @@ SRC = os.path.join(ROOT, "collectives", "src")
 
 @needs_source_tree
 def test_the_engine_reads_no_environment_variable():
-    files = glob.glob(os.path.join(SRC, "shm_*.[ch]"))
+    files = glob.glob(os.path.join(SRC, "shm/shm_*.[ch]"))
     assert files
     calls = [f"{os.path.basename(p)}: {line.strip()}" for p in files
              for line in open(p) if re.search(r"\bgetenv\s*\(", line)]

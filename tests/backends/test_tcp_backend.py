@@ -24,9 +24,9 @@ pytest.importorskip("collectives._tcp", reason="collectives._tcp is not built")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from collectives import dtypes as D  # noqa: E402
-from collectives.errors import DistBackendError  # noqa: E402
-from collectives.tensors import Buffer  # noqa: E402
+from collectives.core import dtypes as D  # noqa: E402
+from collectives.core.errors import DistBackendError  # noqa: E402
+from collectives.core.tensors import Buffer  # noqa: E402
 from tests.support.profiles import examples  # noqa: E402
 from tests.support.ranks import ROOT, get_pool, ipv4_interfaces  # noqa: E402
 
@@ -569,8 +569,8 @@ DYING_RANK = textwrap.dedent("""
     import numpy as np
     from collectives.store import TCPStore
     from collectives.backends.tcp import TcpBackend
-    from collectives.errors import DistBackendError
-    from collectives.tensors import to_buffer
+    from collectives.core.errors import DistBackendError
+    from collectives.core.tensors import to_buffer
     rank, n, port, nbytes = (int(a) for a in sys.argv[1:5])
     store = TCPStore("127.0.0.1", port, n, rank == 0, timedelta(seconds=30))
     b = TcpBackend(store, rank, n, 20.0)

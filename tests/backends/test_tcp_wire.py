@@ -11,7 +11,7 @@ Properties:
   group usable;
 * ranks started with contradicting algorithm settings use rank 0's and get correct results;
 * ranks that call mismatched collectives (the nine cases of issue 28 and more) all raise
-  DistBackendError naming both calls (collectives.fingerprint.mismatch_message), at that
+  DistBackendError naming both calls (collectives.core.fingerprint.mismatch_message), at that
   call, on "gloo-tcp" and on the hierarchical mode's inter-host level; the group then
   says it is unusable; ranks that only send learn of it from the others' abort frames.
 """
@@ -28,8 +28,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from collectives import _tcp  # noqa: E402
-from collectives import dtypes as D  # noqa: E402
-from collectives import fingerprint as F  # noqa: E402
+from collectives.core import dtypes as D  # noqa: E402
+from collectives.core import fingerprint as F  # noqa: E402
 from tests.support.profiles import examples  # noqa: E402
 from tests.support.ranks import available_configs, backend_pool, error_text, get_pool  # noqa: E402
 
@@ -74,7 +74,7 @@ def _pool(n):
 
 
 def _buf(dtype, arr):
-    from collectives.tensors import Buffer
+    from collectives.core.tensors import Buffer
     return Buffer(arr.__array_interface__["data"][0], arr.size, dtype, -1, arr)
 
 
@@ -83,7 +83,7 @@ def test_a_socket_buffer_above_the_kernels_cap_is_left_to_the_kernels_tuning(mon
     the transport sets it only where the kernel allows the size asked for."""
     import socket
 
-    from collectives.backends import mesh
+    from collectives.backends.tcp import mesh
     want = 1 << 20
     cases = (({"wmem_max": 4 << 20, "rmem_max": 4 << 20}, (True, True)),
              ({"wmem_max": 212992, "rmem_max": 4 << 20}, (False, True)),
@@ -113,7 +113,7 @@ def test_a_socket_buffer_above_the_kernels_cap_is_left_to_the_kernels_tuning(mon
 
 def connect_with_version(ctx, name, versions):
     from collectives.backends.tcp import connect_mesh
-    from collectives.errors import DistNetworkError
+    from collectives.core.errors import DistNetworkError
     from collectives.store import PrefixStore
     try:
         fds, _ = connect_mesh(PrefixStore(name, ctx.state["store"]), ctx.rank, ctx.world_size, 15.0,
@@ -196,7 +196,7 @@ def dissemination_abort(ctx, name):
     broadcasts a different count. The root hears directly only from ranks 2 and 3, which
     match it: it learns of the mismatch from the abort frames of the ranks that saw it."""
     from collectives.backends.tcp import TcpBackend
-    from collectives.errors import DistBackendError
+    from collectives.core.errors import DistBackendError
     from collectives.store import PrefixStore
     b = TcpBackend(PrefixStore(name, ctx.state["store"]), ctx.rank, ctx.world_size,
                    float(GROUP_TIMEOUT_S), {"fp_direct_world": 1})
@@ -230,7 +230,7 @@ def test_the_abort_frame_reaches_a_root_that_only_sends():
 
 def p2p_mismatch(ctx, name):
     from collectives.backends.tcp import TcpBackend
-    from collectives.errors import DistBackendError
+    from collectives.core.errors import DistBackendError
     from collectives.store import PrefixStore
     b = TcpBackend(PrefixStore(name, ctx.state["store"]), ctx.rank, ctx.world_size, 30.0)
     out = []
@@ -329,7 +329,7 @@ def mismatch_case(ctx, specs):
     """Run on every rank: a fresh group, one matched all_reduce, then specs[rank]; returns
     (error of that call, error of a barrier after it)."""
     import collectives as dist
-    from collectives.errors import DistBackendError
+    from collectives.core.errors import DistBackendError
     n, me = ctx.world_size, ctx.rank
     grp = dist.new_group(list(range(n)), timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     try:
@@ -427,7 +427,7 @@ def a2a_split_case(ctx, odd):
     """Run on every rank: all_to_all_single of 3 float32 to every rank, except that rank odd
     sends 4 to rank 0; returns (error of that call, error of a barrier after it)."""
     import collectives as dist
-    from collectives.errors import DistBackendError
+    from collectives.core.errors import DistBackendError
     n, me = ctx.world_size, ctx.rank
     grp = dist.new_group(list(range(n)), timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     try:

@@ -1,4 +1,4 @@
-"""Each group's dispatcher (collectives/dispatch.py, collectives/_dispatch.pxi): every
+"""Each group's dispatcher (collectives/api/dispatch.py, collectives/_dispatch.pxi): every
 collective, reduce included, takes one cheap path when nothing records a timeout, profiles
 or waits in the queue, and every other call takes the one general path; the C dispatcher
 and its pure-Python twin record the same thing."""
@@ -7,12 +7,12 @@ import threading
 import numpy as np
 import pytest
 
-from collectives import dispatch
+from collectives.api import dispatch
 from collectives import flight_recorder as fr
 from collectives.backends.base import Backend
-from collectives.errors import DistBackendError
+from collectives.core.errors import DistBackendError
 from collectives.store import HashStore
-from collectives.work import per_call_timeout
+from collectives.core.work import per_call_timeout
 
 from tests.support.requires import needs_gloo
 

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.support.profiles import examples
 
-from collectives import _fallback as fb
+from collectives.core import kernels_numpy as fb
 
 core = pytest.importorskip("collectives._core", reason="build it: COLLECTIVES_ONLY=_core setup.py build_ext")
 torch = pytest.importorskip("torch")

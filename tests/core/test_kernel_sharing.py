@@ -99,15 +99,15 @@ def _inputs(seed, rank, dtype, count):
 
 def all_reduce_on_each_isa(ctx, seed, transports):
     """On every rank: for each instruction set this CPU has, all_reduce every dtype/op/count
-    and compare with NumPy (collectives._fallback) bit for bit. Returns (isas, mismatches)."""
+    and compare with NumPy (collectives.core.kernels_numpy) bit for bit. Returns (isas, mismatches)."""
     import importlib
 
     import numpy as np
 
     import collectives as dist
     from collectives import _core
-    from collectives import _fallback as fb
-    from collectives import dtypes as D
+    from collectives.core import kernels_numpy as fb
+    from collectives.core import dtypes as D
 
     torch = None
     if importlib.util.find_spec("torch") is not None:

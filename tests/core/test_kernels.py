@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from tests.support import ROOT
 from tests.support.profiles import examples
 
-from collectives import _fallback as fb
-from collectives import dtypes as D
-from collectives.tensors import Buffer, to_buffer
+from collectives.core import kernels_numpy as fb
+from collectives.core import dtypes as D
+from collectives.core.tensors import Buffer, to_buffer
 
 core = pytest.importorskip("collectives._core", reason="build it: COLLECTIVES_ONLY=_core setup.py build_ext")
 torch = pytest.importorskip("torch")
@@ -445,7 +445,7 @@ def test_op_accepts_int_like_objects(impl):
     impl.reduce_into(a, np.array([1, 1], np.int32), np.int64(D.MIN))
     assert a.tolist() == [1, 1]
     try:
-        from collectives.reduce_op import RedOpType
+        from collectives.core.reduce_op import RedOpType
     except ImportError:
         return
     impl.reduce_into(a, np.array([2, 2], np.int32), RedOpType.PRODUCT)
@@ -603,7 +603,7 @@ def test_import_and_reduce_without_torch():
 
 
 def test_python_dtype_and_op_codes_equal_the_c_headers():
-    """collectives/dtypes.py repeats reduce_kernels.h's codes for the pure-Python path."""
+    """collectives/core/dtypes.py repeats reduce_kernels.h's codes for the pure-Python path."""
     assert core.C_CODES["NUM_DTYPES"] == len(D.DTYPE_NAMES) == len(D.ITEMSIZE)
     for name, code in core.C_CODES.items():
         if name != "NUM_DTYPES":

@@ -1,8 +1,8 @@
 """Buffer conversion: zero-copy views of the caller's memory, clear errors for what cannot be one."""
 import numpy as np
 import pytest
-from collectives import dtypes as D
-from collectives.tensors import to_buffer, view_numpy
+from collectives.core import dtypes as D
+from collectives.core.tensors import to_buffer, view_numpy
 
 try:
     import torch
@@ -64,8 +64,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tests.support.profiles import examples  # noqa: E402
 
-from collectives import _frontend, tensors  # noqa: E402
-from collectives.tensors import Buffer, _PyBuffer  # noqa: E402
+from collectives.core import plans as _frontend, tensors  # noqa: E402
+from collectives.core.tensors import Buffer, _PyBuffer  # noqa: E402
 
 try:
     from collectives import _buffer
@@ -218,7 +218,7 @@ def test_fast_buffers_agrees_with_the_python_list_path(tensors, kw):
 def test_numpy_and_torch_dtypes_follow_the_one_list_of_codes():
     """tensors' two dtype tables come from dtypes.DTYPE_NAMES: every code but bfloat16 has
     the NumPy dtype of its name, every code the torch dtype, each of the code's item size."""
-    from collectives.tensors import _NP_CODES, _torch_table
+    from collectives.core.tensors import _NP_CODES, _torch_table
     assert sorted(_NP_CODES.values()) == sorted(set(D.DTYPE_NAMES) - {D.BFLOAT16})
     for dt, code in _NP_CODES.items():
         assert (dt.name, dt.itemsize) == (D.DTYPE_NAMES[code], D.ITEMSIZE[code])

@@ -36,7 +36,7 @@ def test_the_ring_keeps_the_last_calls_as_issued(ring):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from collectives.tensors import empty_like_buffer
+    from collectives.core.tensors import empty_like_buffer
 
     call = st.tuples(st.sampled_from(["all_reduce", "broadcast", "barrier"]),
                      st.integers(0, 2**40), st.integers(-1, 11), st.integers(-1, 4095),
@@ -72,7 +72,7 @@ def test_the_ring_keeps_the_last_calls_as_issued(ring):
 
 @pytest.mark.parametrize("ring", _rings())
 def test_a_stack_function_is_called_once_per_call_and_its_result_kept(ring):
-    from collectives.tensors import empty_like_buffer
+    from collectives.core.tensors import empty_like_buffer
     calls = []
     r = ring(2, stack=lambda: calls.append(1) or len(calls))
     r.issue_buffer("broadcast", empty_like_buffer(3, 2), 1)

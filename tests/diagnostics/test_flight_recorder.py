@@ -153,7 +153,7 @@ def run_scenario(config, mode, tmp_path, victim=1):
 
 
 def trace(where, *args):
-    p = subprocess.run([sys.executable, "-m", "collectives.trace", where, *args], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "collectives.diagnostics.trace", where, *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stderr
@@ -429,7 +429,8 @@ def test_a_dump_that_cannot_be_written_warns_and_returns_none(world1, tmp_path):
 
 
 def test_trace_says_so_when_there_are_no_dumps(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "collectives.trace", str(tmp_path / "none-")], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "collectives.diagnostics.trace",
+                        str(tmp_path / "none-")], cwd=ROOT,
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 2 and "no flight-recorder dumps found" in p.stderr
 
@@ -463,7 +464,7 @@ def test_the_verdict_names_the_first_collective_not_every_rank_completed():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from collectives import trace
+    from collectives.diagnostics import trace
 
     @settings(max_examples=examples(60), deadline=None)
     @given(st.data())

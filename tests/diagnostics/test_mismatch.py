@@ -2,7 +2,7 @@
 
 Property: when the ranks of a group call collectives that differ in kind, dtype,
 element count, root or reduce op, every rank raises DistBackendError whose message names
-both calls (collectives.fingerprint.mismatch_message), no rank returns silently, and the
+both calls (collectives.core.fingerprint.mismatch_message), no rank returns silently, and the
 group then says it is unusable on its next call. Where the path allows it (the shared-memory
 path), a rank's buffer is left as it was unless it legitimately received the root's data.
 Calls with equal fingerprints still work, shapes with equal element counts included.
@@ -80,7 +80,7 @@ READS_ROOT = ("broadcast", "scatter")  # a rank whose output is the root's data
 SAME_TEXT = ("gloo", "mpi")
 MPI_CHECK_EVERY = 64  # the mpi backend compares its calls' fingerprints every 64th call
 # configurations whose same-host broadcast of one block returns on its root without waiting
-# for the readers (src/shm_sync.h): that root learns of a mismatch at its next call
+# for the readers (src/shm/shm_sync.h): that root learns of a mismatch at its next call
 ROOT_RUNS_AHEAD = {"gloo", "gloo-hier"}
 
 
@@ -88,8 +88,8 @@ ROOT_RUNS_AHEAD = {"gloo", "gloo-hier"}
 
 def _fingerprint(spec, n):
     """(kind code, dtype code, count, root, op) of a spec, as the backends see the call."""
-    import collectives.dtypes as D
-    import collectives.fingerprint as F
+    import collectives.core.dtypes as D
+    import collectives.core.fingerprint as F
     kind = spec["kind"]
     code = {"barrier": F.BARRIER, "broadcast": F.BROADCAST, "all_reduce": F.ALL_REDUCE,
             "reduce": F.REDUCE, "all_gather": F.ALL_GATHER, "gather": F.GATHER,
@@ -170,7 +170,7 @@ def guarded_case(ctx, specs, warmup=True, drain=0):
     import numpy as np
 
     import collectives as dist
-    from collectives.errors import DistBackendError
+    from collectives.core.errors import DistBackendError
     n, me = ctx.world_size, ctx.rank
     grp = dist.new_group(list(range(n)), timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     try:
@@ -222,7 +222,7 @@ def legal_case(ctx, spec, shapes):
 # ---- checks ------------------------------------------------------------------------------
 
 def _describe(spec, n):
-    import collectives.fingerprint as F
+    import collectives.core.fingerprint as F
     return F.describe(*_fingerprint(spec, n))
 
 
@@ -401,7 +401,7 @@ def p2p_case(ctx, send, recv):
     import numpy as np
 
     import collectives as dist
-    from collectives.errors import DistBackendError
+    from collectives.core.errors import DistBackendError
     n, me = ctx.world_size, ctx.rank
     grp = dist.new_group(list(range(n)), timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     try:
@@ -463,5 +463,5 @@ def test_p2p_receive_takes_a_shorter_message_into_its_start(config):
 def test_the_shm_engine_packs_words_as_fingerprint_pack(kind, dtype, count, root, op):
     """The words _shm computes from a call's arguments are fingerprint.pack's."""
     _shm = pytest.importorskip("collectives._shm")
-    import collectives.fingerprint as F
+    import collectives.core.fingerprint as F
     assert _shm.pack(kind, dtype, count, root, op) == F.pack(kind, dtype, count, root, op)

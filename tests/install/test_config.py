@@ -173,10 +173,10 @@ def test_reads_the_process_environment(monkeypatch):
 
 PROBE = """
 import importlib.util, collectives
-from collectives import tensors
+from collectives.core import tensors
 from collectives.backends.shm import shm_available
 out = []
-for ext in ("_core", "_buffer", "_tcp", "_shm"):
+for ext in ("_core", "_buffer", "_tcp", "_shm", "_mpilog", "_ncclcall"):
     try:
         __import__("collectives." + ext)
         out.append(ext + ":loaded")
@@ -195,4 +195,5 @@ def test_no_extensions_switch_hides_the_compiled_modules():
                        cwd=ROOT, timeout=100)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["_core:hidden", "_buffer:hidden", "_tcp:hidden", "_shm:hidden",
+                                "_mpilog:hidden", "_ncclcall:hidden",
                                 "buffer:_PyBuffer", "shm:False"]

@@ -9,14 +9,14 @@ import pytest
 
 import collectives
 from collectives import config
-from collectives.envreport import collect, format_text
+from collectives.diagnostics.envreport import collect, format_text
 from tests.support.ranks import ROOT
 from tests.support.requires import HAVE_TORCH, needs_torch
 
 # run in a child as a program would be; "torch" set to None in sys.modules makes its import
 # fail, as where it is not installed
 NO_TORCH = "import sys; sys.modules['torch'] = None; "
-REPORT = "from collectives.envreport import main; sys.exit(main(sys.argv[1:]))"
+REPORT = "from collectives.diagnostics.envreport import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _env(**extra):

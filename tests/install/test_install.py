@@ -48,8 +48,8 @@ def test_the_version_is_the_package_metadatas():
 def test_the_console_scripts_are_declared():
     scripts = {e.name: e.value for e in DIST.entry_points if e.group == "console_scripts"}
     assert scripts == {"collectives-run": "collectives.run:main",
-                       "collectives-trace": "collectives.trace:main",
-                       "collectives-info": "collectives.envreport:main"}
+                       "collectives-trace": "collectives.diagnostics.trace:main",
+                       "collectives-info": "collectives.diagnostics.envreport:main"}
 
 
 def _files():

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from collectives.errors import DistNetworkError, DistStoreError
+from collectives.core.errors import DistNetworkError, DistStoreError
 from collectives.rendezvous import env_local_rank, env_rank_world, meet
 from collectives.store import FileStore, HashStore, TCPStore
 from tests.support.ranks import free_port, get_pool, mpiexec_path

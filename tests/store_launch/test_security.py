@@ -19,11 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collectives import auth, config, safe_pickle
-from collectives.auth import AuthError
-from collectives.backends import mesh, mesh_accept
+from collectives.security import auth, safe_pickle
+from collectives import config
+from collectives.security.auth import AuthError
+from collectives.backends.tcp import mesh, mesh_accept
 from collectives.backends.tcp import connect_mesh
-from collectives.errors import DistNetworkError
+from collectives.core.errors import DistNetworkError
 from collectives.store import (
     MAX_FRAME, OP_GET, OP_SET, PROTOCOL_VERSION, HashStore, PrefixStore, TCPStore, encode_request,
 )

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from collectives.errors import DistNetworkError, DistStoreError
+from collectives.core.errors import DistNetworkError, DistStoreError
 from collectives.store import (
     OP_GET, OP_SET, PROTOCOL_VERSION, FileStore, HashStore, PrefixStore, QueueEmptyError, Store,
     TCPStore, encode_request,

@@ -366,7 +366,7 @@ def config_available(name):
             return False, "mpi4py is not installed (pip install 'collectives[mpi]')"
         if mpiexec_path() is None:
             return False, "no mpiexec on PATH"
-        return _has("collectives/backends/mpi.py"), "collectives/backends/mpi.py missing"
+        return _has("collectives/backends/mpi/__init__.py"), "collectives/backends/mpi/__init__.py missing"
     if name == "nccl":
         from collectives.backends import nccl
         return nccl.is_available(), "needs torch with CUDA, a GPU and libnccl (none here)"

@@ -259,7 +259,7 @@ def breakpoint_case(ctx, rank, skip, calls, seconds):
     import time
 
     import collectives as dist
-    from collectives import _breakpoint
+    from collectives.api import breakpoint as _breakpoint
     errors = []
     for kw in ({"rank": 3}, {"skip": -1}, {"timeout_s": 0}, {"rank": True}):
         try:

@@ -231,7 +231,7 @@ def _all_ranks_group(bridged):
     Whether a world's groups bridge is decided once (at init, or by torch_pg.install_default);
     this test sets that decision around the one new_group call, to try both classes."""
     import collectives as dist
-    from collectives._world import world
+    from collectives.core.world import world
     if bridged:
         import torch  # noqa: F401  (a BridgedGroup is torch's ProcessGroup too)
     was = world.bridge
@@ -476,7 +476,7 @@ def _group(ctx, kind):
     import torch  # noqa: F401  (imported before the group is made, as torch programs do)
 
     import collectives as dist
-    from collectives._world import world
+    from collectives.core.world import world
     key = f"table-{kind}"
     if key not in ctx.state:
         was = world.bridge
@@ -486,7 +486,7 @@ def _group(ctx, kind):
         finally:
             world.bridge = was
         if kind == "wrapped" and ctx.rank in TABLE_MEMBERS:
-            from collectives.torch_pg import to_torch
+            from collectives.torch_bridge.torch_pg import to_torch
             g = to_torch(g)
         ctx.state[key] = g
     return ctx.state[key]

@@ -37,7 +37,7 @@ def profiled_case(ctx):
     from torch.profiler import profile
 
     import collectives as dist
-    import collectives.torch_pg as tp
+    import collectives.torch_bridge.torch_pg as tp
     if not td.is_initialized():
         tp.install_default(dist.group.WORLD)
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -146,7 +146,7 @@ def test_the_profiler_sees_each_collective_as_one_span(config, world):
 
 def test_record_comm_wants_a_str_and_restores_the_outer_name():
     import collectives as dist
-    from collectives import profiling
+    from collectives.core import profiling
 
     class G:
         backend_name = "gloo"

@@ -1,4 +1,4 @@
-"""collectives.torch_pg: torch.distributed's own process group, run by collectives.
+"""collectives.torch_bridge.torch_pg: torch.distributed's own process group, run by collectives.
 
 Properties:
 
@@ -55,7 +55,7 @@ def _bridged():
     import torch.distributed as td
 
     import collectives as dist
-    import collectives.torch_pg as tp
+    import collectives.torch_bridge.torch_pg as tp
     if not td.is_initialized():
         assert tp.install_default(dist.group.WORLD)
     assert td.get_backend() == "collectives"
@@ -320,7 +320,7 @@ def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor):
 def test_futures_completer_settles_a_call_its_callback_waits_for_then_lets_threads_go(depth, idle):
     """Without ranks: each call's settling (a future's callbacks) waits for the next call,
     which it puts, ``depth`` deep; all settle, and the completer's threads end once idle."""
-    from collectives.torch_pg import _Completer
+    from collectives.torch_bridge.torch_pg import _Completer
 
     def ours():
         return sum(t.name == "collectives-torch-futures" for t in threading.enumerate())
@@ -687,7 +687,7 @@ def life_case(ctx, port, how):
             time.sleep(8)  # alive, just never calling
         dist.destroy_process_group()
     else:  # a program written for torch.distributed, given the "collectives" backend
-        import collectives.torch_pg  # noqa: F401  (registers it)
+        import collectives.torch_bridge.torch_pg  # noqa: F401  (registers it)
         td.init_process_group("collectives", init_method=url, rank=ctx.rank,
                               world_size=ctx.world_size)
         seen["ours_after_init"] = (dist.is_initialized(), dist.get_rank(), dist.get_world_size())

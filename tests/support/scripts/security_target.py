@@ -19,8 +19,8 @@ import time
 import numpy as np
 
 import collectives as dist
-from collectives import auth
-from collectives.backends import mesh
+from collectives.security import auth
+from collectives.backends.tcp import mesh
 
 mode, init, directory = sys.argv[1], sys.argv[2], sys.argv[3]
 rank = int(os.environ["RANK"])

@@ -10,7 +10,7 @@ expecttest``) besides torch.
 ``--as gloo`` (the default) sets torch's ``BACKEND=gloo``, so that the tests torch runs
 on its gloo run here too, and turns ``torch.distributed.init_process_group("gloo")`` into
 ``init_process_group("collectives")`` (collectives' backend of torch.distributed, see
-collectives/torch_pg.py): what a torch program gets from collectives. Tests of what only
+collectives/torch_bridge/torch_pg.py): what a torch program gets from collectives. Tests of what only
 torch's own gloo has (sparse tensors, CUDA tensors without a GPU, its C++ built-in comm
 hooks, debug wrappers) fail or skip. ``--as collectives`` runs with ``BACKEND=collectives``:
 torch then skips most of its tests (it gates them on the backend's name). Arguments
@@ -53,7 +53,7 @@ import torch.distributed as td  # noqa: E402
 from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
 from torch.testing._internal.common_utils import run_tests  # noqa: E402
 
-import collectives.torch_pg  # noqa: E402,F401  (registers "collectives" with torch)
+import collectives.torch_bridge.torch_pg  # noqa: E402,F401  (registers "collectives" with torch)
 
 if os.environ["BACKEND"] == "gloo":
     _init = td.init_process_group

@@ -1,0 +1,122 @@
+"""Each group's dispatcher: the one path from a collective's plan to its backend.
+
+A front-end function checks its arguments and plans the call (the buffers, the backend
+method, the steps around it); then ``pg.dispatch.call(kind, count, dtype, root, op, fn,
+args, async_op, outputs, timeout)`` runs ``fn(*args)`` as collective ``kind`` of group
+``pg``. This is the only place where a call is recorded by the flight recorder, timed by
+the profiler, bounded by its own timeout, queued behind the group's async work or
+submitted to it:
+
+- the cheap path (blocking, nothing queued, a backend whose ``run`` is the base one, no
+  profiler, no per-call timeout) is :class:`collectives._core.Dispatcher`, in C: record,
+  run in the calling thread, complete (``_PyDispatcher`` without the extensions);
+- :func:`general` everything else, with the recorder's and the profiler's hooks around the
+  one callable.
+
+Whether a group can take the cheap path at all (``inline``) is fixed when the group is
+made (:func:`for_group`); the profiler's and the per-call timeouts' switches are one test
+each per call, as torch's own "fast python check" of its profiler flag.
+"""
+from .. import flight_recorder as _flight
+from ..core import profiling as _profiling
+from ..backends.base import Backend
+from ..core.errors import DistError
+from ..core.work import Counter, Work, call_timeout, timed
+
+try:
+    from .._core import Counter as _CCounter, Dispatcher as _Dispatcher, ProfilerTap
+except ImportError:  # extensions not built (or hidden)
+    _CCounter = _Dispatcher = None
+    _tap = None
+else:
+    _tap = ProfilerTap(_profiling._Off)  # the C dispatchers' view of the flag
+    _profiling.bind(_tap)
+_state = {}  # "_prof": torch's profiler module once torch is imported (profiling.bind)
+_profiling.bind(_state)
+
+
+class _WithTimeout:
+    """``fn(*args)`` with the backend's timeout set to ``secs`` while it runs (and back after):
+    a call's own timeout, as torch's ``barrier(timeout=...)`` and options' ``timeout``. It
+    runs in issue order with the group's other calls, so none of them sees ``secs``;
+    point-to-point waits that begin meanwhile do."""
+
+    __slots__ = ("be", "secs", "fn", "__name__")
+
+    def __init__(self, be, secs, fn):
+        self.be, self.secs, self.fn = be, secs, fn
+        self.__name__ = getattr(fn, "__name__", "operation")
+
+    def __call__(self, *args):
+        be = self.be
+        old = be.timeout
+        be.set_timeout(self.secs)
+        try:
+            return self.fn(*args)
+        finally:
+            try:
+                be.set_timeout(old)
+            except DistError:  # shut down meanwhile: no later call to bound
+                pass
+
+
+def _issue(fr, kind, buf, root, op):
+    """Record collective ``kind`` in ``fr`` (``buf``: its count and dtype; None: none)."""
+    if buf is None:
+        return fr.issue(kind, 0, -1, root, op)
+    return fr.issue_buffer(kind, buf, root, op)
+
+
+def general(pg, kind, buf, root, op, fn, args, async_op, outputs, timeout):
+    """``fn(*args)`` as collective ``kind`` of ``pg`` by the general path: under the call's
+    own timeout (``timeout`` seconds, or the calling thread's per-call one), in the
+    profiler's span while it runs, queued behind the group's work or submitted to it for
+    ``async_op`` (then a Work over ``outputs``)."""
+    if timeout is None and timed.n:  # some thread issues calls with their own timeout
+        timeout = call_timeout()
+    if timeout is not None:
+        fn = _WithTimeout(pg.backend, timeout, fn)
+    s = _issue(pg.fr, kind, buf, root, op)
+    if _state["_prof"]._is_profiler_enabled:
+        if not async_op:
+            return _profiling.run(pg, kind, _flight.Tracked(pg.fr, s, fn), args)
+        fn, args = _profiling.Recorded(pg, kind, fn, args), ()
+    if async_op:
+        return Work(_flight.submit(pg, s, fn, *args), list(outputs), pg)
+    _flight.run(pg, s, fn, *args)
+    return None
+
+
+class _PyDispatcher:
+    """``collectives._core.Dispatcher`` in Python (the package without its extensions)."""
+
+    __slots__ = ("pg", "fr", "backend", "inline", "_pending")
+
+    def __init__(self, pg, fr, backend, inline, pending):
+        self.pg, self.fr, self.backend, self.inline, self._pending = pg, fr, backend, inline, pending
+
+    def call(self, kind, buf, root, op, fn, args, async_op=False, outputs=(), timeout=None):
+        if (async_op or timeout is not None or not self.inline or self._pending.n or timed.n
+                or _state["_prof"]._is_profiler_enabled):
+            return general(self.pg, kind, buf, root, op, fn, args, async_op, outputs, timeout)
+        fr = self.fr
+        _flight.Tracked(fr, _issue(fr, kind, buf, root, op), fn)(*args)
+        return None
+
+
+def for_group(pg):
+    """The dispatcher of a new group ``pg`` (its recorder ``pg.fr`` made already). The
+    cheap path is open to it when its backend runs blocking calls with the base
+    ``Backend.run`` (in the caller's thread while nothing is queued)."""
+    be = pg.backend
+    pending = getattr(be, "pending", None)
+    inline = getattr(type(be), "run", None) is Backend.run and pending is not None
+    if pending is None:
+        pending = Counter()  # never counts: such a backend runs every call through pg.run
+    if _Dispatcher is not None and isinstance(pg.fr, _flight.CallRing) \
+            and _flight.CallRing is not _flight._PyCallRing and isinstance(pending, _CCounter):
+        return _Dispatcher(pg, pg.fr, be, inline, pending, general, timed, _tap, DistError)
+    return _PyDispatcher(pg, pg.fr, be, inline, pending)
+
+
+__all__ = ["for_group", "general"]

@@ -1,0 +1,190 @@
+"""The old ``*_multigpu`` calls: a list of tensors per rank (one per device in torch).
+
+On CPU backends the list is reduced locally first, then across ranks, then copied
+back to every entry; a one-element list behaves like the plain call.
+"""
+import numpy as np
+
+from ..core import dtypes as D
+from ..core.plans import buffer, buffers, reduce_plan, scale, settle
+from ..core.world import current as _group
+from .collective_ops import all_gather, all_reduce, broadcast, reduce, reduce_scatter
+from ..core.reduce_op import ReduceOp, op_code
+from ..core.work import Work
+
+_NP_OPS = {D.SUM: np.add, D.PRODUCT: np.multiply, D.MIN: np.minimum, D.MAX: np.maximum,
+           D.BAND: np.bitwise_and, D.BOR: np.bitwise_or, D.BXOR: np.bitwise_xor}
+_BOOL_OPS = {D.SUM: np.logical_or, D.PRODUCT: np.logical_and, D.MIN: np.logical_and,
+             D.MAX: np.logical_or, D.BAND: np.logical_and, D.BOR: np.logical_or,
+             D.BXOR: np.logical_xor}
+
+
+def _local_reduce(dst, src, code):
+    """``dst = op(dst, src)`` elementwise, on the tensors themselves (torch or NumPy)."""
+    if hasattr(dst, "numpy") and not isinstance(dst, np.ndarray):  # torch: keeps bf16/fp16 rounding
+        import torch
+        fn = {D.SUM: torch.add, D.PRODUCT: torch.mul, D.MIN: torch.minimum, D.MAX: torch.maximum,
+              D.BAND: torch.bitwise_and, D.BOR: torch.bitwise_or, D.BXOR: torch.bitwise_xor}[code]
+        if dst.dtype == torch.bool and code in (D.SUM, D.PRODUCT):
+            fn = torch.logical_or if code == D.SUM else torch.logical_and
+        dst.copy_(fn(dst, src))
+    else:
+        table = _BOOL_OPS if dst.dtype == np.bool_ else _NP_OPS
+        table[code](dst, src, out=dst)
+
+
+def _copy(dst, src):
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        dst.copy_(src)
+
+
+def all_reduce_multigpu(tensor_list, op=ReduceOp.SUM, group=None, async_op=False):
+    """all_reduce across ranks and across the entries of ``tensor_list``; every entry gets the result."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    settle(pg)  # local reads and writes below follow queued async work
+    bufs = buffers(tensor_list, "tensor_list")
+    if not bufs:
+        raise ValueError("tensor_list must hold at least one tensor")
+    for i, b in enumerate(bufs[1:], 1):
+        if b.count != bufs[0].count:
+            raise ValueError(f"tensor_list[{i}] has {b.count} elements; expected {bufs[0].count}")
+    reduce_plan(op, bufs[0].dtype)  # validates op for the dtype
+    kind = op_code(op)
+    first = tensor_list[0]
+    for t in tensor_list[1:]:
+        _local_reduce(first, t, D.SUM if kind in (D.AVG, D.PREMUL_SUM) else kind)
+    if kind == D.AVG and len(tensor_list) > 1:  # the mean over every entry of every rank
+        all_reduce(first, ReduceOp.SUM, group)
+        scale(buffer(first), 1.0 / (len(tensor_list) * _group(group)._size))
+    else:
+        all_reduce(first, op, group)
+    for t in tensor_list[1:]:
+        _copy(t, first)
+    return _sync_work(async_op, tensor_list)
+
+
+def _sync_work(async_op, outputs):
+    """The multigpu calls finish before returning; async_op gets an already-done Work."""
+    if not async_op:
+        return None
+    from ..backends.base import DoneRequest
+    return Work(DoneRequest(), list(outputs))
+
+
+def broadcast_multigpu(tensor_list, src, group=None, async_op=False, src_tensor=0):
+    """Broadcast ``tensor_list[src_tensor]`` of rank ``src`` into every entry on every rank."""
+    if _group(group) is None:
+        return None
+    buffers(tensor_list, "tensor_list")
+    if not isinstance(src_tensor, int) or not 0 <= src_tensor < len(tensor_list):
+        raise ValueError(f"src_tensor must index tensor_list (0..{len(tensor_list) - 1}), got {src_tensor!r}")
+    main = tensor_list[src_tensor]
+    broadcast(main, src, group)
+    for t in tensor_list:
+        if t is not main:
+            _copy(t, main)
+    return _sync_work(async_op, tensor_list)
+
+
+def reduce_multigpu(tensor_list, dst, op=ReduceOp.SUM, group=None, async_op=False, dst_tensor=0):
+    """Reduce across ranks and entries into ``tensor_list[dst_tensor]`` of rank ``dst``."""
+    pg = _group(group)
+    if pg is None:
+        return None
+    settle(pg)  # local reads and writes below follow queued async work
+    bufs = buffers(tensor_list, "tensor_list")
+    if not isinstance(dst_tensor, int) or not 0 <= dst_tensor < len(tensor_list):
+        raise ValueError(f"dst_tensor must index tensor_list (0..{len(tensor_list) - 1}), got {dst_tensor!r}")
+    code, _, _ = reduce_plan(op, bufs[0].dtype)
+    if op_code(op) in (D.AVG, D.PREMUL_SUM):
+        raise ValueError(f"reduce_multigpu supports SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR; got {op!r}")
+    acc = tensor_list[dst_tensor]
+    if pg.ranks[pg._rank] != dst:  # non-destination entries must not change: reduce a copy
+        acc = acc.clone() if hasattr(acc, "clone") else acc.copy()
+    for i, t in enumerate(tensor_list):
+        if i != dst_tensor:
+            _local_reduce(acc, t, code)
+    reduce(acc, dst, op, group)
+    return _sync_work(async_op, tensor_list)
+
+
+def _per_rank_lists(group, tensors, name, lists, lists_name):
+    """(the group, the Buffers of ``tensors``: k of them, after the group's queued work),
+    once ``lists`` is checked to hold k lists of size * k tensors like them
+    (all_gather_multigpu's outputs, reduce_scatter_multigpu's inputs); (None, None) on a
+    rank outside ``group``."""
+    pg = _group(group)
+    if pg is None:
+        return None, None
+    settle(pg)  # local reads and writes below follow queued async work
+    bufs = buffers(tensors, name)
+    k = len(bufs)
+    if k == 0 or not isinstance(lists, list) or len(lists) != k:
+        raise ValueError(f"{lists_name} must hold one list per entry of {name}")
+    for i, lst in enumerate(lists):
+        buffers(lst, f"{lists_name}[{i}]", bufs[0].dtype, bufs[0].count, pg._size * k)
+    return pg, bufs
+
+
+def all_gather_multigpu(output_tensor_lists, input_tensor_list, group=None, async_op=False):
+    """``output_tensor_lists[i][r * k + j]`` gets rank r's ``input_tensor_list[j]`` (k entries per rank)."""
+    pg, ins = _per_rank_lists(group, input_tensor_list, "input_tensor_list", output_tensor_lists,
+                              "output_tensor_lists")
+    if pg is None:
+        return None
+    k = len(ins)
+    mod = np if isinstance(input_tensor_list[0], np.ndarray) else None
+    if mod is None:
+        import torch
+        stacked = torch.cat([t.reshape(-1) for t in input_tensor_list])
+        gathered = [torch.empty_like(stacked) for _ in range(pg._size)]
+    else:
+        stacked = np.concatenate([t.reshape(-1) for t in input_tensor_list])
+        gathered = [np.empty_like(stacked) for _ in range(pg._size)]
+    all_gather(gathered, stacked, group)
+    n = ins[0].count
+    for lst in output_tensor_lists:
+        for r in range(pg._size):
+            for j in range(k):
+                _copy(lst[r * k + j], gathered[r][j * n:(j + 1) * n].reshape(lst[r * k + j].shape))
+    return _sync_work(async_op, [t for lst in output_tensor_lists for t in lst])
+
+
+def reduce_scatter_multigpu(output_tensor_list, input_tensor_lists, op=ReduceOp.SUM, group=None,
+                            async_op=False):
+    """``output_tensor_list[i]`` on rank r gets the reduction, over every rank and entry, of
+    ``input_tensor_lists[.][r * k + i]`` (k entries per rank)."""
+    pg, outs = _per_rank_lists(group, output_tensor_list, "output_tensor_list",
+                               input_tensor_lists, "input_tensor_lists")
+    if pg is None:
+        return None
+    code, _, _ = reduce_plan(op, outs[0].dtype)
+    if op_code(op) in (D.AVG, D.PREMUL_SUM):
+        raise ValueError("reduce_scatter_multigpu supports SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR; "
+                         f"got {op!r}")
+    n, k = pg._size, len(outs)
+    # combine the k lists locally; then rank r's share is the k consecutive entries r*k..r*k+k-1
+    combined = [t.clone() if hasattr(t, "clone") else t.copy() for t in input_tensor_lists[0]]
+    for lst in input_tensor_lists[1:]:
+        for c, t in zip(combined, lst):
+            _local_reduce(c, t, code)
+    if isinstance(combined[0], np.ndarray):
+        chunks = [np.concatenate([c.reshape(-1) for c in combined[r * k:(r + 1) * k]]) for r in range(n)]
+        mine = np.empty_like(chunks[0])
+    else:
+        import torch
+        chunks = [torch.cat([c.reshape(-1) for c in combined[r * k:(r + 1) * k]]) for r in range(n)]
+        mine = torch.empty_like(chunks[0])
+    reduce_scatter(mine, chunks, op, group)
+    m = outs[0].count
+    for i, t in enumerate(output_tensor_list):
+        _copy(t, mine[i * m:(i + 1) * m].reshape(t.shape))
+    return _sync_work(async_op, output_tensor_list)
+
+
+__all__ = ["all_reduce_multigpu", "broadcast_multigpu", "reduce_multigpu", "all_gather_multigpu",
+           "reduce_scatter_multigpu"]

@@ -1,0 +1,489 @@
+"""The collectives, each described once: one :class:`OpSpec` per collective in ``SPECS``.
+
+An OpSpec holds what the front end knows about a collective:
+
+- ``params``: its torch.distributed signature;
+- ``roles``: its buffers, in the order they are checked, and how each is checked
+  (:class:`Role`: one tensor, or a list of them like another buffer), and its root
+  argument (``root``: the global and the group spelling of it);
+- ``fast``: the condition under which the call is one backend call on the buffers as
+  given (``None``: always; absent: never), and ``plan``: the front end's work otherwise
+  (counts, offsets, the AVG/PREMUL scaling, staging), a function of this module;
+- ``method`` and ``args``: the backend method (``backends/base.py``'s contract) and its
+  arguments;
+- ``record``: what the flight recorder and the fingerprint take (the kind, the buffer
+  whose count and dtype are recorded, the root, the op); ``fingerprint``: the kind code
+  the backend's fingerprint carries for the call (:mod:`collectives.core.fingerprint`).
+
+From each OpSpec two functions are made (:func:`build`, as :mod:`dataclasses` makes
+``__init__``: source text compiled once at import): the free function
+(``collectives.all_reduce``: resolve the group, then the body) and ``spec.run(pg, ...)``
+(the body on a group already resolved), which the ProcessGroup methods call. The body is
+the same text in both, compiled in place rather than called, so the free function's
+common call (``dist.all_reduce(t)``) has one Python frame and goes straight to the
+group's dispatcher (``pg.dispatch.call``: :mod:`collectives.api.dispatch`), as it did when
+each function was written by hand.
+
+Lists of tensors reach the backend as one Buffer (a staging buffer, or the tensors' own
+memory when they already lie back to back).
+"""
+import linecache
+
+import numpy as np
+
+from ..core import plans as _fe
+from ..core import dtypes as D
+from ..core.fingerprint import KIND_NAMES
+from ..core.plans import (Steps, buffer, buffers, check_devices, check_like, contiguous_span,
+                          copy_into, copy_of, disjoint_gather, needs_own_copy, overlaps,
+                          reduce_plan, scale, separate_blocks, settle, stage, unstage)
+from ..core.world import NOT_INITIALIZED, current, world
+from ..core.reduce_op import ReduceOp
+from ..core.tensors import Buffer
+from ..core.work import timeout_seconds
+
+_SUM = ReduceOp.SUM
+
+
+def _absent(group):
+    """What a call returns on a rank outside ``group`` (None); ValueError before init."""
+    if group is None:
+        raise ValueError(NOT_INITIALIZED)
+    return None
+
+
+def _launch(pg, async_op, outputs, name, steps, buf, root=-1, op=-1, timeout=None):
+    """Run ``steps`` as collective ``name``, recorded with ``buf``'s count and dtype, ``root``
+    and ``op`` (a ReduceOp or code; -1: none)."""
+    if _fe.cuda_seen:  # a CUDA tensor must not reach a host backend, nor host memory nccl
+        for _, args in steps:
+            check_devices(pg, [a for a in args if isinstance(a, Buffer)], name)
+    fn, args = (Steps(name, steps), ()) if len(steps) > 1 else steps[0]
+    return pg.dispatch.call(name, buf, root, int(op), fn, args, async_op, outputs, timeout)
+
+
+# ---- the plans: what the front end computes when the call is more than one backend call ------
+
+def _reduction(pg, op, dtype, inp, out, call, own_input, avg_here=True):
+    """The steps of a reduction with ``op`` (AVG: SUM, then ``out`` scaled by 1/size where
+    ``avg_here``; PREMUL_SUM(f): ``inp`` scaled by f, then SUM; a copy of it unless
+    ``own_input``), ``call(code, inp)`` the backend's step; and the input it reads."""
+    code, pre, avg = reduce_plan(op, dtype)
+    steps = []
+    if pre is not None:
+        if not own_input:  # the caller's input must not change
+            settle(pg)
+            inp = copy_of(inp)
+        steps.append((scale, (inp, pre)))
+    steps.append(call(code, inp))
+    if avg and avg_here:
+        steps.append((scale, (out, 1.0 / pg._size)))
+    return steps, inp
+
+
+def _some_buffers(tensors, name):
+    """Buffers of a non-empty list of tensors of one dtype."""
+    bufs = buffers(tensors, name)
+    if not bufs:
+        raise ValueError(f"{name} must hold at least one tensor")
+    return bufs
+
+
+def _flat_input(pg, bufs):
+    """One Buffer over ``bufs``: their own memory when back to back, else a copy made now
+    (after the group's queued work, which may still write them)."""
+    flat = contiguous_span(bufs)
+    if flat is None:
+        settle(pg)
+        flat = stage(bufs, bufs[0].dtype, copy_in=True)
+    return flat
+
+
+def _flat_apart(pg, bufs, dtype, other):
+    """One Buffer over ``bufs`` (inputs) that does not overlap ``other``: their own memory
+    when back to back and apart from it, else a copy made now."""
+    flat = contiguous_span(bufs)
+    if flat is None or overlaps(flat, other):
+        settle(pg)
+        flat = stage(bufs, dtype, copy_in=True)
+    return flat
+
+
+def _output_span(bufs, dtype, inp):
+    """A Buffer the backend can write all of ``bufs`` into, and whether it must be copied out."""
+    span = contiguous_span(bufs)
+    if span is not None and (inp is None or not overlaps(span, inp)):
+        return span, False
+    return stage(bufs, dtype, copy_in=False), True
+
+
+def _into(steps, out, copy_out, outs):
+    """``steps`` followed by the copy of a staged ``out`` into ``outs`` when ``copy_out``."""
+    if copy_out:
+        steps.append((unstage, (out, outs)))
+    return steps
+
+
+def _all_reduce(pg, buf, tensor, op, async_op):
+    be = pg.backend
+    steps, _ = _reduction(pg, op, buf.dtype, buf, buf, lambda c, b: (be.all_reduce, (b, c)), True)
+    return _launch(pg, async_op, [tensor], "all_reduce", steps, buf, -1, op)
+
+
+def _all_reduce_coalesced(pg, tensors, op, async_op):
+    bufs = _some_buffers(tensors, "tensors")
+    flat = _flat_input(pg, bufs)
+    be = pg.backend
+    steps, _ = _reduction(pg, op, flat.dtype, flat, flat, lambda c, b: (be.all_reduce, (b, c)),
+                          True)
+    if flat.obj is not bufs:
+        steps.append((unstage, (flat, bufs)))
+    return _launch(pg, async_op, list(tensors), "all_reduce_coalesced", steps, flat, -1, op)
+
+
+def _reduce(pg, buf, tensor, root, op, async_op):
+    be = pg.backend
+    mine = pg._rank == root
+    steps, inp = _reduction(pg, op, buf.dtype, buf, buf,
+                            lambda c, b: (be.reduce, (b, c, root)), False, mine)
+    if inp is not buf and mine:  # a scaled copy was reduced: the root's result is in it
+        steps.append((copy_into, (buf, inp)))
+    return _launch(pg, async_op, [tensor], "reduce", steps, buf, root, op)
+
+
+def _all_gather(pg, inp, outs, tensor_list, async_op):
+    if pg.backend.gathers_into_list and separate_blocks(outs, inp, pg._rank):
+        # separate tensors, as torch programs allocate them: the backend fills each one
+        steps = [(pg.backend.all_gather_list, (outs, inp))]
+    else:
+        out, copy_out = _output_span(outs, inp.dtype, inp)
+        steps = _into([(pg.backend.all_gather, (out, inp))], out, copy_out, outs)
+    return _launch(pg, async_op, list(tensor_list), "all_gather", steps, inp)
+
+
+def _all_gather_single(pg, out, inp, output_tensor, async_op):
+    check_like(out, inp, "output_tensor", "input_tensor", inp.count * pg._size)
+    if needs_own_copy(pg, out, inp):
+        settle(pg)
+        inp = copy_of(inp)
+    return _launch(pg, async_op, [output_tensor], "all_gather",
+                   [(pg.backend.all_gather, (out, inp))], inp)
+
+
+def _all_gather_coalesced(pg, output_tensor_lists, input_tensor_list, async_op):
+    ins = _some_buffers(input_tensor_list, "input_tensor_list")
+    if not isinstance(output_tensor_lists, (list, tuple)):
+        raise TypeError(f"output_tensor_lists must be a list of lists of tensors (one list per "
+                        f"rank), got {type(output_tensor_lists).__name__}")
+    if len(output_tensor_lists) != pg._size:
+        raise ValueError(f"output_tensor_lists must hold {pg._size} lists (one per rank of the "
+                         f"group), got {len(output_tensor_lists)}")
+    dtype = ins[0].dtype
+    outs = []
+    for r, tensors in enumerate(output_tensor_lists):
+        name = f"output_tensor_lists[{r}]"
+        for i, (b, a) in enumerate(zip(buffers(tensors, name, dtype, None, len(ins)), ins)):
+            check_like(b, a, f"{name}[{i}]", f"input_tensor_list[{i}]", a.count)
+            outs.append(b)
+    inp = _flat_input(pg, ins)
+    out, copy_out = _output_span(outs, dtype, inp)
+    steps = _into([(pg.backend.all_gather, (out, inp))], out, copy_out, outs)
+    return _launch(pg, async_op, [t for tensors in output_tensor_lists for t in tensors],
+                   "all_gather_coalesced", steps, inp)
+
+
+def _root_list(pg, root, buf, tensors, list_name, where):
+    """The Buffers of gather's and scatter's list ``tensors``: one per rank, like ``buf``, on
+    the root; None elsewhere, where it must be empty."""
+    if pg._rank != root:
+        if tensors:
+            raise ValueError(f"Argument ``{list_name}`` must NOT be specified on non-{where} ranks.")
+        return None
+    if tensors is None:
+        raise ValueError(f"{list_name} must be given on the {where} rank")
+    return buffers(tensors, list_name, buf.dtype, buf.count, pg._size)
+
+
+def _gather(pg, inp, root, gather_list, async_op):
+    outs = _root_list(pg, root, inp, gather_list, "gather_list", "destination")
+    if outs is None:
+        return _launch(pg, async_op, [], "gather", [(pg.backend.gather, (None, inp, root))], inp,
+                       root)
+    out, copy_out = _output_span(outs, inp.dtype, inp)
+    steps = _into([(pg.backend.gather, (out, inp, root))], out, copy_out, outs)
+    return _launch(pg, async_op, list(gather_list), "gather", steps, inp, root)
+
+
+def _scatter(pg, out, root, tensor, scatter_list, async_op):
+    ins = _root_list(pg, root, out, scatter_list, "scatter_list", "source")
+    inp = None if ins is None else _flat_apart(pg, ins, out.dtype, out)
+    return _launch(pg, async_op, [tensor], "scatter", [(pg.backend.scatter, (out, inp, root))],
+                   out, root)
+
+
+def _reduce_scatter_steps(pg, out, inp, op, async_op, outputs, staged):
+    be = pg.backend
+    steps, _ = _reduction(pg, op, out.dtype, inp, out,
+                          lambda c, b: (be.reduce_scatter, (out, b, c)), staged)
+    return _launch(pg, async_op, outputs, "reduce_scatter", steps, out, -1, op)
+
+
+def _reduce_scatter(pg, out, output, input_list, op, async_op):
+    ins = buffers(input_list, "input_list", out.dtype, out.count, pg._size)
+    inp = contiguous_span(ins)
+    staged = inp is None or overlaps(inp, out)
+    if staged:
+        settle(pg)
+        inp = stage(ins, out.dtype, copy_in=True)
+    return _reduce_scatter_steps(pg, out, inp, op, async_op, [output], staged)
+
+
+def _reduce_scatter_single(pg, out, inp, output, op, async_op):
+    check_like(inp, out, "input", "output", out.count * pg._size)
+    staged = needs_own_copy(pg, inp, out)
+    if staged:
+        settle(pg)
+        inp = copy_of(inp)
+    return _reduce_scatter_steps(pg, out, inp, op, async_op, [output], staged)
+
+
+def _all_to_all(pg, output_tensor_list, input_tensor_list, async_op):
+    n = pg._size
+    ins = buffers(input_tensor_list, "input_tensor_list", length=n)
+    outs = buffers(output_tensor_list, "output_tensor_list", ins[0].dtype if ins else None, length=n)
+    in_counts = [b.count for b in ins]
+    out_counts = [b.count for b in outs]
+    out = contiguous_span(outs)
+    copy_out = out is None
+    if copy_out:
+        out = stage(outs, ins[0].dtype, copy_in=False)
+    inp = _flat_apart(pg, ins, ins[0].dtype, out)
+    steps = _into([(pg.backend.all_to_all, (out, inp, out_counts, in_counts))], out, copy_out,
+                  outs)
+    return _launch(pg, async_op, list(output_tensor_list), "all_to_all", steps, inp)
+
+
+def _rows(t):
+    shape = tuple(t.shape)
+    return (shape[0] if shape else 1), shape
+
+
+def _split_counts(sizes, rows, row_elems, n, name):
+    if sizes is None or (hasattr(sizes, "__len__") and len(sizes) == 0):
+        if rows % n:
+            raise ValueError(f"{name} is None, so dim 0 ({rows}) must divide evenly by the group size {n}")
+        return [rows // n * row_elems] * n
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != n or any(s < 0 for s in sizes):
+        raise ValueError(f"{name} must hold {n} non-negative sizes (one per rank), got {sizes}")
+    if sum(sizes) != rows:
+        raise ValueError(f"{name} sums to {sum(sizes)}; expected dim 0 of the tensor, {rows}")
+    return [s * row_elems for s in sizes]
+
+
+def _split(t, buf, sizes, n, name):
+    """The element counts of ``t``'s parts along dim 0 (``sizes`` rows each, or even)."""
+    rows, shape = _rows(t)
+    row = buf.count // rows if rows else int(np.prod(shape[1:], dtype=np.int64))
+    return _split_counts(sizes, rows, row, n, name)
+
+
+def _all_to_all_single(pg, out, inp, output, input, output_split_sizes,  # noqa: A002
+                       input_split_sizes, async_op):
+    check_like(out, inp, "output", "input")
+    in_counts = _split(input, inp, input_split_sizes, pg._size, "input_split_sizes")
+    out_counts = _split(output, out, output_split_sizes, pg._size, "output_split_sizes")
+    if overlaps(inp, out):
+        settle(pg)
+        inp = copy_of(inp)
+    return _launch(pg, async_op, [output], "all_to_all",
+                   [(pg.backend.all_to_all, (out, inp, out_counts, in_counts))], inp)
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+class Role:
+    """A buffer argument: ``var = buffer(param, label)`` for one tensor, or for a list
+    (``like``: the buffer whose dtype and count each entry must have, one per rank)."""
+
+    __slots__ = ("var", "param", "label", "like")
+
+    def __init__(self, var, param, label=None, like=None):
+        self.var, self.param, self.label, self.like = var, param, label, like
+
+    def source(self):
+        if self.like is not None:
+            return (f"{self.var} = buffers({self.param}, {self.param!r}, {self.like}.dtype, "
+                    f"{self.like}.count, pg._size)")
+        label = "" if self.label is None else f", {self.label!r}"
+        return f"{self.var} = buffer({self.param}{label})"
+
+
+_FINGERPRINT_KIND = {name: code for code, name in KIND_NAMES.items()}  # backend method -> kind
+
+
+class OpSpec:
+    """One collective: see the module's docstring. ``free`` and ``run`` are made by
+    :func:`build`."""
+
+    __slots__ = ("name", "params", "kind", "roles", "root", "root_first", "fast", "devices",
+                 "method", "args", "record", "outputs", "timeout", "plan", "plan_args",
+                 "fingerprint", "free", "run")
+
+    def __init__(self, name, params, kind, roles=(), root=None, root_first=False, fast=False,
+                 devices=(), method=None, args="()", record=("None", "-1", "-1"), outputs="()",
+                 timeout=False, plan=None, plan_args=""):
+        self.name, self.params, self.kind, self.roles = name, params, kind, roles
+        self.root, self.root_first, self.fast, self.devices = root, root_first, fast, devices
+        self.method, self.args, self.record, self.outputs = method, args, record, outputs
+        self.timeout, self.plan, self.plan_args = timeout, plan, plan_args
+        self.fingerprint = _FINGERPRINT_KIND[method]
+        self.free = self.run = None
+
+    def __repr__(self):
+        return f"OpSpec({self.name!r}, kind={self.kind!r}, method={self.method!r})"
+
+
+def _rooted(p):  # the global rank's common case: one dict lookup
+    return (f"root = pg.group_of_global.get({p}) if type({p}) is int and group_{p} is None "
+            f"else None",
+            "if root is None:",
+            f"    root = pg.peer({p}, group_{p}, {p!r}, default=0)")
+
+
+SPECS = {s.name: s for s in (
+    OpSpec("all_reduce", "tensor, op=_SUM, group=None, async_op=False", "all_reduce",
+           roles=(Role("buf", "tensor"),), fast="op is _SUM", devices=(("buf",), "tensor"),
+           method="all_reduce", args="(buf, _SUM_CODE)", record=("buf", "-1", "_SUM_CODE"),
+           outputs="(tensor,)", plan=_all_reduce, plan_args="buf, tensor, op, async_op"),
+    OpSpec("all_reduce_coalesced", "tensors, op=_SUM, group=None, async_op=False",
+           "all_reduce_coalesced", method="all_reduce", plan=_all_reduce_coalesced,
+           plan_args="tensors, op, async_op"),
+    OpSpec("reduce", "tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None",
+           "reduce", roles=(Role("buf", "tensor"),), root="dst", root_first=True,
+           fast="op is _SUM", devices=(("buf",), "tensor"), method="reduce",
+           args="(buf, _SUM_CODE, root)", record=("buf", "root", "_SUM_CODE"),
+           outputs="(tensor,)", plan=_reduce, plan_args="buf, tensor, root, op, async_op"),
+    OpSpec("broadcast", "tensor, src=None, group=None, async_op=False, group_src=None",
+           "broadcast", roles=(Role("buf", "tensor"),), root="src", fast=None,
+           devices=(("buf",), "tensor"), method="broadcast", args="(buf, root)",
+           record=("buf", "root", "-1"), outputs="(tensor,)"),
+    OpSpec("all_gather", "tensor_list, tensor, group=None, async_op=False", "all_gather",
+           roles=(Role("inp", "tensor"), Role("outs", "tensor_list", like="inp")),
+           method="all_gather", plan=_all_gather, plan_args="inp, outs, tensor_list, async_op"),
+    OpSpec("all_gather_single", "output_tensor, input_tensor, group=None, async_op=False",
+           "all_gather",
+           roles=(Role("inp", "input_tensor", "input_tensor"),
+                  Role("out", "output_tensor", "output_tensor")),
+           fast="disjoint_gather(out, inp, pg._size)",
+           devices=(("out", "inp"), "output_tensor and input_tensor"), method="all_gather",
+           args="(out, inp)", record=("inp", "-1", "-1"), outputs="(output_tensor,)",
+           plan=_all_gather_single, plan_args="out, inp, output_tensor, async_op"),
+    OpSpec("all_gather_coalesced", "output_tensor_lists, input_tensor_list, group=None, "
+           "async_op=False", "all_gather_coalesced", method="all_gather",
+           plan=_all_gather_coalesced,
+           plan_args="output_tensor_lists, input_tensor_list, async_op"),
+    OpSpec("gather", "tensor, gather_list=None, dst=None, group=None, async_op=False, "
+           "group_dst=None", "gather", roles=(Role("inp", "tensor"),), root="dst",
+           root_first=True, method="gather", plan=_gather, plan_args="inp, root, gather_list, async_op"),
+    OpSpec("scatter", "tensor, scatter_list=None, src=None, group=None, async_op=False, "
+           "group_src=None", "scatter", roles=(Role("out", "tensor"),), root="src",
+           root_first=True, method="scatter", plan=_scatter,
+           plan_args="out, root, tensor, scatter_list, async_op"),
+    OpSpec("reduce_scatter", "output, input_list, op=_SUM, group=None, async_op=False",
+           "reduce_scatter", roles=(Role("out", "output", "output"),),
+           method="reduce_scatter", plan=_reduce_scatter,
+           plan_args="out, output, input_list, op, async_op"),
+    OpSpec("reduce_scatter_single", "output, input, op=_SUM, group=None, async_op=False",
+           "reduce_scatter",
+           roles=(Role("out", "output", "output"), Role("inp", "input", "input")),
+           fast="op is _SUM and disjoint_gather(inp, out, pg._size)",
+           devices=(("out", "inp"), "output and input"), method="reduce_scatter",
+           args="(out, inp, _SUM_CODE)", record=("out", "-1", "_SUM_CODE"),
+           outputs="(output,)", plan=_reduce_scatter_single,
+           plan_args="out, inp, output, op, async_op"),
+    OpSpec("all_to_all", "output_tensor_list, input_tensor_list, group=None, async_op=False",
+           "all_to_all", method="all_to_all", plan=_all_to_all,
+           plan_args="output_tensor_list, input_tensor_list, async_op"),
+    OpSpec("all_to_all_single", "output, input, output_split_sizes=None, input_split_sizes=None, "
+           "group=None, async_op=False", "all_to_all",
+           roles=(Role("inp", "input", "input"), Role("out", "output", "output")),
+           method="all_to_all", plan=_all_to_all_single,
+           plan_args="out, inp, output, input, output_split_sizes, input_split_sizes, async_op"),
+    OpSpec("barrier", "group=None, async_op=False, device_ids=None, timeout=None", "barrier",
+           fast=None, method="barrier", timeout=True),
+)}
+
+
+# ---- making the functions -------------------------------------------------------------------------
+
+_GLOBALS = {"_SUM": _SUM, "_SUM_CODE": D.SUM, "world": world, "current": current,
+            "_absent": _absent, "buffer": buffer, "buffers": buffers,
+            "check_devices": check_devices, "disjoint_gather": disjoint_gather,
+            "timeout_seconds": timeout_seconds}
+
+
+def body(spec):
+    """The lines of ``spec``'s body, on a group ``pg`` already resolved."""
+    lines = []
+    if spec.timeout:
+        lines.append("if timeout is not None:")
+        lines.append("    timeout = timeout_seconds(timeout, 'timeout', positive=True)")
+    roles = [r.source() for r in spec.roles]
+    root = _rooted(spec.root) if spec.root else ()
+    lines += [*root, *roles] if spec.root_first else [*roles, *root]
+    if spec.fast is not False:
+        buf, root_expr, op_expr = spec.record
+        call = (f"return pg.dispatch.call({spec.kind!r}, {buf}, {root_expr}, {op_expr}, "
+                f"pg.backend.{spec.method}, {spec.args}, async_op, {spec.outputs}"
+                f"{', timeout' if spec.timeout else ''})")
+        pad = "" if spec.fast is None else "    "
+        if spec.fast is not None:
+            lines.append(f"if {spec.fast}:")
+        if spec.devices:
+            bufs, label = spec.devices
+            lines.append(pad + f"if {' or '.join(f'{b}.device != -1' for b in bufs)}:")
+            lines.append(pad + f"    check_devices(pg, ({', '.join(bufs)},), {label!r})")
+        lines.append(pad + call)
+    if spec.plan is not None:
+        lines.append(f"return _plan(pg, {spec.plan_args})")
+    return lines
+
+
+def _params(spec, group):
+    """The parameters of ``spec``'s free function (``group``) or of its ``run`` (without)."""
+    ps = [p.strip() for p in spec.params.split(",")]
+    return ", ".join(ps if group else ["pg"] + [p for p in ps if not p.startswith("group=")])
+
+
+def source(spec):
+    """The source of ``spec``'s free function and of its ``run``."""
+    lines = ["    " + s for s in body(spec)]
+    resolve = ["    pg = world.default if group is None else current(group)",
+               "    if pg is None:",
+               "        return _absent(group)"]
+    if spec.timeout:  # the timeout is checked before a non-member returns (torch's order)
+        resolve = resolve[:1] + lines[:2] + resolve[1:]
+        free = lines[2:]
+    else:
+        free = lines
+    return "\n".join([f"def {spec.name}({_params(spec, True)}):", *resolve, *free, "",
+                      f"def run({_params(spec, False)}):", *lines, ""])
+
+
+def build(spec, doc=None):
+    """Make ``spec.free`` and ``spec.run`` from ``spec``; their code's file name is
+    ``<opspec NAME>`` and its text is in :mod:`linecache` (tracebacks show it)."""
+    text = source(spec)
+    filename = f"<opspec {spec.name}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    ns = dict(_GLOBALS, _plan=spec.plan)
+    exec(compile(text, filename, "exec"), ns)  # noqa: S102  (our own table's text)
+    spec.free, spec.run = ns[spec.name], ns["run"]
+    spec.free.__module__ = spec.run.__module__ = "collectives.api.collective_ops"
+    spec.run.__name__ = spec.run.__qualname__ = f"{spec.name}_run"
+    spec.free.__doc__ = doc
+    return spec.free
+
+
+__all__ = ["OpSpec", "Role", "SPECS", "build", "source"]
