@@ -56,13 +56,14 @@ ISSUED, STARTED, COMPLETED, FAILED = "issued", "started", "completed", "failed"
 
 
 def _stack():
-    """The caller's Python stack above this package, innermost first (at most 16 frames)."""
+    """The caller's Python stack above this package, innermost first (at most 16 frames);
+    the functions the op table compiles (files named ``<opspec NAME>``) are the package's."""
     f = sys._getframe(1)
     pkg = os.path.dirname(__file__)
     out = []
     while f is not None and len(out) < 16:
         code = f.f_code
-        if not code.co_filename.startswith(pkg):
+        if not code.co_filename.startswith((pkg, "<opspec ")):
             out.append((code.co_filename, f.f_lineno, code.co_name))
         f = f.f_back
     return out
