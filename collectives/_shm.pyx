@@ -184,6 +184,16 @@ cdef class ShmComm:
             raise DistBackendError(f"{self.label} {op}: communicator is closed")
         return self.c
 
+    cdef inline uint64_t _fp(self, uint64_t fp, int kind, int dtype, uint64_t count, int root,
+                             int op) noexcept:
+        """The call's fingerprint: ``fp`` where the caller passed one (the hierarchical
+        backend passes the whole group's call), else packed from the arguments; kept as
+        ``last_fp``."""
+        if fp == 0:
+            fp = _pack(kind, dtype, count, root, op)
+        self.last_fp = fp
+        return fp
+
     def failure(self):
         """The description of the group's recorded failure (the same on every rank), or None.
 
@@ -334,9 +344,7 @@ cdef class ShmComm:
     def barrier(self, uint64_t fp=0):
         cdef shm_comm *c = self._live("barrier")
         cdef int rc
-        if fp == 0:
-            fp = _pack(K_BARRIER, NO_DTYPE, 0, -1, -1)
-        self.last_fp = fp
+        fp = self._fp(fp, K_BARRIER, NO_DTYPE, 0, -1, -1)
         with nogil:
             rc = shm_barrier(c, fp)
         self._check(rc, "barrier")
@@ -346,9 +354,7 @@ cdef class ShmComm:
         cdef int rc
         cdef void *p = <void *>buf.ptr
         cdef size_t nbytes = _nbytes(buf)
-        if fp == 0:
-            fp = _pack(K_BROADCAST, buf.dtype, buf.count, root, -1)
-        self.last_fp = fp
+        fp = self._fp(fp, K_BROADCAST, buf.dtype, buf.count, root, -1)
         with nogil:
             rc = shm_broadcast(c, p, nbytes, root, fp)
         self._check(rc, "broadcast")
@@ -358,9 +364,7 @@ cdef class ShmComm:
         cdef int rc, dtype = buf.dtype
         cdef void *p = <void *>buf.ptr
         cdef size_t count = buf.count
-        if fp == 0:
-            fp = _pack(K_ALL_REDUCE, dtype, count, -1, op)
-        self.last_fp = fp
+        fp = self._fp(fp, K_ALL_REDUCE, dtype, count, -1, op)
         with nogil:
             rc = shm_all_reduce(c, p, count, dtype, op, fp)
         self._check(rc, "all_reduce")
@@ -370,9 +374,7 @@ cdef class ShmComm:
         cdef int rc, dtype = buf.dtype
         cdef void *p = <void *>buf.ptr
         cdef size_t count = buf.count
-        if fp == 0:
-            fp = _pack(K_REDUCE, dtype, count, root, op)
-        self.last_fp = fp
+        fp = self._fp(fp, K_REDUCE, dtype, count, root, op)
         with nogil:
             rc = shm_reduce(c, p, count, dtype, op, root, fp)
         self._check(rc, "reduce")
@@ -384,9 +386,7 @@ cdef class ShmComm:
         cdef void *o = <void *>out.ptr
         cdef const void *i = <const void *>inp.ptr
         cdef size_t nbytes = _nbytes(inp)
-        if fp == 0:
-            fp = _pack(K_ALL_GATHER, inp.dtype, inp.count, -1, -1)
-        self.last_fp = fp
+        fp = self._fp(fp, K_ALL_GATHER, inp.dtype, inp.count, -1, -1)
         with nogil:
             rc = shm_all_gather(c, o, i, nbytes, fp)
         self._check(rc, "all_gather")
@@ -402,9 +402,7 @@ cdef class ShmComm:
         cdef void **o = <void **>malloc(n * sizeof(void *))
         if o == NULL:
             raise MemoryError()
-        if fp == 0:
-            fp = _pack(K_ALL_GATHER, inp.dtype, inp.count, -1, -1)
-        self.last_fp = fp
+        fp = self._fp(fp, K_ALL_GATHER, inp.dtype, inp.count, -1, -1)
         try:
             for i in range(n):
                 o[i] = <void *>(<Buffer?>outs[i]).ptr
@@ -421,9 +419,7 @@ cdef class ShmComm:
         cdef void *o = <void *>out.ptr if out is not None else NULL
         cdef const void *i = <const void *>inp.ptr
         cdef size_t nbytes = _nbytes(inp)
-        if fp == 0:
-            fp = _pack(K_GATHER, inp.dtype, inp.count, root, -1)
-        self.last_fp = fp
+        fp = self._fp(fp, K_GATHER, inp.dtype, inp.count, root, -1)
         with nogil:
             rc = shm_gather(c, o, i, nbytes, root, fp)
         self._check(rc, "gather")
@@ -435,9 +431,7 @@ cdef class ShmComm:
         cdef void *o = <void *>out.ptr
         cdef const void *i = <const void *>inp.ptr if inp is not None else NULL
         cdef size_t nbytes = _nbytes(out)
-        if fp == 0:
-            fp = _pack(K_SCATTER, out.dtype, out.count, root, -1)
-        self.last_fp = fp
+        fp = self._fp(fp, K_SCATTER, out.dtype, out.count, root, -1)
         with nogil:
             rc = shm_scatter(c, o, i, nbytes, root, fp)
         self._check(rc, "scatter")
@@ -448,9 +442,7 @@ cdef class ShmComm:
         cdef void *o = <void *>out.ptr
         cdef const void *i = <const void *>inp.ptr
         cdef size_t count = out.count
-        if fp == 0:
-            fp = _pack(K_REDUCE_SCATTER, dtype, count, -1, op)
-        self.last_fp = fp
+        fp = self._fp(fp, K_REDUCE_SCATTER, dtype, count, -1, op)
         with nogil:
             rc = shm_reduce_scatter(c, o, i, count, dtype, op, fp)
         self._check(rc, "reduce_scatter")
@@ -470,9 +462,7 @@ cdef class ShmComm:
         if ob == NULL:
             raise MemoryError()
         cdef size_t *ib = ob + n
-        if fp == 0:
-            fp = _pack(K_ALL_TO_ALL, out.dtype, 0, -1, -1)
-        self.last_fp = fp
+        fp = self._fp(fp, K_ALL_TO_ALL, out.dtype, 0, -1, -1)
         try:
             for i in range(n):
                 ob[i] = <size_t>out_counts[i] * isz

@@ -210,50 +210,24 @@ class ShmBackend(Backend):
             self._comm.set_cma_min(cma_min, cma_bcast_min, cma_ar_min)
         self.single_copy = self.single_copy and bool(cma_min or cma_bcast_min or cma_ar_min)
         self.segment_name = name
-        # The collectives below only forward to ShmComm, whose methods take the same
-        # arguments (Buffers, ranks, op codes, fp): bound here, the front end's call
-        # reaches C without the forwarding Python frame.
+        # The collectives are ShmComm's methods, which take the contract's arguments
+        # (Buffers, ranks, op codes, fp): bound here, the front end's call reaches C
+        # without a forwarding Python frame.
         for op in _FORWARDED:
             setattr(self, op, getattr(self._comm, op))
         self._p2p = None
         self._p2p_lock = threading.Lock()
 
     # ---- collectives ---------------------------------------------------------------
-    # Each call carries its fingerprint (kind, dtype, element count, root, op; computed in
-    # _shm from these arguments, or ``fp``, a collectives.core.fingerprint.pack word, where a
-    # caller such as the hierarchical backend passes the original call's): a rank whose
-    # peer called something else raises DistBackendError naming both calls, on every rank.
-    def broadcast(self, buf, root, fp=0):
-        self._comm.broadcast(buf, root, fp)
-
-    def all_reduce(self, buf, op, fp=0):
-        self._comm.all_reduce(buf, op, fp)
-
-    def reduce(self, buf, op, root, fp=0):
-        self._comm.reduce(buf, op, root, fp)
-
-    def all_gather(self, out, inp, fp=0):
-        self._comm.all_gather(out, inp, fp)
-
-    def all_gather_list(self, outs, inp, fp=0):
-        self._comm.all_gather_list(outs, inp, fp)
-
-    def gather(self, out, inp, root, fp=0):
-        self._comm.gather(out, inp, root, fp)
-
-    def scatter(self, out, inp, root, fp=0):
-        self._comm.scatter(out, inp, root, fp)
-
-    def reduce_scatter(self, out, inp, op, fp=0):
-        self._comm.reduce_scatter(out, inp, op, fp)
-
-    def all_to_all(self, out, inp, out_counts, in_counts, fp=0):
-        # per-rank counts differ legally: the word holds kind and dtype, and every rank
-        # checks that what each peer sends it is what it expects from that peer
-        self._comm.all_to_all(out, inp, out_counts, in_counts, fp)
-
-    def barrier(self, fp=0):
-        self._comm.barrier(fp)
+    # broadcast, all_reduce, reduce, all_gather, all_gather_list, gather, scatter,
+    # reduce_scatter, all_to_all and barrier are ShmComm's own methods, bound on the instance
+    # in __init__ (_FORWARDED): they take the contract's arguments (Buffers, ranks, op codes)
+    # and ``fp``. Each call carries its fingerprint (kind, dtype, element count, root, op;
+    # computed in _shm from these arguments, or ``fp``, a collectives.core.fingerprint.pack
+    # word, where a caller such as the hierarchical backend passes the original call's): a
+    # rank whose peer called something else raises DistBackendError naming both calls, on
+    # every rank. all_to_all's per-rank counts differ legally: the word holds kind and
+    # dtype, and every rank checks that what each peer sends it is what it expects from it.
 
     def number_next(self, seq):
         """Error messages call this backend's next collective the caller's collective #seq
