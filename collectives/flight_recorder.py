@@ -55,15 +55,18 @@ now = time.monotonic_ns  # the entries' clock (the dump converts to wall time)
 ISSUED, STARTED, COMPLETED, FAILED = "issued", "started", "completed", "failed"
 
 
+#: where the package's own code comes from: its files, and the functions the op table
+#: compiles (file names ``<opspec NAME>``: collectives.api.opspec.build)
+_OWN_CODE = (os.path.dirname(__file__), "<opspec ")
+
+
 def _stack():
-    """The caller's Python stack above this package, innermost first (at most 16 frames);
-    the functions the op table compiles (files named ``<opspec NAME>``) are the package's."""
+    """The caller's Python stack above this package, innermost first (at most 16 frames)."""
     f = sys._getframe(1)
-    pkg = os.path.dirname(__file__)
     out = []
     while f is not None and len(out) < 16:
         code = f.f_code
-        if not code.co_filename.startswith((pkg, "<opspec ")):
+        if not code.co_filename.startswith(_OWN_CODE):
             out.append((code.co_filename, f.f_lineno, code.co_name))
         f = f.f_back
     return out
