@@ -31,10 +31,6 @@ LAYERS = [
 # Known imports up the layers, each with its reason: (importer, imported). The list only
 # shrinks (the test fails when an entry is no longer needed).
 UPWARD = {
-    # a group made once torch is imported is torch's too (BridgedGroup), and the world's
-    # default group is installed in torch: to become a hook the bridge registers (item 3)
-    ("collectives.api.group", "collectives.torch_bridge"): "the torch bridge",
-    ("collectives.api.group", "collectives.torch_bridge.torch_pg"): "the torch bridge",
     # the MPI watchdog dumps the flight recorder when a blocking call hangs: to become a
     # hook the recorder registers
     ("collectives.backends.mpi.watchdog", "collectives.flight_recorder"): "dump on a hang",
