@@ -31,9 +31,6 @@ LAYERS = [
 # Known imports up the layers, each with its reason: (importer, imported). The list only
 # shrinks (the test fails when an entry is no longer needed).
 UPWARD = {
-    # the MPI watchdog dumps the flight recorder when a blocking call hangs: to become a
-    # hook the recorder registers
-    ("collectives.backends.mpi.watchdog", "collectives.flight_recorder"): "dump on a hang",
     # collectives-info reports where the package is installed and its version
     ("collectives.diagnostics.envreport", "collectives"): "the report names the package",
 }
