@@ -203,20 +203,15 @@ def _bridging():
     return "torch" in sys.modules and config.get("COLLECTIVES_TORCH_BRIDGE")
 
 
-# ---- the torch bridge's hooks ----------------------------------------------------------------
-# collectives.torch_bridge sits in a layer above this module, so this module never imports it:
-# the bridge fills these in (set_torch_bridge). ``_load_bridge``: set when the package
-# collectives.torch_bridge is imported (the package's __init__ imports it, torch or not); it
-# imports torch_pg and returns it, or None where torch.distributed is unavailable.
-# ``_bridge``: torch_pg itself, set when it is imported (by _load_bridge or by the program);
-# what it offers: BridgedGroup, install_default, uninstall_default, register_group, forget_group.
-_load_bridge = None
-_bridge = None
+# ---- the torch bridge's hooks: collectives.torch_bridge, a layer above, fills them in -----------
+_load_bridge = None  # imports torch_pg and returns it (None: no torch.distributed)
+_bridge = None  # torch_pg once imported: BridgedGroup, install_default, uninstall_default, ...
 
 
 def set_torch_bridge(load=None, loaded=None):
-    """Register the torch bridge's hooks: ``load()`` (imports the bridge when a world bridges)
-    and/or ``loaded``, the bridge module once it is imported (see above)."""
+    """Register the torch bridge's hooks (this module never imports the bridge): ``load``,
+    by the package torch_bridge when it is imported (with torch or without), and ``loaded``,
+    by torch_pg when it is imported (by ``load`` or by the program)."""
     global _load_bridge, _bridge
     if load is not None:
         _load_bridge = load
@@ -227,7 +222,9 @@ def set_torch_bridge(load=None, loaded=None):
 def _active_bridge():
     """The bridge, imported now if need be (the world bridges); None where torch.distributed
     is unavailable."""
-    return _bridge if _bridge is not None or _load_bridge is None else _load_bridge()
+    if _bridge is None and _load_bridge is not None:
+        return _load_bridge()
+    return _bridge
 
 
 def _group_class():
