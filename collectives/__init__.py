@@ -95,7 +95,8 @@ set_debug_level_from_env()  # as torch.distributed does at import
 
 
 def _version():
-    # one source of truth: pyproject.toml's version, as installed (wheel, sdist or editable)
+    # one source of truth: pyproject.toml's version, as installed (wheel, sdist or editable);
+    # collectives-info (diagnostics/envreport.py, a layer below) reads it the same way
     from importlib.metadata import PackageNotFoundError, version
     try:
         return version("collectives")

@@ -39,6 +39,7 @@ import threading
 import time
 import warnings
 
+from .backends import base as _backend_base
 from .core import dtypes as D
 from .core.errors import DistError
 from .diagnostics.progress import (FORMAT, VERSION, _HOST, _gone, _progress, _trace_arg,  # noqa: F401
@@ -459,6 +460,7 @@ class _Signals:
 
 
 _signals = _Signals()
+_backend_base.set_dump_hook(dump)  # a backend about to end the job dumps first (mpi watchdog)
 
 __all__ = ["dump_flight_recorder"]
 

@@ -203,15 +203,38 @@ def _bridging():
     return "torch" in sys.modules and config.get("COLLECTIVES_TORCH_BRIDGE")
 
 
+# ---- the torch bridge's hooks: collectives.torch_bridge, a layer above, fills them in -----------
+_load_bridge = None  # imports torch_pg and returns it (None: no torch.distributed)
+_bridge = None  # torch_pg once imported: BridgedGroup, install_default, uninstall_default, ...
+
+
+def set_torch_bridge(load=None, loaded=None):
+    """Register the torch bridge's hooks (this module never imports the bridge): ``load``,
+    by the package torch_bridge when it is imported (with torch or without), and ``loaded``,
+    by torch_pg when it is imported (by ``load`` or by the program)."""
+    global _load_bridge, _bridge
+    if load is not None:
+        _load_bridge = load
+    if loaded is not None:
+        _bridge = loaded
+
+
+def _active_bridge():
+    """The bridge, imported now if need be (the world bridges); None where torch.distributed
+    is unavailable."""
+    if _bridge is None and _load_bridge is not None:
+        return _load_bridge()
+    return _bridge
+
+
 def _group_class():
     """The class of a new group: one that is torch's ProcessGroup too when the world
     bridges (decided at init: see _bridging)."""
     if world.bridge:
         try:
-            import torch.distributed
-            if torch.distributed.is_available():
-                from ..torch_bridge.torch_pg import BridgedGroup
-                return BridgedGroup
+            bridge = _active_bridge()
+            if bridge is not None:
+                return bridge.BridgedGroup
         except Exception as e:  # noqa: BLE001  (a plain group still works)
             warnings.warn(f"collectives: groups are not torch.distributed groups too "
                           f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=3)
@@ -225,11 +248,9 @@ def _torch_bridge(pg, ranks=None):
     if not world.bridge:
         return
     try:
-        import torch.distributed
-        if not torch.distributed.is_available():
-            return
-        from ..torch_bridge import torch_pg
-        torch_pg.install_default(pg, ranks)
+        bridge = _active_bridge()
+        if bridge is not None:
+            bridge.install_default(pg, ranks)
     except Exception as e:  # noqa: BLE001  (collectives' own group is up and usable)
         warnings.warn(f"collectives: torch.distributed's default group was not set up over "
                       f"collectives ({type(e).__name__}: {e}); DistributedDataParallel and "
@@ -240,9 +261,8 @@ def _torch_bridge(pg, ranks=None):
 def destroy_process_group(group=None):
     """Shut down ``group``'s backend, or every group (and the default one) when None."""
     if group is None or group is GroupMember.WORLD:
-        bridge = sys.modules.get("collectives.torch_bridge.torch_pg")
-        if bridge is not None:  # torch's default group over ours goes first
-            bridge.uninstall_default()
+        if _bridge is not None:  # torch's default group over ours goes first
+            _bridge.uninstall_default()
         pgs, world.groups = world.groups, []
         for pg in reversed(pgs):
             pg.destroyed = True
@@ -265,9 +285,8 @@ def _end_group(pg, abort):
     """Take ``pg`` (not the default group) out of torch's table and ours, and end its
     backend: ``abort`` fails its queued and running work at once; otherwise the backend
     finishes it (each piece within the group's timeout). Neither talks to the peers."""
-    bridge = sys.modules.get("collectives.torch_bridge.torch_pg")
-    if bridge is not None:  # out of torch's table of groups first
-        bridge.forget_group(pg)
+    if _bridge is not None:  # out of torch's table of groups first
+        _bridge.forget_group(pg)
     pg.destroyed = True
     if abort:
         pg.backend.abort()
@@ -352,9 +371,8 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
 def _add_group(be, ranks, me, tag, name, tmo, store):
     pg = _group_class()(be, ranks, ranks.index(me), f"group/{tag}", name, tmo, store)
     world.groups.append(pg)
-    bridge = sys.modules.get("collectives.torch_bridge.torch_pg")
-    if bridge is not None:  # torch's functions (and DDP) take it too
-        bridge.register_group(pg)
+    if _bridge is not None:  # torch's functions (and DDP) take it too
+        _bridge.register_group(pg)
     return pg
 
 
@@ -557,9 +575,8 @@ def shrink_group(ranks_to_exclude, group=None, shrink_flags=SHRINK_DEFAULT, pg_o
                          parent.backend_name, parent.timeout, store)
         _end_group(parent, abort=shrink_flags == SHRINK_ABORT)
         return new
-    bridge = sys.modules.get("collectives.torch_bridge.torch_pg")
-    if bridge is not None:  # torch's default group (and its table) over ours go first
-        bridge.uninstall_default()
+    if _bridge is not None:  # torch's default group (and its table) over ours go first
+        _bridge.uninstall_default()
     pgs, world.groups = world.groups, []
     for pg in reversed(pgs):
         pg.destroyed = True

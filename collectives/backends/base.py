@@ -32,6 +32,24 @@ from ..core.errors import DistBackendError, DistError
 from ..core.work import Counter
 
 
+# ---- a hook the diagnostics layer (above the backends) fills in --------------------------
+_dump_hook = None
+
+
+def set_dump_hook(fn):
+    """Register ``fn(reason)``, which writes this rank's flight recorder out and returns the
+    path written (None where it failed): collectives.flight_recorder registers its ``dump`` at
+    import, so that a backend reaches it without importing a layer above its own."""
+    global _dump_hook
+    _dump_hook = fn
+
+
+def dump_recorder(reason):
+    """This rank's flight recorder written out, for a backend about to end the job (the mpi
+    watchdog): the path, or None where nothing is registered or the dump failed."""
+    return None if _dump_hook is None else _dump_hook(reason=reason)
+
+
 def timed_out(describe, timeout):
     """The DistBackendError of a wait on ``describe`` that ran past ``timeout`` seconds
     (in torch gloo's words, "Timed out waiting <n>ms", which torch's own tests match)."""

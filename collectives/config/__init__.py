@@ -77,6 +77,11 @@ class Setting:
     minimum: Optional[int] = 0
     unit: str = ""
 
+    def __post_init__(self):
+        # the registry writes a doc as a paragraph (a triple-quoted string over several lines):
+        # the setting holds it as one line, its words one space apart
+        object.__setattr__(self, "doc", " ".join(self.doc.split()))
+
     def parse(self, raw: Optional[str]):
         """The value of this setting for the raw environment string ``raw`` (None: unset)."""
         if raw is None or raw.strip() == "":
@@ -135,183 +140,170 @@ _test = _section(scope="test", read_in="tests/support/ranks.py")
 
 # ---- the registry: add a new setting HERE (and nowhere else) -----------------------------
 # Each section declares through its own declarer, which fills the keywords the section's
-# settings share (where they are read, their scope); a setting names only what is its own.
+# settings share (where they are read, their scope); a setting names only what is its own,
+# then its doc: a paragraph, wrapped freely (the Setting joins it into one line).
 SETTINGS = (
     # transport selection and addressing
     _s("COLLECTIVES_TRANSPORT", "choice", "auto",
-       "Transport of the default backend ('gloo'): auto (shared memory within a host, the "
-       "hierarchical mode across hosts), tcp (our TCP transport across the whole group), shm "
-       "(shared memory only; init fails if the ranks span hosts).",
-       agree=True, choices=("auto", "tcp", "shm"), read_in="backends/select.py"),
-    _s("COLLECTIVES_HOST_ID", "str", None,
-       "This process's host identity: ranks with equal identities share memory. Default: host "
-       "name, boot id and IPC namespace. Tests and benchmarks set it to fake several hosts.",
-       read_in="backends/select.py"),
-    _s("COLLECTIVES_IFNAME", "str", None,
-       "Network interface whose IPv4 address TCP peers connect to (the first of a "
-       "comma-separated list). Default: torch's GLOO_SOCKET_IFNAME, else the interface that "
-       "routes to MASTER_ADDR. A name without an IPv4 address raises ValueError at init.",
-       read_in="backends/tcp/__init__.py, torch_bridge/gloo.py"),
+        agree=True, choices=("auto", "tcp", "shm"), read_in="backends/select.py", doc="""
+        Transport of the default backend ('gloo'): auto (shared memory within a host, the
+        hierarchical mode across hosts), tcp (our TCP transport across the whole group), shm (shared
+        memory only; init fails if the ranks span hosts)."""),
+    _s("COLLECTIVES_HOST_ID", "str", None, read_in="backends/select.py", doc="""
+        This process's host identity: ranks with equal identities share memory. Default: host name,
+        boot id and IPC namespace. Tests and benchmarks set it to fake several hosts."""),
+    _s("COLLECTIVES_IFNAME", "str", None, read_in="backends/tcp/__init__.py, torch_bridge/gloo.py", doc="""
+        Network interface whose IPv4 address TCP peers connect to (the first of a comma-separated
+        list). Default: torch's GLOO_SOCKET_IFNAME, else the interface that routes to MASTER_ADDR. A
+        name without an IPv4 address raises ValueError at init."""),
     # the TCP engine
     _s("COLLECTIVES_TCP_SPIN_US", "int", 20,
-       "How long a TCP wait polls before it blocks.", unit="us",
-       read_in="backends/tcp/__init__.py, backends/tcp/mesh.py"),
+        unit="us", read_in="backends/tcp/__init__.py, backends/tcp/mesh.py", doc="""
+        How long a TCP wait polls before it blocks."""),
     _s("COLLECTIVES_TCP_SOCKBUF", "int", 4 * MiB,
-       "Socket send/receive buffer size; 0 keeps the operating system's default. A size "
-       "above the kernel's cap (net.core.wmem_max / rmem_max) is not set, so the kernel "
-       "keeps tuning that buffer itself instead of cutting it to the cap.",
-       unit="bytes", read_in="backends/tcp/__init__.py, backends/tcp/mesh.py"),
-    _engine("COLLECTIVES_TCP_RD_MAX", "int", 64 * KiB,
-            "all_reduce uses recursive doubling up to this size, reduce-scatter + all-gather above. "
-            "Unset, a group of more than 2 ranks that span hosts uses 32 KiB.",
-            agree=True, unit="bytes"),
-    _engine("COLLECTIVES_TCP_HD_MAX", "int", 0,
-            "all_reduce above COLLECTIVES_TCP_RD_MAX uses recursive halving-doubling up to this "
-            "size in groups of more than 2 ranks, the ring or direct exchange above; 0: never. "
-            "Unset, a group of more than 2 ranks that span hosts uses 64 KiB.",
-            agree=True, unit="bytes"),
-    _engine("COLLECTIVES_TCP_TREE_MAX", "int", 64 * KiB,
-            "broadcast uses a hypercube exchange and reduce a binomial tree up to this size "
-            "(broadcast also with 2 ranks), a pipelined chain above.",
-            agree=True, unit="bytes"),
-    _engine("COLLECTIVES_TCP_SEGMENT", "int", 1 * MiB,
-            "Pipelining segment of the large-message algorithms.",
-            agree=True, minimum=1, unit="bytes"),
-    _engine("COLLECTIVES_TCP_DIRECT_MAX", "int", 64 * KiB,
-            "all_gather and reduce_scatter use a one-round direct exchange up to this size.",
-            agree=True, unit="bytes"),
-    _engine("COLLECTIVES_TCP_DIRECT_WORLD", "int", 8,
-            "Large all_reduce uses the two-round direct exchange up to this world size, the ring "
-            "above it. Unset, a group whose ranks span hosts uses the ring at every size (one "
-            "flow per link).", agree=True),
-    _engine("COLLECTIVES_TCP_DUPLEX_CHUNK", "int", 1 * MiB,
-            "Bytes written per send call, and read per call while sends to that peer wait, so both "
-            "directions of an exchange flow; 0: no limit.", unit="bytes"),
-    _engine("COLLECTIVES_TCP_NO_LOWAT", "bool", False,
-            "True: never raise SO_RCVLOWAT while a large payload arrives (by default poll wakes "
-            "once 256 KiB-1 MiB of it is there)."),
+        unit="bytes", read_in="backends/tcp/__init__.py, backends/tcp/mesh.py", doc="""
+        Socket send/receive buffer size; 0 keeps the operating system's default. A size above the
+        kernel's cap (net.core.wmem_max / rmem_max) is not set, so the kernel keeps tuning that
+        buffer itself instead of cutting it to the cap."""),
+    _engine("COLLECTIVES_TCP_RD_MAX", "int", 64 * KiB, agree=True, unit="bytes", doc="""
+        all_reduce uses recursive doubling up to this size, reduce-scatter + all-gather above.
+        Unset, a group of more than 2 ranks that span hosts uses 32 KiB."""),
+    _engine("COLLECTIVES_TCP_HD_MAX", "int", 0, agree=True, unit="bytes", doc="""
+        all_reduce above COLLECTIVES_TCP_RD_MAX uses recursive halving-doubling up to this size in
+        groups of more than 2 ranks, the ring or direct exchange above; 0: never. Unset, a group of
+        more than 2 ranks that span hosts uses 64 KiB."""),
+    _engine("COLLECTIVES_TCP_TREE_MAX", "int", 64 * KiB, agree=True, unit="bytes", doc="""
+        broadcast uses a hypercube exchange and reduce a binomial tree up to this size (broadcast
+        also with 2 ranks), a pipelined chain above."""),
+    _engine("COLLECTIVES_TCP_SEGMENT", "int", 1 * MiB, agree=True, minimum=1, unit="bytes", doc="""
+        Pipelining segment of the large-message algorithms."""),
+    _engine("COLLECTIVES_TCP_DIRECT_MAX", "int", 64 * KiB, agree=True, unit="bytes", doc="""
+        all_gather and reduce_scatter use a one-round direct exchange up to this size."""),
+    _engine("COLLECTIVES_TCP_DIRECT_WORLD", "int", 8, agree=True, doc="""
+        Large all_reduce uses the two-round direct exchange up to this world size, the ring above
+        it. Unset, a group whose ranks span hosts uses the ring at every size (one flow per link)."""),
+    _engine("COLLECTIVES_TCP_DUPLEX_CHUNK", "int", 1 * MiB, unit="bytes", doc="""
+        Bytes written per send call, and read per call while sends to that peer wait, so both
+        directions of an exchange flow; 0: no limit."""),
+    _engine("COLLECTIVES_TCP_NO_LOWAT", "bool", False, doc="""
+        True: never raise SO_RCVLOWAT while a large payload arrives (by default poll wakes once 256
+        KiB-1 MiB of it is there)."""),
     # the shared-memory backend
     _s("COLLECTIVES_SHM_HALF_BYTES", "int", 2 * MiB,
-       "Bytes per half data slot of the group's segment (at least 4096 and 64 + 128 x "
-       "world size). It sets the segment's layout.", agree=True, unit="bytes",
-       read_in="backends/shm.py"),
-    _shm("COLLECTIVES_SHM_ONESHOT_MAX", "int", 64 * KiB,
-         "Largest all_reduce done one-shot (one synchronisation); two-shot above.", unit="bytes"),
-    _shm("COLLECTIVES_SHM_CHUNK_BYTES", "int", 512 * KiB,
-         "Chunk of the two-shot all_reduce and reduce.", minimum=1, unit="bytes"),
-    _shm("COLLECTIVES_SHM_CMA_MIN", "int", 256 * KiB,
-         "all_gather and gather blocks from this size go in one copy (process_vm_readv/writev) "
-         "where the ranks may read each other's memory; 0 turns it off.", unit="bytes"),
-    _shm("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB,
-         "broadcast from this size goes in one copy; 0 turns it off.", unit="bytes"),
-    _shm("COLLECTIVES_SHM_CMA_AR_MIN", "int", 64 * KiB,
-         "all_reduce from this size (above the one-shot size) may go in one copy; 0 turns "
-         "the single copy off for all_reduce.", unit="bytes"),
-    _shm("COLLECTIVES_SHM_AR_ALGO", "choice", "auto",
-         "all_reduce above the one-shot size: auto (the ranks time two-shot with plain and "
-         "with streaming stores and the single copy on their own calls, per size class, and "
-         "all take the fastest), two_shot (stores by COLLECTIVES_SHM_STREAM) or single_copy "
-         "(where the ranks may read each other's memory).",
-         choices=("auto", "two_shot", "single_copy")),
-    _shm("COLLECTIVES_SHM_STREAM", "choice", "2",
-         "How the segment is written for other ranks: 0 plain stores, 1 streaming "
-         "(non-temporal) stores, 2 measured: the all_reduce and the all_gather time both "
-         "kinds on their own calls and take the faster, the other collectives stream while "
-         "the ranks' probes find their peers far (another die or socket).", choices=("0", "1", "2")),
-    _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False,
-       "Allow the single-copy paths with more ranks than cores (measured slower there; the "
-       "tests use it).", read_in="_shm.pyx -> src/shm/shm_copy.c"),
-    _s("COLLECTIVES_SHM_SPIN", "int", None,
-       "Polls before a waiting rank yields. Default: about 2 us worth when every rank has a "
-       "core, none when the ranks outnumber the cores.", read_in="_shm.pyx -> src/shm/shm_segment.c"),
+        agree=True, unit="bytes", read_in="backends/shm.py", doc="""
+        Bytes per half data slot of the group's segment (at least 4096 and 64 + 128 x world size).
+        It sets the segment's layout."""),
+    _shm("COLLECTIVES_SHM_ONESHOT_MAX", "int", 64 * KiB, unit="bytes", doc="""
+        Largest all_reduce done one-shot (one synchronisation); two-shot above."""),
+    _shm("COLLECTIVES_SHM_CHUNK_BYTES", "int", 512 * KiB, minimum=1, unit="bytes", doc="""
+        Chunk of the two-shot all_reduce and reduce."""),
+    _shm("COLLECTIVES_SHM_CMA_MIN", "int", 256 * KiB, unit="bytes", doc="""
+        all_gather and gather blocks from this size go in one copy (process_vm_readv/writev) where
+        the ranks may read each other's memory; 0 turns it off."""),
+    _shm("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB, unit="bytes", doc="""
+        broadcast from this size goes in one copy; 0 turns it off."""),
+    _shm("COLLECTIVES_SHM_CMA_AR_MIN", "int", 64 * KiB, unit="bytes", doc="""
+        all_reduce from this size (above the one-shot size) may go in one copy; 0 turns the single
+        copy off for all_reduce."""),
+    _shm("COLLECTIVES_SHM_AR_ALGO", "choice", "auto", choices=("auto", "two_shot", "single_copy"), doc="""
+        all_reduce above the one-shot size: auto (the ranks time two-shot with plain and with
+        streaming stores and the single copy on their own calls, per size class, and all take the
+        fastest), two_shot (stores by COLLECTIVES_SHM_STREAM) or single_copy (where the ranks may
+        read each other's memory)."""),
+    _shm("COLLECTIVES_SHM_STREAM", "choice", "2", choices=("0", "1", "2"), doc="""
+        How the segment is written for other ranks: 0 plain stores, 1 streaming (non-temporal)
+        stores, 2 measured: the all_reduce and the all_gather time both kinds on their own calls and
+        take the faster, the other collectives stream while the ranks' probes find their peers far
+        (another die or socket)."""),
+    _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False, read_in="_shm.pyx -> src/shm/shm_copy.c", doc="""
+        Allow the single-copy paths with more ranks than cores (measured slower there; the tests use
+        it)."""),
+    _s("COLLECTIVES_SHM_SPIN", "int", None, read_in="_shm.pyx -> src/shm/shm_segment.c", doc="""
+        Polls before a waiting rank yields. Default: about 2 us worth when every rank has a core,
+        none when the ranks outnumber the cores."""),
     _s("COLLECTIVES_SHM_YIELD_US", "int", None,
-       "How long a waiting rank yields before it sleeps on a futex. Default: 200 us when "
-       "every rank has a core, 20 us otherwise.", unit="us", read_in="_shm.pyx -> src/shm/shm_segment.c"),
+        unit="us", read_in="_shm.pyx -> src/shm/shm_segment.c", doc="""
+        How long a waiting rank yields before it sleeps on a futex. Default: 200 us when every rank
+        has a core, 20 us otherwise."""),
     _s("COLLECTIVES_SHM_FAR_NS", "int", 250,
-       "Cache-line round trip from which a peer counts as far (streaming stores pay off); "
-       "0 or less: the default.", minimum=None, unit="ns", read_in="_shm.pyx -> src/shm/shm_copy.c"),
+        minimum=None, unit="ns", read_in="_shm.pyx -> src/shm/shm_copy.c", doc="""
+        Cache-line round trip from which a peer counts as far (streaming stores pay off); 0 or less:
+        the default."""),
     _s("COLLECTIVES_SHM_LLC_BYTES", "int", None,
-       "Last-level cache size: an all_gather whose outputs (all ranks' together) fill it "
-       "writes the local block with streaming stores. Default: read from sysfs.",
-       unit="bytes", read_in="_shm.pyx -> src/shm/shm_copy.c"),
-    _s("COLLECTIVES_SHM_THP", "bool", True,
-       "Collapse buffers that peers copy by process_vm_readv/writev into huge pages "
-       "(MADV_COLLAPSE, Linux 6.1; they copy twice as fast); false turns it off.",
-       read_in="_shm.pyx -> src/shm/shm_copy.c"),
+        unit="bytes", read_in="_shm.pyx -> src/shm/shm_copy.c", doc="""
+        Last-level cache size: an all_gather whose outputs (all ranks' together) fill it writes the
+        local block with streaming stores. Default: read from sysfs."""),
+    _s("COLLECTIVES_SHM_THP", "bool", True, read_in="_shm.pyx -> src/shm/shm_copy.c", doc="""
+        Collapse buffers that peers copy by process_vm_readv/writev into huge pages (MADV_COLLAPSE,
+        Linux 6.1; they copy twice as fast); false turns it off."""),
     # other backends and torch
-    _s("COLLECTIVES_MPI_WATCHDOG", "bool", True,
-       "The mpi backend's watchdog: a blocking call stuck past the group timeout prints its "
-       "stack and calls MPI_Abort. False: such a call waits forever.",
-       read_in="backends/mpi/watchdog.py"),
-    _s("COLLECTIVES_NCCL_LIB", "str", None,
-       "Path of the libnccl the nccl backend loads. Default: torch's nvidia-nccl wheel, else "
-       "any libnccl.so.2 the loader finds.", read_in="backends/nccl.py"),
+    _s("COLLECTIVES_MPI_WATCHDOG", "bool", True, read_in="backends/mpi/watchdog.py", doc="""
+        The mpi backend's watchdog: a blocking call stuck past the group timeout prints its stack
+        and calls MPI_Abort. False: such a call waits forever."""),
+    _s("COLLECTIVES_NCCL_LIB", "str", None, read_in="backends/nccl.py", doc="""
+        Path of the libnccl the nccl backend loads. Default: torch's nvidia-nccl wheel, else any
+        libnccl.so.2 the loader finds."""),
     _s("COLLECTIVES_TORCH_BRIDGE", "bool", True,
-       "Where torch is imported, our groups are torch.distributed ProcessGroups too and the "
-       "default group becomes torch's; false turns that off.",
-       agree=True, read_in="api/group.py, torch_bridge/torch_pg.py"),
-    _s("COLLECTIVES_TORCH_BACKEND", "str", "gloo",
-       "Backend of the groups that torch.distributed.init_process_group('collectives') makes.",
-       agree=True, read_in="torch_bridge/torch_pg.py"),
+        agree=True, read_in="api/group.py, torch_bridge/torch_pg.py", doc="""
+        Where torch is imported, our groups are torch.distributed ProcessGroups too and the default
+        group becomes torch's; false turns that off."""),
+    _s("COLLECTIVES_TORCH_BACKEND", "str", "gloo", agree=True, read_in="torch_bridge/torch_pg.py", doc="""
+        Backend of the groups that torch.distributed.init_process_group('collectives') makes."""),
     # security (docs/security.md)
-    _s("COLLECTIVES_AUTH_KEY", "str", None,
-       "The job's shared key: every store and rank-to-rank connection opens with an "
-       "HMAC-SHA256 challenge-response on it, and a peer without it is refused. "
-       "collectives-run sets a random one for a single-node job (or takes --auth-key-file). "
-       "Default: no key, no handshake (torch's behaviour).", agree=True, read_in="security/auth.py"),
-    _s("COLLECTIVES_SAFE_OBJECTS", "bool", False,
-       "The object calls (broadcast_object_list, all_gather_object, ...) unpickle with an "
-       "allow-list (plain data, NumPy arrays, torch tensors) instead of full pickle; per "
-       "call: safe=True.", read_in="security/safe_pickle.py"),
+    _s("COLLECTIVES_AUTH_KEY", "str", None, agree=True, read_in="security/auth.py", doc="""
+        The job's shared key: every store and rank-to-rank connection opens with an HMAC-SHA256
+        challenge-response on it, and a peer without it is refused. collectives-run sets a random
+        one for a single-node job (or takes --auth-key-file). Default: no key, no handshake (torch's
+        behaviour)."""),
+    _s("COLLECTIVES_SAFE_OBJECTS", "bool", False, read_in="security/safe_pickle.py", doc="""
+        The object calls (broadcast_object_list, all_gather_object, ...) unpickle with an allow-list
+        (plain data, NumPy arrays, torch tensors) instead of full pickle; per call: safe=True."""),
     # the flight recorder (collectives/diagnostics/fr_registry.py; torch's TORCH_FR_* names first)
-    _fr("COLLECTIVES_FR_BUFFER_SIZE", "int", 256,
-        "Collectives the flight recorder keeps per group (torch's TORCH_FR_BUFFER_SIZE, where "
-        "set, comes first); 0 turns the recorder, its dumps and progress posts off."),
-    _fr("COLLECTIVES_FR_DUMP", "str", None,
-        "Path prefix of the flight recorder's dumps, the global rank appended (torch's "
-        "TORCH_FR_DUMP_TEMP_FILE, where set, comes first). Default: a file in the temp "
-        "directory named after the job."),
-    _fr("COLLECTIVES_FR_STACK", "bool", False,
-        "Record the Python stack of every call in the flight recorder (costly)."),
-    _s("COLLECTIVES_NO_EXTENSIONS", "bool", False,
-       "Hide the compiled extensions (_core, _buffer, _tcp, _shm, _mpilog, _ncclcall): the "
-       "package runs on its pure-Python/NumPy fallback, as when they are not built (kernels and the mpi and "
-       "registered backends work; the gloo backend needs _tcp). For tests and debugging.",
-       agree=True, read_in="config.py"),
+    _fr("COLLECTIVES_FR_BUFFER_SIZE", "int", 256, doc="""
+        Collectives the flight recorder keeps per group (torch's TORCH_FR_BUFFER_SIZE, where set,
+        comes first); 0 turns the recorder, its dumps and progress posts off."""),
+    _fr("COLLECTIVES_FR_DUMP", "str", None, doc="""
+        Path prefix of the flight recorder's dumps, the global rank appended (torch's
+        TORCH_FR_DUMP_TEMP_FILE, where set, comes first). Default: a file in the temp directory
+        named after the job."""),
+    _fr("COLLECTIVES_FR_STACK", "bool", False, doc="""
+        Record the Python stack of every call in the flight recorder (costly)."""),
+    _s("COLLECTIVES_NO_EXTENSIONS", "bool", False, agree=True, read_in="config.py", doc="""
+        Hide the compiled extensions (_core, _buffer, _tcp, _shm, _mpilog, _ncclcall): the package
+        runs on its pure-Python/NumPy fallback, as when they are not built (kernels and the mpi and
+        registered backends work; the gloo backend needs _tcp). For tests and debugging."""),
     # build (setup.py)
-    _build("COLLECTIVES_ONLY", "str", None,
-           "Comma-separated extensions to build (e.g. _shm,_core); default all. _tcp and _shm "
-           "call _core's kernels, and _core and _shm read _buffer's Buffer, so they import only "
-           "where those are built."),
-    _build("COLLECTIVES_MARCH_NATIVE", "bool", False,
-           "Compile with -march=native (not for wheels; the kernels dispatch at run time anyway)."),
-    _build("COLLECTIVES_DEBUG_SYMBOLS", "bool", False,
-           "Keep debug information in the extensions (for gdb or perf on a checkout). By default "
-           "they are compiled with -g0 and linked with --strip-all, as released wheels are."),
+    _build("COLLECTIVES_ONLY", "str", None, doc="""
+        Comma-separated extensions to build (e.g. _shm,_core); default all. _tcp and _shm call
+        _core's kernels, and _core and _shm read _buffer's Buffer, so they import only where those
+        are built."""),
+    _build("COLLECTIVES_MARCH_NATIVE", "bool", False, doc="""
+        Compile with -march=native (not for wheels; the kernels dispatch at run time anyway)."""),
+    _build("COLLECTIVES_DEBUG_SYMBOLS", "bool", False, doc="""
+        Keep debug information in the extensions (for gdb or perf on a checkout). By default they
+        are compiled with -g0 and linked with --strip-all, as released wheels are."""),
     # tests (tests/ranks.py and the test modules)
-    _test("COLLECTIVES_TEST_CONFIGS", "str", None,
-          "Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, "
-          "mpi, nccl); default every available host configuration."),
-    _test("COLLECTIVES_TEST_START_TIMEOUT", "int", 120,
-          "Seconds a rank pool may take to start.", minimum=1),
-    _test("COLLECTIVES_TEST_GROUP_TIMEOUT", "int", 30,
-          "Group timeout (seconds) of the test pools' process groups.", minimum=1),
-    _test("COLLECTIVES_TEST_MAX_POOLS", "int", 8,
-          "Rank pools kept running at once (the least recently used is closed; a test "
-          "module's own pools close at its end).", minimum=1),
-    _test("COLLECTIVES_TEST_HOSTS", "int", None,
-          "Fake this many hosts in a pool, ranks dealt out in turn (the gloo-hier "
-          "configuration).", minimum=1),
-    _test("COLLECTIVES_TEST_POOL", "str", None,
-          "A label that keeps pools apart (tests give pools that import torch their own)."),
-    _test("COLLECTIVES_TEST_INSTALLED", "str", None,
-          "Set by .ci/run's installed leg to the checkout the wheel was built from: the run "
-          "fails if collectives is imported from there rather than from site-packages.",
-          read_in="tests/support/__init__.py"),
-    _test("COLLECTIVES_POOL_ADDR", "str", None,
-          "Set by the test harness for its rank processes: where to connect back. Not for users."),
-    _test("COLLECTIVES_POOL_KEY", "str", None,
-          "Set by the test harness for its rank processes: the connection's key. Not for users."),
+    _test("COLLECTIVES_TEST_CONFIGS", "str", None, doc="""
+        Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, mpi,
+        nccl); default every available host configuration."""),
+    _test("COLLECTIVES_TEST_START_TIMEOUT", "int", 120, minimum=1, doc="""
+        Seconds a rank pool may take to start."""),
+    _test("COLLECTIVES_TEST_GROUP_TIMEOUT", "int", 30, minimum=1, doc="""
+        Group timeout (seconds) of the test pools' process groups."""),
+    _test("COLLECTIVES_TEST_MAX_POOLS", "int", 8, minimum=1, doc="""
+        Rank pools kept running at once (the least recently used is closed; a test module's own
+        pools close at its end)."""),
+    _test("COLLECTIVES_TEST_HOSTS", "int", None, minimum=1, doc="""
+        Fake this many hosts in a pool, ranks dealt out in turn (the gloo-hier configuration)."""),
+    _test("COLLECTIVES_TEST_POOL", "str", None, doc="""
+        A label that keeps pools apart (tests give pools that import torch their own)."""),
+    _test("COLLECTIVES_TEST_INSTALLED", "str", None, read_in="tests/support/__init__.py", doc="""
+        Set by .ci/run's installed leg to the checkout the wheel was built from: the run fails if
+        collectives is imported from there rather than from site-packages."""),
+    _test("COLLECTIVES_POOL_ADDR", "str", None, doc="""
+        Set by the test harness for its rank processes: where to connect back. Not for users."""),
+    _test("COLLECTIVES_POOL_KEY", "str", None, doc="""
+        Set by the test harness for its rank processes: the connection's key. Not for users."""),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}

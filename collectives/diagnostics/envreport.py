@@ -71,10 +71,11 @@ def _dist_version(name):
 
 def _versions(use_torch, environ):
     import numpy
-    pkg = importlib.import_module("collectives")
     out = {
-        "collectives": {"version": pkg.__version__,
-                        "path": os.path.dirname(os.path.abspath(pkg.__file__))},
+        # as collectives.__version__ and the package's folder, read from here (the package's
+        # __init__ is a layer above this module)
+        "collectives": {"version": _dist_version("collectives") or "0+unknown",
+                        "path": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
         "python": {"version": platform.python_version(),
                    "implementation": platform.python_implementation(),
                    "executable": sys.executable, "platform": platform.platform()},

@@ -1,4 +1,5 @@
 """FileStore: an append-only log of records in a file every rank can open."""
+import contextlib
 import fcntl
 import os
 import struct
@@ -76,8 +77,17 @@ class FileStore(Store):
             pos = end
         self._offset += pos
 
+    @contextlib.contextmanager
     def _locked(self, exclusive):
-        return _FileLock(self, exclusive)
+        """This store's thread lock, then the file's (flock: exclusive or shared)."""
+        with self._lock:
+            if self._closed:
+                raise DistStoreError(f"FileStore {self.path!r} is closed")
+            fcntl.flock(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _write(self, records):
         # called under the exclusive lock, after _refresh: self._offset is the end of the
@@ -244,25 +254,6 @@ class FileStore(Store):
             pass
         finally:
             os.close(fd)
-
-
-class _FileLock:
-    __slots__ = ("store", "exclusive")
-
-    def __init__(self, store, exclusive):
-        self.store = store
-        self.exclusive = exclusive
-
-    def __enter__(self):
-        self.store._lock.acquire()
-        if self.store._closed:
-            self.store._lock.release()
-            raise DistStoreError(f"FileStore {self.store.path!r} is closed")
-        fcntl.flock(self.store._fd, fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH)
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.store._fd, fcntl.LOCK_UN)
-        self.store._lock.release()
 
 
 class _RawLog:

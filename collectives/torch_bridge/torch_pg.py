@@ -32,6 +32,7 @@ communication with the backward pass.
 """
 import importlib
 import os
+import sys
 import threading
 import weakref
 from datetime import timedelta
@@ -368,6 +369,7 @@ def uninstall_default():
 
 
 register()
+_groups.set_torch_bridge(loaded=sys.modules[__name__])  # api/group reaches the bridge here
 
 __all__ = ["BACKEND_NAME", "BridgedGroup", "TorchProcessGroup", "TorchWork", "forget_group",
            "install_default", "register", "register_group", "to_torch", "uninstall_default"]

@@ -428,6 +428,23 @@ def test_a_dump_that_cannot_be_written_warns_and_returns_none(world1, tmp_path):
         assert world1.dump_flight_recorder(str(blocker / "sub" / "d")) is None
 
 
+@needs_gloo
+def test_a_backend_reaches_the_recorders_dump_through_the_hook_it_registers(world1, tmp_path,
+                                                                            monkeypatch):
+    """The mpi watchdog dumps before MPI_Abort through backends.base.dump_recorder: the
+    flight recorder (a layer above the backends) registers its dump there at import."""
+    from collectives.backends import base
+    from collectives.diagnostics import progress
+    monkeypatch.setattr(progress, "DUMP_PREFIX", str(tmp_path / "hang-rank"))
+    world1.all_reduce(np.ones(3, np.float32))
+    path = base.dump_recorder("mpi watchdog: all_reduce ran 9.0 s, past the group timeout")
+    assert path == str(tmp_path / "hang-rank0")
+    with open(path) as f:
+        d = json.load(f)
+    assert d["reason"] == "mpi watchdog: all_reduce ran 9.0 s, past the group timeout"
+    assert [e["call"] for e in d["groups"]["default_pg"]["entries"]] == ["all_reduce(float32, 3, op=SUM)"]
+
+
 def test_trace_says_so_when_there_are_no_dumps(tmp_path):
     p = subprocess.run([sys.executable, "-m", "collectives.diagnostics.trace",
                         str(tmp_path / "none-")], cwd=ROOT,

@@ -36,6 +36,7 @@ def test_a_report_names_the_versions_the_build_and_the_host():
     r = collect(use_torch=False, probe=False)
     v = r["versions"]
     assert v["collectives"]["version"] == collectives.__version__
+    assert v["collectives"]["path"] == os.path.dirname(os.path.abspath(collectives.__file__))
     assert v["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
     import numpy
     assert v["numpy"]["version"] == numpy.__version__

@@ -30,17 +30,10 @@ LAYERS = [
 ]
 # Known imports up the layers, each with its reason: (importer, imported). The list only
 # shrinks (the test fails when an entry is no longer needed).
-UPWARD = {
-    # a group made once torch is imported is torch's too (BridgedGroup), and the world's
-    # default group is installed in torch: to become a hook the bridge registers (item 3)
-    ("collectives.api.group", "collectives.torch_bridge"): "the torch bridge",
-    ("collectives.api.group", "collectives.torch_bridge.torch_pg"): "the torch bridge",
-    # the MPI watchdog dumps the flight recorder when a blocking call hangs: to become a
-    # hook the recorder registers
-    ("collectives.backends.mpi.watchdog", "collectives.flight_recorder"): "dump on a hang",
-    # collectives-info reports where the package is installed and its version
-    ("collectives.diagnostics.envreport", "collectives"): "the report names the package",
-}
+UPWARD = {}
+# (the three edges that went up are hooks now, registered by the layer above: the torch
+# bridge's, api/group.set_torch_bridge; the flight recorder's dump, backends/base.set_dump_hook;
+# collectives-info reads the package's version and folder without importing it)
 
 
 def _modules():

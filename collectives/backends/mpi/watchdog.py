@@ -6,6 +6,7 @@ import time
 import traceback
 
 from ... import config
+from ..base import dump_recorder  # the flight recorder's dump (it registers it)
 
 
 class Watchdog:
@@ -79,9 +80,8 @@ class Watchdog:
         rank = MPI.COMM_WORLD.Get_rank()
         name = frame.f_code.co_name.lstrip("_")  # the collective (its inner _name method too)
         try:  # the job ends here: leave this rank's recent calls behind (never raises)
-            from ...flight_recorder import dump
-            path = dump(reason=f"mpi watchdog: {name} ran {took:.1f} s, past "
-                               f"the group timeout")
+            path = dump_recorder(f"mpi watchdog: {name} ran {took:.1f} s, past "
+                                 f"the group timeout")
         except Exception:  # noqa: BLE001
             path = None
         sys.stderr.write(
