@@ -406,8 +406,8 @@ def _rooted(p, var="root", rule=None, more=""):
 def _p2p(name, kind, method, peer, blocking=False, result=("return None",), absent="None"):
     """A point-to-point call's entry: one buffer, its peer, the backend's isend or irecv."""
     return OpSpec(name, f"tensor, {peer}=None, group=None, tag=0, group_{peer}=None", kind,
-                  roles=(Role("buf", "tensor"),), devices=(("buf",), "tensor"), method=method,
-                  record=("buf", "peer", "tag"), outputs="[tensor]", peer=peer,
+                  roles=(Role("buf", "tensor"),), fast=None, devices=(("buf",), "tensor"),
+                  method=method, record=("buf", "peer", "tag"), outputs="[tensor]", peer=peer,
                   blocking=blocking, result=result, absent=absent,
                   fingerprint="send" if method == "isend" else "recv")
 
