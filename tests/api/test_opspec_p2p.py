@@ -267,10 +267,8 @@ def multigpu_both_ways(ctx, case):
             out = [np.zeros(count, dtype) for _ in range(k)]
             if way == "free":
                 dist.reduce_scatter_multigpu(out, ins, op)
-            else:
-                o = dist.ReduceScatterOptions()
-                o.reduceOp = op
-                pg.reduce_scatter(out, ins, o).wait()
+            else:  # (the legacy positional op)
+                pg.reduce_scatter(out, ins, op).wait()
         got[way] = [t.tolist() for t in out]
         last = pg.fr.entry(pg.fr.seq)
         got[way + "_fr"] = (pg.fr.seq - s0, last[1] if last is not None else None)
