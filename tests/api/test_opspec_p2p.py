@@ -4,6 +4,7 @@
   as the collectives are; the p2p entries name the backend's isend/irecv, the kinds the
   backend fingerprints and what the recorder takes; the multigpu entries name the
   single-tensor entry whose body they run.
+- The C dispatcher and its Python twin post and record every p2p call alike.
 - Nothing in ``collectives/api/`` but the dispatcher writes the flight recorder's or the
   profiler's handling by hand.
 - Property (world of 3, gloo): for any dtype, shape, tag, ring shift and seed, a ring of
@@ -26,9 +27,12 @@ from hypothesis import strategies as st
 
 import collectives as dist
 from collectives.api import multigpu, opspec, p2p
-from collectives.backends.base import Backend
+from collectives.backends import registered_backends
+from collectives.backends.base import Backend, DoneRequest
 from collectives.core.fingerprint import KIND_NAMES
+from collectives.store import HashStore
 from tests.support import ROOT
+from tests.support.dispatchers import choose
 from tests.support.profiles import examples
 from tests.support.ranks import available_configs, backend_pool
 
@@ -98,6 +102,48 @@ def test_the_recorder_and_the_profiler_are_handled_in_the_dispatcher_only():
                     if by_hand.search(line.split("#")[0]):
                         found.append(f"{f}:{i}: {line.strip()}")
     assert not found, found
+
+
+# ---- the two dispatchers post alike ------------------------------------------------------------
+
+class _AtOnce(Backend):
+    """A backend whose isend and irecv complete at once (an any-source one from rank 1)."""
+
+    def isend(self, buf, dst, tag=0):
+        return DoneRequest(dst)
+
+    def irecv(self, buf, src, tag=0):
+        return DoneRequest(1 if src is None else src)
+
+
+@pytest.fixture(params=["c", "python"])
+def world2(request):
+    """Rank 0 of a world of 2 over :class:`_AtOnce`, with the C dispatcher (where built)
+    or the Python one."""
+    if "p2p-at-once" not in registered_backends():
+        dist.register_backend("p2p-at-once", lambda store, rank, size, timeout, options=None:
+                              _AtOnce(store, rank, size, timeout, options))
+    dist.init_process_group("p2p-at-once", store=HashStore(), rank=0, world_size=2)
+    yield choose(dist, request.param)
+    dist.destroy_process_group()
+
+
+def test_each_dispatcher_posts_and_records_every_p2p_call(world2):
+    pg = world2
+    x = np.arange(3, dtype=np.float32)
+    assert dist.isend(x, 1, tag=5).wait() and dist.irecv(x, 1, tag=6).wait()
+    assert dist.send(x, 1, tag=7) is None and dist.recv(x, 1, tag=8) == 1
+    assert dist.recv(x) == 1  # any source: the sender the backend named
+    w = pg.recv_anysource([x], 10)
+    assert pg.send([x], 1, 9).wait() and w.wait() and w.source_rank() == 1
+    assert _new_p2p(pg.fr, 0) == [
+        ("isend", 1, 5, 3, "completed"), ("irecv", 1, 6, 3, "completed"),
+        ("send", 1, 7, 3, "completed"), ("recv", 1, 8, 3, "completed"),
+        ("recv", -1, 0, 3, "completed"), ("irecv", -1, 10, 3, "completed"),
+        ("isend", 1, 9, 3, "completed")]
+    with pytest.raises(ValueError, match="destination rank"):
+        dist.isend(x, 0)
+    assert pg.fr.p2p_n == 7
 
 
 # ---- point to point, both ways, against NumPy ------------------------------------------------
