@@ -20,8 +20,8 @@ irecv = build(SPECS["irecv"], "Start receiving into ``tensor`` from ``src`` (Non
               "``Work.source_rank()`` names it).", __name__)
 send = build(SPECS["send"], "Send ``tensor`` to global rank ``dst``; returns when the tensor may "
              "be reused.", __name__)
-recv = build(SPECS["recv"], """Receive into ``tensor`` from ``src`` (None: any rank). Returns the sender's global rank
-    (-1 if this rank is not in ``group``).""", __name__)
+recv = build(SPECS["recv"], """Receive into ``tensor`` from ``src`` (None: any rank). Returns the
+    sender's global rank (-1 if this rank is not in ``group``).""", __name__)
 
 
 class P2POp:
