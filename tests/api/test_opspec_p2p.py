@@ -107,13 +107,20 @@ def test_the_recorder_and_the_profiler_are_handled_in_the_dispatcher_only():
 # ---- the two dispatchers post alike ------------------------------------------------------------
 
 class _AtOnce(Backend):
-    """A backend whose isend and irecv complete at once (an any-source one from rank 1)."""
+    """A backend whose isend and irecv complete at once (an any-source one from rank 1),
+    and which posts a batch of them as one (as nccl does), counting the batches."""
+
+    batches = 0
 
     def isend(self, buf, dst, tag=0):
         return DoneRequest(dst)
 
     def irecv(self, buf, src, tag=0):
         return DoneRequest(1 if src is None else src)
+
+    def batch_p2p(self, ops):
+        type(self).batches += 1
+        return [DoneRequest(peer) for _, _, peer, _ in ops]
 
 
 @pytest.fixture(params=["c", "python"])
@@ -144,6 +151,13 @@ def test_each_dispatcher_posts_and_records_every_p2p_call(world2):
     with pytest.raises(ValueError, match="destination rank"):
         dist.isend(x, 0)
     assert pg.fr.p2p_n == 7
+    # batch_isend_irecv: one batch of the backend's, each op recorded
+    batches = _AtOnce.batches
+    works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, x, 1, tag=11),
+                                    dist.P2POp(dist.isend, x, 1, tag=12)])
+    assert _AtOnce.batches == batches + 1 and all(w.wait() for w in works)
+    assert _new_p2p(pg.fr, 7) == [("irecv", 1, 11, 3, "completed"),
+                                  ("isend", 1, 12, 3, "completed")]
 
 
 # ---- point to point, both ways, against NumPy ------------------------------------------------
