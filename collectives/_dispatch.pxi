@@ -27,8 +27,8 @@ cdef class ProfilerTap:
 
 
 cdef class Dispatcher:
-    """One group's path for every collective call: ``call(kind, buf, root, op, fn, args,
-    async_op, outputs, timeout)`` runs ``fn(*args)`` as collective ``kind``, recorded in the
+    """One group's path for every collective and point-to-point call: ``call(kind, buf,
+    root, op, fn, args, async_op, outputs, timeout)`` runs ``fn(*args)`` as collective ``kind``, recorded in the
     group's flight recorder with ``buf``'s count and dtype (None: none), ``root`` (a group
     rank, -1: none) and ``op`` (a reduce-op code, -1: none).
 
@@ -49,12 +49,25 @@ cdef class Dispatcher:
     cdef ProfilerTap _prof
     cdef object _general
     cdef object _error
+    cdef object _track
+    cdef object _general_post
 
     def __init__(self, pg, CallRing fr not None, backend, bint inline, Counter pending not None,
-                 general, Counter timed not None, ProfilerTap prof not None, error):
+                 general, Counter timed not None, ProfilerTap prof not None, error, track,
+                 general_post):
         self.pg, self.fr, self.backend, self.inline = pg, fr, backend, inline
         self._pending, self._timed, self._prof = pending, timed, prof
         self._general, self._error = general, error
+        self._track, self._general_post = track, general_post
+
+    def post(self, kind, fn, buf, peer, tag):
+        """Post ``fn(buf, peer, tag)`` (the backend's isend or irecv) as point-to-point
+        call ``kind``; its request, recorded by ``track`` (the flight recorder's), or by
+        ``general_post`` while torch's profiler runs (then in a span too)."""
+        tap = self._prof.module
+        if tap is not None and tap._is_profiler_enabled:
+            return self._general_post(self.pg, kind, fn, buf, peer, tag)
+        return self._track(self.pg, kind, fn(buf, peer, tag), peer, tag, buf)
 
     def call(self, kind, _CBuffer buf, int root, int op, fn, tuple args, bint async_op=False,
              outputs=(), timeout=None):

@@ -13,6 +13,11 @@ submitted to it:
 - :func:`general` everything else, with the recorder's and the profiler's hooks around the
   one callable.
 
+Point to point takes the same path: ``pg.dispatch.post(kind, fn, buf, peer, tag)`` posts
+the backend's isend or irecv and records it (:func:`collectives.flight_recorder.p2p`), in
+the profiler's span while it runs (:func:`general_post`); :func:`post_batch` posts
+``batch_isend_irecv``'s ops as one where the backend can.
+
 Whether a group can take the cheap path at all (``inline``) is fixed when the group is
 made (:func:`for_group`); the profiler's and the per-call timeouts' switches are one test
 each per call, as torch's own "fast python check" of its profiler flag.
@@ -87,6 +92,30 @@ def general(pg, kind, buf, root, op, fn, args, async_op, outputs, timeout):
     return None
 
 
+def general_post(pg, kind, fn, buf, peer, tag):
+    """``fn(buf, peer, tag)`` (the backend's isend or irecv) as point-to-point call
+    ``kind`` of ``pg`` while torch's profiler runs: one span under torch gloo's name
+    (send, recv, recvAnySource), opened first and closed by the request's wait or test
+    (on the waiting thread for a blocking send/recv), and the flight recorder's entry."""
+    name = kind[1:] if kind[0] == "i" else kind
+    if name == "recv" and peer is None:
+        name = "recvAnySource"
+    req, span = _profiling.issue(pg, name, kind[0] == "i", fn, buf, peer, tag)
+    return _flight.p2p(pg, kind, req, peer, tag, buf, span)
+
+
+def post_batch(pg, batch):
+    """The requests of ``batch`` ([(send?, buf, peer, tag)]) posted as one by the backend
+    (``batch_p2p``: one NCCL group, where a ring of isend/irecv cannot deadlock), each
+    recorded as an isend or irecv; None where the backend has no batch or the profiler
+    runs (then each is posted on its own, in its span)."""
+    post = getattr(pg.backend, "batch_p2p", None)
+    if post is None or _state["_prof"]._is_profiler_enabled:
+        return None
+    return [_flight.p2p(pg, "isend" if send else "irecv", req, peer, tag, buf)
+            for req, (send, buf, peer, tag) in zip(post(batch), batch)]
+
+
 class _PyDispatcher:
     """``collectives._core.Dispatcher`` in Python (the package without its extensions)."""
 
@@ -103,6 +132,11 @@ class _PyDispatcher:
         _flight.Tracked(fr, _issue(fr, kind, buf, root, op), fn)(*args)
         return None
 
+    def post(self, kind, fn, buf, peer, tag):
+        if _state["_prof"]._is_profiler_enabled:
+            return general_post(self.pg, kind, fn, buf, peer, tag)
+        return _flight.p2p(self.pg, kind, fn(buf, peer, tag), peer, tag, buf)
+
 
 def for_group(pg):
     """The dispatcher of a new group ``pg`` (its recorder ``pg.fr`` made already). The
@@ -115,8 +149,9 @@ def for_group(pg):
         pending = Counter()  # never counts: such a backend runs every call through pg.run
     if _Dispatcher is not None and isinstance(pg.fr, _flight.CallRing) \
             and _flight.CallRing is not _flight._PyCallRing and isinstance(pending, _CCounter):
-        return _Dispatcher(pg, pg.fr, be, inline, pending, general, timed, _tap, DistError)
+        return _Dispatcher(pg, pg.fr, be, inline, pending, general, timed, _tap, DistError,
+                           _flight.p2p, general_post)
     return _PyDispatcher(pg, pg.fr, be, inline, pending)
 
 
-__all__ = ["for_group", "general"]
+__all__ = ["for_group", "general", "general_post", "post_batch"]

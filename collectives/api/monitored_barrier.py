@@ -29,7 +29,10 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     tmo = pg.timeout if tmo is None else tmo
     if pg._size == 1:
         return None
-    # point to point in this thread, recorded as one collective (not queued, no span)
+    # point to point in this thread, recorded as one collective by the recorder's own hook
+    # (Tracked), not through the group's dispatcher: as torch's gloo runs it, it neither
+    # waits behind the group's queued work (a diagnosis of a group that may hang there)
+    # nor opens a profiler span
     Tracked(pg.fr, pg.fr.issue("monitored_barrier"), _monitored_barrier)(pg, tmo, wait_all_ranks)
     return None
 

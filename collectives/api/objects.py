@@ -12,10 +12,10 @@ import pickle
 import numpy as np
 
 from ..core import dtypes as D
-from .. import flight_recorder as _flight
 from ..security import safe_pickle
 from ..core.world import current as _group
 from ..core.tensors import Buffer
+from .opspec import recv_peer, send_peer
 
 
 _CODES = {np.dtype(np.uint8): D.UINT8, np.dtype(np.int64): D.INT64}
@@ -58,13 +58,13 @@ def _copy_back(back):
 
 
 def _p2p(pg, post, buf, peer):
-    """``post(buf, peer, 0).wait()``, through CUDA memory for a backend that takes it;
-    returns the Request."""
+    """``post(buf, peer, 0).wait()`` as a blocking send or recv through the group's
+    dispatcher (recorded; in a span while torch's profiler runs), through CUDA memory for
+    a backend that takes it; returns the Request."""
     back = ()
     if getattr(pg.backend, "takes_cuda", False):
         (buf,), back = _on_cuda((buf,))
-    req = _flight.p2p(pg, "send" if post.__name__ == "isend" else "recv", post(buf, peer, 0), peer,
-                      0, buf)
+    req = pg.dispatch.post("send" if post.__name__ == "isend" else "recv", post, buf, peer, 0)
     req.wait()
     _copy_back(back)
     return req
@@ -216,11 +216,10 @@ def send_object_list(object_list, dst=None, group=None, device=None, group_dst=N
     """Send the objects of ``object_list`` to ``dst`` (pickled: trusted peers only).
     ``use_batch`` (torch's choice of batch_isend_irecv over send) changes nothing here: the
     backend's sends are posted without blocking either way."""
-    from .p2p import _dst
     pg = _group(group)
     if pg is None:
         return None
-    peer = _dst(pg, dst, group_dst)
+    peer = send_peer(pg, dst, group_dst)
     if not isinstance(object_list, list):
         raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
     parts = [_pickle(o) for o in object_list]
@@ -237,12 +236,11 @@ def recv_object_list(object_list, src=None, group=None, device=None, group_src=N
     """Fill ``object_list`` with objects sent by ``src`` (None: any rank). Returns the sender's
     global rank. ``use_batch`` changes nothing (as in send_object_list); ``safe``: see the
     module docstring."""
-    from .p2p import _src
     safe = safe_pickle.check_safe(safe)
     pg = _group(group)
     if pg is None:
         return -1
-    peer = _src(pg, src, group_src)
+    peer = recv_peer(pg, src, group_src)
     if not isinstance(object_list, list):
         raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
     be = pg.backend

@@ -24,6 +24,12 @@ common call (``dist.all_reduce(t)``) has one Python frame and goes straight to t
 group's dispatcher (``pg.dispatch.call``: :mod:`collectives.api.dispatch`), as it did when
 each function was written by hand.
 
+Point-to-point calls (``isend``, ``irecv``, ``send``, ``recv``) are entries too: a buffer,
+a peer argument (``peer``), the backend's isend or irecv, posted through the group's
+dispatcher (``pg.dispatch.post``), which records and profiles it; the ``*_multigpu``
+calls are entries whose plans (:mod:`collectives.api.multigpu`) run the single-tensor
+entries' ``run``.
+
 Lists of tensors reach the backend as one Buffer (a staging buffer, or the tensors' own
 memory when they already lie back to back).
 """
@@ -40,16 +46,49 @@ from ..core.plans import (Steps, buffer, buffers, check_devices, check_like, con
 from ..core.world import NOT_INITIALIZED, current, world
 from ..core.reduce_op import ReduceOp
 from ..core.tensors import Buffer
-from ..core.work import timeout_seconds
+from ..core.args import TAG_LIMIT, check_tag
+from ..core.work import Work, timeout_seconds
 
 _SUM = ReduceOp.SUM
 
 
-def _absent(group):
-    """What a call returns on a rank outside ``group`` (None); ValueError before init."""
+def _absent(group, value=None):
+    """What a call returns on a rank outside ``group`` (``value``: None, recv's -1);
+    ValueError before init."""
     if group is None:
         raise ValueError(NOT_INITIALIZED)
-    return None
+    return value
+
+
+# ---- point to point: the peer's rules -----------------------------------------------------------
+
+def send_peer(pg, dst, group_dst):
+    """The group rank of a send's peer (``dst`` global, or ``group_dst``), not this rank's."""
+    peer = pg.peer(dst, group_dst, "dst")
+    if peer == pg._rank:
+        raise ValueError("Invalid destination rank: destination rank should not be the same as "
+                         "the rank of the current process.")
+    return peer
+
+
+def recv_peer(pg, src, group_src):
+    """The group rank of a receive's peer (``src`` global, or ``group_src``; neither: None,
+    any source), not this rank's."""
+    if src is None and group_src is None:
+        return None  # any source
+    peer = pg.peer(src, group_src, "src")
+    if peer == pg._rank:
+        raise ValueError("Invalid source rank: source rank should not be the same as "
+                         "the rank of the current process.")
+    return peer
+
+
+def any_sender(pg, req):
+    """The group rank that sent what an any-source receive ``req`` (done) received."""
+    got = req.source
+    if got < 0:
+        raise RuntimeError(f"{pg.backend_name} backend did not report the sender of an any-source recv")
+    return got
 
 
 def _launch(pg, async_op, outputs, name, steps, buf, root=-1, op=-1, timeout=None):
@@ -323,32 +362,54 @@ _FINGERPRINT_KIND = {name: code for code, name in KIND_NAMES.items()}  # backend
 
 
 class OpSpec:
-    """One collective: see the module's docstring. ``free`` and ``run`` are made by
-    :func:`build`."""
+    """One collective, or one point-to-point call: see the module's docstring. ``free``
+    and ``run`` are made by :func:`build`.
+
+    A point-to-point call names its ``peer`` argument ("dst": a send's, "src": a
+    receive's, which may be any rank) and posts the backend's ``method`` (isend, irecv)
+    through the group's dispatcher (``pg.dispatch.post``), which records it under
+    ``kind`` with ``record`` (the buffer, the peer, the tag); a ``blocking`` one waits for
+    it; ``result`` is what it returns and ``absent`` what it returns on a rank outside
+    the group. ``fingerprint`` names the backend's kind where it differs from ``method``."""
 
     __slots__ = ("name", "params", "kind", "roles", "root", "root_first", "fast", "devices",
                  "method", "args", "record", "outputs", "timeout", "plan", "plan_args",
-                 "fingerprint", "free", "run")
+                 "peer", "blocking", "result", "absent", "fingerprint", "free", "run")
 
     def __init__(self, name, params, kind, roles=(), root=None, root_first=False, fast=False,
                  devices=(), method=None, args="()", record=("None", "-1", "-1"), outputs="()",
-                 timeout=False, plan=None, plan_args=""):
+                 timeout=False, plan=None, plan_args="", peer=None, blocking=False,
+                 result=("return None",), absent="None", fingerprint=None):
         self.name, self.params, self.kind, self.roles = name, params, kind, roles
         self.root, self.root_first, self.fast, self.devices = root, root_first, fast, devices
         self.method, self.args, self.record, self.outputs = method, args, record, outputs
         self.timeout, self.plan, self.plan_args = timeout, plan, plan_args
-        self.fingerprint = _FINGERPRINT_KIND[method]
+        self.peer, self.blocking, self.result, self.absent = peer, blocking, result, absent
+        self.fingerprint = _FINGERPRINT_KIND[fingerprint or method]
         self.free = self.run = None
 
     def __repr__(self):
         return f"OpSpec({self.name!r}, kind={self.kind!r}, method={self.method!r})"
 
 
-def _rooted(p):  # the global rank's common case: one dict lookup
-    return (f"root = pg.group_of_global.get({p}) if type({p}) is int and group_{p} is None "
+def _rooted(p, var="root", rule=None, more=""):
+    """The lines that set ``var`` to the group rank argument ``p`` (or ``group_p``) names:
+    the global rank's common case is one dict lookup; else (or where ``more`` holds) the
+    ``rule`` in full (default: the root's, rank 0 when neither is given)."""
+    rule = rule or f"pg.peer({p}, group_{p}, {p!r}, default=0)"
+    return (f"{var} = pg.group_of_global.get({p}) if type({p}) is int and group_{p} is None "
             f"else None",
-            "if root is None:",
-            f"    root = pg.peer({p}, group_{p}, {p!r}, default=0)")
+            f"if {var} is None{more}:",
+            f"    {var} = {rule}")
+
+
+def _p2p(name, kind, method, peer, blocking=False, result=("return None",), absent="None"):
+    """A point-to-point call's entry: one buffer, its peer, the backend's isend or irecv."""
+    return OpSpec(name, f"tensor, {peer}=None, group=None, tag=0, group_{peer}=None", kind,
+                  roles=(Role("buf", "tensor"),), fast=None, devices=(("buf",), "tensor"),
+                  method=method, record=("buf", "peer", "tag"), outputs="[tensor]", peer=peer,
+                  blocking=blocking, result=result, absent=absent,
+                  fingerprint="send" if method == "isend" else "recv")
 
 
 SPECS = {s.name: s for s in (
@@ -412,7 +473,22 @@ SPECS = {s.name: s for s in (
            plan_args="out, inp, output, input, output_split_sizes, input_split_sizes, async_op"),
     OpSpec("barrier", "group=None, async_op=False, device_ids=None, timeout=None", "barrier",
            fast=None, method="barrier", timeout=True),
+    # point to point: a Work for isend/irecv; send/recv wait, recv names the sender
+    _p2p("isend", "isend", "isend", "dst", result=("return Work(req, [tensor], pg)",)),
+    _p2p("irecv", "irecv", "irecv", "src", result=("return Work(req, [tensor], pg)",)),
+    _p2p("send", "send", "isend", "dst", blocking=True),
+    _p2p("recv", "recv", "irecv", "src", blocking=True, absent="-1",
+         result=("if peer is None:", "    peer = any_sender(pg, req)", "return pg.ranks[peer]")),
 )}
+
+
+def add(*specs):
+    """Enter ``specs`` in the table (the ``*_multigpu`` entries, whose plans live in
+    :mod:`collectives.api.multigpu`); ValueError for a name already there."""
+    for spec in specs:
+        if spec.name in SPECS:
+            raise ValueError(f"{spec.name!r} is in the op table already")
+        SPECS[spec.name] = spec
 
 
 # ---- making the functions -------------------------------------------------------------------------
@@ -420,11 +496,40 @@ SPECS = {s.name: s for s in (
 _GLOBALS = {"_SUM": _SUM, "_SUM_CODE": D.SUM, "world": world, "current": current,
             "_absent": _absent, "buffer": buffer, "buffers": buffers,
             "check_devices": check_devices, "disjoint_gather": disjoint_gather,
-            "timeout_seconds": timeout_seconds}
+            "timeout_seconds": timeout_seconds, "check_tag": check_tag, "TAG_LIMIT": TAG_LIMIT,
+            "send_peer": send_peer, "recv_peer": recv_peer, "any_sender": any_sender,
+            "Work": Work}
+
+
+def _devices(spec, pad=""):
+    """The check that a CUDA buffer may reach the group's backend (for ``spec.devices``)."""
+    if not spec.devices:
+        return []
+    bufs, label = spec.devices
+    return [pad + f"if {' or '.join(f'{b}.device != -1' for b in bufs)}:",
+            pad + f"    check_devices(pg, ({', '.join(bufs)},), {label!r})"]
+
+
+def _p2p_body(spec):
+    """A point-to-point call's lines: its peer, its tag, its buffer, then the post."""
+    p = spec.peer
+    rule = f"{'send' if p == 'dst' else 'recv'}_peer(pg, {p}, group_{p})"
+    buf, peer, tag = spec.record
+    lines = [*_rooted(p, "peer", rule, " or peer == pg._rank"),
+             "if type(tag) is not int or not 0 <= tag < TAG_LIMIT:",
+             "    check_tag(tag)",  # (the rule; the test above only spares the call)
+             *[r.source() for r in spec.roles], *_devices(spec),
+             f"req = pg.dispatch.post({spec.kind!r}, pg.backend.{spec.method}, {buf}, {peer}, "
+             f"{tag})"]
+    if spec.blocking:
+        lines.append("req.wait()")
+    return lines + list(spec.result)
 
 
 def body(spec):
     """The lines of ``spec``'s body, on a group ``pg`` already resolved."""
+    if spec.peer is not None:
+        return _p2p_body(spec)
     lines = []
     if spec.timeout:
         lines.append("if timeout is not None:")
@@ -440,10 +545,7 @@ def body(spec):
         pad = "" if spec.fast is None else "    "
         if spec.fast is not None:
             lines.append(f"if {spec.fast}:")
-        if spec.devices:
-            bufs, label = spec.devices
-            lines.append(pad + f"if {' or '.join(f'{b}.device != -1' for b in bufs)}:")
-            lines.append(pad + f"    check_devices(pg, ({', '.join(bufs)},), {label!r})")
+        lines += _devices(spec, pad)
         lines.append(pad + call)
     if spec.plan is not None:
         lines.append(f"return _plan(pg, {spec.plan_args})")
@@ -461,7 +563,7 @@ def source(spec):
     lines = ["    " + s for s in body(spec)]
     resolve = ["    pg = world.default if group is None else current(group)",
                "    if pg is None:",
-               "        return _absent(group)"]
+               f"        return _absent(group{'' if spec.absent == 'None' else ', ' + spec.absent})"]
     if spec.timeout:  # the timeout is checked before a non-member returns (torch's order)
         resolve = resolve[:1] + lines[:2] + resolve[1:]
         free = lines[2:]
@@ -471,19 +573,21 @@ def source(spec):
                       f"def run({_params(spec, False)}):", *lines, ""])
 
 
-def build(spec, doc=None):
-    """Make ``spec.free`` and ``spec.run`` from ``spec``; their code's file name is
-    ``<opspec NAME>`` and its text is in :mod:`linecache` (tracebacks show it)."""
+def build(spec, doc=None, module="collectives.api.collective_ops"):
+    """Make ``spec.free`` and ``spec.run`` from ``spec`` (functions of ``module``, the
+    one that exports the free function); their code's file name is ``<opspec NAME>`` and
+    its text is in :mod:`linecache` (tracebacks show it)."""
     text = source(spec)
     filename = f"<opspec {spec.name}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     ns = dict(_GLOBALS, _plan=spec.plan)
     exec(compile(text, filename, "exec"), ns)  # noqa: S102  (our own table's text)
     spec.free, spec.run = ns[spec.name], ns["run"]
-    spec.free.__module__ = spec.run.__module__ = "collectives.api.collective_ops"
+    spec.free.__module__ = spec.run.__module__ = module
     spec.run.__name__ = spec.run.__qualname__ = f"{spec.name}_run"
     spec.free.__doc__ = doc
     return spec.free
 
 
-__all__ = ["OpSpec", "Role", "SPECS", "build", "source"]
+__all__ = ["OpSpec", "Role", "SPECS", "add", "any_sender", "build", "recv_peer", "send_peer",
+           "source"]

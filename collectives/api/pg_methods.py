@@ -22,15 +22,14 @@ from ..core.options import (
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
 from ..core import world as _world
-from . import multigpu as _mg
+from . import collective_ops, multigpu, p2p  # noqa: F401  (they build the table's entries)
 from .monitored_barrier import monitored_barrier as _monitored_barrier
 from .opspec import SPECS
-from . import p2p as _pp
 from ..backends.base import DoneRequest
 from ..core.reduce_op import PremulSum, RedOpType, ReduceOp, _PremulSumMember, as_op
 from ..core.work import Work, option_timeout, per_call_timeout, timeout_seconds
 
-_run_of = {name: spec.run for name, spec in SPECS.items()}  # the table's bodies
+_run_of = {name: spec.run for name, spec in SPECS.items()}  # the table's bodies, all built
 
 _OUR_OPS = (RedOpType, PremulSum, _PremulSumMember)
 _SUM = ReduceOp.SUM
@@ -145,13 +144,6 @@ class CollectiveMethods:
                 work = run(pg, *args, async_op=c.async_op, **kwargs)
         return self._result(c, work, outputs)
 
-    def _run_multi(self, c, fn, outputs, *args, **kwargs):
-        """``fn(*args, group=, async_op=, **kwargs)`` (a ``*_multigpu`` call, made of the
-        table's collectives), as :meth:`_run`."""
-        with per_call_timeout(c.secs):
-            work = fn(*args, group=c.group, async_op=c.async_op, **kwargs)
-        return self._result(c, work, outputs)
-
     def _coalesced(self, c, name, outputs, inputs, *args):
         """The table's ``name(output, input, *args)`` for each pair, all issued before any
         is waited for; one Work for them all (the group runs them in order: the last done
@@ -176,7 +168,7 @@ class CollectiveMethods:
         ts = _tensors(tensors, "tensors")
         c = self._call(tensors, opts, AllreduceOptions, reduceOp=opts)
         if len(ts) > 1:
-            return self._run_multi(c, _mg.all_reduce_multigpu, ts, ts, c.op)
+            return self._run(c, "all_reduce_multigpu", ts, ts, c.op)
         return self._run(c, "all_reduce", ts, ts[0], c.op)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -190,7 +182,7 @@ class CollectiveMethods:
         c = self._call(tensors, opts, BroadcastOptions, rootRank=opts)
         root = _root(c.group, c.root, "rootRank")
         if len(ts) > 1:
-            return self._run_multi(c, _mg.broadcast_multigpu, ts, ts, c.group.ranks[root],
+            return self._run(c, "broadcast_multigpu", ts, ts, c.group.ranks[root],
                              src_tensor=c.root_tensor)
         return self._run(c, "broadcast", ts, ts[0], group_src=root)
 
@@ -200,7 +192,7 @@ class CollectiveMethods:
         c = self._call(tensors, opts, ReduceOptions, rootRank=opts, reduceOp=op)
         root = _root(c.group, c.root, "rootRank")
         if len(ts) > 1:
-            return self._run_multi(c, _mg.reduce_multigpu, ts, ts, c.group.ranks[root], c.op,
+            return self._run(c, "reduce_multigpu", ts, ts, c.group.ranks[root], c.op,
                              dst_tensor=c.root_tensor)
         return self._run(c, "reduce", ts, ts[0], op=c.op, group_dst=root)
 
@@ -214,7 +206,7 @@ class CollectiveMethods:
         ins = _tensors(input_tensors, "input_tensors")
         if len(ins) > 1:
             outs = [list(x) for x in output_tensors]
-            return self._run_multi(c, _mg.all_gather_multigpu, outs, outs, ins)
+            return self._run(c, "all_gather_multigpu", outs, outs, ins)
         if len(output_tensors) != 1 or not isinstance(output_tensors[0], (list, tuple)):
             raise ValueError("output_tensors must be a list holding one list of tensors "
                              "(one per rank) for each input tensor")
@@ -274,7 +266,7 @@ class CollectiveMethods:
                              list(input_tensors), c.op)
         outs = _tensors(output_tensors, "output_tensors")
         if len(outs) > 1:
-            return self._run_multi(c, _mg.reduce_scatter_multigpu, outs, outs,
+            return self._run(c, "reduce_scatter_multigpu", outs, outs,
                              [list(x) for x in input_tensors], c.op)
         return self._run(c, "reduce_scatter", outs, outs[0],
                          list(_only(input_tensors, "input_tensors", "list of tensors")), c.op)
@@ -310,23 +302,22 @@ class CollectiveMethods:
 
     # ---- point to point --------------------------------------------------------------------
 
+    def _p2p(self, name, t, **kwargs):
+        """The table's point-to-point entry ``name`` (isend, irecv) for tensor ``t`` on this
+        group; its Work through the result adapter."""
+        return self._result(None, _run_of[name](_world.current(self._group), t, **kwargs), [t])
+
     def send(self, tensors, dstRank, tag=0):  # noqa: N803  (torch's names)
-        g = self._group
         t = _only(_tensors(tensors, "tensors"), "tensors")
-        return self._result(None, _pp.isend(t, group=g, tag=tag,
-                                            group_dst=_root(g, dstRank, "dstRank")), [t])
+        return self._p2p("isend", t, tag=tag, group_dst=_root(self._group, dstRank, "dstRank"))
 
     def recv(self, tensors, srcRank, tag=0):  # noqa: N803
-        g = self._group
         t = _only(_tensors(tensors, "tensors"), "tensors")
-        return self._result(None, _pp.irecv(t, group=g, tag=tag,
-                                            group_src=_root(g, srcRank, "srcRank")), [t])
+        return self._p2p("irecv", t, tag=tag, group_src=_root(self._group, srcRank, "srcRank"))
 
     def recv_anysource(self, tensors, tag=0):
         """A receive from any rank of the group; ``work.source_rank()`` names the sender."""
-        g = self._group
-        t = _only(_tensors(tensors, "tensors"), "tensors")
-        return self._result(None, _pp.irecv(t, group=g, tag=tag), [t])
+        return self._p2p("irecv", _only(_tensors(tensors, "tensors"), "tensors"), tag=tag)
 
 
 class ProcessGroupMethods:

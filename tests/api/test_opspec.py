@@ -64,11 +64,15 @@ def test_the_free_function_and_the_method_run_one_body(name):
 def test_the_table_names_backend_methods_and_recorded_kinds(name):
     spec = opspec.SPECS[name]
     assert callable(getattr(Backend, spec.method))
-    assert KIND_NAMES[spec.fingerprint] == spec.method  # the kind the backend fingerprints
+    # the kind the backend fingerprints (isend and irecv: send, recv)
+    assert KIND_NAMES[spec.fingerprint] == (spec.method if spec.peer is None else spec.method[1:])
     assert spec.kind in {"all_reduce", "all_reduce_coalesced", "reduce", "broadcast",
                          "all_gather", "all_gather_coalesced", "gather", "scatter",
-                         "reduce_scatter", "all_to_all", "barrier"}
-    if spec.fast is not False:  # one backend call: what the recorder takes is named
+                         "reduce_scatter", "all_to_all", "barrier",
+                         "isend", "irecv", "send", "recv"}
+    if spec.peer is not None:  # point to point: tests/api/test_opspec_p2p.py
+        assert spec.record == ("buf", "peer", "tag")
+    elif spec.fast is not False:  # one backend call: what the recorder takes is named
         buf, root, op = spec.record
         assert buf == "None" or buf in {r.var for r in spec.roles}
         assert root in ("-1", "root") and op in ("-1", "_SUM_CODE")

@@ -14,6 +14,7 @@ from collectives.core.errors import DistBackendError
 from collectives.store import HashStore
 from collectives.core.work import per_call_timeout
 
+from tests.support.dispatchers import choose
 from tests.support.requires import needs_gloo
 
 
@@ -31,14 +32,7 @@ def world1(request, monkeypatch):
 
     monkeypatch.setattr(dispatch, "general", spy)  # the dispatchers made from now on call it
     dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    pg = dist.group.WORLD
-    if request.param == "python":
-        pg.dispatch = dispatch._PyDispatcher(pg, pg.fr, pg.backend, pg.dispatch.inline,
-                                             pg.backend.pending)
-    elif dispatch._Dispatcher is None:
-        dist.destroy_process_group()
-        pytest.skip("collectives._core is not built")
-    yield dist, pg, general
+    yield dist, choose(dist, request.param), general
     dist.destroy_process_group()
 
 

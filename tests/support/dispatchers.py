@@ -1,0 +1,17 @@
+"""The two dispatchers a test runs a world's calls through: the C one and its Python twin."""
+import pytest
+
+from collectives.api import dispatch
+
+
+def choose(dist, which):
+    """The world's group, given the C dispatcher (``which`` "c", where built: else the
+    world is destroyed and the test skipped) or its pure-Python twin ("python")."""
+    pg = dist.group.WORLD
+    if which == "python":
+        pg.dispatch = dispatch._PyDispatcher(pg, pg.fr, pg.backend, pg.dispatch.inline,
+                                             pg.backend.pending)
+    elif dispatch._Dispatcher is None:
+        dist.destroy_process_group()
+        pytest.skip("collectives._core is not built")
+    return pg
