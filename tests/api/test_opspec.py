@@ -9,8 +9,28 @@ made from it.
   and the group's method give the same bits, both match the NumPy reference, and the
   inputs that must not change (reduce's on the non-roots, reduce_scatter's everywhere)
   do not.
+
+The point-to-point and ``*_multigpu`` entries:
+
+- isend, irecv, send, recv and the five ``*_multigpu`` calls are made from their OpSpecs,
+  as the collectives are; the p2p entries name the backend's isend/irecv, the kinds the
+  backend fingerprints and what the recorder takes; the multigpu entries name the
+  single-tensor entry whose body they run.
+- The C dispatcher and its Python twin post and record every p2p call alike.
+- Nothing in ``collectives/api/`` but the dispatcher writes the flight recorder's or the
+  profiler's handling by hand.
+- Property (world of 3, gloo): for any dtype, shape, tag, ring shift and seed, a ring of
+  messages sent by the free functions (isend/irecv, send/recv, recv from any source) and
+  by the group's methods (pg.send/pg.recv/pg.recv_anysource) delivers the NumPy
+  reference on both ways, recv names the sender's global rank, and the flight recorder
+  holds one entry per message with its kind, peer, tag, count and state; a peer that is
+  this rank, outside the group or given twice is refused before anything is posted.
+- Property (world of 3, gloo): each ``*_multigpu`` call by the free function and by the
+  method agrees with NumPy and is recorded under its single-tensor entry's kind.
 """
 import inspect
+import os
+import re
 
 import numpy as np
 import pytest
@@ -18,9 +38,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import collectives as dist
-from collectives.api import collective_ops, opspec
-from collectives.backends.base import Backend
+from collectives.api import collective_ops, multigpu, opspec, p2p
+from collectives.backends import registered_backends
+from collectives.backends.base import Backend, DoneRequest
 from collectives.core.fingerprint import KIND_NAMES
+from collectives.store import HashStore
+from tests.support import ROOT
+from tests.support.dispatchers import choose
 from tests.support.profiles import examples
 from tests.support.ranks import available_configs, backend_pool
 
@@ -70,7 +94,7 @@ def test_the_table_names_backend_methods_and_recorded_kinds(name):
                          "all_gather", "all_gather_coalesced", "gather", "scatter",
                          "reduce_scatter", "all_to_all", "barrier",
                          "isend", "irecv", "send", "recv"}
-    if spec.peer is not None:  # point to point: tests/api/test_opspec_p2p.py
+    if spec.peer is not None:  # point to point: the p2p checks below
         assert spec.record == ("buf", "peer", "tag")
     elif spec.fast is not False:  # one backend call: what the recorder takes is named
         buf, root, op = spec.record
@@ -215,3 +239,371 @@ def test_free_function_and_method_agree_with_numpy(config, case):
             if kind == "reduce_scatter" or (kind == "reduce" and r != case["root"]):
                 after, before = got[way + "_input"]
                 assert after == before, (r, way, "an input that must not change changed")
+
+
+# ---- point-to-point and *_multigpu entries -------------------------------------------------
+
+P2P = {"isend": p2p, "irecv": p2p, "send": p2p, "recv": p2p}
+MULTIGPU = {name: multigpu for name in ("all_reduce_multigpu", "broadcast_multigpu",
+                                        "reduce_multigpu", "all_gather_multigpu",
+                                        "reduce_scatter_multigpu")}
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted({**P2P, **MULTIGPU}))
+def test_p2p_and_multigpu_calls_are_made_from_their_opspec(name):
+    spec = opspec.SPECS[name]
+    fn = getattr(dist, name)
+    assert fn is spec.free and fn is getattr({**P2P, **MULTIGPU}[name], name)
+    assert fn.__module__ == {**P2P, **MULTIGPU}[name].__name__
+    assert fn.__code__.co_filename == f"<opspec {name}>"
+    free = list(inspect.signature(fn).parameters)
+    assert list(inspect.signature(spec.run).parameters) == ["pg"] + [p for p in free
+                                                                      if p != "group"]
+
+
+@pytest.mark.parametrize("name", sorted(P2P))
+def test_a_p2p_entry_posts_the_backends_call_through_the_dispatcher(name):
+    spec = opspec.SPECS[name]
+    assert spec.method == ("isend" if name in ("isend", "send") else "irecv")
+    assert callable(getattr(Backend, spec.method))
+    assert KIND_NAMES[spec.fingerprint] == spec.method[1:]  # send, recv
+    assert spec.kind == name and spec.blocking == (name in ("send", "recv"))
+    assert spec.peer == ("dst" if spec.method == "isend" else "src")
+    assert spec.record == ("buf", "peer", "tag")
+    body = opspec.body(spec)
+    post = [ln for ln in body if "pg.dispatch.post(" in ln]
+    assert post == [f"req = pg.dispatch.post({name!r}, pg.backend.{spec.method}, buf, peer, tag)"]
+    # the peer is resolved (and refused when it is this rank) before the post
+    rule = f"{'send' if spec.peer == 'dst' else 'recv'}_peer(pg, "
+    assert any(rule in ln for ln in body[:body.index(post[0])])
+    assert ("req.wait()" in body) == spec.blocking
+
+
+@pytest.mark.parametrize("name", sorted(MULTIGPU))
+def test_a_multigpu_entry_runs_its_single_tensor_entry(name):
+    spec = opspec.SPECS[name]
+    single = name[:-len("_multigpu")]
+    assert spec.kind == single and spec.method == single and spec.plan is not None
+    assert KIND_NAMES[spec.fingerprint] == spec.method
+    src = inspect.getsource(spec.plan)
+    assert f'SPECS["{single}"].run(pg, ' in src
+    assert opspec.body(spec)[-1].startswith("return _plan(pg, ")
+
+
+def test_the_recorder_and_the_profiler_are_handled_in_the_dispatcher_only():
+    """No module of collectives/api/ but dispatch.py writes the recorder's started/done/fail
+    steps, records a p2p call, or tests the profiler's flag (monitored_barrier runs the
+    recorder's own Tracked hook: it is not queued, as torch's gloo runs it)."""
+    api = os.path.join(ROOT, "collectives", "api")
+    by_hand = re.compile(r"fr\.started\s*=|fr\.done\s*=|\.fail\(|_is_profiler_enabled|"
+                         r"issue_p2p|_flight\.p2p|flight_recorder\.p2p|_profiling\.issue")
+    found = []
+    for f in sorted(os.listdir(api)):
+        if f.endswith(".py") and f != "dispatch.py":
+            with open(os.path.join(api, f)) as fh:
+                for i, line in enumerate(fh, 1):
+                    if by_hand.search(line.split("#")[0]):
+                        found.append(f"{f}:{i}: {line.strip()}")
+    assert not found, found
+
+
+# ---- the two dispatchers post alike ------------------------------------------------------------
+
+class _AtOnce(Backend):
+    """A backend whose isend and irecv complete at once (an any-source one from rank 1),
+    and which posts a batch of them as one (as nccl does), counting the batches."""
+
+    batches = 0
+
+    def isend(self, buf, dst, tag=0):
+        return DoneRequest(dst)
+
+    def irecv(self, buf, src, tag=0):
+        return DoneRequest(1 if src is None else src)
+
+    def batch_p2p(self, ops):
+        type(self).batches += 1
+        return [DoneRequest(peer) for _, _, peer, _ in ops]
+
+
+@pytest.fixture(params=["c", "python"])
+def world2(request):
+    """Rank 0 of a world of 2 over :class:`_AtOnce`, with the C dispatcher (where built)
+    or the Python one."""
+    if "p2p-at-once" not in registered_backends():
+        dist.register_backend("p2p-at-once", lambda store, rank, size, timeout, options=None:
+                              _AtOnce(store, rank, size, timeout, options))
+    dist.init_process_group("p2p-at-once", store=HashStore(), rank=0, world_size=2)
+    yield choose(dist, request.param)
+    dist.destroy_process_group()
+
+
+def test_each_dispatcher_posts_and_records_every_p2p_call(world2):
+    pg = world2
+    x = np.arange(3, dtype=np.float32)
+    assert dist.isend(x, 1, tag=5).wait() and dist.irecv(x, 1, tag=6).wait()
+    assert dist.send(x, 1, tag=7) is None and dist.recv(x, 1, tag=8) == 1
+    assert dist.recv(x) == 1  # any source: the sender the backend named
+    w = pg.recv_anysource([x], 10)
+    assert pg.send([x], 1, 9).wait() and w.wait() and w.source_rank() == 1
+    assert _new_p2p(pg.fr, 0) == [
+        ("isend", 1, 5, 3, "completed"), ("irecv", 1, 6, 3, "completed"),
+        ("send", 1, 7, 3, "completed"), ("recv", 1, 8, 3, "completed"),
+        ("recv", -1, 0, 3, "completed"), ("irecv", -1, 10, 3, "completed"),
+        ("isend", 1, 9, 3, "completed")]
+    with pytest.raises(ValueError, match="destination rank"):
+        dist.isend(x, 0)
+    assert pg.fr.p2p_n == 7
+    # batch_isend_irecv: one batch of the backend's, each op recorded
+    batches = _AtOnce.batches
+    works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, x, 1, tag=11),
+                                    dist.P2POp(dist.isend, x, 1, tag=12)])
+    assert _AtOnce.batches == batches + 1 and all(w.wait() for w in works)
+    assert _new_p2p(pg.fr, 7) == [("irecv", 1, 11, 3, "completed"),
+                                  ("isend", 1, 12, 3, "completed")]
+
+
+# ---- point to point, both ways, against NumPy ------------------------------------------------
+
+WORLD = 3
+
+
+def _message(seed, src, dst, dtype, shape):
+    rng = np.random.default_rng([seed, src, dst])
+    return rng.integers(-50, 50, shape).astype(dtype)
+
+
+def _new_p2p(fr, n0):
+    """The recorder's p2p entries after number ``n0``: (kind, peer, tag, count, state)."""
+    return [tuple(e[1:5]) + (e[7],) for e in sorted((e for e in fr.p2p if e is not None
+                                                     and e[0] > n0), key=lambda e: e[0])]
+
+
+_TO_SELF = {"dst": "Invalid destination rank: destination rank should not be the same as the "
+                   "rank of the current process.",
+            "src": "Invalid source rank: source rank should not be the same as the rank of the "
+                   "current process."}
+
+
+def _refused(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def p2p_both_ways(ctx, case):
+    """Run on every rank: a ring (rank r sends to r + shift) by the free functions and by the
+    group's methods; what each received, the senders recv named, the recorder's entries."""
+    dtype, shape, tag, shift, seed = (case[k] for k in ("dtype", "shape", "tag", "shift",
+                                                        "seed"))
+    pg = dist.group.WORLD
+    me = ctx.rank
+    nxt, prv = (me + shift) % WORLD, (me - shift) % WORLD
+    out = _message(seed, me, nxt, dtype, shape)
+    got = {}
+    for way in ("isend", "method", "blocking", "any"):
+        inp = np.zeros(shape, dtype)
+        n0 = pg.fr.p2p_n
+        if way == "isend":
+            works = [dist.irecv(inp, prv, tag=tag), dist.isend(out, nxt, tag=tag)]
+            for w in works:
+                w.wait()
+        elif way == "method":
+            works = [pg.recv([inp], prv, tag), pg.send([out], nxt, tag)]
+            for w in works:
+                w.wait()
+        else:  # blocking: in turn, each rank sends while its receiver waits for it
+            for k in range(WORLD):
+                if me == k:
+                    dist.send(out, nxt, tag=tag)
+                elif me == (k + shift) % WORLD:
+                    got[way + "_sender"] = (dist.recv(inp, prv, tag=tag) if way == "blocking"
+                                            else dist.recv(inp, tag=tag))
+                dist.barrier()
+        got[way] = inp.tolist()
+        got[way + "_fr"] = _new_p2p(pg.fr, n0)
+    # a peer that is this rank, outside the group or given twice: refused before any post
+    n0 = pg.fr.p2p_n
+    x = np.zeros(shape, dtype)
+    got["refused"] = [_refused(f) for f in (
+        lambda: dist.send(x, me), lambda: dist.isend(x, me), lambda: dist.recv(x, me),
+        lambda: dist.irecv(x, me), lambda: pg.send([x], me), lambda: pg.recv([x], me),
+        lambda: dist.isend(x, WORLD + 4), lambda: dist.irecv(x, src=nxt, group_src=nxt),
+        lambda: dist.isend(x, nxt, tag=-1), lambda: dist.send(x))]
+    got["refused_fr"] = _new_p2p(pg.fr, n0)
+    return got
+
+
+@st.composite
+def p2p_cases(draw):
+    return {"dtype": draw(st.sampled_from(["float32", "float64", "int32", "int64", "uint8"])),
+            "shape": draw(st.sampled_from([(1,), (5,), (3, 2), (0,), (257,)])),
+            "tag": draw(st.integers(0, 2**31 - 1)), "shift": draw(st.integers(1, WORLD - 1)),
+            "seed": draw(st.integers(0, 1000))}
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=p2p_cases())
+@example(case={"dtype": "float32", "shape": (5,), "tag": 0, "shift": 1, "seed": 1})
+@example(case={"dtype": "int64", "shape": (3, 2), "tag": 2**31 - 1, "shift": 2, "seed": 2})
+def test_p2p_free_functions_and_methods_agree_with_numpy(config, case):
+    results = backend_pool(config, WORLD).run(p2p_both_ways, case, timeout=90)
+    dtype, shape, tag, shift = (case[k] for k in ("dtype", "shape", "tag", "shift"))
+    count = int(np.prod(shape, dtype=np.int64))
+    for r, got in enumerate(results):
+        prv, nxt = (r - shift) % WORLD, (r + shift) % WORLD
+        want = _message(case["seed"], prv, r, dtype, shape).tolist()
+        for way in ("isend", "method", "blocking", "any"):
+            assert got[way] == want, (r, way)
+        assert got["blocking_sender"] == prv and got["any_sender"] == prv
+        # one recorder entry per message, under the call's kind, completed
+        assert got["isend_fr"] == [("irecv", prv, tag, count, "completed"),
+                                   ("isend", nxt, tag, count, "completed")]
+        assert got["method_fr"] == got["isend_fr"]
+        assert sorted(got["blocking_fr"]) == [("recv", prv, tag, count, "completed"),
+                                              ("send", nxt, tag, count, "completed")]
+        assert sorted(got["any_fr"]) == [("recv", -1, tag, count, "completed"),
+                                         ("send", nxt, tag, count, "completed")]
+        refused = got["refused"]
+        assert all(x is not None for x in refused), (r, refused)
+        for i in (0, 1, 4):  # send, isend, pg.send to this rank
+            assert refused[i] == ("ValueError", _TO_SELF["dst"]), (r, i, refused[i])
+        for i in (2, 3, 5):  # recv, irecv, pg.recv from this rank
+            assert refused[i] == ("ValueError", _TO_SELF["src"]), (r, i, refused[i])
+        assert refused[6][0] == "ValueError" and str(WORLD + 4) in refused[6][1]
+        assert refused[7][0] == "ValueError" and "group_src" in refused[7][1]
+        assert refused[8][0] == "ValueError" and "tag" in refused[8][1]
+        assert refused[9][0] == "ValueError" and "dst" in refused[9][1]
+        assert got["refused_fr"] == []  # nothing was posted
+
+
+# ---- the *_multigpu calls, both ways, against NumPy ------------------------------------------
+
+def _entries(ctx, seed, k, count, dtype):
+    rng = np.random.default_rng([seed, ctx.rank])
+    return [rng.integers(-5, 6, count).astype(dtype) for _ in range(k)]
+
+
+def multigpu_both_ways(ctx, case):
+    """Run on every rank: the case's ``*_multigpu`` call by the free function and by the
+    method; the results and how many calls the recorder took, with the last one's kind."""
+    name, k, count, dtype, seed, root = (case[x] for x in ("name", "k", "count", "dtype",
+                                                           "seed", "root"))
+    pg = dist.group.WORLD
+    op = getattr(dist.ReduceOp, case["op"])
+    got = {}
+    for way in ("free", "method"):
+        ts = _entries(ctx, seed, k, count, dtype)
+        s0 = pg.fr.seq
+        if name == "all_reduce_multigpu":
+            if way == "free":
+                dist.all_reduce_multigpu(ts, op)
+            else:
+                pg.allreduce(ts, op).wait()
+            out = ts
+        elif name == "broadcast_multigpu":
+            if way == "free":
+                dist.broadcast_multigpu(ts, root, src_tensor=k - 1)
+            else:
+                o = dist.BroadcastOptions()
+                o.rootRank, o.rootTensor = root, k - 1
+                pg.broadcast(ts, o).wait()
+            out = ts
+        elif name == "reduce_multigpu":
+            if way == "free":
+                dist.reduce_multigpu(ts, root, op)
+            else:
+                pg.reduce(ts, root, op).wait()
+            out = ts
+        elif name == "all_gather_multigpu":
+            out = [[np.zeros(count, dtype) for _ in range(WORLD * k)] for _ in range(k)]
+            if way == "free":
+                dist.all_gather_multigpu(out, ts)
+            else:
+                pg.allgather(out, ts).wait()
+            out = [t for lst in out for t in lst]
+        else:  # reduce_scatter_multigpu: inputs k lists of WORLD * k entries
+            ins = [_entries(ctx, seed + i, WORLD * k, count, dtype) for i in range(k)]
+            out = [np.zeros(count, dtype) for _ in range(k)]
+            if way == "free":
+                dist.reduce_scatter_multigpu(out, ins, op)
+            else:  # (the legacy positional op)
+                pg.reduce_scatter(out, ins, op).wait()
+        got[way] = [t.tolist() for t in out]
+        last = pg.fr.entry(pg.fr.seq)
+        got[way + "_fr"] = (pg.fr.seq - s0, last[1] if last is not None else None)
+    return got
+
+
+_NP = {"SUM": np.add, "MAX": np.maximum, "MIN": np.minimum}
+
+
+def _multigpu_reference(case, rank):
+    name, k, count, dtype, seed, root = (case[x] for x in ("name", "k", "count", "dtype",
+                                                           "seed", "root"))
+    fn = _NP[case["op"]]
+
+    class Ctx:
+        def __init__(self, r):
+            self.rank = r
+    per_rank = [_entries(Ctx(r), seed, k, count, dtype) for r in range(WORLD)]
+    if name in ("all_reduce_multigpu", "reduce_multigpu"):
+        every = [t for ts in per_rank for t in ts]
+        acc = every[0].copy()
+        for t in every[1:]:
+            acc = fn(acc, t)
+        if name == "all_reduce_multigpu":
+            return [acc.tolist()] * k
+        mine = [t.tolist() for t in per_rank[rank]]  # reduce: only the root's first entry
+        return [acc.tolist()] + mine[1:] if rank == root else mine
+    if name == "broadcast_multigpu":
+        return [per_rank[root][k - 1].tolist()] * k
+    if name == "all_gather_multigpu":
+        flat = [t.tolist() for r in range(WORLD) for t in per_rank[r]]
+        return flat * k
+    # reduce_scatter_multigpu: entry i of rank r reduces every rank's and list's [r * k + i]
+    ins = [[_entries(Ctx(q), seed + i, WORLD * k, count, dtype) for i in range(k)]
+           for q in range(WORLD)]
+    out = []
+    for i in range(k):
+        parts = [lst[rank * k + i] for q in range(WORLD) for lst in ins[q]]
+        acc = parts[0].copy()
+        for t in parts[1:]:
+            acc = fn(acc, t)
+        out.append(acc.tolist())
+    return out
+
+
+@st.composite
+def multigpu_cases(draw):
+    name = draw(st.sampled_from(sorted(MULTIGPU)))
+    return {"name": name, "k": draw(st.integers(1, 3)), "count": draw(st.integers(1, 6)),
+            "dtype": draw(st.sampled_from(["float64", "int32", "int64"])),
+            "op": draw(st.sampled_from(sorted(_NP))), "seed": draw(st.integers(0, 1000)),
+            "root": draw(st.integers(0, WORLD - 1))}
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=multigpu_cases())
+@example(case={"name": "reduce_multigpu", "k": 2, "count": 3, "dtype": "int64", "op": "MAX",
+               "seed": 1, "root": 2})
+@example(case={"name": "reduce_scatter_multigpu", "k": 2, "count": 2, "dtype": "float64",
+               "op": "SUM", "seed": 2, "root": 0})
+@example(case={"name": "all_gather_multigpu", "k": 2, "count": 1, "dtype": "int32",
+               "op": "SUM", "seed": 3, "root": 0})
+def test_multigpu_free_functions_and_methods_agree_with_numpy(config, case):
+    results = backend_pool(config, WORLD).run(multigpu_both_ways, case, timeout=90)
+    kind = case["name"][:-len("_multigpu")]
+    for r, got in enumerate(results):
+        assert got["free"] == got["method"], (r, got)
+        np.testing.assert_allclose(np.array(got["free"], np.float64),
+                                   np.array(_multigpu_reference(case, r), np.float64))
+        for way in ("free", "method"):  # recorded, under the single-tensor entry's kind
+            calls, last = got[way + "_fr"]
+            assert calls >= 1 and last == kind, (r, way, got[way + "_fr"])
