@@ -58,7 +58,13 @@ def timed_out(describe, timeout):
 
 
 class Request:
-    """An operation in flight. ``wait`` raises the operation's DistError, if any."""
+    """An operation in flight. ``wait`` raises the operation's DistError, if any.
+
+    A subclass keeps its failure in ``_exc`` and a receive's sender in ``_source``; the
+    two accessors below read them."""
+
+    _exc = None
+    _source = -1
 
     def wait(self, timeout=None):
         raise NotImplementedError
@@ -69,12 +75,12 @@ class Request:
 
     def exception(self):
         """The exception the operation failed with, or None."""
-        return None
+        return self._exc
 
     @property
     def source(self):
         """For a receive: the group rank of the sender; -1 otherwise."""
-        return -1
+        return self._source
 
 
 class DoneRequest(Request):
@@ -90,13 +96,6 @@ class DoneRequest(Request):
 
     def test(self):
         return True
-
-    def exception(self):
-        return self._exc
-
-    @property
-    def source(self):
-        return self._source
 
 
 _CALLBACKS_LOCK = threading.Lock()
@@ -186,13 +185,6 @@ class FutureRequest(Request):
 
     def test(self):
         return self._event.is_set()
-
-    def exception(self):
-        return self._exc
-
-    @property
-    def source(self):
-        return self._source
 
 
 class Backend:

@@ -175,24 +175,17 @@ class _StreamRequest(Request):
         self._event = event
         self._what = what
         self._source = source
-        self._error = None
+        self._exc = None
 
     def wait(self, timeout=None):
         try:
             self._backend._await(self._event, self._what, timeout)
         except DistBackendError as e:
-            self._error = e
+            self._exc = e
             raise
 
     def test(self):
-        return self._error is not None or self._event.query()
-
-    def exception(self):
-        return self._error
-
-    @property
-    def source(self):
-        return self._source
+        return self._exc is not None or self._event.query()
 
 
 class NcclBackend(Backend):

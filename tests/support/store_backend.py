@@ -72,13 +72,6 @@ class _RecvRequest(Request):
                 pass
         return self._done
 
-    def exception(self):
-        return self._exc
-
-    @property
-    def source(self):
-        return self._source
-
 
 class StoreBackend(Backend):
     """Every collective and point-to-point operation as set/get on ``store``."""
