@@ -23,6 +23,10 @@ through the buffer protocol; the pure-Python one goes as
 * Call fingerprints (always on): every 64th blocking call compares a hash of the ranks'
   calls since the last comparison; where they differ every rank raises DistBackendError
   naming the first pair of calls that differed (see :mod:`.mpi_fingerprint`).
+* The hot blocking calls (all_reduce, broadcast, barrier, the common all_gather) are made
+  by the C call log (``collectives._mpilog``) through MPI's entry points by address
+  (:func:`_entry_points`), skipping mpi4py's per-call work; everything else, and those
+  where the entry points cannot be found, goes through mpi4py.
 """
 import importlib.util
 import os
@@ -49,6 +53,7 @@ _OPS = None          # dtype code * 16 + op code -> MPI.Op (None: not made yet)
 _IN_PLACE = None
 _TAG_UB = 32767     # MPI_TAG_UB (the standard's floor until MPI is loaded)
 _fromaddress = None
+_ENTRY = None        # (MPI_Allreduce, MPI_Bcast, MPI_Barrier, MPI_Allgather) addresses, or None
 _EXPORTS = _Buffer is not _PyBuffer  # a Buffer is itself a buffer-protocol object
 # the call log in C (collectives._mpilog) makes all_reduce, broadcast and barrier's MPI call
 # itself; it takes the compiled Buffer
@@ -62,7 +67,7 @@ def is_available():
 
 def _load_mpi():
     """Import mpi4py.MPI (initialising MPI) and build the lookup tables, once."""
-    global _MPI, _DATATYPE, _OPS, _IN_PLACE, _fromaddress, _TAG_UB
+    global _MPI, _DATATYPE, _OPS, _IN_PLACE, _fromaddress, _TAG_UB, _ENTRY
     if _MPI is not None:
         return _MPI
     if not is_available():
@@ -98,8 +103,34 @@ def _load_mpi():
     _fromaddress = MPI.buffer.fromaddress
     _TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or _TAG_UB
     _request.bind(MPI)
+    _ENTRY = _entry_points(MPI) if _C_LOG else None
     _MPI = MPI
     return MPI
+
+
+_ENTRY_NAMES = ("MPI_Allreduce", "MPI_Bcast", "MPI_Barrier", "MPI_Allgather")
+
+
+def _entry_points(MPI):
+    """The addresses of the MPI functions the C call log calls directly, in the library
+    mpi4py loaded (found through mpi4py's own module, whose dependency it is), or None
+    where they cannot be found or the handles are neither ints nor pointers (the calls
+    then go through mpi4py)."""
+    try:
+        import ctypes
+        size = MPI._sizeof(MPI.Comm)
+        if size not in (4, ctypes.sizeof(ctypes.c_void_p)) or any(
+                MPI._sizeof(t) != size for t in (MPI.Datatype, MPI.Op)):
+            return None
+        lib = ctypes.CDLL(MPI.__file__, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                     for name in _ENTRY_NAMES) + (size,)
+    except (ImportError, OSError, AttributeError, TypeError):
+        return None
+
+
+def _handle(obj):
+    return None if obj is None else obj.handle
 
 
 def _reduce_kernel():
@@ -224,6 +255,11 @@ class MpiBackend(Backend):
         if _C_LOG:
             self._fp_log.bind(comm.Allreduce, comm.Bcast, comm.Barrier, comm.Allgather, _IN_PLACE,
                               _DATATYPE, _OPS, _half_op)
+            if _ENTRY is not None:  # MPI's calls by address: mpi4py's per-call work skipped
+                *fns, size = _ENTRY
+                self._fp_log.bind_direct(*fns, size, comm.handle, int(_IN_PLACE),
+                                         [_handle(t) for t in _DATATYPE],
+                                         [_handle(o) for o in _OPS], _MPI.Exception)
         _watchdog.watch(self)
         self._allreduce = comm.Allreduce
         self._bcast = comm.Bcast
@@ -510,6 +546,8 @@ class MpiBackend(Backend):
         super().shutdown()
         comm, self.comm = self.comm, None
         if comm is not None and _MPI is not None and not _MPI.Is_finalized():
+            if _C_LOG:  # its handle of the communicator is about to be freed
+                self._fp_log.unbind_direct()
             self._fp.free()
             try:
                 comm.Free()
