@@ -24,6 +24,7 @@ Where this extension is not built the backend keeps the log as a Python list of 
 """
 from libc.limits cimport INT_MAX
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from cpython.pythread cimport PyThread_get_thread_ident
 
 from collectives._buffer cimport Buffer
 
@@ -70,6 +71,14 @@ cdef class CallLog:
     cdef uintptr_t _op[N_OPS]      # 0: not known yet (an op made later: half_op's)
     cdef object _mpi_error
     cdef object _mask            # the bits of a handle
+    # bind_backend's: the group's size, the backend's async forms and its uncommon all_gather
+    cdef Py_ssize_t _size
+    cdef object _async_all_reduce, _async_broadcast, _async_barrier, _async_all_gather
+    cdef object _all_gather_other
+    cdef public bint async_mode   # the backend's: its progress thread runs a submitted call
+    cdef readonly long long busy  # the number of the call in MPI now (calls made so far); 0: none
+    cdef readonly unsigned long thread  # the thread that made it
+    cdef long long _made
 
     def __init__(self, compare, error):
         self._compare = compare
@@ -118,6 +127,16 @@ cdef class CallLog:
         self._f_bcast = <void *><uintptr_t>bcast
         self._f_barrier = <void *><uintptr_t>barrier
         self._f_allgather = <void *><uintptr_t>allgather
+
+    def bind_backend(self, Py_ssize_t size, async_all_reduce, async_broadcast, async_barrier,
+                     async_all_gather, all_gather_other):
+        """The group's ``size`` and the backend's calls the hot calls hand over to: their
+        async forms (``async_mode`` set: MPI's non-blocking call, waited on) and
+        ``all_gather_other(out, inp)``, an all_gather other than the common one."""
+        self._size = size
+        self._async_all_reduce, self._async_broadcast = async_all_reduce, async_broadcast
+        self._async_barrier, self._async_all_gather = async_barrier, async_all_gather
+        self._all_gather_other = all_gather_other
 
     def unbind_direct(self):
         """Make the calls through mpi4py again (the communicator is about to be freed)."""
@@ -181,37 +200,53 @@ cdef class CallLog:
         return self.n
 
     # ---- the hot calls ------------------------------------------------------------
+    # The backend's own methods (bind_backend): no Python frame of its own, so ``busy`` and
+    # ``thread`` tell the watchdog which call is in MPI, and on which thread. A call made
+    # while ``async_mode`` is set is the backend's async form (not logged, as natively
+    # posted ones cannot be).
+    cdef inline void _enter(self) noexcept:
+        self._made += 1
+        self.thread = PyThread_get_thread_ident()
+        self.busy = self._made
+
     def all_reduce(self, Buffer buf, int op):
         """Log, then ``MPI_Allreduce(MPI_IN_PLACE, buf, count, datatype, mpi_op, comm)``."""
+        if self.async_mode:
+            return self._async_all_reduce(buf, op)
         cdef int dt = buf.dtype
         cdef Py_ssize_t key = dt * 16 + op
-        cdef uintptr_t h, d, o, c = self._comm
+        cdef uintptr_t d, o, c = self._comm
         cdef void *p = <void *>buf.ptr
         cdef void *f = self._f_allreduce
         cdef const void *inp = <const void *>self._in_place_addr
         cdef int n = <int>buf.count, code
         self._add(ALL_REDUCE, dt, buf.count, -1, op)
-        if not 0 <= key < N_OPS:
-            self._allreduce(self._in_place, (buf, self._datatypes[dt]), self._half_op(dt, op))
-            return
-        if f != NULL and _direct_ok(buf) and 0 <= dt < N_DTYPES and self._dt[dt] != 0:
+        if f != NULL and 0 <= key < N_OPS and _direct_ok(buf) and 0 <= dt < N_DTYPES and self._dt[dt] != 0:
             d, o = self._dt[dt], self._op[key]
             if o == 0:  # an op the table lacked when bound: half_op makes it (once)
                 self._op[key] = o = <uintptr_t>(self._half_op(dt, op).handle & self._mask)
+            self._enter()
             with nogil:
                 if self._int_handles:
                     code = (<allreduce_i>f)(inp, p, n, <int>d, <int>o, <int>c)
                 else:
                     code = (<allreduce_p>f)(inp, p, n, <void *>d, <void *>o, <void *>c)
+            self.busy = 0
             self._check(code)
             return
-        mpi_op = self._ops[key]
+        mpi_op = self._ops[key] if 0 <= key < N_OPS else None
         if mpi_op is None:
             mpi_op = self._half_op(dt, op)
-        self._allreduce(self._in_place, (buf, self._datatypes[dt]), mpi_op)
+        self._enter()
+        try:
+            self._allreduce(self._in_place, (buf, self._datatypes[dt]), mpi_op)
+        finally:
+            self.busy = 0
 
     def broadcast(self, Buffer buf, int root):
         """Log, then ``MPI_Bcast(buf, count, datatype, root, comm)``."""
+        if self.async_mode:
+            return self._async_broadcast(buf, root)
         cdef int dt = buf.dtype, n = <int>buf.count, code
         cdef uintptr_t d, c = self._comm
         cdef void *p = <void *>buf.ptr
@@ -219,35 +254,50 @@ cdef class CallLog:
         self._add(BROADCAST, dt, buf.count, root, -1)
         if f != NULL and _direct_ok(buf) and 0 <= dt < N_DTYPES and self._dt[dt] != 0:
             d = self._dt[dt]
+            self._enter()
             with nogil:
                 if self._int_handles:
                     code = (<bcast_i>f)(p, n, <int>d, root, <int>c)
                 else:
                     code = (<bcast_p>f)(p, n, <void *>d, root, <void *>c)
+            self.busy = 0
             self._check(code)
             return
-        self._bcast((buf, self._datatypes[dt]), root)
+        self._enter()
+        try:
+            self._bcast((buf, self._datatypes[dt]), root)
+        finally:
+            self.busy = 0
 
     def barrier(self):
         """Log, then ``MPI_Barrier(comm)``."""
+        if self.async_mode:
+            return self._async_barrier()
         cdef uintptr_t c = self._comm
         cdef void *f = self._f_barrier
         cdef int code
         self._add(BARRIER, NO_DTYPE, 0, -1, -1)
+        self._enter()
         if f != NULL:
             with nogil:
                 if self._int_handles:
                     code = (<barrier_i>f)(<int>c)
                 else:
                     code = (<barrier_p>f)(<void *>c)
+            self.busy = 0
             self._check(code)
             return
-        self._barrier()
+        try:
+            self._barrier()
+        finally:
+            self.busy = 0
 
-    def all_gather(self, Buffer out, Buffer inp, Py_ssize_t size):
-        """Log; then, where ``out`` takes ``size`` blocks like ``inp`` and shares no byte
-        with it (the common call), ``MPI_Allgather`` and True; else False: the caller makes
-        the call (in place, or from a private copy)."""
+    def all_gather(self, Buffer out, Buffer inp):
+        """Log, then, where ``out`` takes the group's size blocks like ``inp`` and shares no
+        byte with it (the common call), ``MPI_Allgather``; else the backend's
+        ``all_gather_other`` (in place, or from a private copy)."""
+        if self.async_mode:
+            return self._async_all_gather(out, inp)
         self._add(ALL_GATHER, inp.dtype, inp.count, -1, -1)
         cdef size_t onb = <size_t>out.count * out.itemsize, inb = <size_t>inp.count * inp.itemsize
         cdef uintptr_t d, c = self._comm
@@ -255,23 +305,27 @@ cdef class CallLog:
         cdef const void *ip = <const void *>inp.ptr
         cdef void *op = <void *>out.ptr
         cdef int n = <int>inp.count, code, dt = inp.dtype
-        if out.dtype != dt or out.count != inp.count * size:
-            return False
-        if not (inb == 0 or out.ptr >= inp.ptr + inb or inp.ptr >= out.ptr + onb):
-            return False
-        if (f != NULL and _direct_ok(inp) and _direct_ok(out) and 0 <= dt < N_DTYPES
-                and self._dt[dt] != 0):
-            d = self._dt[dt]
-            with nogil:
-                if self._int_handles:
-                    code = (<allgather_i>f)(ip, n, <int>d, op, n, <int>d, <int>c)
-                else:
-                    code = (<allgather_p>f)(ip, n, <void *>d, op, n, <void *>d, <void *>c)
-            self._check(code)
-            return True
-        dtype = self._datatypes[dt]
-        self._allgather((inp, dtype), (out, dtype))
-        return True
+        self._enter()
+        try:
+            if (out.dtype != dt or out.count != inp.count * self._size
+                    or not (inb == 0 or out.ptr >= inp.ptr + inb or inp.ptr >= out.ptr + onb)):
+                self._all_gather_other(out, inp)
+                return
+            if (f != NULL and _direct_ok(inp) and _direct_ok(out) and 0 <= dt < N_DTYPES
+                    and self._dt[dt] != 0):
+                d = self._dt[dt]
+                with nogil:
+                    if self._int_handles:
+                        code = (<allgather_i>f)(ip, n, <int>d, op, n, <int>d, <int>c)
+                    else:
+                        code = (<allgather_p>f)(ip, n, <void *>d, op, n, <void *>d, <void *>c)
+                self.busy = 0
+                self._check(code)
+                return
+            dtype = self._datatypes[dt]
+            self._allgather((inp, dtype), (out, dtype))
+        finally:
+            self.busy = 0
 
 
 cdef inline bint _direct_ok(Buffer b) noexcept:
