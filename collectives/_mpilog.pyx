@@ -5,9 +5,10 @@
 collectives since the ranks last compared them (see
 :mod:`collectives.backends.mpi.fingerprint`) as machine words: appending one allocates
 nothing. Its ``all_reduce``, ``broadcast``, ``barrier`` and ``all_gather`` append the call's
-fingerprint and make MPI's call, so the backend's Python method is one call. The backend
-still calls them from its own Python method: the watchdog recognises a blocking call by
-that method's frame.
+fingerprint and make MPI's call; bound to the backend (``bind_backend``) they are its
+methods of those names on the instance, with no Python frame of their own, so they mark
+the call they have in MPI (``busy``, its number, and ``thread``) for the watchdog, and hand
+a call made in ``async_mode`` to the backend's async form.
 
 Given the MPI library's entry points (``bind_direct``: MPI_Allreduce, MPI_Bcast,
 MPI_Barrier and MPI_Allgather's addresses, and the communicator's, datatypes' and ops'
