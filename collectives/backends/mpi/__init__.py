@@ -114,10 +114,12 @@ _ENTRY_NAMES = ("MPI_Allreduce", "MPI_Bcast", "MPI_Barrier", "MPI_Allgather")
 def _entry_points(MPI):
     """The addresses of the MPI functions the C call log calls directly, in the library
     mpi4py loaded (found through mpi4py's own module, whose dependency it is), or None
-    where they cannot be found or the handles are neither ints nor pointers (the calls
-    then go through mpi4py)."""
+    where they cannot be found, mpi4py gives no handles (``.handle``: mpi4py 4) or the
+    handles are neither ints nor pointers (the calls then go through mpi4py)."""
     try:
         import ctypes
+        if not hasattr(MPI.COMM_WORLD, "handle"):
+            return None
         size = MPI._sizeof(MPI.Comm)
         if size not in (4, ctypes.sizeof(ctypes.c_void_p)) or any(
                 MPI._sizeof(t) != size for t in (MPI.Datatype, MPI.Op)):
