@@ -79,7 +79,9 @@ class Watchdog:
                 tmo = getattr(backend, "timeout", None)
                 if tmo and now - since > tmo and getattr(backend, "comm", None) is not None:
                     self._abort(backend, frame, now - since)
-            for backend in list(self._logged):  # the C log's calls, by the call's number
+            with self._lock:  # watch() may add one meanwhile
+                logged = list(self._logged)
+            for backend in logged:  # the C log's calls, by the call's number
                 log = backend._fp_log
                 busy, tid = log.busy, log.thread
                 if not busy:
@@ -92,7 +94,7 @@ class Watchdog:
                     # the innermost Python frame of that thread: the front end's call
                     self._abort(backend, frames.get(tid) or sys._getframe(), now - since)
             seen = running
-            frames = frame = None  # hold only the frames in seen
+            frames = frame = logged = backend = None  # hold only the frames in seen
 
     @staticmethod
     def _abort(backend, frame, took):
