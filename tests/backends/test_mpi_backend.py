@@ -412,6 +412,40 @@ def r_half_pair(ctx, seed, count, dtype, op):
     return orig, x
 
 
+def r_direct_and_mpi4py_alike(ctx, seed, count):
+    """The call log's hot calls made by address, then through mpi4py (``unbind_direct``), on
+    a backend of its own: each form's results, an MPI error's class, and whether the first
+    form was by address."""
+    from mpi4py import MPI
+
+    from collectives.backends.mpi import create_mpi_backend
+    be = create_mpi_backend(None, ctx.rank, ctx.world_size, 30.0)
+    try:
+        log = be._fp_log
+        out = {"by_address": getattr(log, "direct", False)}
+        for form in ("direct", "mpi4py"):
+            if form == "mpi4py" and out["by_address"]:
+                log.unbind_direct()
+            x = make_input(seed, ctx.rank, count, D.FLOAT32)
+            be.all_reduce(buf(x), D.SUM)
+            h = make_input(seed + 1, ctx.rank, count, D.FLOAT16)
+            be.all_reduce(buf(h), D.MAX)  # a user-defined MPI op, made on first use
+            y = make_input(seed + 2, ctx.rank, count, D.INT64)
+            be.broadcast(buf(y), ctx.world_size - 1)
+            g = np.zeros(count * ctx.world_size, np.int32)
+            be.all_gather(buf(g), buf(make_input(seed + 3, ctx.rank, count, D.INT32)))
+            be.barrier()
+            try:
+                be.broadcast(buf(x), ctx.world_size)  # no such root: MPI's error, raised
+                err = None
+            except MPI.Exception as e:
+                err = e.Get_error_class()
+            out[form] = (x, h, y, g, err)
+        return out
+    finally:
+        be.shutdown()
+
+
 # ---- the tests ---------------------------------------------------------------------
 
 def pool(n):
@@ -570,6 +604,27 @@ def check_all_to_all(res, counts):
 def test_all_to_all_where_only_some_ranks_see_even_counts(counts):
     """A rank whose own counts are even must still pair with ranks whose counts are not."""
     check_all_to_all(pool(len(counts)).run(r_all_to_all, 0, counts, D.FLOAT32), counts)
+
+
+@needs_mpi
+@pytest.mark.timeout(300)
+@FEW
+@given(world=st.integers(1, 3), count=st.integers(0, 40), seed=st.integers(0, 2**31))
+def test_calls_by_address_equal_mpi4py_calls_and_raise_its_errors(world, count, seed):
+    from mpi4py import MPI
+
+    from collectives.backends.mpi.fingerprint import CallLog
+    inp = {k: [make_input(seed + i, r, count, dt) for r in range(world)]
+           for i, (k, dt) in enumerate([("x", D.FLOAT32), ("h", D.FLOAT16), ("y", D.INT64),
+                                        ("g", D.INT32)])}
+    expect = (reference(inp["x"], D.FLOAT32, D.SUM), reference(inp["h"], D.FLOAT16, D.MAX),
+              inp["y"][world - 1], np.concatenate(inp["g"]), MPI.ERR_ROOT)
+    for out in pool(world).run(r_direct_and_mpi4py_alike, seed, count):
+        assert out["by_address"] == (CallLog is not None)  # by address wherever the log is in C
+        for form in ("direct", "mpi4py"):
+            for got, want in zip(out[form][:4], expect[:4]):
+                np.testing.assert_array_equal(got, want)
+            assert out[form][4] == expect[4], form
 
 
 @needs_mpi

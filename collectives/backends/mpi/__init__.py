@@ -23,6 +23,10 @@ through the buffer protocol; the pure-Python one goes as
 * Call fingerprints (always on): every 64th blocking call compares a hash of the ranks'
   calls since the last comparison; where they differ every rank raises DistBackendError
   naming the first pair of calls that differed (see :mod:`.mpi_fingerprint`).
+* The hot blocking calls (all_reduce, broadcast, barrier, the common all_gather) are made
+  by the C call log (``collectives._mpilog``) through MPI's entry points by address
+  (:func:`_entry_points`), skipping mpi4py's per-call work; everything else, and those
+  where the entry points cannot be found, goes through mpi4py.
 """
 import importlib.util
 import os
@@ -49,6 +53,7 @@ _OPS = None          # dtype code * 16 + op code -> MPI.Op (None: not made yet)
 _IN_PLACE = None
 _TAG_UB = 32767     # MPI_TAG_UB (the standard's floor until MPI is loaded)
 _fromaddress = None
+_ENTRY = None        # (MPI_Allreduce, MPI_Bcast, MPI_Barrier, MPI_Allgather) addresses, or None
 _EXPORTS = _Buffer is not _PyBuffer  # a Buffer is itself a buffer-protocol object
 # the call log in C (collectives._mpilog) makes all_reduce, broadcast and barrier's MPI call
 # itself; it takes the compiled Buffer
@@ -62,7 +67,7 @@ def is_available():
 
 def _load_mpi():
     """Import mpi4py.MPI (initialising MPI) and build the lookup tables, once."""
-    global _MPI, _DATATYPE, _OPS, _IN_PLACE, _fromaddress, _TAG_UB
+    global _MPI, _DATATYPE, _OPS, _IN_PLACE, _fromaddress, _TAG_UB, _ENTRY
     if _MPI is not None:
         return _MPI
     if not is_available():
@@ -98,8 +103,36 @@ def _load_mpi():
     _fromaddress = MPI.buffer.fromaddress
     _TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or _TAG_UB
     _request.bind(MPI)
+    _ENTRY = _entry_points(MPI) if _C_LOG else None
     _MPI = MPI
     return MPI
+
+
+_ENTRY_NAMES = ("MPI_Allreduce", "MPI_Bcast", "MPI_Barrier", "MPI_Allgather")
+
+
+def _entry_points(MPI):
+    """The addresses of the MPI functions the C call log calls directly, in the library
+    mpi4py loaded (found through mpi4py's own module, whose dependency it is), or None
+    where they cannot be found, mpi4py gives no handles (``.handle``: mpi4py 4) or the
+    handles are neither ints nor pointers (the calls then go through mpi4py)."""
+    try:
+        import ctypes
+        if not hasattr(MPI.COMM_WORLD, "handle"):
+            return None
+        size = MPI._sizeof(MPI.Comm)
+        if size not in (4, ctypes.sizeof(ctypes.c_void_p)) or any(
+                MPI._sizeof(t) != size for t in (MPI.Datatype, MPI.Op)):
+            return None
+        lib = ctypes.CDLL(MPI.__file__, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                     for name in _ENTRY_NAMES) + (size,)
+    except (ImportError, OSError, AttributeError, TypeError):
+        return None
+
+
+def _handle(obj):
+    return None if obj is None else obj.handle
 
 
 def _reduce_kernel():
@@ -222,18 +255,24 @@ class MpiBackend(Backend):
         self._fp = _FingerprintCheck(comm, f"mpi group (size {self.size})", _MPI, _C_LOG)
         self._fp_log = self._fp.log  # this group's calls since the last comparison
         if _C_LOG:
-            self._fp_log.bind(comm.Allreduce, comm.Bcast, comm.Barrier, comm.Allgather, _IN_PLACE,
-                              _DATATYPE, _OPS, _half_op)
+            log = self._fp_log
+            log.bind(comm.Allreduce, comm.Bcast, comm.Barrier, comm.Allgather, _IN_PLACE,
+                     _DATATYPE, _OPS, _half_op)
+            log.bind_backend(self.size, self._async_all_reduce, self._async_broadcast,
+                             self._async_barrier, self._async_all_gather, self._all_gather)
+            # the hot calls are the log's own methods: no Python frame per call (the
+            # watchdog reads the log's ``busy`` instead)
+            self.all_reduce, self.broadcast = log.all_reduce, log.broadcast
+            self.barrier, self.all_gather = log.barrier, log.all_gather
+            if _ENTRY is not None:  # MPI's calls by address: mpi4py's per-call work skipped
+                *fns, size = _ENTRY
+                self._fp_log.bind_direct(*fns, size, comm.handle, int(_IN_PLACE),
+                                         [_handle(t) for t in _DATATYPE],
+                                         [_handle(o) for o in _OPS], _MPI.Exception)
         _watchdog.watch(self)
         self._allreduce = comm.Allreduce
         self._bcast = comm.Bcast
         self._allgather = comm.Allgather
-        # True while the progress thread runs a submitted (async) call: its collectives
-        # then use MPI's non-blocking forms, as natively posted async ones do. MPI never
-        # matches a blocking collective with a non-blocking one, and whether a front-end
-        # call is posted natively or queued (it may stage lists first) can differ by rank;
-        # async_op, which every rank agrees on, decides the form.
-        self._async_mode = False
         self._native = {
             MpiBackend.all_reduce: MpiBackend._iall_reduce,
             MpiBackend.broadcast: MpiBackend._ibroadcast,
@@ -246,17 +285,42 @@ class MpiBackend(Backend):
             MpiBackend.barrier: MpiBackend._ibarrier,
         }
 
+    # True while the progress thread runs a submitted (async) call: its collectives then
+    # use MPI's non-blocking forms, as natively posted async ones do. MPI never matches a
+    # blocking collective with a non-blocking one, and whether a front-end call is posted
+    # natively or queued (it may stage lists first) can differ by rank; async_op, which
+    # every rank agrees on, decides the form. Kept in the call log, whose hot calls read it.
+    @property
+    def _async_mode(self):
+        return self._fp_log.async_mode
+
+    @_async_mode.setter
+    def _async_mode(self, value):
+        self._fp_log.async_mode = value
+
+    def _async_all_reduce(self, buf, op):
+        return self._iall_reduce(buf, op).wait()
+
+    def _async_broadcast(self, buf, root):
+        return self._ibroadcast(buf, root).wait()
+
+    def _async_barrier(self):
+        return self._ibarrier().wait()
+
+    def _async_all_gather(self, out, inp):
+        return self._iall_gather(out, inp).wait()
+
     # ---- blocking collectives: one MPI call each ------------------------------------
     # Each appends its fingerprint to the call log (which compares the ranks' logs when
-    # full, see the module docstring) and makes MPI's call. The hot ones are one call of
-    # the C log (collectives._mpilog), which builds the buffer spec and calls mpi4py: every
-    # Python attribute lookup and call here is ~50 ns against a 4-byte MPI_Allreduce of
-    # ~1 us. They stay Python methods: the watchdog knows a blocking call by its frame.
+    # full, see the module docstring) and makes MPI's call. Where the log is C
+    # (collectives._mpilog) the hot ones (all_reduce, broadcast, barrier, all_gather) are
+    # replaced per instance by the log's methods, which make MPI's call themselves (a
+    # Python frame here was ~900 instructions against a 4-byte MPI_Allreduce's ~2,000);
+    # these are the Python log's. The watchdog knows a blocking call by its frame here, or
+    # by the C log's ``busy``.
     def all_reduce(self, buf, op):
         if self._async_mode:  # async calls are not checked: natively posted ones cannot be
             return self._iall_reduce(buf, op).wait()
-        if _C_LOG:
-            return self._fp_log.all_reduce(buf, op)
         dt = buf.dtype
         self._fp_log.append((F.ALL_REDUCE, dt, buf.count, -1, op))
         self._allreduce(_IN_PLACE, _spec(buf), _OPS[dt * 16 + op] or _half_op(dt, op))
@@ -264,8 +328,6 @@ class MpiBackend(Backend):
     def broadcast(self, buf, root):
         if self._async_mode:
             return self._ibroadcast(buf, root).wait()
-        if _C_LOG:
-            return self._fp_log.broadcast(buf, root)
         self._fp_log.append((F.BROADCAST, buf.dtype, buf.count, root, -1))
         self._bcast(_spec(buf), root)
 
@@ -291,8 +353,6 @@ class MpiBackend(Backend):
             self.comm.Reduce(spec, None, mpi_op, root)
 
     def all_gather(self, out, inp):
-        if _C_LOG and not self._async_mode:  # logged in C, and made there in the common case
-            return self._fp_log.all_gather(out, inp, self.size) or self._all_gather(out, inp)
         self._checked((F.ALL_GATHER, inp.dtype, inp.count, -1, -1), self._all_gather, out, inp)
 
     def _all_gather(self, out, inp):
@@ -352,8 +412,6 @@ class MpiBackend(Backend):
         self.comm.Alltoallv(send, recv)
 
     def barrier(self):
-        if _C_LOG and not self._async_mode:
-            return self._fp_log.barrier()
         self._checked(_BARRIER_ENTRY, self._barrier)
 
     def _barrier(self):
@@ -382,8 +440,14 @@ class MpiBackend(Backend):
         One of this backend's collectives is posted at once as MPI's non-blocking form
         when nothing is queued; anything else (or anything while the queue is busy)
         runs on the progress thread, its collectives again in non-blocking form."""
-        if not self.pending.n and getattr(fn, "__self__", None) is self:
-            start = self._native.get(getattr(fn, "__func__", None))
+        if not self.pending.n:
+            owner = getattr(fn, "__self__", None)
+            if owner is self:
+                start = self._native.get(getattr(fn, "__func__", None))
+            elif owner is self._fp_log:  # a hot call, the C log's method (see __init__)
+                start = self._native.get(getattr(MpiBackend, fn.__name__, None))
+            else:
+                start = None
             if start is not None:
                 return start(self, *args)
         return super().submit(_AsyncCall(self, fn), *args)
@@ -510,6 +574,8 @@ class MpiBackend(Backend):
         super().shutdown()
         comm, self.comm = self.comm, None
         if comm is not None and _MPI is not None and not _MPI.Is_finalized():
+            if _C_LOG:  # its handle of the communicator is about to be freed
+                self._fp_log.unbind_direct()
             self._fp.free()
             try:
                 comm.Free()

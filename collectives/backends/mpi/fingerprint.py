@@ -34,6 +34,7 @@ class PyCallLog(list):
         self._compare = compare
         self._error = error
         self.failed = None  # the message once the ranks' calls differed
+        self.async_mode = False  # the backend's (see MpiBackend._async_mode)
 
     def append(self, entry):
         """Log one call's (kind, dtype, count, root, op); compare when the log is full."""

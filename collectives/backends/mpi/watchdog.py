@@ -4,6 +4,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 
 from ... import config
 from ..base import dump_recorder  # the flight recorder's dump (it registers it)
@@ -18,7 +19,9 @@ class Watchdog:
     While a call runs its frame object stays the same object, and a later call gets a
     new one as long as this thread holds the old one, which it does from one sample to
     the next; so a frame seen again is the same call, still running. Once one has run
-    longer than its backend's timeout, the watchdog prints which call on which rank,
+    longer than its backend's timeout (or, for the hot calls the C call log makes with no
+    Python frame of their own, once its ``busy`` has named the same call that long), the
+    watchdog prints which call on which rank,
     and the stack that made it, to stderr and calls MPI_Abort: mpiexec then ends every
     process of the job. The calls themselves pay nothing for this.
 
@@ -34,6 +37,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._thread = None
         self._codes = frozenset()
+        self._logged = weakref.WeakSet()  # backends whose C call log says which call is busy
 
     def watch(self, backend):
         """Bound ``backend``'s blocking collectives by its timeout (starts the thread)."""
@@ -41,6 +45,8 @@ class Watchdog:
             return
         tmo = backend.timeout
         with self._lock:
+            if hasattr(backend._fp_log, "busy"):
+                self._logged.add(backend)
             if tmo:  # sample often enough to act within a quarter timeout of the deadline
                 self.period = max(self.MIN_PERIOD_S, min(self.period, tmo / 4))
             if self._thread is None:
@@ -54,7 +60,9 @@ class Watchdog:
                 self._thread.start()
 
     def _loop(self):
-        seen = {}  # thread id -> (frame, first seen): held, so a later call's frame differs
+        # thread id -> (frame, first seen): held, so a later call's frame differs; and
+        # (id of a C log, number of its busy call) -> first seen
+        seen = {}
         codes = self._codes
         while True:
             time.sleep(self.period)
@@ -71,8 +79,22 @@ class Watchdog:
                 tmo = getattr(backend, "timeout", None)
                 if tmo and now - since > tmo and getattr(backend, "comm", None) is not None:
                     self._abort(backend, frame, now - since)
+            with self._lock:  # watch() may add one meanwhile
+                logged = list(self._logged)
+            for backend in logged:  # the C log's calls, by the call's number
+                log = backend._fp_log
+                busy, tid = log.busy, log.thread
+                if not busy:
+                    continue
+                key = (id(log), busy)
+                since = seen.get(key, now)
+                running[key] = since
+                tmo = backend.timeout
+                if tmo and now - since > tmo and backend.comm is not None:
+                    # the innermost Python frame of that thread: the front end's call
+                    self._abort(backend, frames.get(tid) or sys._getframe(), now - since)
             seen = running
-            frames = frame = None  # hold only the frames in seen
+            frames = frame = logged = backend = None  # hold only the frames in seen
 
     @staticmethod
     def _abort(backend, frame, took):
