@@ -74,10 +74,3 @@ class MpiRequest(Request):
             else:  # a long wait: give the cores to the other ranks
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
-
-    def exception(self):
-        return self._exc
-
-    @property
-    def source(self):
-        return self._source
