@@ -1,8 +1,10 @@
 # cython: language_level=3
 """Same-host shared-memory transport: one segment per group, collectives in C.
 
-Every collective runs in C with the GIL released (src/shm/shm_coll.c); this module
-only converts arguments and turns error codes into DistBackendError.
+Every collective runs in C with the GIL released (src/shm/shm_coll.c), but for barrier,
+small broadcasts and small all_reduces, which begin with it held and release it only
+where they must wait longer than a short spin (shm_*_try); this module only converts
+arguments and turns error codes into DistBackendError.
 """
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
@@ -52,6 +54,11 @@ cdef extern from "shm/shm_coll.h" nogil:
     const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
                                     const char *label)
     int shm_barrier(shm_comm *c, uint64_t fp)
+    int SHM_PENDING
+    int shm_barrier_try(shm_comm *c, uint64_t fp)
+    int shm_broadcast_try(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
+    int shm_all_reduce_try(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp)
+    int shm_finish(shm_comm *c)
     int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
     int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp)
     int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root, uint64_t fp)
@@ -345,8 +352,10 @@ cdef class ShmComm:
         cdef shm_comm *c = self._live("barrier")
         cdef int rc
         fp = self._fp(fp, K_BARRIER, NO_DTYPE, 0, -1, -1)
-        with nogil:
-            rc = shm_barrier(c, fp)
+        rc = shm_barrier_try(c, fp)
+        if rc == SHM_PENDING:
+            with nogil:
+                rc = shm_finish(c)
         self._check(rc, "barrier")
 
     def broadcast(self, Buffer buf not None, int root, uint64_t fp=0):
@@ -355,8 +364,10 @@ cdef class ShmComm:
         cdef void *p = <void *>buf.ptr
         cdef size_t nbytes = _nbytes(buf)
         fp = self._fp(fp, K_BROADCAST, buf.dtype, buf.count, root, -1)
-        with nogil:
-            rc = shm_broadcast(c, p, nbytes, root, fp)
+        rc = shm_broadcast_try(c, p, nbytes, root, fp)
+        if rc == SHM_PENDING:
+            with nogil:
+                rc = shm_finish(c)
         self._check(rc, "broadcast")
 
     def all_reduce(self, Buffer buf not None, int op, uint64_t fp=0):
@@ -365,8 +376,10 @@ cdef class ShmComm:
         cdef void *p = <void *>buf.ptr
         cdef size_t count = buf.count
         fp = self._fp(fp, K_ALL_REDUCE, dtype, count, -1, op)
-        with nogil:
-            rc = shm_all_reduce(c, p, count, dtype, op, fp)
+        rc = shm_all_reduce_try(c, p, count, dtype, op, fp)
+        if rc == SHM_PENDING:
+            with nogil:
+                rc = shm_finish(c)
         self._check(rc, "all_reduce")
 
     def reduce(self, Buffer buf not None, int op, int root, uint64_t fp=0):

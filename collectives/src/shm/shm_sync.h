@@ -223,6 +223,9 @@ struct shm_comm {
      * peer when the record is reused or at the next fp_check_all */
     struct { uint32_t k, s; uint64_t word; int due; } bc_due[BC_RING];
     int bc_n_due;
+    /* a small call begun with the caller's lock held and left to shm_finish (shm_coll.c,
+     * "small calls under the caller's lock"): what is left, and the call's arguments */
+    struct { int what; uint32_t s; int h, root, dtype, op; void *buf; size_t n; uint64_t fp; } pend;
     _Atomic int broken;
     _Atomic int aborted;
     /* this process's receives waited on by their own thread (shm_p2p_direct): while there
