@@ -16,55 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.backends.test_shm_small_broadcast import GROUP_TIMEOUT_S
+from tests.backends.test_shm_small_broadcast import GROUP_TIMEOUT_S, expected, run_sequence
 from tests.support.profiles import examples
 from tests.support.ranks import available_configs, backend_pool
 
 pytestmark = pytest.mark.skipif("gloo" not in available_configs(),
                                 reason="needs the default (shared-memory) configuration")
-
-
-def run_late(ctx, calls):
-    """Run on every rank: ``calls`` in a fresh group, each (kind, root, count, late rank,
-    delay in ms): the late rank sleeps that long first. Returns every broadcast's and
-    all_reduce's result."""
-    import time
-    from datetime import timedelta
-
-    import numpy as np
-
-    import collectives as dist
-    n, me = ctx.world_size, ctx.rank
-    grp = dist.new_group(list(range(n)), timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    out = []
-    try:
-        for i, (kind, root, count, late, delay_ms) in enumerate(calls):
-            if late % n == me and delay_ms:
-                time.sleep(delay_ms / 1000)
-            x = np.arange(count, dtype=np.float32) + 1000 * i + 10 * me
-            if kind == "broadcast":
-                dist.broadcast(x, src=root % n, group=grp)
-            elif kind == "all_reduce":
-                dist.all_reduce(x, group=grp)
-            else:
-                dist.barrier(group=grp)
-                continue
-            out.append(x.tolist())
-        return out
-    finally:
-        dist.destroy_process_group(grp)
-
-
-def expected(calls, n):
-    import numpy as np
-    out = []
-    for i, (kind, root, count, _, _) in enumerate(calls):
-        base = np.arange(count, dtype=np.float32) + 1000 * i
-        if kind == "broadcast":
-            out.append((base + 10 * (root % n)).tolist())
-        elif kind == "all_reduce":
-            out.append(sum(base + 10 * r for r in range(n)).tolist())
-    return out
 
 
 LATE = dict(late=st.integers(0, 3), delay_ms=st.sampled_from([0, 0, 0, 1, 5]))
@@ -82,7 +39,8 @@ CALL = st.one_of(
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(2, 4), calls=st.lists(CALL, min_size=1, max_size=40))
 def test_small_calls_with_late_ranks_match_numpy(n, calls):
-    got = backend_pool("gloo", n).run(run_late, calls, timeout=4 * GROUP_TIMEOUT_S)
+    """Each call (kind, root, count, late, delay_ms): rank ``late % n`` sleeps first."""
+    got = backend_pool("gloo", n).run(run_sequence, calls, timeout=4 * GROUP_TIMEOUT_S)
     want = expected(calls, n)
     for r in range(n):
         assert got[r] == want, f"rank {r}"

@@ -483,10 +483,8 @@ int shm_all_reduce_try(shm_comm *c, void *buf, size_t count, int dtype, int op, 
 {
     size_t isz;
     int rc = reduction_entry(c, dtype, op, &isz);
-    if (rc)
+    if (rc || c->n == 1)
         return rc;
-    if (c->n == 1)
-        return SHM_OK;
     int spins = held_spin(c);
     /* one-shot, too small to probe (tick), and nothing to wait for before the post: the
      * acks of the half's last use (half_acquire), the peers' run-ahead (fp_publish) */
