@@ -70,11 +70,18 @@ enum { PEND_NONE, PEND_BARRIER, PEND_BROADCAST, PEND_ALL_REDUCE, /* left whole *
 /* polls of a held spin */
 static inline int held_spin(const shm_comm *c) { return c->spin / 8; }
 
-/* Whether counter v reaches s within *spins more polls (a budget shared by the caller's
- * checks). */
-static int reached(const _Atomic uint32_t *v, uint32_t s, int *spins)
+/* Whether peer q's post (ack = 0) or ack (ack = 1) reaches s within *spins more polls (a
+ * budget shared by the caller's checks); kept as wait_seen keeps it. */
+static int reached(shm_comm *c, int q, int ack, uint32_t s, int *spins)
 {
-    while (!ge(atomic_load_explicit(v, memory_order_acquire), s)) {
+    uint32_t *seen = &c->seen[2 * q + ack];
+    const _Atomic uint32_t *v = ack ? &c->ctl[q].ack.v : &c->ctl[q].post.v;
+    while (!ge(*seen, s)) {
+        uint32_t now = atomic_load_explicit(v, memory_order_acquire);
+        if (ge(now, s)) {
+            *seen = now;
+            break;
+        }
         if (*spins <= 0)
             return 0;
         --*spins;
@@ -83,11 +90,11 @@ static int reached(const _Atomic uint32_t *v, uint32_t s, int *spins)
     return 1;
 }
 
-/* ... every peer's post (ack = 0) or ack (ack = 1) */
-static int all_reached(const shm_comm *c, int ack, uint32_t s, int *spins)
+/* ... every peer's */
+static int all_reached(shm_comm *c, int ack, uint32_t s, int *spins)
 {
     for (int q = 0; q < c->n; q++)
-        if (q != c->me && !reached(ack ? &c->ctl[q].ack.v : &c->ctl[q].post.v, s, spins))
+        if (q != c->me && !reached(c, q, ack, s, spins))
             return 0;
     return 1;
 }
@@ -160,7 +167,7 @@ static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uin
             TRY(c, bc_settle(c, i));
         for (int q = 0; q < c->n; q++)  /* every rank has read the record's last data */
             if (q != me)
-                TRY(c, wait_ctr(c, &c->ctl[q].ack, c->bc_due[i].s, q, -1));
+                TRY(c, wait_seen(c, q, 1, c->bc_due[i].s));
         memcpy(mine->data, buf, nbytes);
     }
     fp_store(&mine->k, &mine->word, k, fp);
@@ -180,7 +187,7 @@ static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uin
         c->bc_n_due++;
         return SHM_OK;
     }
-    if (spins >= 0 && !reached(&c->ctl[root].post.v, s, &spins)) {
+    if (spins >= 0 && !reached(c, root, 0, s, &spins)) {
         pend(c, PEND_BC_READ, buf, nbytes, root, -1, -1, fp);
         c->pend.s = s;
         return SHM_PENDING;

@@ -193,10 +193,12 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
     c->rctl = (ring_ctl_t *)(c->base + rctl_off);
     c->rdata = c->base + rdata_off;
     c->err_peer = -1;
-    if (!(c->dist = calloc((size_t)size, 1))) {
+    if (!(c->dist = calloc((size_t)size, 1))
+        || !(c->seen = calloc((size_t)size * 2, sizeof *c->seen))) {
         munmap(p, total);
         if (create)
             close(fd);
+        free(c->dist);
         free(c);
         return SHM_ESYS;
     }
@@ -242,6 +244,7 @@ void shm_comm_close(shm_comm *c)
         close(c->lock_fd);
     free(c->cma_tmp);
     free(c->dist);
+    free(c->seen);
     free(c);
 }
 
@@ -461,10 +464,15 @@ SHM_HIDDEN int fp_check_all(shm_comm *c, uint32_t s)
 
 SHM_HIDDEN int bc_settle(shm_comm *c, int i)
 {
+    uint64_t w;
     for (int q = 0; q < c->n; q++)
         if (q != c->me) {
-            int rc = wait_post(c, q, c->bc_due[i].s);  /* q has arrived there */
-            if (!rc)  /* a reader that has moved on compared the root's record at the call */
+            int rc = wait_seen(c, q, 0, c->bc_due[i].s);  /* q has arrived there */
+            /* a reader's word is in its ring record: found there, q's post line (which
+             * fp_find reads first) is not read */
+            if (!rc && !(rec_find(&c->ctl[q].bc[c->bc_due[i].s % BC_RING], c->bc_due[i].k, &w)
+                         && w == c->bc_due[i].word))
+                /* a reader that has moved on compared the root's record at the call */
                 rc = fp_check_word(c, q, c->bc_due[i].k, c->bc_due[i].s, c->bc_due[i].word, 1);
             if (rc)
                 return rc;
