@@ -147,7 +147,8 @@ static int bc_read(shm_comm *c, void *buf, size_t nbytes, int root, uint32_t s)
 /* A broadcast of at most BC_INLINE bytes, through the ranks' ring records (bc_rec_t): the
  * root writes the data and its fingerprint into record s % BC_RING, posts s and returns;
  * each reader writes its fingerprint into its own record, posts s (its arrival), waits for
- * the root's post, compares the root's fingerprint and copies. Nobody waits for the
+ * the root's record to hold this call (or for its post), compares the root's fingerprint
+ * and copies. Nobody waits for the
  * readers: the root compares theirs when it reuses the record (after every rank acked the
  * step that last used it, BC_RING broadcasts later) or at its next fp_check_all.
  * spins >= 0: under the caller's lock, with that many polls (shm_broadcast_try). */
@@ -155,13 +156,13 @@ static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uin
                             int spins)
 {
     const uint32_t k = c->coll + 1, s = c->seq + 1;
-    const int i = (int)(s % BC_RING), me = c->me;
+    const int i = (int)(s % BC_RING), me = c->me, held = spins >= 0;
     bc_rec_t *mine = &c->ctl[me].bc[i];
     if (me == root) {
         /* under the lock, only where the record's last use is settled and read: bc_settle
          * and the acks' waits below then return at once */
-        if (spins >= 0 && !(all_reached(c, 0, c->bc_due[i].s, &spins)
-                            && all_reached(c, 1, c->bc_due[i].s, &spins)))
+        if (held && !(all_reached(c, 0, c->bc_due[i].s, &spins)
+                      && all_reached(c, 1, c->bc_due[i].s, &spins)))
             return pend(c, PEND_BROADCAST, buf, nbytes, root, -1, -1, fp);
         if (c->bc_due[i].due)
             TRY(c, bc_settle(c, i));
@@ -187,7 +188,24 @@ static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uin
         c->bc_n_due++;
         return SHM_OK;
     }
-    if (spins >= 0 && !reached(c, root, 0, s, &spins)) {
+    /* A reader looks at the root's record itself: once it holds this call's k with this
+     * call's word, its data is there too (the root writes them before k), so one line
+     * crosses between the cores, not the post's and then the record's. (The root rewrites
+     * the record only after this rank's ack of s.) Not there within the spin (one look
+     * where the caller may wait), or another word: bc_read waits for the post and compares. */
+    const bc_rec_t *rec = &c->ctl[root].bc[i];
+    uint64_t w;
+    for (;;) {
+        if (rec_find(rec, k, &w) && w == fp) {
+            memcpy(buf, rec->data, nbytes);
+            ack(c, s);
+            return SHM_OK;
+        }
+        if (spins-- <= 0)
+            break;
+        cpu_relax();
+    }
+    if (held) {
         pend(c, PEND_BC_READ, buf, nbytes, root, -1, -1, fp);
         c->pend.s = s;
         return SHM_PENDING;
