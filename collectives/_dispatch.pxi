@@ -56,6 +56,7 @@ cdef class Dispatcher:
         self._pending, self._timed, self._prof = pending, timed, prof
         self._general, self._error = general, error
 
+    @cython.binding(False)  # a method descriptor: the interpreter's specialised call
     def call(self, kind, _CBuffer buf, int root, int op, fn, tuple args, bint async_op=False,
              outputs=(), timeout=None):
         """Run ``fn(*args)`` as collective ``kind``; a Work when ``async_op``, else None."""
