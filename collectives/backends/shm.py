@@ -159,6 +159,10 @@ class ShmBackend(Backend):
     name = "shm"
     own_block_in_place = True
     gathers_into_list = True
+    # the forwarded collectives live in slots: a slot shadows Backend's method of the same
+    # name, so the front end's ``pg.backend.broadcast`` is a specialised slot load (an
+    # instance attribute over a class method is looked up the generic way every call)
+    __slots__ = _FORWARDED
 
     def __init__(self, store, rank, size, timeout, options=None, label=None, *, rank_names=None):
         super().__init__(store, rank, size, timeout, options)
