@@ -3,11 +3,12 @@
 One POSIX shared-memory segment per group, created by rank 0 at init, named to
 the others through the store, and unlinked as soon as every rank has mapped it
 (so nothing is left in /dev/shm, even after a crash). Collectives run in C with
-the GIL released (``collectives._shm``); point-to-point messages travel through
-a byte ring per ordered pair of ranks, driven by two helper threads per rank
-(one sends queued messages, one drains incoming rings into posted receives or
-an unexpected-message list), so ``isend``/``irecv`` never block and two ranks
-that both send large messages first cannot deadlock.
+the GIL released (``collectives._shm``; barrier and small broadcasts and all_reduces
+release it only where they must wait longer than a short spin); point-to-point
+messages travel through a byte ring per ordered pair of ranks, driven by two helper
+threads per rank (one sends queued messages, one drains incoming rings into posted
+receives or an unexpected-message list), so ``isend``/``irecv`` never block and two
+ranks that both send large messages first cannot deadlock.
 
 Tunables (environment): COLLECTIVES_SHM_HALF_BYTES (bytes per half data slot),
 COLLECTIVES_SHM_ONESHOT_MAX (largest all_reduce done one-shot),
