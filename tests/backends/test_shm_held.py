@@ -11,6 +11,8 @@ releases the GIL only where it must wait longer (shm_finish takes the call up th
   rank's other Python threads run. The peer comes only once such a thread has finished
   some Python work: a wait that kept the GIL would never end (the call's timeout fails
   the test; nothing is timed).
+- One CPU: the same runs with both ranks on one CPU (where a waiting rank yields at once
+  instead of spinning) give NumPy's results.
 """
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -112,3 +114,27 @@ def test_other_threads_run_while_a_small_call_waits(tmp_path, n, kind):
         if kind != "barrier":
             assert res == want.tolist(), f"rank {r}"
         assert steps == (200 if r == waiter else 0)
+
+
+def run_on_one_cpu(ctx, calls):
+    """``run_sequence`` with every rank on one CPU (as a busy machine's scheduler often puts
+    two ranks): a waiting rank then yields at once instead of spinning (src/shm/
+    shm_segment.c, same_cpu). The rank's CPUs are restored after."""
+    import os
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        return run_sequence(ctx, calls)
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=examples(4), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(calls=st.lists(CALL, min_size=1, max_size=30))
+def test_small_calls_on_one_cpu_match_numpy(calls):
+    got = backend_pool("gloo", 2).run(run_on_one_cpu, calls, timeout=4 * GROUP_TIMEOUT_S)
+    want = expected(calls, 2)
+    for r in range(2):
+        assert got[r] == want, f"rank {r}"

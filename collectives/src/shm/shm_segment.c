@@ -25,10 +25,24 @@ static int pid_alive(int pid)
     return 1;
 }
 
+/* Whether peer q last waited on the CPU this rank runs on now (kept up to date for the
+ * peers' same question). Two ranks of a busy machine often end up on one CPU (a futex
+ * wake-up pulls the woken rank to the waker's), and there a spin only delays the peer. */
+static int same_cpu(shm_comm *c, int q)
+{
+    int32_t cpu = (int32_t)sched_getcpu() + 1;
+    if (cpu <= 0)
+        return 0;
+    if (atomic_load_explicit(&c->ctl[c->me].info.cpu, memory_order_relaxed) != cpu)
+        atomic_store_explicit(&c->ctl[c->me].info.cpu, cpu, memory_order_relaxed);
+    return atomic_load_explicit(&c->ctl[q].info.cpu, memory_order_relaxed) == cpu;
+}
+
 SHM_HIDDEN int wait_ctr_slow(shm_comm *c, ctr_t *ctr, uint32_t target, int peer,
                              int64_t deadline_ns)
 {
-    for (int i = 0; i < c->spin; i++) {
+    int spin = c->spin && peer >= 0 && peer != c->me && same_cpu(c, peer) ? 0 : c->spin;
+    for (int i = 0; i < spin; i++) {
         cpu_relax();
         if (ge(atomic_load_explicit(&ctr->v, memory_order_acquire), target))
             return SHM_OK;

@@ -99,7 +99,8 @@ typedef struct {
     ctr_t bell;   /* bumped whenever a p2p ring to or from this rank moves */
     struct {
         _Atomic int32_t pid;
-        char pad[CL - 4];
+        _Atomic int32_t cpu;  /* the CPU this rank last waited on, plus one (0: unknown) */
+        char pad[CL - 8];
     } info;
     struct {
         _Atomic uint32_t v;     /* latency probe: pings and pongs (see probe_peer) */
