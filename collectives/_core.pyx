@@ -5,6 +5,7 @@ Every entry point validates its arguments with the GIL held (ValueError/TypeErro
 naming the argument), then runs one C call in a ``with nogil:`` block. Inputs
 are NumPy arrays or torch CPU tensors, used in place (zero-copy).
 """
+cimport cython
 cimport numpy as cnp
 from cpython.pycapsule cimport PyCapsule_New
 from libc.stdint cimport uintptr_t

@@ -69,6 +69,7 @@ cdef class Dispatcher:
             return self._general_post(self.pg, kind, fn, buf, peer, tag)
         return self._track(self.pg, kind, fn(buf, peer, tag), peer, tag, buf)
 
+    @cython.binding(False)  # a method descriptor: the interpreter's specialised call
     def call(self, kind, _CBuffer buf, int root, int op, fn, tuple args, bint async_op=False,
              outputs=(), timeout=None):
         """Run ``fn(*args)`` as collective ``kind``; a Work when ``async_op``, else None."""

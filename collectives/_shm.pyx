@@ -1,9 +1,12 @@
 # cython: language_level=3
 """Same-host shared-memory transport: one segment per group, collectives in C.
 
-Every collective runs in C with the GIL released (src/shm/shm_coll.c); this module
-only converts arguments and turns error codes into DistBackendError.
+Every collective runs in C with the GIL released (src/shm/shm_coll.c), but for barrier,
+small broadcasts and small all_reduces, which begin with it held and release it only
+where they must wait longer than a short spin (shm_*_try); this module only converts
+arguments and turns error codes into DistBackendError.
 """
+cimport cython
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
@@ -52,6 +55,11 @@ cdef extern from "shm/shm_coll.h" nogil:
     const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
                                     const char *label)
     int shm_barrier(shm_comm *c, uint64_t fp)
+    int SHM_PENDING
+    int shm_barrier_try(shm_comm *c, uint64_t fp)
+    int shm_broadcast_try(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
+    int shm_all_reduce_try(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp)
+    int shm_finish(shm_comm *c)
     int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
     int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp)
     int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root, uint64_t fp)
@@ -337,38 +345,50 @@ cdef class ShmComm:
         return shm_comm_seq(self._live("seq"))
 
     # ---- collectives on Buffers ---------------------------------------------------
+    # (binding(False): bound on the backend they are builtin methods, which the dispatcher
+    # calls without a bound-method wrapper)
     # Each takes collectives._buffer.Buffer objects and reads their fields in C (a small
     # call's cost is mostly argument passing). fp: the caller's fingerprint of the call
     # (collectives.core.fingerprint.pack; 0: computed here from the arguments); every rank
     # compares every peer's with its own (see shm_coll.h)
+    @cython.binding(False)
     def barrier(self, uint64_t fp=0):
         cdef shm_comm *c = self._live("barrier")
         cdef int rc
         fp = self._fp(fp, K_BARRIER, NO_DTYPE, 0, -1, -1)
-        with nogil:
-            rc = shm_barrier(c, fp)
+        rc = shm_barrier_try(c, fp)
+        if rc == SHM_PENDING:
+            with nogil:
+                rc = shm_finish(c)
         self._check(rc, "barrier")
 
+    @cython.binding(False)
     def broadcast(self, Buffer buf not None, int root, uint64_t fp=0):
         cdef shm_comm *c = self._live("broadcast")
         cdef int rc
         cdef void *p = <void *>buf.ptr
         cdef size_t nbytes = _nbytes(buf)
         fp = self._fp(fp, K_BROADCAST, buf.dtype, buf.count, root, -1)
-        with nogil:
-            rc = shm_broadcast(c, p, nbytes, root, fp)
+        rc = shm_broadcast_try(c, p, nbytes, root, fp)
+        if rc == SHM_PENDING:
+            with nogil:
+                rc = shm_finish(c)
         self._check(rc, "broadcast")
 
+    @cython.binding(False)
     def all_reduce(self, Buffer buf not None, int op, uint64_t fp=0):
         cdef shm_comm *c = self._live("all_reduce")
         cdef int rc, dtype = buf.dtype
         cdef void *p = <void *>buf.ptr
         cdef size_t count = buf.count
         fp = self._fp(fp, K_ALL_REDUCE, dtype, count, -1, op)
-        with nogil:
-            rc = shm_all_reduce(c, p, count, dtype, op, fp)
+        rc = shm_all_reduce_try(c, p, count, dtype, op, fp)
+        if rc == SHM_PENDING:
+            with nogil:
+                rc = shm_finish(c)
         self._check(rc, "all_reduce")
 
+    @cython.binding(False)
     def reduce(self, Buffer buf not None, int op, int root, uint64_t fp=0):
         cdef shm_comm *c = self._live("reduce")
         cdef int rc, dtype = buf.dtype
@@ -379,6 +399,7 @@ cdef class ShmComm:
             rc = shm_reduce(c, p, count, dtype, op, root, fp)
         self._check(rc, "reduce")
 
+    @cython.binding(False)
     def all_gather(self, Buffer out not None, Buffer inp not None, uint64_t fp=0):
         """``out`` takes every rank's ``inp``, rank r's at byte r * inp's size."""
         cdef shm_comm *c = self._live("all_gather")
@@ -391,6 +412,7 @@ cdef class ShmComm:
             rc = shm_all_gather(c, o, i, nbytes, fp)
         self._check(rc, "all_gather")
 
+    @cython.binding(False)
     def all_gather_list(self, outs, Buffer inp not None, uint64_t fp=0):
         """all_gather into separate blocks: ``outs`` holds one Buffer per rank."""
         cdef shm_comm *c = self._live("all_gather")
@@ -412,6 +434,7 @@ cdef class ShmComm:
             free(o)
         self._check(rc, "all_gather")
 
+    @cython.binding(False)
     def gather(self, Buffer out, Buffer inp not None, int root, uint64_t fp=0):
         """``out`` (None but on ``root``) takes every rank's ``inp``."""
         cdef shm_comm *c = self._live("gather")
@@ -424,6 +447,7 @@ cdef class ShmComm:
             rc = shm_gather(c, o, i, nbytes, root, fp)
         self._check(rc, "gather")
 
+    @cython.binding(False)
     def scatter(self, Buffer out not None, Buffer inp, int root, uint64_t fp=0):
         """Rank r's ``out`` takes block r of ``root``'s ``inp`` (None elsewhere)."""
         cdef shm_comm *c = self._live("scatter")
@@ -436,6 +460,7 @@ cdef class ShmComm:
             rc = shm_scatter(c, o, i, nbytes, root, fp)
         self._check(rc, "scatter")
 
+    @cython.binding(False)
     def reduce_scatter(self, Buffer out not None, Buffer inp not None, int op, uint64_t fp=0):
         cdef shm_comm *c = self._live("reduce_scatter")
         cdef int rc, dtype = out.dtype
@@ -447,6 +472,7 @@ cdef class ShmComm:
             rc = shm_reduce_scatter(c, o, i, count, dtype, op, fp)
         self._check(rc, "reduce_scatter")
 
+    @cython.binding(False)
     def all_to_all(self, Buffer out not None, Buffer inp not None, out_counts, in_counts,
                    uint64_t fp=0):
         """Rank q's block of ``inp`` (``in_counts[q]`` elements) goes to rank q, and rank

@@ -3,11 +3,12 @@
 One POSIX shared-memory segment per group, created by rank 0 at init, named to
 the others through the store, and unlinked as soon as every rank has mapped it
 (so nothing is left in /dev/shm, even after a crash). Collectives run in C with
-the GIL released (``collectives._shm``); point-to-point messages travel through
-a byte ring per ordered pair of ranks, driven by two helper threads per rank
-(one sends queued messages, one drains incoming rings into posted receives or
-an unexpected-message list), so ``isend``/``irecv`` never block and two ranks
-that both send large messages first cannot deadlock.
+the GIL released (``collectives._shm``; barrier and small broadcasts and all_reduces
+release it only where they must wait longer than a short spin); point-to-point
+messages travel through a byte ring per ordered pair of ranks, driven by two helper
+threads per rank (one sends queued messages, one drains incoming rings into posted
+receives or an unexpected-message list), so ``isend``/``irecv`` never block and two
+ranks that both send large messages first cannot deadlock.
 
 Tunables (environment): COLLECTIVES_SHM_HALF_BYTES (bytes per half data slot),
 COLLECTIVES_SHM_ONESHOT_MAX (largest all_reduce done one-shot),
@@ -159,6 +160,10 @@ class ShmBackend(Backend):
     name = "shm"
     own_block_in_place = True
     gathers_into_list = True
+    # the forwarded collectives live in slots: a slot shadows Backend's method of the same
+    # name, so the front end's ``pg.backend.broadcast`` is a specialised slot load (an
+    # instance attribute over a class method is looked up the generic way every call)
+    __slots__ = _FORWARDED
 
     def __init__(self, store, rank, size, timeout, options=None, label=None, *, rank_names=None):
         super().__init__(store, rank, size, timeout, options)

@@ -45,8 +45,10 @@ def test_small_broadcast_mismatch_raises_on_every_rank(n, odd, name, common, odd
 
 
 def run_sequence(ctx, calls):
-    """Run on every rank: ``calls`` in a fresh group; each is (kind, root, count). Returns
-    every broadcast's and all_reduce's result."""
+    """Run on every rank: ``calls`` in a fresh group; each is (kind, root, count), or (kind,
+    root, count, late, delay_ms): rank ``late % n`` sleeps that long first. Returns every
+    broadcast's and all_reduce's result."""
+    import time
     from datetime import timedelta
 
     import numpy as np
@@ -56,7 +58,9 @@ def run_sequence(ctx, calls):
     grp = dist.new_group(list(range(n)), timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     out = []
     try:
-        for i, (kind, root, count) in enumerate(calls):
+        for i, (kind, root, count, *late) in enumerate(calls):
+            if late and late[0] % n == me and late[1]:
+                time.sleep(late[1] / 1000)
             x = (np.arange(count, dtype=np.float32) + 1000 * i + 10 * me)
             if kind == "broadcast":
                 dist.broadcast(x, src=root % n, group=grp)
@@ -74,7 +78,7 @@ def run_sequence(ctx, calls):
 def expected(calls, n):
     import numpy as np
     out = []
-    for i, (kind, root, count) in enumerate(calls):
+    for i, (kind, root, count, *_) in enumerate(calls):
         base = np.arange(count, dtype=np.float32) + 1000 * i
         if kind == "broadcast":
             out.append((base + 10 * (root % n)).tolist())

@@ -60,23 +60,115 @@ static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root, uint64
     return SHM_OK;
 }
 
+/* ---- small calls under the caller's lock ----------------------------------------------
+ * (shm_*_try in shm_coll.h.) A bounded spin with the GIL held stands in for a wait; where it
+ * runs out, the call stops at a point where shm_finish can take it up with a wait, and
+ * says what is left in c->pend. The Python threads of the process wait at most that spin. */
+enum { PEND_NONE, PEND_BARRIER, PEND_BROADCAST, PEND_ALL_REDUCE, /* left whole */
+       PEND_CHECK_ALL, PEND_BC_READ, PEND_AR_REST };                /* begun */
+
+/* polls of a held spin */
+static inline int held_spin(const shm_comm *c) { return c->spin / 8; }
+
+/* Whether peer q's post (ack = 0) or ack (ack = 1) reaches s within *spins more polls (a
+ * budget shared by the caller's checks); kept as wait_seen keeps it. */
+static int reached(shm_comm *c, int q, int ack, uint32_t s, int *spins)
+{
+    uint32_t *seen = &c->seen[2 * q + ack];
+    const _Atomic uint32_t *v = ack ? &c->ctl[q].ack.v : &c->ctl[q].post.v;
+    while (!ge(*seen, s)) {
+        uint32_t now = atomic_load_explicit(v, memory_order_acquire);
+        if (ge(now, s)) {
+            *seen = now;
+            break;
+        }
+        if (*spins <= 0)
+            return 0;
+        --*spins;
+        cpu_relax();
+    }
+    return 1;
+}
+
+/* ... every peer's */
+static int all_reached(shm_comm *c, int ack, uint32_t s, int *spins)
+{
+    for (int q = 0; q < c->n; q++)
+        if (q != c->me && !reached(c, q, ack, s, spins))
+            return 0;
+    return 1;
+}
+
+/* Leave the call whole to shm_finish. */
+static int pend(shm_comm *c, int what, void *buf, size_t n, int root, int dtype, int op,
+                uint64_t fp)
+{
+    c->pend.what = what;
+    c->pend.buf = buf;
+    c->pend.n = n;
+    c->pend.root = root;
+    c->pend.dtype = dtype;
+    c->pend.op = op;
+    c->pend.fp = fp;
+    return SHM_PENDING;
+}
+
+int shm_barrier_try(shm_comm *c, uint64_t fp)
+{
+    CHECK(c);
+    if (c->n == 1)
+        return SHM_OK;
+    if (c->ahead)  /* fp_publish may wait */
+        return pend(c, PEND_BARRIER, NULL, 0, -1, -1, -1, fp);
+    int rc = fp_publish(c, fp);
+    if (rc)
+        return fail(c, rc);
+    uint32_t s = ++c->seq;
+    post(c, s);
+    int spins = held_spin(c);
+    if (all_reached(c, 0, s, &spins))  /* fp_check_all finds every post it waits for */
+        return fail(c, fp_check_all(c, s));
+    c->pend.what = PEND_CHECK_ALL;
+    c->pend.s = s;
+    return SHM_PENDING;
+}
+
+/* A small broadcast's reader, once it has posted step s (ring record s % BC_RING): the
+ * root's data, after its fingerprint. */
+static int bc_read(shm_comm *c, void *buf, size_t nbytes, int root, uint32_t s)
+{
+    TRY(c, wait_post(c, root, s));
+    TRY(c, fp_check(c, root));  /* before copying the root's data into buf */
+    memcpy(buf, c->ctl[root].bc[s % BC_RING].data, nbytes);
+    ack(c, s);
+    return SHM_OK;
+}
+
 /* A broadcast of at most BC_INLINE bytes, through the ranks' ring records (bc_rec_t): the
  * root writes the data and its fingerprint into record s % BC_RING, posts s and returns;
  * each reader writes its fingerprint into its own record, posts s (its arrival), waits for
- * the root's post, compares the root's fingerprint and copies. Nobody waits for the
+ * the root's record to hold this call (or for its post), compares the root's fingerprint
+ * and copies. Nobody waits for the
  * readers: the root compares theirs when it reuses the record (after every rank acked the
- * step that last used it, BC_RING broadcasts later) or at its next fp_check_all. */
-static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
+ * step that last used it, BC_RING broadcasts later) or at its next fp_check_all.
+ * spins >= 0: under the caller's lock, with that many polls (shm_broadcast_try). */
+static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp,
+                            int spins)
 {
     const uint32_t k = c->coll + 1, s = c->seq + 1;
-    const int i = (int)(s % BC_RING), me = c->me;
+    const int i = (int)(s % BC_RING), me = c->me, held = spins >= 0;
     bc_rec_t *mine = &c->ctl[me].bc[i];
     if (me == root) {
+        /* under the lock, only where the record's last use is settled and read: bc_settle
+         * and the acks' waits below then return at once */
+        if (held && !(all_reached(c, 0, c->bc_due[i].s, &spins)
+                      && all_reached(c, 1, c->bc_due[i].s, &spins)))
+            return pend(c, PEND_BROADCAST, buf, nbytes, root, -1, -1, fp);
         if (c->bc_due[i].due)
             TRY(c, bc_settle(c, i));
         for (int q = 0; q < c->n; q++)  /* every rank has read the record's last data */
             if (q != me)
-                TRY(c, wait_ctr(c, &c->ctl[q].ack, c->bc_due[i].s, q, -1));
+                TRY(c, wait_seen(c, q, 1, c->bc_due[i].s));
         memcpy(mine->data, buf, nbytes);
     }
     fp_store(&mine->k, &mine->word, k, fp);
@@ -96,11 +188,39 @@ static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uin
         c->bc_n_due++;
         return SHM_OK;
     }
-    TRY(c, wait_post(c, root, s));
-    TRY(c, fp_check(c, root));  /* before copying the root's data into buf */
-    memcpy(buf, c->ctl[root].bc[i].data, nbytes);
-    ack(c, s);
-    return SHM_OK;
+    /* A reader looks at the root's record itself: once it holds this call's k with this
+     * call's word, its data is there too (the root writes them before k), so one line
+     * crosses between the cores, not the post's and then the record's. (The root rewrites
+     * the record only after this rank's ack of s.) Not there within the spin (one look
+     * where the caller may wait), or another word: bc_read waits for the post and compares. */
+    const bc_rec_t *rec = &c->ctl[root].bc[i];
+    uint64_t w;
+    for (;;) {
+        if (rec_find(rec, k, &w) && w == fp) {
+            memcpy(buf, rec->data, nbytes);
+            ack(c, s);
+            return SHM_OK;
+        }
+        if (spins-- <= 0)
+            break;
+        cpu_relax();
+    }
+    if (held) {
+        pend(c, PEND_BC_READ, buf, nbytes, root, -1, -1, fp);
+        c->pend.s = s;
+        return SHM_PENDING;
+    }
+    return bc_read(c, buf, nbytes, root, s);
+}
+
+int shm_broadcast_try(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
+{
+    CHECK(c);
+    if (c->n == 1)
+        return SHM_OK;
+    if (nbytes == 0 || nbytes > BC_INLINE)
+        return pend(c, PEND_BROADCAST, buf, nbytes, root, -1, -1, fp);
+    return broadcast_inline(c, buf, nbytes, root, fp, held_spin(c));
 }
 
 int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
@@ -111,7 +231,7 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
     if (nbytes == 0)
         return fp_sync(c, fp);
     if (nbytes <= BC_INLINE)
-        return broadcast_inline(c, buf, nbytes, root, fp);
+        return broadcast_inline(c, buf, nbytes, root, fp, -1);
     if (c->cma && c->cma_bcast_min && nbytes >= c->cma_bcast_min)
         return broadcast_cma(c, buf, nbytes, root, fp);
     tick(c, nbytes);
@@ -239,6 +359,40 @@ static int reduction_entry(shm_comm *c, int dtype, int op, size_t *isz)
     return coll_op_valid(dtype, op) ? SHM_OK : COLL_EOP;
 }
 
+/* One-shot (every reader reduces all inputs in rank order: bitwise identical), up to the
+ * post of its step *s with the data in half *h. */
+static int oneshot_post(shm_comm *c, const void *buf, size_t nbytes, uint64_t fp, uint32_t *s,
+                        int *h)
+{
+    int rc = half_acquire(c, h);
+    if (rc)
+        return rc;
+    seg_put(c, HALF(c, c->me, *h), buf, nbytes);
+    if ((rc = fp_publish(c, fp)))
+        return rc;
+    *s = ++c->seq;
+    post(c, *s);
+    c->free_after[*h] = *s;
+    return SHM_OK;
+}
+
+/* ... and the rest: compare, reduce (on every rank where root < 0), ack. srcs: n entries. */
+static int oneshot_rest(shm_comm *c, void *buf, size_t count, int dtype, int op, int root,
+                        uint32_t s, int h, const void **srcs)
+{
+    int rc = fp_check_all(c, s);  /* a reduce's non-roots too, before they return */
+    if (rc)
+        return rc;
+    if (root < 0 || root == c->me) {
+        for (int q = 0; q < c->n; q++)
+            srcs[q] = HALF(c, q, h);
+        rc = coll_reduce_many(buf, srcs, c->n, count, dtype, op);
+    }
+    ack(c, s);
+    tick(c, count * coll_itemsize(dtype));
+    return rc;
+}
+
 /* Reduce to every rank (root < 0) or to root only. */
 static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, int root,
                        uint64_t fp)
@@ -258,25 +412,10 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         return SHM_ESYS;
     size_t nbytes = count * isz;
     if (nbytes <= c->oneshot_max) {
-        /* one-shot: every reader reduces all inputs in rank order: bitwise identical */
+        uint32_t s;
         int h;
-        if ((rc = half_acquire(c, &h)))
-            goto out;
-        seg_put(c, HALF(c, me, h), buf, nbytes);
-        if ((rc = fp_publish(c, fp)))
-            goto out;
-        uint32_t s = ++c->seq;
-        post(c, s);
-        c->free_after[h] = s;
-        if ((rc = fp_check_all(c, s)))  /* a reduce's non-roots too, before they return */
-            goto out;
-        if (root < 0 || root == me) {
-            for (int q = 0; q < n; q++)
-                srcs[q] = HALF(c, q, h);
-            rc = coll_reduce_many(buf, srcs, n, count, dtype, op);
-        }
-        ack(c, s);
-        tick(c, nbytes);
+        if (!(rc = oneshot_post(c, buf, nbytes, fp, &s, &h)))
+            rc = oneshot_rest(c, buf, count, dtype, op, root, s, h, srcs);
         goto out;
     }
     /* an all_reduce takes the algorithm its size class measured fastest (shm_tune.c); a
@@ -363,6 +502,56 @@ int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, uint
 int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root, uint64_t fp)
 {
     return reduce_impl(c, buf, count, dtype, op, root, fp);
+}
+
+int shm_all_reduce_try(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp)
+{
+    size_t isz;
+    int rc = reduction_entry(c, dtype, op, &isz);
+    if (rc || c->n == 1)
+        return rc;
+    int spins = held_spin(c);
+    /* one-shot, too small to probe (tick), and nothing to wait for before the post: the
+     * acks of the half's last use (half_acquire), the peers' run-ahead (fp_publish) */
+    if (count == 0 || count * isz > c->oneshot_max || count * isz >= PROBE_SMALL_MIN
+        || c->n > MAX_STACK_SRCS || c->ahead
+        || !all_reached(c, 1, c->free_after[c->blk & 1], &spins))
+        return pend(c, PEND_ALL_REDUCE, buf, count, -1, dtype, op, fp);
+    uint32_t s;
+    int h;
+    if ((rc = oneshot_post(c, buf, count * isz, fp, &s, &h)))
+        return fail(c, rc);
+    if (!all_reached(c, 0, s, &spins)) {
+        pend(c, PEND_AR_REST, buf, count, -1, dtype, op, fp);
+        c->pend.s = s;
+        c->pend.h = h;
+        return SHM_PENDING;
+    }
+    const void *srcs[MAX_STACK_SRCS];
+    return fail(c, oneshot_rest(c, buf, count, dtype, op, -1, s, h, srcs));
+}
+
+int shm_finish(shm_comm *c)
+{
+    const void *srcs[MAX_STACK_SRCS];
+    int what = c->pend.what;
+    c->pend.what = PEND_NONE;
+    switch (what) {
+    case PEND_BARRIER:
+        return shm_barrier(c, c->pend.fp);
+    case PEND_BROADCAST:
+        return shm_broadcast(c, c->pend.buf, c->pend.n, c->pend.root, c->pend.fp);
+    case PEND_ALL_REDUCE:
+        return shm_all_reduce(c, c->pend.buf, c->pend.n, c->pend.dtype, c->pend.op, c->pend.fp);
+    case PEND_CHECK_ALL:
+        return fail(c, fp_check_all(c, c->pend.s));
+    case PEND_BC_READ:
+        return bc_read(c, c->pend.buf, c->pend.n, c->pend.root, c->pend.s);
+    case PEND_AR_REST:
+        return fail(c, oneshot_rest(c, c->pend.buf, c->pend.n, c->pend.dtype, c->pend.op, -1,
+                                    c->pend.s, c->pend.h, srcs));
+    }
+    return SHM_EINVAL;
 }
 
 /* Rank q's block of a gather's output: contiguous blocks of `out`, or outs[q]. */

@@ -10,7 +10,8 @@
  * ack = s. A half is rewritten only after every rank acked the last step that
  * read it. Waits spin a bounded number of polls, yield, then sleep on a futex,
  * checking the peer's pid so a dead peer is an error, not a hang. Every
- * function is called with the GIL released and never touches Python.
+ * function that may wait is called with the GIL released (the *_try calls below wait a
+ * bounded spin at most, with it held), and none touches Python.
  */
 #ifndef COLLECTIVES_SHM_COLL_H
 #define COLLECTIVES_SHM_COLL_H
@@ -132,6 +133,20 @@ int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int
 /* every rank also checks that what each peer sends it is what it expects (SHM_FAIL_COUNTS) */
 int shm_all_to_all(shm_comm *c, void *out, const void *in, const size_t *out_bytes,
                    const size_t *in_bytes, uint64_t fp);
+
+/* shm_barrier, shm_broadcast and shm_all_reduce begun with the caller's lock held (the GIL: releasing and
+ * retaking it costs a small call more than its wait). Each does its call's work up to the
+ * first wait that does not end within a short spin (an eighth of the waits' spin, about
+ * 250 ns; none with more ranks than cores) and returns SHM_OK or an error once the call is
+ * over, or SHM_PENDING with the rest left to shm_finish, which the caller must call next,
+ * with the lock released, and which waits as the calls above do. Larger calls (a
+ * broadcast above 48 bytes, an all_reduce of 4 KiB or more) are left whole to
+ * shm_finish. They never touch Python either. */
+#define SHM_PENDING 1
+int shm_barrier_try(shm_comm *c, uint64_t fp);
+int shm_broadcast_try(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp);
+int shm_all_reduce_try(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp);
+int shm_finish(shm_comm *c);
 
 /* Point to point: a byte stream per ordered pair. */
 /* Write hdr then buf to dst's ring; returns 1 if written, 0 if it did not fit (nothing written). */

@@ -25,10 +25,24 @@ static int pid_alive(int pid)
     return 1;
 }
 
+/* Whether peer q last waited on the CPU this rank runs on now (kept up to date for the
+ * peers' same question). Two ranks of a busy machine often end up on one CPU (a futex
+ * wake-up pulls the woken rank to the waker's), and there a spin only delays the peer. */
+static int same_cpu(shm_comm *c, int q)
+{
+    int32_t cpu = (int32_t)sched_getcpu() + 1;
+    if (cpu <= 0)
+        return 0;
+    if (atomic_load_explicit(&c->ctl[c->me].info.cpu, memory_order_relaxed) != cpu)
+        atomic_store_explicit(&c->ctl[c->me].info.cpu, cpu, memory_order_relaxed);
+    return atomic_load_explicit(&c->ctl[q].info.cpu, memory_order_relaxed) == cpu;
+}
+
 SHM_HIDDEN int wait_ctr_slow(shm_comm *c, ctr_t *ctr, uint32_t target, int peer,
                              int64_t deadline_ns)
 {
-    for (int i = 0; i < c->spin; i++) {
+    int spin = c->spin && peer >= 0 && peer != c->me && same_cpu(c, peer) ? 0 : c->spin;
+    for (int i = 0; i < spin; i++) {
         cpu_relax();
         if (ge(atomic_load_explicit(&ctr->v, memory_order_acquire), target))
             return SHM_OK;
@@ -193,10 +207,12 @@ int shm_comm_open(shm_comm **out, const char *name, int create, int rank, int si
     c->rctl = (ring_ctl_t *)(c->base + rctl_off);
     c->rdata = c->base + rdata_off;
     c->err_peer = -1;
-    if (!(c->dist = calloc((size_t)size, 1))) {
+    if (!(c->dist = calloc((size_t)size, 1))
+        || !(c->seen = calloc((size_t)size * 2, sizeof *c->seen))) {
         munmap(p, total);
         if (create)
             close(fd);
+        free(c->dist);
         free(c);
         return SHM_ESYS;
     }
@@ -242,6 +258,7 @@ void shm_comm_close(shm_comm *c)
         close(c->lock_fd);
     free(c->cma_tmp);
     free(c->dist);
+    free(c->seen);
     free(c);
 }
 
@@ -461,10 +478,15 @@ SHM_HIDDEN int fp_check_all(shm_comm *c, uint32_t s)
 
 SHM_HIDDEN int bc_settle(shm_comm *c, int i)
 {
+    uint64_t w;
     for (int q = 0; q < c->n; q++)
         if (q != c->me) {
-            int rc = wait_post(c, q, c->bc_due[i].s);  /* q has arrived there */
-            if (!rc)  /* a reader that has moved on compared the root's record at the call */
+            int rc = wait_seen(c, q, 0, c->bc_due[i].s);  /* q has arrived there */
+            /* a reader's word is in its ring record: found there, q's post line (which
+             * fp_find reads first) is not read */
+            if (!rc && !(rec_find(&c->ctl[q].bc[c->bc_due[i].s % BC_RING], c->bc_due[i].k, &w)
+                         && w == c->bc_due[i].word))
+                /* a reader that has moved on compared the root's record at the call */
                 rc = fp_check_word(c, q, c->bc_due[i].k, c->bc_due[i].s, c->bc_due[i].word, 1);
             if (rc)
                 return rc;

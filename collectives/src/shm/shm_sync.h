@@ -99,7 +99,8 @@ typedef struct {
     ctr_t bell;   /* bumped whenever a p2p ring to or from this rank moves */
     struct {
         _Atomic int32_t pid;
-        char pad[CL - 4];
+        _Atomic int32_t cpu;  /* the CPU this rank last waited on, plus one (0: unknown) */
+        char pad[CL - 8];
     } info;
     struct {
         _Atomic uint32_t v;     /* latency probe: pings and pongs (see probe_peer) */
@@ -201,6 +202,7 @@ struct shm_comm {
     size_t small_bytes;   /* bytes of small steps since the last small-step probe (ditto) */
     uint32_t probes;      /* probes run (the same count on every rank) */
     unsigned char *dist;  /* per peer: 0 not measured, PEER_NEAR or PEER_FAR */
+    uint32_t *seen;       /* per peer: the post and the ack counter as last read (wait_seen) */
     int shared_verdict;   /* more ranks than cores: the group's latest probe decides */
     int64_t far_ns;       /* a probe's round trip from which a peer counts as far */
     int thp;              /* collapse buffers that peers copy by CMA into huge pages */
@@ -223,6 +225,9 @@ struct shm_comm {
      * peer when the record is reused or at the next fp_check_all */
     struct { uint32_t k, s; uint64_t word; int due; } bc_due[BC_RING];
     int bc_n_due;
+    /* a small call begun with the caller's lock held and left to shm_finish (shm_coll.c,
+     * "small calls under the caller's lock"): what is left, and the call's arguments */
+    struct { int what; uint32_t s; int h, root, dtype, op; void *buf; size_t n; uint64_t fp; } pend;
     _Atomic int broken;
     _Atomic int aborted;
     /* this process's receives waited on by their own thread (shm_p2p_direct): while there
@@ -322,6 +327,21 @@ static inline int fail(shm_comm *c, int rc)
             return fail((c), rc_);        \
     } while (0)
 
+/* Wait until peer q's post (ack = 0) or ack (ack = 1) reaches s, as wait_ctr; the value
+ * read is kept, so that a wait for an older step (a small broadcast's root, for the record
+ * it reuses) reads no line of q's (the acquire load that saw it ordered q's writes). */
+static inline int wait_seen(shm_comm *c, int q, int ack, uint32_t s)
+{
+    uint32_t *seen = &c->seen[2 * q + ack];
+    if (ge(*seen, s))
+        return SHM_OK;
+    ctr_t *ctr = ack ? &c->ctl[q].ack : &c->ctl[q].post;
+    int rc = wait_ctr(c, ctr, s, q, -1);
+    if (!rc)
+        *seen = atomic_load_explicit(&ctr->v, memory_order_acquire);
+    return rc;
+}
+
 SHM_HIDDEN int half_acquire(shm_comm *c, int *h);
 static int wait_post(shm_comm *c, int q, uint32_t s) { return wait_ctr(c, &c->ctl[q].post, s, q, -1); }
 SHM_HIDDEN int wait_posts(shm_comm *c, uint32_t s);
@@ -390,6 +410,25 @@ static inline int fp_publish(shm_comm *c, uint64_t word)
 #define FP_ABSENT 1  /* not where q would have put it: q called something else */
 #define FP_GONE 2    /* q has moved past k and reused the place */
 
+/* Whether ring record e holds collective k's word (*w; *k2: the k read after it). */
+static inline int rec_read(const bc_rec_t *e, uint32_t k, uint64_t *w, uint32_t *k2)
+{
+    uint32_t e1 = atomic_load_explicit(&e->k, memory_order_acquire);
+    uint64_t ew = atomic_load_explicit(&e->word, memory_order_relaxed);
+    atomic_thread_fence(memory_order_acquire);
+    *k2 = atomic_load_explicit(&e->k, memory_order_relaxed);
+    if (e1 != k || *k2 != k)
+        return 0;
+    *w = ew;
+    return 1;
+}
+
+static inline int rec_find(const bc_rec_t *e, uint32_t k, uint64_t *w)
+{
+    uint32_t k2;
+    return rec_read(e, k, w, &k2);
+}
+
 /* Peer q's fingerprint of collective k, whose first step is s, once q has posted s: in q's
  * post line or in q's small-broadcast record of step s. */
 static inline int fp_find(const shm_comm *c, int q, uint32_t k, uint32_t s, uint64_t *w)
@@ -403,15 +442,9 @@ static inline int fp_find(const shm_comm *c, int q, uint32_t k, uint32_t s, uint
     if (k1 == k && k2 == k)
         return FP_FOUND;
     /* not in the post line: the ring record (another line) */
-    const bc_rec_t *e = &c->ctl[q].bc[s % BC_RING];
-    uint32_t e1 = atomic_load_explicit(&e->k, memory_order_acquire);
-    uint64_t ew = atomic_load_explicit(&e->word, memory_order_relaxed);
-    atomic_thread_fence(memory_order_acquire);
-    uint32_t e2 = atomic_load_explicit(&e->k, memory_order_relaxed);
-    if (e1 == k && e2 == k) {
-        *w = ew;
+    uint32_t e2;
+    if (rec_read(&c->ctl[q].bc[s % BC_RING], k, w, &e2))
         return FP_FOUND;
-    }
     /* rewritten since, or being rewritten: q published a later collective there */
     k2 &= ~FP_WRITING;
     e2 &= ~FP_WRITING;
