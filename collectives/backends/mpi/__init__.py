@@ -25,11 +25,10 @@ through the buffer protocol; the pure-Python one goes as
   naming the first pair of calls that differed (see :mod:`.mpi_fingerprint`).
 * The hot blocking calls (all_reduce, broadcast, barrier, the common all_gather) are made
   by the C call log (``collectives._mpilog``) through MPI's entry points by address
-  (:func:`_entry_points`), skipping mpi4py's per-call work; everything else, and those
+  (:func:`.library.entry_points`), skipping mpi4py's per-call work; everything else, and those
   where the entry points cannot be found, goes through mpi4py.
 """
 import importlib.util
-import os
 import sys
 
 from ...core import dtypes as D
@@ -43,6 +42,12 @@ from ..base import Backend
 from .fingerprint import CallLog as _CallLog
 from .fingerprint import FingerprintCheck as _FingerprintCheck
 from .request import MpiRequest
+from .library import displs as _displs
+from .library import entry_points as _entry_points
+from .library import handle as _handle
+from .library import launcher_world_size as _launcher_world_size
+from .library import overlap as _overlap
+from .library import reduce_kernel as _reduce_kernel
 from .watchdog import watchdog as _watchdog
 
 INSTALL_HINT = 'pip install "collectives[mpi]"'
@@ -108,48 +113,6 @@ def _load_mpi():
     return MPI
 
 
-_ENTRY_NAMES = ("MPI_Allreduce", "MPI_Bcast", "MPI_Barrier", "MPI_Allgather")
-
-
-def _entry_points(MPI):
-    """The addresses of the MPI functions the C call log calls directly, in the library
-    mpi4py loaded (found through mpi4py's own module, whose dependency it is), or None
-    where they cannot be found, mpi4py gives no handles (``.handle``: mpi4py 4) or the
-    handles are neither ints nor pointers (the calls then go through mpi4py)."""
-    try:
-        import ctypes
-        if not hasattr(MPI.COMM_WORLD, "handle"):
-            return None
-        size = MPI._sizeof(MPI.Comm)
-        if size not in (4, ctypes.sizeof(ctypes.c_void_p)) or any(
-                MPI._sizeof(t) != size for t in (MPI.Datatype, MPI.Op)):
-            return None
-        lib = ctypes.CDLL(MPI.__file__, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                     for name in _ENTRY_NAMES) + (size,)
-    except (ImportError, OSError, AttributeError, TypeError):
-        return None
-
-
-def _handle(obj):
-    return None if obj is None else obj.handle
-
-
-def _reduce_kernel():
-    """``reduce_ptr(dst, src, count, dtype, op)`` from _core, else the pure-Python fallback."""
-    for name in ("collectives._core", "collectives.core.kernels_numpy"):
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        fn = getattr(mod, "reduce_ptr", None)
-        if fn is not None:
-            return fn
-    raise DistBackendError("float16/bfloat16 reductions need collectives._core (build it with "
-                           "setup.py build_ext) or collectives.core.kernels_numpy; neither "
-                           "provides reduce_ptr")
-
-
 def _half_op(dtype, op):
     """The user-defined MPI op reducing float16/bfloat16 words with our kernels."""
     key = dtype * 16 + op
@@ -179,11 +142,6 @@ def _spec(buf):
     return (buf if _EXPORTS else _fromaddress(buf.ptr, buf.count * buf.itemsize), _DATATYPE[buf.dtype])
 
 
-def _overlap(a, b):
-    return (a.count and b.count and a.ptr < b.ptr + b.count * b.itemsize
-            and b.ptr < a.ptr + a.count * a.itemsize)
-
-
 def _private_copy(buf):
     """(spec, keepalive) over a copy of ``buf``: MPI forbids aliased send and receive buffers."""
     arr = buf.numpy().copy()
@@ -193,14 +151,6 @@ def _private_copy(buf):
 def _check_tag(tag):
     if tag > _TAG_UB:
         raise ValueError(f"tag must be <= {_TAG_UB} (this MPI's MPI_TAG_UB), got {tag}")
-
-
-def _displs(counts):
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out
 
 
 def world_rank_size():
@@ -581,15 +531,6 @@ class MpiBackend(Backend):
                 comm.Free()
             except _MPI.Exception:
                 pass
-
-
-def _launcher_world_size():
-    """The number of processes mpiexec started (1 when not under an MPI launcher)."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
-        value = os.environ.get(var)
-        if value and value.isdigit():
-            return int(value)
-    return 1
 
 
 def _comm_for(store, rank, size):
