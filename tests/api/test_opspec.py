@@ -43,7 +43,6 @@ from collectives.backends import registered_backends
 from collectives.backends.base import Backend, DoneRequest
 from collectives.core.fingerprint import KIND_NAMES
 from collectives.store import HashStore
-from tests.support import ROOT
 from tests.support.dispatchers import choose
 from tests.support.profiles import examples
 from tests.support.ranks import available_configs, backend_pool
@@ -296,7 +295,7 @@ def test_the_recorder_and_the_profiler_are_handled_in_the_dispatcher_only():
     """No module of collectives/api/ but dispatch.py writes the recorder's started/done/fail
     steps, records a p2p call, or tests the profiler's flag (monitored_barrier runs the
     recorder's own Tracked hook: it is not queued, as torch's gloo runs it)."""
-    api = os.path.join(ROOT, "collectives", "api")
+    api = os.path.dirname(opspec.__file__)  # the package under test, installed or not
     by_hand = re.compile(r"fr\.started\s*=|fr\.done\s*=|\.fail\(|_is_profiler_enabled|"
                          r"issue_p2p|_flight\.p2p|flight_recorder\.p2p|_profiling\.issue")
     found = []
