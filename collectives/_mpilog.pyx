@@ -4,15 +4,16 @@
 :class:`CallLog` holds the fingerprints (kind, dtype, count, root, op) of a group's blocking
 collectives since the ranks last compared them (see
 :mod:`collectives.backends.mpi.fingerprint`) as machine words: appending one allocates
-nothing. Its ``all_reduce``, ``broadcast``, ``barrier`` and ``all_gather`` append the call's
-fingerprint and make MPI's call; bound to the backend (``bind_backend``) they are its
+nothing. Its ``all_reduce``, ``broadcast`` and ``all_gather`` append the call's fingerprint
+and make MPI's call; its ``barrier`` appends and compares the ranks' logs, the comparison's
+all_reduce being the barrier; bound to the backend (``bind_backend``) they are its
 methods of those names on the instance, with no Python frame of their own, so they mark
 the call they have in MPI (``busy``, its number, and ``thread``) for the watchdog, and hand
 a call made in ``async_mode`` to the backend's async form.
 
-Given the MPI library's entry points (``bind_direct``: MPI_Allreduce, MPI_Bcast,
-MPI_Barrier and MPI_Allgather's addresses, and the communicator's, datatypes' and ops'
-handles as mpi4py's ``.handle`` gives them), those calls go to MPI by address, as
+Given the MPI library's entry points (``bind_direct``: MPI_Allreduce, MPI_Bcast and
+MPI_Allgather's addresses, and the communicator's, datatypes' and ops' handles as mpi4py's
+``.handle`` gives them; ``bind_check``: the comparison's), those calls go to MPI by address, as
 ``collectives._ncclcall`` calls NCCL: mpi4py's own call (argument parsing, a message
 object, the buffer export) was ~200 ns of a 4-byte call's ~300 ns at world 1, which raw
 mpi4py pays too, so that the backend's call stays within its front end's cost of raw
@@ -23,8 +24,9 @@ INT_MAX, a device buffer, a null pointer) the call goes through mpi4py as before
 
 Where this extension is not built the backend keeps the log as a Python list of tuples.
 """
+cimport cython
 from libc.limits cimport INT_MAX
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from cpython.pythread cimport PyThread_get_thread_ident
 
 from collectives._buffer cimport Buffer
@@ -41,12 +43,10 @@ cdef int BARRIER = 1, BROADCAST = 2, ALL_REDUCE = 3, ALL_GATHER = 5, NO_DTYPE = 
 # MPI's entry points, for int handles (MPICH's ABI: MPI_Comm, MPI_Datatype and MPI_Op are int)
 ctypedef int (*allreduce_i)(const void *, void *, int, int, int, int) noexcept nogil
 ctypedef int (*bcast_i)(void *, int, int, int, int) noexcept nogil
-ctypedef int (*barrier_i)(int) noexcept nogil
 ctypedef int (*allgather_i)(const void *, int, int, void *, int, int, int) noexcept nogil
 # ... and for pointer handles (Open MPI's ABI, the MPI standard ABI)
 ctypedef int (*allreduce_p)(const void *, void *, int, void *, void *, void *) noexcept nogil
 ctypedef int (*bcast_p)(void *, int, void *, int, void *) noexcept nogil
-ctypedef int (*barrier_p)(void *) noexcept nogil
 ctypedef int (*allgather_p)(const void *, int, void *, void *, int, void *, void *) noexcept nogil
 
 
@@ -60,11 +60,10 @@ cdef class CallLog:
     cdef readonly int n
     cdef public object failed
     cdef object _compare, _error
-    cdef object _allreduce, _bcast, _barrier, _allgather, _in_place, _datatypes, _ops, _half_op
+    cdef object _allreduce, _bcast, _allgather, _in_place, _datatypes, _ops, _half_op
     # bind_direct's: MPI's entry points (NULL: through mpi4py), the handles, MPI.Exception
     cdef void *_f_allreduce
     cdef void *_f_bcast
-    cdef void *_f_barrier
     cdef void *_f_allgather
     cdef bint _int_handles
     cdef uintptr_t _comm, _in_place_addr
@@ -72,6 +71,12 @@ cdef class CallLog:
     cdef uintptr_t _op[N_OPS]      # 0: not known yet (an op made later: half_op's)
     cdef object _mpi_error
     cdef object _mask            # the bits of a handle
+    # bind_check's: the comparison made by address (MPI_Allreduce of (hash, ~hash) as two
+    # 32-bit words, MIN, on the check's own communicator); _ccomm 0: made by compare() (Python)
+    cdef uintptr_t _ccomm, _u32, _min
+    cdef uint32_t _h[2]
+    cdef object _mismatch
+    cdef public long long compared  # calls compared so far (the numbering in messages)
     # bind_backend's: the group's size, the backend's async forms and its uncommon all_gather
     cdef Py_ssize_t _size
     cdef object _async_all_reduce, _async_broadcast, _async_barrier, _async_all_gather
@@ -86,22 +91,21 @@ cdef class CallLog:
         self._error = error
         self.failed = None
         self.n = 0
+        self.compared = 0
 
-    def bind(self, allreduce, bcast, barrier, allgather, in_place, list datatypes, list ops,
-             half_op):
-        """The MPI calls (the communicator's bound Allreduce, Bcast, Barrier, Allgather), MPI.IN_PLACE,
+    def bind(self, allreduce, bcast, allgather, in_place, list datatypes, list ops, half_op):
+        """The MPI calls (the communicator's bound Allreduce, Bcast, Allgather), MPI.IN_PLACE,
         the datatype table (dtype code -> Datatype), the op table (dtype * 16 + op -> Op or
         None) and ``half_op(dtype, op)`` for the ops the table lacks."""
         if len(ops) != N_OPS:
             raise ValueError(f"ops must hold {N_OPS} entries, got {len(ops)}")
-        self._allreduce, self._bcast, self._barrier = allreduce, bcast, barrier
-        self._allgather = allgather
+        self._allreduce, self._bcast, self._allgather = allreduce, bcast, allgather
         self._in_place, self._datatypes, self._ops, self._half_op = in_place, datatypes, ops, half_op
 
-    def bind_direct(self, allreduce, bcast, barrier, allgather, int handle_size, comm, in_place,
+    def bind_direct(self, allreduce, bcast, allgather, int handle_size, comm, in_place,
                     list datatypes, list ops, mpi_error):
-        """Call MPI by address: ``allreduce`` ... ``allgather`` are MPI_Allreduce, MPI_Bcast,
-        MPI_Barrier and MPI_Allgather's addresses; ``handle_size`` the bytes of an MPI handle
+        """Call MPI by address: ``allreduce``, ``bcast``, ``allgather`` are MPI_Allreduce,
+        MPI_Bcast and MPI_Allgather's addresses; ``handle_size`` the bytes of an MPI handle
         (``MPI._sizeof(MPI.Comm)``: 4, ints, or the size of a pointer); ``comm`` the
         communicator's handle, ``in_place`` MPI_IN_PLACE's address (``int(MPI.IN_PLACE)``),
         ``datatypes`` and ``ops`` the handles of bind's tables (None where an entry is None),
@@ -126,7 +130,6 @@ cdef class CallLog:
         self._mpi_error = mpi_error
         self._f_allreduce = <void *><uintptr_t>allreduce
         self._f_bcast = <void *><uintptr_t>bcast
-        self._f_barrier = <void *><uintptr_t>barrier
         self._f_allgather = <void *><uintptr_t>allgather
 
     def bind_backend(self, Py_ssize_t size, async_all_reduce, async_broadcast, async_barrier,
@@ -139,9 +142,22 @@ cdef class CallLog:
         self._async_barrier, self._async_all_gather = async_barrier, async_all_gather
         self._all_gather_other = all_gather_other
 
+    def bind_check(self, comm, uint32, op_min, mismatch):
+        """Compare by address (after ``bind_direct``): ``comm`` the handle of the check's
+        communicator, ``uint32`` and ``op_min`` MPI_UINT32_T's and MPI_MIN's handles;
+        ``mismatch()`` runs where the ranks' hashes differed (it gathers the logs and
+        raises)."""
+        if self._f_allreduce == NULL:
+            raise ValueError("bind_check needs bind_direct first")
+        self._ccomm = <uintptr_t>(comm & self._mask)
+        self._u32 = <uintptr_t>(uint32 & self._mask)
+        self._min = <uintptr_t>(op_min & self._mask)
+        self._mismatch = mismatch
+
     def unbind_direct(self):
         """Make the calls through mpi4py again (the communicator is about to be freed)."""
-        self._f_allreduce = self._f_bcast = self._f_barrier = self._f_allgather = NULL
+        self._f_allreduce = self._f_bcast = self._f_allgather = NULL
+        self._ccomm = 0
         for i in range(N_DTYPES):
             self._dt[i] = 0
         for i in range(N_OPS):
@@ -157,7 +173,7 @@ cdef class CallLog:
             raise self._mpi_error(code)
         return 0
 
-    cdef int _add(self, int64_t kind, int64_t dtype, int64_t count, int64_t root,
+    cdef int _put(self, int64_t kind, int64_t dtype, int64_t count, int64_t root,
                   int64_t op) except -1:
         if self.failed is not None:
             raise self._error(f"group unusable after an earlier failure: {self.failed}")
@@ -168,14 +184,59 @@ cdef class CallLog:
         p[3] = root
         p[4] = op
         self.n += 1
+        return 0
+
+    cdef int _add(self, int64_t kind, int64_t dtype, int64_t count, int64_t root,
+                  int64_t op) except -1:
+        self._put(kind, dtype, count, root, op)
         if self.n >= CHECK_EVERY:
-            self._compare()
+            self._compare_now()
+        return 0
+
+    cdef int _compare_now(self) except -1:
+        """Compare the ranks' logs now (every rank of the group is here): by address where
+        bound (``bind_check``), else through ``compare()``."""
+        cdef uint32_t h
+        cdef void *f = self._f_allreduce
+        cdef int code
+        if self._ccomm == 0 or f == NULL:
+            self._enter()
+            try:
+                self._compare()
+            finally:
+                self.busy = 0
+            return 0
+        h = _fold(self._digest())
+        self._h[0] = h
+        self._h[1] = ~h
+        self._enter()
+        with nogil:
+            if self._int_handles:
+                code = (<allreduce_i>f)(<const void *>self._in_place_addr, self._h, 2,
+                                        <int>self._u32, <int>self._min, <int>self._ccomm)
+            else:
+                code = (<allreduce_p>f)(<const void *>self._in_place_addr, self._h, 2,
+                                        <void *>self._u32, <void *>self._min, <void *>self._ccomm)
+        self.busy = 0
+        self._check(code)
+        if self._h[0] == h and self._h[1] == ~h:
+            self.compared += self.n
+            self.n = 0
+            return 0
+        self._mismatch()  # raises
         return 0
 
     def append(self, tuple entry):
         """Log one call's (kind, dtype, count, root, op); compare when the log is full."""
         kind, dtype, count, root, op = entry
         self._add(kind, dtype, count, root, op)
+
+    def append_and_compare(self, tuple entry):
+        """Log one call, then compare the ranks' logs: the comparison is that call (a
+        barrier: an all_reduce synchronises as one does)."""
+        kind, dtype, count, root, op = entry
+        self._put(kind, dtype, count, root, op)
+        self._compare_now()
 
     def entries(self):
         """The logged calls, oldest first, as (kind, dtype, count, root, op) tuples."""
@@ -185,6 +246,9 @@ cdef class CallLog:
     def digest(self):
         """A 64-bit hash of the logged calls (FNV-1a over their words, then a final mix):
         equal on every rank whose calls were equal."""
+        return self._digest()
+
+    cdef uint64_t _digest(self) noexcept:
         cdef uint64_t h = 14695981039346656037ULL
         cdef int i
         for i in range(self.n * FIELDS):
@@ -210,6 +274,7 @@ cdef class CallLog:
         self.thread = PyThread_get_thread_ident()
         self.busy = self._made
 
+    @cython.binding(False)  # a method descriptor: the interpreter's specialised call
     def all_reduce(self, Buffer buf, int op):
         """Log, then ``MPI_Allreduce(MPI_IN_PLACE, buf, count, datatype, mpi_op, comm)``."""
         if self.async_mode:
@@ -244,6 +309,7 @@ cdef class CallLog:
         finally:
             self.busy = 0
 
+    @cython.binding(False)  # a method descriptor: the interpreter's specialised call
     def broadcast(self, Buffer buf, int root):
         """Log, then ``MPI_Bcast(buf, count, datatype, root, comm)``."""
         if self.async_mode:
@@ -270,29 +336,17 @@ cdef class CallLog:
         finally:
             self.busy = 0
 
+    @cython.binding(False)  # a method descriptor: the interpreter's specialised call
     def barrier(self):
-        """Log, then ``MPI_Barrier(comm)``."""
+        """Log, then compare the ranks' logs: the comparison's MPI_Allreduce of (hash,
+        ~hash) is the barrier (no rank leaves it before every rank has entered), so a
+        barrier costs what one did and every barrier checks the calls before it."""
         if self.async_mode:
             return self._async_barrier()
-        cdef uintptr_t c = self._comm
-        cdef void *f = self._f_barrier
-        cdef int code
-        self._add(BARRIER, NO_DTYPE, 0, -1, -1)
-        self._enter()
-        if f != NULL:
-            with nogil:
-                if self._int_handles:
-                    code = (<barrier_i>f)(<int>c)
-                else:
-                    code = (<barrier_p>f)(<void *>c)
-            self.busy = 0
-            self._check(code)
-            return
-        try:
-            self._barrier()
-        finally:
-            self.busy = 0
+        self._put(BARRIER, NO_DTYPE, 0, -1, -1)
+        self._compare_now()
 
+    @cython.binding(False)  # a method descriptor: the interpreter's specialised call
     def all_gather(self, Buffer out, Buffer inp):
         """Log, then, where ``out`` takes the group's size blocks like ``inp`` and shares no
         byte with it (the common call), ``MPI_Allgather``; else the backend's
@@ -327,6 +381,12 @@ cdef class CallLog:
             self._allgather((inp, dtype), (out, dtype))
         finally:
             self.busy = 0
+
+
+cdef inline uint32_t _fold(uint64_t h) noexcept:
+    """The 32-bit word the ranks compare: ``digest() ^ (digest() >> 32)``, low half (two
+    such words, 8 bytes, are MPICH's quickest all_reduce: 16 took ~1.6x as long)."""
+    return <uint32_t>(h ^ (h >> 32))
 
 
 cdef inline bint _direct_ok(Buffer b) noexcept:

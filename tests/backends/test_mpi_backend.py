@@ -967,6 +967,8 @@ STUCK_PROGRAM = textwrap.dedent("""
     print("healthy", rank, flush=True)
     if rank == world - 1:
         time.sleep(100)  # never arrives
+    elif sys.argv[1] == "barrier":
+        dist.barrier()
     else:
         dist.all_reduce(x)
     print("returned", rank, flush=True)
@@ -976,21 +978,26 @@ STUCK_PROGRAM = textwrap.dedent("""
 @pytest.mark.faults
 @needs_mpi
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("n", [2, 3])
-def test_a_blocking_collective_a_peer_never_calls_ends_the_job_after_the_timeout(n):
+@pytest.mark.parametrize("n,call,extensions", [
+    (2, "all_reduce", True), (3, "all_reduce", True), (2, "barrier", True),
+    # the Python call log: the barrier waits in the log's comparison, a frame below barrier's
+    (2, "barrier", False), (3, "all_reduce", False)])
+def test_a_blocking_collective_a_peer_never_calls_ends_the_job_after_the_timeout(
+        n, call, extensions):
     """MPI cannot time out a blocking call: the watchdog ends the job with MPI_Abort, naming
     the call, once it has run past the group timeout; quick calls never trip it."""
     if not front_end_built():
         pytest.skip("the front end (init_process_group) is not built yet")
     start = time.monotonic()
-    p = run_under_mpiexec(STUCK_PROGRAM, n)
+    p = run_under_mpiexec(STUCK_PROGRAM, n, None if extensions else
+                          {"COLLECTIVES_NO_EXTENSIONS": "1"}, args=(call,))
     took = time.monotonic() - start
     out = p.stdout + p.stderr
     assert p.stdout.count("healthy") == n, out  # no call of the healthy phase was cut short
     assert "returned" not in p.stdout, out
     assert p.returncode != 0, out
     # either waiting rank may be the first to abort
-    assert re.search(rf"the mpi all_reduce \(group rank [0-{n - 2}] of {n}\)", p.stderr), out
+    assert re.search(rf"the mpi {call} \(group rank [0-{n - 2}] of {n}\)", p.stderr), out
     assert "past the group timeout (0.5 s)" in p.stderr and "MPI_Abort" in p.stderr, out
     assert 'File "<string>", line' in p.stderr, out  # where the stuck call was made
     assert took < 60, f"took {took:.1f} s: the sleeping rank was not ended with the job\n{out}"

@@ -78,7 +78,9 @@ READS_ROOT = ("broadcast", "scatter")  # a rank whose output is the root's data
 # configurations whose ranks all raise one recorded text, and say "unusable" next; over TCP
 # each rank words the pair from its side, and the hierarchical mode's hosts from theirs
 SAME_TEXT = ("gloo", "mpi")
-MPI_CHECK_EVERY = 64  # the mpi backend compares its calls' fingerprints every 64th call
+# the mpi backend compares its calls' fingerprints every 64th call and at every barrier: the
+# first barrier after the odd call raises
+MPI_DRAIN = 1
 # configurations whose same-host broadcast of one block returns on its root without waiting
 # for the readers (src/shm/shm_sync.h): that root learns of a mismatch at its next call
 ROOT_RUNS_AHEAD = {"gloo", "gloo-hier"}
@@ -163,7 +165,7 @@ def guarded_case(ctx, specs, warmup=True, drain=0):
     """Run on every rank: in a fresh group, this rank's call ``specs[rank]``; then a barrier
     on the same group. Returns (error of the call, error of the barrier, whether every
     buffer the call was handed is unchanged). ``drain``: the error may come up to that
-    many barriers later (the mpi backend compares its calls in batches; a same-host
+    many barriers later (the mpi backend compares its calls at its next barrier; a same-host
     broadcast's root learns at its next call), for every rank or one count per rank."""
     from datetime import timedelta
 
@@ -231,7 +233,7 @@ def _run(config, n, common, odd_spec, odd=None):
     specs = [odd_spec if r == odd else common for r in range(n)]
     pool = backend_pool(config, n)
     if config == "mpi":
-        drain = MPI_CHECK_EVERY
+        drain = MPI_DRAIN
     elif config in ROOT_RUNS_AHEAD:  # the root of a one-block shm broadcast: its next call
         drain = [1 if specs[r].get("kind") == "broadcast" else 0 for r in range(n)]
     else:

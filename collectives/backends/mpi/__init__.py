@@ -20,9 +20,11 @@ through the buffer protocol; the pure-Python one goes as
   the job with MPI_Abort once such a call has run past its group's timeout, naming the
   call and printing where it was made (as torch's NCCL watchdog tears a stuck job down). Waits
   on requests (async ops, isend/irecv) raise DistBackendError at the timeout.
-* Call fingerprints (always on): every 64th blocking call compares a hash of the ranks'
-  calls since the last comparison; where they differ every rank raises DistBackendError
-  naming the first pair of calls that differed (see :mod:`.mpi_fingerprint`).
+* Call fingerprints (always on): every 64th blocking call, and every barrier, compares a
+  hash of the ranks' calls since the last comparison; where they differ every rank raises
+  DistBackendError naming the first pair of calls that differed (see
+  :mod:`.mpi_fingerprint`). A barrier is that comparison: its all_reduce synchronises the
+  ranks as MPI_Barrier does, at MPI_Barrier's cost.
 * The hot blocking calls (all_reduce, broadcast, barrier, the common all_gather) are made
   by the C call log (``collectives._mpilog``) through MPI's entry points by address
   (:func:`.library.entry_points`), skipping mpi4py's per-call work; everything else, and those
@@ -58,7 +60,7 @@ _OPS = None          # dtype code * 16 + op code -> MPI.Op (None: not made yet)
 _IN_PLACE = None
 _TAG_UB = 32767     # MPI_TAG_UB (the standard's floor until MPI is loaded)
 _fromaddress = None
-_ENTRY = None        # (MPI_Allreduce, MPI_Bcast, MPI_Barrier, MPI_Allgather) addresses, or None
+_ENTRY = None        # (MPI_Allreduce, MPI_Bcast, MPI_Allgather) addresses + handle size, or None
 _EXPORTS = _Buffer is not _PyBuffer  # a Buffer is itself a buffer-protocol object
 # the call log in C (collectives._mpilog) makes all_reduce, broadcast and barrier's MPI call
 # itself; it takes the compiled Buffer
@@ -179,7 +181,43 @@ class _AsyncCall:
             be._async_mode = False
 
 
-class MpiBackend(Backend):
+class _PyHotCalls:
+    """The four hot blocking calls of :class:`MpiBackend` in Python, its per-instance calls
+    where the call log is not the C one (``collectives._mpilog``, whose own methods are
+    used otherwise). A class of their own, so that ``MpiBackend``'s slots of those names
+    (a specialised attribute load per call) do not clash with methods of its own."""
+
+    # Each appends its fingerprint to the call log (which compares the ranks' logs when
+    # full, see the module docstring) and makes MPI's call. Where the log is C
+    # (collectives._mpilog) the log's methods, which make MPI's call themselves, are the
+    # instance's instead (a Python frame here was ~900 instructions against a 4-byte
+    # MPI_Allreduce's ~2,000). The watchdog knows a blocking call by its frame here, or by
+    # the C log's ``busy``.
+    def all_reduce(self, buf, op):
+        if self._async_mode:  # async calls are not checked: natively posted ones cannot be
+            return self._iall_reduce(buf, op).wait()
+        dt = buf.dtype
+        self._fp_log.append((F.ALL_REDUCE, dt, buf.count, -1, op))
+        self._allreduce(_IN_PLACE, _spec(buf), _OPS[dt * 16 + op] or _half_op(dt, op))
+
+    def broadcast(self, buf, root):
+        if self._async_mode:
+            return self._ibroadcast(buf, root).wait()
+        self._fp_log.append((F.BROADCAST, buf.dtype, buf.count, root, -1))
+        self._bcast(_spec(buf), root)
+
+    def all_gather(self, out, inp):
+        self._checked((F.ALL_GATHER, inp.dtype, inp.count, -1, -1), self._all_gather, out, inp)
+
+    def barrier(self):
+        # the ranks compare their logs now, and that comparison (an all_reduce on the check's
+        # communicator: no rank leaves before every rank has entered) is the barrier
+        if self._async_mode:
+            return self._ibarrier().wait()
+        self._fp_log.append_and_compare(_BARRIER_ENTRY)
+
+
+class MpiBackend(_PyHotCalls, Backend):
     """A group's backend over one MPI communicator (owned: freed at shutdown).
 
     Args:
@@ -189,6 +227,9 @@ class MpiBackend(Backend):
         options: unused (kept for the factory signature).
     """
 
+    # the hot calls, set per instance (the C log's methods, or _PyHotCalls'): a slot is a
+    # specialised attribute load at every call (an instance attribute shadowing a method is not)
+    __slots__ = ("all_reduce", "broadcast", "barrier", "all_gather")
     name = "mpi"
     own_block_in_place = True
     # the blocking collectives: each waits in one MPI call, which the watchdog bounds
@@ -206,8 +247,8 @@ class MpiBackend(Backend):
         self._fp_log = self._fp.log  # this group's calls since the last comparison
         if _C_LOG:
             log = self._fp_log
-            log.bind(comm.Allreduce, comm.Bcast, comm.Barrier, comm.Allgather, _IN_PLACE,
-                     _DATATYPE, _OPS, _half_op)
+            log.bind(comm.Allreduce, comm.Bcast, comm.Allgather, _IN_PLACE, _DATATYPE, _OPS,
+                     _half_op)
             log.bind_backend(self.size, self._async_all_reduce, self._async_broadcast,
                              self._async_barrier, self._async_all_gather, self._all_gather)
             # the hot calls are the log's own methods: no Python frame per call (the
@@ -219,20 +260,27 @@ class MpiBackend(Backend):
                 self._fp_log.bind_direct(*fns, size, comm.handle, int(_IN_PLACE),
                                          [_handle(t) for t in _DATATYPE],
                                          [_handle(o) for o in _OPS], _MPI.Exception)
+                self._fp.bind_direct(_handle)
+        else:
+            self.all_reduce = _PyHotCalls.all_reduce.__get__(self)
+            self.broadcast = _PyHotCalls.broadcast.__get__(self)
+            self.barrier = _PyHotCalls.barrier.__get__(self)
+            self.all_gather = _PyHotCalls.all_gather.__get__(self)
         _watchdog.watch(self)
         self._allreduce = comm.Allreduce
         self._bcast = comm.Bcast
         self._allgather = comm.Allgather
+        # a collective's name -> its non-blocking form (submit)
         self._native = {
-            MpiBackend.all_reduce: MpiBackend._iall_reduce,
-            MpiBackend.broadcast: MpiBackend._ibroadcast,
-            MpiBackend.reduce: MpiBackend._ireduce,
-            MpiBackend.all_gather: MpiBackend._iall_gather,
-            MpiBackend.gather: MpiBackend._igather,
-            MpiBackend.scatter: MpiBackend._iscatter,
-            MpiBackend.reduce_scatter: MpiBackend._ireduce_scatter,
-            MpiBackend.all_to_all: MpiBackend._iall_to_all,
-            MpiBackend.barrier: MpiBackend._ibarrier,
+            "all_reduce": MpiBackend._iall_reduce,
+            "broadcast": MpiBackend._ibroadcast,
+            "reduce": MpiBackend._ireduce,
+            "all_gather": MpiBackend._iall_gather,
+            "gather": MpiBackend._igather,
+            "scatter": MpiBackend._iscatter,
+            "reduce_scatter": MpiBackend._ireduce_scatter,
+            "all_to_all": MpiBackend._iall_to_all,
+            "barrier": MpiBackend._ibarrier,
         }
 
     # True while the progress thread runs a submitted (async) call: its collectives then
@@ -260,27 +308,6 @@ class MpiBackend(Backend):
     def _async_all_gather(self, out, inp):
         return self._iall_gather(out, inp).wait()
 
-    # ---- blocking collectives: one MPI call each ------------------------------------
-    # Each appends its fingerprint to the call log (which compares the ranks' logs when
-    # full, see the module docstring) and makes MPI's call. Where the log is C
-    # (collectives._mpilog) the hot ones (all_reduce, broadcast, barrier, all_gather) are
-    # replaced per instance by the log's methods, which make MPI's call themselves (a
-    # Python frame here was ~900 instructions against a 4-byte MPI_Allreduce's ~2,000);
-    # these are the Python log's. The watchdog knows a blocking call by its frame here, or
-    # by the C log's ``busy``.
-    def all_reduce(self, buf, op):
-        if self._async_mode:  # async calls are not checked: natively posted ones cannot be
-            return self._iall_reduce(buf, op).wait()
-        dt = buf.dtype
-        self._fp_log.append((F.ALL_REDUCE, dt, buf.count, -1, op))
-        self._allreduce(_IN_PLACE, _spec(buf), _OPS[dt * 16 + op] or _half_op(dt, op))
-
-    def broadcast(self, buf, root):
-        if self._async_mode:
-            return self._ibroadcast(buf, root).wait()
-        self._fp_log.append((F.BROADCAST, buf.dtype, buf.count, root, -1))
-        self._bcast(_spec(buf), root)
-
     def _checked(self, entry, fn, *args):
         if self._async_mode:  # as in all_reduce: async calls are not checked
             return fn(*args)
@@ -301,9 +328,6 @@ class MpiBackend(Backend):
             self.comm.Reduce(_IN_PLACE, spec, mpi_op, root)
         else:
             self.comm.Reduce(spec, None, mpi_op, root)
-
-    def all_gather(self, out, inp):
-        self._checked((F.ALL_GATHER, inp.dtype, inp.count, -1, -1), self._all_gather, out, inp)
 
     def _all_gather(self, out, inp):
         if self._async_mode:
@@ -361,14 +385,6 @@ class MpiBackend(Backend):
         send, recv, _keep = self._alltoall_specs(out, inp, out_counts, in_counts)
         self.comm.Alltoallv(send, recv)
 
-    def barrier(self):
-        self._checked(_BARRIER_ENTRY, self._barrier)
-
-    def _barrier(self):
-        if self._async_mode:
-            return self._ibarrier().wait()
-        self.comm.Barrier()
-
     # ---- point to point ----------------------------------------------------------
     def isend(self, buf, dst, tag=0):
         _check_tag(tag)
@@ -392,14 +408,11 @@ class MpiBackend(Backend):
         runs on the progress thread, its collectives again in non-blocking form."""
         if not self.pending.n:
             owner = getattr(fn, "__self__", None)
-            if owner is self:
-                start = self._native.get(getattr(fn, "__func__", None))
-            elif owner is self._fp_log:  # a hot call, the C log's method (see __init__)
-                start = self._native.get(getattr(MpiBackend, fn.__name__, None))
-            else:
-                start = None
-            if start is not None:
-                return start(self, *args)
+            # one of this backend's collectives (a hot call may be the C log's method)
+            if owner is self or owner is self._fp_log:
+                start = self._native.get(fn.__name__)
+                if start is not None:
+                    return start(self, *args)
         return super().submit(_AsyncCall(self, fn), *args)
 
     def _request(self, req, keep, what):

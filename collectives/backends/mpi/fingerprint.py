@@ -2,20 +2,20 @@
 
 Every blocking collective appends its fingerprint (collectives.core.fingerprint.pack's
 fields: kind, dtype, count, root, op) to the group's log; every 64th blocking call first
-compares a hash of the ranks' logs (one small MIN all_reduce of (hash, ~hash) on a
-duplicate of the group's communicator) and, where they differ, every rank raises
-DistBackendError naming the first pair of calls that differed and its collective number
-(an allgather of the logs, on mismatch only); the group then stays unusable. So every
-mismatch among calls MPI completes (another dtype or op of equal bytes, such as an int32
-broadcast received as float32) raises within 64 calls, at the same call on every rank,
-though MPI has moved the mismatched data. A count difference MPICH reports as a fatal
-truncation error, which ends the job; a call that hangs inside MPI (another root or
-kind) is ended by the watchdog. Async calls (``async_op=True``) are not checked: MPI may
-post them natively, and every rank must count the same calls (every rank agrees on
-async_op). A check at every call, before the data moves, is the DETAIL debug mode.
-Comparing at every call (an overlapped persistent MPI_Allreduce_init) measured 2-7x
-MPICH's time for 4 B-1 KiB all_reduce/broadcast at world 2 and up to 200x at world 4 (2
-loaded cores).
+compares a hash of the ranks' logs (one MIN all_reduce of (hash, ~hash), two 32-bit words,
+on a duplicate of the group's communicator; a barrier is that comparison, made at once)
+and, where they differ, every rank raises DistBackendError naming the first pair of calls
+that differed and its collective number (an allgather of the logs, on mismatch only); the
+group then stays unusable. So every mismatch among calls MPI completes (another dtype or
+op of equal bytes, such as an int32 broadcast received as float32) raises within 64 calls,
+at the same call on every rank, though MPI has moved the mismatched data. A count
+difference MPICH reports as a fatal truncation error, which ends the job; a call that
+hangs inside MPI (another root or kind) is ended by the watchdog. Async calls
+(``async_op=True``) are not checked: MPI may post them natively, and every rank must count
+the same calls (every rank agrees on async_op). A check at every call, before the data
+moves, is the DETAIL debug mode. Comparing at every call (an overlapped persistent
+MPI_Allreduce_init) measured 2-7x MPICH's time for 4 B-1 KiB all_reduce/broadcast at world
+2 and up to 200x at world 4 (2 loaded cores).
 """
 import numpy as np
 
@@ -23,6 +23,14 @@ from ...core import fingerprint as F
 from ...core.errors import DistBackendError
 
 _MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
+
+
+def fold(h):
+    """The 32-bit word the ranks compare of a 64-bit digest (CallLog's ``_fold``): 8 bytes,
+    (word, ~word), are MPICH's quickest all_reduce, 16 took ~1.6x as long. Two logs that
+    differ then compare equal with probability 2**-32."""
+    return (h ^ (h >> 32)) & _MASK32
 
 
 class PyCallLog(list):
@@ -35,6 +43,7 @@ class PyCallLog(list):
         self._error = error
         self.failed = None  # the message once the ranks' calls differed
         self.async_mode = False  # the backend's (see MpiBackend._async_mode)
+        self.compared = 0  # calls compared so far (the numbering in messages)
 
     def append(self, entry):
         """Log one call's (kind, dtype, count, root, op); compare when the log is full."""
@@ -43,6 +52,14 @@ class PyCallLog(list):
         list.append(self, entry)
         if len(self) >= FingerprintCheck.CHECK_EVERY:
             self._compare()
+
+    def append_and_compare(self, entry):
+        """Log one call, then compare the ranks' logs: the comparison is that call (a
+        barrier: an all_reduce synchronises as one does)."""
+        if self.failed is not None:
+            raise self._error(f"group unusable after an earlier failure: {self.failed}")
+        list.append(self, entry)
+        self._compare()
 
     def entries(self):
         return list(self)
@@ -85,23 +102,38 @@ class FingerprintCheck:
         self.label = label
         make = CallLog if c_log and CallLog is not None else PyCallLog
         self.log = make(self.compare, DistBackendError)
-        self.done = 0       # calls compared so far (the numbering in messages)
-        self.buf = np.zeros(2, np.uint64)
+        self.buf = np.zeros(2, np.uint32)
+
+    def bind_direct(self, handle):
+        """Have the C log compare by address (after its ``bind_direct``); ``handle(obj)``
+        gives an mpi4py object's handle."""
+        mpi = self.mpi
+        self.log.bind_check(handle(self.comm), handle(mpi.UINT32_T), handle(mpi.MIN),
+                            self.mismatch)
 
     def compare(self):
-        """Compare the ranks' logs (the log is full: every rank is here); raise
-        DistBackendError naming the first pair of calls that differed, if any."""
+        """Compare the ranks' logs (every rank is here: the log is full, or a barrier);
+        raise DistBackendError naming the first pair of calls that differed, if any.
+        The C log compares by address once bound (``bind_direct``), calling
+        :meth:`mismatch` where the ranks differed; this is its form through mpi4py."""
         log = self.log
-        first, self.done = self.done, self.done + len(log)
-        h = log.digest()
+        h = fold(log.digest())
         buf = self.buf
         buf[0] = h
-        buf[1] = h ^ _MASK64
+        buf[1] = h ^ _MASK32
         mpi = self.mpi
-        self.comm.Allreduce(mpi.IN_PLACE, [buf, mpi.UINT64_T], mpi.MIN)
-        if buf[0] == h and buf[1] == h ^ _MASK64:
+        self.comm.Allreduce(mpi.IN_PLACE, [buf, mpi.UINT32_T], mpi.MIN)
+        if buf[0] == h and buf[1] == h ^ _MASK32:
+            log.compared += len(log)
             log.clear()
             return
+        self.mismatch()
+
+    def mismatch(self):
+        """The ranks' hashes differed (every rank is here): gather the logs and raise
+        DistBackendError naming the first pair of calls that differed."""
+        log = self.log
+        first = log.compared
         entries = log.entries()
         log.clear()
         logs = self.comm.allgather(entries)  # every rank is here: all saw MIN != MAX

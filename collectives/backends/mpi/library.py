@@ -7,7 +7,7 @@ import os
 
 from ...core.errors import DistBackendError
 
-ENTRY_NAMES = ("MPI_Allreduce", "MPI_Bcast", "MPI_Barrier", "MPI_Allgather")
+ENTRY_NAMES = ("MPI_Allreduce", "MPI_Bcast", "MPI_Allgather")
 
 
 def entry_points(MPI):

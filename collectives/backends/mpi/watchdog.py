@@ -10,12 +10,23 @@ from ... import config
 from ..base import dump_recorder  # the flight recorder's dump (it registers it)
 
 
+def _blocking_frame(frame, codes):
+    """``frame`` or one of its two callers whose code is in ``codes`` (a blocking call's
+    method, which may be in the call log's comparison); None if none is."""
+    for _ in range(3):
+        if frame is None or frame.f_code in codes:
+            return frame
+        frame = frame.f_back
+    return None
+
+
 class Watchdog:
     """Ends the MPI job when a blocking collective has run past its group's timeout.
 
-    A daemon thread samples every thread's innermost Python frame
-    (``sys._current_frames``). A blocking collective of :class:`MpiBackend` is a
-    method frame that calls one MPI function, which releases the GIL while it waits.
+    A daemon thread samples every thread's innermost Python frames
+    (``sys._current_frames``, and up to two callers). A blocking collective of
+    :class:`MpiBackend` is a method frame that calls one MPI function (itself, or through
+    the call log's comparison), which releases the GIL while it waits.
     While a call runs its frame object stays the same object, and a later call gets a
     new one as long as this thread holds the old one, which it does from one sample to
     the next; so a frame seen again is the same call, still running. Once one has run
@@ -50,11 +61,12 @@ class Watchdog:
             if tmo:  # sample often enough to act within a quarter timeout of the deadline
                 self.period = max(self.MIN_PERIOD_S, min(self.period, tmo / 4))
             if self._thread is None:
-                # the method that makes MPI's call: name, or _name behind the fingerprint check
+                # the method that makes MPI's call: name, or _name behind the fingerprint
+                # check (functions of the class or a base: the hot calls' names are slots)
                 cls = type(backend)  # MpiBackend
                 self._codes = frozenset(
-                    getattr(cls, m).__code__ for name in cls.BLOCKING
-                    for m in (name, "_" + name) if hasattr(cls, m))
+                    fn.__code__ for name in cls.BLOCKING for m in (name, "_" + name)
+                    for fn in (vars(k).get(m) for k in cls.__mro__) if hasattr(fn, "__code__"))
                 self._thread = threading.Thread(target=self._loop, name="collectives-mpi-watchdog",
                                                 daemon=True)
                 self._thread.start()
@@ -70,7 +82,8 @@ class Watchdog:
             frames = sys._current_frames()
             running = {}
             for tid, frame in frames.items():
-                if frame.f_code not in codes:
+                frame = _blocking_frame(frame, codes)
+                if frame is None:
                     continue
                 prev = seen.get(tid)
                 since = prev[1] if prev is not None and prev[0] is frame else now
