@@ -7,8 +7,8 @@ on a duplicate of the group's communicator; a barrier is that comparison, made a
 and, where they differ, every rank raises DistBackendError naming the first pair of calls
 that differed and its collective number (an allgather of the logs, on mismatch only); the
 group then stays unusable. So every mismatch among calls MPI completes (another dtype or
-op of equal bytes, such as an int32 broadcast received as float32) raises within 64 calls,
-at the same call on every rank, though MPI has moved the mismatched data. A count
+op of equal bytes, such as an int32 broadcast received as float32) raises within 64 calls
+(or at the next barrier), at the same call on every rank, though MPI has moved the mismatched data. A count
 difference MPICH reports as a fatal truncation error, which ends the job; a call that
 hangs inside MPI (another root or kind) is ended by the watchdog. Async calls
 (``async_op=True``) are not checked: MPI may post them natively, and every rank must count
