@@ -177,6 +177,9 @@ cdef class CallLog:
                   int64_t op) except -1:
         if self.failed is not None:
             raise self._error(f"group unusable after an earlier failure: {self.failed}")
+        if self.n >= CHECK_EVERY:  # a comparison raised (an MPI error) before clearing the log
+            self.failed = "the comparison of the ranks' calls failed"
+            raise self._error(f"group unusable after an earlier failure: {self.failed}")
         cdef int64_t *p = &self.e[self.n * FIELDS]
         p[0] = kind
         p[1] = dtype

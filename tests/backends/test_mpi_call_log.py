@@ -74,3 +74,33 @@ def test_logs_that_differ_in_one_word_digest_differently(entries, at):
             log.append(e)
         digests.append(log.digest())
     assert digests[0] != digests[1]
+
+
+@pytest.mark.parametrize("make", LOGS)
+def test_a_barrier_entry_is_compared_at_once(make):
+    seen = []
+    log = make(lambda: (seen.append(log.entries()), log.clear()), DistBackendError)
+    log.append((3, 1, 4, -1, 0))
+    log.append_and_compare((1, 15, 0, -1, -1))
+    assert seen == [[(3, 1, 4, -1, 0), (1, 15, 0, -1, -1)]]
+    log.failed = "calls differed"
+    with pytest.raises(DistBackendError, match="unusable.*calls differed"):
+        log.append_and_compare((1, 15, 0, -1, -1))
+
+
+@pytest.mark.skipif(CallLog is None, reason="collectives._mpilog is not built")
+def test_a_comparison_that_raises_leaves_the_group_unusable_not_overrun():
+    def compare():
+        raise RuntimeError("an MPI error")  # before the log is cleared
+
+    log = CallLog(compare, DistBackendError)
+    for i in range(EVERY - 1):
+        log.append((3, 1, i, -1, 0))
+    with pytest.raises(RuntimeError, match="an MPI error"):
+        log.append((3, 1, 0, -1, 0))
+    assert len(log) == EVERY
+    for call in (lambda: log.append((3, 1, 0, -1, 0)),
+                 lambda: log.append_and_compare((1, 15, 0, -1, -1))):
+        with pytest.raises(DistBackendError, match="unusable"):
+            call()
+    assert len(log) == EVERY
