@@ -570,7 +570,16 @@ int shm_finish(shm_comm *c)
  * reader's output, n blocks long, is the buffer likelier to hold 2 MiB pages (numpy's
  * from 4 MiB, or thp_prepare's). Measured against each rank reading the others' blocks
  * (two ranks, samples alternating in one run, push/pull time): 2 MiB 0.72-0.85, 4 MiB
- * 0.94-1.01, 8 MiB 0.89-1.01, 16 MiB 0.92-1.01, 256 KiB-1 MiB 0.92-1.0. */
+ * 0.94-1.01, 8 MiB 0.89-1.01, 16 MiB 0.92-1.01, 256 KiB-1 MiB 0.92-1.0.
+ * It runs with more ranks than cores too (c->cma_gather; the broadcast's and the
+ * all_reduce's single copies do not): each rank's writes are its own, and a rank that
+ * waits for the cores does not hold up a peer's copy as a reader of the two-copy path
+ * does. Measured on this 2-vCPU VM, all_gather_into_tensor, in alternating mpiexec jobs
+ * against the two-copy path (../shared/tools/bench_pair.py, Open MPI 5 alongside, its
+ * time unchanged): 4 ranks 256 KiB 146-183 us against 251-263 us, 1 MiB 641-787 us
+ * against 892-932 us (Open MPI 809-956 us), 4 MiB 2.7-3.2 ms against 3.8-4.4 ms (Open MPI
+ * 3.2-3.7 ms); 3 ranks 1 MiB 494-526 us against 655-675 us, 4 MiB 1.65-1.69 ms against
+ * 2.64-2.65 ms. */
 #define CMA_PUSH_CHUNK (1 << 20)
 static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in, size_t nbytes,
                       int root, uint64_t fp)
@@ -635,7 +644,7 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
     }
     if (nbytes == 0)
         return fp_sync(c, fp);
-    if (c->cma && c->cma_min && nbytes >= c->cma_min)
+    if (c->cma_gather && c->cma_min && nbytes >= c->cma_min)
         return gather_cma(c, out, outs, in, nbytes, root, fp);
     /* an all_gather's stores are timed (shm_tune.c); a gather's follow the probes */
     int64_t t0 = 0;
