@@ -559,8 +559,8 @@ int shm_finish(shm_comm *c)
     ((outs) ? (char *)(outs)[q] : (char *)(out) + (size_t)(q) * (nbytes))
 
 /* Single-copy gather. A reader whose output is one buffer posts its address, and every
- * rank writes its block straight into it (process_vm_writev), 1 MiB at a time so the
- * block is read from the cache for every reader after the first. A reader whose output is
+ * rank writes its block straight into it (process_vm_writev), 256 KiB at a time so the
+ * block is read from the cache for every reader after the first (and for the local copy). A reader whose output is
  * a list of separate blocks (outs, all_gather only) posts none and reads every other
  * rank's input into its blocks instead (each rank posts its input's address too), so the
  * ranks of one call may mix the two forms. A writer returns as soon as its writes are
@@ -579,8 +579,12 @@ int shm_finish(shm_comm *c)
  * time unchanged): 4 ranks 256 KiB 146-183 us against 251-263 us, 1 MiB 641-787 us
  * against 892-932 us (Open MPI 809-956 us), 4 MiB 2.7-3.2 ms against 3.8-4.4 ms (Open MPI
  * 3.2-3.7 ms); 3 ranks 1 MiB 494-526 us against 655-675 us, 4 MiB 1.65-1.69 ms against
- * 2.64-2.65 ms. */
-#define CMA_PUSH_CHUNK (1 << 20)
+ * 2.64-2.65 ms.
+ * The chunk: 256 KiB against 1 MiB, alternating jobs on this VM: 4 ranks 1 MiB 542-623 us
+ * against 606-683 us, 4 MiB 2.14-2.88 ms against 2.49-3.02 ms; 2 ranks (Open MPI and
+ * MPICH jobs) 1 MiB alike, 4 MiB 504-532 us against 556-601 us, 16 MiB 2.21-2.36 ms
+ * against 2.46-2.54 ms; 128 KiB and 512 KiB no better than 256 KiB. */
+#define CMA_PUSH_CHUNK (256 * 1024)
 static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in, size_t nbytes,
                       int root, uint64_t fp)
 {
