@@ -212,13 +212,14 @@ SHM_HIDDEN int cma_write(shm_comm *c, int q, uint64_t remote, const void *src, s
 
 /* Whether every rank of the group can read every other's memory with
  * process_vm_readv (same user, no ptrace restrictions) and has a core of its own (c->cma,
- * returned by shm_cma_enabled), and whether every rank can read every other's (c->cma_gather,
- * the gathers' single copy); all ranks get the same answers. */
+ * returned by shm_cma_enabled: the all_reduce's single copy), and whether every rank can
+ * read every other's (c->cma_readable: the gathers' and the broadcast's); all ranks get the
+ * same answers. */
 int shm_cma_probe(shm_comm *c)
 {
     static const uint64_t probe = 0x636d612070726f62ULL; /* "cma prob" */
     CHECK(c);
-    c->cma = c->cma_gather = 0;
+    c->cma = c->cma_readable = 0;
     if (c->n == 1)
         return SHM_OK;
     int n = c->n, me = c->me;
@@ -230,9 +231,9 @@ int shm_cma_probe(shm_comm *c)
     uint64_t got = 0;
     uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
     int readable = cma_read(c, q, &got, addr, sizeof got) == SHM_OK && got == probe;
-    /* measured: with more ranks than cores the broadcast's and the all_reduce's readers
-     * queue for the cores and their two-copy paths, which overlap writers and readers, are
-     * as fast or faster; the gathers' single copy is faster there too (gather_cma) */
+    /* with more ranks than cores the all_reduce's single copy was measured as fast as or
+     * slower than two-shot (its measured choice would mostly drop it); the gathers' and the
+     * broadcast's single copies are faster there too (gather_cma, broadcast_cma) */
     int cores = (long)n <= sysconf(_SC_NPROCESSORS_ONLN) || c->cma_any_cores;
     c->err_peer = -1;
     atomic_store_explicit(&c->ctl[me].xfer.ok, readable | (readable && cores) << 1,
@@ -243,14 +244,14 @@ int shm_cma_probe(shm_comm *c)
     int all = 3;
     for (int r = 0; r < n; r++)
         all &= atomic_load_explicit(&c->ctl[r].xfer.ok, memory_order_relaxed);
-    c->cma_gather = (all & 1) != 0;
+    c->cma_readable = (all & 1) != 0;
     c->cma = (all & 2) != 0;
     return SHM_OK;
 }
 
 int shm_cma_enabled(const shm_comm *c) { return c->cma; }
 
-int shm_cma_gather_enabled(const shm_comm *c) { return c->cma_gather; }
+int shm_cma_readable(const shm_comm *c) { return c->cma_readable; }
 
 void shm_comm_set_stream(shm_comm *c, int mode)
 {

@@ -176,7 +176,7 @@ SHM_HIDDEN int tune_pick_gather(shm_comm *c, size_t nbytes, int64_t *t0)
     int k = store_arms(c, arms);
     if (c->stream_mode != SHM_STREAM_AUTO)
         k = 1, arms[0] = two_shot_arm(c);
-    if (c->cma_gather && c->cma_min && nbytes >= GATHER_CMA_TRY)
+    if (c->cma_readable && c->cma_min && nbytes >= GATHER_CMA_TRY)
         arms[k++] = ARM_SINGLE_COPY;
     if (k < 2)
         return two_shot_arm(c);
