@@ -336,8 +336,7 @@ cdef class ShmComm:
 
     @property
     def cma_readable(self):
-        """Whether the gathers and broadcasts may go in one copy (cma_probe's answer
-        without the cores)."""
+        """Whether the gathers may go in one copy (cma_probe's answer without the cores)."""
         return bool(shm_cma_readable(self._live("cma_readable")))
 
     def set_thresholds(self, size_t oneshot_max, size_t chunk_bytes):

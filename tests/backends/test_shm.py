@@ -816,7 +816,8 @@ def single_copy_readable(ctx):
 def test_single_copy_ops_match_numpy(world, data):
     """all_gather, gather, broadcast and all_reduce in one copy: same results as the
     reference; every rank agrees on the path (single copy where permitted, for all_reduce
-    only where the ranks do not outnumber the cores)."""
+    only where the ranks do not outnumber the cores, for broadcast where they are at most
+    two a core)."""
     pool = pool_for(world, env=ENV_CMA)
     flags = pool.run(single_copy)
     assert flags == [_cma_permitted() and world <= os.cpu_count()] * world

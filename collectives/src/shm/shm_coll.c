@@ -20,11 +20,12 @@ int shm_barrier(shm_comm *c, uint64_t fp)
  * Measured on this VM (two ranks, 64 KiB .. 4 MiB, before the split): 0.9x, 0.63x,
  * 1.5x, 1.3x the pipelined two-copy path's time while the two vCPUs share caches well,
  * and 0.27x, 0.15x, 0.15x, 0.12x during the stretches when they do not (two-copy: every
- * byte crosses between the cores' caches twice). It runs with more ranks than cores too
- * (c->cma_readable): 4 ranks on this VM, alternating Open MPI jobs against the two-copy
+ * byte crosses between the cores' caches twice). It runs with up to two ranks a core
+ * (c->cma_bcast): 4 ranks on this VM, alternating Open MPI jobs against the two-copy
  * path, 64 KiB 16-18 us alike, 256 KiB 32-36 us against 51-55 us, 1 MiB 165-196 us
  * against 221-228 us (Open MPI 201-217 us at its best), 4 MiB 508-539 us against
- * 636-650 us, 16 MiB 2.05-2.11 ms against 2.49-2.58 ms. */
+ * 636-650 us, 16 MiB 2.05-2.11 ms against 2.49-2.58 ms; but 8 ranks, 1 MiB 472-503 us
+ * against 388-398 us, 4 MiB 1.37-1.48 ms against 1.29-1.38 ms. */
 #define CMA_SPLIT (256 * 1024)
 static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
 {
@@ -236,7 +237,7 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
         return fp_sync(c, fp);
     if (nbytes <= BC_INLINE)
         return broadcast_inline(c, buf, nbytes, root, fp, -1);
-    if (c->cma_readable && c->cma_bcast_min && nbytes >= c->cma_bcast_min)
+    if (c->cma_bcast && c->cma_bcast_min && nbytes >= c->cma_bcast_min)
         return broadcast_cma(c, buf, nbytes, root, fp);
     tick(c, nbytes);
     uint32_t s0 = c->seq + 1;  /* the first step: every rank posts it */

@@ -86,10 +86,10 @@ const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
 
 /* Collective: find out whether every rank can read the others' memory directly
  * (process_vm_readv); if so, all_gather/gather blocks of at least gather_min bytes,
- * broadcasts of at least bcast_min bytes and, where the ranks also do not outnumber the
- * cores, all_reduces of at least ar_min bytes (above the one-shot size) (0: never) go in
- * one copy instead of two. shm_cma_enabled says the latter (and is what the probe
- * returns), shm_cma_readable the former. */
+ * where the ranks are at most two a core also broadcasts of at least bcast_min bytes, and
+ * where they do not outnumber the cores also all_reduces of at least ar_min bytes (above
+ * the one-shot size) (0: never) go in one copy instead of two. shm_cma_enabled says the
+ * last (and is what the probe returns), shm_cma_readable the first. */
 int shm_cma_probe(shm_comm *c);
 int shm_cma_enabled(const shm_comm *c);
 int shm_cma_readable(const shm_comm *c);

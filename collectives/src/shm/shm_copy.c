@@ -212,14 +212,14 @@ SHM_HIDDEN int cma_write(shm_comm *c, int q, uint64_t remote, const void *src, s
 
 /* Whether every rank of the group can read every other's memory with
  * process_vm_readv (same user, no ptrace restrictions) and has a core of its own (c->cma,
- * returned by shm_cma_enabled: the all_reduce's single copy), and whether every rank can
- * read every other's (c->cma_readable: the gathers' and the broadcast's); all ranks get the
- * same answers. */
+ * returned by shm_cma_enabled: the all_reduce's single copy), whether every rank can read
+ * every other's (c->cma_readable: the gathers') and whether also the ranks are at most two
+ * a core (c->cma_bcast: the broadcast's); all ranks get the same answers. */
 int shm_cma_probe(shm_comm *c)
 {
     static const uint64_t probe = 0x636d612070726f62ULL; /* "cma prob" */
     CHECK(c);
-    c->cma = c->cma_readable = 0;
+    c->cma = c->cma_readable = c->cma_bcast = 0;
     if (c->n == 1)
         return SHM_OK;
     int n = c->n, me = c->me;
@@ -232,20 +232,24 @@ int shm_cma_probe(shm_comm *c)
     uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
     int readable = cma_read(c, q, &got, addr, sizeof got) == SHM_OK && got == probe;
     /* with more ranks than cores the all_reduce's single copy was measured as fast as or
-     * slower than two-shot (its measured choice would mostly drop it); the gathers' and the
-     * broadcast's single copies are faster there too (gather_cma, broadcast_cma) */
-    int cores = (long)n <= sysconf(_SC_NPROCESSORS_ONLN) || c->cma_any_cores;
+     * slower than two-shot (its measured choice would mostly drop it); the gathers' single
+     * copy is faster there (gather_cma), the broadcast's up to two ranks a core
+     * (broadcast_cma) */
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int cores = (long)n <= ncpu || c->cma_any_cores;
+    int two_a_core = (long)n <= 2 * ncpu || c->cma_any_cores;
     c->err_peer = -1;
-    atomic_store_explicit(&c->ctl[me].xfer.ok, readable | (readable && cores) << 1,
-                          memory_order_relaxed);
+    atomic_store_explicit(&c->ctl[me].xfer.ok,
+                          readable ? 1 | cores << 1 | two_a_core << 2 : 0, memory_order_relaxed);
     s = ++c->seq;
     post(c, s);
     TRY(c, wait_posts(c, s));
-    int all = 3;
+    int all = 7;
     for (int r = 0; r < n; r++)
         all &= atomic_load_explicit(&c->ctl[r].xfer.ok, memory_order_relaxed);
     c->cma_readable = (all & 1) != 0;
     c->cma = (all & 2) != 0;
+    c->cma_bcast = (all & 4) != 0;
     return SHM_OK;
 }
 
