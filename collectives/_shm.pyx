@@ -36,6 +36,7 @@ cdef extern from "shm/shm_coll.h" nogil:
                              long long llc_bytes, int thp, int cma_any_cores)
     int shm_cma_probe(shm_comm *c)
     int shm_cma_enabled(const shm_comm *c)
+    int shm_cma_readable(const shm_comm *c)
     void shm_comm_set_cma_min(shm_comm *c, size_t gather_min, size_t bcast_min, size_t ar_min)
     void shm_comm_set_stream(shm_comm *c, int mode)
     int SHM_AR_AUTO, SHM_AR_TWO_SHOT, SHM_AR_SINGLE_COPY
@@ -332,6 +333,11 @@ cdef class ShmComm:
     @property
     def cma(self):
         return bool(shm_cma_enabled(self._live("cma")))
+
+    @property
+    def cma_readable(self):
+        """Whether the gathers may go in one copy (cma_probe's answer without the cores)."""
+        return bool(shm_cma_readable(self._live("cma_readable")))
 
     def set_thresholds(self, size_t oneshot_max, size_t chunk_bytes):
         shm_comm_set_thresholds(self._live("set_thresholds"), oneshot_max, chunk_bytes)

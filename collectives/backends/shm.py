@@ -53,9 +53,10 @@ DEFAULT_HALF_BYTES = 2 * 1024 * 1024
 DEFAULT_ONESHOT_MAX = 64 * 1024
 DEFAULT_CHUNK_BYTES = 512 * 1024
 # all_gather/gather blocks, broadcasts and all_reduces from these sizes go in one copy
-# (process_vm_readv) where the ranks may read each other's memory and each has a core;
-# COLLECTIVES_SHM_CMA_MIN / _CMA_BCAST_MIN / _CMA_AR_MIN = 0 turn that off, and
-# COLLECTIVES_SHM_CMA_ANY_CORES=1 allows it with more ranks than cores (the tests use it). Broadcast:
+# (process_vm_readv) where the ranks may read each other's memory and (broadcasts) there
+# are at most two ranks a core or (all_reduces) each has a core; COLLECTIVES_SHM_CMA_MIN /
+# _CMA_BCAST_MIN / _CMA_AR_MIN = 0 turn that off, and COLLECTIVES_SHM_CMA_ANY_CORES=1 drops
+# the cores conditions (the tests use it). Broadcast:
 # single copy from 64 KiB is as fast or faster at 64-256 KiB, 1.3-1.5x slower from 1 MiB
 # while the VM's two cores share caches well, and 4-8x faster while they do not (see
 # shm_coll.c); it is the steady choice.
@@ -211,8 +212,10 @@ class ShmBackend(Backend):
         self._comm.set_stream(stream)
         self._comm.set_ar_algo(ar_algo)
         self.single_copy = self._comm.cma_probe()  # collective: every rank gets the same answer
-        if self.single_copy:
-            self._comm.set_cma_min(cma_min, cma_bcast_min, cma_ar_min)
+        # unconditionally: the gathers' single copy needs only the ranks' memory readable,
+        # the broadcast's also at most two ranks a core, the all_reduce's a core per rank
+        # (the C gates check what the probe found)
+        self._comm.set_cma_min(cma_min, cma_bcast_min, cma_ar_min)
         self.single_copy = self.single_copy and bool(cma_min or cma_bcast_min or cma_ar_min)
         self.segment_name = name
         # The collectives are ShmComm's methods, which take the contract's arguments

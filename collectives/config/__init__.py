@@ -216,8 +216,9 @@ SETTINGS = (
         take the faster, the other collectives stream while the ranks' probes find their peers far
         (another die or socket)."""),
     _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False, read_in="_shm.pyx -> src/shm/shm_copy.c", doc="""
-        Allow the single-copy paths with more ranks than cores (measured slower there; the tests use
-        it)."""),
+        Allow the all_reduce's single copy with more ranks than cores and the broadcast's with more
+        than two ranks a core (measured no faster there; the tests use it). The gathers' single copy
+        runs there regardless."""),
     _s("COLLECTIVES_SHM_SPIN", "int", None, read_in="_shm.pyx -> src/shm/shm_segment.c", doc="""
         Polls before a waiting rank yields. Default: about 2 us worth when every rank has a core,
         none when the ranks outnumber the cores."""),

@@ -20,7 +20,12 @@ int shm_barrier(shm_comm *c, uint64_t fp)
  * Measured on this VM (two ranks, 64 KiB .. 4 MiB, before the split): 0.9x, 0.63x,
  * 1.5x, 1.3x the pipelined two-copy path's time while the two vCPUs share caches well,
  * and 0.27x, 0.15x, 0.15x, 0.12x during the stretches when they do not (two-copy: every
- * byte crosses between the cores' caches twice). */
+ * byte crosses between the cores' caches twice). It runs with up to two ranks a core
+ * (c->cma_bcast): 4 ranks on this VM, alternating Open MPI jobs against the two-copy
+ * path, 64 KiB 16-18 us alike, 256 KiB 32-36 us against 51-55 us, 1 MiB 165-196 us
+ * against 221-228 us (Open MPI 201-217 us at its best), 4 MiB 508-539 us against
+ * 636-650 us, 16 MiB 2.05-2.11 ms against 2.49-2.58 ms; but 8 ranks, 1 MiB 472-503 us
+ * against 388-398 us, 4 MiB 1.37-1.48 ms against 1.29-1.38 ms. */
 #define CMA_SPLIT (256 * 1024)
 static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
 {
@@ -232,7 +237,7 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
         return fp_sync(c, fp);
     if (nbytes <= BC_INLINE)
         return broadcast_inline(c, buf, nbytes, root, fp, -1);
-    if (c->cma && c->cma_bcast_min && nbytes >= c->cma_bcast_min)
+    if (c->cma_bcast && c->cma_bcast_min && nbytes >= c->cma_bcast_min)
         return broadcast_cma(c, buf, nbytes, root, fp);
     tick(c, nbytes);
     uint32_t s0 = c->seq + 1;  /* the first step: every rank posts it */
@@ -559,8 +564,8 @@ int shm_finish(shm_comm *c)
     ((outs) ? (char *)(outs)[q] : (char *)(out) + (size_t)(q) * (nbytes))
 
 /* Single-copy gather. A reader whose output is one buffer posts its address, and every
- * rank writes its block straight into it (process_vm_writev), 1 MiB at a time so the
- * block is read from the cache for every reader after the first. A reader whose output is
+ * rank writes its block straight into it (process_vm_writev), 256 KiB at a time so the
+ * block is read from the cache for every reader after the first (and for the local copy). A reader whose output is
  * a list of separate blocks (outs, all_gather only) posts none and reads every other
  * rank's input into its blocks instead (each rank posts its input's address too), so the
  * ranks of one call may mix the two forms. A writer returns as soon as its writes are
@@ -570,8 +575,20 @@ int shm_finish(shm_comm *c)
  * reader's output, n blocks long, is the buffer likelier to hold 2 MiB pages (numpy's
  * from 4 MiB, or thp_prepare's). Measured against each rank reading the others' blocks
  * (two ranks, samples alternating in one run, push/pull time): 2 MiB 0.72-0.85, 4 MiB
- * 0.94-1.01, 8 MiB 0.89-1.01, 16 MiB 0.92-1.01, 256 KiB-1 MiB 0.92-1.0. */
-#define CMA_PUSH_CHUNK (1 << 20)
+ * 0.94-1.01, 8 MiB 0.89-1.01, 16 MiB 0.92-1.01, 256 KiB-1 MiB 0.92-1.0.
+ * It runs with more ranks than cores too (c->cma_readable; the all_reduce's single copy
+ * does not): each rank's writes are its own, and a rank that waits for the cores does not
+ * hold up a peer's copy as a reader of the two-copy path does. Measured on this 2-vCPU VM, all_gather_into_tensor, in alternating mpiexec jobs
+ * against the two-copy path (../shared/tools/bench_pair.py, Open MPI 5 alongside, its
+ * time unchanged): 4 ranks 256 KiB 146-183 us against 251-263 us, 1 MiB 641-787 us
+ * against 892-932 us (Open MPI 809-956 us), 4 MiB 2.7-3.2 ms against 3.8-4.4 ms (Open MPI
+ * 3.2-3.7 ms); 3 ranks 1 MiB 494-526 us against 655-675 us, 4 MiB 1.65-1.69 ms against
+ * 2.64-2.65 ms.
+ * The chunk: 256 KiB against 1 MiB, alternating jobs on this VM: 4 ranks 1 MiB 542-623 us
+ * against 606-683 us, 4 MiB 2.14-2.88 ms against 2.49-3.02 ms; 2 ranks (Open MPI and
+ * MPICH jobs) 1 MiB alike, 4 MiB 504-532 us against 556-601 us, 16 MiB 2.21-2.36 ms
+ * against 2.46-2.54 ms; 128 KiB and 512 KiB no better than 256 KiB. */
+#define CMA_PUSH_CHUNK (256 * 1024)
 static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in, size_t nbytes,
                       int root, uint64_t fp)
 {
@@ -635,7 +652,7 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
     }
     if (nbytes == 0)
         return fp_sync(c, fp);
-    if (c->cma && c->cma_min && nbytes >= c->cma_min)
+    if (c->cma_readable && c->cma_min && nbytes >= c->cma_min)
         return gather_cma(c, out, outs, in, nbytes, root, fp);
     /* an all_gather's stores are timed (shm_tune.c); a gather's follow the probes */
     int64_t t0 = 0;

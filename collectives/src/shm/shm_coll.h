@@ -85,12 +85,14 @@ const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
  * data into its buffer, and a difference fails the call on every rank (SHM_EFAILED). */
 
 /* Collective: find out whether every rank can read the others' memory directly
- * (process_vm_readv) and the ranks do not outnumber the cores; if so,
- * all_gather/gather blocks of at least gather_min bytes, broadcasts of at least
- * bcast_min bytes and all_reduces of at least ar_min bytes (above the one-shot size)
- * (0: never) go in one copy instead of two. */
+ * (process_vm_readv); if so, all_gather/gather blocks of at least gather_min bytes,
+ * where the ranks are at most two a core also broadcasts of at least bcast_min bytes, and
+ * where they do not outnumber the cores also all_reduces of at least ar_min bytes (above
+ * the one-shot size) (0: never) go in one copy instead of two. shm_cma_enabled says the
+ * last (and is what the probe returns), shm_cma_readable the first. */
 int shm_cma_probe(shm_comm *c);
 int shm_cma_enabled(const shm_comm *c);
+int shm_cma_readable(const shm_comm *c);
 /* Whether this rank's writes into the segment stream past the caches (non-temporal
  * stores), so that ranks on far cores read them from memory instead of from this core's
  * cache: SHM_STREAM_OFF, SHM_STREAM_ON, or SHM_STREAM_AUTO (measured, see shm_copy.c). */

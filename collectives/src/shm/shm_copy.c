@@ -211,13 +211,15 @@ SHM_HIDDEN int cma_write(shm_comm *c, int q, uint64_t remote, const void *src, s
 }
 
 /* Whether every rank of the group can read every other's memory with
- * process_vm_readv (same user, no ptrace restrictions) and has a core of its own;
- * all ranks get the same answer. */
+ * process_vm_readv (same user, no ptrace restrictions) and has a core of its own (c->cma,
+ * returned by shm_cma_enabled: the all_reduce's single copy), whether every rank can read
+ * every other's (c->cma_readable: the gathers') and whether also the ranks are at most two
+ * a core (c->cma_bcast: the broadcast's); all ranks get the same answers. */
 int shm_cma_probe(shm_comm *c)
 {
     static const uint64_t probe = 0x636d612070726f62ULL; /* "cma prob" */
     CHECK(c);
-    c->cma = 0;
+    c->cma = c->cma_readable = c->cma_bcast = 0;
     if (c->n == 1)
         return SHM_OK;
     int n = c->n, me = c->me;
@@ -228,23 +230,32 @@ int shm_cma_probe(shm_comm *c)
     int q = (me + 1) % n;
     uint64_t got = 0;
     uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
-    int ok = cma_read(c, q, &got, addr, sizeof got) == SHM_OK && got == probe;
-    /* measured: with more ranks than cores the readers queue for the cores and the
-     * two-copy path, which overlaps writers and readers, is as fast or faster */
-    ok = ok && ((long)n <= sysconf(_SC_NPROCESSORS_ONLN) || c->cma_any_cores);
+    int readable = cma_read(c, q, &got, addr, sizeof got) == SHM_OK && got == probe;
+    /* with more ranks than cores the all_reduce's single copy was measured as fast as or
+     * slower than two-shot (its measured choice would mostly drop it); the gathers' single
+     * copy is faster there (gather_cma), the broadcast's up to two ranks a core
+     * (broadcast_cma) */
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int cores = (long)n <= ncpu || c->cma_any_cores;
+    int two_a_core = (long)n <= 2 * ncpu || c->cma_any_cores;
     c->err_peer = -1;
-    atomic_store_explicit(&c->ctl[me].xfer.ok, ok, memory_order_relaxed);
+    atomic_store_explicit(&c->ctl[me].xfer.ok,
+                          readable ? 1 | cores << 1 | two_a_core << 2 : 0, memory_order_relaxed);
     s = ++c->seq;
     post(c, s);
     TRY(c, wait_posts(c, s));
-    int all = 1;
+    int all = 7;
     for (int r = 0; r < n; r++)
-        all &= atomic_load_explicit(&c->ctl[r].xfer.ok, memory_order_relaxed) != 0;
-    c->cma = all;
+        all &= atomic_load_explicit(&c->ctl[r].xfer.ok, memory_order_relaxed);
+    c->cma_readable = (all & 1) != 0;
+    c->cma = (all & 2) != 0;
+    c->cma_bcast = (all & 4) != 0;
     return SHM_OK;
 }
 
 int shm_cma_enabled(const shm_comm *c) { return c->cma; }
+
+int shm_cma_readable(const shm_comm *c) { return c->cma_readable; }
 
 void shm_comm_set_stream(shm_comm *c, int mode)
 {
