@@ -565,25 +565,25 @@ int shm_finish(shm_comm *c)
 
 /* Single-copy gather. A reader whose output is one buffer posts its address, and every
  * rank writes its block straight into it (process_vm_writev), 256 KiB at a time so the
- * block is read from the cache for every reader after the first (and for the local copy). A reader whose output is
- * a list of separate blocks (outs, all_gather only) posts none and reads every other
- * rank's input into its blocks instead (each rank posts its input's address too), so the
- * ranks of one call may mix the two forms. A writer returns as soon as its writes are
- * done; a reader once every rank has acked (for an all_gather: every rank, since a list
- * reader reads the others' inputs until it acks).
+ * block is read from the cache for every reader after the first (and for the local
+ * copy). A reader whose output is a list of separate blocks (outs, all_gather only) posts
+ * none and reads every other rank's input into its blocks instead (each rank posts its
+ * input's address too), so the ranks of one call may mix the two forms. A writer returns
+ * as soon as its writes are done; a reader once every rank has acked (for an all_gather:
+ * every rank, since a list reader reads the others' inputs until it acks).
  * Writing rather than reading: the kernel pins the remote side page by page, and a
  * reader's output, n blocks long, is the buffer likelier to hold 2 MiB pages (numpy's
  * from 4 MiB, or thp_prepare's). Measured against each rank reading the others' blocks
  * (two ranks, samples alternating in one run, push/pull time): 2 MiB 0.72-0.85, 4 MiB
  * 0.94-1.01, 8 MiB 0.89-1.01, 16 MiB 0.92-1.01, 256 KiB-1 MiB 0.92-1.0.
  * It runs with more ranks than cores too (c->cma_readable; the all_reduce's single copy
- * does not): each rank's writes are its own, and a rank that waits for the cores does not
- * hold up a peer's copy as a reader of the two-copy path does. Measured on this 2-vCPU VM, all_gather_into_tensor, in alternating mpiexec jobs
- * against the two-copy path (../shared/tools/bench_pair.py, Open MPI 5 alongside, its
- * time unchanged): 4 ranks 256 KiB 146-183 us against 251-263 us, 1 MiB 641-787 us
- * against 892-932 us (Open MPI 809-956 us), 4 MiB 2.7-3.2 ms against 3.8-4.4 ms (Open MPI
- * 3.2-3.7 ms); 3 ranks 1 MiB 494-526 us against 655-675 us, 4 MiB 1.65-1.69 ms against
- * 2.64-2.65 ms.
+ * does not): each rank's writes are its own, and a rank that waits for the cores does
+ * not hold up a peer's copy as a reader of the two-copy path does. Measured on this
+ * 2-vCPU VM, all_gather_into_tensor, in alternating mpiexec jobs against the two-copy
+ * path (../shared/tools/bench_pair.py, Open MPI 5 alongside, its time unchanged): 4
+ * ranks 256 KiB 146-183 us against 251-263 us, 1 MiB 641-787 us against 892-932 us (Open
+ * MPI 809-956 us), 4 MiB 2.7-3.2 ms against 3.8-4.4 ms (Open MPI 3.2-3.7 ms); 3 ranks 1
+ * MiB 494-526 us against 655-675 us, 4 MiB 1.65-1.69 ms against 2.64-2.65 ms.
  * The chunk: 256 KiB against 1 MiB, alternating jobs on this VM: 4 ranks 1 MiB 542-623 us
  * against 606-683 us, 4 MiB 2.14-2.88 ms against 2.49-3.02 ms; 2 ranks (Open MPI and
  * MPICH jobs) 1 MiB alike, 4 MiB 504-532 us against 556-601 us, 16 MiB 2.21-2.36 ms
