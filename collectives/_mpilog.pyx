@@ -52,9 +52,10 @@ ctypedef int (*allgather_p)(const void *, int, void *, void *, int, void *, void
 
 cdef class CallLog:
     """Fingerprints of up to CHECK_EVERY calls. ``compare()`` (given at construction) runs
-    when a call fills the log, before that call is made; it reads ``entries()`` or
-    ``digest()`` and calls ``clear()``. ``failed`` set (a message): every later call
-    raises ``error(...)``."""
+    when a call fills the log, before that call is made, and at ``append_and_compare`` (a
+    barrier); it reads ``entries()`` or ``digest()`` and calls ``clear()``. Once bound
+    (``bind_check``) the comparison is made here, by address, instead. ``failed`` set (a
+    message): every later call raises ``error(...)``."""
 
     cdef int64_t e[CHECK_EVERY * FIELDS]
     cdef readonly int n

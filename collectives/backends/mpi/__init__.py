@@ -251,37 +251,21 @@ class MpiBackend(_PyHotCalls, Backend):
                      _half_op)
             log.bind_backend(self.size, self._async_all_reduce, self._async_broadcast,
                              self._async_barrier, self._async_all_gather, self._all_gather)
-            # the hot calls are the log's own methods: no Python frame per call (the
-            # watchdog reads the log's ``busy`` instead)
-            self.all_reduce, self.broadcast = log.all_reduce, log.broadcast
-            self.barrier, self.all_gather = log.barrier, log.all_gather
             if _ENTRY is not None:  # MPI's calls by address: mpi4py's per-call work skipped
                 *fns, size = _ENTRY
                 self._fp_log.bind_direct(*fns, size, comm.handle, int(_IN_PLACE),
                                          [_handle(t) for t in _DATATYPE],
                                          [_handle(o) for o in _OPS], _MPI.Exception)
                 self._fp.bind_direct(_handle)
-        else:
-            self.all_reduce = _PyHotCalls.all_reduce.__get__(self)
-            self.broadcast = _PyHotCalls.broadcast.__get__(self)
-            self.barrier = _PyHotCalls.barrier.__get__(self)
-            self.all_gather = _PyHotCalls.all_gather.__get__(self)
+        # the hot calls: the C log's own methods (no Python frame per call; the watchdog
+        # reads the log's ``busy`` instead), else _PyHotCalls'
+        for name in MpiBackend.__slots__:
+            setattr(self, name, getattr(self._fp_log, name) if _C_LOG
+                    else getattr(_PyHotCalls, name).__get__(self))
         _watchdog.watch(self)
         self._allreduce = comm.Allreduce
         self._bcast = comm.Bcast
         self._allgather = comm.Allgather
-        # a collective's name -> its non-blocking form (submit)
-        self._native = {
-            "all_reduce": MpiBackend._iall_reduce,
-            "broadcast": MpiBackend._ibroadcast,
-            "reduce": MpiBackend._ireduce,
-            "all_gather": MpiBackend._iall_gather,
-            "gather": MpiBackend._igather,
-            "scatter": MpiBackend._iscatter,
-            "reduce_scatter": MpiBackend._ireduce_scatter,
-            "all_to_all": MpiBackend._iall_to_all,
-            "barrier": MpiBackend._ibarrier,
-        }
 
     # True while the progress thread runs a submitted (async) call: its collectives then
     # use MPI's non-blocking forms, as natively posted async ones do. MPI never matches a
@@ -410,7 +394,7 @@ class MpiBackend(_PyHotCalls, Backend):
             owner = getattr(fn, "__self__", None)
             # one of this backend's collectives (a hot call may be the C log's method)
             if owner is self or owner is self._fp_log:
-                start = self._native.get(fn.__name__)
+                start = _NATIVE.get(fn.__name__)
                 if start is not None:
                     return start(self, *args)
         return super().submit(_AsyncCall(self, fn), *args)
@@ -544,6 +528,20 @@ class MpiBackend(_PyHotCalls, Backend):
                 comm.Free()
             except _MPI.Exception:
                 pass
+
+
+# a collective's name -> its non-blocking form (MpiBackend.submit)
+_NATIVE = {
+    "all_reduce": MpiBackend._iall_reduce,
+    "broadcast": MpiBackend._ibroadcast,
+    "reduce": MpiBackend._ireduce,
+    "all_gather": MpiBackend._iall_gather,
+    "gather": MpiBackend._igather,
+    "scatter": MpiBackend._iscatter,
+    "reduce_scatter": MpiBackend._ireduce_scatter,
+    "all_to_all": MpiBackend._iall_to_all,
+    "barrier": MpiBackend._ibarrier,
+}
 
 
 def _comm_for(store, rank, size):

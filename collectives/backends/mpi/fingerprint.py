@@ -45,20 +45,21 @@ class PyCallLog(list):
         self.async_mode = False  # the backend's (see MpiBackend._async_mode)
         self.compared = 0  # calls compared so far (the numbering in messages)
 
-    def append(self, entry):
-        """Log one call's (kind, dtype, count, root, op); compare when the log is full."""
+    def _put(self, entry):
         if self.failed is not None:
             raise self._error(f"group unusable after an earlier failure: {self.failed}")
         list.append(self, entry)
+
+    def append(self, entry):
+        """Log one call's (kind, dtype, count, root, op); compare when the log is full."""
+        self._put(entry)
         if len(self) >= FingerprintCheck.CHECK_EVERY:
             self._compare()
 
     def append_and_compare(self, entry):
         """Log one call, then compare the ranks' logs: the comparison is that call (a
         barrier: an all_reduce synchronises as one does)."""
-        if self.failed is not None:
-            raise self._error(f"group unusable after an earlier failure: {self.failed}")
-        list.append(self, entry)
+        self._put(entry)
         self._compare()
 
     def entries(self):
