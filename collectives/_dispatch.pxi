@@ -28,9 +28,9 @@ cdef class ProfilerTap:
 
 cdef class Dispatcher:
     """One group's path for every collective and point-to-point call: ``call(kind, buf,
-    root, op, fn, args, async_op, outputs, timeout)`` runs ``fn(*args)`` as collective ``kind``, recorded in the
-    group's flight recorder with ``buf``'s count and dtype (None: none), ``root`` (a group
-    rank, -1: none) and ``op`` (a reduce-op code, -1: none).
+    root, op, fn, args, async_op, outputs, timeout)`` runs ``fn(*args)`` as collective
+    ``kind``, recorded in the group's flight recorder with ``buf``'s count and dtype (None:
+    none), ``root`` (a group rank, -1: none) and ``op`` (a reduce-op code, -1: none).
 
     The cheap path is taken here, in C: a blocking call, on a backend that runs blocking
     calls in the caller's thread (``inline``, fixed when the group is made), with nothing
