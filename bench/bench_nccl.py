@@ -10,6 +10,7 @@ Where ranks outnumber GPUs (one GPU, world 2), each rank names a host of its own
 per-call overhead at world > 1, not of GPU bandwidth.
 
     python bench/bench_nccl.py --world 1 --sizes 4 65536 16777216
+    python bench/bench_nccl.py --profile --sizes 4      # where our time per call goes
 """
 import argparse
 import json
@@ -84,8 +85,50 @@ def worker(rank, world, ports, ops, sizes, samples, budget):
     return rows
 
 
+def profile(ops, nbytes, calls=3000, top=14):
+    """World 1, this process: each op ``calls`` times through collectives under cProfile; the
+    functions with the most own time, per call (where the front end's time goes on CUDA)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    import collectives as cdist
+    from collectives.run import free_port
+    cdist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                             world_size=1)
+    n = max(1, nbytes // 4)
+    t, out, part = (torch.ones(n, device="cuda"), torch.ones(n, device="cuda"),
+                    torch.empty(n, device="cuda"))
+    for op in ops:
+        fn = _calls(cdist, t, out, part)[op]
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        plain = (time.perf_counter() - start) / calls
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        prof.disable()
+        print(f"\n{op} {nbytes} B: {plain * 1e6:.1f} us per call unprofiled; own time per call:")
+        st = pstats.Stats(prof)
+        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+        for (file, line, name), (cc, nc, tt, ct, _) in rows:
+            print(f"  {tt / calls * 1e6:7.2f} us {nc / calls:5.1f}x  {name}  "
+                  f"{os.path.basename(file)}:{line}")
+    cdist.destroy_process_group()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--profile", action="store_true",
+                   help="world 1 in this process: cProfile each op through collectives")
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
     p.add_argument("--sizes", nargs="+", type=int, default=SIZES, help="bytes per rank")
@@ -95,6 +138,8 @@ def main():
     p.add_argument("--_rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_ports", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.profile:
+        return profile(a.ops, a.sizes[0])
     if a._rank is not None:
         rows = worker(a._rank, a.world, a._ports.split(","), a.ops, a.sizes, a.samples, a.budget)
         if a._rank == 0:

@@ -11,6 +11,7 @@
 # ../shared/tools/bench_pair.py in .whl/. Writes log.txt, pytest_gpu.txt, nccl.json,
 # placement.json and matrix.jsonl under $OUT. STEPS (default "nccl gpu place matrix") picks
 # steps; WORLDS (default "8 2 4 16") and BUDGET (seconds per cell and impl, 0.15) size step 4.
+# Step "variants" (not in the default) times settings side by side: see VARIANTS below.
 set -u
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
@@ -52,6 +53,7 @@ if has nccl; then
     timeout 150 $PY bench/bench_nccl.py --world 1 --sizes 4 1048576 67108864 --samples 7 \
         --budget 0.6 --json "$OUT/nccl.json"
     say "bench_nccl exit $?"
+    COLLECTIVES_TORCH_BRIDGE=0 timeout 60 $PY bench/bench_nccl.py --profile --sizes 4
 fi
 
 if has gpu; then
@@ -72,7 +74,7 @@ if has matrix; then
             cpus=$($PY -c "import json,sys; d=json.load(open('$OUT/placement.json'))['$pin'].get('$w'); print(','.join(map(str, d)) if d else '')" 2>/dev/null)
             if [ -z "$cpus" ]; then say "world $w $pin: no such placement here"; continue; fi
             say "world $w pinned $pin to $cpus"
-            timeout 200 $PY bench/mpi_matrix.py --mpi mpich=/tmp/mpich/pybin,ompi=/tmp/ompi/pybin \
+            PYTHONPATH=$PWD timeout 200 $PY bench/mpi_matrix.py --mpi mpich=/tmp/mpich/pybin,ompi=/tmp/ompi/pybin \
                 --pair .whl/bench_pair.py --worlds "$w" --launches 1 --cpus "$cpus" --pin "$pin" \
                 --ops all_reduce,broadcast,all_gather,barrier --sizes 4,65536,1048576,16777216 \
                 --samples 5 --budget "$BUDGET" --timeout 90 --out "$OUT/matrix.jsonl" > /tmp/mm.log 2>&1
@@ -81,6 +83,24 @@ if has matrix; then
             [ "$w" -ge "$(nproc)" ] && break
         done
     done
-    $PY bench/mpi_matrix.py --report "$OUT/matrix.jsonl"
+    PYTHONPATH=$PWD $PY bench/mpi_matrix.py --report "$OUT/matrix.jsonl"
+fi
+if has variants; then
+    # VARIANTS="name:ENV=V,ENV=V name2:..." (a name alone: the defaults), each launched at every
+    # world of VWORLDS against VMPI, pinned to the near cores; rows labelled name/probe
+    for w in ${VWORLDS:-$WORLDS}; do
+        cpus=$($PY -c "import json; d=json.load(open('$OUT/placement.json'))['near'].get('$w'); print(','.join(map(str, d)) if d else '')" 2>/dev/null)
+        for v in $VARIANTS; do
+            name=${v%%:*}; envs=${v#*:}; [ "$envs" = "$v" ] && envs=""
+            say "world $w variant $name ($envs) on ${cpus:-any cores}"
+            env ${envs//,/ } PYTHONPATH=$PWD timeout 200 $PY bench/mpi_matrix.py \
+                --mpi ${VMPI:-mpich=/tmp/mpich/pybin} --pair .whl/bench_pair.py --worlds "$w" \
+                --launches 1 ${cpus:+--cpus "$cpus"} --pin "$name" --ops "${VOPS:-all_reduce,broadcast}" \
+                --sizes "${VSIZES:-16384,65536,262144,1048576}" --samples 5 --budget "$BUDGET" \
+                --timeout 90 --out "$OUT/variants.jsonl" > /tmp/mm.log 2>&1
+            say "exit $?"
+        done
+    done
+    PYTHONPATH=$PWD $PY bench/mpi_matrix.py --report "$OUT/variants.jsonl"
 fi
 say "done"

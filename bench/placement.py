@@ -5,8 +5,9 @@ usage: python bench/placement.py [--cpus 0-15] [--worlds 2,4,8,16] [--json F]
 
 Two threads, pinned to cores a and b, pass a counter back and forth through one cache line
 (a small C program built with cc at run time); the median round trip in ns per pair is the
-distance. Cores are grouped greedily: a core joins the group of the first core within
-1.5x the smallest round trip seen from it. "near" for world w is w cores taken group by
+distance. Where the round trips are uniform (90th percentile within 1.5x of the 10th) the
+cores are one group; else they are grouped greedily: a core joins the group of the first
+core within 1.5x the smallest round trip seen from it. "near" for world w is w cores taken group by
 group (the closest first); "far" takes the cores round-robin across the groups, so
 neighbouring ranks sit in different groups. With one group the two sets are the same and
 "far" is reported as unavailable. sysfs's L3 groups (cache/index3/shared_cpu_list) are
@@ -96,8 +97,12 @@ def sysfs_l3():
 
 
 def group(cpus, rtt):
-    """Greedy: each core joins the first group whose first core is within 1.5x of the
-    smallest round trip seen from that core."""
+    """One group where the round trips are uniform (the 90th percentile within 1.5x of the
+    10th: outliers are noise, not topology); else greedy: each core joins the first group
+    whose first core is within 1.5x of the smallest round trip seen from that core."""
+    vals = sorted(rtt[c][d] for c in cpus for d in cpus if c < d)
+    if vals[int(0.9 * (len(vals) - 1))] < 1.5 * vals[int(0.1 * (len(vals) - 1))]:
+        return [list(cpus)]
     groups = []
     for c in cpus:
         nearest = min(rtt[c][d] for d in cpus if d != c)
