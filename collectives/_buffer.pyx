@@ -141,6 +141,15 @@ cdef object _slow = None
 cdef object _slow_list = None
 cdef int _COMPLEX64 = _D.COMPLEX64
 cdef int _COMPLEX128 = _D.COMPLEX128
+# whether CUDA tensors take the C path: set once a CUDA backend was live (the front end then
+# checks every call's buffers against its group's backend: core.plans.cuda_seen)
+cdef bint _cuda_ok = False
+
+
+def _allow_cuda():
+    """Let CUDA tensors take the C path from now on (``core.plans._py_buffer`` calls it)."""
+    global _cuda_ok
+    _cuda_ok = True
 
 
 def _configure(slow, torch_tensor=None, torch_codes=None, strided=None):
@@ -153,7 +162,7 @@ def _configure(slow, torch_tensor=None, torch_codes=None, strided=None):
 
 cdef object _fast_buffer(object t):
     """The Buffer over ``t`` where the C path takes it (a contiguous NumPy array or plain
-    CPU torch tensor), else None."""
+    CPU torch tensor; a CUDA one too once ``_allow_cuda`` was called), else None."""
     cdef cnp.ndarray arr
     cdef int code, typenum
     if type(t) is cnp.ndarray:
@@ -168,10 +177,13 @@ cdef object _fast_buffer(object t):
         c = _torch_codes.get(t.dtype)
         # lazy views (the Python path refuses them): the conjugate bit exists on complex
         # tensors only, the negative bit on any
-        if (c is not None and t.is_cpu and t.layout is _strided and t.is_contiguous()
+        if (c is not None and t.layout is _strided and t.is_contiguous()
                 and not ((c == _COMPLEX64 or c == _COMPLEX128) and t.is_conj())
                 and not t.is_neg()):
-            return _make(t.data_ptr(), t.numel(), c, -1, t)
+            if t.is_cpu:
+                return _make(t.data_ptr(), t.numel(), c, -1, t)
+            if _cuda_ok and t.is_cuda:
+                return _make(t.data_ptr(), t.numel(), c, t.get_device(), t)
     return None
 
 

@@ -161,6 +161,10 @@ def _nonblocking_config():
                    _UNDEF_INT, _UNDEF_INT, _UNDEF_INT, None)
 
 
+#: finished events kept for reuse (a pass of the watchdog, 50 ms, sees thousands of calls)
+_SPARE_EVENTS = 8192
+
+
 def _pause(spins):
     """Spin a little, then sleep longer and longer (up to 1 ms) while polling."""
     if spins > 100:
@@ -212,7 +216,9 @@ class NcclBackend(Backend):
         self._nccl_all_gather = _entry(lib, "ncclAllGather", 6)
         self._nccl_reduce_scatter = _entry(lib, "ncclReduceScatter", 7)
         self._failed = None  # why the communicator was aborted
-        self._pending = []  # (event, deadline, what) enqueued and not yet seen finished
+        # (event, deadline, what, reusable) enqueued and not yet seen finished, oldest first
+        self._pending = []
+        self._spare = []  # finished events no request holds, recorded again by _post
         self._lock = threading.RLock()  # guards the communicator (see _enqueue)
         self._plock = threading.Lock()  # guards _pending
         self._watchdog = None
@@ -340,13 +346,16 @@ class NcclBackend(Backend):
             raise ValueError(f"nccl has no {D.OP_NAMES[op]} reduction")
         return _NCCL_DTYPE[buf.dtype], count, table[op]
 
-    def _record(self, what, stream=None):
+    def _record(self, what, stream=None, reusable=False):
         """An event after the work just enqueued on ``stream`` (a torch Stream; None: the
-        current one), watched until it finishes."""
-        ev = self._torch.cuda.Event()
+        current one), watched until it finishes. ``reusable``: no request will hold it, so
+        once finished it is recorded again by a later call (creating a CUDA event costs
+        more than recording one)."""
+        spare = self._spare
+        ev = spare.pop() if reusable and spare else self._torch.cuda.Event()
         ev.record(stream if stream is not None else self._stream()[2])
         with self._plock:
-            self._pending.append((ev, time.monotonic() + self.timeout, what))
+            self._pending.append((ev, time.monotonic() + self.timeout, what, reusable))
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch, name="collectives-nccl-watchdog",
                                                   daemon=True)
@@ -362,9 +371,19 @@ class NcclBackend(Backend):
         while not self._closed and self._failed is None:
             time.sleep(0.05)
             with self._plock:
-                pending = self._pending
-                self._pending = [p for p in pending if not p[0].query()]
-                late = next((p for p in self._pending if time.monotonic() > p[1]), None)
+                # oldest first, up to the first unfinished one: work on one stream finishes
+                # in order, so one query a call, not one per pending event per pass; an
+                # event of another stream behind it waits its turn. The first unfinished
+                # one has the earliest deadline.
+                pending, i = self._pending, 0
+                while i < len(pending) and pending[i][0].query():
+                    i += 1
+                done, self._pending = pending[:i], pending[i:]
+                late = (self._pending[0] if self._pending
+                        and time.monotonic() > self._pending[0][1] else None)
+            spare = self._spare
+            spare.extend(p[0] for p in done if p[3])
+            del spare[:-_SPARE_EVENTS]
             if not self._comm or self._failed is not None:
                 break
             state = self._state()
@@ -401,7 +420,7 @@ class NcclBackend(Backend):
             code = fn(*args, self._comm.value, cur[1])
             if code:
                 self._check(code, what)
-        self._record(what, cur[2])
+        self._record(what, cur[2], True)
 
     def _reduction(self, buf, op):
         """(ncclDataType_t, count, ncclRedOp_t) of a reduction of ``buf`` by ``op``."""

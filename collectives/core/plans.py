@@ -52,7 +52,9 @@ def _py_buffer(t, name="tensor"):
         if not _cuda_backend_live():
             check_device(b, name)  # host C code must never get a device pointer
         global cuda_seen
-        cuda_seen = True
+        cuda_seen = True  # from now on every call checks its buffers against its backend,
+        if _fast is not None:  # so CUDA tensors may take the C path
+            _fast._allow_cuda()
     return b
 
 
