@@ -51,6 +51,19 @@ _HDR = struct.Struct("<qqi4x")
 # goes in whole halves.
 DEFAULT_HALF_BYTES = 2 * 1024 * 1024
 DEFAULT_ONESHOT_MAX = 64 * 1024
+# ... but where more than two ranks run at once (more than two ranks and more than two
+# cores), one-shot's reads (every rank reads all the others' whole buffers) cost more than
+# two-shot's second synchronisation from a few KiB: on a 16-core host (one cache domain,
+# a core per rank), two-shot against one-shot, against MPICH in the same jobs: 16 KiB
+# 0.33 vs 0.49 (4 ranks), 0.20 vs 0.68 (8), 0.30 vs 0.64 (16); 64 KiB 0.34 vs 0.83,
+# 0.35 vs 1.28, 0.43 vs 2.05. The default there (COLLECTIVES_SHM_ONESHOT_MAX unset):
+CROWDED_ONESHOT_MAX = 4 * 1024
+
+
+def default_oneshot_max(size, ncpu=None):
+    """COLLECTIVES_SHM_ONESHOT_MAX's default for a group of ``size`` ranks on this host."""
+    ncpu = ncpu or os.cpu_count() or 1
+    return CROWDED_ONESHOT_MAX if size > 2 and ncpu > 2 else DEFAULT_ONESHOT_MAX
 DEFAULT_CHUNK_BYTES = 512 * 1024
 # all_gather/gather blocks, broadcasts and all_reduces from these sizes go in one copy
 # (process_vm_readv) where the ranks may read each other's memory and (broadcasts) there
@@ -179,7 +192,9 @@ class ShmBackend(Backend):
         if rank == 0:
             # every rank must pick the same algorithm for a call: rank 0's thresholds
             # travel with the segment's name, whatever the others' environments say
-            tuning = ",".join(str(config.get(var)) for var, _ in _TUNING)
+            tuning = ",".join(str(default_oneshot_max(size) if var == "COLLECTIVES_SHM_ONESHOT_MAX"
+                                  and var not in os.environ else config.get(var))
+                              for var, _ in _TUNING)
             sweep_stale_segments()
             name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
             self._comm = ShmComm(name, True, rank, size, half, ring, tmo, self.label)

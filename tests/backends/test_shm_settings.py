@@ -66,3 +66,13 @@ def test_a_one_rank_group_works_with_each_setting(monkeypatch, var, value):
     finally:
         unlink(name)
         comm.close()
+
+
+def test_one_shot_default_shrinks_where_more_than_two_ranks_run_at_once():
+    """COLLECTIVES_SHM_ONESHOT_MAX unset: 64 KiB while at most two ranks run at once (two
+    ranks, or two cores), 4 KiB beyond (one-shot reads every rank's whole buffer)."""
+    from collectives.backends.shm import default_oneshot_max
+    big, small = 64 * 1024, 4 * 1024
+    assert [default_oneshot_max(w, 2) for w in (2, 4, 8)] == [big, big, big]
+    assert [default_oneshot_max(w, 16) for w in (2, 3, 4, 8, 16)] == [big, small, small, small, small]
+    assert default_oneshot_max(2, 1) == big
