@@ -87,6 +87,22 @@ def expected(calls, n):
     return out
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("late", [1, -1], ids=["late_1", "late_last"])
+def test_a_root_that_ran_ahead_keeps_its_record_for_a_late_reader(n, late):
+    """Rank 0 roots a ring's worth of small broadcasts while a reader sleeps, then reads one
+    (from rank 1): its reader's fingerprint goes into the record of its first broadcast, which
+    the late reader has not read yet. Rank 0 waits for that read first; it once did not, and
+    the late reader raised a mismatch at its first call (every time, as written here)."""
+    seq = ([("broadcast", 0, 4, late % n, 200)]
+           + [("broadcast", 0, 1 + i % 12) for i in range(1, 16)] + [("broadcast", 1, 3)])
+    got = backend_pool("gloo", n).run(run_sequence, seq, timeout=4 * GROUP_TIMEOUT_S)
+    want = expected(seq, n)
+    for r in range(n):
+        assert got[r] == want, f"rank {r}"
+
+
 CALL = st.one_of(
     st.tuples(st.just("broadcast"), st.integers(0, 3), st.integers(1, 12)),  # the ring
     st.tuples(st.just("broadcast"), st.integers(0, 3), st.integers(13, 300)),

@@ -175,6 +175,16 @@ static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uin
             if (q != me)
                 TRY(c, wait_seen(c, q, 1, c->bc_due[i].s));
         memcpy(mine->data, buf, nbytes);
+    } else if (c->bc_due[i].unread) {
+        /* the record holds this rank's data as the root of step bc_due[i].s (it ran ahead as
+         * the root, now it reads): the fingerprint below rewrites its k, and a reader of that
+         * step that has not looked yet would find it gone; so every rank has read it first */
+        if (held && !all_reached(c, 1, c->bc_due[i].s, &spins))
+            return pend(c, PEND_BROADCAST, buf, nbytes, root, -1, -1, fp);
+        for (int q = 0; q < c->n; q++)
+            if (q != me)
+                TRY(c, wait_seen(c, q, 1, c->bc_due[i].s));
+        c->bc_due[i].unread = 0;
     }
     fp_store(&mine->k, &mine->word, k, fp);
     c->coll = k;
@@ -190,6 +200,7 @@ static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uin
         c->bc_due[i].s = s;
         c->bc_due[i].word = fp;
         c->bc_due[i].due = 1;
+        c->bc_due[i].unread = 1;
         c->bc_n_due++;
         return SHM_OK;
     }

@@ -80,9 +80,10 @@ _Static_assert(sizeof(ctr_t) == CL, "a counter and its fingerprint slots fill on
 
 /* A broadcast of at most BC_INLINE bytes goes through a ring of BC_RING records per rank,
  * one cache line each, record s % BC_RING for the broadcast whose step is s: the root's
- * holds the call's fingerprint and the data, a reader's its fingerprint. The root reuses a
- * record once every rank has acked the step that last used it, so it runs up to BC_RING
- * broadcasts ahead of the slowest reader, and the readers do not wait for each other. */
+ * holds the call's fingerprint and the data, a reader's its fingerprint. A rank rewrites a
+ * record, as a root or as a reader, once every rank has acked the last broadcast it was
+ * the root of there, so it runs up to BC_RING broadcasts ahead of the slowest reader, and
+ * the readers do not wait for each other. */
 #define BC_RING 16
 #define BC_INLINE 48
 typedef struct {
@@ -229,8 +230,9 @@ struct shm_comm {
     int ahead;
     uint32_t bc_last;  /* the step of this rank's last small broadcast */
     /* small broadcasts this rank was the root of, per ring record: compared with every
-     * peer when the record is reused or at the next fp_check_all */
-    struct { uint32_t k, s; uint64_t word; int due; } bc_due[BC_RING];
+     * peer when the record is reused or at the next fp_check_all (due); unread: not yet
+     * known to be read by every peer (a reader's use of the record waits for that) */
+    struct { uint32_t k, s; uint64_t word; int due, unread; } bc_due[BC_RING];
     int bc_n_due;
     /* a small call begun with the caller's lock held and left to shm_finish (shm_coll.c,
      * "small calls under the caller's lock"): what is left, and the call's arguments */
