@@ -256,6 +256,9 @@ def die_in_collective(ctx, victim, op="all_reduce"):
             be.broadcast(to_buffer(a), victim)
         elif op == "all_reduce":
             be.all_reduce(to_buffer(a), D.SUM)
+        elif op == "scatter":  # rank 0 the root: it waits for the victim to read its block
+            src = np.ones(ctx.world_size << 20, np.float32)
+            be.scatter(to_buffer(a), to_buffer(src) if ctx.rank == 0 else None, 0)
         else:
             out = np.empty(ctx.world_size << 20, np.float32)
             be.all_gather(to_buffer(out), to_buffer(a))
@@ -814,7 +817,7 @@ def single_copy_readable(ctx):
 @SETTINGS
 @given(data=st.data())
 def test_single_copy_ops_match_numpy(world, data):
-    """all_gather, gather, broadcast and all_reduce in one copy: same results as the
+    """all_gather, gather, scatter, broadcast and all_reduce in one copy: same results as the
     reference; every rank agrees on the path (single copy where permitted, for all_reduce
     only where the ranks do not outnumber the cores, for broadcast where they are at most
     two a core)."""
@@ -822,7 +825,7 @@ def test_single_copy_ops_match_numpy(world, data):
     flags = pool.run(single_copy)
     assert flags == [_cma_permitted() and world <= os.cpu_count()] * world
     assert pool.run(single_copy_readable) == [_cma_permitted()] * world
-    name = data.draw(st.sampled_from(GATHERS + ["broadcast", "all_reduce"]), "op")
+    name = data.draw(st.sampled_from(GATHERS + ["scatter", "broadcast", "all_reduce"]), "op")
     dtype = data.draw(st.sampled_from([D.FLOAT32, D.INT8, D.COMPLEX64]), "dtype")
     count = data.draw(st.one_of(st.sampled_from([0, 1, 15, 16, 17, 12345]), st.integers(0, 70000)))
     root = data.draw(st.integers(0, world - 1), "root")
@@ -951,7 +954,7 @@ def test_single_copy_ops_match_numpy_on_more_ranks_than_cores(world, data):
     pool = pool_for(world, env=dict(ENV_CMA, COLLECTIVES_SHM_CMA_ANY_CORES="1",
                                     COLLECTIVES_SHM_LLC_BYTES=str(16 << 10)))
     assert pool.run(single_copy) == [True] * world
-    name = data.draw(st.sampled_from(GATHERS + ["broadcast", "all_reduce"]), "op")
+    name = data.draw(st.sampled_from(GATHERS + ["scatter", "broadcast", "all_reduce"]), "op")
     dtype = data.draw(st.sampled_from([D.FLOAT32, D.INT32, D.FLOAT64, D.UINT8]), "dtype")
     count = data.draw(st.one_of(st.sampled_from([0, 1, 2, 3, 4099]), st.integers(0, 90000)))
     root = data.draw(st.integers(0, world - 1), "root")
@@ -1090,7 +1093,8 @@ def test_bad_stream_mode_is_a_value_error_naming_the_variable(monkeypatch, value
 
 @pytest.mark.faults
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("op", quick_only(["all_gather", "broadcast", "all_reduce"], "all_reduce"))
+@pytest.mark.parametrize("op", quick_only(["all_gather", "broadcast", "all_reduce", "scatter"],
+                                          "all_reduce"))
 def test_peer_killed_in_single_copy_op_raises(op):
     pool = get_pool(2, setup=setup_backend, setup_args=("shm",), env=dict(ENV_CMA, KILLTEST="cma"))
     with pytest.raises(RankError) as ei:

@@ -718,6 +718,43 @@ int shm_gather(shm_comm *c, void *out, const void *in, size_t nbytes, int root, 
     return gather_impl(c, out, NULL, in, nbytes, root, fp);
 }
 
+/* Single-copy scatter (blocks from c->cma_min, where the ranks may read each other's
+ * memory): the root posts its input's address, every other rank reads its own block
+ * straight from it (process_vm_readv; each reader its own pages, all at once), and the root
+ * copies its own block and returns once every reader has acked. A reader compares the
+ * root's fingerprint before it reads, and every rank every other's at the end (so a
+ * mismatch raises on every rank, as in the two-copy path). The two-copy path
+ * below has the root write every block into its slot, alone, before the readers copy them
+ * out: on the 2-vCPU VM, 4 ranks, 4 MiB blocks, it took 2.47 ms against Open MPI's 1.65. */
+static int scatter_cma(shm_comm *c, void *out, const void *in, size_t nbytes, int root,
+                       uint64_t fp)
+{
+    int n = c->n, me = c->me;
+    if (me == root)
+        thp_prepare(c, in, (size_t)n * nbytes);
+    atomic_store_explicit(&c->ctl[me].xfer.src, (uint64_t)(uintptr_t)(me == root ? in : NULL),
+                          memory_order_relaxed);
+    TRY(c, fp_publish(c, fp));
+    uint32_t s = ++c->seq;
+    post(c, s);
+    if (me == root) {
+        copy(out, (const char *)in + (size_t)me * nbytes, nbytes);
+        ack(c, s);
+        for (int q = 0; q < n; q++)  /* every reader is done with my input */
+            if (q != me)
+                TRY(c, wait_ctr(c, &c->ctl[q].ack, s, q, -1));
+    } else {
+        /* a reader needs only the root's word before it reads: it reads, never writes */
+        TRY(c, wait_post(c, root, s));
+        TRY(c, fp_check(c, root));
+        uint64_t addr = atomic_load_explicit(&c->ctl[root].xfer.src, memory_order_relaxed);
+        TRY(c, cma_read(c, root, out, addr + (uint64_t)me * nbytes, nbytes));
+        ack(c, s);
+    }
+    TRY(c, fp_check_all(c, s));  /* a rank that called something else: every rank raises */
+    return SHM_OK;
+}
+
 int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root, uint64_t fp)
 {
     CHECK(c);
@@ -729,6 +766,8 @@ int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root,
     }
     if (nbytes == 0)
         return fp_sync(c, fp);
+    if (c->cma_readable && c->cma_min && nbytes >= c->cma_min)
+        return scatter_cma(c, out, in, nbytes, root, fp);
     tick(c, nbytes);
     TRY(c, fp_publish(c, fp));
     const uint32_t s0 = c->seq + 1;  /* the first step: every rank posts it */
