@@ -563,6 +563,34 @@ def test_shutdown_lets_peers_see_a_clean_close():
     assert dt < 5
 
 
+def error_then_close(ctx, bname):
+    """Rank 0 fails the group's next collective (fail_next: a hierarchical leader whose host
+    found a mismatch) and shuts down before rank 1 begins that collective, so rank 1 takes
+    in the error frame, the close frame and the end of the stream in one read."""
+    b = _backend(ctx, bname)
+    b.barrier()
+    store = ctx.state["store"]
+    if ctx.rank == 0:
+        b.fail_next("the calls of host 0 differ")
+        b.shutdown()
+        store.set(f"{bname}/closed", b"1")
+        return None
+    store.wait([f"{bname}/closed"])
+    try:
+        b.all_reduce(_buf(D.FLOAT32, np.ones(4, np.float32)), D.SUM)
+    except DistBackendError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_reports_a_failure_and_closes_is_named_by_its_report():
+    """The report explains the close that follows it: rank 1 raises rank 0's words, not
+    "rank 0 shut down its backend" (once a flaky hierarchical mismatch test)."""
+    msg = pool_of(2).run(error_then_close, "error_then_close")[1]
+    assert "rank 0 reported: the calls of host 0 differ" in msg and "clean close" not in msg, msg
+
+
 DYING_RANK = textwrap.dedent("""
     import os, sys, time
     from datetime import timedelta

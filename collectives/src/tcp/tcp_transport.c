@@ -930,14 +930,15 @@ TCP_HIDDEN int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, 
     char tmsg[400];
     for (;;) {
         int all = 1;
-        /* a mismatch explains whatever else failed since (peers closing after it, say) */
-        if (coll && e->coll_err[0] && e->mm_seq && e->mm_seq <= e->seq) { why = e->coll_err; goto fail; }
+        /* this collective's failure, found here or reported by a peer (a mismatch, a peer's
+         * error frame), explains whatever else failed since: a peer that reported it may
+         * close at once, and its close can be read in the same pass as its report */
+        if (coll && e->coll_err[0]) { why = e->coll_err; goto fail; }
         for (int i = 0; i < n; i++) {
             if (rs[i]->state < 0) { why = rs[i]->err; goto fail; }
             if (rs[i]->state == 0) all = 0;
         }
         if (all) return 0;
-        if (coll && e->coll_err[0]) { why = e->coll_err; goto fail; }
         if (e->closed) { why = "the backend was shut down"; goto fail; }
         double t = now_s();
         if (t >= deadline) {
