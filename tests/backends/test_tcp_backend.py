@@ -591,6 +591,46 @@ def test_a_peer_that_reports_a_failure_and_closes_is_named_by_its_report():
     assert "rank 0 reported: the calls of host 0 differ" in msg and "clean close" not in msg, msg
 
 
+def error_then_reset(ctx, bname):
+    """As error_then_close, but rank 0 also closes its sockets with a message of rank 1's
+    unread (as a process that exits does): its kernel resets the connection, and rank 1's
+    next send fails before rank 1 has read what rank 0 sent."""
+    import gc
+
+    from collectives.backends.tcp import TcpBackend
+    from collectives.store import PrefixStore
+    store = ctx.state["store"]
+    b = TcpBackend(PrefixStore(bname, store), ctx.rank, ctx.world_size, 30.0)
+    b.barrier()
+    if ctx.rank == 1:
+        b.isend(_buf(D.UINT8, np.ones(1 << 16, np.uint8)), 0, 9).wait()
+        store.set(f"{bname}/sent", b"1")
+    else:
+        store.wait([f"{bname}/sent"])
+        b.fail_next("the calls of host 0 differ")
+        b.shutdown()
+        del b
+        gc.collect()  # the engine frees: its sockets close
+        store.set(f"{bname}/closed", b"1")
+        return None
+    store.wait([f"{bname}/closed"])
+    try:
+        b.all_reduce(_buf(D.FLOAT32, np.ones(4, np.float32)), D.SUM)
+    except DistBackendError as e:
+        return str(e)
+    finally:
+        b.shutdown()
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_reports_a_failure_and_resets_is_named_by_its_report():
+    """A send that fails on the reset connection does not hide the report rank 0 sent
+    before: rank 1 reads it first ("Broken pipe" before)."""
+    msg = pool_of(2).run(error_then_reset, "error_then_reset")[1]
+    assert "rank 0 reported: the calls of host 0 differ" in msg, msg
+
+
 DYING_RANK = textwrap.dedent("""
     import os, sys, time
     from datetime import timedelta
