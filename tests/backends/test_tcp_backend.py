@@ -563,6 +563,55 @@ def test_shutdown_lets_peers_see_a_clean_close():
     assert dt < 5
 
 
+def report_then_close(ctx, bname, reset):
+    """Rank 0 fails the group's next collective (fail_next: a hierarchical leader whose host
+    found a mismatch) and shuts down before rank 1 begins that collective, so rank 1 takes
+    in the error frame, the close frame and the end of the stream in one read. ``reset``:
+    rank 0 also closes its sockets with a message of rank 1's unread (as a process that
+    exits does), its kernel resets the connection, and rank 1's first send of that
+    collective fails before rank 1 has read anything. Returns rank 1's error."""
+    import gc
+
+    from collectives.backends.tcp import TcpBackend
+    from collectives.store import PrefixStore
+    store = ctx.state["store"]
+    b = TcpBackend(PrefixStore(bname, store), ctx.rank, ctx.world_size, 30.0)
+    try:
+        b.barrier()
+        if ctx.rank == 1:
+            if reset:  # a message rank 0 leaves unread
+                b.isend(_buf(D.UINT8, np.ones(1 << 16, np.uint8)), 0, 9).wait()
+            store.set(f"{bname}/sent", b"1")
+            store.wait([f"{bname}/closed"])
+            try:
+                b.all_reduce(_buf(D.FLOAT32, np.ones(4, np.float32)), D.SUM)
+            except DistBackendError as e:
+                return str(e)
+            return "no error"
+        store.wait([f"{bname}/sent"])
+        b.fail_next("the calls of host 0 differ")
+        b.shutdown()
+        if reset:
+            del b
+            gc.collect()  # the engine is freed: its sockets close
+        store.set(f"{bname}/closed", b"1")
+        return None
+    finally:
+        if ctx.rank == 1:
+            b.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reset", [False, True], ids=["close", "reset"])
+def test_a_peer_that_reports_a_failure_and_closes_is_named_by_its_report(reset):
+    """The report explains the close that follows it: rank 1 raises rank 0's words, not
+    "rank 0 shut down its backend (clean close)" (once a flaky hierarchical mismatch test)
+    nor, where its send failed first on the reset connection, "Broken pipe"."""
+    msg = pool_of(2).run(report_then_close, f"report_then_close_{reset}", reset)[1]
+    assert "rank 0 reported: the calls of host 0 differ" in msg, msg
+    assert "clean close" not in msg and "Broken pipe" not in msg, msg
+
+
 DYING_RANK = textwrap.dedent("""
     import os, sys, time
     from datetime import timedelta

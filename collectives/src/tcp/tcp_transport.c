@@ -258,7 +258,7 @@ static void peer_dead_errno(tcp_engine *e, int pi, int err)
 
 static void peer_eof(tcp_engine *e, int pi);
 
-/* After a send or receive on pi's socket that moved nothing (k == 0: the peer closed; k < 0:
+/* After a receive on pi's socket that moved nothing (k == 0: the peer closed; k < 0:
  * errno says why): 1 to try again at once (EINTR), 0 to leave the peer for now (its socket
  * is not ready, or the peer is gone, now marked so). */
 static inline int io_retry(tcp_engine *e, int pi, ssize_t k)
@@ -273,6 +273,17 @@ static inline int io_retry(tcp_engine *e, int pi, ssize_t k)
 }
 
 /* ------------------------------------------------------------------ sending */
+
+static void progress_recv_inner(tcp_engine *e, int pi);
+
+/* A send to pi failed: the peer closed or reset the connection. What it sent before (a
+ * report of this collective's failure, its close frame) may still wait in the socket: take
+ * it in first, so that it, not the failed send, explains the failure (bounded: 64 reads). */
+static void send_failed(tcp_engine *e, int pi, int err)
+{
+    for (int i = 0; i < 64 && !e->peers[pi].dead; i++) progress_recv_inner(e, pi);
+    peer_dead_errno(e, pi, err);  /* where the stream did not end it already */
+}
 
 /* Write as much of pi's send queue as the socket takes, at most duplex_chunk bytes per
  * call: the poller then reads before it writes more, so both directions of an exchange
@@ -304,7 +315,8 @@ TCP_HIDDEN void flush_peer(tcp_engine *e, int pi)
         mh.msg_iovlen = n;
         ssize_t k = sendmsg(p->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k < 0) {
-            if (io_retry(e, pi, k)) continue;
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) send_failed(e, pi, errno);
             return;
         }
         r->sent += (size_t)k;
@@ -679,8 +691,6 @@ static void peer_eof(tcp_engine *e, int pi)
 #define LOWAT_MIN (256 * 1024)
 #define LOWAT_MAX (1024 * 1024)
 
-static void progress_recv_inner(tcp_engine *e, int pi);
-
 /* Read what pi's socket holds (bounded), parsing frames and filling buffers; then
  * ask poll to wake us only when a good part of a large payload is there (never more
  * than the rest of the current frame, so a wake-up always comes). */
@@ -930,14 +940,15 @@ TCP_HIDDEN int wait_locked(tcp_engine *e, tcp_req **rs, int n, double deadline, 
     char tmsg[400];
     for (;;) {
         int all = 1;
-        /* a mismatch explains whatever else failed since (peers closing after it, say) */
-        if (coll && e->coll_err[0] && e->mm_seq && e->mm_seq <= e->seq) { why = e->coll_err; goto fail; }
+        /* this collective's failure, found here or reported by a peer (a mismatch, a peer's
+         * error frame), explains whatever else failed since: a peer that reported it may
+         * close at once, and its close can be read in the same pass as its report */
+        if (coll && e->coll_err[0]) { why = e->coll_err; goto fail; }
         for (int i = 0; i < n; i++) {
             if (rs[i]->state < 0) { why = rs[i]->err; goto fail; }
             if (rs[i]->state == 0) all = 0;
         }
         if (all) return 0;
-        if (coll && e->coll_err[0]) { why = e->coll_err; goto fail; }
         if (e->closed) { why = "the backend was shut down"; goto fail; }
         double t = now_s();
         if (t >= deadline) {
