@@ -200,8 +200,8 @@ SETTINGS = (
     _shm("COLLECTIVES_SHM_CHUNK_BYTES", "int", 512 * KiB, minimum=1, unit="bytes", doc="""
         Chunk of the two-shot all_reduce and reduce."""),
     _shm("COLLECTIVES_SHM_CMA_MIN", "int", 256 * KiB, unit="bytes", doc="""
-        all_gather and gather blocks from this size go in one copy (process_vm_readv/writev) where
-        the ranks may read each other's memory; 0 turns it off."""),
+        all_gather, gather and scatter blocks from this size go in one copy (process_vm_readv/writev)
+        where the ranks may read each other's memory; 0 turns it off."""),
     _shm("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB, unit="bytes", doc="""
         broadcast from this size goes in one copy where at most two ranks run at once (two ranks,
         or two cores) and at most two share a core; 0 turns it off."""),
