@@ -58,12 +58,6 @@ DEFAULT_ONESHOT_MAX = 64 * 1024
 # 0.33 vs 0.49 (4 ranks), 0.20 vs 0.68 (8), 0.30 vs 0.64 (16); 64 KiB 0.34 vs 0.83,
 # 0.35 vs 1.28, 0.43 vs 2.05. The default there (COLLECTIVES_SHM_ONESHOT_MAX unset):
 CROWDED_ONESHOT_MAX = 4 * 1024
-
-
-def default_oneshot_max(size, ncpu=None):
-    """COLLECTIVES_SHM_ONESHOT_MAX's default for a group of ``size`` ranks on this host."""
-    ncpu = ncpu or os.cpu_count() or 1
-    return CROWDED_ONESHOT_MAX if size > 2 and ncpu > 2 else DEFAULT_ONESHOT_MAX
 DEFAULT_CHUNK_BYTES = 512 * 1024
 # all_gather/gather blocks, broadcasts and all_reduces from these sizes go in one copy
 # (process_vm_readv) where the ranks may read each other's memory and (broadcasts) there
@@ -75,6 +69,13 @@ DEFAULT_CHUNK_BYTES = 512 * 1024
 # shm_coll.c); it is the steady choice.
 DEFAULT_CMA_MIN = 256 * 1024
 DEFAULT_CMA_BCAST_MIN = 64 * 1024
+# ... with two ranks. With more (where the probe allows the broadcast's single copy at all:
+# at most two run at once, shm_copy.c), from 256 KiB: 4 ranks on the 2-vCPU VM, alternating
+# Open MPI jobs, time over Open MPI's, single copy against the two-copy path: 64 KiB 0.74-1.85
+# (median 1.07) against 0.75-0.94 (0.90), 128 KiB 0.94-1.07 against 0.81-1.02, 256 KiB
+# 0.62-0.80 against 0.96-1.15.
+MANY_CMA_BCAST_MIN = 256 * 1024
+
 # all_reduce: whether two-shot or the single copy is faster depends on the host and the
 # ranks' placement (while the VM's cores share caches two-shot took 0.65-0.8x the single
 # copy's time, while they do not the single copy 0.25-0.35x two-shot's), so above the
@@ -91,6 +92,29 @@ DEFAULT_AR_ALGO = "auto"
 # reduce_scatter 0.21-0.27x, all_to_all 0.31-0.61x, scatter 0.46x; while close
 # 0.99-1.03x (always streaming would cost up to 2.5x there).
 DEFAULT_STREAM = 2
+
+
+def default_oneshot_max(size, ncpu=None):
+    """COLLECTIVES_SHM_ONESHOT_MAX's default for a group of ``size`` ranks on this host."""
+    ncpu = ncpu or os.cpu_count() or 1
+    return CROWDED_ONESHOT_MAX if size > 2 and ncpu > 2 else DEFAULT_ONESHOT_MAX
+
+
+def default_cma_bcast_min(size):
+    """COLLECTIVES_SHM_CMA_BCAST_MIN's default for a group of ``size`` ranks."""
+    return DEFAULT_CMA_BCAST_MIN if size <= 2 else MANY_CMA_BCAST_MIN
+
+
+#: the settings whose default depends on the group: name -> default for ``size`` ranks
+_SIZED_DEFAULTS = {"COLLECTIVES_SHM_ONESHOT_MAX": default_oneshot_max,
+                   "COLLECTIVES_SHM_CMA_BCAST_MIN": default_cma_bcast_min}
+
+
+def tuning_value(var, size):
+    """Rank 0's value of ``var`` for a group of ``size`` ranks: the environment's, else its
+    default for such a group."""
+    sized = _SIZED_DEFAULTS.get(var)
+    return sized(size) if sized is not None and var not in os.environ else config.get(var)
 
 
 _TUNING = (("COLLECTIVES_SHM_ONESHOT_MAX", DEFAULT_ONESHOT_MAX),
@@ -192,9 +216,7 @@ class ShmBackend(Backend):
         if rank == 0:
             # every rank must pick the same algorithm for a call: rank 0's thresholds
             # travel with the segment's name, whatever the others' environments say
-            tuning = ",".join(str(default_oneshot_max(size) if var == "COLLECTIVES_SHM_ONESHOT_MAX"
-                                  and var not in os.environ else config.get(var))
-                              for var, _ in _TUNING)
+            tuning = ",".join(str(tuning_value(var, size)) for var, _ in _TUNING)
             sweep_stale_segments()
             name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
             self._comm = ShmComm(name, True, rank, size, half, ring, tmo, self.label)

@@ -204,7 +204,8 @@ SETTINGS = (
         where the ranks may read each other's memory; 0 turns it off."""),
     _shm("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB, unit="bytes", doc="""
         broadcast from this size goes in one copy where at most two ranks run at once (two ranks,
-        or two cores) and at most two share a core; 0 turns it off."""),
+        or two cores) and at most two share a core; 0 turns it off. Unset: 64 KiB with two ranks,
+        256 KiB with more."""),
     _shm("COLLECTIVES_SHM_CMA_AR_MIN", "int", 64 * KiB, unit="bytes", doc="""
         all_reduce from this size (above the one-shot size) may go in one copy; 0 turns the single
         copy off for all_reduce."""),

@@ -76,3 +76,18 @@ def test_one_shot_default_shrinks_where_more_than_two_ranks_run_at_once():
     assert [default_oneshot_max(w, 2) for w in (2, 4, 8)] == [big, big, big]
     assert [default_oneshot_max(w, 16) for w in (2, 3, 4, 8, 16)] == [big, small, small, small, small]
     assert default_oneshot_max(2, 1) == big
+
+
+def test_sized_defaults_yield_to_the_environment(monkeypatch):
+    """The one-shot bound and the broadcast's single-copy size depend on the group where
+    unset (4 ranks on this host's cores), and are the environment's value where set."""
+    from collectives.backends.shm import default_oneshot_max, tuning_value
+    monkeypatch.delenv("COLLECTIVES_SHM_CMA_BCAST_MIN", raising=False)
+    monkeypatch.delenv("COLLECTIVES_SHM_ONESHOT_MAX", raising=False)
+    assert tuning_value("COLLECTIVES_SHM_CMA_BCAST_MIN", 2) == 64 * 1024
+    assert tuning_value("COLLECTIVES_SHM_CMA_BCAST_MIN", 4) == 256 * 1024
+    assert tuning_value("COLLECTIVES_SHM_ONESHOT_MAX", 4) == default_oneshot_max(4)
+    monkeypatch.setenv("COLLECTIVES_SHM_CMA_BCAST_MIN", "1000")
+    monkeypatch.setenv("COLLECTIVES_SHM_ONESHOT_MAX", "123")
+    assert tuning_value("COLLECTIVES_SHM_CMA_BCAST_MIN", 4) == 1000
+    assert tuning_value("COLLECTIVES_SHM_ONESHOT_MAX", 4) == 123
