@@ -531,10 +531,15 @@ def train_case(steps, opt_name):
 
 def refused_case():
     """Names outside the allow-list raise on the master, before anything is sent."""
+    import gc
     import io
 
     import torch
     t = mw.ones(2, node=0)
+    # no collection in the window: a cycle of an earlier case's remote tensors freed here
+    # would send its release and count as a command (seen once in a full run)
+    gc.collect()
+    gc.disable()
     before = mw.worker_stats(0)["seq"]
     out = {}
     for name in ("torch.save", "torch.load", "torch.hub.load", "os.system", "builtins.exec",
@@ -555,6 +560,7 @@ def refused_case():
     except AttributeError as e:
         out["attr"] = str(e)
     after = mw.worker_stats(0)["seq"]
+    gc.enable()
     return out, after - before
 
 
