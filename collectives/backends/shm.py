@@ -72,8 +72,8 @@ DEFAULT_CMA_BCAST_MIN = 64 * 1024
 # ... with two ranks. With more (where the probe allows the broadcast's single copy at all:
 # at most two run at once, shm_copy.c), from 256 KiB: 4 ranks on the 2-vCPU VM, alternating
 # Open MPI jobs, time over Open MPI's, single copy against the two-copy path: 64 KiB 0.74-1.85
-# (median 1.07) against 0.75-0.94 (0.90), 128 KiB 0.94-1.07 against 0.81-1.02, 256 KiB
-# 0.62-0.80 against 0.96-1.15.
+# (median 0.99, 8 launches) against 0.79-1.02 (0.82, 7), 128 KiB 0.94-1.07 against
+# 0.81-1.02, 256 KiB 0.62-0.80 against 0.96-1.15.
 MANY_CMA_BCAST_MIN = 256 * 1024
 
 # all_reduce: whether two-shot or the single copy is faster depends on the host and the
