@@ -119,7 +119,7 @@ def profile(ops, nbytes, calls=3000, top=14):
         print(f"\n{op} {nbytes} B: {plain * 1e6:.1f} us per call unprofiled; own time per call:")
         st = pstats.Stats(prof)
         rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
-        for (file, line, name), (cc, nc, tt, ct, _) in rows:
+        for (file, line, name), (_, nc, tt, _, _) in rows:
             print(f"  {tt / calls * 1e6:7.2f} us {nc / calls:5.1f}x  {name}  "
                   f"{os.path.basename(file)}:{line}")
     cdist.destroy_process_group()
