@@ -75,6 +75,11 @@ DEFAULT_CMA_BCAST_MIN = 64 * 1024
 # (median 0.99, 8 launches) against 0.79-1.02 (0.82, 7), 128 KiB 0.94-1.07 against
 # 0.81-1.02, 256 KiB 0.62-0.80 against 0.96-1.15.
 MANY_CMA_BCAST_MIN = 256 * 1024
+# ... and none where more than two ranks run at once: every reader pins and copies the
+# root's pages at the same time, which serialises them. On a 16-core host (one cache domain,
+# a core per rank) the two-copy path took 0.64x the single copy's time at 4 ranks, 0.23x at
+# 8 and 0.12x at 16 (1 MiB); on the 2-core VM at most two run at once and 2 and 4 ranks gain
+# from it (shm_coll.c, broadcast_cma).
 
 # all_reduce: whether two-shot or the single copy is faster depends on the host and the
 # ranks' placement (while the VM's cores share caches two-shot took 0.65-0.8x the single
@@ -94,14 +99,22 @@ DEFAULT_AR_ALGO = "auto"
 DEFAULT_STREAM = 2
 
 
+def crowded(size, ncpu=None):
+    """Whether more than two of ``size`` ranks run at once on this host (more than two
+    ranks and more than two cores)."""
+    return size > 2 and (ncpu or os.cpu_count() or 1) > 2
+
+
 def default_oneshot_max(size, ncpu=None):
     """COLLECTIVES_SHM_ONESHOT_MAX's default for a group of ``size`` ranks on this host."""
-    ncpu = ncpu or os.cpu_count() or 1
-    return CROWDED_ONESHOT_MAX if size > 2 and ncpu > 2 else DEFAULT_ONESHOT_MAX
+    return CROWDED_ONESHOT_MAX if crowded(size, ncpu) else DEFAULT_ONESHOT_MAX
 
 
-def default_cma_bcast_min(size):
-    """COLLECTIVES_SHM_CMA_BCAST_MIN's default for a group of ``size`` ranks."""
+def default_cma_bcast_min(size, ncpu=None):
+    """COLLECTIVES_SHM_CMA_BCAST_MIN's default for a group of ``size`` ranks on this host
+    (0: never)."""
+    if crowded(size, ncpu):
+        return 0
     return DEFAULT_CMA_BCAST_MIN if size <= 2 else MANY_CMA_BCAST_MIN
 
 

@@ -203,9 +203,9 @@ SETTINGS = (
         all_gather, gather and scatter blocks from this size go in one copy (process_vm_readv/writev)
         where the ranks may read each other's memory; 0 turns it off."""),
     _shm("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB, unit="bytes", doc="""
-        broadcast from this size goes in one copy where at most two ranks run at once (two ranks,
-        or two cores) and at most two share a core; 0 turns it off. Unset: 64 KiB with two ranks,
-        256 KiB with more."""),
+        broadcast from this size goes in one copy where at most two ranks share a core; 0 turns it
+        off. Unset: 64 KiB with two ranks, 256 KiB with more, 0 where more than two ranks run at
+        once (more than two ranks and more than two cores)."""),
     _shm("COLLECTIVES_SHM_CMA_AR_MIN", "int", 64 * KiB, unit="bytes", doc="""
         all_reduce from this size (above the one-shot size) may go in one copy; 0 turns the single
         copy off for all_reduce."""),
@@ -221,8 +221,8 @@ SETTINGS = (
         (another die or socket)."""),
     _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False, read_in="_shm.pyx -> src/shm/shm_copy.c", doc="""
         Allow the all_reduce's single copy with more ranks than cores and the broadcast's with more
-        than two ranks a core or more than two running at once (measured no faster there; the tests
-        use it). The gathers' single copy runs there regardless."""),
+        than two ranks a core (measured no faster there; the tests use it). The gathers' single copy
+        runs there regardless."""),
     _s("COLLECTIVES_SHM_SPIN", "int", None, read_in="_shm.pyx -> src/shm/shm_segment.c", doc="""
         Polls before a waiting rank yields. Default: about 2 us worth when every rank has a core,
         none when the ranks outnumber the cores."""),

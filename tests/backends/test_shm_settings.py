@@ -78,14 +78,22 @@ def test_one_shot_default_shrinks_where_more_than_two_ranks_run_at_once():
     assert default_oneshot_max(2, 1) == big
 
 
+def test_broadcast_single_copy_default_follows_how_many_ranks_run_at_once():
+    """COLLECTIVES_SHM_CMA_BCAST_MIN unset: 64 KiB with two ranks, 256 KiB with more while
+    at most two run at once (two cores), never where more do."""
+    from collectives.backends.shm import default_cma_bcast_min
+    assert [default_cma_bcast_min(w, 2) for w in (2, 4, 8)] == [64 << 10, 256 << 10, 256 << 10]
+    assert [default_cma_bcast_min(w, 16) for w in (2, 3, 16)] == [64 << 10, 0, 0]
+
+
 def test_sized_defaults_yield_to_the_environment(monkeypatch):
     """The one-shot bound and the broadcast's single-copy size depend on the group where
     unset (4 ranks on this host's cores), and are the environment's value where set."""
-    from collectives.backends.shm import default_oneshot_max, tuning_value
+    from collectives.backends.shm import default_cma_bcast_min, default_oneshot_max, tuning_value
     monkeypatch.delenv("COLLECTIVES_SHM_CMA_BCAST_MIN", raising=False)
     monkeypatch.delenv("COLLECTIVES_SHM_ONESHOT_MAX", raising=False)
     assert tuning_value("COLLECTIVES_SHM_CMA_BCAST_MIN", 2) == 64 * 1024
-    assert tuning_value("COLLECTIVES_SHM_CMA_BCAST_MIN", 4) == 256 * 1024
+    assert tuning_value("COLLECTIVES_SHM_CMA_BCAST_MIN", 4) == default_cma_bcast_min(4)
     assert tuning_value("COLLECTIVES_SHM_ONESHOT_MAX", 4) == default_oneshot_max(4)
     monkeypatch.setenv("COLLECTIVES_SHM_CMA_BCAST_MIN", "1000")
     monkeypatch.setenv("COLLECTIVES_SHM_ONESHOT_MAX", "123")

@@ -214,8 +214,7 @@ SHM_HIDDEN int cma_write(shm_comm *c, int q, uint64_t remote, const void *src, s
  * process_vm_readv (same user, no ptrace restrictions) and has a core of its own (c->cma,
  * returned by shm_cma_enabled: the all_reduce's single copy), whether every rank can read
  * every other's (c->cma_readable: the gathers') and whether also the ranks are at most two
- * a core and at most two run at once (c->cma_bcast: the broadcast's); all ranks get the
- * same answers. */
+ * a core (c->cma_bcast: the broadcast's); all ranks get the same answers. */
 int shm_cma_probe(shm_comm *c)
 {
     static const uint64_t probe = 0x636d612070726f62ULL; /* "cma prob" */
@@ -238,12 +237,9 @@ int shm_cma_probe(shm_comm *c)
      * (broadcast_cma) */
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     int cores = (long)n <= ncpu || c->cma_any_cores;
-    /* the broadcast's single copy: every reader pins and copies the root's pages at once, so
-     * it pays only while at most two ranks run at once (one reader at a time); on a 16-core
-     * host (one cache domain, every rank a core of its own) the two-copy path took 0.64x its
-     * time at 4 ranks, 0.23x at 8 and 0.12x at 16 (1 MiB), while on the 2-core VM 2 and 4
-     * ranks gain from it (broadcast_cma) */
-    int bcast_ok = ((long)n <= 2 * ncpu && (n <= 2 || ncpu <= 2)) || c->cma_any_cores;
+    /* (where more than two ranks run at once the broadcast's single copy is off by its
+     * size's default instead: backends/shm.py, default_cma_bcast_min) */
+    int bcast_ok = (long)n <= 2 * ncpu || c->cma_any_cores;
     c->err_peer = -1;
     atomic_store_explicit(&c->ctl[me].xfer.ok,
                           readable ? 1 | cores << 1 | bcast_ok << 2 : 0, memory_order_relaxed);

@@ -193,9 +193,8 @@ struct shm_comm {
                              all_reduce's single copy */
     int cma_readable;     /* every rank can read every other's memory: the gathers' single
                              copy, at any ranks-to-cores ratio */
-    int cma_bcast;        /* ... and the ranks are at most two a core and at most two
-                             run at once (two ranks, or two cores), or
-                             COLLECTIVES_SHM_CMA_ANY_CORES: the broadcast's single copy */
+    int cma_bcast;        /* ... and the ranks are at most two a core (or
+                             COLLECTIVES_SHM_CMA_ANY_CORES): the broadcast's single copy */
     size_t cma_min;       /* all_gather/gather blocks of at least this many bytes use it */
     size_t cma_bcast_min; /* broadcasts of at least this many bytes use it */
     size_t cma_ar_min;    /* all_reduces of at least this many bytes (above one-shot) may use it */
