@@ -149,6 +149,16 @@ static int bc_read(shm_comm *c, void *buf, size_t nbytes, int root, uint32_t s)
     return SHM_OK;
 }
 
+/* Wait until every other rank has acked the step this rank was last the root of in ring
+ * record i (has read that data). */
+static int bc_all_read(shm_comm *c, int i)
+{
+    for (int q = 0; q < c->n; q++)
+        if (q != c->me)
+            TRY(c, wait_seen(c, q, 1, c->bc_due[i].s));
+    return SHM_OK;
+}
+
 /* A broadcast of at most BC_INLINE bytes, through the ranks' ring records (bc_rec_t): the
  * root writes the data and its fingerprint into record s % BC_RING, posts s and returns;
  * each reader writes its fingerprint into its own record, posts s (its arrival), waits for
@@ -171,9 +181,7 @@ static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uin
             return pend(c, PEND_BROADCAST, buf, nbytes, root, -1, -1, fp);
         if (c->bc_due[i].due)
             TRY(c, bc_settle(c, i));
-        for (int q = 0; q < c->n; q++)  /* every rank has read the record's last data */
-            if (q != me)
-                TRY(c, wait_seen(c, q, 1, c->bc_due[i].s));
+        TRY(c, bc_all_read(c, i));
         memcpy(mine->data, buf, nbytes);
     } else if (c->bc_due[i].unread) {
         /* the record holds this rank's data as the root of step bc_due[i].s (it ran ahead as
@@ -181,9 +189,7 @@ static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uin
          * step that has not looked yet would find it gone; so every rank has read it first */
         if (held && !all_reached(c, 1, c->bc_due[i].s, &spins))
             return pend(c, PEND_BROADCAST, buf, nbytes, root, -1, -1, fp);
-        for (int q = 0; q < c->n; q++)
-            if (q != me)
-                TRY(c, wait_seen(c, q, 1, c->bc_due[i].s));
+        TRY(c, bc_all_read(c, i));
         c->bc_due[i].unread = 0;
     }
     fp_store(&mine->k, &mine->word, k, fp);
