@@ -24,6 +24,8 @@ BUDGET=${BUDGET:-0.15}
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+# the cores of placement PIN (near, far) for world W, comma-separated; empty where none
+cpus_for() { $PY -c "import json; d=json.load(open('$OUT/placement.json'))['$1'].get('$2'); print(','.join(map(str, d)) if d else '')" 2>/dev/null; }
 
 say "machine"
 nproc; lscpu | grep -E "Model name|Socket|Core|Thread|NUMA|L3" ; nvidia-smi -L 2>&1 | head -2
@@ -71,7 +73,7 @@ fi
 if has matrix; then
     for w in $WORLDS; do
         for pin in near far; do
-            cpus=$($PY -c "import json,sys; d=json.load(open('$OUT/placement.json'))['$pin'].get('$w'); print(','.join(map(str, d)) if d else '')" 2>/dev/null)
+            cpus=$(cpus_for "$pin" "$w")
             if [ -z "$cpus" ]; then say "world $w $pin: no such placement here"; continue; fi
             say "world $w pinned $pin to $cpus"
             PYTHONPATH=$PWD timeout 200 $PY bench/mpi_matrix.py --mpi mpich=/tmp/mpich/pybin,ompi=/tmp/ompi/pybin \
@@ -89,7 +91,7 @@ if has variants; then
     # VARIANTS="name:ENV=V,ENV=V name2:..." (a name alone: the defaults), each launched at every
     # world of VWORLDS against VMPI, pinned to the near cores; rows labelled name/probe
     for w in ${VWORLDS:-$WORLDS}; do
-        cpus=$($PY -c "import json; d=json.load(open('$OUT/placement.json'))['near'].get('$w'); print(','.join(map(str, d)) if d else '')" 2>/dev/null)
+        cpus=$(cpus_for near "$w")
         for v in $VARIANTS; do
             name=${v%%:*}; envs=${v#*:}; [ "$envs" = "$v" ] && envs=""
             say "world $w variant $name ($envs) on ${cpus:-any cores}"
