@@ -67,6 +67,11 @@ MORE = [
      dict(kind="all_gather", dtype="float32", count=(1 << 17) + 1)),
     ("two_shot_op", dict(kind="all_reduce", dtype="float32", count=1 << 16, op="SUM"),
      dict(kind="all_reduce", dtype="float32", count=1 << 16, op="MIN")),
+    # blocks from COLLECTIVES_SHM_CMA_MIN (256 KiB): the single-copy scatter
+    ("large_scatter_root", dict(kind="scatter", dtype="float32", count=1 << 17, root=0),
+     dict(kind="scatter", dtype="float32", count=1 << 17, root=1)),
+    ("large_scatter_vs_gather", dict(kind="scatter", dtype="float32", count=1 << 17, root=0),
+     dict(kind="gather", dtype="float32", count=1 << 17, root=0)),
     ("all_to_all_splits", dict(kind="all_to_all", dtype="float32", count=3),
      dict(kind="all_to_all", dtype="float32", count=3, extra=1)),
     ("all_to_all_dtype", dict(kind="all_to_all", dtype="float32", count=3),
