@@ -28,7 +28,7 @@ from .api.group import (
     is_mpi_available, is_nccl_available, is_torchelastic_launched, is_ucc_available,
     is_xccl_available, new_group, new_subgroups, new_subgroups_by_enumeration, shrink_group,
     split_group)
-from .api.multigpu import (
+from .api._generated import (  # the *_multigpu calls (their plans: api/multigpu.py)
     all_gather_multigpu, all_reduce_multigpu, broadcast_multigpu, reduce_multigpu,
     reduce_scatter_multigpu)
 from .api.objects import (

@@ -56,9 +56,8 @@ now = time.monotonic_ns  # the entries' clock (the dump converts to wall time)
 ISSUED, STARTED, COMPLETED, FAILED = "issued", "started", "completed", "failed"
 
 
-#: where the package's own code comes from: its files, and the functions the op table
-#: compiles (file names ``<opspec NAME>``: collectives.api.opspec.build)
-_OWN_CODE = (os.path.dirname(__file__), "<opspec ")
+#: where the package's own code comes from: its files
+_OWN_CODE = os.path.dirname(__file__)
 
 
 def _stack():

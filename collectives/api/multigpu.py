@@ -5,17 +5,17 @@ back to every entry; a one-element list behaves like the plain call.
 
 Each is an entry of the op table (:data:`collectives.api.opspec.SPECS`, entered here by
 :func:`~collectives.api.opspec.add`, beside its plan): the free function and the
-ProcessGroup methods' many-tensor form (``pg.allreduce([t0, t1])``) are made from it.
-Its plan does the local part and runs the single-tensor entry's body on the group
-(``SPECS["all_reduce"].run(pg, ...)``), so the call across ranks takes that entry's path
-through the group's dispatcher (recorded under its name: all_reduce, broadcast, ...).
+ProcessGroup methods' many-tensor form (``pg.allreduce([t0, t1])``) are written from it
+into :mod:`collectives.api._generated`. Its plan does the local part and runs the
+single-tensor entry's body on the group, which it is handed (``run``: ``all_reduce_run``
+...), so the call across ranks takes that entry's path through the group's dispatcher
+(recorded under its name: all_reduce, broadcast, ...).
 """
 import numpy as np
 
 from ..core import dtypes as D
 from ..core.plans import buffer, buffers, reduce_plan, scale, settle
-from . import collective_ops  # noqa: F401  (the single-tensor entries, built: their run)
-from .opspec import SPECS, OpSpec, add, build
+from .opspec import OpSpec, add
 from ..core.reduce_op import op_code
 from ..core.work import Work
 
@@ -47,7 +47,7 @@ def _copy(dst, src):
         dst.copy_(src)
 
 
-def _all_reduce(pg, tensor_list, op, async_op):
+def _all_reduce(pg, tensor_list, op, async_op, run):
     settle(pg)  # local reads and writes below follow queued async work
     bufs = buffers(tensor_list, "tensor_list")
     if not bufs:
@@ -61,10 +61,10 @@ def _all_reduce(pg, tensor_list, op, async_op):
     for t in tensor_list[1:]:
         _local_reduce(first, t, D.SUM if kind in (D.AVG, D.PREMUL_SUM) else kind)
     if kind == D.AVG and len(tensor_list) > 1:  # the mean over every entry of every rank
-        SPECS["all_reduce"].run(pg, first)
+        run(pg, first)
         scale(buffer(first), 1.0 / (len(tensor_list) * pg._size))
     else:
-        SPECS["all_reduce"].run(pg, first, op)
+        run(pg, first, op)
     for t in tensor_list[1:]:
         _copy(t, first)
     return _sync_work(async_op, tensor_list)
@@ -78,19 +78,19 @@ def _sync_work(async_op, outputs):
     return Work(DoneRequest(), list(outputs))
 
 
-def _broadcast(pg, tensor_list, src, async_op, src_tensor):
+def _broadcast(pg, tensor_list, src, async_op, src_tensor, run):
     buffers(tensor_list, "tensor_list")
     if not isinstance(src_tensor, int) or not 0 <= src_tensor < len(tensor_list):
         raise ValueError(f"src_tensor must index tensor_list (0..{len(tensor_list) - 1}), got {src_tensor!r}")
     main = tensor_list[src_tensor]
-    SPECS["broadcast"].run(pg, main, src)
+    run(pg, main, src)
     for t in tensor_list:
         if t is not main:
             _copy(t, main)
     return _sync_work(async_op, tensor_list)
 
 
-def _reduce(pg, tensor_list, dst, op, async_op, dst_tensor):
+def _reduce(pg, tensor_list, dst, op, async_op, dst_tensor, run):
     settle(pg)  # local reads and writes below follow queued async work
     bufs = buffers(tensor_list, "tensor_list")
     if not isinstance(dst_tensor, int) or not 0 <= dst_tensor < len(tensor_list):
@@ -104,7 +104,7 @@ def _reduce(pg, tensor_list, dst, op, async_op, dst_tensor):
     for i, t in enumerate(tensor_list):
         if i != dst_tensor:
             _local_reduce(acc, t, code)
-    SPECS["reduce"].run(pg, acc, dst, op)
+    run(pg, acc, dst, op)
     return _sync_work(async_op, tensor_list)
 
 
@@ -122,7 +122,7 @@ def _per_rank_lists(pg, tensors, name, lists, lists_name):
     return bufs
 
 
-def _all_gather(pg, output_tensor_lists, input_tensor_list, async_op):
+def _all_gather(pg, output_tensor_lists, input_tensor_list, async_op, run):
     ins = _per_rank_lists(pg, input_tensor_list, "input_tensor_list", output_tensor_lists,
                           "output_tensor_lists")
     k = len(ins)
@@ -134,7 +134,7 @@ def _all_gather(pg, output_tensor_lists, input_tensor_list, async_op):
     else:
         stacked = np.concatenate([t.reshape(-1) for t in input_tensor_list])
         gathered = [np.empty_like(stacked) for _ in range(pg._size)]
-    SPECS["all_gather"].run(pg, gathered, stacked)
+    run(pg, gathered, stacked)
     n = ins[0].count
     for lst in output_tensor_lists:
         for r in range(pg._size):
@@ -143,7 +143,7 @@ def _all_gather(pg, output_tensor_lists, input_tensor_list, async_op):
     return _sync_work(async_op, [t for lst in output_tensor_lists for t in lst])
 
 
-def _reduce_scatter(pg, output_tensor_list, input_tensor_lists, op, async_op):
+def _reduce_scatter(pg, output_tensor_list, input_tensor_lists, op, async_op, run):
     outs = _per_rank_lists(pg, output_tensor_list, "output_tensor_list", input_tensor_lists,
                            "input_tensor_lists")
     code, _, _ = reduce_plan(op, outs[0].dtype)
@@ -163,42 +163,36 @@ def _reduce_scatter(pg, output_tensor_list, input_tensor_lists, op, async_op):
         import torch
         chunks = [torch.cat([c.reshape(-1) for c in combined[r * k:(r + 1) * k]]) for r in range(n)]
         mine = torch.empty_like(chunks[0])
-    SPECS["reduce_scatter"].run(pg, mine, chunks, op)
+    run(pg, mine, chunks, op)
     m = outs[0].count
     for i, t in enumerate(output_tensor_list):
         _copy(t, mine[i * m:(i + 1) * m].reshape(t.shape))
     return _sync_work(async_op, output_tensor_list)
 
 
-# ---- the entries -------------------------------------------------------------------------------
+# ---- the entries: each plan is handed its single-tensor entry's run ---------------------------
 
 add(OpSpec("all_reduce_multigpu", "tensor_list, op=_SUM, group=None, async_op=False",
            "all_reduce", method="all_reduce", plan=_all_reduce,
-           plan_args="tensor_list, op, async_op"),
+           plan_args="tensor_list, op, async_op, all_reduce_run",
+           doc="all_reduce across ranks and across the entries of ``tensor_list``; every entry gets "
+               "the result."),
     OpSpec("broadcast_multigpu", "tensor_list, src, group=None, async_op=False, src_tensor=0",
            "broadcast", method="broadcast", plan=_broadcast,
-           plan_args="tensor_list, src, async_op, src_tensor"),
+           plan_args="tensor_list, src, async_op, src_tensor, broadcast_run",
+           doc="Broadcast ``tensor_list[src_tensor]`` of rank ``src`` into every entry on every rank."),
     OpSpec("reduce_multigpu", "tensor_list, dst, op=_SUM, group=None, async_op=False, "
            "dst_tensor=0", "reduce", method="reduce", plan=_reduce,
-           plan_args="tensor_list, dst, op, async_op, dst_tensor"),
+           plan_args="tensor_list, dst, op, async_op, dst_tensor, reduce_run",
+           doc="Reduce across ranks and entries into ``tensor_list[dst_tensor]`` of rank ``dst``."),
     OpSpec("all_gather_multigpu", "output_tensor_lists, input_tensor_list, group=None, "
            "async_op=False", "all_gather", method="all_gather", plan=_all_gather,
-           plan_args="output_tensor_lists, input_tensor_list, async_op"),
+           plan_args="output_tensor_lists, input_tensor_list, async_op, all_gather_run",
+           doc="``output_tensor_lists[i][r * k + j]`` gets rank r's ``input_tensor_list[j]`` (k "
+               "entries per rank)."),
     OpSpec("reduce_scatter_multigpu", "output_tensor_list, input_tensor_lists, op=_SUM, "
            "group=None, async_op=False", "reduce_scatter", method="reduce_scatter",
-           plan=_reduce_scatter, plan_args="output_tensor_list, input_tensor_lists, op, async_op"))
-
-all_reduce_multigpu = build(SPECS["all_reduce_multigpu"], """all_reduce across ranks and across
-    the entries of ``tensor_list``; every entry gets the result.""", __name__)
-broadcast_multigpu = build(SPECS["broadcast_multigpu"], """Broadcast ``tensor_list[src_tensor]`` of
-    rank ``src`` into every entry on every rank.""", __name__)
-reduce_multigpu = build(SPECS["reduce_multigpu"], """Reduce across ranks and entries into
-    ``tensor_list[dst_tensor]`` of rank ``dst``.""", __name__)
-all_gather_multigpu = build(SPECS["all_gather_multigpu"], """``output_tensor_lists[i][r * k + j]``
-    gets rank r's ``input_tensor_list[j]`` (k entries per rank).""", __name__)
-reduce_scatter_multigpu = build(SPECS["reduce_scatter_multigpu"], """``output_tensor_list[i]`` on
-    rank r gets the reduction, over every rank and entry, of ``input_tensor_lists[.][r * k + i]``
-    (k entries per rank).""", __name__)
-
-__all__ = ["all_reduce_multigpu", "broadcast_multigpu", "reduce_multigpu", "all_gather_multigpu",
-           "reduce_scatter_multigpu"]
+           plan=_reduce_scatter,
+           plan_args="output_tensor_list, input_tensor_lists, op, async_op, reduce_scatter_run",
+           doc="""``output_tensor_list[i]`` on rank r gets the reduction, over every rank and
+    entry, of ``input_tensor_lists[.][r * k + i]`` (k entries per rank)."""))

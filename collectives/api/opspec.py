@@ -15,39 +15,36 @@ An OpSpec holds what the front end knows about a collective:
   whose count and dtype are recorded, the root, the op); ``fingerprint``: the kind code
   the backend's fingerprint carries for the call (:mod:`collectives.core.fingerprint`).
 
-From each OpSpec two functions are made (:func:`build`, as :mod:`dataclasses` makes
-``__init__``: source text compiled once at import): the free function
-(``collectives.all_reduce``: resolve the group, then the body) and ``spec.run(pg, ...)``
-(the body on a group already resolved), which the ProcessGroup methods call. The body is
-the same text in both, compiled in place rather than called, so the free function's
-common call (``dist.all_reduce(t)``) has one Python frame and goes straight to the
-group's dispatcher (``pg.dispatch.call``: :mod:`collectives.api.dispatch`), as it did when
-each function was written by hand.
+From each OpSpec two functions are written out, by :mod:`collectives.api.gen`, into
+:mod:`collectives.api._generated` (checked in; a test fails when it is not what the table
+makes): the free function (``collectives.all_reduce``: resolve the group, then the body)
+and ``all_reduce_run(pg, ...)`` (the body on a group already resolved), which the
+ProcessGroup methods call. The body is the same text in both, written in place rather
+than called, so the free function's common call (``dist.all_reduce(t)``) has one Python
+frame and goes straight to the group's dispatcher (``pg.dispatch.call``:
+:mod:`collectives.api.dispatch`). ``fast``, ``args``, ``record`` and ``plan_args`` are
+Python expressions over the generated function's parameters and the buffers the roles
+name.
 
 Point-to-point calls (``isend``, ``irecv``, ``send``, ``recv``) are entries too: a buffer,
 a peer argument (``peer``), the backend's isend or irecv, posted through the group's
 dispatcher (``pg.dispatch.post``), which records and profiles it; the ``*_multigpu``
-calls are entries whose plans (:mod:`collectives.api.multigpu`) run the single-tensor
-entries' ``run``.
+calls are entries whose plans (:mod:`collectives.api.multigpu`) are handed the
+single-tensor entry's run (``all_reduce_run``...) to call.
 
 Lists of tensors reach the backend as one Buffer (a staging buffer, or the tensors' own
 memory when they already lie back to back).
 """
-import linecache
-
 import numpy as np
 
 from ..core import plans as _fe
-from ..core import dtypes as D
 from ..core.fingerprint import KIND_NAMES
-from ..core.plans import (Steps, buffer, buffers, check_devices, check_like, contiguous_span,
-                          copy_into, copy_of, disjoint_gather, needs_own_copy, overlaps,
+from ..core.plans import (Steps, buffers, check_devices, check_like, contiguous_span,
+                          copy_into, copy_of, needs_own_copy, overlaps,
                           reduce_plan, scale, separate_blocks, settle, stage, unstage)
-from ..core.world import NOT_INITIALIZED, current, world
+from ..core.world import NOT_INITIALIZED
 from ..core.reduce_op import ReduceOp
 from ..core.tensors import Buffer
-from ..core.args import TAG_LIMIT, check_tag
-from ..core.work import Work, timeout_seconds
 
 _SUM = ReduceOp.SUM
 
@@ -343,27 +340,21 @@ def _all_to_all_single(pg, out, inp, output, input, output_split_sizes,  # noqa:
 
 class Role:
     """A buffer argument: ``var = buffer(param, label)`` for one tensor, or for a list
-    (``like``: the buffer whose dtype and count each entry must have, one per rank)."""
+    (``like``: the buffer whose dtype and count each entry must have, one per rank;
+    :func:`collectives.api.gen.body` writes the line)."""
 
     __slots__ = ("var", "param", "label", "like")
 
     def __init__(self, var, param, label=None, like=None):
         self.var, self.param, self.label, self.like = var, param, label, like
 
-    def source(self):
-        if self.like is not None:
-            return (f"{self.var} = buffers({self.param}, {self.param!r}, {self.like}.dtype, "
-                    f"{self.like}.count, pg._size)")
-        label = "" if self.label is None else f", {self.label!r}"
-        return f"{self.var} = buffer({self.param}{label})"
-
 
 _FINGERPRINT_KIND = {name: code for code, name in KIND_NAMES.items()}  # backend method -> kind
 
 
 class OpSpec:
-    """One collective, or one point-to-point call: see the module's docstring. ``free``
-    and ``run`` are made by :func:`build`.
+    """One collective, or one point-to-point call: see the module's docstring. ``doc`` is
+    the public function's docstring.
 
     A point-to-point call names its ``peer`` argument ("dst": a send's, "src": a
     receive's, which may be any rank) and posts the backend's ``method`` (isend, irecv)
@@ -374,64 +365,85 @@ class OpSpec:
 
     __slots__ = ("name", "params", "kind", "roles", "root", "root_first", "fast", "devices",
                  "method", "args", "record", "outputs", "timeout", "plan", "plan_args",
-                 "peer", "blocking", "result", "absent", "fingerprint", "free", "run")
+                 "peer", "blocking", "result", "absent", "fingerprint", "doc")
 
     def __init__(self, name, params, kind, roles=(), root=None, root_first=False, fast=False,
                  devices=(), method=None, args="()", record=("None", "-1", "-1"), outputs="()",
                  timeout=False, plan=None, plan_args="", peer=None, blocking=False,
-                 result=("return None",), absent="None", fingerprint=None):
+                 result=("return None",), absent="None", fingerprint=None, doc=None):
         self.name, self.params, self.kind, self.roles = name, params, kind, roles
         self.root, self.root_first, self.fast, self.devices = root, root_first, fast, devices
         self.method, self.args, self.record, self.outputs = method, args, record, outputs
         self.timeout, self.plan, self.plan_args = timeout, plan, plan_args
         self.peer, self.blocking, self.result, self.absent = peer, blocking, result, absent
         self.fingerprint = _FINGERPRINT_KIND[fingerprint or method]
-        self.free = self.run = None
+        self.doc = doc
 
     def __repr__(self):
         return f"OpSpec({self.name!r}, kind={self.kind!r}, method={self.method!r})"
 
 
-def _rooted(p, var="root", rule=None, more=""):
-    """The lines that set ``var`` to the group rank argument ``p`` (or ``group_p``) names:
-    the global rank's common case is one dict lookup; else (or where ``more`` holds) the
-    ``rule`` in full (default: the root's, rank 0 when neither is given)."""
-    rule = rule or f"pg.peer({p}, group_{p}, {p!r}, default=0)"
-    return (f"{var} = pg.group_of_global.get({p}) if type({p}) is int and group_{p} is None "
-            f"else None",
-            f"if {var} is None{more}:",
-            f"    {var} = {rule}")
-
-
-def _p2p(name, kind, method, peer, blocking=False, result=("return None",), absent="None"):
+def _p2p(name, kind, method, peer, doc, *, blocking=False, result=("return None",), absent="None"):
     """A point-to-point call's entry: one buffer, its peer, the backend's isend or irecv."""
     return OpSpec(name, f"tensor, {peer}=None, group=None, tag=0, group_{peer}=None", kind,
                   roles=(Role("buf", "tensor"),), fast=None, devices=(("buf",), "tensor"),
                   method=method, record=("buf", "peer", "tag"), outputs="[tensor]", peer=peer,
                   blocking=blocking, result=result, absent=absent,
-                  fingerprint="send" if method == "isend" else "recv")
+                  fingerprint="send" if method == "isend" else "recv", doc=doc)
+
+
+# the public functions' docstrings too long for the table
+_DOC_ALL_REDUCE = """Reduce ``tensor`` across the group, in place, on every rank.
+
+    Args:
+        tensor: a contiguous torch CPU tensor or NumPy array (any shape).
+        op: a ReduceOp (AVG and PREMUL_SUM need floating or complex tensors).
+        group: the group (default: the world).
+        async_op: return a Work instead of waiting.
+
+    Example:
+        >>> t = torch.ones(2); dist.all_reduce(t)   # t == world_size
+    """
+_DOC_ALL_GATHER_COALESCED = """Gather every rank's ``input_tensor_list`` in one backend call
+    (torch's deprecated coalesced form): ``output_tensor_lists[r][i]`` receives rank r's
+    ``input_tensor_list[i]``. The tensors share one dtype, as torch's gloo requires; their
+    shapes may differ."""
+_DOC_ALL_TO_ALL_SINGLE = """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``),
+    send part q to rank q; receive rank r's part into ``output``'s r-th slice (``output_split_sizes``)."""
+_DOC_BARRIER = """Block until every rank of the group has reached this barrier.
+
+    ``timeout`` (a timedelta or seconds, > 0) bounds this barrier instead of the group's
+    timeout; past it, DistBackendError ("Timed out waiting <n>ms ..."), as torch's gloo.
+    """
+_DOC_RECV = """Receive into ``tensor`` from ``src`` (None: any rank). Returns the
+    sender's global rank (-1 if this rank is not in ``group``)."""
 
 
 SPECS = {s.name: s for s in (
     OpSpec("all_reduce", "tensor, op=_SUM, group=None, async_op=False", "all_reduce",
            roles=(Role("buf", "tensor"),), fast="op is _SUM", devices=(("buf",), "tensor"),
            method="all_reduce", args="(buf, _SUM_CODE)", record=("buf", "-1", "_SUM_CODE"),
-           outputs="(tensor,)", plan=_all_reduce, plan_args="buf, tensor, op, async_op"),
+           outputs="(tensor,)", plan=_all_reduce, plan_args="buf, tensor, op, async_op",
+           doc=_DOC_ALL_REDUCE),
     OpSpec("all_reduce_coalesced", "tensors, op=_SUM, group=None, async_op=False",
            "all_reduce_coalesced", method="all_reduce", plan=_all_reduce_coalesced,
-           plan_args="tensors, op, async_op"),
+           plan_args="tensors, op, async_op",
+           doc="all_reduce of several tensors of one dtype in one backend call."),
     OpSpec("reduce", "tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None",
            "reduce", roles=(Role("buf", "tensor"),), root="dst", root_first=True,
            fast="op is _SUM", devices=(("buf",), "tensor"), method="reduce",
            args="(buf, _SUM_CODE, root)", record=("buf", "root", "_SUM_CODE"),
-           outputs="(tensor,)", plan=_reduce, plan_args="buf, tensor, root, op, async_op"),
+           outputs="(tensor,)", plan=_reduce, plan_args="buf, tensor, root, op, async_op",
+           doc="Reduce ``tensor`` across the group into ``dst``'s tensor; the others keep theirs."),
     OpSpec("broadcast", "tensor, src=None, group=None, async_op=False, group_src=None",
            "broadcast", roles=(Role("buf", "tensor"),), root="src", fast=None,
            devices=(("buf",), "tensor"), method="broadcast", args="(buf, root)",
-           record=("buf", "root", "-1"), outputs="(tensor,)"),
+           record=("buf", "root", "-1"), outputs="(tensor,)",
+           doc="Copy ``src``'s tensor into every rank's ``tensor``."),
     OpSpec("all_gather", "tensor_list, tensor, group=None, async_op=False", "all_gather",
            roles=(Role("inp", "tensor"), Role("outs", "tensor_list", like="inp")),
-           method="all_gather", plan=_all_gather, plan_args="inp, outs, tensor_list, async_op"),
+           method="all_gather", plan=_all_gather, plan_args="inp, outs, tensor_list, async_op",
+           doc="Gather every rank's ``tensor`` into ``tensor_list`` (one tensor per rank) on every rank."),
     OpSpec("all_gather_single", "output_tensor, input_tensor, group=None, async_op=False",
            "all_gather",
            roles=(Role("inp", "input_tensor", "input_tensor"),
@@ -439,22 +451,27 @@ SPECS = {s.name: s for s in (
            fast="disjoint_gather(out, inp, pg._size)",
            devices=(("out", "inp"), "output_tensor and input_tensor"), method="all_gather",
            args="(out, inp)", record=("inp", "-1", "-1"), outputs="(output_tensor,)",
-           plan=_all_gather_single, plan_args="out, inp, output_tensor, async_op"),
+           plan=_all_gather_single, plan_args="out, inp, output_tensor, async_op",
+           doc="Gather every rank's ``input_tensor`` into ``output_tensor`` (size * numel elements)."),
     OpSpec("all_gather_coalesced", "output_tensor_lists, input_tensor_list, group=None, "
            "async_op=False", "all_gather_coalesced", method="all_gather",
            plan=_all_gather_coalesced,
-           plan_args="output_tensor_lists, input_tensor_list, async_op"),
+           plan_args="output_tensor_lists, input_tensor_list, async_op",
+           doc=_DOC_ALL_GATHER_COALESCED),
     OpSpec("gather", "tensor, gather_list=None, dst=None, group=None, async_op=False, "
            "group_dst=None", "gather", roles=(Role("inp", "tensor"),), root="dst",
-           root_first=True, method="gather", plan=_gather, plan_args="inp, root, gather_list, async_op"),
+           root_first=True, method="gather", plan=_gather, plan_args="inp, root, gather_list, async_op",
+           doc="Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (None elsewhere)."),
     OpSpec("scatter", "tensor, scatter_list=None, src=None, group=None, async_op=False, "
            "group_src=None", "scatter", roles=(Role("out", "tensor"),), root="src",
            root_first=True, method="scatter", plan=_scatter,
-           plan_args="out, root, tensor, scatter_list, async_op"),
+           plan_args="out, root, tensor, scatter_list, async_op",
+           doc="Rank r receives ``scatter_list[r]`` of ``src`` into ``tensor``."),
     OpSpec("reduce_scatter", "output, input_list, op=_SUM, group=None, async_op=False",
            "reduce_scatter", roles=(Role("out", "output", "output"),),
            method="reduce_scatter", plan=_reduce_scatter,
-           plan_args="out, output, input_list, op, async_op"),
+           plan_args="out, output, input_list, op, async_op",
+           doc="Rank r's ``output`` gets the reduction over ranks of their ``input_list[r]``."),
     OpSpec("reduce_scatter_single", "output, input, op=_SUM, group=None, async_op=False",
            "reduce_scatter",
            roles=(Role("out", "output", "output"), Role("inp", "input", "input")),
@@ -462,22 +479,32 @@ SPECS = {s.name: s for s in (
            devices=(("out", "inp"), "output and input"), method="reduce_scatter",
            args="(out, inp, _SUM_CODE)", record=("out", "-1", "_SUM_CODE"),
            outputs="(output,)", plan=_reduce_scatter_single,
-           plan_args="out, inp, output, op, async_op"),
+           plan_args="out, inp, output, op, async_op",
+           doc="Rank r's ``output`` gets the reduction of slice r of every rank's ``input``."),
     OpSpec("all_to_all", "output_tensor_list, input_tensor_list, group=None, async_op=False",
            "all_to_all", method="all_to_all", plan=_all_to_all,
-           plan_args="output_tensor_list, input_tensor_list, async_op"),
+           plan_args="output_tensor_list, input_tensor_list, async_op",
+           doc="Rank r sends ``input_tensor_list[q]`` to rank q, which receives it in "
+               "``output_tensor_list[r]``."),
     OpSpec("all_to_all_single", "output, input, output_split_sizes=None, input_split_sizes=None, "
            "group=None, async_op=False", "all_to_all",
            roles=(Role("inp", "input", "input"), Role("out", "output", "output")),
            method="all_to_all", plan=_all_to_all_single,
-           plan_args="out, inp, output, input, output_split_sizes, input_split_sizes, async_op"),
+           plan_args="out, inp, output, input, output_split_sizes, input_split_sizes, async_op",
+           doc=_DOC_ALL_TO_ALL_SINGLE),
     OpSpec("barrier", "group=None, async_op=False, device_ids=None, timeout=None", "barrier",
-           fast=None, method="barrier", timeout=True),
+           fast=None, method="barrier", timeout=True,
+           doc=_DOC_BARRIER),
     # point to point: a Work for isend/irecv; send/recv wait, recv names the sender
-    _p2p("isend", "isend", "isend", "dst", result=("return Work(req, [tensor], pg)",)),
-    _p2p("irecv", "irecv", "irecv", "src", result=("return Work(req, [tensor], pg)",)),
-    _p2p("send", "send", "isend", "dst", blocking=True),
-    _p2p("recv", "recv", "irecv", "src", blocking=True, absent="-1",
+    _p2p("isend", "isend", "isend", "dst", "Start sending ``tensor`` to ``dst``; returns a Work "
+         "(don't modify the tensor until it's done).",
+         result=("return Work(req, [tensor], pg)",)),
+    _p2p("irecv", "irecv", "irecv", "src", "Start receiving into ``tensor`` from ``src`` (None: "
+         "any rank; ``Work.source_rank()`` names it).",
+         result=("return Work(req, [tensor], pg)",)),
+    _p2p("send", "send", "isend", "dst", "Send ``tensor`` to global rank ``dst``; returns when "
+         "the tensor may be reused.", blocking=True),
+    _p2p("recv", "recv", "irecv", "src", _DOC_RECV, blocking=True, absent="-1",
          result=("if peer is None:", "    peer = any_sender(pg, req)", "return pg.ranks[peer]")),
 )}
 
@@ -491,103 +518,4 @@ def add(*specs):
         SPECS[spec.name] = spec
 
 
-# ---- making the functions -------------------------------------------------------------------------
-
-_GLOBALS = {"_SUM": _SUM, "_SUM_CODE": D.SUM, "world": world, "current": current,
-            "_absent": _absent, "buffer": buffer, "buffers": buffers,
-            "check_devices": check_devices, "disjoint_gather": disjoint_gather,
-            "timeout_seconds": timeout_seconds, "check_tag": check_tag, "TAG_LIMIT": TAG_LIMIT,
-            "send_peer": send_peer, "recv_peer": recv_peer, "any_sender": any_sender,
-            "Work": Work}
-
-
-def _devices(spec, pad=""):
-    """The check that a CUDA buffer may reach the group's backend (for ``spec.devices``)."""
-    if not spec.devices:
-        return []
-    bufs, label = spec.devices
-    return [pad + f"if {' or '.join(f'{b}.device != -1' for b in bufs)}:",
-            pad + f"    check_devices(pg, ({', '.join(bufs)},), {label!r})"]
-
-
-def _p2p_body(spec):
-    """A point-to-point call's lines: its peer, its tag, its buffer, then the post."""
-    p = spec.peer
-    rule = f"{'send' if p == 'dst' else 'recv'}_peer(pg, {p}, group_{p})"
-    buf, peer, tag = spec.record
-    lines = [*_rooted(p, "peer", rule, " or peer == pg._rank"),
-             "if type(tag) is not int or not 0 <= tag < TAG_LIMIT:",
-             "    check_tag(tag)",  # (the rule; the test above only spares the call)
-             *[r.source() for r in spec.roles], *_devices(spec),
-             f"req = pg.dispatch.post({spec.kind!r}, pg.backend.{spec.method}, {buf}, {peer}, "
-             f"{tag})"]
-    if spec.blocking:
-        lines.append("req.wait()")
-    return lines + list(spec.result)
-
-
-def body(spec):
-    """The lines of ``spec``'s body, on a group ``pg`` already resolved."""
-    if spec.peer is not None:
-        return _p2p_body(spec)
-    lines = []
-    if spec.timeout:
-        lines.append("if timeout is not None:")
-        lines.append("    timeout = timeout_seconds(timeout, 'timeout', positive=True)")
-    roles = [r.source() for r in spec.roles]
-    root = _rooted(spec.root) if spec.root else ()
-    lines += [*root, *roles] if spec.root_first else [*roles, *root]
-    if spec.fast is not False:
-        buf, root_expr, op_expr = spec.record
-        call = (f"return pg.dispatch.call({spec.kind!r}, {buf}, {root_expr}, {op_expr}, "
-                f"pg.backend.{spec.method}, {spec.args}, async_op, {spec.outputs}"
-                f"{', timeout' if spec.timeout else ''})")
-        pad = "" if spec.fast is None else "    "
-        if spec.fast is not None:
-            lines.append(f"if {spec.fast}:")
-        lines += _devices(spec, pad)
-        lines.append(pad + call)
-    if spec.plan is not None:
-        lines.append(f"return _plan(pg, {spec.plan_args})")
-    return lines
-
-
-def _params(spec, group):
-    """The parameters of ``spec``'s free function (``group``) or of its ``run`` (without)."""
-    ps = [p.strip() for p in spec.params.split(",")]
-    return ", ".join(ps if group else ["pg"] + [p for p in ps if not p.startswith("group=")])
-
-
-def source(spec):
-    """The source of ``spec``'s free function and of its ``run``."""
-    lines = ["    " + s for s in body(spec)]
-    resolve = ["    pg = world.default if group is None else current(group)",
-               "    if pg is None:",
-               f"        return _absent(group{'' if spec.absent == 'None' else ', ' + spec.absent})"]
-    if spec.timeout:  # the timeout is checked before a non-member returns (torch's order)
-        resolve = resolve[:1] + lines[:2] + resolve[1:]
-        free = lines[2:]
-    else:
-        free = lines
-    return "\n".join([f"def {spec.name}({_params(spec, True)}):", *resolve, *free, "",
-                      f"def run({_params(spec, False)}):", *lines, ""])
-
-
-def build(spec, doc=None, module="collectives.api.collective_ops"):
-    """Make ``spec.free`` and ``spec.run`` from ``spec`` (functions of ``module``, the
-    one that exports the free function); their code's file name is ``<opspec NAME>`` and
-    its text is in :mod:`linecache` (tracebacks show it)."""
-    text = source(spec)
-    filename = f"<opspec {spec.name}>"
-    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-    ns = dict(_GLOBALS, _plan=spec.plan)
-    exec(compile(text, filename, "exec"), ns)  # noqa: S102  (our own table's text)
-    spec.free, spec.run = ns[spec.name], ns["run"]
-    spec.free.__module__ = spec.run.__module__ = module
-    spec.run.__name__ = spec.run.__qualname__ = f"{spec.name}_run"
-    spec.free.__doc__ = doc
-    return spec.free
-
-
-__all__ = ["OpSpec", "Role", "SPECS", "add", "any_sender", "build", "recv_peer", "send_peer",
-           "source"]
+__all__ = ["OpSpec", "Role", "SPECS", "add", "any_sender", "recv_peer", "send_peer"]

@@ -1,27 +1,20 @@
 """Point to point: send, recv, isend, irecv, P2POp, batch_isend_irecv (torch signatures).
 
 Ranks given as ``dst``/``src`` are global ranks; ``group_dst``/``group_src`` are ranks
-of ``group``. ``send``, ``recv``, ``isend`` and ``irecv`` are made from their entries in
-the op table (:data:`collectives.api.opspec.SPECS`, as the collectives are): each posts
+of ``group``. ``send``, ``recv``, ``isend`` and ``irecv`` are written from their entries in
+the op table (:data:`collectives.api.opspec.SPECS`, as the collectives are) into
+:mod:`collectives.api._generated`: each posts
 the backend's isend or irecv through the group's dispatcher (``pg.dispatch.post``), which
 records it in the flight recorder and, while torch's profiler runs, in a span; a blocking
 send or recv waits for it.
 """
+from ._generated import irecv, isend, recv, send
 from .dispatch import post_batch
-from .opspec import SPECS, build, recv_peer, send_peer
+from .opspec import recv_peer, send_peer
 from ..core.args import check_tag
 from ..core.plans import buffer, check_devices
 from ..core.world import current as _group
 from ..core.work import Work
-
-isend = build(SPECS["isend"], "Start sending ``tensor`` to ``dst``; returns a Work (don't modify "
-              "the tensor until it's done).", __name__)
-irecv = build(SPECS["irecv"], "Start receiving into ``tensor`` from ``src`` (None: any rank; "
-              "``Work.source_rank()`` names it).", __name__)
-send = build(SPECS["send"], "Send ``tensor`` to global rank ``dst``; returns when the tensor may "
-             "be reused.", __name__)
-recv = build(SPECS["recv"], """Receive into ``tensor`` from ``src`` (None: any rank). Returns the
-    sender's global rank (-1 if this rank is not in ``group``).""", __name__)
 
 
 class P2POp:

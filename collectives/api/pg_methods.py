@@ -5,7 +5,7 @@ One table (:class:`CollectiveMethods`) serves our groups, torch's wrapper over o
 them and the groups that are both (collectives.torch_bridge.torch_pg). In torch's order: each method
 normalises its options (:func:`normalise`: torch's ``*Options`` struct or ours, or the
 legacy positional form) into one :class:`Call`, runs the collective's entry of the op
-table on its group (``collectives.api.opspec.SPECS[name].run``, the body the free function
+table on its group (``collectives.api._generated.RUNS[name]``, the body the free function
 runs too), and hands the result to the class's result adapter (``_result``): our groups
 return our Work, torch's groups torch's.
 
@@ -22,14 +22,11 @@ from ..core.options import (
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
 from ..core import world as _world
-from . import collective_ops, multigpu, p2p  # noqa: F401  (they build the table's entries)
+from ._generated import RUNS as _run_of  # the table's bodies, by entry name
 from .monitored_barrier import monitored_barrier as _monitored_barrier
-from .opspec import SPECS
 from ..backends.base import DoneRequest
 from ..core.reduce_op import PremulSum, RedOpType, ReduceOp, _PremulSumMember, as_op
 from ..core.work import Work, option_timeout, per_call_timeout, timeout_seconds
-
-_run_of = {name: spec.run for name, spec in SPECS.items()}  # the table's bodies, all built
 
 _OUR_OPS = (RedOpType, PremulSum, _PremulSumMember)
 _SUM = ReduceOp.SUM
@@ -115,7 +112,7 @@ class CollectiveMethods:
     """The collective and point-to-point methods, for our groups (mixed into ProcessGroup)
     and torch's (collectives.torch_bridge.torch_pg), in torch's order: a method resolves its arguments
     (:func:`normalise`) and runs the collective's entry of the table
-    (``collectives.api.opspec.SPECS[name].run``) on ``self._group``, the collectives group it
+    (``collectives.api._generated.RUNS[name]``) on ``self._group``, the collectives group it
     runs on (the group itself, or the one a torch group wraps). ``_result`` is what a
     class returns for a call (``call`` None: a point-to-point one)."""
 

@@ -1,9 +1,12 @@
 """The op table (collectives.api.opspec): each collective described once, and the two ways in
 made from it.
 
-- Every collective the front end exports is made from its OpSpec; the free function and
-  the ProcessGroup methods run the same body (``SPECS[name].run``), and the table names
-  backend methods of the backend contract and kinds the flight recorder knows.
+- Every collective the front end exports is written from its OpSpec into
+  ``collectives/api/_generated.py`` (a real module: its functions are defined there, and
+  regenerating it from the table changes nothing); the free function and the
+  ProcessGroup methods run the same body (``RUNS[name]``), the generated functions are the
+  old template's text, and the table names backend methods of the backend contract and
+  kinds the flight recorder knows. ``exec`` appears nowhere in the package.
 - Property (world of 3, gloo): for any reduction the table plans in more than one step
   (AVG, PREMUL_SUM, the others' single call), dtype, shape and root, the free function
   and the group's method give the same bits, both match the NumPy reference, and the
@@ -12,10 +15,10 @@ made from it.
 
 The point-to-point and ``*_multigpu`` entries:
 
-- isend, irecv, send, recv and the five ``*_multigpu`` calls are made from their OpSpecs,
-  as the collectives are; the p2p entries name the backend's isend/irecv, the kinds the
-  backend fingerprints and what the recorder takes; the multigpu entries name the
-  single-tensor entry whose body they run.
+- isend, irecv, send, recv and the five ``*_multigpu`` calls are written from their
+  OpSpecs, as the collectives are; the p2p entries name the backend's isend/irecv, the
+  kinds the backend fingerprints and what the recorder takes; the multigpu entries hand
+  their plan the single-tensor entry's run.
 - The C dispatcher and its Python twin post and record every p2p call alike.
 - Nothing in ``collectives/api/`` but the dispatcher writes the flight recorder's or the
   profiler's handling by hand.
@@ -28,9 +31,12 @@ The point-to-point and ``*_multigpu`` entries:
 - Property (world of 3, gloo): each ``*_multigpu`` call by the free function and by the
   method agrees with NumPy and is recorded under its single-tensor entry's kind.
 """
+import ast
 import inspect
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -38,7 +44,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import collectives as dist
-from collectives.api import collective_ops, multigpu, opspec, p2p
+from collectives.api import _generated, collective_ops, gen, opspec, p2p
 from collectives.backends import registered_backends
 from collectives.backends.base import Backend, DoneRequest
 from collectives.core.fingerprint import KIND_NAMES
@@ -62,25 +68,69 @@ PUBLIC = ["all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gath
 def test_every_collective_is_made_from_its_opspec(name):
     fn = getattr(dist, name)
     assert fn is getattr(collective_ops, name)
-    spec = next(s for s in opspec.SPECS.values() if s.free is fn)
-    assert fn.__code__.co_filename == f"<opspec {spec.name}>"
+    spec = opspec.SPECS[fn.__name__]
+    assert fn is getattr(_generated, spec.name) and fn.__module__ == _generated.__name__
+    assert fn.__code__.co_filename == _generated.__file__  # a real file: debuggers step in
+    assert inspect.getdoc(fn).split() == spec.doc.split()  # the table's text, refilled
     free = list(inspect.signature(fn).parameters)
-    run = list(inspect.signature(spec.run).parameters)
+    run = list(inspect.signature(_generated.RUNS[spec.name]).parameters)
     assert run == ["pg"] + [p for p in free if p != "group"]
+
+
+def test_the_generated_module_is_what_the_table_makes():
+    """``python -m collectives.api.gen --check``: regenerating changes nothing."""
+    with open(gen.PATH) as f:
+        assert f.read() == gen.module_text(), "run: python -m collectives.api.gen"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(gen.__file__)))
+    done = subprocess.run([sys.executable, "-m", "collectives.api.gen", "--check"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_generated_module_defines_each_entry_once():
+    """Each entry's free function and run are plain ``def``s of _generated.py (greppable),
+    in the table's order, and RUNS names every run."""
+    with open(gen.PATH) as f:
+        tree = ast.parse(f.read())
+    defs = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+    assert defs == [x for name in opspec.SPECS for x in (name, name + "_run")]
+    assert set(_generated.RUNS) == set(opspec.SPECS)
+    for name, run in _generated.RUNS.items():
+        assert run is getattr(_generated, name + "_run")
+
+
+def test_no_exec_in_the_package():
+    """No module of the package compiles text at run time (the generator writes a file)."""
+    pkg = os.path.dirname(dist.__file__)
+    found = []
+    for dirpath, _, files in os.walk(pkg):
+        for f in files:
+            if f.endswith((".py", ".pyx", ".pxi")):
+                path = os.path.join(dirpath, f)
+                with open(path, encoding="utf-8") as fh:
+                    for i, line in enumerate(fh, 1):
+                        if re.search(r"(?<![\w.])(?<!def )(exec|eval)\(|compile\(.*[\"']exec",
+                                     line.split("#")[0]):
+                            found.append(f"{os.path.relpath(path, pkg)}:{i}: {line.strip()}")
+    assert not found, found
 
 
 @pytest.mark.parametrize("name", sorted(opspec.SPECS))
 def test_the_free_function_and_the_method_run_one_body(name):
     spec = opspec.SPECS[name]
-    text = opspec.source(spec)
-    free, run = text.split("\ndef run(")
-    body = ["    " + line for line in opspec.body(spec)]
-    run_lines = run.splitlines()[1:]
-    assert [ln for ln in run_lines if ln] == body
-    free_lines = [ln for ln in free.splitlines()[1:] if ln]
-    # the free function: the group resolved, then the same lines in the same order
-    assert [ln for ln in free_lines if ln in body] == body
-    assert free_lines[0].strip() == "pg = world.default if group is None else current(group)"
+    free, run = ast.parse(gen.source(spec)).body
+    assert (free.name, run.name) == (name, name + "_run")
+
+    def code(stmts):  # the statements, the docstring aside
+        if isinstance(stmts[0], ast.Expr) and isinstance(stmts[0].value, ast.Constant):
+            stmts = stmts[1:]
+        return [ast.unparse(st) for st in stmts]
+    want = code(ast.parse("def f():\n" + "\n".join("    " + ln for ln in gen.body(spec))).body[0].body)
+    assert code(run.body) == want
+    free_code = code(free.body)
+    # the free function: the group resolved, then the same statements in the same order
+    assert [st for st in free_code if st in want] == want
+    assert free_code[0] == "pg = world.default if group is None else current(group)"
 
 
 @pytest.mark.parametrize("name", sorted(opspec.SPECS))
@@ -102,13 +152,13 @@ def test_the_table_names_backend_methods_and_recorded_kinds(name):
     assert spec.plan is not None or spec.fast is None  # some path for every call
 
 
-def test_a_traceback_shows_the_tables_source():
+def test_a_traceback_shows_the_generated_source():
     import traceback
     try:
         dist.all_reduce(np.ones(2, np.float32), group="no group")
     except TypeError:
         text = traceback.format_exc()
-    assert "<opspec all_reduce>" in text and "current(group)" in text
+    assert "_generated.py" in text and "current(group)" in text
 
 
 # ---- the two ways in agree, against NumPy ------------------------------------------------------
@@ -243,9 +293,9 @@ def test_free_function_and_method_agree_with_numpy(config, case):
 # ---- point-to-point and *_multigpu entries -------------------------------------------------
 
 P2P = {"isend": p2p, "irecv": p2p, "send": p2p, "recv": p2p}
-MULTIGPU = {name: multigpu for name in ("all_reduce_multigpu", "broadcast_multigpu",
-                                        "reduce_multigpu", "all_gather_multigpu",
-                                        "reduce_scatter_multigpu")}
+MULTIGPU = {name: _generated for name in ("all_reduce_multigpu", "broadcast_multigpu",
+                                          "reduce_multigpu", "all_gather_multigpu",
+                                          "reduce_scatter_multigpu")}
 
 
 # ---- the table ------------------------------------------------------------------------------
@@ -254,12 +304,12 @@ MULTIGPU = {name: multigpu for name in ("all_reduce_multigpu", "broadcast_multig
 def test_p2p_and_multigpu_calls_are_made_from_their_opspec(name):
     spec = opspec.SPECS[name]
     fn = getattr(dist, name)
-    assert fn is spec.free and fn is getattr({**P2P, **MULTIGPU}[name], name)
-    assert fn.__module__ == {**P2P, **MULTIGPU}[name].__name__
-    assert fn.__code__.co_filename == f"<opspec {name}>"
+    assert fn is getattr(_generated, name) and fn is getattr({**P2P, **MULTIGPU}[name], name)
+    assert fn.__module__ == _generated.__name__ and fn.__code__.co_filename == _generated.__file__
+    assert inspect.getdoc(fn).split() == spec.doc.split()  # the table's text, refilled
     free = list(inspect.signature(fn).parameters)
-    assert list(inspect.signature(spec.run).parameters) == ["pg"] + [p for p in free
-                                                                      if p != "group"]
+    assert list(inspect.signature(_generated.RUNS[name]).parameters) == ["pg"] + [
+        p for p in free if p != "group"]
 
 
 @pytest.mark.parametrize("name", sorted(P2P))
@@ -271,7 +321,7 @@ def test_a_p2p_entry_posts_the_backends_call_through_the_dispatcher(name):
     assert spec.kind == name and spec.blocking == (name in ("send", "recv"))
     assert spec.peer == ("dst" if spec.method == "isend" else "src")
     assert spec.record == ("buf", "peer", "tag")
-    body = opspec.body(spec)
+    body = gen.body(spec)
     post = [ln for ln in body if "pg.dispatch.post(" in ln]
     assert post == [f"req = pg.dispatch.post({name!r}, pg.backend.{spec.method}, buf, peer, tag)"]
     # the peer is resolved (and refused when it is this rank) before the post
@@ -286,9 +336,11 @@ def test_a_multigpu_entry_runs_its_single_tensor_entry(name):
     single = name[:-len("_multigpu")]
     assert spec.kind == single and spec.method == single and spec.plan is not None
     assert KIND_NAMES[spec.fingerprint] == spec.method
-    src = inspect.getsource(spec.plan)
-    assert f'SPECS["{single}"].run(pg, ' in src
-    assert opspec.body(spec)[-1].startswith("return _plan(pg, ")
+    # the plan is handed the single-tensor entry's run, and calls it
+    assert spec.plan_args.split(", ")[-1] == f"{single}_run"
+    assert list(inspect.signature(spec.plan).parameters)[-1] == "run"
+    assert "run(pg, " in inspect.getsource(spec.plan)
+    assert gen.body(spec)[-1].startswith(f"return {gen.plan_name(spec)}(pg, ")
 
 
 def test_the_recorder_and_the_profiler_are_handled_in_the_dispatcher_only():
