@@ -37,8 +37,22 @@ HEADER_BYTES = 48
 HEADER_FIELDS = ("magic", "version", "ftype", "kind", "dtype", "flags", "group", "tag", "seq",
                  "fp", "aux", "len")
 
-cdef enum:  # the collectives of _collective
-    _BARRIER, _BROADCAST, _ALLREDUCE, _REDUCE, _ALLGATHER, _GATHER, _SCATTER, _REDUCE_SCATTER, _ALLTOALL
+cdef enum:  # the collectives of _collective: their kind codes (collectives.core.fingerprint's)
+    _BARRIER = 1
+    _BROADCAST = 2
+    _ALLREDUCE = 3
+    _REDUCE = 4
+    _ALLGATHER = 5
+    _GATHER = 6
+    _SCATTER = 7
+    _REDUCE_SCATTER = 8
+    _ALLTOALL = 9
+
+#: the kind code of each collective Engine runs (tests check them against the catalogue,
+#: collectives.core.fingerprint.COLLECTIVES, and the engine's frame kinds)
+KINDS = {"barrier": _BARRIER, "broadcast": _BROADCAST, "all_reduce": _ALLREDUCE,
+         "reduce": _REDUCE, "all_gather": _ALLGATHER, "gather": _GATHER, "scatter": _SCATTER,
+         "reduce_scatter": _REDUCE_SCATTER, "all_to_all": _ALLTOALL}
 
 
 cdef int *_int_array(values, int n, int hole) except NULL:

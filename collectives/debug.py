@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from .core import dtypes as D
+from .core.fingerprint import COLLECTIVES, KIND_NAMES
 from .core.plans import buffer
 from .core.errors import DistBackendError
 
@@ -68,15 +69,12 @@ def on_new_group(backend, name, ranks, rank, backend_name):
 
 # ---- DETAIL: collective fingerprints ------------------------------------------------------
 
-_KINDS = ["broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
-          "all_to_all", "barrier"]
-_KIND_CODE = {k: i for i, k in enumerate(_KINDS)}
 _FIELDS = 6  # sequence, kind, dtype, count, root, op
 
 
 def _describe(row):
     seq, kind, dtype, count, root, op = (int(x) for x in row)
-    parts = [f"SequenceNumber={seq}", f"OpType={_KINDS[kind].upper()}"]
+    parts = [f"SequenceNumber={seq}", f"OpType={KIND_NAMES[kind].upper()}"]
     if dtype >= 0:
         parts.append(f"TensorDtype={D.DTYPE_NAMES[dtype]}")
     if count >= 0:
@@ -105,9 +103,11 @@ class CheckedBackend:
         return getattr(self._inner, attr)
 
     def _check(self, kind, dtype=-1, count=-1, root=-1, op=-1):
+        """Compare this call's fingerprint (``kind``: its code, collectives.core.fingerprint)
+        with every rank's; DistBackendError on every rank where any two differ."""
         be = self._inner
         self._seq += 1
-        mine = np.array([self._seq, _KIND_CODE[kind], dtype, count, root, op], np.int64)
+        mine = np.array([self._seq, kind, dtype, count, root, op], np.int64)
         rows = np.empty((be.size, _FIELDS), np.int64)
         be.all_gather(buffer(rows), buffer(mine))
         bad = np.flatnonzero((rows != rows[0]).any(axis=1))
@@ -118,42 +118,35 @@ class CheckedBackend:
                 f"Rank 0 is running collective: {_describe(rows[0])}, but Rank {q} is running "
                 f"collective: {_describe(rows[q])}")
 
-    def broadcast(self, buf, root):
-        self._check("broadcast", buf.dtype, buf.count, root)
-        return self._inner.broadcast(buf, root)
 
-    def all_reduce(self, buf, op):
-        self._check("all_reduce", buf.dtype, buf.count, op=op)
-        return self._inner.all_reduce(buf, op)
+# what each collective of the catalogue (collectives.core.fingerprint.COLLECTIVES) gives its
+# fingerprint from its arguments: (dtype, count, root, op), -1 for none
+_FINGERPRINTED = {
+    "broadcast": lambda buf, root: (buf.dtype, buf.count, root, -1),
+    "all_reduce": lambda buf, op: (buf.dtype, buf.count, -1, op),
+    "reduce": lambda buf, op, root: (buf.dtype, buf.count, root, op),
+    "all_gather": lambda out, inp: (inp.dtype, inp.count, -1, -1),
+    "all_gather_list": lambda outs, inp: (inp.dtype, inp.count, -1, -1),
+    "gather": lambda out, inp, root: (inp.dtype, inp.count, root, -1),
+    "scatter": lambda out, inp, root: (out.dtype, out.count, root, -1),
+    "reduce_scatter": lambda out, inp, op: (out.dtype, out.count, -1, op),
+    # counts differ by rank in uneven exchanges: the dtype only
+    "all_to_all": lambda out, inp, out_counts, in_counts: (inp.dtype, -1, -1, -1),
+    "barrier": lambda: (-1, -1, -1, -1),
+}
 
-    def reduce(self, buf, op, root):
-        self._check("reduce", buf.dtype, buf.count, root, op)
-        return self._inner.reduce(buf, op, root)
 
-    def all_gather(self, out, inp):
-        self._check("all_gather", inp.dtype, inp.count)
-        return self._inner.all_gather(out, inp)
+def _checked(name, kind, fields):
+    """CheckedBackend's ``name``: the fingerprints compared, then the wrapped backend's call."""
+    def call(self, *args):
+        self._check(kind, *fields(*args))
+        return getattr(self._inner, name)(*args)
+    call.__name__, call.__qualname__ = name, f"CheckedBackend.{name}"
+    call.__doc__ = f"The wrapped backend's ``{name}``, once every rank's fingerprint agrees."
+    return call
 
-    def all_gather_list(self, outs, inp):
-        self._check("all_gather", inp.dtype, inp.count)
-        return self._inner.all_gather_list(outs, inp)
 
-    def gather(self, out, inp, root):
-        self._check("gather", inp.dtype, inp.count, root)
-        return self._inner.gather(out, inp, root)
-
-    def scatter(self, out, inp, root):
-        self._check("scatter", out.dtype, out.count, root)
-        return self._inner.scatter(out, inp, root)
-
-    def reduce_scatter(self, out, inp, op):
-        self._check("reduce_scatter", out.dtype, out.count, op=op)
-        return self._inner.reduce_scatter(out, inp, op)
-
-    def all_to_all(self, out, inp, out_counts, in_counts):
-        self._check("all_to_all", inp.dtype)  # counts differ by rank in uneven exchanges
-        return self._inner.all_to_all(out, inp, out_counts, in_counts)
-
-    def barrier(self):
-        self._check("barrier")
-        return self._inner.barrier()
+# one forwarder per collective of the catalogue (a KeyError here: a collective whose
+# fingerprint fields _FINGERPRINTED does not give)
+for _name, _kind in COLLECTIVES.items():
+    setattr(CheckedBackend, _name, _checked(_name, _kind, _FINGERPRINTED[_name]))

@@ -18,7 +18,7 @@ COLLECTIVES_SHM_YIELD_US (how long it yields before it
 sleeps on a futex) and COLLECTIVES_SHM_LLC_BYTES (the last-level cache size, read
 from sysfs by default: an all_gather whose outputs, all ranks' together, fill it gets
 the local block with streaming stores), COLLECTIVES_SHM_STREAM (0, 1 or 2: plain, streaming, or
-measured stores for the segment; see DEFAULT_STREAM) and COLLECTIVES_SHM_FAR_NS (the
+measured stores for the segment) and COLLECTIVES_SHM_FAR_NS (the
 probe's cache-line round trip from which a peer counts as far, 250 by default).
 COLLECTIVES_SHM_THP=0 stops a rank from collapsing the buffers its peers copy by
 process_vm_readv/writev into huge pages (MADV_COLLAPSE, the second time it sees a
@@ -36,21 +36,21 @@ import numpy as np
 from .. import config
 from ..core import dtypes as D
 from ..core.errors import DistBackendError, DistError
+from ..core.fingerprint import COLLECTIVES
 from .base import Backend, DoneRequest, FutureRequest
 
 # a message's header: tag, payload bytes, dtype code (a receive must match both: one of
 # another size or dtype raises on the receiver instead of truncating or reinterpreting)
 _HDR = struct.Struct("<qqi4x")
 
-# Thresholds from measurements on the (busy, 2-core) development machines. one-shot up
-# to 64 KiB (one synchronisation). Two-shot chunks of 512 KiB: 4 ranks, two-shot
-# all_reduce against 1 MiB chunks, the same at 1-2 MiB, 0.89x at 4 MiB, 0.84x at 8 MiB,
-# 0.86x at 16 MiB (the chunks the ranks reduce stay in the shared cache); 256 KiB was
-# slower at 1-2 MiB. (Before the waits spun briefly and then yielded, 1 MiB chunks had
-# measured 1.5-2x faster than 256-512 KiB: fewer synchronisations per byte.) Broadcast
-# goes in whole halves.
-DEFAULT_HALF_BYTES = 2 * 1024 * 1024
-DEFAULT_ONESHOT_MAX = 64 * 1024
+# The thresholds' defaults are the settings registry's (collectives.config: one source);
+# these notes say how they were chosen, and the two group-dependent defaults are here.
+#
+# COLLECTIVES_SHM_ONESHOT_MAX, COLLECTIVES_SHM_CHUNK_BYTES: one-shot up to 64 KiB (one
+# synchronisation). Two-shot chunks of 512 KiB: 4 ranks, two-shot all_reduce against 1 MiB
+# chunks, the same at 1-2 MiB, 0.89x at 4 MiB, 0.84x at 8 MiB, 0.86x at 16 MiB (the chunks
+# the ranks reduce stay in the shared cache); 256 KiB was slower at 1-2 MiB. Broadcast goes
+# in whole halves.
 # ... but where more than two ranks run at once (more than two ranks and more than two
 # cores), one-shot's reads (every rank reads all the others' whole buffers) cost more than
 # two-shot's second synchronisation from a few KiB: on a 16-core host (one cache domain,
@@ -58,19 +58,15 @@ DEFAULT_ONESHOT_MAX = 64 * 1024
 # 0.33 vs 0.49 (4 ranks), 0.20 vs 0.68 (8), 0.30 vs 0.64 (16); 64 KiB 0.34 vs 0.83,
 # 0.35 vs 1.28, 0.43 vs 2.05. The default there (COLLECTIVES_SHM_ONESHOT_MAX unset):
 CROWDED_ONESHOT_MAX = 4 * 1024
-DEFAULT_CHUNK_BYTES = 512 * 1024
-# all_gather/gather blocks, broadcasts and all_reduces from these sizes go in one copy
-# (process_vm_readv) where the ranks may read each other's memory and (broadcasts) there
-# are at most two ranks a core or (all_reduces) each has a core; COLLECTIVES_SHM_CMA_MIN /
-# _CMA_BCAST_MIN / _CMA_AR_MIN = 0 turn that off, and COLLECTIVES_SHM_CMA_ANY_CORES=1 drops
-# the cores conditions (the tests use it). Broadcast:
-# single copy from 64 KiB is as fast or faster at 64-256 KiB, 1.3-1.5x slower from 1 MiB
-# while the VM's two cores share caches well, and 4-8x faster while they do not (see
-# shm_coll.c); it is the steady choice.
-DEFAULT_CMA_MIN = 256 * 1024
-DEFAULT_CMA_BCAST_MIN = 64 * 1024
+# COLLECTIVES_SHM_CMA_MIN, _CMA_BCAST_MIN, _CMA_AR_MIN: all_gather/gather blocks,
+# broadcasts and all_reduces from these sizes go in one copy (process_vm_readv) where the
+# ranks may read each other's memory and (broadcasts) there are at most two ranks a core or
+# (all_reduces) each has a core; 0 turns that off, and COLLECTIVES_SHM_CMA_ANY_CORES=1
+# drops the cores conditions (the tests use it). Broadcast: single copy from 64 KiB is as
+# fast or faster at 64-256 KiB, 1.3-1.5x slower from 1 MiB while two cores share caches
+# well, and 4-8x faster while they do not (see shm_coll.c); it is the steady choice.
 # ... with two ranks. With more (where the probe allows the broadcast's single copy at all:
-# at most two run at once, shm_copy.c), from 256 KiB: 4 ranks on the 2-vCPU VM, alternating
+# at most two run at once, shm_copy.c), from 256 KiB: 4 ranks on 2 vCPUs, alternating
 # Open MPI jobs, time over Open MPI's, single copy against the two-copy path: 64 KiB 0.74-1.85
 # (median 0.99, 8 launches) against 0.79-1.02 (0.82, 7), 128 KiB 0.94-1.07 against
 # 0.81-1.02, 256 KiB 0.62-0.80 against 0.96-1.15.
@@ -78,25 +74,21 @@ MANY_CMA_BCAST_MIN = 256 * 1024
 # ... and none where more than two ranks run at once: every reader pins and copies the
 # root's pages at the same time, which serialises them. On a 16-core host (one cache domain,
 # a core per rank) the two-copy path took 0.64x the single copy's time at 4 ranks, 0.23x at
-# 8 and 0.12x at 16 (1 MiB); on the 2-core VM at most two run at once and 2 and 4 ranks gain
+# 8 and 0.12x at 16 (1 MiB); on 2 cores at most two run at once and 2 and 4 ranks gain
 # from it (shm_coll.c, broadcast_cma).
-
-# all_reduce: whether two-shot or the single copy is faster depends on the host and the
-# ranks' placement (while the VM's cores share caches two-shot took 0.65-0.8x the single
+#
+# COLLECTIVES_SHM_AR_ALGO: whether two-shot or the single copy is faster depends on the host
+# and the ranks' placement (while two cores share caches two-shot took 0.65-0.8x the single
 # copy's time, while they do not the single copy 0.25-0.35x two-shot's), so above the
-# one-shot size the ranks measure both (COLLECTIVES_SHM_AR_ALGO=auto, src/shm/shm_tune.c);
-# COLLECTIVES_SHM_CMA_AR_MIN=0 leaves the single copy out.
-DEFAULT_CMA_AR_MIN = 64 * 1024
-DEFAULT_AR_ALGO = "auto"
-# Segment writes for other ranks: 0 plain stores, 1 streaming (non-temporal) stores, 2
-# streaming while the ranks' latency probes find their peers on far cores (another die or
-# socket, where reading a line from the writer's cache is several times slower than from
-# memory; see shm_copy.c, "near and far peers"). COLLECTIVES_SHM_STREAM sets it. Two ranks
-# while far, measured mode against plain (bench/bench_stream.py): all_reduce 0.20-0.24x at
-# 1 and 16 MiB and 0.33-0.47x at 8-64 KiB, all_gather 0.40-0.41x at 64-128 KiB,
-# reduce_scatter 0.21-0.27x, all_to_all 0.31-0.61x, scatter 0.46x; while close
-# 0.99-1.03x (always streaming would cost up to 2.5x there).
-DEFAULT_STREAM = 2
+# one-shot size the ranks measure both (auto, src/shm/shm_tune.c).
+# COLLECTIVES_SHM_STREAM: segment writes for other ranks, 0 plain stores, 1 streaming
+# (non-temporal) stores, 2 streaming while the ranks' latency probes find their peers on far
+# cores (another die or socket, where reading a line from the writer's cache is several
+# times slower than from memory; see shm_copy.c, "near and far peers"). Two ranks while far,
+# measured mode against plain (bench/bench_stream.py): all_reduce 0.20-0.24x at 1 and 16 MiB
+# and 0.33-0.47x at 8-64 KiB, all_gather 0.40-0.41x at 64-128 KiB, reduce_scatter
+# 0.21-0.27x, all_to_all 0.31-0.61x, scatter 0.46x; while close 0.99-1.03x (always
+# streaming would cost up to 2.5x there).
 
 
 def crowded(size, ncpu=None):
@@ -107,7 +99,9 @@ def crowded(size, ncpu=None):
 
 def default_oneshot_max(size, ncpu=None):
     """COLLECTIVES_SHM_ONESHOT_MAX's default for a group of ``size`` ranks on this host."""
-    return CROWDED_ONESHOT_MAX if crowded(size, ncpu) else DEFAULT_ONESHOT_MAX
+    if crowded(size, ncpu):
+        return CROWDED_ONESHOT_MAX
+    return config.declared("COLLECTIVES_SHM_ONESHOT_MAX").default
 
 
 def default_cma_bcast_min(size, ncpu=None):
@@ -115,7 +109,8 @@ def default_cma_bcast_min(size, ncpu=None):
     (0: never)."""
     if crowded(size, ncpu):
         return 0
-    return DEFAULT_CMA_BCAST_MIN if size <= 2 else MANY_CMA_BCAST_MIN
+    return config.declared("COLLECTIVES_SHM_CMA_BCAST_MIN").default if size <= 2 \
+        else MANY_CMA_BCAST_MIN
 
 
 #: the settings whose default depends on the group: name -> default for ``size`` ranks
@@ -130,13 +125,11 @@ def tuning_value(var, size):
     return sized(size) if sized is not None and var not in os.environ else config.get(var)
 
 
-_TUNING = (("COLLECTIVES_SHM_ONESHOT_MAX", DEFAULT_ONESHOT_MAX),
-           ("COLLECTIVES_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES),
-           ("COLLECTIVES_SHM_CMA_MIN", DEFAULT_CMA_MIN),
-           ("COLLECTIVES_SHM_CMA_BCAST_MIN", DEFAULT_CMA_BCAST_MIN),
-           ("COLLECTIVES_SHM_CMA_AR_MIN", DEFAULT_CMA_AR_MIN),
-           ("COLLECTIVES_SHM_STREAM", DEFAULT_STREAM),
-           ("COLLECTIVES_SHM_AR_ALGO", DEFAULT_AR_ALGO))
+#: the thresholds rank 0 chooses for the group (its environment's, or the defaults), in the
+#: order they travel with the segment's name
+_TUNING = ("COLLECTIVES_SHM_ONESHOT_MAX", "COLLECTIVES_SHM_CHUNK_BYTES", "COLLECTIVES_SHM_CMA_MIN",
+           "COLLECTIVES_SHM_CMA_BCAST_MIN", "COLLECTIVES_SHM_CMA_AR_MIN", "COLLECTIVES_SHM_STREAM",
+           "COLLECTIVES_SHM_AR_ALGO")
 
 
 # a segment younger than this is never swept: its creator may not have locked it yet
@@ -189,9 +182,9 @@ def shm_available():
     return os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
 
 
-# ShmBackend's collectives that ShmComm implements with the same arguments
-_FORWARDED = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_list", "gather",
-              "scatter", "reduce_scatter", "all_to_all", "barrier")
+# ShmBackend's collectives, every one of the contract's: ShmComm's own methods, which take
+# the contract's arguments (Buffers, ranks, op codes) and ``fp``; bound in ShmBackend.__init__
+_FORWARDED = tuple(COLLECTIVES)
 
 
 class ShmBackend(Backend):
@@ -229,7 +222,7 @@ class ShmBackend(Backend):
         if rank == 0:
             # every rank must pick the same algorithm for a call: rank 0's thresholds
             # travel with the segment's name, whatever the others' environments say
-            tuning = ",".join(str(tuning_value(var, size)) for var, _ in _TUNING)
+            tuning = ",".join(str(tuning_value(var, size)) for var in _TUNING)
             sweep_stale_segments()
             name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
             self._comm = ShmComm(name, True, rank, size, half, ring, tmo, self.label)
@@ -269,18 +262,27 @@ class ShmBackend(Backend):
         self.single_copy = self.single_copy and bool(cma_min or cma_bcast_min or cma_ar_min)
         self.segment_name = name
         # The collectives are ShmComm's methods, which take the contract's arguments
-        # (Buffers, ranks, op codes, fp): bound here, the front end's call reaches C
-        # without a forwarding Python frame.
-        for op in _FORWARDED:
-            setattr(self, op, getattr(self._comm, op))
+        # (Buffers, ranks, op codes, fp): bound here, in the slots of their names, the
+        # front end's call reaches C without a forwarding Python frame.
+        comm = self._comm
+        self.broadcast = comm.broadcast
+        self.all_reduce = comm.all_reduce
+        self.reduce = comm.reduce
+        self.all_gather = comm.all_gather
+        self.all_gather_list = comm.all_gather_list
+        self.gather = comm.gather
+        self.scatter = comm.scatter
+        self.reduce_scatter = comm.reduce_scatter
+        self.all_to_all = comm.all_to_all
+        self.barrier = comm.barrier
         self._p2p = None
         self._p2p_lock = threading.Lock()
 
     # ---- collectives ---------------------------------------------------------------
     # broadcast, all_reduce, reduce, all_gather, all_gather_list, gather, scatter,
-    # reduce_scatter, all_to_all and barrier are ShmComm's own methods, bound on the instance
-    # in __init__ (_FORWARDED): they take the contract's arguments (Buffers, ranks, op codes)
-    # and ``fp``. Each call carries its fingerprint (kind, dtype, element count, root, op;
+    # reduce_scatter, all_to_all and barrier are ShmComm's own methods, bound in the slots
+    # of those names in __init__ (_FORWARDED): they take the contract's arguments (Buffers,
+    # ranks, op codes) and ``fp``. Each call carries its fingerprint (kind, dtype, element count, root, op;
     # computed in _shm from these arguments, or ``fp``, a collectives.core.fingerprint.pack
     # word, where a caller such as the hierarchical backend passes the original call's): a
     # rank whose peer called something else raises DistBackendError naming both calls, on

@@ -17,7 +17,8 @@ debug mode (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) still compares the full values.
 from . import dtypes as D
 from .errors import DistBackendError
 
-# kind codes (the C engines' COLL_KIND_* in reduce_kernels.h use the same numbers)
+# kind codes (the TCP engine's frame kinds K_* in src/tcp/tcp_internal.h use the same
+# numbers; the shm engine takes them from here through collectives._shm)
 BARRIER = 1
 BROADCAST = 2
 ALL_REDUCE = 3
@@ -34,6 +35,17 @@ KIND_NAMES = {BARRIER: "barrier", BROADCAST: "broadcast", ALL_REDUCE: "all_reduc
               REDUCE: "reduce", ALL_GATHER: "all_gather", GATHER: "gather", SCATTER: "scatter",
               REDUCE_SCATTER: "reduce_scatter", ALL_TO_ALL: "all_to_all", SEND: "send",
               RECV: "recv"}
+
+#: The catalogue of collectives: the backend contract's collective methods
+#: (:class:`collectives.backends.base.Backend`; ``all_gather_list``, all_gather into
+#: separate tensors, is optional), in the contract's order, each with the kind its
+#: fingerprint carries. The backends' lists (shm's forwarded methods, the DETAIL checks'
+#: forwarders) are made from it; the op table's backend methods, the TCP engine's kinds and
+#: ``Backend``'s methods are checked against it by tests.
+COLLECTIVES = {"broadcast": BROADCAST, "all_reduce": ALL_REDUCE, "reduce": REDUCE,
+               "all_gather": ALL_GATHER, "all_gather_list": ALL_GATHER, "gather": GATHER,
+               "scatter": SCATTER, "reduce_scatter": REDUCE_SCATTER, "all_to_all": ALL_TO_ALL,
+               "barrier": BARRIER}
 # the argument a kind's root is spelled as in torch's API
 _ROOT_ARG = {BROADCAST: "src", SCATTER: "src", REDUCE: "dst", GATHER: "dst"}
 

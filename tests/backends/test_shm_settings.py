@@ -99,3 +99,19 @@ def test_sized_defaults_yield_to_the_environment(monkeypatch):
     monkeypatch.setenv("COLLECTIVES_SHM_ONESHOT_MAX", "123")
     assert tuning_value("COLLECTIVES_SHM_CMA_BCAST_MIN", 4) == 1000
     assert tuning_value("COLLECTIVES_SHM_ONESHOT_MAX", 4) == 123
+
+
+def test_the_defaults_have_one_source():
+    """The thresholds' defaults are the settings registry's: backends/shm.py writes none of
+    them again (only the two group-dependent variants), and its defaults for a group where
+    at most two ranks run at once are the registry's."""
+    from collectives import config
+    from collectives.backends import shm
+    assert [v for v in vars(shm) if v.startswith("DEFAULT_")] == []
+    for var in shm._TUNING:  # each declared there (KeyError otherwise), with its default
+        assert config.declared(var).default is not None
+    assert shm.default_oneshot_max(2, 2) == config.declared("COLLECTIVES_SHM_ONESHOT_MAX").default
+    assert shm.default_cma_bcast_min(2, 2) == config.declared("COLLECTIVES_SHM_CMA_BCAST_MIN").default
+    # the variants are smaller than the registry's default (one-shot) or larger (broadcast)
+    assert shm.CROWDED_ONESHOT_MAX < config.declared("COLLECTIVES_SHM_ONESHOT_MAX").default
+    assert shm.MANY_CMA_BCAST_MIN > config.declared("COLLECTIVES_SHM_CMA_BCAST_MIN").default

@@ -259,9 +259,17 @@ class MpiBackend(_PyHotCalls, Backend):
                 self._fp.bind_direct(_handle)
         # the hot calls: the C log's own methods (no Python frame per call; the watchdog
         # reads the log's ``busy`` instead), else _PyHotCalls'
-        for name in MpiBackend.__slots__:
-            setattr(self, name, getattr(self._fp_log, name) if _C_LOG
-                    else getattr(_PyHotCalls, name).__get__(self))
+        if _C_LOG:
+            log = self._fp_log
+            self.all_reduce = log.all_reduce
+            self.broadcast = log.broadcast
+            self.barrier = log.barrier
+            self.all_gather = log.all_gather
+        else:
+            self.all_reduce = _PyHotCalls.all_reduce.__get__(self)
+            self.broadcast = _PyHotCalls.broadcast.__get__(self)
+            self.barrier = _PyHotCalls.barrier.__get__(self)
+            self.all_gather = _PyHotCalls.all_gather.__get__(self)
         _watchdog.watch(self)
         self._allreduce = comm.Allreduce
         self._bcast = comm.Bcast
