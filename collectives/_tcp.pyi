@@ -16,6 +16,7 @@ WIRE_VERSION: int
 NO_DTYPE: int
 HEADER_BYTES: int
 HEADER_FIELDS: tuple[str, ...]
+KINDS: dict[str, int]
 
 
 def wire_header(ftype: int, kind: int, dtype: int, group: int, tag: int, seq: int, fp: int,
