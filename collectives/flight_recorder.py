@@ -6,7 +6,7 @@ time it was issued, and the Python stack where asked), a smaller ring of its
 point-to-point calls, and three counters: the last collective issued, started and
 completed. The groups' calls complete in issue order, so one counter says which entries
 are done; recording a call is one method call that stores it into the ring (C arrays,
-collectives._core.CallRing) and a few integer stores.
+collectives.engines._core.CallRing) and a few integer stores.
 
 A rank's recorders are written to one JSON file (:func:`dump`): when one of its calls
 fails (a timeout, a lost peer, calls that do not match), when another rank's call failed
@@ -74,7 +74,7 @@ def _stack():
 
 
 class _PyCallRing:
-    """``collectives._core.CallRing`` in Python (the package without its extensions): a
+    """``collectives.engines._core.CallRing`` in Python (the package without its extensions): a
     group's last ``size`` collectives as tuples ``(seq, kind, count, dtype, root, op,
     time_ns[, stack])``, and ``seq``, the last issued."""
 
@@ -126,7 +126,7 @@ class Recorder(CallRing):
     ``s = fr.issue_buffer(kind, buf, root, op)`` (or ``fr.issue(kind, count, dtype, root,
     op)``), then ``fr.started = s`` when the call runs and ``fr.done = s`` when it
     returns; :meth:`fail` when it raises. ``root`` is a group rank (-1: none), ``op`` a
-    reduce-op code (-1: none). The ring and ``seq`` are :class:`collectives._core.CallRing`'s
+    reduce-op code (-1: none). The ring and ``seq`` are :class:`collectives.engines._core.CallRing`'s
     (in C; ``_PyCallRing`` without the extensions); ``started`` and ``done`` are plain
     slots (the cheapest stores from Python, two per call).
     """

@@ -8,7 +8,7 @@ the profiler, bounded by its own timeout, queued behind the group's async work o
 submitted to it:
 
 - the cheap path (blocking, nothing queued, a backend whose ``run`` is the base one, no
-  profiler, no per-call timeout) is :class:`collectives._core.Dispatcher`, in C: record,
+  profiler, no per-call timeout) is :class:`collectives.engines._core.Dispatcher`, in C: record,
   run in the calling thread, complete (``_PyDispatcher`` without the extensions);
 - :func:`general` everything else, with the recorder's and the profiler's hooks around the
   one callable.
@@ -29,7 +29,7 @@ from ..core.errors import DistError
 from ..core.work import Counter, Work, call_timeout, timed
 
 try:
-    from .._core import Counter as _CCounter, Dispatcher as _Dispatcher, ProfilerTap
+    from ..engines._core import Counter as _CCounter, Dispatcher as _Dispatcher, ProfilerTap
 except ImportError:  # extensions not built (or hidden)
     _CCounter = _Dispatcher = None
     _tap = None
@@ -117,7 +117,7 @@ def post_batch(pg, batch):
 
 
 class _PyDispatcher:
-    """``collectives._core.Dispatcher`` in Python (the package without its extensions)."""
+    """``collectives.engines._core.Dispatcher`` in Python (the package without its extensions)."""
 
     __slots__ = ("pg", "fr", "backend", "inline", "_pending")
 

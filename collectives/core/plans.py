@@ -64,7 +64,7 @@ cuda_seen = False
 
 
 try:
-    from .. import _buffer as _fast
+    from ..engines import _buffer as _fast
 except ImportError:  # extensions not built
     _fast = None
     buffer = _py_buffer
@@ -224,7 +224,7 @@ def _np_scale(buf, factor):
 def _load_scale():
     for mod in ("_core", "_fallback"):
         try:
-            m = __import__(f"collectives.{mod}", fromlist=["scale_ptr"])
+            m = __import__(f"collectives.engines.{mod}", fromlist=["scale_ptr"])
             fn = m.scale_ptr
         except (ImportError, AttributeError):
             continue
@@ -285,14 +285,14 @@ if _fast is not None:
 buffers = _py_buffers if _fast is None else _fast.buffers
 
 
-_kernels = False  # collectives._core once looked up (None when not built)
+_kernels = False  # collectives.engines._core once looked up (None when not built)
 
 
 def _flatten_kernels():
     global _kernels
     if _kernels is False:
         try:
-            from .. import _core
+            from ..engines import _core
             _kernels = _core
         except ImportError:
             _kernels = None

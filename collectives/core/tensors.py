@@ -41,7 +41,7 @@ class _PyBuffer:
         device: -1 for host memory, else the CUDA device index.
         obj: the array or tensor that owns the memory (kept alive by the Buffer).
 
-    The compiled ``collectives._buffer.Buffer`` is the same type in C (filled without
+    The compiled ``collectives.engines._buffer.Buffer`` is the same type in C (filled without
     Python calls on the front end's fast path); this one serves where it is not built.
     """
 
@@ -79,7 +79,7 @@ class _PyBuffer:
 
 
 try:
-    from .._buffer import Buffer
+    from ..engines._buffer import Buffer
 except ImportError:  # extensions not built: the pure-Python type
     Buffer = _PyBuffer
 
@@ -189,6 +189,6 @@ def _py_disjoint_gather(out, inp, size):
 
 
 try:  # whether a gather of ``size`` blocks like ``inp`` fits ``out`` without overlapping it
-    from .._buffer import disjoint_gather
+    from ..engines._buffer import disjoint_gather
 except ImportError:  # extensions not built
     disjoint_gather = _py_disjoint_gather

@@ -58,7 +58,7 @@ def test_what_cannot_be_a_buffer_is_named(bad, exc, match):
         to_buffer(bad, "tensor")
 
 
-# ---- the compiled Buffer and the front end's C fast path (collectives._buffer) --------------
+# ---- the compiled Buffer and the front end's C fast path (collectives.engines._buffer) --------------
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -68,11 +68,11 @@ from collectives.core import plans as _frontend, tensors  # noqa: E402
 from collectives.core.tensors import Buffer, _PyBuffer  # noqa: E402
 
 try:
-    from collectives import _buffer
+    from collectives.engines import _buffer
 except ImportError:  # pragma: no cover - the extensions are built in CI
     _buffer = None
 
-needs_ext = pytest.mark.skipif(_buffer is None, reason="collectives._buffer is not built")
+needs_ext = pytest.mark.skipif(_buffer is None, reason="collectives.engines._buffer is not built")
 BUFFER_TYPES = [_PyBuffer] + ([_buffer.Buffer] if _buffer is not None else [])
 NP_DTYPES = [np.float16, np.float32, np.float64, np.complex64, np.complex128, np.int8, np.uint8,
              np.int16, np.int32, np.int64, np.longlong, np.intc, np.bool_]

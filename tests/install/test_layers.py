@@ -17,7 +17,7 @@ PKG = os.path.join(ROOT, "collectives")
 # The layers, lowest first: (name, the folders and top-level modules in it, relative to
 # collectives/; "" is the package's own __init__). docs/architecture.md draws this tree.
 LAYERS = [
-    ("extensions", ["_core", "_buffer", "_tcp", "_shm", "_mpilog", "_ncclcall"]),  # compiled (their .pyx: leaves here)
+    ("extensions", ["engines"]),  # compiled (their .pyx: leaves here)
     ("settings", ["config"]),
     ("core", ["core", "security"]),
     ("services", ["store", "launcher", "rendezvous"]),
@@ -237,9 +237,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 # ---- the shared-memory engine's C layers ---------------------------------------------
 
-SRC = os.path.join(PKG, "src", "shm")  # the shm engine's C sources
-if not os.path.isdir(SRC):  # before the C sources moved into folders by component
-    SRC = os.path.join(PKG, "src")
+SRC = os.path.join(PKG, "engines", "shm")  # the shm engine's C sources
 # each shm C file, lowest layer first, and the shm headers it may include: a layer calls
 # only functions of its own layer or of the layers below it
 SHM_LAYERS = [

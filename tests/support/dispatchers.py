@@ -13,5 +13,5 @@ def choose(dist, which):
                                              pg.backend.pending)
     elif dispatch._Dispatcher is None:
         dist.destroy_process_group()
-        pytest.skip("collectives._core is not built")
+        pytest.skip("collectives.engines._core is not built")
     return pg

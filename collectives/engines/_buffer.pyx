@@ -14,7 +14,7 @@ from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
 
 import numpy as np
 
-from .core import dtypes as _D
+from ..core import dtypes as _D
 
 cnp.import_array()
 
@@ -67,7 +67,7 @@ cdef class Buffer:
         obj: the array or tensor that owns the memory (kept alive by the Buffer).
     """
 
-    # fields: _buffer.pxd (collectives._shm and collectives._core read them in C)
+    # fields: _buffer.pxd (collectives.engines._shm and collectives.engines._core read them in C)
 
     def __init__(self, ptr, count, dtype, device=-1, obj=None):
         if not 0 <= dtype < NUM_DTYPES:
@@ -85,7 +85,7 @@ cdef class Buffer:
 
     def numpy(self):
         """A NumPy view of host memory (bfloat16 as uint16 bits); zero-copy."""
-        from .core.tensors import _buffer_numpy
+        from ..core.tensors import _buffer_numpy
         return _buffer_numpy(self)
 
     def bytes_view(self):
@@ -97,7 +97,7 @@ cdef class Buffer:
         return _make(self.ptr + start * self.itemsize, stop - start, self.dtype, self.device, self.obj)
 
     def __repr__(self):
-        from .core.tensors import _buffer_repr
+        from ..core.tensors import _buffer_repr
         return _buffer_repr(self)
 
     def __getbuffer__(self, Py_buffer *view, int flags):

@@ -16,8 +16,8 @@ import operator
 
 import numpy as np
 
-from .core import dtypes as _D
-from .core.tensors import Buffer, to_buffer
+from ..core import dtypes as _D
+from ..core.tensors import Buffer, to_buffer
 
 cnp.import_array()
 
@@ -65,9 +65,9 @@ C_CODES = {
     "PREMUL_SUM": COLL_PREMUL_SUM,
 }
 
-#: The kernels' C table (struct coll_kernel_api, src/kernels/reduce_kernels.h) for collectives._tcp and
-#: collectives._shm, which are built without a copy of the kernels and call this module's.
-_C_API = PyCapsule_New(<void *>coll_kernel_api_get(), "collectives._core._C_API", NULL)
+#: The kernels' C table (struct coll_kernel_api, kernels/reduce_kernels.h) for collectives.engines._tcp and
+#: collectives.engines._shm, which are built without a copy of the kernels and call this module's.
+_C_API = PyCapsule_New(<void *>coll_kernel_api_get(), "collectives.engines._core._C_API", NULL)
 
 include "_reduce.pxi"
 include "_flatten.pxi"

@@ -1,9 +1,9 @@
-"""Type stubs for collectives._core (the Cython kernels); collectives.core.kernels_numpy has the same API."""
+"""Type stubs for collectives.engines._core (the Cython kernels); collectives.core.kernels_numpy has the same API."""
 from typing import Any, Optional, Sequence, SupportsIndex, SupportsInt, TypeVar, Union
 
 import numpy as np
 
-from .tensors import Buffer
+from ..core.tensors import Buffer
 
 #: An ndarray, a torch CPU tensor or a collectives.core.tensors.Buffer (host memory).
 ArrayLike = Any
@@ -13,7 +13,7 @@ _T = TypeVar("_T")
 _S = TypeVar("_S", bound=Sequence[Any])
 
 CHUNK_BYTES: int
-#: capsule "collectives._core._C_API": the kernels' C table, for _tcp and _shm
+#: capsule "collectives.engines._core._C_API": the kernels' C table, for _tcp and _shm
 _C_API: Any
 
 def reduce_into(dst: _T, src: ArrayLike, op: OpLike) -> _T: ...
