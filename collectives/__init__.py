@@ -8,9 +8,13 @@ from .core.errors import DistBackendError, DistError, DistNetworkError, DistStor
 
 # ---- stores and rendezvous ----------------------------------------------------------------
 from .store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore  # noqa: E402
-# torch.distributed's names: dist.rendezvous is the function (the module stays importable as
-# collectives.rendezvous through sys.modules, e.g. ``from collectives.rendezvous import meet``)
-from .rendezvous import register_rendezvous_handler, rendezvous  # noqa: E402
+# torch.distributed's names: dist.rendezvous is the function; the module (store/rendezvous.py)
+# is importable under torch.distributed.rendezvous's path too, as collectives.rendezvous
+# (``from collectives.rendezvous import register_rendezvous_handler``), through sys.modules
+from .store import rendezvous as _rendezvous_module  # noqa: E402
+from .store.rendezvous import register_rendezvous_handler, rendezvous  # noqa: E402
+import sys as _sys  # noqa: E402
+_sys.modules[__name__ + ".rendezvous"] = _rendezvous_module
 
 # ---- the torch.distributed front end ---------------------------------------------------------
 from .backends import register_backend  # noqa: E402

@@ -160,7 +160,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                              f"launcher's rank {r} of {n}")
         rank, world_size, store, pg_store = r, n, None, None
     else:
-        from ..rendezvous import carry_key, custom_scheme, meet, rendezvous
+        from ..store.rendezvous import carry_key, custom_scheme, meet, rendezvous
         from ..store import Store
         if custom_scheme(init_method):  # torch's registry: the handler's first answer
             store, rank, world_size = next(rendezvous(
@@ -268,7 +268,7 @@ def destroy_process_group(group=None):
             pg.destroyed = True
             pg.backend.shutdown()
         if world.store is not None:
-            from ..rendezvous import retire
+            from ..store.rendezvous import retire
             retire(world.store)  # a new init on the same port must not meet on its server
             if world.owned_store:  # and rank 0's server stops now, not when the
                 world.store.close()  # collector finds a cycle (a BridgedGroup is one)

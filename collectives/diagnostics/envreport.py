@@ -342,7 +342,7 @@ def _cuda():
 def _launcher(environ):
     seen = {k: environ[k] for k in sorted(environ)
             if any(k == v or (v.endswith("_") and k.startswith(v)) for v in LAUNCHER_VARS)}
-    from ..rendezvous import env_local_rank, env_rank_world
+    from ..store.rendezvous import env_local_rank, env_rank_world
     out = {"variables": seen}
     rank, world = env_rank_world(environ)
     local_rank, local_world = env_local_rank(environ)

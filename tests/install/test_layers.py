@@ -20,7 +20,7 @@ LAYERS = [
     ("extensions", ["engines"]),  # compiled (their .pyx: leaves here)
     ("settings", ["config"]),
     ("core", ["core", "security"]),
-    ("services", ["store", "launcher", "rendezvous"]),
+    ("services", ["store", "launcher"]),
     ("backends", ["backends"]),
     ("diagnostics", ["diagnostics", "flight_recorder", "debug"]),
     ("api", ["api"]),
