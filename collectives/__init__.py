@@ -44,7 +44,10 @@ from .core.profiling import record_comm
 from .core.reduce_op import ReduceOp, reduce_op, supports_complex
 from .core.work import Future, Work
 from .api.breakpoint import breakpoint  # noqa: E402,A004  (torch's name)
-from .device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from .torch_bridge.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+# torch.distributed.device_mesh's path: dist.device_mesh and collectives.device_mesh
+from .torch_bridge import device_mesh  # noqa: E402
+_sys.modules[__name__ + ".device_mesh"] = device_mesh
 from .torch_bridge.gloo import ProcessGroupGloo  # noqa: E402
 from .core.options import (  # noqa: E402
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
