@@ -13,7 +13,7 @@ import warnings
 import zlib
 
 from .. import backends as _backends
-from .. import debug as _debug
+from ..diagnostics import debug as _debug
 from . import dispatch as _dispatch
 from .. import flight_recorder as _flight
 from ..core.errors import DistError
