@@ -18,7 +18,8 @@ _sys.modules[__name__ + ".rendezvous"] = _rendezvous_module
 
 # ---- the torch.distributed front end ---------------------------------------------------------
 from .backends import register_backend  # noqa: E402
-from .diagnostics.debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env  # noqa: E402
+from .diagnostics.debug import (  # noqa: E402
+    DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env)
 from .api.collective_ops import (
     _all_gather_base, _reduce_scatter_base, all_gather, all_gather_coalesced, all_gather_into_tensor,
     all_gather_single, all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single, barrier,
