@@ -14,7 +14,7 @@ submitted to it:
   one callable.
 
 Point to point takes the same path: ``pg.dispatch.post(kind, fn, buf, peer, tag)`` posts
-the backend's isend or irecv and records it (:func:`collectives.flight_recorder.p2p`), in
+the backend's isend or irecv and records it (:func:`collectives.diagnostics.flight_recorder.p2p`), in
 the profiler's span while it runs (:func:`general_post`); :func:`post_batch` posts
 ``batch_isend_irecv``'s ops as one where the backend can.
 
@@ -22,7 +22,7 @@ Whether a group can take the cheap path at all (``inline``) is fixed when the gr
 made (:func:`for_group`); the profiler's and the per-call timeouts' switches are one test
 each per call, as torch's own "fast python check" of its profiler flag.
 """
-from .. import flight_recorder as _flight
+from ..diagnostics import flight_recorder as _flight
 from ..core import profiling as _profiling
 from ..backends.base import Backend
 from ..core.errors import DistError

@@ -15,7 +15,7 @@ import zlib
 from .. import backends as _backends
 from ..diagnostics import debug as _debug
 from . import dispatch as _dispatch
-from .. import flight_recorder as _flight
+from ..diagnostics import flight_recorder as _flight
 from ..core.errors import DistError
 from .pg_methods import CollectiveMethods, ProcessGroupMethods
 from ..core import world as _world

@@ -33,7 +33,7 @@ def _force_isa(name: str) -> bool: ...
 
 
 class CallRing:
-    """A group's last collectives (collectives.flight_recorder.Recorder's base)."""
+    """A group's last collectives (collectives.diagnostics.flight_recorder.Recorder's base)."""
     seq: int
     size: int
     started: int

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from collectives.api import dispatch
-from collectives import flight_recorder as fr
+from collectives.diagnostics import flight_recorder as fr
 from collectives.backends.base import Backend
 from collectives.core.errors import DistBackendError
 from collectives.store import HashStore

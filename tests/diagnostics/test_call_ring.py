@@ -20,7 +20,7 @@ from tests.support.requires import needs_gloo
 
 
 def _rings():
-    from collectives import flight_recorder as fr
+    from collectives.diagnostics import flight_recorder as fr
     out = [pytest.param(fr._PyCallRing, id="python")]
     try:
         from collectives.engines._core import CallRing

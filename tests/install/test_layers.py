@@ -22,7 +22,7 @@ LAYERS = [
     ("core", ["core", "security"]),
     ("services", ["store", "launcher"]),
     ("backends", ["backends"]),
-    ("diagnostics", ["diagnostics", "flight_recorder"]),
+    ("diagnostics", ["diagnostics"]),
     ("api", ["api"]),
     ("bridges", ["torch_bridge", "master_worker"]),
     # the package, its __main__ and the modules named as torch.distributed's public ones

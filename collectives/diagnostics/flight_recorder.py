@@ -39,13 +39,13 @@ import threading
 import time
 import warnings
 
-from .backends import base as _backend_base
-from .core import dtypes as D
-from .core.errors import DistError
-from .diagnostics.progress import (FORMAT, VERSION, _HOST, _gone, _progress, _trace_arg,  # noqa: F401
-                                   _within, dump, dump_flight_recorder, dump_prefix, job_id, snapshot)
-from .diagnostics.fr_registry import (BUFFER_SIZE, DUMP_PREFIX, ENABLED, STACKS, describe,  # noqa: F401
-                                      global_rank, live_recorders, recorders, register)
+from ..backends import base as _backend_base
+from ..core import dtypes as D
+from ..core.errors import DistError
+from .progress import (FORMAT, VERSION, _HOST, _gone, _progress, _trace_arg,  # noqa: F401
+                       _within, dump, dump_flight_recorder, dump_prefix, job_id, snapshot)
+from .fr_registry import (BUFFER_SIZE, DUMP_PREFIX, ENABLED, STACKS, describe,  # noqa: F401
+                          global_rank, live_recorders, recorders, register)
 
 _log = logging.getLogger("collectives")
 
@@ -116,7 +116,7 @@ class _PyCallRing:
 
 
 try:
-    from ._core import CallRing
+    from ..engines._core import CallRing
 except ImportError:  # extensions not built (or hidden)
     CallRing = _PyCallRing
 
@@ -286,7 +286,7 @@ def submit(pg, s, fn, *args):
 
 
 def _base_submit():
-    from .backends.base import Backend
+    from ..backends.base import Backend
     return Backend.submit
 
 
