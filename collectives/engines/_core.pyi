@@ -1,4 +1,5 @@
-"""Type stubs for collectives.engines._core (the Cython kernels); collectives.core.kernels_numpy has the same API."""
+"""Type stubs for collectives.engines._core (the Cython kernels); collectives.core.kernels_numpy
+has the same API."""
 from typing import Any, Optional, Sequence, SupportsIndex, SupportsInt, TypeVar, Union
 
 import numpy as np
