@@ -8,13 +8,8 @@ from .core.errors import DistBackendError, DistError, DistNetworkError, DistStor
 
 # ---- stores and rendezvous ----------------------------------------------------------------
 from .store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore  # noqa: E402
-# torch.distributed's names: dist.rendezvous is the function; the module (store/rendezvous.py)
-# is importable under torch.distributed.rendezvous's path too, as collectives.rendezvous
-# (``from collectives.rendezvous import register_rendezvous_handler``), through sys.modules
-from .store import rendezvous as _rendezvous_module  # noqa: E402
+# torch.distributed's names: dist.rendezvous is the function (the module: below)
 from .store.rendezvous import register_rendezvous_handler, rendezvous  # noqa: E402
-import sys as _sys  # noqa: E402
-_sys.modules[__name__ + ".rendezvous"] = _rendezvous_module
 
 # ---- the torch.distributed front end ---------------------------------------------------------
 from .backends import register_backend  # noqa: E402
@@ -46,13 +41,20 @@ from .core.reduce_op import ReduceOp, reduce_op, supports_complex
 from .core.work import Future, Work
 from .api.breakpoint import breakpoint  # noqa: E402,A004  (torch's name)
 from .torch_bridge.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
-# torch.distributed.device_mesh's path: dist.device_mesh and collectives.device_mesh
-from .torch_bridge import device_mesh  # noqa: E402
-_sys.modules[__name__ + ".device_mesh"] = device_mesh
 from .torch_bridge.gloo import ProcessGroupGloo  # noqa: E402
 from .core.options import (  # noqa: E402
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
+
+# torch.distributed's module paths for modules that live in folders here:
+# collectives.rendezvous (torch.distributed.rendezvous; dist.rendezvous stays the function)
+# is store/rendezvous.py, and collectives.device_mesh (also dist.device_mesh) is
+# torch_bridge/device_mesh.py; ``from collectives.rendezvous import ...`` finds them in sys.modules
+from .store import rendezvous as _rendezvous_module  # noqa: E402
+from .torch_bridge import device_mesh  # noqa: E402
+import sys as _sys  # noqa: E402
+_sys.modules[__name__ + ".rendezvous"] = _rendezvous_module
+_sys.modules[__name__ + ".device_mesh"] = device_mesh
 
 # the public names
 __all__ = [

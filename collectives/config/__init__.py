@@ -219,7 +219,8 @@ SETTINGS = (
         stores, 2 measured: the all_reduce and the all_gather time both kinds on their own calls and
         take the faster, the other collectives stream while the ranks' probes find their peers far
         (another die or socket)."""),
-    _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False, read_in="engines/_shm.pyx -> engines/shm/shm_copy.c", doc="""
+    _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False,
+       read_in="engines/_shm.pyx -> engines/shm/shm_copy.c", doc="""
         Allow the all_reduce's single copy with more ranks than cores and the broadcast's with more
         than two ranks a core (measured no faster there; the tests use it). The gathers' single copy
         runs there regardless."""),

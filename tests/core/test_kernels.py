@@ -20,7 +20,8 @@ from collectives.core import kernels_numpy as fb
 from collectives.core import dtypes as D
 from collectives.core.tensors import Buffer, to_buffer
 
-core = pytest.importorskip("collectives.engines._core", reason="build it: COLLECTIVES_ONLY=_core setup.py build_ext")
+core = pytest.importorskip("collectives.engines._core",
+                           reason="build it: COLLECTIVES_ONLY=_core setup.py build_ext")
 torch = pytest.importorskip("torch")
 
 IMPLS = [pytest.param(core, id="core"), pytest.param(fb, id="fallback")]
