@@ -12,7 +12,8 @@ import operator
 import numpy as np
 
 from . import dtypes as D
-from .tensors import Buffer, is_torch_tensor, to_buffer, view_numpy
+from .tensors import Buffer, is_torch_tensor, to_buffer
+from .views import view_numpy
 
 #: Bytes per chunk of the chunked kernels (COLL_CHUNK_BYTES in reduce_kernels.h).
 CHUNK_BYTES = 64 * 1024

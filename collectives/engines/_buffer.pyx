@@ -15,6 +15,7 @@ from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
 import numpy as np
 
 from ..core import dtypes as _D
+from ..core.views import buffer_numpy, buffer_repr
 
 cnp.import_array()
 
@@ -85,8 +86,7 @@ cdef class Buffer:
 
     def numpy(self):
         """A NumPy view of host memory (bfloat16 as uint16 bits); zero-copy."""
-        from ..core.tensors import _buffer_numpy
-        return _buffer_numpy(self)
+        return buffer_numpy(self)
 
     def bytes_view(self):
         """A flat uint8 NumPy view of the same memory; zero-copy."""
@@ -97,8 +97,7 @@ cdef class Buffer:
         return _make(self.ptr + start * self.itemsize, stop - start, self.dtype, self.device, self.obj)
 
     def __repr__(self):
-        from ..core.tensors import _buffer_repr
-        return _buffer_repr(self)
+        return buffer_repr(self)
 
     def __getbuffer__(self, Py_buffer *view, int flags):
         """Host memory as writable bytes (the buffer protocol), so mpi4py and memoryview

@@ -17,7 +17,17 @@ import operator
 import numpy as np
 
 from ..core import dtypes as _D
-from ..core.tensors import Buffer, to_buffer
+from ._buffer import Buffer
+
+# core.tensors.to_buffer (a layer above): the conversion, and its errors, of what the kernels
+# do not read in C; core.tensors hands it down when it is imported (_set_to_buffer)
+to_buffer = None
+
+
+def _set_to_buffer(fn):
+    """Take the package's ``to_buffer`` (``core.tensors`` calls this at its import)."""
+    global to_buffer
+    to_buffer = fn
 
 cnp.import_array()
 

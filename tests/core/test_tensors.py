@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 from collectives.core import dtypes as D
-from collectives.core.tensors import to_buffer, view_numpy
+from collectives.core.tensors import to_buffer
+from collectives.core.views import view_numpy
 
 try:
     import torch
@@ -218,7 +219,8 @@ def test_fast_buffers_agrees_with_the_python_list_path(tensors, kw):
 def test_numpy_and_torch_dtypes_follow_the_one_list_of_codes():
     """tensors' two dtype tables come from dtypes.DTYPE_NAMES: every code but bfloat16 has
     the NumPy dtype of its name, every code the torch dtype, each of the code's item size."""
-    from collectives.core.tensors import _NP_CODES, _torch_table
+    from collectives.core.tensors import _torch_table
+    from collectives.core.views import _NP_CODES
     assert sorted(_NP_CODES.values()) == sorted(set(D.DTYPE_NAMES) - {D.BFLOAT16})
     for dt, code in _NP_CODES.items():
         assert (dt.name, dt.itemsize) == (D.DTYPE_NAMES[code], D.ITEMSIZE[code])
