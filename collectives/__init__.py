@@ -35,7 +35,7 @@ from .api.objects import (
     all_gather_object, broadcast_object_list, gather_object, recv_object_list, scatter_object_list,
     send_object_list)
 from .api.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from .diagnostics.flight_recorder import dump_flight_recorder  # noqa: E402
+from .diagnostics.progress import dump_flight_recorder  # noqa: E402
 from .core.profiling import record_comm
 from .core.reduce_op import ReduceOp, reduce_op, supports_complex
 from .core.work import Future, Work
