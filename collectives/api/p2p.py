@@ -10,7 +10,7 @@ send or recv waits for it.
 from .dispatch import post_batch
 from .opspec import SPECS, build, recv_peer, send_peer
 from ..core.args import check_tag
-from ..core.plans import buffer, check_devices
+from ..core.convert import buffer, check_devices
 from ..core.world import current as _group
 from ..core.work import Work
 

@@ -141,12 +141,12 @@ cdef object _slow_list = None
 cdef int _COMPLEX64 = _D.COMPLEX64
 cdef int _COMPLEX128 = _D.COMPLEX128
 # whether CUDA tensors take the C path: set once a CUDA backend was live (the front end then
-# checks every call's buffers against its group's backend: core.plans.cuda_seen)
+# checks every call's buffers against its group's backend: core.cuda.cuda_seen)
 cdef bint _cuda_ok = False
 
 
 def _allow_cuda():
-    """Let CUDA tensors take the C path from now on (``core.plans._py_buffer`` calls it)."""
+    """Let CUDA tensors take the C path from now on (``core.convert._py_buffer`` calls it)."""
     global _cuda_ok
     _cuda_ok = True
 

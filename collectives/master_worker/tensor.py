@@ -13,7 +13,7 @@ import numbers
 import numpy as np
 
 import collectives.master_worker.protocol as P
-from ..core.plans import buffer
+from ..core.convert import buffer
 import collectives.master_worker.dispatch as dispatch
 from .codec import Ref
 from .dispatch import method_entry, operator_entry

@@ -65,7 +65,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tests.support.profiles import examples  # noqa: E402
 
-from collectives.core import plans as _frontend, tensors  # noqa: E402
+from collectives.core import convert, staging, tensors  # noqa: E402
 from collectives.core.tensors import Buffer, _PyBuffer  # noqa: E402
 
 try:
@@ -86,7 +86,7 @@ def fields(b):
 @needs_ext
 def test_the_compiled_buffer_is_the_one_in_use():
     assert Buffer is _buffer.Buffer
-    assert _frontend.buffer is _buffer.buffer
+    assert convert.buffer is _buffer.buffer
 
 
 @pytest.mark.parametrize("cls", BUFFER_TYPES)
@@ -164,7 +164,7 @@ def test_fast_buffer_agrees_with_to_buffer(a):
 ])
 def test_fast_buffer_agrees_with_to_buffer_for_torch(make):
     t = make()
-    _frontend.buffer(torch.zeros(1))  # the first torch tensor teaches the C path the torch types
+    convert.buffer(torch.zeros(1))  # the first torch tensor teaches the C path the torch types
     assert outcome(_buffer.buffer, t) == outcome(to_buffer, t)
 
 
@@ -189,7 +189,7 @@ def test_separate_blocks_agrees_with_the_python_check(blocks, in_at, in_count, r
     base = 0x10000
     outs = [Buffer(base + 4 * at, count, D.FLOAT32) for at, count in blocks]
     inp = Buffer(base + 4 * in_at, in_count, D.FLOAT32)
-    want = _frontend._py_separate_blocks(outs, inp, rank)
+    want = staging._py_separate_blocks(outs, inp, rank)
     assert bool(_buffer.separate_blocks(outs, inp, rank)) == bool(want)
 
 
@@ -213,7 +213,7 @@ def test_fast_buffers_agrees_with_the_python_list_path(tensors, kw):
             return [(b.ptr, b.count, b.dtype) for b in f(tensors, "tensor_list", **kw)]
         except (TypeError, ValueError) as e:
             return type(e), str(e)
-    assert run(_buffer.buffers) == run(_frontend._py_buffers)
+    assert run(_buffer.buffers) == run(convert._py_buffers)
 
 
 def test_numpy_and_torch_dtypes_follow_the_one_list_of_codes():

@@ -22,7 +22,8 @@ LAYERS = [
     ("core", ["core", "security"]),  # the vocabulary: errors, dtypes, ops, options, fingerprint...
     ("extensions", ["engines"]),  # compiled: their .pyx (and .pxi) imports count as a module's
     # core's modules that take a compiled engine or its Python twin (and those built on them)
-    ("buffers", ["core.tensors", "core.work", "core.plans", "core.kernels_numpy"]),
+    ("buffers", ["core.tensors", "core.work", "core.kernels_numpy", "core.convert", "core.cuda",
+                 "core.reduction", "core.staging"]),
     ("services", ["store", "launcher"]),
     ("backends", ["backends"]),
     ("diagnostics", ["diagnostics"]),
