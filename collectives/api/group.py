@@ -14,7 +14,7 @@ import zlib
 
 from .. import backends as _backends
 from ..diagnostics import debug as _debug
-from . import dispatch as _dispatch
+from . import group_dispatcher as _dispatcher
 from ..diagnostics import flight_recorder as _flight
 from ..core.errors import DistError
 from .pg_methods import CollectiveMethods, ProcessGroupMethods
@@ -72,7 +72,7 @@ class ProcessGroup(GroupBase, CollectiveMethods, ProcessGroupMethods):
         backend = _debug.on_new_group(backend, name, ranks, rank, backend_name)
         super().__init__(backend, ranks, rank, name, backend_name, timeout, store)
         self.fr = _flight.new_recorder(self)  # the flight recorder: this group's last calls
-        self.dispatch = _dispatch.for_group(self)  # every collective call's one path
+        self.dispatch = _dispatcher.for_group(self)  # every collective call's one path
 
     @property
     def _group(self):

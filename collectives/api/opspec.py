@@ -21,7 +21,7 @@ From each OpSpec two functions are made (:func:`build`, as :mod:`dataclasses` ma
 (the body on a group already resolved), which the ProcessGroup methods call. The body is
 the same text in both, compiled in place rather than called, so the free function's
 common call (``dist.all_reduce(t)``) has one Python frame and goes straight to the
-group's dispatcher (``pg.dispatch.call``: :mod:`collectives.api.dispatch`), as it did when
+group's dispatcher (``pg.dispatch.call``: :mod:`collectives.api.group_dispatcher`), as it did when
 each function was written by hand.
 
 Point-to-point calls (``isend``, ``irecv``, ``send``, ``recv``) are entries too: a buffer,

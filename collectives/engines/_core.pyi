@@ -60,7 +60,7 @@ class ProfilerTap:
 
 
 class Dispatcher:
-    """One group's path for every collective call (collectives.api.dispatch)."""
+    """One group's path for every collective call (collectives.api.group_dispatcher)."""
     fr: CallRing
     pg: Any
     backend: Any

@@ -82,4 +82,4 @@ _C_API = PyCapsule_New(<void *>coll_kernel_api_get(), "collectives.engines._core
 include "_reduce.pxi"
 include "_flatten.pxi"
 include "_recorder.pxi"
-include "_dispatch.pxi"
+include "_group_dispatcher.pxi"

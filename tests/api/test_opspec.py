@@ -292,7 +292,7 @@ def test_a_multigpu_entry_runs_its_single_tensor_entry(name):
 
 
 def test_the_recorder_and_the_profiler_are_handled_in_the_dispatcher_only():
-    """No module of collectives/api/ but dispatch.py and its runners (tracked.py) writes the
+    """No module of collectives/api/ but group_dispatcher.py and its runners (tracked.py) writes the
     recorder's started/done/fail steps, records a p2p call, or tests the profiler's flag
     (monitored_barrier runs the runners' own Tracked hook: it is not queued, as torch's gloo
     runs it)."""
@@ -301,7 +301,7 @@ def test_the_recorder_and_the_profiler_are_handled_in_the_dispatcher_only():
                          r"issue_p2p|tracked\.p2p|_profiling\.issue")
     found = []
     for f in sorted(os.listdir(api)):
-        if f.endswith(".py") and f not in ("dispatch.py", "tracked.py"):
+        if f.endswith(".py") and f not in ("group_dispatcher.py", "tracked.py"):
             with open(os.path.join(api, f)) as fh:
                 for i, line in enumerate(fh, 1):
                     if by_hand.search(line.split("#")[0]):
