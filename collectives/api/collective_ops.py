@@ -5,7 +5,7 @@ Each function is written from its entry in :data:`collectives.api.opspec.SPECS` 
 that describes each collective once) into :mod:`collectives.api._generated` by
 :mod:`collectives.api.gen`: it resolves the group (None on a rank outside it), checks and
 converts the tensors, and hands the call to the group's dispatcher (``pg.dispatch.call``:
-see :mod:`collectives.api.dispatch`), which records it, runs it blocking or queues it, and
+see :mod:`collectives.api.group_dispatcher`), which records it, runs it blocking or queues it, and
 returns a Work when async. The ProcessGroup methods (``pg.allreduce(...)``) run the same
 entries' bodies on their group (``_generated.RUNS[name]``).
 """

@@ -179,7 +179,8 @@ from . import multigpu as _multigpu
 from .opspec import _absent, any_sender, recv_peer, send_peer
 from ..core.args import TAG_LIMIT, check_tag
 from ..core.dtypes import SUM as _SUM_CODE
-from ..core.plans import buffer, buffers, check_devices, disjoint_gather
+from ..core.convert import buffer, buffers, check_devices
+from ..core.tensors import disjoint_gather
 from ..core.reduce_op import ReduceOp
 from ..core.work import Work, timeout_seconds
 from ..core.world import current, world

@@ -14,7 +14,9 @@ single-tensor entry's body on the group, which it is handed (``run``: ``all_redu
 import numpy as np
 
 from ..core import dtypes as D
-from ..core.plans import buffer, buffers, reduce_plan, scale, settle
+from ..core.convert import buffer, buffers
+from ..core.queued import settle
+from ..core.reduction import reduce_plan, scale
 from .opspec import OpSpec, add
 from ..core.reduce_op import op_code
 from ..core.work import Work

@@ -22,7 +22,7 @@ and ``all_reduce_run(pg, ...)`` (the body on a group already resolved), which th
 ProcessGroup methods call. The body is the same text in both, written in place rather
 than called, so the free function's common call (``dist.all_reduce(t)``) has one Python
 frame and goes straight to the group's dispatcher (``pg.dispatch.call``:
-:mod:`collectives.api.dispatch`). ``fast``, ``args``, ``record`` and ``plan_args`` are
+:mod:`collectives.api.group_dispatcher`). ``fast``, ``args``, ``record`` and ``plan_args`` are
 Python expressions over the generated function's parameters and the buffers the roles
 name.
 
@@ -37,11 +37,14 @@ memory when they already lie back to back).
 """
 import numpy as np
 
-from ..core import plans as _fe
+from ..core import cuda as _cuda
 from ..core.fingerprint import KIND_NAMES
-from ..core.plans import (Steps, buffers, check_devices, check_like, contiguous_span,
-                          copy_into, copy_of, needs_own_copy, overlaps,
-                          reduce_plan, scale, separate_blocks, settle, stage, unstage)
+from ..core.convert import buffers, check_devices, check_like
+from ..core.queued import Steps, settle
+from ..core.reduction import reduce_plan, scale
+from ..core.staging import (contiguous_span, copy_into, copy_of, needs_own_copy, separate_blocks,
+                            stage, unstage)
+from ..core.tensors import overlaps
 from ..core.world import NOT_INITIALIZED
 from ..core.reduce_op import ReduceOp
 from ..core.tensors import Buffer
@@ -91,7 +94,7 @@ def any_sender(pg, req):
 def _launch(pg, async_op, outputs, name, steps, buf, root=-1, op=-1, timeout=None):
     """Run ``steps`` as collective ``name``, recorded with ``buf``'s count and dtype, ``root``
     and ``op`` (a ReduceOp or code; -1: none)."""
-    if _fe.cuda_seen:  # a CUDA tensor must not reach a host backend, nor host memory nccl
+    if _cuda.cuda_seen:  # a CUDA tensor must not reach a host backend, nor host memory nccl
         for _, args in steps:
             check_devices(pg, [a for a in args if isinstance(a, Buffer)], name)
     fn, args = (Steps(name, steps), ()) if len(steps) > 1 else steps[0]

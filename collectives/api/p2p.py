@@ -9,10 +9,10 @@ records it in the flight recorder and, while torch's profiler runs, in a span; a
 send or recv waits for it.
 """
 from ._generated import irecv, isend, recv, send
-from .dispatch import post_batch
+from .group_dispatcher import post_batch
 from .opspec import recv_peer, send_peer
 from ..core.args import check_tag
-from ..core.plans import buffer, check_devices
+from ..core.convert import buffer, check_devices
 from ..core.world import current as _group
 from ..core.work import Work
 

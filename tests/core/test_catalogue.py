@@ -26,7 +26,7 @@ from collectives.api import opspec
 from collectives.backends import shm as shm_mod
 from collectives.backends.base import Backend
 from collectives.core import fingerprint as F
-from collectives.core.plans import buffer
+from collectives.core.convert import buffer
 from tests.support import ROOT
 
 COLLECTIVES = F.COLLECTIVES
@@ -97,7 +97,7 @@ def test_a_shm_backend_holds_its_comms_methods():
 
 
 def test_the_detail_checks_forward_every_collective():
-    from collectives.debug import CheckedBackend, _FINGERPRINTED
+    from collectives.diagnostics.debug import CheckedBackend, _FINGERPRINTED
     assert list(_FINGERPRINTED) == list(COLLECTIVES)
     seen = []
 
@@ -129,7 +129,7 @@ def test_the_detail_checks_forward_every_collective():
 
 
 def test_the_tcp_engine_takes_the_catalogues_kind_codes():
-    _tcp = pytest.importorskip("collectives._tcp", reason="the _tcp extension is not built here")
+    _tcp = pytest.importorskip("collectives.engines._tcp", reason="the _tcp extension is not built here")
     assert _tcp.KINDS == {name: code for name, code in COLLECTIVES.items()
                           if name != "all_gather_list"}
 

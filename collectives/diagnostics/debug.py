@@ -16,10 +16,10 @@ import os
 
 import numpy as np
 
-from .core import dtypes as D
-from .core.fingerprint import COLLECTIVES, KIND_NAMES
-from .core.plans import buffer
-from .core.errors import DistBackendError
+from ..core import dtypes as D
+from ..core.convert import buffer
+from ..core.errors import DistBackendError
+from ..core.fingerprint import COLLECTIVES, KIND_NAMES
 
 _log = logging.getLogger("collectives")
 
