@@ -136,6 +136,7 @@ _shm = _section(read_in="backends/shm.py", agree=True, rank0=True)
 _fr = _section(read_in="diagnostics/fr_registry.py")
 _build = _section(scope="build", read_in="setup.py")
 _test = _section(scope="test", read_in="tests/support/ranks.py")
+_el = _section(read_in="elastic/runtime.py")
 
 
 # ---- the registry: add a new setting HERE (and nowhere else) -----------------------------
@@ -254,6 +255,22 @@ SETTINGS = (
         group becomes torch's; false turns that off."""),
     _s("COLLECTIVES_TORCH_BACKEND", "str", "gloo", agree=True, read_in="torch_bridge/torch_pg.py", doc="""
         Backend of the groups that torch.distributed.init_process_group('collectives') makes."""),
+    # elastic training in place (collectives/elastic, docs/elastic.md); collectives-run sets them
+    _el("COLLECTIVES_ELASTIC_STORE", "str", None, doc="""
+        host:port of the job's store, served outside the training ranks (collectives-run's
+        supervisor, or ``python -m collectives.elastic.store``); elastic.init() meets there."""),
+    _el("COLLECTIVES_ELASTIC_JOB", "str", "job", doc="""
+        The elastic job's name: processes with the same store and name form one job."""),
+    _el("COLLECTIVES_ELASTIC_NP", "int", None, minimum=1, doc="""
+        Processes the first generation waits for (default: WORLD_SIZE, else the minimum)."""),
+    _el("COLLECTIVES_ELASTIC_MIN_NP", "int", 1, minimum=1, doc="""
+        Fewest members a generation may have: below it the members wait for newcomers, then
+        fail with ElasticError."""),
+    _el("COLLECTIVES_ELASTIC_MAX_NP", "int", None, minimum=1, doc="""
+        Most members a generation may have (default: no limit); newcomers beyond it wait."""),
+    _el("COLLECTIVES_ELASTIC_TIMEOUT", "int", 600, minimum=1, unit="s", doc="""
+        Seconds a rendezvous may take: the wait for newcomers below the minimum, and for a
+        live member that does not come to the rendezvous."""),
     # security (docs/security.md)
     _s("COLLECTIVES_AUTH_KEY", "str", None, agree=True, read_in="security/auth.py", doc="""
         The job's shared key: every store and rank-to-rank connection opens with an HMAC-SHA256

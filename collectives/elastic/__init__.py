@@ -1,0 +1,84 @@
+"""Elastic training in place: survivors keep training when a process dies, newcomers join,
+and no process is restarted (Horovod Elastic's API over collectives).
+
+::
+
+    import collectives as dist
+    from collectives import elastic
+
+    elastic.init()                          # the store: COLLECTIVES_ELASTIC_STORE
+    state = elastic.TorchState(model, optimizer, epoch=0, batch=0)
+
+    @elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            ...                             # collectives on the default group
+            state.commit()
+
+    train(state)
+
+On a DistError (a peer died) every member gives up the work under way, the members
+that are left form the next generation (a new default group), ``restore()`` the last
+commit, ``sync()`` from the new rank 0, run the reset callbacks and call the function
+again. Newcomers are admitted at the members' next ``commit()``. See docs/elastic.md.
+"""
+import functools
+
+from ..core.errors import DistError
+from .runtime import ElasticError, HostsUpdatedInterrupt, init, runtime, shutdown
+from .state import ObjectState, State, TorchState
+
+__all__ = ["init", "run", "State", "ObjectState", "TorchState", "ElasticError",
+           "HostsUpdatedInterrupt", "generation", "members", "resets", "shutdown"]
+
+
+def run(func):
+    """Run ``func(state, ...)`` until it returns, through failures and newcomers.
+
+    Before the first call the state is synced from rank 0 (a newcomer receives it). When
+    the call raises a DistError: the generation is marked broken (every member's groups
+    fail at once), the members left form the next one, ``state.restore()``,
+    ``state.sync()``, the reset callbacks, and ``func`` is called again. When it raises
+    HostsUpdatedInterrupt (from ``commit``): the same, with the newcomers, without
+    ``restore`` (the state was just committed). ElasticError (too few members for too
+    long) ends it.
+    """
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        rt = runtime()
+        reset = restore = False
+        while True:
+            try:
+                if reset:
+                    rt.reset()
+                    if restore:
+                        state.restore()
+                state.sync()
+                if reset:
+                    state.on_reset()
+                out = func(state, *args, **kwargs)
+            except DistError:
+                rt.break_generation()
+                reset = restore = True
+                continue
+            except HostsUpdatedInterrupt:
+                reset = True
+                continue
+            rt.finish()
+            return out
+    return wrapper
+
+
+def generation():
+    """The current generation's number (0 for the job's first default group)."""
+    return runtime().gen
+
+
+def members():
+    """The current generation's process ids, in rank order."""
+    return list(runtime().members)
+
+
+def resets():
+    """How many times this process formed a new generation after joining."""
+    return runtime().resets
