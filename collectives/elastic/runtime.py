@@ -237,6 +237,11 @@ class Runtime:
                 missing = [u for u in old if u not in came and self.alive(u)]
                 fresh = [u for a, u in sorted(regs) if u not in old and self.alive(u)]
                 ready = not missing or waited >= self.rdzv_timeout
+            if old is not None and not stay and not any(self.alive(u) for u in old):
+                raise ElasticError(
+                    f"elastic job {self.prefix[8:-1]!r}: every member of generation {g - 1} "
+                    f"is gone, and the state with them" + (
+                        " (the job has finished)" if self._check("done") else ""))
             members = stay + fresh
             if self.max_np is not None:
                 members = members[:self.max_np]
@@ -347,10 +352,11 @@ class Runtime:
         return self._check(f"g{self.gen + 1}/here")
 
     def finish(self):
-        """This process leaves the job normally: its exit does not break the generation."""
-        self._stop_watch()
+        """This process leaves the job normally (its function returned): its exit does not
+        break the generation, and the job is marked done."""
         try:
             self._lease(None)
+            self.store.set(self._k("done"), self.uid)
         except DistError:
             pass
 

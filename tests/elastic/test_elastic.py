@@ -1,0 +1,208 @@
+"""Elastic training in place: survivors keep training, newcomers join, nobody restarts.
+
+Ranks are plain processes (tests/elastic/programs.py) meeting through a store this test
+process serves, outside every rank, so that any rank may die, rank 0 included. The
+training sums small-integer gradients, so every split of a step's batch over any world
+gives the same float64 bits: the survivors' final parameters must equal the fault-free
+reference exactly.
+"""
+import datetime
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from collectives.store import TCPStore
+from tests.elastic.programs import reference
+from tests.support.ranks import ROOT
+
+pytestmark = pytest.mark.faults
+
+STEPS = 20
+KILL_STEP = 5
+
+
+def store_server():
+    return TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
+                    wait_for_workers=False)
+
+
+def job_env(store, out, **extra):
+    env = dict(os.environ, COLLECTIVES_ELASTIC_STORE=f"127.0.0.1:{store.port}",
+               ELASTIC_OUT=str(out), ELASTIC_STEPS=str(STEPS), PYTHONPATH=ROOT)
+    env.pop("COLLECTIVES_AUTH_KEY", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def start(env, n=1):
+    return [subprocess.Popen([sys.executable, "-m", "tests.elastic.programs"], env=env,
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for _ in range(n)]
+
+
+def finish(procs, timeout):
+    """{pid: (returncode, output)}; every process is killed by ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    got = {}
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        got[p.pid] = (p.returncode, out.decode(errors="replace"))
+    return got
+
+
+def results(out):
+    return {r["pid"]: r for r in (json.load(open(f)) for f in glob.glob(f"{out}/*.json"))}
+
+
+def check_survivors(got, res, n_alive, expect_world, ref_steps=STEPS):
+    """Every survivor exited 0 and wrote the reference's bits; none was restarted (the
+    pids that finished are the ones started)."""
+    dead = [pid for pid, (rc, _) in got.items() if rc == -signal.SIGKILL]
+    bad = {pid: out[-3000:] for pid, (rc, out) in got.items() if rc not in (0, -signal.SIGKILL)}
+    assert not bad, f"processes failed: {bad}"
+    assert set(res) == set(got) - set(dead), (sorted(res), sorted(got), dead)
+    assert len(res) == n_alive
+    ref = reference(ref_steps).tobytes().hex()
+    for r in res.values():
+        assert r["step"] == ref_steps
+        assert r["w"] == ref, f"rank {r['rank']}: parameters differ from the reference"
+        assert r["world"] == expect_world
+    assert sorted(r["rank"] for r in res.values()) == list(range(expect_world))
+    return dead
+
+
+# every rank's death, one at a time, rank 0 included, at worlds 2-4 (world 4: slow but one)
+CASES = [(n, v) for n in (2, 3, 4) for v in range(n)]
+
+
+def _mark(n, v):
+    return [pytest.mark.slow] if n == 4 and v != 0 else []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("n,victim", [pytest.param(n, v, marks=_mark(n, v), id=f"w{n}-kill{v}")
+                                      for n, v in CASES])
+def test_survivors_finish_with_the_reference_state(tmp_path, n, victim, transport):
+    store = store_server()
+    env = job_env(store, tmp_path, COLLECTIVES_ELASTIC_NP=n, ELASTIC_VICTIM=victim,
+                  ELASTIC_KILL_STEP=KILL_STEP, COLLECTIVES_TRANSPORT=transport)
+    got = finish(start(env, n), 90)
+    res = results(tmp_path)
+    dead = check_survivors(got, res, n - 1, n - 1)
+    assert len(dead) == 1
+    for r in res.values():
+        assert r["gen"] == 1 and r["resets"] == 1
+        assert r["worlds"] == [[0, n], [1, n - 1]]
+    store.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_newcomer_is_admitted_at_a_commit_and_gets_the_state(tmp_path):
+    """Two members train slowly; a third process started later against the same store is
+    admitted at their next commit, receives the state, and all three finish together,
+    numbered 0..2 with the newcomer last."""
+    store = store_server()
+    env = job_env(store, tmp_path, COLLECTIVES_ELASTIC_NP=2, ELASTIC_STEP_SLEEP=0.15)
+    first = start(env, 2)
+    while not store.check(["elastic/job/gen/0"]):
+        time.sleep(0.05)
+    late = start(env, 1)
+    got = finish(first + late, 90)
+    res = results(tmp_path)
+    check_survivors(got, res, 3, 3)
+    new = res[late[0].pid]
+    assert new["newcomer"] and new["rank"] == 2 and new["gen"] == 1
+    assert all(r["gen"] == 1 for r in res.values())
+    store.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_death_and_a_newcomer(tmp_path):
+    """Rank 0 of three dies; a newcomer arrives: the job ends with three members again."""
+    store = store_server()
+    env = job_env(store, tmp_path, COLLECTIVES_ELASTIC_NP=3, ELASTIC_VICTIM=0,
+                  ELASTIC_KILL_STEP=KILL_STEP, ELASTIC_STEP_SLEEP=0.1)
+    first = start(env, 3)
+    deadline = time.monotonic() + 60
+    while not store.check(["elastic/job/gen/1"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    late = start(env, 1)
+    got = finish(first + late, 90)
+    res = results(tmp_path)
+    check_survivors(got, res, 3, 3)
+    assert res[late[0].pid]["rank"] == 2
+    store.close()
+
+
+@pytest.mark.timeout(60)
+def test_below_min_np_the_survivors_wait_then_fail_clearly(tmp_path):
+    store = store_server()
+    env = job_env(store, tmp_path, COLLECTIVES_ELASTIC_NP=2, COLLECTIVES_ELASTIC_MIN_NP=2,
+                  COLLECTIVES_ELASTIC_TIMEOUT=3, ELASTIC_VICTIM=1, ELASTIC_KILL_STEP=KILL_STEP)
+    t0 = time.monotonic()
+    got = finish(start(env, 2), 45)
+    assert time.monotonic() - t0 >= 3
+    rcs = sorted(rc for rc, _ in got.values())
+    assert rcs == [-signal.SIGKILL, 1]
+    out = next(o for rc, o in got.values() if rc == 1)
+    assert "ElasticError" in out and "below min_np=2" in out
+    store.close()
+
+
+@pytest.mark.timeout(60)
+def test_max_np_keeps_newcomers_out(tmp_path):
+    store = store_server()
+    env = job_env(store, tmp_path, COLLECTIVES_ELASTIC_NP=2, COLLECTIVES_ELASTIC_MAX_NP=2,
+                  COLLECTIVES_ELASTIC_TIMEOUT=4, ELASTIC_STEP_SLEEP=0.05)
+    first = start(env, 2)
+    while not store.check(["elastic/job/gen/0"]):
+        time.sleep(0.05)
+    late = start(env, 1)
+    got = finish(first, 60)
+    res = results(tmp_path)
+    assert all(rc == 0 for rc, _ in got.values())
+    assert len(res) == 2 and all(r["gen"] == 0 and r["world"] == 2 for r in res.values())
+    rc, out = finish(late, 30)[late[0].pid]
+    assert rc == 1 and "ElasticError" in out and "has finished" in out, out[-2000:]
+    store.close()
+
+
+def test_lease_goes_with_its_connection():
+    """The store server deletes a leased key, and sets its close key, when the holder's
+    connection closes (what tells the members that a process died)."""
+    server = store_server()
+    holder = TCPStore("127.0.0.1", server.port, None, False, wait_for_workers=False)
+    holder.lease("alive/a", b"1", "broken", b"a")
+    assert server.check(["alive/a"]) and not server.check(["broken"])
+    holder.lease("alive/a", b"1", "broken2", b"a")  # a new close action replaces the old
+    holder.close()
+    server.wait(["broken2"], datetime.timedelta(seconds=5))
+    assert server.get("broken2") == b"a"
+    assert not server.check(["alive/a"]) and not server.check(["broken"])
+    server.close()
+
+
+def test_misuse_raises_before_anything_is_sent():
+    from collectives import elastic
+    with pytest.raises(ValueError, match="elastic.init"):
+        elastic.runtime()
+    with pytest.raises(ValueError, match="max_np"):
+        elastic.init("127.0.0.1:1", min_np=3, max_np=2)
+    with pytest.raises(ValueError, match="min_np"):
+        elastic.init("127.0.0.1:1", min_np=0)
+    with pytest.raises(ValueError, match="host:port"):
+        elastic.init("nowhere")
+    state = elastic.ObjectState(x=1)
+    with pytest.raises(TypeError, match="callable"):
+        state.register_reset_callbacks([1])
