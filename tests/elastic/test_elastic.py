@@ -33,8 +33,9 @@ def store_server():
 
 
 def job_env(store, out, **extra):
-    env = dict(os.environ, COLLECTIVES_ELASTIC_STORE=f"127.0.0.1:{store.port}",
-               ELASTIC_OUT=str(out), ELASTIC_STEPS=str(STEPS), PYTHONPATH=ROOT)
+    env = dict(os.environ, ELASTIC_OUT=str(out), ELASTIC_STEPS=str(STEPS), PYTHONPATH=ROOT)
+    if store is not None:
+        env["COLLECTIVES_ELASTIC_STORE"] = f"127.0.0.1:{store.port}"
     env.pop("COLLECTIVES_AUTH_KEY", None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -206,3 +207,42 @@ def test_misuse_raises_before_anything_is_sent():
     state = elastic.ObjectState(x=1)
     with pytest.raises(TypeError, match="callable"):
         state.register_reset_callbacks([1])
+
+
+def run_launcher(args, env, timeout):
+    return subprocess.run([sys.executable, "-m", "collectives.run", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_replaces_a_dead_rank_without_touching_the_others(tmp_path):
+    """collectives-run --min-np: the launcher serves the store, a rank dies (whichever is
+    rank 0 of the first generation), the launcher starts one in its place, the others are
+    not restarted (their pids finish), the newcomer gets the state, and all three end with
+    the reference's bits."""
+    env = job_env(None, tmp_path, ELASTIC_VICTIM=0,
+                  ELASTIC_KILL_STEP=KILL_STEP, ELASTIC_STEP_SLEEP=0.1)
+    out = run_launcher(["--nproc-per-node", "3", "--min-np", "2", "--max-replacements", "1",
+                        "-m", "tests.elastic.programs"], env, 100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "in its place (1 of 1)" in out.stderr
+    res = results(tmp_path)
+    assert len(res) == 3
+    old = [r for r in res.values() if not r["newcomer"]]
+    assert len(old) == 2 and all(r["worlds"][0] == [0, 3] for r in old)
+    ref = reference(STEPS).tobytes().hex()
+    assert all(r["w"] == ref and r["world"] == 3 for r in res.values())
+    new = next(r for r in res.values() if r["newcomer"])
+    assert new["rank"] == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,match", [
+    (["--min-np", "3", "--max-np", "2"], "--max-np"),
+    (["--min-np", "0"], "--min-np must be >= 1"),
+    (["--max-replacements", "1"], "needs --min-np"),
+    (["--min-np", "1", "--nnodes", "2"], "each host's launcher"),
+])
+def test_elastic_flags_are_checked(args, match):
+    out = run_launcher([*args, "-n", "1", "x.py"], dict(os.environ), 30)
+    assert out.returncode == 2 and match in out.stderr
