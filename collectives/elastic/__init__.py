@@ -23,6 +23,7 @@ commit, ``sync()`` from the new rank 0, run the reset callbacks and call the fun
 again. Newcomers are admitted at the members' next ``commit()``. See docs/elastic.md.
 """
 import functools
+import gc
 
 from ..core.errors import DistError
 from .runtime import ElasticError, HostsUpdatedInterrupt, init, runtime, shutdown
@@ -50,6 +51,9 @@ def run(func):
         while True:
             try:
                 if reset:
+                    # what the failed call left in reference cycles (its traceback's frames,
+                    # a DDP whose reducer's hooks are still on the parameters) goes now
+                    gc.collect()
                     rt.reset()
                     if restore:
                         state.restore()
@@ -57,16 +61,33 @@ def run(func):
                 if reset:
                     state.on_reset()
                 out = func(state, *args, **kwargs)
-            except DistError:
-                rt.break_generation()
-                reset = restore = True
-                continue
             except HostsUpdatedInterrupt:
                 reset = True
+                continue
+            except Exception as e:  # noqa: BLE001  (ours, or torch's wrapping of ours)
+                if not _a_failure(e, rt):
+                    raise
+                rt.break_generation()
+                reset = restore = True
                 continue
             rt.finish()
             return out
     return wrapper
+
+
+_OURS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+
+
+def _a_failure(e, rt):
+    """Whether ``e`` comes from a lost peer: a DistError; or another error (torch turns
+    the DistError of a DDP bucket's all_reduce into a RuntimeError) that names one, or
+    that arrives while the generation is marked broken."""
+    if isinstance(e, DistError):
+        return True
+    if isinstance(e, ElasticError):
+        return False
+    text = str(e)
+    return any(name in text for name in _OURS) or rt.broken(wait=1.0)
 
 
 def generation():

@@ -312,6 +312,18 @@ class Runtime:
         except DistError:
             pass  # the store is unreachable: the rendezvous will say so
 
+    def broken(self, wait=0.0):
+        """Whether the current generation is marked broken (waiting up to ``wait``
+        seconds for the mark: the server sets it when a member's connection closes)."""
+        key = self._k(f"g{self.gen}/abort")
+        try:
+            if wait > 0:
+                self.store.wait([key], datetime.timedelta(seconds=wait))
+                return True
+            return self.store.check([key])
+        except DistError:
+            return False
+
     def _start_watch(self, g):
         stop = threading.Event()
         self._watch_stop = stop

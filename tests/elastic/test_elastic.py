@@ -246,3 +246,32 @@ def test_the_launcher_replaces_a_dead_rank_without_touching_the_others(tmp_path)
 def test_elastic_flags_are_checked(args, match):
     out = run_launcher([*args, "-n", "1", "x.py"], dict(os.environ), 30)
     assert out.returncode == 2 and match in out.stderr
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n,victim,transport", [
+    (3, 0, "shm"), (3, 2, "tcp"),
+    pytest.param(2, 1, "shm", marks=pytest.mark.slow), pytest.param(4, 3, "tcp", marks=pytest.mark.slow)])
+def test_ddp_is_rebuilt_on_the_new_group_and_the_sampler_follows_it(tmp_path, n, victim, transport):
+    """The DDP recipe: TorchState(model, SGD with momentum), DDP rebuilt by a reset
+    callback, torch's DistributedSampler over the new default group. A rank dies in the
+    middle of a backward; the survivors' weights and momentum equal the fault-free
+    single-process run's bits."""
+    pytest.importorskip("torch")
+    from tests.elastic.programs import torch_reference
+    store = store_server()
+    env = job_env(store, tmp_path, COLLECTIVES_ELASTIC_NP=n, ELASTIC_VICTIM=victim,
+                  ELASTIC_KILL_STEP=KILL_STEP, COLLECTIVES_TRANSPORT=transport,
+                  ELASTIC_PROGRAM="ddp_worker")
+    got = finish(start(env, n), 150)
+    res = results(tmp_path)
+    bad = {pid: out[-3000:] for pid, (rc, out) in got.items() if rc not in (0, -signal.SIGKILL)}
+    assert not bad
+    assert len(res) == n - 1
+    ref = torch_reference(STEPS)
+    assert len({r["momentum"] for r in res.values()}) == 1
+    for r in res.values():
+        assert r["w"] == ref and r["world"] == n - 1 and r["step"] == STEPS
+        assert r["built_on"] == [0, 1]  # DDP at the start, and again on generation 1
+        assert r["checks_ok"]  # the sampler and torch.distributed saw the new world
+    store.close()
