@@ -36,6 +36,7 @@ from ..core.errors import DistError
 
 POLL = 0.05  # seconds between looks at a generation being decided
 SETTLE = 1.0  # seconds the first generation waits beyond min_np for more processes
+SWITCH_GRACE = 3.0  # seconds after a move to a successor store before an unleased member counts as dead
 
 
 class ElasticError(RuntimeError):
@@ -71,12 +72,8 @@ def shutdown():
 
 
 def _connect(address, timeout):
-    from ..store import TCPStore
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"the elastic store address must be host:port, got {address!r}")
-    return TCPStore(host.strip("[]"), int(port), None, False,
-                    datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    from .failover import FailoverStore, parse_addresses
+    return FailoverStore(parse_addresses(address), timeout)
 
 
 def init(store=None, *, job=None, np=None, min_np=None, max_np=None, backend=None,
@@ -130,6 +127,8 @@ def init(store=None, *, job=None, np=None, min_np=None, max_np=None, backend=Non
                              "'host:port') or set COLLECTIVES_ELASTIC_STORE (collectives-run "
                              "--min-np/--max-np does)")
     if isinstance(store, str):
+        from .failover import parse_addresses
+        parse_addresses(store)  # a bad address is a ValueError before anything is sent
         store = _connect(store, max(timeout, 30.0))
     if not hasattr(store, "lease") or not hasattr(store, "clone"):
         raise TypeError(f"the elastic store must be a TCPStore (it leases each process's "
@@ -165,6 +164,23 @@ class Runtime:
         self._leaser = store.clone()  # one connection, one thread: the lease lives on it
         self._lease(None)
         self.arrival = self._add("arrivals", 1)
+        self.switched_at = None
+        if hasattr(store, "on_switch"):  # a FailoverStore: its successor starts empty
+            store.on_switch.append(self._reseed)
+
+    def _reseed(self):
+        """The store moved to a successor (the primary's process died): lease again there,
+        and write the current generation's decision (every member writes the same)."""
+        self.switched_at = time.monotonic()
+        with self.lock:
+            g, members = self.gen, list(self.members)
+        try:
+            self._lease(g if g >= 0 else None)
+            if g >= 0:
+                self.store.compare_set(self._k(f"gen/{g}"), b"", json.dumps(
+                    {"members": members}).encode())
+        except DistError:
+            pass  # the next store call fails over again, or says why
 
     # -- store helpers (keys under the job's prefix) ------------------------------------------
     def _k(self, key):
@@ -227,17 +243,24 @@ class Runtime:
                 return members
             regs = self._registrants(g)
             came = {u for _, u in regs}
+            if self.uid not in came:  # the store moved to a successor meanwhile
+                self.store.append(self._k(f"g{g}/here"), f"{self.arrival} {self.uid}\n".encode())
+                continue
             waited = time.monotonic() - t0
+            # just after a move, a live member may not have leased again on the successor yet
+            settling = self.switched_at is not None and \
+                time.monotonic() - self.switched_at < SWITCH_GRACE
             if old is None:
                 fresh = [u for _, u in sorted(regs) if self.alive(u)]
                 stay = []
                 ready = len(fresh) >= self.np or (len(fresh) >= self.min_np and waited >= SETTLE)
             else:
                 stay = [u for u in old if u in came]
-                missing = [u for u in old if u not in came and self.alive(u)]
+                missing = [u for u in old if u not in came and (settling or self.alive(u))]
                 fresh = [u for a, u in sorted(regs) if u not in old and self.alive(u)]
                 ready = not missing or waited >= self.rdzv_timeout
-            if old is not None and not stay and not any(self.alive(u) for u in old):
+            if old is not None and not stay and not settling and \
+                    not any(self.alive(u) for u in old):
                 raise ElasticError(
                     f"elastic job {self.prefix[8:-1]!r}: every member of generation {g - 1} "
                     f"is gone, and the state with them" + (

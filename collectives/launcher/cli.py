@@ -138,17 +138,6 @@ def _job_key(path, one_node):
                   f"its store and connections accept anyone who can reach them")
 
 
-def _port_taken(port):
-    """Whether a local process already listens on ``port`` (another launcher of this job
-    on this host serves the store there)."""
-    import socket
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 RDZV_BACKENDS = ("static", "c10d")
 C10D_PORT = 29400  # torchrun's default rendezvous port
 
@@ -257,14 +246,24 @@ class Config:
             else args.max_replacements
         if self.max_replacements < 0:
             raise ValueError(f"--max-replacements must be >= 0, got {self.max_replacements}")
+        # the store: served here on a free port; or --rdzv-endpoint host:port[,host:port...],
+        # the primary then its successors: this launcher serves the first entry of this
+        # host that no one serves yet (none if every one is taken), and the ranks get the list
         self.store_host, self.store_port, self.serve_store = "127.0.0.1", 0, True
+        self.store_list = None
+        self.store_candidates = [("127.0.0.1", 0)]
         if args.rdzv_endpoint:
             from .agents import is_local
-            host, sep, p = args.rdzv_endpoint.rpartition(":")
-            if not sep or not p.isdigit():
-                raise ValueError(f"--rdzv-endpoint must be host:port, got {args.rdzv_endpoint!r}")
-            self.store_host, self.store_port = host.strip("[]"), int(p)
-            self.serve_store = is_local(self.store_host) and not _port_taken(self.store_port)
+            entries = []
+            for item in args.rdzv_endpoint.split(","):
+                host, sep, p = item.strip().rpartition(":")
+                if not sep or not p.isdigit() or not host:
+                    raise ValueError(f"--rdzv-endpoint must be host:port[,host:port...] with "
+                                     f"--min-np/--max-np, got {args.rdzv_endpoint!r}")
+                entries.append((host.strip("[]"), int(p)))
+            self.store_list = ",".join(f"{h}:{p}" for h, p in entries)
+            self.store_candidates = [(h, p) for h, p in entries if is_local(h)]
+            self.serve_store = bool(self.store_candidates)
 
     def _dynamic(self, args):
         """--rdzv-backend c10d: where the launchers meet, and how long they wait."""
@@ -310,7 +309,7 @@ class Config:
         })
         if self.elastic:
             env.update({
-                "COLLECTIVES_ELASTIC_STORE": f"{self.store_host}:{self.store_port}",
+                "COLLECTIVES_ELASTIC_STORE": self.store_list or f"{self.store_host}:{self.store_port}",
                 "COLLECTIVES_ELASTIC_JOB": self.run_id,
                 "COLLECTIVES_ELASTIC_NP": str(self.nproc),
                 "COLLECTIVES_ELASTIC_MIN_NP": str(self.min_np),

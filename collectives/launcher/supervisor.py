@@ -320,12 +320,18 @@ class Launcher:
         if cfg.serve_store:
             from ..store.server import StoreServer
             from ..security.auth import check_key
-            server = StoreServer(cfg.store_port, None, cfg.store_host,
-                                 None if cfg.auth_key is None else check_key(cfg.auth_key))
-            cfg.store_port = server.port
-            self.note(f"elastic job {cfg.run_id!r}: store on {cfg.store_host}:{server.port} "
-                      f"(in this launcher, pid {os.getpid()}); --min-np {cfg.min_np}"
-                      + (f", --max-np {cfg.max_np}" if cfg.max_np is not None else ""))
+            key = None if cfg.auth_key is None else check_key(cfg.auth_key)
+            for host, port in cfg.store_candidates:  # the first this host has free
+                try:
+                    server = StoreServer(port, None, host, key)
+                except OSError:
+                    continue
+                cfg.store_host, cfg.store_port = host, server.port
+                break
+            if server is not None:
+                self.note(f"elastic job {cfg.run_id!r}: store on {cfg.store_host}:{server.port} "
+                          f"(in this launcher, pid {os.getpid()}); --min-np {cfg.min_np}"
+                          + (f", --max-np {cfg.max_np}" if cfg.max_np is not None else ""))
         try:
             return self._supervise_elastic()
         finally:

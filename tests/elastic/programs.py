@@ -33,6 +33,20 @@ def _kill_now():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _join_after():
+    """ELASTIC_JOIN_AFTER=g: a newcomer, started early (imports done), that calls
+    elastic.init once generation g is decided."""
+    g = os.environ.get("ELASTIC_JOIN_AFTER")
+    if g is None:
+        return
+    from collectives.elastic.failover import FailoverStore
+    store = FailoverStore(os.environ["COLLECTIVES_ELASTIC_STORE"])
+    deadline = time.monotonic() + 60
+    while not store.check([f"elastic/job/gen/{g}"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    store.close()
+
+
 def numpy_worker():
     """ObjectState training: kill the process of rank ELASTIC_VICTIM of generation 0 at
     step ELASTIC_KILL_STEP (before its all_reduce), if set."""
@@ -43,6 +57,7 @@ def numpy_worker():
     victim = int(os.environ.get("ELASTIC_VICTIM", "-1"))
     kill_step = int(os.environ.get("ELASTIC_KILL_STEP", "-1"))
     step_sleep = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))
+    _join_after()
     elastic.init(timeout=float(os.environ.get("ELASTIC_TIMEOUT", "20")))
     newcomer = elastic.generation() > 0
     state = elastic.ObjectState(step=0, w=np.zeros(DIM))

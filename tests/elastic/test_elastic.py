@@ -116,9 +116,7 @@ def test_a_newcomer_is_admitted_at_a_commit_and_gets_the_state(tmp_path):
     store = store_server()
     env = job_env(store, tmp_path, COLLECTIVES_ELASTIC_NP=2, ELASTIC_STEP_SLEEP=0.15)
     first = start(env, 2)
-    while not store.check(["elastic/job/gen/0"]):
-        time.sleep(0.05)
-    late = start(env, 1)
+    late = start(dict(env, ELASTIC_JOIN_AFTER="0"), 1)
     got = finish(first + late, 90)
     res = results(tmp_path)
     check_survivors(got, res, 3, 3)
@@ -135,10 +133,7 @@ def test_a_death_and_a_newcomer(tmp_path):
     env = job_env(store, tmp_path, COLLECTIVES_ELASTIC_NP=3, ELASTIC_VICTIM=0,
                   ELASTIC_KILL_STEP=KILL_STEP, ELASTIC_STEP_SLEEP=0.1)
     first = start(env, 3)
-    deadline = time.monotonic() + 60
-    while not store.check(["elastic/job/gen/1"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    late = start(env, 1)
+    late = start(dict(env, ELASTIC_JOIN_AFTER="1"), 1)
     got = finish(first + late, 90)
     res = results(tmp_path)
     check_survivors(got, res, 3, 3)
@@ -167,9 +162,7 @@ def test_max_np_keeps_newcomers_out(tmp_path):
     env = job_env(store, tmp_path, COLLECTIVES_ELASTIC_NP=2, COLLECTIVES_ELASTIC_MAX_NP=2,
                   COLLECTIVES_ELASTIC_TIMEOUT=4, ELASTIC_STEP_SLEEP=0.05)
     first = start(env, 2)
-    while not store.check(["elastic/job/gen/0"]):
-        time.sleep(0.05)
-    late = start(env, 1)
+    late = start(dict(env, ELASTIC_JOIN_AFTER="0"), 1)
     got = finish(first, 60)
     res = results(tmp_path)
     assert all(rc == 0 for rc, _ in got.values())
@@ -275,3 +268,72 @@ def test_ddp_is_rebuilt_on_the_new_group_and_the_sampler_follows_it(tmp_path, n,
         assert r["built_on"] == [0, 1]  # DDP at the start, and again on generation 1
         assert r["checks_ok"]  # the sampler and torch.distributed saw the new world
     store.close()
+
+
+KEY = "elastic-test-key"
+
+
+def _members_of_last_generation(port):
+    """The newest generation's member count on the store at ``port`` (0 if none)."""
+    client = TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=5),
+                      wait_for_workers=False, auth_key=KEY)
+    try:
+        g = 0
+        while client.check([f"elastic/none/gen/{g}"]):
+            g += 1
+        if g == 0:
+            return 0
+        return len(json.loads(client.get(f"elastic/none/gen/{g - 1}"))["members"])
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(150)
+def test_the_store_moves_to_its_successor_when_the_first_launcher_dies(tmp_path):
+    """Two launchers of one job (emulating two hosts), two ranks each; the first serves
+    the store, the second its successor. The first launcher is killed with SIGKILL (its
+    ranks die with it, through its reaper): the second's ranks move to the successor
+    store, form a generation of two, and finish with the reference's bits, unrestarted."""
+    from tests.support.ranks import free_port
+    p1, p2 = free_port(), free_port()
+    env = job_env(None, tmp_path, ELASTIC_STEP_SLEEP=0.25, COLLECTIVES_AUTH_KEY=KEY)
+    args = [sys.executable, "-m", "collectives.run", "--nproc-per-node", "2", "--min-np", "1",
+            "--rdzv-endpoint", f"127.0.0.1:{p1},127.0.0.1:{p2}", "-m", "tests.elastic.programs"]
+    a = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    b = None
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with __import__("socket").create_connection(("127.0.0.1", p1), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        b = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if _members_of_last_generation(p1) == 4:
+                    break
+            except Exception:  # noqa: BLE001  (not up yet)
+                pass
+            time.sleep(0.1)
+        else:
+            a.kill()
+            pytest.fail("the four ranks never formed one generation: "
+                        + a.communicate()[1].decode()[-2000:])
+        a.kill()
+        a.wait(10)
+        out, err = b.communicate(timeout=90)
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert b.returncode == 0, err.decode()[-3000:]
+    res = results(tmp_path)
+    assert len(res) == 2, err.decode()[-3000:]
+    ref = reference(STEPS).tobytes().hex()
+    for r in res.values():
+        assert r["w"] == ref and r["world"] == 2 and r["step"] == STEPS
