@@ -26,7 +26,7 @@ import functools
 import gc
 
 from ..core.errors import DistError
-from .runtime import ElasticError, HostsUpdatedInterrupt, init, runtime, shutdown
+from .runtime import ElasticError, HostsUpdatedInterrupt, current, init, shutdown
 from .state import ObjectState, State, TorchState
 
 __all__ = ["init", "run", "State", "ObjectState", "TorchState", "ElasticError",
@@ -46,7 +46,7 @@ def run(func):
     """
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        rt = runtime()
+        rt = current()
         reset = restore = False
         while True:
             try:
@@ -92,14 +92,14 @@ def _a_failure(e, rt):
 
 def generation():
     """The current generation's number (0 for the job's first default group)."""
-    return runtime().gen
+    return current().gen
 
 
 def members():
     """The current generation's process ids, in rank order."""
-    return list(runtime().members)
+    return list(current().members)
 
 
 def resets():
     """How many times this process formed a new generation after joining."""
-    return runtime().resets
+    return current().resets

@@ -36,6 +36,7 @@ from ..core.errors import DistError
 
 POLL = 0.05  # seconds between looks at a generation being decided
 SETTLE = 1.0  # seconds the first generation waits beyond min_np for more processes
+FORM_TIMEOUT = 15.0  # seconds a generation's members may take to meet in its new group
 SWITCH_GRACE = 3.0  # seconds after a move to a successor store before an unleased member counts as dead
 
 
@@ -52,7 +53,7 @@ class HostsUpdatedInterrupt(RuntimeError):
 _runtime = None
 
 
-def runtime():
+def current():
     if _runtime is None:
         raise ValueError("collectives.elastic: call elastic.init() first (after it, "
                          "the default process group is the job's current generation)")
@@ -133,6 +134,8 @@ def init(store=None, *, job=None, np=None, min_np=None, max_np=None, backend=Non
     if not hasattr(store, "lease") or not hasattr(store, "clone"):
         raise TypeError(f"the elastic store must be a TCPStore (it leases each process's "
                         f"liveness on its connection), got {type(store).__name__}")
+    from ..diagnostics import progress
+    progress.set_ack_wait(0.0)  # a failure is followed by a new group, not by a wait for dumps
     rt = Runtime(store, job or config.get("COLLECTIVES_ELASTIC_JOB"), np, min_np, max_np,
                  backend, timeout, rdzv)
     _runtime = rt
@@ -294,17 +297,27 @@ class Runtime:
         deadline = time.monotonic() + self.rdzv_timeout
         while True:
             members = self._decide(g)
-            if self.uid in members:
-                break
-            if time.monotonic() > deadline:
-                raise ElasticError(f"this process ({self.uid}) was not admitted to the elastic "
-                                   f"job within {self.rdzv_timeout:g} s (max_np={self.max_np})")
-            g += 1  # decided without us (too late, or over max_np): the next one
-        with self.lock:
-            self.gen, self.members = g, members
-        self._lease(g)
-        self._form_group(g, members)
-        self._start_watch(g)
+            if self.uid not in members:
+                if time.monotonic() > deadline:
+                    raise ElasticError(f"this process ({self.uid}) was not admitted to the "
+                                       f"elastic job within {self.rdzv_timeout:g} s "
+                                       f"(max_np={self.max_np})")
+                g += 1  # decided without us (too late, or over max_np): the next one
+                continue
+            with self.lock:
+                self.gen, self.members = g, members
+            self._lease(g)
+            try:
+                self._form_group(g, members)
+            except DistError:
+                # a member died (or the store moved) while the group was being made: this
+                # generation is broken for everyone; the next one is formed without the dead
+                self.break_generation()
+                self._drop_groups()
+                g += 1
+                continue
+            self._start_watch(g)
+            return
 
     # -- the default group of a generation ---------------------------------------------------
     def _drop_groups(self):
@@ -320,11 +333,18 @@ class Runtime:
             api.destroy_process_group()
 
     def _form_group(self, g, members):
+        """The generation's default group; its members meet within FORM_TIMEOUT seconds
+        (they come straight from the decision: one that does not has died)."""
         import collectives as api
         from ..store import PrefixStore
-        api.init_process_group(self.backend, store=PrefixStore(self._k(f"g{g}/pg"), self.store),
-                               rank=members.index(self.uid), world_size=len(members),
-                               timeout=self.timeout)
+        was = self.store.timeout
+        self.store.set_timeout(datetime.timedelta(seconds=min(FORM_TIMEOUT, was.total_seconds())))
+        try:
+            api.init_process_group(self.backend, store=PrefixStore(self._k(f"g{g}/pg"), self.store),
+                                   rank=members.index(self.uid), world_size=len(members),
+                                   timeout=self.timeout)
+        finally:
+            self.store.set_timeout(was)
 
     # -- failure signalling ----------------------------------------------------------------
     def break_generation(self):

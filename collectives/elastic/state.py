@@ -7,7 +7,7 @@ import copy
 
 import numpy as np
 
-from .runtime import HostsUpdatedInterrupt, runtime
+from .runtime import HostsUpdatedInterrupt, current
 
 
 class State:
@@ -42,7 +42,7 @@ class State:
         """Raise HostsUpdatedInterrupt on every member if newcomers wait (rank 0 looks at
         the store; the answer is broadcast, so all members agree)."""
         import collectives as api
-        rt = runtime()
+        rt = current()
         flag = np.zeros(1, np.int64)
         if api.get_rank() == 0 and rt.newcomers_waiting():
             flag[0] = 1

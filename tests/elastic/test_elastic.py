@@ -190,7 +190,7 @@ def test_lease_goes_with_its_connection():
 def test_misuse_raises_before_anything_is_sent():
     from collectives import elastic
     with pytest.raises(ValueError, match="elastic.init"):
-        elastic.runtime()
+        elastic.current()
     with pytest.raises(ValueError, match="max_np"):
         elastic.init("127.0.0.1:1", min_np=3, max_np=2)
     with pytest.raises(ValueError, match="min_np"):
