@@ -129,7 +129,11 @@ def init(store=None, *, job=None, np=None, min_np=None, max_np=None, backend=Non
                              "--min-np/--max-np does)")
     if isinstance(store, str):
         from .failover import parse_addresses
-        parse_addresses(store)  # a bad address is a ValueError before anything is sent
+        host, port = parse_addresses(store)[0]  # a bad one is a ValueError before anything is sent
+        if not any(os.environ.get(v) for v in ("MASTER_ADDR", "COLLECTIVES_IFNAME",
+                                               "GLOO_SOCKET_IFNAME")):
+            # ranks publish the address of the interface that routes to the store
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
         store = _connect(store, max(timeout, 30.0))
     if not hasattr(store, "lease") or not hasattr(store, "clone"):
         raise TypeError(f"the elastic store must be a TCPStore (it leases each process's "

@@ -311,11 +311,17 @@ class Config:
             env.update({
                 "COLLECTIVES_ELASTIC_STORE": self.store_list or f"{self.store_host}:{self.store_port}",
                 "COLLECTIVES_ELASTIC_JOB": self.run_id,
-                "COLLECTIVES_ELASTIC_NP": str(self.nproc),
                 "COLLECTIVES_ELASTIC_MIN_NP": str(self.min_np),
             })
             if self.max_np is not None:
                 env["COLLECTIVES_ELASTIC_MAX_NP"] = str(self.max_np)
+            # the first generation waits for this launcher's ranks, unless the job says how
+            # many to wait for over all its launchers
+            env.setdefault("COLLECTIVES_ELASTIC_NP", str(self.nproc))
+            # the primary store's address: the ranks publish the address of the interface
+            # that routes there (collectives/backends/tcp/mesh.py's advertised_host)
+            host, _, port = env["COLLECTIVES_ELASTIC_STORE"].split(",")[0].rpartition(":")
+            env["MASTER_ADDR"], env["MASTER_PORT"] = host, port
         if self.auth_key is not None:  # (security) through the environment, never argv or a log
             env[ENV_KEY] = self.auth_key
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the launcher as they are printed

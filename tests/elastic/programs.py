@@ -4,6 +4,7 @@ results to ELASTIC_OUT/<pid>.json when it finishes."""
 import json
 import os
 import signal
+import socket
 import time
 
 import numpy as np
@@ -65,6 +66,10 @@ def numpy_worker():
 
     @elastic.run
     def train(state):
+        with open(os.path.join(os.environ["ELASTIC_OUT"], "members.log"), "a") as f:
+            f.write(json.dumps({"gen": elastic.generation(), "rank": dist.get_rank(),
+                                "world": dist.get_world_size(), "pid": os.getpid(),
+                                "host": socket.gethostname(), "t": time.time()}) + "\n")
         for step in range(state.step, steps):
             rank, world = dist.get_rank(), dist.get_world_size()
             seen.append((elastic.generation(), world))
@@ -177,4 +182,7 @@ def ddp_worker():
 
 
 if __name__ == "__main__":
+    if os.environ.get("ELASTIC_DEBUG_AFTER"):  # a hung test's stacks, on its output
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["ELASTIC_DEBUG_AFTER"]), exit=True)
     globals()[os.environ.get("ELASTIC_PROGRAM", "numpy_worker")]()
