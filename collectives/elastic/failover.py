@@ -12,12 +12,14 @@ unreachable to some clients only would split them (docs/elastic.md says so).
 """
 import datetime
 import threading
+import time
 
 from ..core.errors import DistNetworkError
 from ..security import auth
 from ..store.base import Store
 
-CONNECT_S = 3.0  # seconds to reach one address before the next is tried
+CONNECT_S = 3.0
+ADOPTED = "_failover/adopted"  # set on a successor once a client moved to it  # seconds to reach one address before the next is tried
 
 
 def parse_addresses(text):
@@ -59,22 +61,27 @@ class FailoverStore(Store):
                         wait_for_workers=False, auth_key=self._auth_key)
 
     def _reach(self, i, first=False):
-        """The first server from index ``i`` on that answers (the first connection may
-        wait the store's timeout for the primary to come up)."""
+        """The first server from index ``i`` on that answers. A process that starts
+        (``first``) waits up to the store's timeout for the primary, and takes a successor
+        only once a client has moved there (ADOPTED is set): one that merely started
+        sooner than the primary must not split the job."""
+        deadline = time.monotonic() + (self._timeout if first else 0.0)
         last = None
-        for j in range(i, len(self._addrs)):
-            try:
-                if first and j == i:
-                    from ..store import TCPStore
-                    host, port = self._addrs[j]
-                    return TCPStore(host, port, None, False, datetime.timedelta(
-                        seconds=max(CONNECT_S, self._timeout)), wait_for_workers=False,
-                        auth_key=self._auth_key), j
-                return self._open(j), j
-            except DistNetworkError as e:
-                last = e
-        raise DistNetworkError(f"no elastic store answers at {self._addrs[i:]} (the last "
-                               f"error: {last})")
+        while True:
+            for j in range(i, len(self._addrs)):
+                try:
+                    client = self._open(j)
+                except DistNetworkError as e:
+                    last = e
+                    continue
+                if first and j > i and not client.check([ADOPTED]):
+                    client.close()
+                    continue
+                return client, j
+            if time.monotonic() >= deadline:
+                raise DistNetworkError(f"no elastic store answers at {self._addrs[i:]} (the "
+                                       f"last error: {last})")
+            time.sleep(0.2)
 
     def _failover(self, client):
         with self._lock:
@@ -86,6 +93,7 @@ class FailoverStore(Store):
             new, i = self._reach(self._i + 1)
             old, self._client, self._i = self._client, new, i
             self.switches += 1
+            new.set(ADOPTED, self.address)  # newcomers may come here now
             try:
                 old.close()
             except Exception:  # noqa: BLE001

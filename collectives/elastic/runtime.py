@@ -21,7 +21,7 @@ after ``COLLECTIVES_ELASTIC_TIMEOUT`` (a live member that never comes is left ou
 rejoins as a newcomer). The members are those of g-1 that came, in their old rank order,
 then the newcomers in arrival order, at most ``max_np``. Fewer than ``min_np``: wait for
 newcomers up to the timeout, then :class:`ElasticError`. The first generation waits for
-``np`` processes (or ``min_np`` after a settle time).
+``np`` processes (or, after SETTLE seconds, at least ``min_np``).
 """
 import datetime
 import json
@@ -35,7 +35,7 @@ from .. import config
 from ..core.errors import DistError
 
 POLL = 0.05  # seconds between looks at a generation being decided
-SETTLE = 1.0  # seconds the first generation waits beyond min_np for more processes
+SETTLE = 30.0  # seconds the first generation waits for np processes before it starts with min_np
 FORM_TIMEOUT = 15.0  # seconds a generation's members may take to meet in its new group
 SWITCH_GRACE = 3.0  # seconds after a move to a successor store before an unleased member counts as dead
 
@@ -186,6 +186,7 @@ class Runtime:
             if g >= 0:
                 self.store.compare_set(self._k(f"gen/{g}"), b"", json.dumps(
                     {"members": members}).encode())
+                self.store.set(self._k("latest"), str(g))
         except DistError:
             pass  # the next store call fails over again, or says why
 
@@ -220,7 +221,7 @@ class Runtime:
         return json.loads(self.store.get(key))["members"]
 
     def _first_undecided(self):
-        g = 0
+        g = int(self.store.get(self._k("latest"))) if self._check("latest") else 0
         while self.store.check([self._k(f"gen/{g}")]):
             g += 1
         return g
@@ -278,6 +279,7 @@ class Runtime:
             if ready and len(members) >= self.min_np:
                 self.store.compare_set(self._k(f"gen/{g}"), b"", json.dumps(
                     {"members": members}).encode())
+                self.store.set(self._k("latest"), str(g))  # where newcomers start looking
                 continue
             if waited >= self.rdzv_timeout and len(members) < self.min_np:
                 raise ElasticError(

@@ -23,7 +23,7 @@ from tests.support.ranks import ROOT
 
 pytestmark = [pytest.mark.multinode, pytest.mark.faults, pytest.mark.slow]
 
-STEPS = 120
+STEPS = 300
 PORT = 29561
 KEY = "elastic-chaos-key"
 
@@ -78,7 +78,8 @@ def test_four_deaths_two_newcomers_on_four_hosts(tmp_path):
                         "COLLECTIVES_HOST_ID", "COLLECTIVES_TRANSPORT", "COLLECTIVES_IFNAME")}
     env.update(PYTHONPATH=ROOT, ELASTIC_OUT=out, ELASTIC_STEPS=str(STEPS),
                ELASTIC_STEP_SLEEP="0.1", ELASTIC_TIMEOUT="20", COLLECTIVES_AUTH_KEY=KEY,
-               COLLECTIVES_ELASTIC_NP="8", COLLECTIVES_ELASTIC_TIMEOUT="60")
+               COLLECTIVES_ELASTIC_NP="8", COLLECTIVES_ELASTIC_TIMEOUT="60",
+               ELASTIC_DEBUG_AFTER="300")
     with netlab.Lab(4, rate="10gbit", tag=f"ec{os.getpid() % 10000}") as lab:
         endpoint = f"{lab.addr(0)}:{PORT},{lab.addr(1)}:{PORT}"
 
@@ -88,54 +89,69 @@ def test_four_deaths_two_newcomers_on_four_hosts(tmp_path):
                                  "-m", "tests.elastic.programs"], env=env, cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-        launchers = [launcher(0, 2)]
-        time.sleep(1.0)  # host 0 serves the primary store
-        launchers += [launcher(i, 2) for i in (1, 2, 3)]
-        first = _wait(lambda: [m for m in _members(out) if m["gen"] == 0] if len(
-            [m for m in _members(out) if m["gen"] == 0]) == 8 else None, "generation 0 of 8", 120)
-        started = {m["pid"]: m["host"] for m in first}
-        dead = set()
+        launchers = []
 
-        def next_gen(after):
-            return _wait(lambda: max((m["gen"] for m in _members(out)), default=-1) > after
-                         and max(m["gen"] for m in _members(out)), f"a generation after {after}")
+        def outputs():
+            for p in launchers:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            return "\n---\n".join((p.communicate()[0] or "")[-3000:] for p in launchers)
 
-        def current():
-            gen = max(m["gen"] for m in _members(out))
-            return gen, [m for m in _members(out) if m["gen"] == gen]
+        try:
+            return _chaos(lab, launchers, launcher, out, rng)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nlaunchers' output:\n{outputs()}") from None
 
-        # 1. the current rank 0
+
+def _chaos(lab, launchers, launcher, out, rng):
+    launchers.append(launcher(0, 2))
+    time.sleep(1.0)  # host 0 serves the primary store
+    launchers.extend(launcher(i, 2) for i in (1, 2, 3))
+    first = _wait(lambda: [m for m in _members(out) if m["gen"] == 0] if len(
+        [m for m in _members(out) if m["gen"] == 0]) == 8 else None, "generation 0 of 8", 120)
+    started = {m["pid"]: m["host"] for m in first}
+    dead = set()
+
+    def next_gen(after):
+        return _wait(lambda: max((m["gen"] for m in _members(out)), default=-1) > after
+                     and max(m["gen"] for m in _members(out)), f"a generation after {after}")
+
+    def current():
+        gen = max(m["gen"] for m in _members(out))
+        return gen, [m for m in _members(out) if m["gen"] == gen]
+
+    # 1. the current rank 0
+    gen, members = current()
+    r0 = next(m for m in members if m["rank"] == 0)
+    os.kill(r0["pid"], signal.SIGKILL)
+    dead.add(r0["pid"])
+    gen = next_gen(gen)
+    # 2. host 0's launcher, the primary store with it, and its ranks (its reaper)
+    host0 = lab.names[0]
+    launchers[0].kill()
+    for pid, host in started.items():
+        if host == host0:
+            dead.add(pid)
+    _wait(lambda: not any(_alive(p) for p in dead), "host 0's ranks to die", 30)
+    gen = next_gen(gen)
+    # 3. more ranks elsewhere until four are dead
+    while len(dead) < 4:
         gen, members = current()
-        r0 = next(m for m in members if m["rank"] == 0)
-        os.kill(r0["pid"], signal.SIGKILL)
-        dead.add(r0["pid"])
+        pick = rng.choice([m for m in members if m["pid"] in started and m["pid"] not in dead])
+        os.kill(pick["pid"], signal.SIGKILL)
+        dead.add(pick["pid"])
         gen = next_gen(gen)
-        # 2. host 0's launcher, the primary store with it, and its ranks (its reaper)
-        host0 = lab.names[0]
-        launchers[0].kill()
-        for pid, host in started.items():
-            if host == host0:
-                dead.add(pid)
-        _wait(lambda: not any(_alive(p) for p in dead), "host 0's ranks to die", 30)
-        gen = next_gen(gen)
-        # 3. more ranks elsewhere until four are dead
-        while len(dead) < 4:
-            gen, members = current()
-            pick = rng.choice([m for m in members if m["pid"] in started and m["pid"] not in dead])
-            os.kill(pick["pid"], signal.SIGKILL)
-            dead.add(pick["pid"])
-            gen = next_gen(gen)
-        # 4. two newcomers, from new launchers on hosts 2 and 3
-        launchers += [launcher(2, 1), launcher(3, 1)]
-        outs = []
-        for p in launchers:
-            try:
-                outs.append(p.communicate(timeout=240)[0])
-            except subprocess.TimeoutExpired:
-                p.kill()
-                outs.append(p.communicate()[0])
-        text = "\n".join(o or "" for o in outs)
-        codes = [p.returncode for p in launchers]
+    # 4. two newcomers, from new launchers on hosts 2 and 3
+    launchers.extend([launcher(2, 1), launcher(3, 1)])
+    outs = []
+    for p in launchers:
+        try:
+            outs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0])
+    text = "\n".join(o or "" for o in outs)
+    codes = [p.returncode for p in launchers]
     assert len(dead) >= 4
     assert all(c == 0 for c in codes[1:]), f"launchers ended with {codes}:\n{text[-6000:]}"
     res = {}
