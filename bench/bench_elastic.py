@@ -106,6 +106,12 @@ def worker_restart():
     dist.destroy_process_group()
 
 
+def _torchrun():
+    """torchrun beside this interpreter (a virtual environment's), else on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return here if os.path.exists(here) else shutil.which("torchrun")
+
+
 def _events(out):
     ev = []
     for f in glob.glob(os.path.join(out, "*.log")):
@@ -145,7 +151,7 @@ def run_once(mode, world, victim, timeout):
             if mode == "restart":
                 cmd = [sys.executable, "-m", "collectives.run"]
             else:
-                cmd = [shutil.which("torchrun") or "torchrun", "--standalone"]
+                cmd = [_torchrun(), "--standalone"]
             cmd += ["--nproc-per-node", str(world), "--max-restarts", "1", *me, "--worker",
                     "restart"]
             subprocess.run(cmd, env=env, timeout=timeout, stdout=subprocess.DEVNULL,
@@ -168,7 +174,7 @@ def main():
     if args.worker == "restart":
         return worker_restart()
     modes = [m for m in args.modes.split(",") if m]
-    if "torchrun" in modes and shutil.which("torchrun") is None:
+    if "torchrun" in modes and _torchrun() is None:
         print("torchrun: not installed, skipped")
         modes.remove("torchrun")
     got = {m: [] for m in modes}
