@@ -18,8 +18,8 @@ from ..core.errors import DistNetworkError
 from ..security import auth
 from ..store.base import Store
 
-CONNECT_S = 3.0
-ADOPTED = "_failover/adopted"  # set on a successor once a client moved to it  # seconds to reach one address before the next is tried
+CONNECT_S = 3.0  # seconds to reach one address before the next is tried
+ADOPTED = "_failover/adopted"  # set on a successor once a client moved to it
 
 
 def parse_addresses(text):

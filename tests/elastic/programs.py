@@ -96,7 +96,6 @@ def numpy_worker():
 
 def torch_reference(steps):
     """The DDP recipe's fault-free result: every step's whole batch on one process."""
-    import torch
     model, opt = _torch_model()
     for step in range(steps):
         opt.zero_grad()
