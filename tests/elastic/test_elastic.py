@@ -337,3 +337,42 @@ def test_the_store_moves_to_its_successor_when_the_first_launcher_dies(tmp_path)
     ref = reference(STEPS).tobytes().hex()
     for r in res.values():
         assert r["w"] == ref and r["world"] == 2 and r["step"] == STEPS
+
+
+def test_failover_store_moves_to_the_successor_once_and_only_forward():
+    """A client of host:port,host:port moves to the successor when the primary's server
+    is gone (its connections closed, new ones refused), runs its owner's callback there,
+    marks the successor adopted; a process starting afterwards takes the adopted successor,
+    and one starting while the primary is merely down does not take an unadopted one."""
+    from collectives.elastic.failover import ADOPTED, FailoverStore
+    from collectives.store import StoreServer
+    a, b = StoreServer(0, None, "127.0.0.1"), StoreServer(0, None, "127.0.0.1")
+    addrs = f"127.0.0.1:{a.port},127.0.0.1:{b.port}"
+    try:
+        st = FailoverStore(addrs, timeout=5)
+        moved = []
+        st.on_switch.append(lambda: moved.append(st.address))
+        st.set("k", b"1")
+        assert st.address.endswith(f":{a.port}") and not moved
+        a.stop(0)
+        st.set("k", b"2")  # on the successor now
+        assert moved == [f"127.0.0.1:{b.port}"] and st.get("k") == b"2"
+        assert st.check([ADOPTED])
+        late = FailoverStore(addrs, timeout=5)  # the primary is gone, the successor adopted
+        assert late.address == f"127.0.0.1:{b.port}" and late.get("k") == b"2"
+        late.close()
+        st.close()
+    finally:
+        a.stop(0)
+        b.stop(0)
+    c, d = StoreServer(0, None, "127.0.0.1"), StoreServer(0, None, "127.0.0.1")
+    dead = c.port
+    c.stop(0)
+    try:
+        from collectives import DistNetworkError
+        t0 = time.monotonic()
+        with pytest.raises(DistNetworkError, match="no elastic store answers"):
+            FailoverStore(f"127.0.0.1:{dead},127.0.0.1:{d.port}", timeout=2)
+        assert time.monotonic() - t0 < 15
+    finally:
+        d.stop(0)
