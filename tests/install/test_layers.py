@@ -17,7 +17,8 @@ PKG = os.path.join(ROOT, "collectives")
 # The layers, lowest first: (name, the folders and top-level modules in it, relative to
 # collectives/; "" is the package's own __init__). docs/architecture.md draws this tree.
 LAYERS = [
-    ("extensions", ["_core", "_buffer", "_tcp", "_shm", "_mpilog", "_ncclcall"]),  # compiled (their .pyx: leaves here)
+    # compiled (their .pyx: leaves here)
+    ("extensions", ["_core", "_buffer", "_tcp", "_shm", "_mpilog", "_ncclcall"]),
     ("settings", ["config"]),
     ("core", ["core", "security"]),
     ("services", ["store", "launcher", "rendezvous"]),
