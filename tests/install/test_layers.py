@@ -389,5 +389,5 @@ def test_the_front_end_reads_a_backend_only_through_its_contract():
 
 def test_the_private_read_finder_finds_one(tmp_path):
     p = tmp_path / "m.py"
-    p.write_text("def f(pg, be):\n    return pg.backend._busy or be._queue or be.pending.n\n")
-    assert [r.split(" ")[1] for r in _private_backend_reads(str(p))] == ["._busy", "._queue"]
+    p.write_text("def f(pg, be):\n    return pg.backend._thread or be._queue or be.pending.n\n")
+    assert [r.split(" ")[1] for r in _private_backend_reads(str(p))] == ["._thread", "._queue"]
