@@ -309,6 +309,9 @@ SETTINGS = (
     _test("COLLECTIVES_TEST_CONFIGS", "str", None, doc="""
         Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, mpi,
         nccl); default every available host configuration."""),
+    _test("COLLECTIVES_TEST_REQUIRE", "str", None, read_in="tests/support/requires.py", doc="""
+        Comma-separated parts the test run must have (gloo, shm, hier, mpi, slurm, netns): a test
+        that needs a listed part fails where it is missing instead of skipping (.ci/run sets it)."""),
     _test("COLLECTIVES_TEST_START_TIMEOUT", "int", 120, minimum=1, doc="""
         Seconds a rank pool may take to start."""),
     _test("COLLECTIVES_TEST_GROUP_TIMEOUT", "int", 30, minimum=1, doc="""
