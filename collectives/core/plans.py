@@ -211,25 +211,14 @@ def premul_factor(op):
 
 # ---- scaling (AVG, PREMUL_SUM) -----------------------------------------------------------
 
-def _np_scale(buf, factor):
-    a = buf.numpy()
-    if buf.dtype == D.BFLOAT16:  # bits in uint16: widen, scale, round to nearest even
-        x = (a.astype(np.uint32) << 16).view(np.float32) * np.float32(factor)
-        u = x.view(np.uint32)
-        a[...] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    else:
-        np.multiply(a, a.dtype.type(factor), out=a)
-
-
 def _load_scale():
-    for mod in ("_core", "_fallback"):
-        try:
-            m = __import__(f"collectives.{mod}", fromlist=["scale_ptr"])
-            fn = m.scale_ptr
-        except (ImportError, AttributeError):
-            continue
-        return lambda buf, factor: fn(buf.ptr, buf.count, buf.dtype, factor)
-    return _np_scale
+    """``scale_ptr`` of the C kernels, else of their NumPy twin (the same bits: half types
+    scaled in float32 and rounded once)."""
+    try:
+        from .._core import scale_ptr
+    except ImportError:  # extensions not built
+        from .kernels_numpy import scale_ptr
+    return lambda buf, factor: scale_ptr(buf.ptr, buf.count, buf.dtype, factor)
 
 
 _scale_impl = None
@@ -274,8 +263,8 @@ def needs_own_copy(pg, whole, part):
 def _py_separate_blocks(outs, inp, rank):
     """Whether ``outs`` (an all_gather's list) do not lie back to back, so that a backend
     gathering into the list itself saves a staging copy, and none of them overlaps ``inp``
-    but ``outs[rank]`` being ``inp`` itself."""
-    return contiguous_span(outs) is None and not any(
+    but ``outs[rank]`` being ``inp`` itself. False for an empty list."""
+    return bool(outs) and contiguous_span(outs) is None and not any(
         overlaps(b, inp) and not (q == rank and b.ptr == inp.ptr) for q, b in enumerate(outs))
 
 
