@@ -22,7 +22,7 @@ Nothing here imports torch at module import: the tables are built on first use.
 """
 import re
 
-from . import operators
+import collectives.master_worker.operators as operators
 from .codec import encoded
 
 # name tokens (split at '_' and '.') that mark file I/O, pickling, code or raw memory

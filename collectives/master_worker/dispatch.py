@@ -28,7 +28,7 @@ import collectives.master_worker.protocol as P
 from .allow import PACKAGE_FUNCTION_NAMES, Entry, numpy_table, refused, torch_table
 from .codec import Const, TensorValue
 from .master import RemoteError, current_node, get_master
-from . import operators
+import collectives.master_worker.operators as operators
 from .ops import dtype_name, numpy_names, torch_consts
 
 LOCAL_MAX = 1 << 20   # local tensors/arrays up to this many bytes travel by value

@@ -451,6 +451,42 @@ def test_reduce_kernels_give_the_same_bits_and_errors(case):
         assert outcome(impl_pair[0], *args) == outcome(impl_pair[1], *args)
 
 
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
+@SETTINGS
+@given(case=kernel_cases(), count_delta=st.sampled_from([0, 0, 0, -1, -(1 << 40)]),
+       overlap=st.sampled_from([None, 0, 1]), null=st.booleans())
+def test_pointer_kernels_give_the_same_bits_and_errors(case, count_delta, overlap, null):
+    """The kernels' address forms (the mpi backend's user op, the shm engine): reduce_ptr,
+    reduce_many_ptr, copy_ptr, on the same memory; a negative count, a null address with
+    elements, and a destination that partly overlaps a source raise the same."""
+    code, op, arrays = case
+    n = arrays[0].size + count_delta
+    for name in ("reduce_ptr", "reduce_many_ptr", "copy_ptr"):
+        got = []
+        for impl in (_core, kernels_numpy):
+            work = np.concatenate([a.view(np.uint8) for a in arrays]).view(arrays[0].dtype) \
+                if arrays[0].size else np.zeros(0, arrays[0].dtype)
+            size = arrays[0].size
+            parts = [work[i * size:(i + 1) * size] for i in range(len(arrays))]
+            dst = 0 if null and n > 0 else _addr(parts[0])
+            srcs = [_addr(x) for x in parts[1:]]
+            if overlap is not None and size > 1:  # the destination one element into a source
+                srcs[0] = dst + overlap * arrays[0].itemsize
+            with np.errstate(all="ignore"):
+                if name == "reduce_ptr":
+                    r = outcome(impl.reduce_ptr, dst, srcs[0], n, code, op)
+                elif name == "reduce_many_ptr":
+                    r = outcome(impl.reduce_many_ptr, dst, srcs, n, code, op)
+                else:
+                    r = outcome(impl.copy_ptr, dst, srcs[0], n * arrays[0].itemsize)
+            got.append((r if r[0] == "raise" else ("ok",), _canon(code, work)))
+        same_raise(got[0][0], got[1][0])
+        assert got[0][1] == got[1][1], (name, code, op)
+
+
 @SETTINGS
 @given(data=st.data(), code=st.sampled_from(CODES), n=LENGTHS,
        factor=st.sampled_from([0.5, 1.0 / 3, -2.5, 1e-3, 7.0, 0.1]))
@@ -548,17 +584,53 @@ def test_mpi_call_log_logs_compares_and_fails_the_same(ops):
     assert run(_mpilog.CallLog) == run(PyCallLog)
 
 
-def test_every_except_import_error_twin_is_listed_here():
-    """A new try/except ImportError twin in the package must be added to this module."""
+#: what the package imports from its extensions with a twin to fall back to, each compared
+#: above (or, _ncclcall, where NCCL runs): (extension, name; "" for the module itself)
+COMPARED = {("_buffer", "Buffer"), ("_buffer", "disjoint_gather"), ("", "_buffer"),
+            ("_core", "Counter"), ("_core", "Dispatcher"), ("_core", "ProfilerTap"),
+            ("_core", "CallRing"), ("_core", "scale_ptr"), ("", "_core"),
+            ("_mpilog", "CallLog"), ("", "_ncclcall")}
+#: imports under ``except ImportError`` that have no twin: the feature is off without them
+NO_TWIN = {("", "_shm")}  # backends.shm.shm_available(): no shm backend without _shm
+
+
+def _fallback_imports(text):
+    """``(module, names)`` of each ``from module import names`` inside a ``try:`` whose
+    handler is ``except ImportError``."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip().startswith("try:"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        body = []
+        for nxt in lines[i + 1:]:
+            if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
+                if nxt.strip().startswith("except ImportError"):
+                    for b in body:
+                        words = b.split("#")[0].split()
+                        if len(words) >= 4 and words[0] == "from" and words[2] == "import":
+                            yield words[1], " ".join(words[3:])
+                break
+            body.append(nxt)
+
+
+def test_every_twin_the_package_falls_back_to_is_compared_here():
+    """A new ``try: from .._ext import X / except ImportError`` in the package must be
+    added to this module (and to COMPARED)."""
     import pathlib
-    import re
     root = pathlib.Path(__file__).resolve().parents[2] / "collectives"
     found = set()
     for path in root.rglob("*.py"):
-        text = path.read_text()
-        for m in re.finditer(r"\ntry:.*?\n((?:\s+.*\n)*?)\s*except ImportError", text):
-            found.add(path.relative_to(root).as_posix())
-    listed = {"api/dispatch.py", "flight_recorder.py", "core/tensors.py", "core/work.py",
-              "core/plans.py", "backends/mpi/fingerprint.py", "backends/nccl.py"}
-    assert found - listed == set(), f"twins not compared in {__name__}: {found - listed}"
-    assert sys.modules.get("collectives._buffer") is _buffer
+        for module, names in _fallback_imports(path.read_text()):
+            ext = module.lstrip(".").rsplit(".", 1)[-1]
+            for name in names.split(","):
+                name = name.split(" as ")[0].strip()
+                if ext in _EXTENSIONS:
+                    found.add((ext, name))
+                elif name in _EXTENSIONS:
+                    found.add(("", name))
+    assert len(found) >= 8, f"the scan finds too few twins ({found}): it is out of date"
+    assert found - COMPARED - NO_TWIN == set(), f"twins not compared here: {found - COMPARED}"
+
+
+_EXTENSIONS = ("_core", "_buffer", "_tcp", "_shm", "_mpilog", "_ncclcall")

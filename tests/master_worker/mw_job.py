@@ -678,13 +678,13 @@ def numpy_functions_case():
     return sorted(cases), bad, remote_kinds
 
 
-def _outcome(fn):
-    """("ok", NumPy array of the result) or ("err", exception type name) of ``fn()``."""
+def _outcome(fn, *args):
+    """("ok", NumPy array of the result) or ("err", exception type name) of ``fn(*args)``."""
     import warnings
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
-            r = fn()
+            r = fn(*args)
             if isinstance(r, mw.RemoteTensor):
                 r = r.get()
             if isinstance(r, (list, tuple)):
@@ -827,7 +827,7 @@ def operator_spellings():
     la, li = _lib_array(base, torch_mode), _lib_array(ints, torch_mode)
     ra, ri = mw.send(la, node=0), mw.send(li, node=0)
     for k, f in cases.items():
-        want, got = _outcome(lambda: f(la, li)), _outcome(lambda: f(ra, ri))
+        want, got = _outcome(f, la, li), _outcome(f, ra, ri)
         out[k] = want[0] == got[0] == "ok" and want[1].dtype == got[1].dtype and \
             np.array_equal(want[1], got[1])
     for k, f in inplace.items():
@@ -835,7 +835,7 @@ def operator_spellings():
         for x, y in ((la, li), (mw.send(la, node=0), mw.send(li, node=0))):
             x = x.clone() if hasattr(x, "clone") else x.copy()
             y = y.clone() if hasattr(y, "clone") else y.copy()
-            res.append(_outcome(lambda: f(x, y)))
+            res.append(_outcome(f, x, y))
         out[k] = res[0][0] == res[1][0] == "ok" and res[0][1].dtype == res[1][1].dtype and \
             np.array_equal(res[0][1], res[1][1])
     return out
