@@ -27,6 +27,13 @@ mpi call log               collectives._mpilog.CallLog       backends.mpi.finger
 
 ``collectives._ncclcall`` (NCCL by address) and its ctypes twin need libnccl and a GPU;
 tests/backends/test_nccl.py runs them where there are.
+
+The inputs are those the package's callers pass: integers in the C fields' ranges, Buffers,
+arrays and tensors. Outside that domain the pairs part on purpose: Cython converts and
+checks each typed argument (a float count, a negative address, a str root raise
+TypeError/OverflowError in C), where a twin takes what it is given; and a C Buffer exports
+the buffer protocol (memoryview, mpi4py), which a Python class cannot on Python < 3.12 (the
+mpi backend asks ``.numpy()`` of a twin Buffer instead: ``backends/mpi`` ``_EXPORTS``).
 """
 import sys
 import time
@@ -115,6 +122,7 @@ def test_buffer_views_of_host_memory_are_the_same(data, code, n):
     np.testing.assert_array_equal(cv.view(np.uint8), pv.view(np.uint8))
     assert np.shares_memory(cv, a) or n == 0
     np.testing.assert_array_equal(cb.bytes_view(), pb.bytes_view())
+    assert bytes(memoryview(cb)) == pb.bytes_view().tobytes()  # what each hands to mpi4py
     cuda = (_buffer.Buffer(addr, n, code, 0, a), tensors._PyBuffer(addr, n, code, 0, a))
     same_raise(outcome(cuda[0].numpy), outcome(cuda[1].numpy))
 
