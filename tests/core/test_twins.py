@@ -12,20 +12,22 @@ The pairs (C, Python):
 =========================  ================================  ===============================
 what                       C                                 Python
 =========================  ================================  ===============================
-Buffer                     collectives._buffer.Buffer        core.tensors._PyBuffer
-tensor -> Buffer           _buffer.buffer, buffers           core.plans._py_buffer(s)
-all_gather's list check    _buffer.separate_blocks           core.plans._py_separate_blocks
+Buffer                     engines._buffer.Buffer            core.tensors._PyBuffer
+tensor -> Buffer           _buffer.buffer, buffers           core.convert._py_buffer(s)
+all_gather's list check    _buffer.separate_blocks           core.staging._py_separate_blocks
 gather's in/out check      _buffer.disjoint_gather           core.tensors._py_disjoint_gather
-Counter                    collectives._core.Counter         core.work._PyCounter
-flight recorder ring       _core.CallRing                    flight_recorder._PyCallRing
-group dispatcher           _core.Dispatcher                  api.dispatch._PyDispatcher
+Counter                    engines._core.Counter             core.work._PyCounter
+flight recorder ring       _core.CallRing                    diagnostics.flight_recorder
+                                                             ._PyCallRing
+group dispatcher           _core.Dispatcher                  api.group_dispatcher
+                                                             ._PyDispatcher
 reduction kernels          _core (reduce_into, scale...)     core.kernels_numpy
-staging copy               _core.flatten (in plans.stage)    plans.stage's NumPy loop
-AVG/PREMUL_SUM scaling     _core.scale_ptr (plans.scale)     core.kernels_numpy.scale_ptr
-mpi call log               collectives._mpilog.CallLog       backends.mpi.fingerprint.PyCallLog
+staging copy               _core.flatten (in staging.stage)  staging.stage's NumPy loop
+AVG/PREMUL_SUM scaling     _core.scale_ptr (reduction.scale) core.kernels_numpy.scale_ptr
+mpi call log               engines._mpilog.CallLog           backends.mpi.fingerprint.PyCallLog
 =========================  ================================  ===============================
 
-``collectives._ncclcall`` (NCCL by address) and its ctypes twin need libnccl and a GPU;
+``collectives.engines._ncclcall`` (NCCL by address) and its ctypes twin need libnccl and a GPU;
 tests/backends/test_nccl.py runs them where there are.
 
 The inputs are those the package's callers pass: integers in the C fields' ranges, Buffers,
@@ -46,14 +48,15 @@ from tests.support.profiles import examples
 
 from collectives.core import dtypes as D
 
-_buffer = pytest.importorskip("collectives._buffer", reason="the C twins need the extensions: "
+_buffer = pytest.importorskip("collectives.engines._buffer", reason="the C twins need the extensions: "
                               "setup.py build_ext --inplace")
-_core = pytest.importorskip("collectives._core", reason="the C twins need the extensions: "
+_core = pytest.importorskip("collectives.engines._core", reason="the C twins need the extensions: "
                             "setup.py build_ext --inplace")
 
-from collectives import flight_recorder  # noqa: E402
-from collectives.api import dispatch as api_dispatch  # noqa: E402
-from collectives.core import kernels_numpy, plans, tensors, work  # noqa: E402
+from collectives.api import group_dispatcher as api_dispatch  # noqa: E402
+from collectives.api import tracked  # noqa: E402
+from collectives.core import convert, kernels_numpy, reduction, staging, tensors, work  # noqa: E402
+from collectives.diagnostics import flight_recorder  # noqa: E402
 from collectives.core.errors import DistError  # noqa: E402
 
 SETTINGS = settings(max_examples=examples(60), deadline=None,
@@ -167,7 +170,7 @@ def host_tensors(draw, torch_too=True):
 @SETTINGS
 @given(t=host_tensors(), name=st.sampled_from(["tensor", "output_tensor"]))
 def test_buffer_of_a_tensor_is_the_same(t, name):
-    c, p = outcome(_buffer.buffer, t, name), outcome(plans._py_buffer, t, name)
+    c, p = outcome(_buffer.buffer, t, name), outcome(convert._py_buffer, t, name)
     same_raise(c, p)
     if c[0] == "ok":
         assert fields(c[1]) == fields(p[1]) and c[1].obj is p[1].obj
@@ -179,7 +182,7 @@ def test_buffer_of_a_tensor_is_the_same(t, name):
        length=st.sampled_from([None, 0, 1, 2, 3]))
 def test_buffers_of_a_list_are_the_same(ts, dtype, count, length):
     c = outcome(_buffer.buffers, ts, "tensor_list", dtype, count, length)
-    p = outcome(plans._py_buffers, ts, "tensor_list", dtype, count, length)
+    p = outcome(convert._py_buffers, ts, "tensor_list", dtype, count, length)
     same_raise(c, p)
     if c[0] == "ok":
         assert [fields(b) for b in c[1]] == [fields(b) for b in p[1]]
@@ -216,7 +219,7 @@ def blocks(draw):
 def test_separate_blocks_is_the_same(case):
     outs, inp, rank = case
     c = outcome(_buffer.separate_blocks, outs, inp, rank)
-    p = outcome(plans._py_separate_blocks, outs, inp, rank)
+    p = outcome(staging._py_separate_blocks, outs, inp, rank)
     same_raise(c, p)
     assert c == p, (c, p)
 
@@ -381,7 +384,7 @@ def _run_dispatcher(twin, path, calls, monkeypatch):
         monkeypatch.setattr(api_dispatch, "general", general)
         monkeypatch.setattr(api_dispatch, "general_post", general_post)
         monkeypatch.setattr(api_dispatch, "timed", timed)
-        monkeypatch.setattr(flight_recorder, "p2p", track)
+        monkeypatch.setattr(tracked, "p2p", track)
         monkeypatch.setitem(api_dispatch._state, "_prof", prof or _Prof(False))
         d = api_dispatch._PyDispatcher("pg", fr, "backend", path["inline"], pending)
     base = np.zeros(64)
@@ -499,7 +502,7 @@ def test_pointer_kernels_give_the_same_bits_and_errors(case, count_delta, overla
 @given(data=st.data(), code=st.sampled_from(CODES), n=LENGTHS,
        factor=st.sampled_from([0.5, 1.0 / 3, -2.5, 1e-3, 7.0, 0.1]))
 def test_scaling_gives_the_same_bits(data, code, n, factor):
-    """AVG's and PREMUL_SUM's scaling: the C kernel, its NumPy twin, and plans.scale with
+    """AVG's and PREMUL_SUM's scaling: the C kernel, its NumPy twin, and reduction.scale with
     the kernels hidden (the fallback the package takes without _core)."""
     a = array(data.draw, code, n)
     outs = []
@@ -511,11 +514,11 @@ def test_scaling_gives_the_same_bits(data, code, n, factor):
     assert outs[0] == outs[1]
     if outs[0][0] == "ok" and n:
         x = a.copy()
-        with pytest.MonkeyPatch.context() as m:  # what plans.scale runs without _core
-            m.setitem(sys.modules, "collectives._core", None)
-            m.setattr(plans, "_scale_impl", None)
+        with pytest.MonkeyPatch.context() as m:  # what reduction.scale runs without _core
+            m.setitem(sys.modules, "collectives.engines._core", None)
+            m.setattr(reduction, "_scale_impl", None)
             with np.errstate(all="ignore"):
-                plans.scale(tensors.Buffer(x.__array_interface__["data"][0], n, code, -1, x),
+                reduction.scale(tensors.Buffer(x.__array_interface__["data"][0], n, code, -1, x),
                             factor)
         assert _canon(code, x) == outs[0][1]
 
@@ -538,14 +541,14 @@ def test_flatten_unflatten_and_staging_give_the_same_bytes(data, codes, n):
     bufs = [tensors.Buffer(a.__array_interface__["data"][0], a.size, codes[0], -1, a)
             for a in arrays if a.dtype == arrays[0].dtype] if codes[0] != D.BFLOAT16 else []
     if bufs:
-        saved = plans._kernels
+        saved = staging._kernels
         try:
-            plans._kernels = _core
-            c_stage = plans.stage(bufs, codes[0], True)
-            plans._kernels = None  # stage's NumPy loop, as without _core
-            p_stage = plans.stage(bufs, codes[0], True)
+            staging._kernels = _core
+            c_stage = staging.stage(bufs, codes[0], True)
+            staging._kernels = None  # stage's NumPy loop, as without _core
+            p_stage = staging.stage(bufs, codes[0], True)
         finally:
-            plans._kernels = saved
+            staging._kernels = saved
         assert _bits(c_stage.numpy()) == _bits(p_stage.numpy())
 
 
@@ -561,7 +564,7 @@ def test_flatten_unflatten_and_staging_give_the_same_bytes(data, codes, n):
 def test_mpi_call_log_logs_compares_and_fails_the_same(ops):
     """The log of blocking calls: appended, hashed, compared when full (CHECK_EVERY) or at
     once, and unusable once a comparison failed without clearing it."""
-    _mpilog = pytest.importorskip("collectives._mpilog", reason="build the _mpilog extension")
+    _mpilog = pytest.importorskip("collectives.engines._mpilog", reason="build the _mpilog extension")
     from collectives.backends.mpi.fingerprint import PyCallLog
     from collectives.core.errors import DistBackendError
 
@@ -595,6 +598,7 @@ def test_mpi_call_log_logs_compares_and_fails_the_same(ops):
 #: what the package imports from its extensions with a twin to fall back to, each compared
 #: above (or, _ncclcall, where NCCL runs): (extension, name; "" for the module itself)
 COMPARED = {("_buffer", "Buffer"), ("_buffer", "disjoint_gather"), ("", "_buffer"),
+            ("_buffer", "separate_blocks"),
             ("_core", "Counter"), ("_core", "Dispatcher"), ("_core", "ProfilerTap"),
             ("_core", "CallRing"), ("_core", "scale_ptr"), ("", "_core"),
             ("_mpilog", "CallLog"), ("", "_ncclcall")}
@@ -638,7 +642,8 @@ def test_every_twin_the_package_falls_back_to_is_compared_here():
                 elif name in _EXTENSIONS:
                     found.add(("", name))
     assert len(found) >= 8, f"the scan finds too few twins ({found}): it is out of date"
-    assert found - COMPARED - NO_TWIN == set(), f"twins not compared here: {found - COMPARED}"
+    missing = found - COMPARED - NO_TWIN
+    assert missing == set(), f"twins not compared here: {missing}"
 
 
 _EXTENSIONS = ("_core", "_buffer", "_tcp", "_shm", "_mpilog", "_ncclcall")
