@@ -60,7 +60,7 @@ class Entry:
     def __init__(self, name, fn, prop=False, inplace=None):
         self.name, self.fn, self.prop = name, fn, prop
         self.wire = encoded(name)  # the name as the codec writes it, once
-        self.results = {}  # argument kinds -> what a call returns (the master's dispatch.py)
+        self.results = {}  # argument kinds -> what a call returns (the master's remote_call.py)
         if inplace is None:
             last = name.rsplit(".", 1)[-1]
             inplace = (last.endswith("_") and not last.endswith("__")) or (
