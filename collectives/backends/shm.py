@@ -44,52 +44,17 @@ from .base import Backend, DoneRequest, FutureRequest
 _HDR = struct.Struct("<qqi4x")
 
 # The thresholds' defaults are the settings registry's (collectives.config: one source);
-# these notes say how they were chosen, and the two group-dependent defaults are here.
+# the figures behind them are in docs/design-shm.md ("Measured figures behind the engine's
+# constants"). Two defaults depend on the group and the host, and are set here.
 #
-# COLLECTIVES_SHM_ONESHOT_MAX, COLLECTIVES_SHM_CHUNK_BYTES: one-shot up to 64 KiB (one
-# synchronisation). Two-shot chunks of 512 KiB: 4 ranks, two-shot all_reduce against 1 MiB
-# chunks, the same at 1-2 MiB, 0.89x at 4 MiB, 0.84x at 8 MiB, 0.86x at 16 MiB (the chunks
-# the ranks reduce stay in the shared cache); 256 KiB was slower at 1-2 MiB. Broadcast goes
-# in whole halves.
-# ... but where more than two ranks run at once (more than two ranks and more than two
-# cores), one-shot's reads (every rank reads all the others' whole buffers) cost more than
-# two-shot's second synchronisation from a few KiB: on a 16-core host (one cache domain,
-# a core per rank), two-shot against one-shot, against MPICH in the same jobs: 16 KiB
-# 0.33 vs 0.49 (4 ranks), 0.20 vs 0.68 (8), 0.30 vs 0.64 (16); 64 KiB 0.34 vs 0.83,
-# 0.35 vs 1.28, 0.43 vs 2.05. The default there (COLLECTIVES_SHM_ONESHOT_MAX unset):
+# Where more than two ranks run at once, one-shot all_reduce (every rank reads all the
+# others' whole buffers) costs more than two-shot's second synchronisation from a few KiB:
 CROWDED_ONESHOT_MAX = 4 * 1024
-# COLLECTIVES_SHM_CMA_MIN, _CMA_BCAST_MIN, _CMA_AR_MIN: all_gather/gather blocks,
-# broadcasts and all_reduces from these sizes go in one copy (process_vm_readv) where the
-# ranks may read each other's memory and (broadcasts) there are at most two ranks a core or
-# (all_reduces) each has a core; 0 turns that off, and COLLECTIVES_SHM_CMA_ANY_CORES=1
-# drops the cores conditions (the tests use it). Broadcast: single copy from 64 KiB is as
-# fast or faster at 64-256 KiB, 1.3-1.5x slower from 1 MiB while two cores share caches
-# well, and 4-8x faster while they do not (see shm_coll.c); it is the steady choice.
-# ... with two ranks. With more (where the probe allows the broadcast's single copy at all:
-# at most two run at once, shm_copy.c), from 256 KiB: 4 ranks on 2 vCPUs, alternating
-# Open MPI jobs, time over Open MPI's, single copy against the two-copy path: 64 KiB 0.74-1.85
-# (median 0.99, 8 launches) against 0.79-1.02 (0.82, 7), 128 KiB 0.94-1.07 against
-# 0.81-1.02, 256 KiB 0.62-0.80 against 0.96-1.15.
+# With more than two ranks (where the probe allows the broadcast's single copy at all), the
+# single copy pays off from 256 KiB (from COLLECTIVES_SHM_CMA_BCAST_MIN with two ranks);
+# where more than two run at once, never: every reader pins and copies the root's pages at
+# the same time, which serialises them.
 MANY_CMA_BCAST_MIN = 256 * 1024
-# ... and none where more than two ranks run at once: every reader pins and copies the
-# root's pages at the same time, which serialises them. On a 16-core host (one cache domain,
-# a core per rank) the two-copy path took 0.64x the single copy's time at 4 ranks, 0.23x at
-# 8 and 0.12x at 16 (1 MiB); on 2 cores at most two run at once and 2 and 4 ranks gain
-# from it (shm_coll.c, broadcast_cma).
-#
-# COLLECTIVES_SHM_AR_ALGO: whether two-shot or the single copy is faster depends on the host
-# and the ranks' placement (while two cores share caches two-shot took 0.65-0.8x the single
-# copy's time, while they do not the single copy 0.25-0.35x two-shot's), so above the
-# one-shot size the ranks measure both (auto, engines/shm/shm_tune.c).
-# COLLECTIVES_SHM_STREAM: segment writes for other ranks, 0 plain stores, 1 streaming
-# (non-temporal) stores, 2 streaming while the ranks' latency probes find their peers on far
-# cores (another die or socket, where reading a line from the writer's cache is several
-# times slower than from memory; see shm_copy.c, "near and far peers"). Two ranks while far,
-# measured mode against plain (bench/bench_stream.py): all_reduce 0.20-0.24x at 1 and 16 MiB
-# and 0.33-0.47x at 8-64 KiB, all_gather 0.40-0.41x at 64-128 KiB, reduce_scatter
-# 0.21-0.27x, all_to_all 0.31-0.61x, scatter 0.46x; while close 0.99-1.03x (always
-# streaming would cost up to 2.5x there).
-
 
 def crowded(size, ncpu=None):
     """Whether more than two of ``size`` ranks run at once on this host (more than two
