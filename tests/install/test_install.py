@@ -52,6 +52,15 @@ def test_the_console_scripts_are_declared():
                        "collectives-info": "collectives.diagnostics.envreport:main"}
 
 
+def test_torch_autoloads_the_backend_name_through_the_entry_point():
+    # torch calls every "torch.backends" entry point at import (docs/frameworks.md); ours
+    # lives outside the package so that torch's import does not run collectives/__init__
+    backends = {e.name: e.value for e in DIST.entry_points if e.group == "torch.backends"}
+    assert backends == {"collectives": "_collectives_torch:autoload"}, (
+        "the installed metadata lacks the torch.backends entry point: reinstall "
+        "(pip install -e .)" if not backends else backends)
+
+
 def _files():
     return [str(f) for f in DIST.files]
 
@@ -60,8 +69,11 @@ def _files():
 def test_the_wheel_holds_the_package_its_stubs_and_the_license():
     files = _files()
     pkg = [f for f in files if not f.startswith("collectives-")]
+    # the package, and the one top-level module torch's entry point loads
     assert all(f.startswith("collectives/") or f.startswith("../") or f.endswith(".pyc")
-               or "/bin/" in f for f in pkg), [f for f in pkg if not f.startswith("collectives/")]
+               or "/bin/" in f or f == "_collectives_torch.py" for f in pkg), [
+        f for f in pkg if not f.startswith("collectives/")]
+    assert "_collectives_torch.py" in files
     assert not [f for f in files if re.search(r"(^|/)(tests|bench|examples|docs)/", f)]
     assert not [f for f in files if f.endswith((".pyx", ".pxi", ".c", ".h"))]
     assert "collectives/py.typed" in files
