@@ -267,6 +267,13 @@ SETTINGS = (
     _fr("COLLECTIVES_FR_BUFFER_SIZE", "int", 256, doc="""
         Collectives the flight recorder keeps per group (torch's TORCH_FR_BUFFER_SIZE, where set,
         comes first); 0 turns the recorder, its dumps and progress posts off."""),
+    _fr("COLLECTIVES_WAIT_WARN_S", "int", 60, unit="s", read_in="diagnostics/progress.py, rendezvous.py",
+        doc="""
+        A rank blocked this long in a collective (or at the rendezvous) logs a warning naming the
+        call (its number and name) and the ranks that have not arrived, then again after twice,
+        four times... as long; 0: never. The collective's warning comes from the flight
+        recorder's thread (COLLECTIVES_FR_BUFFER_SIZE > 0). The group's timeout (default 1800 s)
+        still ends the wait with an error."""),
     _fr("COLLECTIVES_FR_DUMP", "str", None, doc="""
         Path prefix of the flight recorder's dumps, the global rank appended (torch's
         TORCH_FR_DUMP_TEMP_FILE, where set, comes first). Default: a file in the temp directory
@@ -295,6 +302,9 @@ SETTINGS = (
         Seconds a rank pool may take to start."""),
     _test("COLLECTIVES_TEST_GROUP_TIMEOUT", "int", 30, minimum=1, doc="""
         Group timeout (seconds) of the test pools' process groups."""),
+    _test("COLLECTIVES_REQUIRE_FRAMEWORKS", "bool", False, read_in="tests/frameworks", doc="""
+        The framework tests (tests/frameworks: Lightning, torchrun, accelerate) fail where a
+        framework is not installed, instead of skipping (CI's frameworks step)."""),
     _test("COLLECTIVES_TEST_MAX_POOLS", "int", 8, minimum=1, doc="""
         Rank pools kept running at once (the least recently used is closed; a test module's own
         pools close at its end)."""),
