@@ -116,7 +116,12 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             'cpu:gloo,cuda:nccl' form (the cpu entry is used).
         init_method: 'env://' (default), 'tcp://host:port', 'file:///path', or a URL of a
             scheme given to ``register_rendezvous_handler``.
-        timeout: timedelta or seconds any single wait may take (default 30 minutes).
+        timeout: timedelta or seconds any single wait may take: the rendezvous, and
+            every collective and point-to-point call of the group's, after which every
+            waiting rank raises a DistError naming the ranks that did not arrive. Default
+            1800 s (30 minutes, torch's for CPU backends; ``dist.default_pg_timeout``).
+            A rank that waits longer than COLLECTIVES_WAIT_WARN_S (default 60 s) logs a
+            warning naming the call and the missing ranks well before that.
         world_size, rank: required with ``store`` or a tcp:// / file:// init_method.
         store: a Store all ranks share (excludes init_method).
         _ranks: torch's private argument: the group is then named by the hash torch
