@@ -263,8 +263,23 @@ def _torch_bridge(pg, ranks=None):
                       stacklevel=3)
 
 
+class NoDefaultGroupError(ValueError, AssertionError):
+    """``destroy_process_group()`` with no default group. torch raises AssertionError
+    there ("Process group cannot be None"); this is one, and a ValueError as the
+    package's other misuse errors are."""
+
+
 def destroy_process_group(group=None):
-    """Shut down ``group``'s backend, or every group (and the default one) when None."""
+    """Shut down ``group``'s backend, or every group (and the default one) when None.
+
+    Raises:
+        NoDefaultGroupError (an AssertionError, as torch's, and a ValueError): ``group``
+            is None and there is no default group (destroyed already, or never made).
+    """
+    if group is None and world.default is None:
+        raise NoDefaultGroupError(
+            "Process group cannot be None: destroy_process_group() found no default group "
+            "(destroyed already, or never initialised)")
     if group is None or group is GroupMember.WORLD:
         if _bridge is not None:  # torch's default group over ours goes first
             _bridge.uninstall_default()
