@@ -129,3 +129,34 @@ def test_two_processes_with_one_rank_raise_on_every_rank():
         assert rc == 0, err
         assert out.startswith("ValueError:") and "two processes have rank 1" in out, out
         assert secs < 30, f"process {r} raised after {secs:.0f} s"
+
+
+SKIP_ONE = r"""
+import os, time
+import numpy as np
+import collectives as dist
+from datetime import timedelta
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", timeout=timedelta(seconds=2))
+x = np.ones(4, dtype=np.float32)
+dist.broadcast(x, src=0)
+if rank == 0:
+    try:
+        dist.all_reduce(x)
+    except dist.DistError as e:
+        print("DistError:", e)
+else:
+    time.sleep(6)  # never calls all_reduce
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_timeout_names_the_collectives_number_as_the_user_counts_calls():
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "COLLECTIVES_WAIT_WARN_S": "0"} for r in range(2)]
+    runs = _ranks(SKIP_ONE, [], envs)
+    out = runs[0][1]
+    assert out.startswith("DistError:"), runs[0][1] + runs[0][2]
+    # the flight recorder's number and the backend's agree: the second call
+    assert "all_reduce(float32, 4, op=SUM) #2" in out, out
+    assert "sequence" not in out, out
+    assert re.search(r"all_reduce \(collective #2\) failed on rank 0", out), out
