@@ -15,21 +15,77 @@ _DOCS = {
     "all_reduce": """Reduce ``tensor`` across the group, in place, on every rank.
 
     Args:
-        tensor: a contiguous torch CPU tensor or NumPy array (any shape).
+        tensor: a contiguous torch CPU tensor or NumPy array (any shape); under the nccl
+            backend a CUDA tensor on this rank's device (the call is enqueued on the
+            current torch stream, as torch's ProcessGroupNCCL does).
         op: a ReduceOp (AVG and PREMUL_SUM need floating or complex tensors).
         group: the group (default: the world).
         async_op: return a Work instead of waiting.
+
+    Returns:
+        None, or a Work when ``async_op`` (None on a rank outside ``group``).
+
+    Raises:
+        ValueError / TypeError: a bad tensor (not contiguous, an unsupported dtype, the
+            op not defined for it) before anything is sent.
+        DistError: the call failed or timed out (the group's timeout, default 1800 s);
+            every rank raises, naming the ranks that did not arrive.
 
     Example:
         >>> t = torch.ones(2); dist.all_reduce(t)   # t == world_size
     """,
     "all_reduce_coalesced": "all_reduce of several tensors of one dtype in one backend call.",
     "reduce": "Reduce ``tensor`` across the group into ``dst``'s tensor; the others keep theirs.",
-    "broadcast": "Copy ``src``'s tensor into every rank's ``tensor``.",
+    "broadcast": """Copy ``src``'s ``tensor`` into every other rank's ``tensor``, in place.
+
+    Args:
+        tensor: on ``src``, the data to send; elsewhere, where it lands. A contiguous
+            torch CPU tensor or NumPy array of the same dtype and element count on every
+            rank (a CUDA tensor under nccl).
+        src: the global rank that sends (default 0); ``group_src`` names it by its rank
+            in ``group`` instead.
+        group: the group (default: the world).
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        None, or a Work when ``async_op`` (None on a rank outside ``group``).
+
+    Raises:
+        ValueError / TypeError: a bad tensor or root (not in ``group``) before anything
+            is sent.
+        DistError: the call failed or timed out, or the ranks' calls differ (another
+            root, dtype or count): every rank raises, naming the other rank's call.
+
+    Example:
+        >>> t = torch.arange(4.0) if dist.get_rank() == 0 else torch.empty(4)
+        >>> dist.broadcast(t, src=0)   # every rank: tensor([0., 1., 2., 3.])
+    """,
     "all_gather": "Gather every rank's ``tensor`` into ``tensor_list`` (one tensor per rank) "
                   "on every rank.",
-    "all_gather_single": "Gather every rank's ``input_tensor`` into ``output_tensor`` "
-                         "(size * numel elements).",
+    "all_gather_single": """Gather every rank's ``input_tensor`` into ``output_tensor`` on
+    every rank, rank r's at the r-th slice (torch's ``all_gather_into_tensor``).
+
+    Args:
+        output_tensor: ``group size * input_tensor.numel()`` elements of the input's dtype,
+            contiguous: shaped ``(size * n, ...)`` (concatenated along dim 0) or ``(size,
+            n, ...)`` (stacked), as torch accepts.
+        input_tensor: this rank's part; a contiguous torch CPU tensor or NumPy array (CUDA
+            tensors under nccl). It may be ``output_tensor``'s own r-th slice.
+        group: the group (default: the world).
+        async_op: return a Work instead of waiting.
+
+    Returns:
+        None, or a Work when ``async_op`` (None on a rank outside ``group``).
+
+    Raises:
+        ValueError / TypeError: sizes or dtypes that do not fit, before anything is sent.
+        DistError: the call failed or timed out; every rank raises.
+
+    Example:
+        >>> out = torch.empty(dist.get_world_size() * 2)
+        >>> dist.all_gather_into_tensor(out, torch.full((2,), float(dist.get_rank())))
+        >>> # out == [0, 0, 1, 1, ...]
+    """,
     "all_gather_coalesced": """Gather every rank's ``input_tensor_list`` in one backend call
     (torch's deprecated coalesced form): ``output_tensor_lists[r][i]`` receives rank r's
     ``input_tensor_list[i]``. The tensors share one dtype, as torch's gloo requires; their

@@ -18,8 +18,28 @@ isend = build(SPECS["isend"], "Start sending ``tensor`` to ``dst``; returns a Wo
               "the tensor until it's done).", __name__)
 irecv = build(SPECS["irecv"], "Start receiving into ``tensor`` from ``src`` (None: any rank; "
               "``Work.source_rank()`` names it).", __name__)
-send = build(SPECS["send"], "Send ``tensor`` to global rank ``dst``; returns when the tensor may "
-             "be reused.", __name__)
+send = build(SPECS["send"], """Send ``tensor`` to global rank ``dst``; returns when the tensor may
+    be reused (it may still be on its way: the receiver's ``recv`` says when it arrived).
+
+    Args:
+        tensor: a contiguous torch CPU tensor or NumPy array (a CUDA tensor under nccl);
+            the receiver's tensor must have the same dtype and element count.
+        dst: the receiver's global rank (not this rank); ``group_dst`` names it by its
+            rank in ``group`` instead.
+        group: the group (default: the world).
+        tag: matches this send with the receiver's ``recv`` of the same tag (default 0).
+
+    Raises:
+        ValueError / TypeError: a bad tensor or peer (this rank, or outside ``group``)
+            before anything is sent.
+        DistError: the receiver is gone or the group's timeout (default 1800 s) passed.
+
+    Example:
+        >>> if dist.get_rank() == 0:
+        ...     dist.send(torch.arange(3.0), dst=1)
+        ... elif dist.get_rank() == 1:
+        ...     t = torch.empty(3); dist.recv(t, src=0)
+    """, __name__)
 recv = build(SPECS["recv"], """Receive into ``tensor`` from ``src`` (None: any rank). Returns the
     sender's global rank (-1 if this rank is not in ``group``).""", __name__)
 
