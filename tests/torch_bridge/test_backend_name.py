@@ -6,7 +6,8 @@
   starts them: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 - torch's ``torch.backends`` entry point registers it at ``import torch``, in a program
   that never imports collectives (the same training, the same weights), without importing
-  collectives at ``import torch``: the bridge comes at the first init.
+  collectives at ``import torch``: the bridge comes at the first init. There
+  ``torch.distributed.new_group`` and a ``DeviceMesh``'s groups are collectives' groups.
 - ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns that off: the name is then unknown to torch.
 """
 import os
@@ -62,7 +63,15 @@ def _train(backend, how, world=2, **env):
 def gloo_weights():
     runs = _train("gloo", "none")
     assert runs[0][1] == runs[1][1]
+    assert runs[0][0]["new_group"] == runs[0][0]["mesh_group"] == "torch"
     return runs[0][1]
+
+
+def _check_groups(facts):
+    """torch.distributed.new_group and a DeviceMesh's groups are collectives' groups."""
+    assert facts["new_group"] == "collectives", facts
+    assert facts["mesh_group"] == "collectives", facts
+    assert facts["mesh_sum"] == "2", facts
 
 
 @needs_gloo
@@ -76,6 +85,7 @@ def test_import_collectives_registers_the_name_and_trains_to_gloos_weights(how, 
         assert facts["bridge_before_init"] == "False", "the bridge was imported before init"
         if how == "import-after":
             assert facts["torch_imported_by_collectives"] == "False"
+        _check_groups(facts)
         assert weights == gloo_weights, f"rank {r}: weights differ from torch gloo's"
 
 
@@ -87,6 +97,7 @@ def test_torchs_entry_point_registers_the_name_in_a_program_that_never_imports_c
     for r, (facts, weights) in enumerate(runs):
         assert facts["backend"] == "collectives"
         assert facts["collectives_imported_by_torch"] == "False"
+        _check_groups(facts)
         assert weights == gloo_weights, f"rank {r}: weights differ from torch gloo's"
 
 

@@ -32,6 +32,16 @@ facts["bridge_before_init"] = "collectives.torch_bridge.torch_pg" in sys.modules
 td.init_process_group(backend)
 facts["backend"] = td.get_backend()
 rank = td.get_rank()
+# torch's subgroups and device meshes over that default group: collectives' groups where
+# the backend is collectives (torch's own elsewhere)
+sub = td.new_group([0, 1])
+facts["new_group"] = type(sub).__module__.split(".")[0]
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+facts["mesh_group"] = type(mesh.get_group("tp")).__module__.split(".")[0]
+t = torch.ones(2)
+td.all_reduce(t, group=mesh.get_group("tp"))
+facts["mesh_sum"] = int(t[0])
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
