@@ -115,6 +115,7 @@ else:
 """
 
 
+@needs_gloo  # (the group torch makes by name runs on gloo)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("autoload", ["1", "0"])
 def test_torchs_autoload_switch_decides_whether_torch_knows_the_name(autoload):
