@@ -272,8 +272,10 @@ SETTINGS = (
         A rank blocked this long in a collective (or at the rendezvous) logs a warning naming the
         call (its number and name) and the ranks that have not arrived, then again after twice,
         four times... as long; 0: never. The collective's warning comes from the flight
-        recorder's thread (COLLECTIVES_FR_BUFFER_SIZE > 0). The group's timeout (default 1800 s)
-        still ends the wait with an error."""),
+        recorder's thread (COLLECTIVES_FR_BUFFER_SIZE > 0), which learns where the other ranks are
+        from their progress posts in the job's store (the mpi backend under mpiexec has none: its
+        warning names the call only). The group's timeout (default 1800 s) still ends the wait
+        with an error."""),
     _fr("COLLECTIVES_FR_DUMP", "str", None, doc="""
         Path prefix of the flight recorder's dumps, the global rank appended (torch's
         TORCH_FR_DUMP_TEMP_FILE, where set, comes first). Default: a file in the temp directory

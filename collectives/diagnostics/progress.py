@@ -229,6 +229,10 @@ class _Progress:
                         self._forget_store()
                         return
                 continue
+            try:  # (before the posts: a job without a store, or whose store is gone, warns too)
+                self.watch(frs)
+            except Exception as e:  # noqa: BLE001
+                _log.debug("collectives flight recorder: wait check failed: %r", e)
             try:
                 st = self._store()
                 if st is None:
@@ -241,7 +245,6 @@ class _Progress:
                 if t - last_poll >= POLL_S - 0.1:  # (ticks come a little early or late)
                     last_poll = t
                     self._poll_requests(st)
-                self.watch(frs)
             except Exception as e:  # noqa: BLE001  (store gone: the job is ending)
                 _log.debug("collectives flight recorder: progress post failed: %r", e)
                 time.sleep(HEARTBEAT_S)
@@ -408,8 +411,10 @@ class _Progress:
             done, posts = _within(READ_WAIT_S, self.read, fr)
         except Exception as e:  # noqa: BLE001
             return f"{head} (the other ranks' progress could not be read: {e})"
-        if not done or posts is None:
+        if not done:
             return f"{head} (the other ranks' progress could not be read)"
+        if posts is None:
+            return f"{head} (no store to read the other ranks' progress from)"
         missing, notes = _whereabouts(fr, s, posts)
         who = (f": ranks {{{', '.join(map(str, missing))}}} have not arrived" if missing
                else ": every rank has arrived")
