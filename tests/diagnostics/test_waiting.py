@@ -72,8 +72,9 @@ def test_a_rank_that_arrives_late_makes_the_others_say_who_they_wait_for(where):
     for r, (rc, out, err, _) in enumerate(runs):
         assert rc == 0 and "done" in out, f"rank {r}:\n{err}"
     lines = [ln for ln in runs[0][2].splitlines() if "has waited" in ln]
-    # at 1, 2 and 4 s of the 5 (doubling), not once per tick
-    assert 2 <= len(lines) <= 4, runs[0][2]
+    # at 1, 2 and 4 s of the 5 (doubling; 8 and 16 where the late rank's own start is slow
+    # on a loaded machine), not once per half-second tick
+    assert 2 <= len(lines) <= 5, runs[0][2]
     for ln in lines:
         assert "ranks {1} have not arrived" in ln, ln
         if where == "all_reduce":
