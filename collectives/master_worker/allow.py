@@ -60,7 +60,7 @@ class Entry:
     def __init__(self, name, fn, prop=False):
         self.name, self.fn, self.prop = name, fn, prop
         self.wire = encoded(name)  # the name as the codec writes it, once
-        self.results = {}  # argument kinds -> what a call returns (the master's dispatch.py)
+        self.results = {}  # argument kinds -> what a call returns (the master's remote_call.py)
         last = name.rsplit(".", 1)[-1]
         self.inplace = (last.endswith("_") and not last.endswith("__")) or (
             last.startswith("__i") and last not in ("__invert__",)) or last == "__setitem__"

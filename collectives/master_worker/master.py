@@ -83,7 +83,7 @@ class Master:
         self.timeout = timeout
         self.closed = False
         self.lock = threading.RLock()  # one thread at a time drives a stream
-        # the call path's caches (dispatch.py): allow-list, methods and operators by name
+        # the call path's caches (remote_call.py): allow-list, methods and operators by name
         self.names = None
         self.methods = {}
         self.operators = {}

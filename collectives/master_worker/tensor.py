@@ -2,7 +2,7 @@
 
 A remote tensor joins torch's and NumPy's dispatch protocols: any torch function,
 Tensor method or ``torch.nn.functional`` call (torch mode), any NumPy ufunc or array
-function (NumPy mode) given remote tensors runs on their node (see dispatch.py for what
+function (NumPy mode) given remote tensors runs on their node (see remote_call.py for what
 travels and what comes back). An operation queues a command and returns a new handle at
 once; the data stays on the node. Copies back (``get``, ``numpy``, ``item``...), values
 (a shape the master does not know, a Python number), ``synchronize`` and ``Event.wait``

@@ -46,13 +46,21 @@ class TorchWork(td._Work):
     source_rank = _source_rank
 
     def get_future(self):
+        """The call's future. A failed call's error reaches the future as torch's C++
+        sees errors: a Python future's ``set_exception`` is a *result* to C++ (a PyObject
+        holding the exception), which DDP's reducer reads as the reduced tensors and
+        crashes on (a segfault when a peer died mid-backward). So the future returned is
+        a ``then`` child of the one settled here: its callback re-raises the error, which
+        marks the child failed in C++ (Python's ``wait()`` on it raises RuntimeError
+        naming the DistError, as torch's own futures do)."""
         with self._lock:
             if self._fut is None:
-                self._fut = torch.futures.Future()
+                raw = torch.futures.Future()
+                self._fut = raw.then(_unwrap)
                 if self._work is None or self._work.is_completed():
-                    self._settle(self._fut)
+                    self._settle(raw)
                 else:
-                    fut = self._fut
+                    fut = raw
                     req = self._work._req
                     if hasattr(req, "add_done_callback"):  # handed over by the thread finishing it
                         req.add_done_callback(lambda _r: _completer.put(self, fut))
@@ -68,6 +76,10 @@ class TorchWork(td._Work):
             fut.set_exception(e)
         else:
             fut.set_result(self._result)
+
+
+def _unwrap(fut):
+    return fut.wait()  # the value, or the error raised (see TorchWork.get_future)
 
 
 class _Completer:

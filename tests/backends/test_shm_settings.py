@@ -19,7 +19,7 @@ from collectives.engines._shm import ShmComm, unlink  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 from tests.support.requires import needs_source_tree  # noqa: E402
 
-SRC = os.path.join(ROOT, "collectives", "src")
+SRC = os.path.join(ROOT, "collectives", "engines")
 
 
 @needs_source_tree
