@@ -319,15 +319,13 @@ SETTINGS = (
         Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, mpi,
         nccl); default every available host configuration."""),
     _test("COLLECTIVES_TEST_REQUIRE", "str", None, read_in="tests/support/requires.py", doc="""
-        Comma-separated parts the test run must have (gloo, shm, hier, mpi, slurm, netns): a test
+        Comma-separated parts the test run must have (gloo, shm, hier, mpi, slurm, netns,
+        frameworks: Lightning and accelerate installed, for tests/frameworks): a test
         that needs a listed part fails where it is missing instead of skipping (.ci/run sets it)."""),
     _test("COLLECTIVES_TEST_START_TIMEOUT", "int", 120, minimum=1, doc="""
         Seconds a rank pool may take to start."""),
     _test("COLLECTIVES_TEST_GROUP_TIMEOUT", "int", 30, minimum=1, doc="""
         Group timeout (seconds) of the test pools' process groups."""),
-    _test("COLLECTIVES_REQUIRE_FRAMEWORKS", "bool", False, read_in="tests/frameworks", doc="""
-        The framework tests (tests/frameworks: Lightning, torchrun, accelerate) fail where a
-        framework is not installed, instead of skipping (CI's frameworks step)."""),
     _test("COLLECTIVES_TEST_MAX_POOLS", "int", 8, minimum=1, doc="""
         Rank pools kept running at once (the least recently used is closed; a test module's own
         pools close at its end)."""),

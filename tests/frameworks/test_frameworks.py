@@ -10,8 +10,8 @@ bit, from the same program run on gloo.
   the processes through torchrun; ``--cpu`` would start one): ``collectives.init_process_group("gloo")``
   before ``Accelerator(cpu=True)``, which joins that group.
 
-A framework that is not installed skips, saying so; with COLLECTIVES_REQUIRE_FRAMEWORKS=1
-(CI's frameworks step) it fails instead.
+A framework that is not installed skips, saying so; where the run must have them
+(COLLECTIVES_TEST_REQUIRE names ``frameworks``: CI's frameworks step) it fails instead.
 """
 import importlib.util
 import os
@@ -22,21 +22,18 @@ import pytest
 
 from tests.support import ROOT
 from tests.support.ranks import free_port
-from tests.support.requires import needs_gloo
+from tests.support.requires import needs_gloo, skip_unless_required
 
 pytestmark = [pytest.mark.frameworks, needs_gloo, pytest.mark.timeout(600)]
 
 SCRIPTS = os.path.join(ROOT, "tests", "frameworks", "scripts")
-REQUIRED = os.environ.get("COLLECTIVES_REQUIRE_FRAMEWORKS", "").strip() not in ("", "0")
 
 
 def _need(module, dist):
-    """Skip (fail where COLLECTIVES_REQUIRE_FRAMEWORKS=1) unless ``module`` imports."""
+    """Skip unless ``module`` imports (fail where the run must have the frameworks)."""
     if importlib.util.find_spec(module) is None:
-        why = f"{dist} is not installed (pip install -c constraints.txt -e '.[frameworks]')"
-        if REQUIRED:
-            pytest.fail(f"COLLECTIVES_REQUIRE_FRAMEWORKS=1: {why}")
-        pytest.skip(why)
+        skip_unless_required("frameworks", f"{dist} is not installed "
+                             f"(pip install -c constraints.txt -e '.[frameworks]')")
 
 
 def _env():
