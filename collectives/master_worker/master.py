@@ -231,7 +231,14 @@ class Master:
                     break
                 self._complete(node, node.pending[0], block=True)
         if entry.exc is not None:
-            raise entry.exc
+            # handed over once: the entry (whose handler may hold a remote tensor) and this
+            # frame must not stay in a cycle with the exception's traceback, or the tensor
+            # lives, failed, on its node until the cyclic garbage collector runs
+            exc, entry.exc, entry.handler = entry.exc, None, None
+            try:
+                raise exc
+            finally:
+                del exc
         if not entry.done:
             raise DistBackendError(f"{node} is lost: {node.lost}")
         return entry.value
