@@ -161,3 +161,17 @@ else:
                 f"module {__name__!r} has no attribute {name!r} without torch: "
                 f"collectives.{name} needs torch (pip install 'collectives[torch]')")
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _register_torch_backend():
+    """torch.distributed's backend name "collectives": registered now where torch.distributed
+    is imported, else when it is (an import hook; torch is not imported here). The bridge
+    itself is imported at the first init_process_group("collectives")."""
+    try:
+        import _collectives_torch
+    except ImportError:  # a copy of the package without its top-level module
+        return
+    _collectives_torch.install()
+
+
+_register_torch_backend()

@@ -116,7 +116,12 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             'cpu:gloo,cuda:nccl' form (the cpu entry is used).
         init_method: 'env://' (default), 'tcp://host:port', 'file:///path', or a URL of a
             scheme given to ``register_rendezvous_handler``.
-        timeout: timedelta or seconds any single wait may take (default 30 minutes).
+        timeout: timedelta or seconds any single wait may take: the rendezvous, and
+            every collective and point-to-point call of the group's, after which every
+            waiting rank raises a DistError naming the ranks that did not arrive. Default
+            1800 s (30 minutes, torch's for CPU backends; ``dist.default_pg_timeout``).
+            A rank that waits longer than COLLECTIVES_WAIT_WARN_S (default 60 s) logs a
+            warning naming the call and the missing ranks well before that.
         world_size, rank: required with ``store`` or a tcp:// / file:// init_method.
         store: a Store all ranks share (excludes init_method).
         _ranks: torch's private argument: the group is then named by the hash torch
@@ -258,8 +263,23 @@ def _torch_bridge(pg, ranks=None):
                       stacklevel=3)
 
 
+class NoDefaultGroupError(ValueError, AssertionError):
+    """``destroy_process_group()`` with no default group. torch raises AssertionError
+    there ("Process group cannot be None"); this is one, and a ValueError as the
+    package's other misuse errors are."""
+
+
 def destroy_process_group(group=None):
-    """Shut down ``group``'s backend, or every group (and the default one) when None."""
+    """Shut down ``group``'s backend, or every group (and the default one) when None.
+
+    Raises:
+        NoDefaultGroupError (an AssertionError, as torch's, and a ValueError): ``group``
+            is None and there is no default group (destroyed already, or never made).
+    """
+    if group is None and world.default is None:
+        raise NoDefaultGroupError(
+            "Process group cannot be None: destroy_process_group() found no default group "
+            "(destroyed already, or never initialised)")
     if group is None or group is GroupMember.WORLD:
         if _bridge is not None:  # torch's default group over ours goes first
             _bridge.uninstall_default()

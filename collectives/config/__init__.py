@@ -285,6 +285,15 @@ SETTINGS = (
     _fr("COLLECTIVES_FR_BUFFER_SIZE", "int", 256, doc="""
         Collectives the flight recorder keeps per group (torch's TORCH_FR_BUFFER_SIZE, where set,
         comes first); 0 turns the recorder, its dumps and progress posts off."""),
+    _fr("COLLECTIVES_WAIT_WARN_S", "int", 60, unit="s",
+        read_in="diagnostics/progress.py, store/rendezvous.py", doc="""
+        A rank blocked this long in a collective (or at the rendezvous) logs a warning naming the
+        call (its number and name) and the ranks that have not arrived, then again after twice,
+        four times... as long; 0: never. The collective's warning comes from the flight
+        recorder's thread (COLLECTIVES_FR_BUFFER_SIZE > 0), which learns where the other ranks are
+        from their progress posts in the job's store (the mpi backend under mpiexec has none: its
+        warning names the call only). The group's timeout (default 1800 s) still ends the wait
+        with an error."""),
     _fr("COLLECTIVES_FR_DUMP", "str", None, doc="""
         Path prefix of the flight recorder's dumps, the global rank appended (torch's
         TORCH_FR_DUMP_TEMP_FILE, where set, comes first). Default: a file in the temp directory
@@ -310,7 +319,8 @@ SETTINGS = (
         Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, mpi,
         nccl); default every available host configuration."""),
     _test("COLLECTIVES_TEST_REQUIRE", "str", None, read_in="tests/support/requires.py", doc="""
-        Comma-separated parts the test run must have (gloo, shm, hier, mpi, slurm, netns): a test
+        Comma-separated parts the test run must have (gloo, shm, hier, mpi, slurm, netns,
+        frameworks: Lightning and accelerate installed, for tests/frameworks): a test
         that needs a listed part fails where it is missing instead of skipping (.ci/run sets it)."""),
     _test("COLLECTIVES_TEST_START_TIMEOUT", "int", 120, minimum=1, doc="""
         Seconds a rank pool may take to start."""),

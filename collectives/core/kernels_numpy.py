@@ -35,7 +35,10 @@ def _view(obj, name, writable):
             np.float16, np.float32, np.float64, np.complex64, np.complex128, np.int8, np.uint8,
             np.int16, np.int32, np.int64, np.bool_, np.intc, np.longlong):
         if not obj.flags.c_contiguous:
-            raise ValueError(f"{name} must be contiguous (C order); call numpy.ascontiguousarray first")
+            raise ValueError(f"{name} must be contiguous (C order). numpy.ascontiguousarray({name}) "
+                             f"would be a copy: an in-place call (all_reduce, broadcast, recv...) writes "
+                             f"its result there, not into {name}; pass a contiguous array you keep (and "
+                             f"copy it back into the view where the view must hold the result)")
         if writable and not obj.flags.writeable:
             raise ValueError(f"{name} must be writeable")
         return obj.reshape(-1), _np_code(obj)

@@ -110,7 +110,10 @@ def to_buffer(obj, name="tensor"):
     if isinstance(obj, np.ndarray):
         code = dtype_code(obj, name)
         if not obj.flags.c_contiguous:
-            raise ValueError(f"{name} must be contiguous (C order); call numpy.ascontiguousarray first")
+            raise ValueError(f"{name} must be contiguous (C order). numpy.ascontiguousarray({name}) "
+                             f"would be a copy: an in-place call (all_reduce, broadcast, recv...) writes "
+                             f"its result there, not into {name}; pass a contiguous array you keep (and "
+                             f"copy it back into the view where the view must hold the result)")
         if not obj.flags.writeable:
             raise ValueError(f"{name} must be writeable")
         return Buffer(obj.__array_interface__["data"][0], obj.size, code, -1, obj)
@@ -120,7 +123,10 @@ def to_buffer(obj, name="tensor"):
             raise TypeError(f"{name} has unsupported dtype {obj.dtype}; expected one of "
                             + ", ".join(D.DTYPE_NAMES.values()))
         if not obj.is_contiguous():
-            raise ValueError(f"{name} must be contiguous; call .contiguous() first")
+            raise ValueError(f"{name} must be contiguous. {name}.contiguous() would be a copy: an "
+                             f"in-place call (all_reduce, broadcast, recv...) writes its result there, "
+                             f"not into {name}; pass a contiguous tensor you keep (and copy it back "
+                             f"into the view where the view must hold the result)")
         if obj.is_sparse:
             raise ValueError(f"{name} must be a dense tensor, got a sparse one")
         if obj.is_conj() or obj.is_neg():

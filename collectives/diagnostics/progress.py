@@ -13,8 +13,10 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from datetime import timedelta
 
+from .. import config
 from .fr_registry import (BUFFER_SIZE, DUMP_PREFIX, describe, global_rank, live_recorders,
                           recorders, world_size)
 
@@ -31,6 +33,8 @@ STORE_TIMEOUT_S = 3.0  # any store call of the recorder's daemon
 READ_WAIT_S = 1.0  # a failing rank waits at most this long for the other ranks' progress
 ACK_WAIT_S = 1.5  # ... and at most this long for the others to write their dumps
 KEY = "collectives_fr"  # the store keys' prefix
+WAIT_WARN_S = config.get("COLLECTIVES_WAIT_WARN_S")  # a collective waiting this long is logged
+now = time.monotonic_ns  # the flight recorder's clock (its entries' issue times)
 
 
 # ---- dumps ------------------------------------------------------------------------------
@@ -170,6 +174,7 @@ class _Progress:
         self.mine = set()  # the numbers of this process's own dump requests
         self.sig_daemon = self.sig_main = 0  # SIGUSR1s the daemon, the main thread has seen
         self.down = float("-inf")  # when the error path last found the store unreachable
+        self.warned = weakref.WeakKeyDictionary()  # recorder -> (seq warned of, next level in s)
 
     # -- the store --------------------------------------------------------------------
     def _store(self):
@@ -232,6 +237,10 @@ class _Progress:
                         self._forget_store()
                         return
                 continue
+            try:  # (before the posts: a job without a store, or whose store is gone, warns too)
+                self.watch(frs)
+            except Exception as e:  # noqa: BLE001
+                _log.debug("collectives flight recorder: wait check failed: %r", e)
             try:
                 st = self._store()
                 if st is None:
@@ -373,32 +382,80 @@ class _Progress:
                     f"answer within {READ_WAIT_S:g} s). ")
         if posts is None:
             return f"{head} (no store to read the other ranks' progress from). "
-        mine = fr.entry(s)
-        missing, notes = [], []
-        for g, post in sorted(posts.items()):
-            if post is None or post[1] is None:
-                notes.append(f"rank {g} posted no progress")
-                missing.append(g)
-                continue
-            age, (issued, done, last, fin, failed), gone = post
-            stale = f" (posted {age:.0f} s ago: dead or stuck?)" if age > STALE_S else ""
-            if gone:
-                stale = f" (its process {gone} is gone: it died)"
-            if issued < s:
-                missing.append(g)
-                where = f"last completed #{done} {fin}" if done else "completed no collective"
-                if issued > done:
-                    where += f", is still in #{issued} {last}"
-                notes.append(f"rank {g} {where}{stale}")
-            elif done >= s:
-                notes.append(f"rank {g} completed #{s}{stale}")
-            elif issued == s and mine is not None and last != describe(mine, fr.ranks):
-                notes.append(f"rank {g} called {last} as #{s}{stale}")
-            else:
-                notes.append(f"rank {g} is in #{s}{stale}")
+        missing, notes = _whereabouts(fr, s, posts)
         who = (f": ranks {{{', '.join(map(str, missing))}}} did not join it" if missing
                else ": every rank joined it")
         return f"{head}{who} ({'; '.join(notes)}). "
+
+    # -- a collective that waits long -------------------------------------------------
+    def watch(self, frs):
+        """Warn (once, then at doubling intervals) for each group whose oldest unfinished
+        collective has waited longer than COLLECTIVES_WAIT_WARN_S: its number and call, and
+        the ranks that have not joined it (from their progress posts)."""
+        if WAIT_WARN_S <= 0:
+            return
+        t = now()
+        for fr in frs:
+            s = fr.done + 1
+            if s > fr.seq or any(k >= s for k in list(fr.failures)):  # idle, or failed
+                continue
+            e = fr.entry(s)
+            if e is None:
+                continue
+            waited = (t - e[6]) / 1e9
+            seen, level = self.warned.get(fr, (None, WAIT_WARN_S))
+            if seen != s:
+                level = WAIT_WARN_S
+            if waited < level:
+                continue
+            self.warned[fr] = (s, 2 * level)
+            _log.warning("collectives: %s", self.waiting(fr, s, waited))
+
+    def waiting(self, fr, s, waited):
+        """The warning's text: rank R has waited N s in collective #s, and who is missing."""
+        head = (f"rank {global_rank()} has waited {waited:.0f} s in {fr.describe_seq(s)} "
+                f"in group {fr.name}")
+        try:
+            done, posts = _within(READ_WAIT_S, self.read, fr)
+        except Exception as e:  # noqa: BLE001
+            return f"{head} (the other ranks' progress could not be read: {e})"
+        if not done:
+            return f"{head} (the other ranks' progress could not be read)"
+        if posts is None:
+            return f"{head} (no store to read the other ranks' progress from)"
+        missing, notes = _whereabouts(fr, s, posts)
+        who = (f": ranks {{{', '.join(map(str, missing))}}} have not arrived" if missing
+               else ": every rank has arrived")
+        return f"{head}{who} ({'; '.join(notes)}); still waiting, up to the group's timeout"
+
+
+def _whereabouts(fr, s, posts):
+    """([ranks that have not issued collective ``s``], [what each other rank is doing]),
+    from their progress posts."""
+    mine = fr.entry(s)
+    missing, notes = [], []
+    for g, post in sorted(posts.items()):
+        if post is None or post[1] is None:
+            notes.append(f"rank {g} posted no progress")
+            missing.append(g)
+            continue
+        age, (issued, done, last, fin, failed), gone = post
+        stale = f" (posted {age:.0f} s ago: dead or stuck?)" if age > STALE_S else ""
+        if gone:
+            stale = f" (its process {gone} is gone: it died)"
+        if issued < s:
+            missing.append(g)
+            where = f"last completed #{done} {fin}" if done else "completed no collective"
+            if issued > done:
+                where += f", is still in #{issued} {last}"
+            notes.append(f"rank {g} {where}{stale}")
+        elif done >= s:
+            notes.append(f"rank {g} completed #{s}{stale}")
+        elif issued == s and mine is not None and last != describe(mine, fr.ranks):
+            notes.append(f"rank {g} called {last} as #{s}{stale}")
+        else:
+            notes.append(f"rank {g} is in #{s}{stale}")
+    return missing, notes
 
 
 _progress = _Progress()

@@ -82,7 +82,10 @@ cdef int _get_buf(object obj, str name, bint writable, cbuf *out) except -1:
         code = _np_dtype_code(arr)
         if code >= 0:
             if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
-                raise ValueError(f"{name} must be contiguous (C order); call numpy.ascontiguousarray first")
+                raise ValueError(f"{name} must be contiguous (C order). numpy.ascontiguousarray({name}) "
+                                 f"would be a copy: an in-place call (all_reduce, broadcast, recv...) writes "
+                                 f"its result there, not into {name}; pass a contiguous array you keep (and "
+                                 f"copy it back into the view where the view must hold the result)")
             if writable and not cnp.PyArray_ISWRITEABLE(arr):
                 raise ValueError(f"{name} must be writeable")
             out.ptr = <char *>cnp.PyArray_DATA(arr)

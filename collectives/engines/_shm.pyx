@@ -54,7 +54,7 @@ cdef extern from "shm/shm_coll.h" nogil:
     int shm_comm_poison(shm_comm *c, const char *text)
     const char *shm_strerror(int rc)
     const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
-                                    const char *label)
+                                    const char *label, long number)
     int shm_barrier(shm_comm *c, uint64_t fp)
     int SHM_PENDING
     int shm_barrier_try(shm_comm *c, uint64_t fp)
@@ -117,6 +117,9 @@ cdef long long _or_default(value):
 def unlink(name):
     """Remove a segment name from /dev/shm (mapped ranks keep their mapping)."""
     return shm_comm_unlink(name.encode()) == SHM_OK
+
+
+_P2P_OPS = frozenset({"send", "recv", "cma_probe"})  # _check's calls that are no collective
 
 
 cdef class ShmComm:
@@ -183,8 +186,11 @@ cdef class ShmComm:
         cdef const char *cop = bop
         cdef const char *clabel = blabel
         cdef const char *text
+        # a collective is named by its number in the group (as mismatch errors name it);
+        # point-to-point calls have none
+        cdef long number = 0 if op in _P2P_OPS else <long>shm_comm_coll(self.c) - self.coll_base
         with nogil:
-            text = shm_comm_error_text(self.c, rc, cop, peer, clabel)
+            text = shm_comm_error_text(self.c, rc, cop, peer, clabel, number)
         raise DistBackendError(_expand(text.decode("utf-8", "replace"), self.rank_names,
                                        failure=self.failure))
 

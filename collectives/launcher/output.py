@@ -40,6 +40,9 @@ class Stream:
 
     def __init__(self, rank, sink, prefix, show, log, keep_tail):
         self.prefix = (b"[%d] " % rank) if prefix else b""
+        # torch's init_process_group installs an excepthook that starts every line of a
+        # traceback with "[rank<r>]: "; under our own prefix that is said twice
+        self.torch_prefix = (b"[rank%d]: " % rank) if prefix else None
         self.sink = sink
         self.show = show
         self.log = log
@@ -75,6 +78,9 @@ class Stream:
             self.log.close()
 
     def _emit(self, lines):
+        if self.torch_prefix is not None:
+            tp = self.torch_prefix
+            lines = [line[len(tp):] if line.startswith(tp) else line for line in lines]
         if self.tail is not None:
             self.tail.extend(line.decode(errors="replace") for line in lines)
         if self.show:

@@ -198,11 +198,13 @@ class Launcher:
         for r in failed[1:]:
             lines.append(f"rank {r.rank} also failed with {r.describe()}")
         tail = list(first.err.tail)
-        if tail:
+        if not tail:
+            lines.append(f"rank {first.rank} wrote nothing to stderr")
+        elif first.err.show:  # its traceback went by already: once is enough
+            lines.append(f"rank {first.rank}'s stderr is above; its last line: {tail[-1]}")
+        else:
             lines.append(f"last {len(tail)} lines of rank {first.rank}'s stderr:")
             lines += ["  " + t for t in tail]
-        else:
-            lines.append(f"rank {first.rank} wrote nothing to stderr")
         self.note("\n".join(lines))
 
     def run(self):

@@ -22,6 +22,7 @@ Example:
     >>> store, rank, world = meet("tcp://127.0.0.1:29500", rank=0, world_size=1)
     >>> store, rank, world = next(rendezvous("tcp://127.0.0.1:29500", rank=0, world_size=1))
 """
+import logging
 import os
 import re
 import secrets
@@ -29,9 +30,12 @@ import time
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
+from .. import config
 from ..security import auth
 from ..core.errors import DistError, DistNetworkError, DistStoreError
 from . import DEFAULT_TIMEOUT, FileStore, Store, TCPStore, to_seconds
+
+_log = logging.getLogger("collectives")
 
 # (rank variable, world-size variable, who sets them), in order of preference
 RANK_SOURCES = (
@@ -189,13 +193,18 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
             store too). None and no COLLECTIVES_AUTH_KEY: no authentication.
 
     Returns:
-        (store, rank, world_size). With env:// and tcp://, rank 0 is the TCPStore master
-        and returns only once every rank has connected.
+        (store, rank, world_size). With env:// and tcp://, rank 0 is the TCPStore master,
+        and every rank returns only once every rank has arrived, each having said its rank
+        and world size.
 
     Raises:
         ValueError / TypeError: a missing or invalid argument or environment variable,
             named, before any connection is tried.
-        DistNetworkError / DistStoreError: the other ranks did not arrive within ``timeout``.
+        ValueError: (env:// and tcp://) the ranks disagree on the world size, or two
+            processes have one rank: raised on every rank that arrived, naming which rank
+            said which size.
+        DistNetworkError / DistStoreError: the other ranks did not arrive within ``timeout``
+            (the error names the ranks missing).
     """
     environ = os.environ if environ is None else environ
     secs = to_seconds(timeout)
@@ -259,8 +268,15 @@ def meet(init_method=None, rank=-1, world_size=-1, timeout=DEFAULT_TIMEOUT, stor
         _check_port(port, world, "the tcp:// URL's port")
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return _via_agent_store(host, port, world, rank, secs, restart, key), rank, world
-    return _fresh_tcp_store(host, port, world, rank, secs, key), rank, world
+        store = _via_agent_store(host, port, world, rank, secs, restart, key)
+    else:
+        store = _fresh_tcp_store(host, port, world, rank, secs, key)
+    try:
+        _agree(store, rank, world, secs, f"{host}:{port}")
+    except BaseException:
+        store.close()
+        raise
+    return store, rank, world
 
 
 def carry_key(store, key, explicit=True):
@@ -309,8 +325,7 @@ def _via_agent_store(host, port, world, rank, secs, restart, key):
         store = TCPStore(host, 0, world, True, timedelta(seconds=secs), wait_for_workers=False,
                          auth_key=key)
         try:
-            agent.set(key, str(store.port))
-            store._wait_for_workers(True)
+            agent.set(key, str(store.port))  # (_agree waits for the workers)
         except BaseException:
             store.close()
             raise
@@ -322,6 +337,81 @@ def _via_agent_store(host, port, world, rank, secs, restart, key):
                              f"store's port (key {key!r}) in torchrun's agent store at "
                              f"{host}:{port} within {secs:g} s: {e}") from e
     return TCPStore(host, mine, world, False, timedelta(seconds=secs), auth_key=key)
+
+
+_AGREE_KEY = "collectives/rendezvous/world"
+_TELL_S = 5.0  # how long rank 0 keeps its store up for the others to read a disagreement
+
+
+def _agree(store, rank, world, secs, where):
+    """Wait until every rank of the world has met on ``store`` (a fresh server's), each
+    saying its rank and world size; raise on every rank where two disagree on the world
+    size or claim one rank. While waiting longer than COLLECTIVES_WAIT_WARN_S, log which
+    ranks have not arrived (again at doubling intervals)."""
+    me = f"{rank}:{world}"
+    store.add(f"{_AGREE_KEY}/joined", 1)
+    first = store.compare_set(f"{_AGREE_KEY}/size", "", me)
+    first = first.decode() if isinstance(first, (bytes, bytearray)) else str(first)
+    error, ready = f"{_AGREE_KEY}/error", f"{_AGREE_KEY}/ready"
+    msg = None
+    if store.add(f"{_AGREE_KEY}/rank/{rank}", 1) > 1:
+        msg = f"two processes have rank {rank} (this one has world_size={world})"
+    elif first.split(":")[-1] != str(world):
+        other = first.split(":")[0]
+        msg = (f"rank {other} has world_size={first.split(':')[-1]}, rank {rank} has "
+               f"world_size={world}")
+    if msg is not None:  # tell the others before arriving: none of them proceeds
+        msg = f"rendezvous at {where}: the ranks disagree: {msg}"
+        store.set(error, msg)
+        store.set(ready, "1")
+        _fail(store, rank, msg)
+    if store.add(f"{_AGREE_KEY}/arrived", 1) == world:
+        store.set(ready, "1")
+    _wait_ready(store, ready, rank, world, secs, where)
+    if store.check([error]):
+        _fail(store, rank, store.get(error).decode())
+
+
+def _fail(store, rank, msg):
+    """Raise ``msg`` here, once every process that joined has read it (rank 0's process
+    serves the store: its exit would cut the others off before they learn why)."""
+    told = int(store.add(f"{_AGREE_KEY}/told", 1))
+    if rank == 0:
+        deadline = time.monotonic() + _TELL_S
+        while told < int(store.add(f"{_AGREE_KEY}/joined", 0)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            told = int(store.add(f"{_AGREE_KEY}/told", 0))
+    raise ValueError(msg)
+
+
+def _wait_ready(store, ready, rank, world, secs, where):
+    warn = config.get("COLLECTIVES_WAIT_WARN_S")
+    t0 = time.monotonic()
+    deadline = t0 + secs if secs else None
+    next_warn = warn if warn > 0 else None
+    while True:
+        now = time.monotonic() - t0
+        until = [x for x in (next_warn, None if deadline is None else secs) if x is not None]
+        try:
+            store.wait([ready], timedelta(seconds=max(0.001, min(until) - now)) if until else None)
+            return
+        except DistStoreError:
+            waited = time.monotonic() - t0
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DistStoreError(
+                    f"rendezvous at {where} timed out after {secs:g} s: {_missing(store, world)} "
+                    f"(rank {rank}, world_size={world})") from None
+            _log.warning("collectives: rank %d has waited %.0f s at the rendezvous at %s: %s "
+                         "(world_size=%d)", rank, waited, where, _missing(store, world), world)
+            next_warn *= 2
+
+
+def _missing(store, world):
+    """Which ranks have not arrived, in words."""
+    gone = [r for r in range(world) if not store.check([f"{_AGREE_KEY}/rank/{r}"])]
+    if not gone:
+        return "every rank has arrived"
+    return f"ranks {{{', '.join(map(str, gone))}}} have not arrived"
 
 
 # Rank 0 names every TCPStore server it starts for a rendezvous, and destroying a group
@@ -344,8 +434,9 @@ def _fresh_tcp_store(host, port, world, rank, secs, key):
     deadline = time.monotonic() + secs
     pause = 0.005
     while True:
+        # (the master does not wait for the workers here: _agree does, and says who is missing)
         store = TCPStore(host, port, world, rank == 0, timedelta(seconds=secs),
-                         wait_for_workers=True, auth_key=key)
+                         wait_for_workers=rank != 0, auth_key=key)
         if rank == 0:
             sid = secrets.token_hex(8).encode()
             store.set(_SERVER_ID_KEY, sid)

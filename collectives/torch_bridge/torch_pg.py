@@ -16,8 +16,10 @@ Three ways in:
   ``torch.distributed.get_rank()`` work unchanged (``COLLECTIVES_TORCH_BRIDGE=0`` turns
   this off; torch's default group is left alone when it already exists).
   ``dist.destroy_process_group`` takes them out again.
-- ``import collectives.torch_bridge.torch_pg`` registers the backend ``"collectives"`` with torch:
-  ``torch.distributed.init_process_group("collectives")`` then runs a program written for
+- the backend ``"collectives"`` is registered with torch by ``import collectives``, by
+  torch's ``torch.backends`` entry point at ``import torch`` (both lazily: see
+  ``_collectives_torch.py``; this module is imported at the first init), and by importing
+  this module: ``torch.distributed.init_process_group("collectives")`` then runs a program written for
   torch.distributed on collectives without touching its calls (the transport: the
   ``COLLECTIVES_TORCH_BACKEND`` environment variable, default ``gloo``; rendezvous:
   torch's own store). ``torch.distributed.new_group`` makes collectives groups too.

@@ -52,6 +52,23 @@ def test_the_console_scripts_are_declared():
                        "collectives-info": "collectives.diagnostics.envreport:main"}
 
 
+def test_the_license_is_in_the_metadata_as_an_spdx_expression():
+    # PEP 639 (Metadata 2.4): a pip that reads it shows "License-Expression: BSD-3-Clause";
+    # older pips (23.2, as Python 3.11's venv brings) show an empty "License:"
+    assert DIST.metadata["Metadata-Version"] >= "2.4"
+    assert DIST.metadata["License-Expression"] == "BSD-3-Clause"
+    assert "LICENSE" in DIST.metadata.get_all("License-File")
+
+
+def test_torch_autoloads_the_backend_name_through_the_entry_point():
+    # torch calls every "torch.backends" entry point at import (docs/frameworks.md); ours
+    # lives outside the package so that torch's import does not run collectives/__init__
+    backends = {e.name: e.value for e in DIST.entry_points if e.group == "torch.backends"}
+    assert backends == {"collectives": "_collectives_torch:autoload"}, (
+        "the installed metadata lacks the torch.backends entry point: reinstall "
+        "(pip install -e .)" if not backends else backends)
+
+
 def _files():
     return [str(f) for f in DIST.files]
 
@@ -60,8 +77,11 @@ def _files():
 def test_the_wheel_holds_the_package_its_stubs_and_the_license():
     files = _files()
     pkg = [f for f in files if not f.startswith("collectives-")]
+    # the package, and the one top-level module torch's entry point loads
     assert all(f.startswith("collectives/") or f.startswith("../") or f.endswith(".pyc")
-               or "/bin/" in f for f in pkg), [f for f in pkg if not f.startswith("collectives/")]
+               or "/bin/" in f or f == "_collectives_torch.py" for f in pkg), [
+        f for f in pkg if not f.startswith("collectives/")]
+    assert "_collectives_torch.py" in files
     assert not [f for f in files if re.search(r"(^|/)(tests|bench|examples|docs)/", f)]
     assert not [f for f in files if f.endswith((".pyx", ".pxi", ".c", ".h"))]
     assert "collectives/py.typed" in files
@@ -115,3 +135,25 @@ def test_the_first_program_in_the_docs_is_the_example_file():
     shown = shown.split("```", 1)[0]
     assert shown in program and shown.startswith("import numpy as np")
     assert program.endswith(shown)
+
+
+@needs_source_tree
+@pytest.mark.timeout(120)
+def test_the_readmes_first_example_runs_as_it_says(tmp_path):
+    """The README leads with a program and what it prints; it prints that."""
+    import subprocess
+    import sys
+
+    from tests.support.requires import needs_gloo
+    if needs_gloo.args[0]:
+        pytest.skip(needs_gloo.kwargs["reason"])
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    program = re.search(r"```python\n(# sum\.py.*?)```", readme, re.S).group(1)
+    assert readme.index(program) < readme.index("## Install"), "the README leads with it"
+    (tmp_path / "sum.py").write_text(program)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-m", "collectives.run", "-n", "2", str(tmp_path / "sum.py")],
+                         capture_output=True, text=True, timeout=100, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[0] rank 0: [3. 3. 3.]", "[1] rank 1: [3. 3. 3.]"]

@@ -59,6 +59,11 @@ def test_each_required_part_is_there(part):
         assert [v for _, v in got] == [3.0, 3.0], got
         if cls is not None and any(c != cls for c, _ in got):
             skip_unless_required(part, f"the {config} configuration's backend is {got[0][0]}, not {cls}")
+    elif part == "frameworks":
+        import importlib.util
+        missing = [m for m in ("lightning", "accelerate") if importlib.util.find_spec(m) is None]
+        if missing:
+            skip_unless_required(part, f"{', '.join(missing)} not installed (the frameworks extra)")
     elif part == "slurm":
         why = slurm_missing()
         if why:

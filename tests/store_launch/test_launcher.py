@@ -248,6 +248,30 @@ def test_a_failing_rank_stops_the_others_and_is_reported(tmp_path):
     assert len(pids(tmp_path)) == 6
 
 
+FAIL_AFTER_INIT = """
+import torch  # noqa: F401  (torch's init_process_group prefixes a traceback's lines)
+import collectives as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise RuntimeError("boom on rank 1")
+dist.barrier()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_ranks_traceback_is_printed_once_with_one_prefix(tmp_path):
+    pytest.importorskip("torch")
+    script = tmp_path / "fail.py"
+    script.write_text(FAIL_AFTER_INIT)
+    out = launch(["--nproc-per-node", "2", str(script)], timeout=100)
+    assert out.returncode == 1
+    err = out.stderr.decode()
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert "[1] Traceback (most recent call last)" in err, err
+    assert "[rank1]" not in err, err
+    assert "its last line: RuntimeError: boom on rank 1" in err, err
+
+
 @pytest.mark.faults
 @pytest.mark.timeout(60)
 def test_a_rank_that_ignores_sigterm_is_killed(tmp_path):

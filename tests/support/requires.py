@@ -26,7 +26,7 @@ needs_source_tree = pytest.mark.skipif(
 # ---- parts a run must have ---------------------------------------------------------------
 
 #: the parts COLLECTIVES_TEST_REQUIRE may name (.ci/run lists the ones each leg must have)
-PARTS = ("gloo", "shm", "hier", "mpi", "slurm", "netns")
+PARTS = ("gloo", "shm", "hier", "mpi", "slurm", "netns", "frameworks")
 
 
 def required():

@@ -77,8 +77,9 @@ int shm_comm_poison(shm_comm *c, const char *text);
  * writing; call it without the GIL. The text lives in c until the next call. */
 /* What code rc means, in a few words. */
 const char *shm_strerror(int rc);
+/* number > 0: the failing collective's number in the group (named in the text), else none */
 const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
-                                const char *label);
+                                const char *label, long number);
 
 /* Collectives. fp is the caller's fingerprint of the call (collectives/core/fingerprint.py):
  * every rank compares every peer's with its own, before it copies or reduces a peer's

@@ -323,7 +323,7 @@ const char *shm_strerror(int rc)
 }
 
 const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
-                                const char *label)
+                                const char *label, long number)
 {
     char *e = c->errbuf;
     const size_t n = sizeof c->errbuf;
@@ -365,8 +365,11 @@ const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
         snprintf(msg, sizeof msg, "%s", shm_strerror(rc));
     else
         snprintf(msg, sizeof msg, "error %d", rc);
-    snprintf(e, n, "%s %s failed at sequence %u on rank {rank:%d}: %s", label, op, c->seq, c->me,
-             msg);
+    if (number > 0)  /* the collective's number, as the user counts calls (mismatch errors too) */
+        snprintf(e, n, "%s %s (collective #%ld) failed on rank {rank:%d}: %s", label, op, number,
+                 c->me, msg);
+    else
+        snprintf(e, n, "%s %s failed on rank {rank:%d}: %s", label, op, c->me, msg);
     return e;
 }
 
