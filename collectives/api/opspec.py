@@ -48,6 +48,8 @@ from ..core.tensors import overlaps
 from ..core.world import NOT_INITIALIZED
 from ..core.reduce_op import ReduceOp
 from ..core.tensors import Buffer
+from .opdocs import (DOC_ALL_GATHER_COALESCED, DOC_ALL_GATHER_SINGLE, DOC_ALL_REDUCE,
+                     DOC_ALL_TO_ALL_SINGLE, DOC_BARRIER, DOC_BROADCAST, DOC_RECV, DOC_SEND)
 
 _SUM = ReduceOp.SUM
 
@@ -408,119 +410,12 @@ def _p2p(name, kind, method, peer, doc, *, blocking=False, result=("return None"
 
 
 # the public functions' docstrings too long for the table
-_DOC_ALL_REDUCE = """Reduce ``tensor`` across the group, in place, on every rank.
-
-    Args:
-        tensor: a contiguous torch CPU tensor or NumPy array (any shape); under the nccl
-            backend a CUDA tensor on this rank's device (the call is enqueued on the
-            current torch stream, as torch's ProcessGroupNCCL does).
-        op: a ReduceOp (AVG and PREMUL_SUM need floating or complex tensors).
-        group: the group (default: the world).
-        async_op: return a Work instead of waiting.
-
-    Returns:
-        None, or a Work when ``async_op`` (None on a rank outside ``group``).
-
-    Raises:
-        ValueError / TypeError: a bad tensor (not contiguous, an unsupported dtype, the
-            op not defined for it) before anything is sent.
-        DistError: the call failed or timed out (the group's timeout, default 1800 s);
-            every rank raises, naming the ranks that did not arrive.
-
-    Example:
-        >>> t = torch.ones(2); dist.all_reduce(t)   # t == world_size
-    """
-_DOC_BROADCAST = """Copy ``src``'s ``tensor`` into every other rank's ``tensor``, in place.
-
-    Args:
-        tensor: on ``src``, the data to send; elsewhere, where it lands. A contiguous
-            torch CPU tensor or NumPy array of the same dtype and element count on every
-            rank (a CUDA tensor under nccl).
-        src: the global rank that sends (default 0); ``group_src`` names it by its rank
-            in ``group`` instead.
-        group: the group (default: the world).
-        async_op: return a Work instead of waiting.
-
-    Returns:
-        None, or a Work when ``async_op`` (None on a rank outside ``group``).
-
-    Raises:
-        ValueError / TypeError: a bad tensor or root (not in ``group``) before anything
-            is sent.
-        DistError: the call failed or timed out, or the ranks' calls differ (another
-            root, dtype or count): every rank raises, naming the other rank's call.
-
-    Example:
-        >>> t = torch.arange(4.0) if dist.get_rank() == 0 else torch.empty(4)
-        >>> dist.broadcast(t, src=0)   # every rank: tensor([0., 1., 2., 3.])
-    """
-_DOC_ALL_GATHER_SINGLE = """Gather every rank's ``input_tensor`` into ``output_tensor`` on
-    every rank, rank r's at the r-th slice (torch's ``all_gather_into_tensor``).
-
-    Args:
-        output_tensor: ``group size * input_tensor.numel()`` elements of the input's dtype,
-            contiguous: shaped ``(size * n, ...)`` (concatenated along dim 0) or ``(size,
-            n, ...)`` (stacked), as torch accepts.
-        input_tensor: this rank's part; a contiguous torch CPU tensor or NumPy array (CUDA
-            tensors under nccl). It may be ``output_tensor``'s own r-th slice.
-        group: the group (default: the world).
-        async_op: return a Work instead of waiting.
-
-    Returns:
-        None, or a Work when ``async_op`` (None on a rank outside ``group``).
-
-    Raises:
-        ValueError / TypeError: sizes or dtypes that do not fit, before anything is sent.
-        DistError: the call failed or timed out; every rank raises.
-
-    Example:
-        >>> out = torch.empty(dist.get_world_size() * 2)
-        >>> dist.all_gather_into_tensor(out, torch.full((2,), float(dist.get_rank())))
-        >>> # out == [0, 0, 1, 1, ...]
-    """
-_DOC_SEND = """Send ``tensor`` to global rank ``dst``; returns when the tensor may
-    be reused (it may still be on its way: the receiver's ``recv`` says when it arrived).
-
-    Args:
-        tensor: a contiguous torch CPU tensor or NumPy array (a CUDA tensor under nccl);
-            the receiver's tensor must have the same dtype and element count.
-        dst: the receiver's global rank (not this rank); ``group_dst`` names it by its
-            rank in ``group`` instead.
-        group: the group (default: the world).
-        tag: matches this send with the receiver's ``recv`` of the same tag (default 0).
-
-    Raises:
-        ValueError / TypeError: a bad tensor or peer (this rank, or outside ``group``)
-            before anything is sent.
-        DistError: the receiver is gone or the group's timeout (default 1800 s) passed.
-
-    Example:
-        >>> if dist.get_rank() == 0:
-        ...     dist.send(torch.arange(3.0), dst=1)
-        ... elif dist.get_rank() == 1:
-        ...     t = torch.empty(3); dist.recv(t, src=0)
-    """
-_DOC_ALL_GATHER_COALESCED = """Gather every rank's ``input_tensor_list`` in one backend call
-    (torch's deprecated coalesced form): ``output_tensor_lists[r][i]`` receives rank r's
-    ``input_tensor_list[i]``. The tensors share one dtype, as torch's gloo requires; their
-    shapes may differ."""
-_DOC_ALL_TO_ALL_SINGLE = """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``),
-    send part q to rank q; receive rank r's part into ``output``'s r-th slice (``output_split_sizes``)."""
-_DOC_BARRIER = """Block until every rank of the group has reached this barrier.
-
-    ``timeout`` (a timedelta or seconds, > 0) bounds this barrier instead of the group's
-    timeout; past it, DistBackendError ("Timed out waiting <n>ms ..."), as torch's gloo.
-    """
-_DOC_RECV = """Receive into ``tensor`` from ``src`` (None: any rank). Returns the
-    sender's global rank (-1 if this rank is not in ``group``)."""
-
-
 SPECS = {s.name: s for s in (
     OpSpec("all_reduce", "tensor, op=_SUM, group=None, async_op=False", "all_reduce",
            roles=(Role("buf", "tensor"),), fast="op is _SUM", devices=(("buf",), "tensor"),
            method="all_reduce", args="(buf, _SUM_CODE)", record=("buf", "-1", "_SUM_CODE"),
            outputs="(tensor,)", plan=_all_reduce, plan_args="buf, tensor, op, async_op",
-           doc=_DOC_ALL_REDUCE),
+           doc=DOC_ALL_REDUCE),
     OpSpec("all_reduce_coalesced", "tensors, op=_SUM, group=None, async_op=False",
            "all_reduce_coalesced", method="all_reduce", plan=_all_reduce_coalesced,
            plan_args="tensors, op, async_op",
@@ -535,7 +430,7 @@ SPECS = {s.name: s for s in (
            "broadcast", roles=(Role("buf", "tensor"),), root="src", fast=None,
            devices=(("buf",), "tensor"), method="broadcast", args="(buf, root)",
            record=("buf", "root", "-1"), outputs="(tensor,)",
-           doc=_DOC_BROADCAST),
+           doc=DOC_BROADCAST),
     OpSpec("all_gather", "tensor_list, tensor, group=None, async_op=False", "all_gather",
            roles=(Role("inp", "tensor"), Role("outs", "tensor_list", like="inp")),
            method="all_gather", plan=_all_gather, plan_args="inp, outs, tensor_list, async_op",
@@ -548,12 +443,12 @@ SPECS = {s.name: s for s in (
            devices=(("out", "inp"), "output_tensor and input_tensor"), method="all_gather",
            args="(out, inp)", record=("inp", "-1", "-1"), outputs="(output_tensor,)",
            plan=_all_gather_single, plan_args="out, inp, output_tensor, async_op",
-           doc=_DOC_ALL_GATHER_SINGLE),
+           doc=DOC_ALL_GATHER_SINGLE),
     OpSpec("all_gather_coalesced", "output_tensor_lists, input_tensor_list, group=None, "
            "async_op=False", "all_gather_coalesced", method="all_gather",
            plan=_all_gather_coalesced,
            plan_args="output_tensor_lists, input_tensor_list, async_op",
-           doc=_DOC_ALL_GATHER_COALESCED),
+           doc=DOC_ALL_GATHER_COALESCED),
     OpSpec("gather", "tensor, gather_list=None, dst=None, group=None, async_op=False, "
            "group_dst=None", "gather", roles=(Role("inp", "tensor"),), root="dst",
            root_first=True, method="gather", plan=_gather, plan_args="inp, root, gather_list, async_op",
@@ -587,10 +482,10 @@ SPECS = {s.name: s for s in (
            roles=(Role("inp", "input", "input"), Role("out", "output", "output")),
            method="all_to_all", plan=_all_to_all_single,
            plan_args="out, inp, output, input, output_split_sizes, input_split_sizes, async_op",
-           doc=_DOC_ALL_TO_ALL_SINGLE),
+           doc=DOC_ALL_TO_ALL_SINGLE),
     OpSpec("barrier", "group=None, async_op=False, device_ids=None, timeout=None", "barrier",
            fast=None, method="barrier", timeout=True,
-           doc=_DOC_BARRIER),
+           doc=DOC_BARRIER),
     # point to point: a Work for isend/irecv; send/recv wait, recv names the sender
     _p2p("isend", "isend", "isend", "dst", "Start sending ``tensor`` to ``dst``; returns a Work "
          "(don't modify the tensor until it's done).",
@@ -598,8 +493,8 @@ SPECS = {s.name: s for s in (
     _p2p("irecv", "irecv", "irecv", "src", "Start receiving into ``tensor`` from ``src`` (None: "
          "any rank; ``Work.source_rank()`` names it).",
          result=("return Work(req, [tensor], pg)",)),
-    _p2p("send", "send", "isend", "dst", _DOC_SEND, blocking=True),
-    _p2p("recv", "recv", "irecv", "src", _DOC_RECV, blocking=True, absent="-1",
+    _p2p("send", "send", "isend", "dst", DOC_SEND, blocking=True),
+    _p2p("recv", "recv", "irecv", "src", DOC_RECV, blocking=True, absent="-1",
          result=("if peer is None:", "    peer = any_sender(pg, req)", "return pg.ranks[peer]")),
 )}
 
