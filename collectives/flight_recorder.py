@@ -41,6 +41,7 @@ import warnings
 
 from .backends import base as _backend_base
 from .core import dtypes as D
+from .core import timeline as _timeline
 from .core.errors import DistError
 from .diagnostics.progress import (FORMAT, VERSION, _HOST, _gone, _progress, _trace_arg,  # noqa: F401
                                    _within, dump, dump_flight_recorder, dump_prefix, job_id, snapshot)
@@ -254,11 +255,26 @@ class Tracked:
     def __call__(self, *args):
         fr, s = self.fr, self.s
         fr.started = s
+        if _timeline.ON:
+            return self._timed(args)
         try:
             self.fn(*args)
         except DistError as e:
             fr.fail(s, e)
             raise
+        fr.done = s
+
+    def _timed(self, args):
+        fr, s = self.fr, self.s
+        name = getattr(fr, "name", None)
+        _timeline.mark("start", name, s)
+        try:
+            self.fn(*args)
+        except DistError as e:
+            fr.fail(s, e)
+            raise
+        finally:
+            _timeline.mark("end", name, s)
         fr.done = s
 
 

@@ -254,6 +254,9 @@ SETTINGS = (
         group becomes torch's; false turns that off."""),
     _s("COLLECTIVES_TORCH_BACKEND", "str", "gloo", agree=True, read_in="torch_bridge/torch_pg.py", doc="""
         Backend of the groups that torch.distributed.init_process_group('collectives') makes."""),
+    _s("COLLECTIVES_TIMELINE", "bool", False, read_in="core/timeline.py", doc="""
+        Record when each asynchronous collective was posted, started, finished and its torch
+        future completed (collectives.core.timeline; for bench/bench_train.py's timelines)."""),
     # security (docs/security.md)
     _s("COLLECTIVES_AUTH_KEY", "str", None, agree=True, read_in="security/auth.py", doc="""
         The job's shared key: every store and rank-to-rank connection opens with an HMAC-SHA256

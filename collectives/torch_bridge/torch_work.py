@@ -5,6 +5,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as td
 
+from ..core import timeline as _timeline
+
 
 def _timeout(timeout):
     """torch passes timedelta(0) (its kNoTimeout) for "the group's timeout"."""
@@ -48,17 +50,30 @@ class TorchWork(td._Work):
     def get_future(self):
         with self._lock:
             if self._fut is None:
-                self._fut = torch.futures.Future()
+                self._fut = _Future()
                 if self._work is None or self._work.is_completed():
                     self._settle(self._fut)
                 else:
                     fut = self._fut
                     req = self._work._req
-                    if hasattr(req, "add_done_callback"):  # handed over by the thread finishing it
-                        req.add_done_callback(lambda _r: _completer.put(self, fut))
+                    if hasattr(req, "add_done_callback"):  # completed by the thread finishing it
+                        req.add_done_callback(lambda _r: self._finish(fut))
                     else:  # settled by a helper thread that waits for it
                         self._work.get_future().add_done_callback(lambda _f: self._settle(fut))
             return self._fut
+
+    def _finish(self, fut):
+        """In the thread that finished the call (the group's progress thread): complete
+        ``fut`` here, at once, unless Python code has chained callbacks on it (a comm
+        hook's ``then``), which may issue collectives and wait for them, which this
+        thread runs: a completer thread completes those. DDP's reducer only waits on its
+        futures (torch's C++ hooks chain C++ callbacks that compute and return), so its
+        buckets' futures are completed without a thread handoff."""
+        with fut._lock:  # a then() meanwhile waits, and then runs its callback itself
+            if not fut._chained:
+                self._settle(fut)
+                return
+        _completer.put(self, fut)
 
     def _settle(self, fut):
         try:
@@ -67,7 +82,29 @@ class TorchWork(td._Work):
         except Exception as e:  # noqa: BLE001  (handed on to the future's waiters)
             fut.set_exception(e)
         else:
+            if _timeline.ON and self._work is not None:
+                _timeline.mark_request("done", self._work._req)
             fut.set_result(self._result)
+
+
+class _Future(torch.futures.Future):
+    """torch's future, which notes whether Python code chained callbacks on it (``then``,
+    ``add_done_callback``); ``_lock`` orders that against its completion."""
+
+    def __init__(self):
+        super().__init__()
+        self._lock = threading.Lock()
+        self._chained = False
+
+    def then(self, callback):
+        with self._lock:
+            self._chained = True
+        return super().then(callback)
+
+    def add_done_callback(self, callback):
+        with self._lock:
+            self._chained = True
+        return super().add_done_callback(callback)
 
 
 class _Completer:
