@@ -66,6 +66,7 @@ KINDS = ["ddp", "fsdp"]
 
 def _init(impl):
     import torch.distributed as td
+    impl = impl.partition("@")[0]
     if impl == "gloo":
         td.init_process_group("gloo")
     elif impl == "coll":
@@ -122,6 +123,30 @@ def _wrap(kind, model, floor, fake):
     return fully_shard(model, mesh=mesh)
 
 
+#: what a variant of the collectives run changes, between blocks of steps, on every rank
+VARIANTS = {
+    "default": "nothing (what the tree does)",
+    "auto": "all_reduce algorithm measured (COLLECTIVES_SHM_AR_ALGO=auto)",
+    "two_shot": "all_reduce two-shot only",
+    "single_copy": "all_reduce single copy only (where the host allows it)",
+    "completer": "torch futures completed by a completer thread, as before",
+}
+
+
+def _variant(v):
+    """Switch the collectives run to variant ``v`` (see VARIANTS)."""
+    if v == "default":
+        return
+    from collectives.api import group as _groups
+    from collectives.torch_bridge import torch_work
+    comm = getattr(_groups.world.default.backend, "_comm", None)
+    if v in ("auto", "two_shot", "single_copy"):
+        if comm is None:
+            raise SystemExit(f"variant {v}: the default group's backend is not shm")
+        comm.set_ar_algo(v)
+    torch_work.INLINE = v != "completer"
+
+
 def worker():
     import torch
     a = json.loads(os.environ["BENCH_TRAIN_ARGS"])
@@ -136,7 +161,10 @@ def worker():
         fake = td.new_group(backend="fake")
     timeline = None
     if impl != "gloo" and os.environ.get("COLLECTIVES_TIMELINE") == "1":
-        from collectives.core import timeline
+        try:
+            from collectives.core import timeline
+        except ImportError:  # a tree from before the timeline (--base-root)
+            timeline = None
     results = []
     for name in a.models:
         for kind in a.kinds:
@@ -147,6 +175,7 @@ def worker():
             opts = {id(real): torch.optim.SGD(real.parameters(), lr=1e-4),
                     id(floor): torch.optim.SGD(floor.parameters(), lr=1e-4)}
             steps = []  # (which, step ms, marks)
+            variants = a.variants if impl != "gloo" else ["default"]
 
             def step(m, which):
                 opt = opts[id(m)]
@@ -161,30 +190,38 @@ def worker():
                 opt.step()
                 t3 = time.monotonic_ns()
                 marks = None
-                if timeline is not None and which == "real":
+                if timeline is not None and which in ("first", "real:" + variants[0]):
                     marks = {"t0": t0, "fwd": t1, "bwd": t2, "end": t3, "events": timeline.take()}
                 steps.append((which, (t3 - t0) / 1e6, marks))
 
             td.barrier()
+            _variant(variants[0])
             for _ in range(a.early):
                 step(real, "first")
             for _ in range(a.early):
                 step(floor, "floor_first")
             for i in range(0, a.steps, a.block):
-                for m, which in ((floor, "floor"), (real, "real")):
+                for v in [None] + variants:
+                    if v is not None and len(variants) > 1:
+                        td.barrier()  # every rank switches between the same two steps
+                        _variant(v)
                     for _ in range(min(a.block, a.steps - i)):
-                        step(m, which)
+                        step(floor if v is None else real, "floor" if v is None else "real:" + v)
+            _variant(variants[0])
             td.barrier()
 
             def med(which):
                 v = [ms for w, ms, _ in steps if w == which]
                 return statistics.median(v) if v else None
 
-            res = {"model": name, "kind": kind, "first_ms": med("first"), "ms": med("real"),
-                   "floor_ms": med("floor"), "floor_first_ms": med("floor_first"),
+            res = {"model": name, "kind": kind, "first_ms": med("first"),
+                   "ms": med("real:" + variants[0]), "floor_ms": med("floor"),
+                   "floor_first_ms": med("floor_first"),
+                   "variants": {v: med("real:" + v) for v in variants},
                    "params": sum(p.numel() for p in model.parameters()) if kind == "ddp" else None}
             if timeline is not None:
-                res["timeline"] = [m for w, _, m in steps if w == "real"]
+                res["timeline"] = [m for w, _, m in steps if w == "real:" + variants[0]]
+                res["timeline_first"] = [m for w, _, m in steps if w == "first"]
             results.append(res)
             del real, floor, model, floor_model, opts
     if rank == 0:
@@ -204,14 +241,16 @@ def free_port():
 def launch(impl, world, threads, a, timeline):
     port = free_port()
     args = {"models": a.models, "kinds": a.kinds, "steps": a.steps, "early": a.early,
+            "variants": a.variants,
             "block": a.block, "tfm_batch": a.tfm_batch, "tfm_seq": a.tfm_seq}
     procs = []
+    root = a.base_root if impl.endswith("@base") else ROOT
     for r in range(world):
         env = dict(os.environ, IMPL=impl, TORCH_THREADS=str(threads),
                    BENCH_TRAIN_ARGS=json.dumps(args), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                    LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads),
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         if timeline and impl != "gloo":
             env["COLLECTIVES_TIMELINE"] = "1"
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker"], env=env,
@@ -322,15 +361,27 @@ def main(argv=None):
     ap.add_argument("--timeline", help="write the collectives launches' timelines here (JSON)")
     ap.add_argument("--plot", help="draw the first case's steady steps here (PNG; needs --timeline)")
     ap.add_argument("--json", help="write every launch's results here")
+    ap.add_argument("--variants", default="default",
+                    help="collectives runs: variants alternated in blocks within each launch, "
+                    "commas: " + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
+    ap.add_argument("--base-root", help="another checkout of collectives (extensions built): "
+                    "impls coll@base and coll_torch@base run on it, for a before/after in one run")
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args(argv)
     if a.worker:
         return worker()
-    a.models, a.kinds = a.models.split(","), a.kinds.split(",")
+    a.models, a.kinds, a.variants = a.models.split(","), a.kinds.split(","), a.variants.split(",")
+    for v in a.variants:
+        if v not in VARIANTS:
+            ap.error(f"--variants: unknown {v!r}; choose from {', '.join(VARIANTS)}")
     impls = a.impls.split(",")
     for v, allowed, what in ((impls, IMPLS, "impls"), (a.models, MODELS, "models"),
                              (a.kinds, KINDS, "kinds")):
         for x in v:
+            if what == "impls" and x.endswith("@base") and x != "gloo@base":
+                if not a.base_root:
+                    ap.error(f"--impls {x}: give --base-root")
+                x = x[:-5]
             if x not in allowed:
                 ap.error(f"--{what}: unknown {x!r}; choose from {', '.join(allowed)}")
     cores = os.cpu_count() or 1
@@ -353,11 +404,16 @@ def main(argv=None):
                         print(f"# world={world} threads={nt} round={rnd + 1} {impl:>10} "
                               f"{r['model']:>6} {r['kind']}: first {r['first_ms']:.1f} "
                               f"steady {r['ms']:.1f} floor {r['floor_ms']:.1f} ms/step "
-                              f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-                        if r.get("timeline"):
-                            s = summarize_timeline(r["timeline"][a.early:] or r["timeline"])
+                              f"({time.time() - t0:.0f} s)" + (
+                                  "; variants " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                            r["variants"].items())
+                                  if len(r.get("variants", {})) > 1 else ""),
+                              file=sys.stderr, flush=True)
+                        for label, tl in (("first", r.get("timeline_first")),
+                                          ("steady", r.get("timeline"))):
+                            s = summarize_timeline(tl) if tl else None
                             if s:
-                                print("#   timeline medians: " + ", ".join(
+                                print(f"#   timeline medians, {label}: " + ", ".join(
                                     f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                     for k, v in s.items()), file=sys.stderr, flush=True)
     if a.json:

@@ -7,6 +7,10 @@ import torch.distributed as td
 
 from ..core import timeline as _timeline
 
+#: whether futures nobody chained Python callbacks on are completed on the thread that
+#: finished their call (False: by a completer thread, as all were before; for benchmarks)
+INLINE = True
+
 
 def _timeout(timeout):
     """torch passes timedelta(0) (its kNoTimeout) for "the group's timeout"."""
@@ -70,7 +74,7 @@ class TorchWork(td._Work):
         futures (torch's C++ hooks chain C++ callbacks that compute and return), so its
         buckets' futures are completed without a thread handoff."""
         with fut._lock:  # a then() meanwhile waits, and then runs its callback itself
-            if not fut._chained:
+            if not fut._chained and INLINE:
                 self._settle(fut)
                 return
         _completer.put(self, fut)
