@@ -31,9 +31,10 @@
  *   ~130 synchronisations of a 32 MiB all_reduce each wait for a scheduler slice, and it
  *   measured 10-50x the single copy's time (400-880 ms against 11-15 ms): every round
  *   then cost seconds. So an arm whose time is TUNE_BENCH_RATIO times the winner's or
- *   more sits out the rounds of the next TUNE_BENCH_NS of the class's calls (at least
- *   TUNE_BENCH_MIN of them): the rounds between time the close arms only (one arm left:
- *   its trials cost nothing), and the far loser is timed again once that has passed.
+ *   more sits out the rounds of the next TUNE_BENCH_NS of the class's calls, or more
+ *   where it lost by more (its next trials cost at most ~2% of the calls meanwhile; at
+ *   least TUNE_BENCH_MIN calls): the rounds between time the close arms only (one arm
+ *   left: its trials cost nothing), and the far loser is timed again after that.
  *   Every rank benches the same arms: the decision reads the same published times. */
 #include "shm_tune.h"
 
@@ -46,6 +47,7 @@
 #define TUNE_BENCH_RATIO 2
 #define TUNE_BENCH_MIN 64
 #define TUNE_BENCH_NS 10000000000LL
+#define TUNE_BENCH_COST (TUNE_TRIALS * 50)  /* calls benched per unit of the time ratio */
 
 /* log2 of each kind's smallest class's upper bound: all_reduce from 64 KiB (its one-shot
  * size), all_gather blocks from 4 KiB (below, streaming does not start) */
@@ -105,14 +107,20 @@ static void decide(shm_comm *c, int kind, int b, tune_t *t, uint32_t i)
         t->trial_at = i + TUNE_MIN_GAP;
         return;
     }
-    int64_t bench = TUNE_BENCH_NS / slowest[best];
-    if (bench < TUNE_BENCH_MIN)
-        bench = TUNE_BENCH_MIN;
-    if (bench > (1 << 24))
-        bench = 1 << 24;
-    for (int a = 0; a < TUNE_ARMS; a++)
-        if (slowest[a] != TUNE_NONE && slowest[a] / TUNE_BENCH_RATIO >= slowest[best])
-            t->benched[a] = (i + (uint32_t)bench) | 1;  /* (never 0: 0 means not benched) */
+    for (int a = 0; a < TUNE_ARMS; a++) {
+        if (slowest[a] == TUNE_NONE || slowest[a] / TUNE_BENCH_RATIO < slowest[best])
+            continue;
+        /* its next trials cost at most ~2% of the winner's time meanwhile */
+        int64_t bench = TUNE_BENCH_NS / slowest[best];
+        int64_t by_cost = TUNE_BENCH_COST * (slowest[a] / slowest[best]);
+        if (bench < by_cost)
+            bench = by_cost;
+        if (bench < TUNE_BENCH_MIN)
+            bench = TUNE_BENCH_MIN;
+        if (bench > (1 << 24))
+            bench = 1 << 24;
+        t->benched[a] = (i + (uint32_t)bench) | 1;  /* (never 0: 0 means not benched) */
+    }
     if (best == t->arm)
         t->gap = t->gap * 2 < TUNE_MAX_GAP ? t->gap * 2 : TUNE_MAX_GAP;
     else
