@@ -318,7 +318,7 @@ def plot(path, steps, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     steps = steps[-3:]
-    fig, axes = plt.subplots(len(steps), 1, figsize=(11, 1.6 + 1.1 * len(steps)), squeeze=False)
+    fig, axes = plt.subplots(len(steps), 1, figsize=(11, 2.0 + 1.2 * len(steps)), squeeze=False)
     for ax, marks in zip(axes[:, 0], steps):
         rows, (fwd, bwd, end) = bucket_delays(marks)
         ax.barh(0, fwd, left=0, color="#9ecae1", label="forward")
@@ -337,7 +337,7 @@ def plot(path, steps, title):
         ax.set_xlim(0, end * 1.08)
     axes[-1, 0].set_xlabel("ms from the step's start (rank 0)")
     axes[0, 0].set_title(title, fontsize=9)
-    axes[0, 0].legend(fontsize=7, ncol=3, loc="lower right")
+    axes[-1, 0].legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.45))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -423,12 +423,13 @@ def main(argv=None):
         with open(a.timeline, "w") as f:
             json.dump([run for run in runs if run["impl"] != "gloo"], f)
         if a.plot:
-            for run in runs:
+            for run in reversed(runs):  # the last launch that has one
                 if run["impl"] != "gloo" and run["results"][0].get("timeline"):
                     r = run["results"][0]
                     plot(a.plot, r["timeline"], f"{run['impl']}, world {run['world']}, "
                          f"{r['model']} {r['kind']}: {r['ms']:.1f} ms/step, floor "
-                         f"{r['floor_ms']:.1f}")
+                         f"{r['floor_ms']:.1f} (medians); the last three steady steps")
+                    break
     print_table(runs, impls, a.markdown)
 
 

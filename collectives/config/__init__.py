@@ -201,7 +201,8 @@ SETTINGS = (
         Chunk of the two-shot all_reduce and reduce."""),
     _shm("COLLECTIVES_SHM_CMA_MIN", "int", 256 * KiB, unit="bytes", doc="""
         all_gather, gather and scatter blocks from this size go in one copy (process_vm_readv/writev)
-        where the ranks may read each other's memory; 0 turns it off."""),
+        where the ranks may read each other's memory, reduce_scatter blocks from 16 times it; 0 turns
+        it off."""),
     _shm("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB, unit="bytes", doc="""
         broadcast from this size goes in one copy where at most two ranks share a core; 0 turns it
         off. Unset: 64 KiB with two ranks, 256 KiB with more, 0 where more than two ranks run at

@@ -809,15 +809,21 @@ int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root,
     return SHM_OK;
 }
 
-/* Single-copy reduce_scatter (blocks from c->cma_min, where the ranks may read each
- * other's memory): rank r reads block r of every other rank's input straight from its
+/* Single-copy reduce_scatter (blocks from RS_CMA_FACTOR * c->cma_min, 4 MiB by default,
+ * where the ranks may read each other's memory): rank r reads block r of every other rank's input straight from its
  * buffer (in chunks, into the private scratch) and reduces the blocks in rank order into
  * its output, as the two-copy path does (the same bytes). Through the segment every block
  * is copied twice (its owner writes it in, its reader reads it out) and each chunk of
  * half / n bytes a block takes a synchronisation; here once, and two in all: s1 = the
  * inputs' addresses published; s2 = every rank has read what it needs (no one returns, and
  * lets its input change, while a peer still reads it). The output must not overlap the
- * input but as this rank's own block (which no peer reads): the caller sees to it. */
+ * input but as this rank's own block (which no peer reads): the caller sees to it.
+ * On this project's 2-vCPU VM (AMD EPYC, load 14-20, two MPICH jobs per cell, time over
+ * MPICH's in the same job), single copy against through the segment: 2 ranks 4 MiB
+ * 0.67-0.69 against 0.88-1.00, 16 MiB 0.63-0.67 against 0.95-1.04; 4 ranks 4 MiB 0.52-0.57
+ * against 0.53-0.74, 16 MiB 0.53-0.64 against 0.61-0.65; but 1 MiB 0.57-0.69 against
+ * 0.38-0.45 (2 ranks) and 0.43-0.54 against 0.25-0.28 (4): hence the factor. */
+#define RS_CMA_FACTOR 16
 static int reduce_scatter_cma(shm_comm *c, void *out, const void *in, size_t count, int dtype,
                               int op, size_t isz, const void **srcs, uint64_t fp)
 {
@@ -884,7 +890,7 @@ int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int
      * otherwise than as exactly that slice (coll_reduce_many may write over one source) */
     const int direct = o0 + count * isz <= i0 || i0 + (size_t)n * count * isz <= o0
                        || o0 == i0 + (size_t)me * count * isz;
-    if (c->cma_readable && c->cma_min && count * isz >= c->cma_min) {
+    if (c->cma_readable && c->cma_min && count * isz >= RS_CMA_FACTOR * c->cma_min) {
         /* (every rank takes this path, whatever its buffers: an output that overlaps
          * the input otherwise than as this rank's block gets a private copy of the input
          * for the peers to read) */
