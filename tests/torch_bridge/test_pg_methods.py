@@ -627,10 +627,11 @@ def _ways():
 
 
 def _describe(work):
-    """(Work class name, future is torch's, length of result())."""
+    """(Work class name, future is torch's (a torch.futures.Future, or a subclass), length
+    of result())."""
+    import torch
     fut = work.get_future()
-    return (type(work).__name__, type(fut).__module__.startswith("torch"),
-            len(work.result()))
+    return (type(work).__name__, isinstance(fut, torch.futures.Future), len(work.result()))
 
 
 def table_case(ctx, kind):
