@@ -6,7 +6,7 @@ usage: python bench/bench_allreduce_algos.py [--world 2] [--sizes 1048576,167772
 Above the one-shot size the shm backend's all_reduce runs two-shot with plain stores,
 two-shot with streaming stores, or the single copy (process_vm_readv), and by default
 ("auto", COLLECTIVES_SHM_AR_ALGO) the ranks time the candidates on their own calls and
-all take the fastest (collectives/src/shm/shm_tune.c). This runs one group of --world ranks
+all take the fastest (collectives/engines/shm/shm_tune.c). This runs one group of --world ranks
 and, for every sample, times each forced algorithm and auto in turn (rotating order;
 every rank switches between barriers), plus the copy+add floor: every rank at once copying 2 (W - 1) / W of its
 buffer and adding 1 / W of it (numpy, in its own memory: what reduce-scatter plus

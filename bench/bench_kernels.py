@@ -1,4 +1,4 @@
-"""Kernel throughput: collectives._core.reduce_into(SUM) beside numpy.add and torch.add.
+"""Kernel throughput: collectives.engines._core.reduce_into(SUM) beside numpy.add and torch.add.
 
 Usage: python bench/bench_kernels.py [--dtypes float32,bfloat16,float16] [--quick]
        [--isa avx512|avx2|baseline]
@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from collectives import _core as core  # noqa: E402
+from collectives.engines import _core as core  # noqa: E402
 from collectives.core import dtypes as D  # noqa: E402
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]

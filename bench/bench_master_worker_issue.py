@@ -35,7 +35,7 @@ def main():
     M._master = m
     x, y = mw.ones(4, node=0), mw.ones(4, node=0)
     try:  # a call's result kind is learned from one reply; there is none here: seed it
-        from collectives.master_worker import dispatch
+        from collectives.master_worker import remote_call as dispatch
         table = dispatch.table(m)
         for name, kinds in (("numpy.add", ("T", "T")), ("numpy.multiply", ("T", int)),
                             ("torch.Tensor.__add__", ("T", "T")),

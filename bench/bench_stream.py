@@ -5,7 +5,7 @@ usage: python bench/bench_stream.py [--world 2] [--ops all_reduce,broadcast,redu
 
 The shm backend writes what other ranks read from its part of the segment with plain
 stores, with streaming (non-temporal) stores, or with whichever its latency probes call
-for (COLLECTIVES_SHM_STREAM 0, 1, 2; see collectives/src/shm/shm_copy.c, "near and far
+for (COLLECTIVES_SHM_STREAM 0, 1, 2; see collectives/engines/shm/shm_copy.c, "near and far
 peers"). This runs one group of --world ranks and, for every sample, times each of the
 three modes in turn (rotating order; every rank switches modes between barriers); sizes
 are each rank's buffer (reduce_scatter, all_to_all: its input; scatter: the root's).

@@ -48,7 +48,7 @@ done
 say "build (generated C carried: no Cython step)"
 touch collectives/*.c
 $PY setup.py build_ext --inplace -j "$(nproc)" > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; say "BUILD FAILED"; exit 1; }
-$PY -c "import collectives, collectives._shm, collectives._core; from collectives.backends import nccl; print('nccl available', nccl.is_available())"
+$PY -c "import collectives, collectives.engines._shm, collectives.engines._core; from collectives.backends import nccl; print('nccl available', nccl.is_available())"
 
 if has nccl; then
     say "bench_nccl --world 1"

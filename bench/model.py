@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A cost model of the TCP transport's collectives between hosts (alpha-beta-gamma).
 
-Every algorithm the TCP engine runs (``collectives/src/tcp/tcp_engine.c``) is a sequence of
+Every algorithm the TCP engine runs (``collectives/engines/tcp/tcp_engine.c``) is a sequence of
 rounds; in a round each host sends and receives at most one message per peer, and a round
 costs ``alpha + (messages - 1) * msg + max(bytes / (eta * rate), cpu_time)`` (the sum
 where the algorithm does not stream by segments), and each call ``call`` more: ``alpha``

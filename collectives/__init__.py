@@ -8,13 +8,13 @@ from .core.errors import DistBackendError, DistError, DistNetworkError, DistStor
 
 # ---- stores and rendezvous ----------------------------------------------------------------
 from .store import FileStore, HashStore, PrefixStore, QueueEmptyError, Store, TCPStore  # noqa: E402
-# torch.distributed's names: dist.rendezvous is the function (the module stays importable as
-# collectives.rendezvous through sys.modules, e.g. ``from collectives.rendezvous import meet``)
-from .rendezvous import register_rendezvous_handler, rendezvous  # noqa: E402
+# torch.distributed's names: dist.rendezvous is the function (the module: below)
+from .store.rendezvous import register_rendezvous_handler, rendezvous  # noqa: E402
 
 # ---- the torch.distributed front end ---------------------------------------------------------
 from .backends import register_backend  # noqa: E402
-from .debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env  # noqa: E402
+from .diagnostics.debug import (  # noqa: E402
+    DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env)
 from .api.collective_ops import (
     _all_gather_base, _reduce_scatter_base, all_gather, all_gather_coalesced, all_gather_into_tensor,
     all_gather_single, all_reduce, all_reduce_coalesced, all_to_all, all_to_all_single, barrier,
@@ -35,16 +35,26 @@ from .api.objects import (
     all_gather_object, broadcast_object_list, gather_object, recv_object_list, scatter_object_list,
     send_object_list)
 from .api.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from .flight_recorder import dump_flight_recorder  # noqa: E402
+from .diagnostics.progress import dump_flight_recorder  # noqa: E402
 from .core.profiling import record_comm
 from .core.reduce_op import ReduceOp, reduce_op, supports_complex
 from .core.work import Future, Work
 from .api.breakpoint import breakpoint  # noqa: E402,A004  (torch's name)
-from .device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from .torch_bridge.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from .torch_bridge.gloo import ProcessGroupGloo  # noqa: E402
 from .core.options import (  # noqa: E402
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
+
+# torch.distributed's module paths for modules that live in folders here:
+# collectives.rendezvous (torch.distributed.rendezvous; dist.rendezvous stays the function)
+# is store/rendezvous.py, and collectives.device_mesh (also dist.device_mesh) is
+# torch_bridge/device_mesh.py; ``from collectives.rendezvous import ...`` finds them in sys.modules
+from .store import rendezvous as _rendezvous_module  # noqa: E402
+from .torch_bridge import device_mesh  # noqa: E402
+import sys as _sys  # noqa: E402
+_sys.modules[__name__ + ".rendezvous"] = _rendezvous_module
+_sys.modules[__name__ + ".device_mesh"] = device_mesh
 
 # the public names
 __all__ = [

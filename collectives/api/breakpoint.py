@@ -1,14 +1,11 @@
 """``dist.breakpoint``: a debugger on one rank while the others wait (torch's)."""
-import importlib
 import os
 import pdb
 import sys
 from datetime import timedelta
 
+from . import group as _g
 from .collective_ops import barrier
-
-# the module (the package attribute ``group`` is torch's dist.group class)
-_g = importlib.import_module(".group", __package__)
 
 _skipped = {}   # call site -> calls seen, for ``skip``
 _count = [0]    # breakpoints entered so far (the same on every rank: SPMD)

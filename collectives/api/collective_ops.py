@@ -4,7 +4,7 @@ all_to_all, barrier (torch.distributed signatures).
 Each function is made from its entry in :data:`collectives.api.opspec.SPECS` (the table that
 describes each collective once): it resolves the group (None on a rank outside it),
 checks and converts the tensors, and hands the call to the group's dispatcher
-(``pg.dispatch.call``: see :mod:`collectives.api.dispatch`), which records it, runs it
+(``pg.dispatch.call``: see :mod:`collectives.api.group_dispatcher`), which records it, runs it
 blocking or queues it, and returns a Work when async. The ProcessGroup methods
 (``pg.allreduce(...)``) run the same entries on their group (``SPECS[name].run``).
 """

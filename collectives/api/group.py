@@ -13,9 +13,9 @@ import warnings
 import zlib
 
 from .. import backends as _backends
-from .. import debug as _debug
-from . import dispatch as _dispatch
-from .. import flight_recorder as _flight
+from ..diagnostics import debug as _debug
+from . import group_dispatcher as _dispatcher
+from ..diagnostics import flight_recorder as _flight
 from ..core.errors import DistError
 from .pg_methods import CollectiveMethods, ProcessGroupMethods
 from ..core import world as _world
@@ -72,7 +72,7 @@ class ProcessGroup(GroupBase, CollectiveMethods, ProcessGroupMethods):
         backend = _debug.on_new_group(backend, name, ranks, rank, backend_name)
         super().__init__(backend, ranks, rank, name, backend_name, timeout, store)
         self.fr = _flight.new_recorder(self)  # the flight recorder: this group's last calls
-        self.dispatch = _dispatch.for_group(self)  # every collective call's one path
+        self.dispatch = _dispatcher.for_group(self)  # every collective call's one path
 
     @property
     def _group(self):
@@ -160,7 +160,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                              f"launcher's rank {r} of {n}")
         rank, world_size, store, pg_store = r, n, None, None
     else:
-        from ..rendezvous import carry_key, custom_scheme, meet, rendezvous
+        from ..store.rendezvous import carry_key, custom_scheme, meet, rendezvous
         from ..store import Store
         if custom_scheme(init_method):  # torch's registry: the handler's first answer
             store, rank, world_size = next(rendezvous(
@@ -268,7 +268,7 @@ def destroy_process_group(group=None):
             pg.destroyed = True
             pg.backend.shutdown()
         if world.store is not None:
-            from ..rendezvous import retire
+            from ..store.rendezvous import retire
             retire(world.store)  # a new init on the same port must not meet on its server
             if world.owned_store:  # and rank 0's server stops now, not when the
                 world.store.close()  # collector finds a cycle (a BridgedGroup is one)

@@ -7,7 +7,7 @@ import numpy as np
 from ..core import dtypes as D
 from ..core.world import current as _group
 from ..core.errors import DistBackendError, DistError
-from ..flight_recorder import Tracked
+from .tracked import Tracked
 from ..core.tensors import Buffer
 from ..core.work import timeout_seconds
 

@@ -13,7 +13,9 @@ through the group's dispatcher (recorded under its name: all_reduce, broadcast, 
 import numpy as np
 
 from ..core import dtypes as D
-from ..core.plans import buffer, buffers, reduce_plan, scale, settle
+from ..core.convert import buffer, buffers
+from ..core.queued import settle
+from ..core.reduction import reduce_plan, scale
 from . import collective_ops  # noqa: F401  (the single-tensor entries, built: their run)
 from .opspec import SPECS, OpSpec, add, build
 from ..core.reduce_op import op_code

@@ -21,7 +21,7 @@ From each OpSpec two functions are made (:func:`build`, as :mod:`dataclasses` ma
 (the body on a group already resolved), which the ProcessGroup methods call. The body is
 the same text in both, compiled in place rather than called, so the free function's
 common call (``dist.all_reduce(t)``) has one Python frame and goes straight to the
-group's dispatcher (``pg.dispatch.call``: :mod:`collectives.api.dispatch`), as it did when
+group's dispatcher (``pg.dispatch.call``: :mod:`collectives.api.group_dispatcher`), as it did when
 each function was written by hand.
 
 Point-to-point calls (``isend``, ``irecv``, ``send``, ``recv``) are entries too: a buffer,
@@ -37,12 +37,15 @@ import linecache
 
 import numpy as np
 
-from ..core import plans as _fe
+from ..core import cuda as _cuda
 from ..core import dtypes as D
 from ..core.fingerprint import KIND_NAMES
-from ..core.plans import (Steps, buffer, buffers, check_devices, check_like, contiguous_span,
-                          copy_into, copy_of, disjoint_gather, needs_own_copy, overlaps,
-                          reduce_plan, scale, separate_blocks, settle, stage, unstage)
+from ..core.convert import buffer, buffers, check_devices, check_like
+from ..core.queued import Steps, settle
+from ..core.reduction import reduce_plan, scale
+from ..core.staging import (contiguous_span, copy_into, copy_of, needs_own_copy, separate_blocks,
+                            stage, unstage)
+from ..core.tensors import disjoint_gather, overlaps
 from ..core.world import NOT_INITIALIZED, current, world
 from ..core.reduce_op import ReduceOp
 from ..core.tensors import Buffer
@@ -94,7 +97,7 @@ def any_sender(pg, req):
 def _launch(pg, async_op, outputs, name, steps, buf, root=-1, op=-1, timeout=None):
     """Run ``steps`` as collective ``name``, recorded with ``buf``'s count and dtype, ``root``
     and ``op`` (a ReduceOp or code; -1: none)."""
-    if _fe.cuda_seen:  # a CUDA tensor must not reach a host backend, nor host memory nccl
+    if _cuda.cuda_seen:  # a CUDA tensor must not reach a host backend, nor host memory nccl
         for _, args in steps:
             check_devices(pg, [a for a in args if isinstance(a, Buffer)], name)
     fn, args = (Steps(name, steps), ()) if len(steps) > 1 else steps[0]

@@ -7,10 +7,10 @@ the backend's isend or irecv through the group's dispatcher (``pg.dispatch.post`
 records it in the flight recorder and, while torch's profiler runs, in a span; a blocking
 send or recv waits for it.
 """
-from .dispatch import post_batch
+from .group_dispatcher import post_batch
 from .opspec import SPECS, build, recv_peer, send_peer
 from ..core.args import check_tag
-from ..core.plans import buffer, check_devices
+from ..core.convert import buffer, check_devices
 from ..core.world import current as _group
 from ..core.work import Work
 

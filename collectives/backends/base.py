@@ -38,7 +38,7 @@ _dump_hook = None
 
 def set_dump_hook(fn):
     """Register ``fn(reason)``, which writes this rank's flight recorder out and returns the
-    path written (None where it failed): collectives.flight_recorder registers its ``dump`` at
+    path written (None where it failed): collectives.diagnostics.flight_recorder registers its ``dump`` at
     import, so that a backend reaches it without importing a layer above its own."""
     global _dump_hook
     _dump_hook = fn

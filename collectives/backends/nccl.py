@@ -56,14 +56,14 @@ _UNDEF_INT = -2**31
 _lib = None
 
 try:  # NCCL's collectives called by address (a ctypes call costs more than the rest of one)
-    from .. import _ncclcall
+    from ..engines import _ncclcall
 except ImportError:  # extensions not built: through ctypes
     _ncclcall = None
 
 
 def _entry(lib, name, arity):
     """``f(*args, comm, stream)``: NCCL's ``name`` (``arity`` arguments), ``comm`` and
-    ``stream`` as addresses; by address through collectives._ncclcall where built."""
+    ``stream`` as addresses; by address through collectives.engines._ncclcall where built."""
     fn = getattr(lib, name)
     if _ncclcall is None:
         return fn  # its argtypes take ints and None

@@ -3,7 +3,7 @@
 One POSIX shared-memory segment per group, created by rank 0 at init, named to
 the others through the store, and unlinked as soon as every rank has mapped it
 (so nothing is left in /dev/shm, even after a crash). Collectives run in C with
-the GIL released (``collectives._shm``; barrier and small broadcasts and all_reduces
+the GIL released (``collectives.engines._shm``; barrier and small broadcasts and all_reduces
 release it only where they must wait longer than a short spin); point-to-point
 messages travel through a byte ring per ordered pair of ranks, driven by two helper
 threads per rank (one sends queued messages, one drains incoming rings into posted
@@ -22,7 +22,7 @@ measured stores for the segment; see DEFAULT_STREAM) and COLLECTIVES_SHM_FAR_NS 
 probe's cache-line round trip from which a peer counts as far, 250 by default).
 COLLECTIVES_SHM_THP=0 stops a rank from collapsing the buffers its peers copy by
 process_vm_readv/writev into huge pages (MADV_COLLAPSE, the second time it sees a
-buffer: they copy twice as fast from it; see thp_prepare in src/shm/shm_copy.c).
+buffer: they copy twice as fast from it; see thp_prepare in engines/shm/shm_copy.c).
 """
 import collections
 import os
@@ -84,7 +84,7 @@ MANY_CMA_BCAST_MIN = 256 * 1024
 # all_reduce: whether two-shot or the single copy is faster depends on the host and the
 # ranks' placement (while the VM's cores share caches two-shot took 0.65-0.8x the single
 # copy's time, while they do not the single copy 0.25-0.35x two-shot's), so above the
-# one-shot size the ranks measure both (COLLECTIVES_SHM_AR_ALGO=auto, src/shm/shm_tune.c);
+# one-shot size the ranks measure both (COLLECTIVES_SHM_AR_ALGO=auto, engines/shm/shm_tune.c);
 # COLLECTIVES_SHM_CMA_AR_MIN=0 leaves the single copy out.
 DEFAULT_CMA_AR_MIN = 64 * 1024
 DEFAULT_AR_ALGO = "auto"
@@ -183,7 +183,7 @@ def sweep_stale_segments(min_age=SWEEP_MIN_AGE_S, shm_dir="/dev/shm"):
 def shm_available():
     """True when the _shm extension is built and /dev/shm is usable."""
     try:
-        from .. import _shm  # noqa: F401
+        from ..engines import _shm  # noqa: F401
     except ImportError:
         return False
     return os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
@@ -218,7 +218,7 @@ class ShmBackend(Backend):
 
     def __init__(self, store, rank, size, timeout, options=None, label=None, *, rank_names=None):
         super().__init__(store, rank, size, timeout, options)
-        from .._shm import ShmComm, unlink
+        from ..engines._shm import ShmComm, unlink
         half = config.get("COLLECTIVES_SHM_HALF_BYTES")
         half = max(half, 4096, 64 + 128 * size)
         ring = 256 * 1024 if size <= 8 else 64 * 1024

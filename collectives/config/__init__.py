@@ -38,7 +38,7 @@ __all__ = ["Setting", "SETTINGS", "get", "declared", "settings", "markdown", "EX
 
 _FALSE = frozenset({"0", "false", "no", "off"})
 
-#: the compiled extension modules (``collectives.<name>``) COLLECTIVES_NO_EXTENSIONS hides
+#: the compiled extension modules (``collectives.engines.<name>``) COLLECTIVES_NO_EXTENSIONS hides
 EXTENSIONS = ("_core", "_buffer", "_tcp", "_shm", "_mpilog", "_ncclcall")
 
 KiB = 1024
@@ -131,7 +131,7 @@ def _section(**common):
 
 
 _s = _section()
-_engine = _section(read_in="backends/tcp/__init__.py -> src/tcp/tcp_engine.c")
+_engine = _section(read_in="backends/tcp/__init__.py -> engines/tcp/tcp_engine.c")
 _shm = _section(read_in="backends/shm.py", agree=True, rank0=True)
 _fr = _section(read_in="diagnostics/fr_registry.py")
 _build = _section(scope="build", read_in="setup.py")
@@ -220,26 +220,27 @@ SETTINGS = (
         stores, 2 measured: the all_reduce and the all_gather time both kinds on their own calls and
         take the faster, the other collectives stream while the ranks' probes find their peers far
         (another die or socket)."""),
-    _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False, read_in="_shm.pyx -> src/shm/shm_copy.c", doc="""
+    _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False,
+       read_in="engines/_shm.pyx -> engines/shm/shm_copy.c", doc="""
         Allow the all_reduce's single copy with more ranks than cores and the broadcast's with more
         than two ranks a core (measured no faster there; the tests use it). The gathers' single copy
         runs there regardless."""),
-    _s("COLLECTIVES_SHM_SPIN", "int", None, read_in="_shm.pyx -> src/shm/shm_segment.c", doc="""
+    _s("COLLECTIVES_SHM_SPIN", "int", None, read_in="engines/_shm.pyx -> engines/shm/shm_segment.c", doc="""
         Polls before a waiting rank yields. Default: about 2 us worth when every rank has a core,
         none when the ranks outnumber the cores."""),
     _s("COLLECTIVES_SHM_YIELD_US", "int", None,
-        unit="us", read_in="_shm.pyx -> src/shm/shm_segment.c", doc="""
+        unit="us", read_in="engines/_shm.pyx -> engines/shm/shm_segment.c", doc="""
         How long a waiting rank yields before it sleeps on a futex. Default: 200 us when every rank
         has a core, 20 us otherwise."""),
     _s("COLLECTIVES_SHM_FAR_NS", "int", 250,
-        minimum=None, unit="ns", read_in="_shm.pyx -> src/shm/shm_copy.c", doc="""
+        minimum=None, unit="ns", read_in="engines/_shm.pyx -> engines/shm/shm_copy.c", doc="""
         Cache-line round trip from which a peer counts as far (streaming stores pay off); 0 or less:
         the default."""),
     _s("COLLECTIVES_SHM_LLC_BYTES", "int", None,
-        unit="bytes", read_in="_shm.pyx -> src/shm/shm_copy.c", doc="""
+        unit="bytes", read_in="engines/_shm.pyx -> engines/shm/shm_copy.c", doc="""
         Last-level cache size: an all_gather whose outputs (all ranks' together) fill it writes the
         local block with streaming stores. Default: read from sysfs."""),
-    _s("COLLECTIVES_SHM_THP", "bool", True, read_in="_shm.pyx -> src/shm/shm_copy.c", doc="""
+    _s("COLLECTIVES_SHM_THP", "bool", True, read_in="engines/_shm.pyx -> engines/shm/shm_copy.c", doc="""
         Collapse buffers that peers copy by process_vm_readv/writev into huge pages (MADV_COLLAPSE,
         Linux 6.1; they copy twice as fast); false turns it off."""),
     # other backends and torch
@@ -359,11 +360,11 @@ def settings(scope=None):
 # ---- COLLECTIVES_NO_EXTENSIONS ------------------------------------------------------------
 
 def _hide_extensions():
-    """Make ``import collectives.<ext>`` raise ImportError (a None entry in sys.modules is
+    """Make ``import collectives.engines.<ext>`` raise ImportError (a None entry in sys.modules is
     Python's documented way), so every import site takes its fallback."""
     pkg = __name__.rpartition(".")[0] or "collectives"
     for ext in EXTENSIONS:
-        full = f"{pkg}.{ext}"
+        full = f"{pkg}.engines.{ext}"
         if sys.modules.get(full) is None:
             sys.modules[full] = None
 

@@ -1,6 +1,6 @@
 """Dtype and reduction-op codes shared by the front end, the kernels and every backend.
 
-The numbers are the C ABI of ``src/kernels/reduce_kernels.h`` (their one definition for compiled code,
+The numbers are the C ABI of ``engines/kernels/reduce_kernels.h`` (their one definition for compiled code,
 which ``_buffer`` and ``_core`` take from it), repeated here for the pure-Python path;
 ``tests/test_kernels.py`` checks that both agree.
 Reduction-op codes equal torch's ``ReduceOp.RedOpType`` values.

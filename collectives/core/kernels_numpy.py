@@ -2,7 +2,7 @@
 
 Same functions, same results (bit for bit; NaN payloads aside) and the same
 exceptions as the Cython kernels in ``_core``; slower, and it holds the GIL.
-The tests run both and compare. Semantics (see ``src/kernels/reduce_kernels.c``):
+The tests run both and compare. Semantics (see ``engines/kernels/reduce_kernels.c``):
 half types compute in float32 and round to nearest-even; MIN/MAX give NaN if
 either operand is NaN and the second operand on ties; integers wrap; bool SUM
 is OR and PRODUCT is AND; complex PRODUCT is (ac - bd) + (ad + bc)i, no FMA.
@@ -12,7 +12,8 @@ import operator
 import numpy as np
 
 from . import dtypes as D
-from .tensors import Buffer, is_torch_tensor, to_buffer, view_numpy
+from .tensors import Buffer, is_torch_tensor, to_buffer
+from .views import view_numpy
 
 #: Bytes per chunk of the chunked kernels (COLL_CHUNK_BYTES in reduce_kernels.h).
 CHUNK_BYTES = 64 * 1024

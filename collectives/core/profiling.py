@@ -128,7 +128,7 @@ class Recorded:
 def issue(pg, name, anywhere, post, *args):
     """``post(*args)`` (a backend's isend/irecv) and its span, opened first (``anywhere``:
     one that may close on another thread); the span is closed again if ``post`` raises.
-    The request's wait or test closes it (flight_recorder.TrackedRequest)."""
+    The request's wait or test closes it (api.tracked.TrackedRequest)."""
     span = _Span(label(pg, name), anywhere)
     try:
         return post(*args), span

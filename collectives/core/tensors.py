@@ -9,12 +9,7 @@ import numpy as np
 
 from . import dtypes as D
 
-# NumPy's and torch's dtypes by our codes, both named as dtypes.DTYPE_NAMES names them (the
-# one list of the dtypes); bfloat16 has no NumPy dtype
-_NP_CODES = {np.dtype(name): code for code, name in D.DTYPE_NAMES.items() if code != D.BFLOAT16}
-_NP_OF_CODE = {code: dt for dt, code in _NP_CODES.items()}
-# bfloat16 has no NumPy dtype; arrays of it are viewed as uint16 bits
-_NP_OF_CODE[D.BFLOAT16] = np.dtype(np.uint16)
+from .views import _NP_CODES, _NP_OF_CODE, buffer_numpy, buffer_repr
 
 _torch_codes = None
 
@@ -41,7 +36,7 @@ class _PyBuffer:
         device: -1 for host memory, else the CUDA device index.
         obj: the array or tensor that owns the memory (kept alive by the Buffer).
 
-    The compiled ``collectives._buffer.Buffer`` is the same type in C (filled without
+    The compiled ``collectives.engines._buffer.Buffer`` is the same type in C (filled without
     Python calls on the front end's fast path); this one serves where it is not built.
     """
 
@@ -63,7 +58,7 @@ class _PyBuffer:
 
     def numpy(self):
         """A NumPy view of host memory (bfloat16 as uint16 bits); zero-copy."""
-        return _buffer_numpy(self)
+        return buffer_numpy(self)
 
     def bytes_view(self):
         """A flat uint8 NumPy view of the same memory; zero-copy."""
@@ -75,46 +70,13 @@ class _PyBuffer:
                           self.obj)
 
     def __repr__(self):
-        return _buffer_repr(self)
+        return buffer_repr(self)
 
 
 try:
-    from .._buffer import Buffer
+    from ..engines._buffer import Buffer
 except ImportError:  # extensions not built: the pure-Python type
     Buffer = _PyBuffer
-
-
-def _buffer_repr(b):
-    return f"Buffer(ptr=0x{b.ptr:x}, count={b.count}, dtype={D.DTYPE_NAMES[b.dtype]}, device={b.device})"
-
-
-def _buffer_numpy(b):
-    if b.device != -1:
-        raise ValueError("Buffer.numpy() needs host memory, got a CUDA buffer")
-    obj = b.obj
-    if (isinstance(obj, np.ndarray) and obj.dtype == _NP_OF_CODE[b.dtype]
-            and obj.size == b.count and obj.__array_interface__["data"][0] == b.ptr):
-        return obj.reshape(-1)
-    return view_numpy(b.ptr, b.count, b.dtype, b.obj)
-
-
-class _Holder:
-    """Exposes raw memory through __array_interface__, keeping its owner alive."""
-
-    __slots__ = ("__array_interface__", "owner")
-
-    def __init__(self, ptr, nbytes, owner):
-        self.owner = owner
-        self.__array_interface__ = {"data": (ptr, False), "shape": (nbytes,),
-                                    "typestr": "|u1", "version": 3}
-
-
-def view_numpy(ptr, count, dtype, owner=None):
-    """A writable NumPy array of ``count`` elements of ``dtype`` at ``ptr`` (no copy)."""
-    nbytes = count * D.ITEMSIZE[dtype]
-    if nbytes == 0:
-        return np.empty(0, _NP_OF_CODE[dtype])
-    return np.asarray(_Holder(ptr, nbytes, owner)).view(_NP_OF_CODE[dtype])
 
 
 def is_torch_tensor(obj):
@@ -189,6 +151,14 @@ def _py_disjoint_gather(out, inp, size):
 
 
 try:  # whether a gather of ``size`` blocks like ``inp`` fits ``out`` without overlapping it
-    from .._buffer import disjoint_gather
+    from ..engines._buffer import disjoint_gather
 except ImportError:  # extensions not built
     disjoint_gather = _py_disjoint_gather
+
+
+try:  # the compiled kernels take this to_buffer for what they do not read in C (its errors)
+    from ..engines import _core as _kernels
+except ImportError:  # extensions not built (or hidden)
+    pass
+else:
+    _kernels._set_to_buffer(to_buffer)

@@ -27,7 +27,7 @@ _per_call = _PerCall()
 
 
 class _PyCounter:
-    """``collectives._core.Counter`` in Python: one count (``n``)."""
+    """``collectives.engines._core.Counter`` in Python: one count (``n``)."""
 
     __slots__ = ("n",)
 
@@ -36,7 +36,7 @@ class _PyCounter:
 
 
 try:
-    from .._core import Counter
+    from ..engines._core import Counter
 except ImportError:  # extensions not built (or hidden)
     Counter = _PyCounter
 

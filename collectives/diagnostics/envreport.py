@@ -151,7 +151,7 @@ def _child_env():
 def _build():
     exts = {}
     for name in config.EXTENSIONS:
-        full = f"collectives.{name}"
+        full = f"collectives.engines.{name}"
         if full in sys.modules and sys.modules[full] is None:
             exts[name] = "hidden (COLLECTIVES_NO_EXTENSIONS)"
             continue
@@ -162,7 +162,7 @@ def _build():
             exts[name] = f"missing ({e})"
     out = {"extensions": exts}
     try:
-        from .. import _core
+        from ..engines import _core
         out["kernel_isa"] = _core.kernel_isa()
     except ImportError:
         out["kernel_isa"] = "none: the NumPy fallback runs the reduction kernels"
@@ -226,7 +226,7 @@ def _cma():
 def _probe():
     """The shared-memory latency probe between two threads of this process, each on its own
     core: the verdict a group's ranks on those two cores would reach."""
-    from .. import _shm
+    from ..engines import _shm
     from ..core.tensors import to_buffer
     import numpy as np
     cpus = sorted(os.sched_getaffinity(0))
@@ -342,7 +342,7 @@ def _cuda():
 def _launcher(environ):
     seen = {k: environ[k] for k in sorted(environ)
             if any(k == v or (v.endswith("_") and k.startswith(v)) for v in LAUNCHER_VARS)}
-    from ..rendezvous import env_local_rank, env_rank_world
+    from ..store.rendezvous import env_local_rank, env_rank_world
     out = {"variables": seen}
     rank, world = env_rank_world(environ)
     local_rank, local_world = env_local_rank(environ)

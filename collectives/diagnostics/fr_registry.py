@@ -1,4 +1,4 @@
-"""The flight recorder's registry (see :mod:`collectives.flight_recorder`): its settings,
+"""The flight recorder's registry (see :mod:`collectives.diagnostics.flight_recorder`): its settings,
 the process's recorders (live groups, and recently destroyed ones), this process's
 global rank, and how a ring entry reads as a call (:func:`describe`)."""
 import os

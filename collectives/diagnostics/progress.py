@@ -1,4 +1,4 @@
-"""The flight recorder's output (see :mod:`collectives.flight_recorder`): dumps (a rank's
+"""The flight recorder's output (see :mod:`collectives.diagnostics.flight_recorder`): dumps (a rank's
 recorders as a JSON file), and the daemon thread that posts this process's progress to
 the job's store, answers the other ranks' dump requests, and the error path's reading of
 the other ranks' posts (the job's name, in default dump paths, is agreed through it)."""

@@ -1,5 +1,5 @@
 """``collectives-trace PATH_OR_PREFIX``: where the ranks of a job parted, from their
-flight-recorder dumps (see :mod:`collectives.flight_recorder`).
+flight-recorder dumps (see :mod:`collectives.diagnostics.flight_recorder`).
 
 It reads every rank's dump (the files whose names start with PREFIX; or every dump in a
 directory; or a dump's file and those of its job beside it) and prints the verdict first:

@@ -4,7 +4,7 @@
 the others serve it. See docs/master-worker.md.
 """
 from .master import RemoteError, init_master_worker, is_master_worker_initialized, shutdown
-from .dispatch import call
+from .remote_call import call
 from .modules import RemoteModule, RemoteOptimizer, optim, to_node
 from .registry import register_function, register_module
 from .commands import (

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..api import collective_ops as coll
 from ..api.group import destroy_process_group, init_process_group, new_group, world
-from ..core.plans import buffer
+from ..core.convert import buffer
 from ..core.errors import DistBackendError, DistError
 import collectives.master_worker.protocol as P
 from .codec import frame, unframe

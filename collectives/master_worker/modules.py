@@ -12,7 +12,7 @@ tensors.
 ``mw.optim(torch.optim.SGD, params, lr=0.1)`` makes a ``torch.optim`` optimizer on the
 node of ``params``; ``step()`` and ``zero_grad()`` are queued commands.
 """
-import collectives.master_worker.dispatch as dispatch
+import collectives.master_worker.remote_call as dispatch
 import collectives.master_worker.protocol as P
 from .master import get_master
 from .nn_worker import optimizer_classes

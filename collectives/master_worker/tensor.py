@@ -13,10 +13,10 @@ import numbers
 import numpy as np
 
 import collectives.master_worker.protocol as P
-from ..core.plans import buffer
-import collectives.master_worker.dispatch as dispatch
+from ..core.convert import buffer
+import collectives.master_worker.remote_call as dispatch
 from .codec import Ref
-from .dispatch import method_entry, operator_entry
+from .remote_call import method_entry, operator_entry
 from .master import _ctx, current_node, get_master
 from .ops import check_shape, dtype_name
 

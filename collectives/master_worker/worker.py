@@ -12,7 +12,7 @@ import numpy as np
 
 from ..api import collective_ops as _coll
 from ..api.group import destroy_process_group, new_group
-from ..core.plans import buffer
+from ..core.convert import buffer
 from ..core.errors import DistError
 from ..core.reduce_op import ReduceOp
 import collectives.master_worker.protocol as P

@@ -25,7 +25,7 @@ import itertools
 import socket
 
 from ..api.group import ProcessGroup
-from ..rendezvous import _check_int
+from ..store.rendezvous import _check_int
 from ..store import PrefixStore, Store
 from ..core.work import timeout_seconds
 

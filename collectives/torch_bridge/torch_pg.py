@@ -30,7 +30,6 @@ runs on the group's progress thread; when it finishes, one long-lived thread com
 torch future (so callbacks may issue collectives of their own), and DDP's reducer overlaps
 communication with the backward pass.
 """
-import importlib
 import os
 import sys
 import threading
@@ -42,13 +41,12 @@ import torch.distributed as td
 from torch.distributed import distributed_c10d as _c10d
 
 from .. import config
+from ..api import group as _groups
 from ..api.monitored_barrier import monitored_barrier as _monitored_barrier
 from ..api.pg_methods import CollectiveMethods
 from .torch_store import FromTorchStore as _FromTorchStore
 from .torch_work import TorchWork, _Completer, _timeout  # noqa: F401  (_Completer: tests)
 from ..core.work import timeout_seconds
-
-_groups = importlib.import_module("collectives.api.group")  # (the package's `group` is dist.group)
 
 BACKEND_NAME = "collectives"
 

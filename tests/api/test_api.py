@@ -559,13 +559,13 @@ def test_all_gather_into_separate_tensors_reaches_a_list_backend_unstaged(world,
 @needs_torch
 def test_a_cuda_tensor_on_a_cpu_backend_is_refused_before_communicating(world, monkeypatch):
     # no GPU here: stand in for a CUDA tensor by making the conversion report device 0
-    from collectives.core import plans as _frontend
+    from collectives.core import convert
     from collectives.core.tensors import Buffer
 
     def as_cuda(t, name="tensor"):
         return Buffer(0xDEAD0000, t.numel(), dist.dtypes.FLOAT32, 0, t)
 
-    monkeypatch.setattr(_frontend, "to_buffer", as_cuda)
+    monkeypatch.setattr(convert, "to_buffer", as_cuda)
     world(size=2, rank=0)
     fake = torch.ones(2, 2).t()  # non-contiguous: the fast path leaves it to to_buffer
     for call in (lambda: dist.all_reduce(fake), lambda: dist.broadcast(fake, 0),

@@ -292,15 +292,16 @@ def test_a_multigpu_entry_runs_its_single_tensor_entry(name):
 
 
 def test_the_recorder_and_the_profiler_are_handled_in_the_dispatcher_only():
-    """No module of collectives/api/ but dispatch.py writes the recorder's started/done/fail
-    steps, records a p2p call, or tests the profiler's flag (monitored_barrier runs the
-    recorder's own Tracked hook: it is not queued, as torch's gloo runs it)."""
+    """No module of collectives/api/ but group_dispatcher.py and its runners (tracked.py) writes the
+    recorder's started/done/fail steps, records a p2p call, or tests the profiler's flag
+    (monitored_barrier runs the runners' own Tracked hook: it is not queued, as torch's gloo
+    runs it)."""
     api = os.path.dirname(opspec.__file__)  # the package under test, installed or not
     by_hand = re.compile(r"fr\.started\s*=|fr\.done\s*=|\.fail\(|_is_profiler_enabled|"
-                         r"issue_p2p|_flight\.p2p|flight_recorder\.p2p|_profiling\.issue")
+                         r"issue_p2p|tracked\.p2p|_profiling\.issue")
     found = []
     for f in sorted(os.listdir(api)):
-        if f.endswith(".py") and f != "dispatch.py":
+        if f.endswith(".py") and f not in ("group_dispatcher.py", "tracked.py"):
             with open(os.path.join(api, f)) as fh:
                 for i, line in enumerate(fh, 1):
                     if by_hand.search(line.split("#")[0]):

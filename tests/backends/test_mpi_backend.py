@@ -51,7 +51,7 @@ def have_half_kernels():
 
 
 HAVE_HALF = have_half_kernels()
-NO_HALF = "float16/bfloat16 need reduce_ptr from collectives._core or collectives.core.kernels_numpy"
+NO_HALF = "float16/bfloat16 need reduce_ptr from collectives.engines._core or collectives.core.kernels_numpy"
 # every (dtype, op) pair as its own test, a few hypothesis examples each
 CASE_PARAMS = [pytest.param(dt, op, id=f"{D.DTYPE_NAMES[dt]}-{D.OP_NAMES[op]}",
                             marks=pytest.mark.skipif(dt in HALF and not HAVE_HALF, reason=NO_HALF))

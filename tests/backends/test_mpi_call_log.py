@@ -1,4 +1,4 @@
-"""The mpi backend's call log: the C one (collectives._mpilog) against the Python one.
+"""The mpi backend's call log: the C one (collectives.engines._mpilog) against the Python one.
 
 Both hold the fingerprints of a group's blocking calls since the ranks last compared them;
 ranks compare ``digest()``, so the two must agree word for word (a rank without the
@@ -59,7 +59,7 @@ def test_the_full_log_compares_once_and_a_failed_one_raises(make):
         log.append((3, 1, 0, -1, 0))
 
 
-@pytest.mark.skipif(CallLog is None, reason="collectives._mpilog is not built")
+@pytest.mark.skipif(CallLog is None, reason="collectives.engines._mpilog is not built")
 @settings(max_examples=40, deadline=None)
 @given(st.lists(entry, min_size=1, max_size=EVERY - 1), st.integers(0, EVERY - 2))
 def test_logs_that_differ_in_one_word_digest_differently(entries, at):
@@ -88,7 +88,7 @@ def test_a_barrier_entry_is_compared_at_once(make):
         log.append_and_compare((1, 15, 0, -1, -1))
 
 
-@pytest.mark.skipif(CallLog is None, reason="collectives._mpilog is not built")
+@pytest.mark.skipif(CallLog is None, reason="collectives.engines._mpilog is not built")
 def test_a_comparison_that_raises_leaves_the_group_unusable_not_overrun():
     def compare():
         raise RuntimeError("an MPI error")  # before the log is cleared

@@ -72,11 +72,11 @@ int ncclAllGather(const void *s, void *r, size_t n, int dt, void *c, void *st) {
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a stand-in libnccl")
 @pytest.mark.parametrize("by_address", [True, False], ids=["by-address", "ctypes"])
 def test_nccl_entry_points_get_every_argument_whole(tmp_path, monkeypatch, by_address):
-    """The collectives call NCCL by address (collectives._ncclcall) or through ctypes:
+    """The collectives call NCCL by address (collectives.engines._ncclcall) or through ctypes:
     a stand-in library records what it was given (64-bit pointers and counts, a NULL
     communicator) and its return code comes back (no GPU needed)."""
     if by_address and nccl._ncclcall is None:
-        pytest.skip("collectives._ncclcall is not built")
+        pytest.skip("collectives.engines._ncclcall is not built")
     src, so = tmp_path / "rec.c", tmp_path / "librec.so"
     src.write_text(_RECORDING_NCCL)
     subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)

@@ -25,7 +25,7 @@ from tests.support.profiles import examples
 from tests.support.ranks import RankError, free_port, get_pool
 from tests.support.marks import quick_only
 
-pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
+pytest.importorskip("collectives.engines._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
 
 NP = {D.FLOAT16: np.float16, D.FLOAT32: np.float32, D.FLOAT64: np.float64,
       D.COMPLEX64: np.complex64, D.INT8: np.int8, D.UINT8: np.uint8, D.INT32: np.int32,
@@ -621,7 +621,7 @@ def test_no_segment_left_after_exit_and_shutdown():
 
 _CREATOR_SCRIPT = r"""
 import sys, time
-from collectives._shm import ShmComm
+from collectives.engines._shm import ShmComm
 c = ShmComm(sys.argv[1], True, 0, 2, 1 << 16, 1 << 12, 5.0)
 print("created", flush=True)
 time.sleep(120)
@@ -670,7 +670,7 @@ def test_segment_of_a_killed_creator_is_swept_by_the_next_group():
         p_live.kill()
         p_live.wait()
         p_dead.kill()
-        from collectives._shm import unlink
+        from collectives.engines._shm import unlink
         unlink(live)
         unlink(dead)
     assert "/dev/shm" + live not in shm_segments()
@@ -741,7 +741,7 @@ def test_p2p_send_timeout_runs_from_the_last_progress_not_from_any_bell():
     import secrets
     import threading
 
-    from collectives._shm import ShmComm, unlink
+    from collectives.engines._shm import ShmComm, unlink
     from collectives.core.errors import DistError
     name = f"/collectives-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
     tmo = 1.0

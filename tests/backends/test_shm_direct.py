@@ -14,7 +14,7 @@ from collectives.core.errors import DistError
 from collectives.store import HashStore
 from collectives.core.tensors import to_buffer
 
-pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
+pytest.importorskip("collectives.engines._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
 from collectives.backends import shm as shm_backend  # noqa: E402
 
 

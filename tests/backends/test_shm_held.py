@@ -1,4 +1,4 @@
-"""The shared-memory engine's small calls begun with the GIL held (src/shm/shm_coll.c,
+"""The shared-memory engine's small calls begun with the GIL held (engines/shm/shm_coll.c,
 "small calls under the caller's lock": barrier, broadcasts of at most 48 bytes,
 all_reduces under 4 KiB). Each tries its call with the GIL held and a short spin, and
 releases the GIL only where it must wait longer (shm_finish takes the call up there).
@@ -118,7 +118,7 @@ def test_other_threads_run_while_a_small_call_waits(tmp_path, n, kind):
 
 def run_on_one_cpu(ctx, calls):
     """``run_sequence`` with every rank on one CPU (as a busy machine's scheduler often puts
-    two ranks): a waiting rank then yields at once instead of spinning (src/shm/
+    two ranks): a waiting rank then yields at once instead of spinning (engines/shm/
     shm_segment.c, same_cpu). The rank's CPUs are restored after."""
     import os
     allowed = os.sched_getaffinity(0)

@@ -1,6 +1,6 @@
 """The shared-memory engine takes its settings from the configuration registry.
 
-The C engine (collectives/src/shm/shm_*.c) reads no environment variable itself: _shm.pyx
+The C engine (collectives/engines/shm/shm_*.c) reads no environment variable itself: _shm.pyx
 reads COLLECTIVES_SHM_SPIN, _YIELD_US, _FAR_NS, _LLC_BYTES, _THP and _CMA_ANY_CORES
 through collectives.config and hands them to shm_comm_set_tuning, so they parse by the
 registry's rules. That the values reach the engine is tested in test_shm.py
@@ -13,13 +13,13 @@ import secrets
 
 import pytest
 
-pytest.importorskip("collectives._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
+pytest.importorskip("collectives.engines._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
 
-from collectives._shm import ShmComm, unlink  # noqa: E402
+from collectives.engines._shm import ShmComm, unlink  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 from tests.support.requires import needs_source_tree  # noqa: E402
 
-SRC = os.path.join(ROOT, "collectives", "src")
+SRC = os.path.join(ROOT, "collectives", "engines")
 
 
 @needs_source_tree

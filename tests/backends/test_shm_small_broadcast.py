@@ -1,4 +1,4 @@
-"""The shared-memory engine's small broadcasts (at most 48 bytes, src/shm/shm_coll.c's
+"""The shared-memory engine's small broadcasts (at most 48 bytes, engines/shm/shm_coll.c's
 broadcast_inline): the root writes into a ring of 16 records and runs up to 16 calls ahead
 of the slowest reader, and the readers do not wait for each other.
 

@@ -19,7 +19,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
-pytest.importorskip("collectives._tcp", reason="collectives._tcp is not built")
+pytest.importorskip("collectives.engines._tcp", reason="collectives.engines._tcp is not built")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

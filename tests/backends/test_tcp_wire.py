@@ -22,12 +22,12 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
-pytest.importorskip("collectives._tcp", reason="collectives._tcp is not built")
+pytest.importorskip("collectives.engines._tcp", reason="collectives.engines._tcp is not built")
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from collectives import _tcp  # noqa: E402
+from collectives.engines import _tcp  # noqa: E402
 from collectives.core import dtypes as D  # noqa: E402
 from collectives.core import fingerprint as F  # noqa: E402
 from tests.support.profiles import examples  # noqa: E402

@@ -1,14 +1,15 @@
-"""Each group's dispatcher (collectives/api/dispatch.py, collectives/_dispatch.pxi): every
-collective, reduce included, takes one cheap path when nothing records a timeout, profiles
-or waits in the queue, and every other call takes the one general path; the C dispatcher
-and its pure-Python twin record the same thing."""
+"""Each group's dispatcher (collectives/api/group_dispatcher.py,
+collectives/engines/_group_dispatcher.pxi): every collective, reduce included, takes one
+cheap path when nothing records a timeout, profiles or waits in the queue, and every other
+call takes the one general path; the C dispatcher and its pure-Python twin record the same
+thing."""
 import threading
 
 import numpy as np
 import pytest
 
-from collectives.api import dispatch
-from collectives import flight_recorder as fr
+from collectives.api import group_dispatcher
+from collectives.diagnostics import flight_recorder as fr
 from collectives.backends.base import Backend
 from collectives.core.errors import DistBackendError
 from collectives.store import HashStore
@@ -24,13 +25,13 @@ def world1(request, monkeypatch):
     ``request.param``: the C dispatcher (where built) or the Python one."""
     import collectives as dist
     general = []
-    real = dispatch.general
+    real = group_dispatcher.general
 
     def spy(pg, kind, *rest):
         general.append(kind)
         return real(pg, kind, *rest)
 
-    monkeypatch.setattr(dispatch, "general", spy)  # the dispatchers made from now on call it
+    monkeypatch.setattr(group_dispatcher, "general", spy)  # the dispatchers made from now on call it
     dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     yield dist, choose(dist, request.param), general
     dist.destroy_process_group()
@@ -129,6 +130,6 @@ def test_a_backend_that_runs_calls_its_own_way_never_takes_the_cheap_path():
         backend = Own(None, 0, 1, 5)
         fr = fr.Recorder("g", [0], 0, "own")  # (the module fr, read before the name is bound)
 
-    assert not dispatch.for_group(Group).inline
+    assert not group_dispatcher.for_group(Group).inline
     Group.backend = Backend(None, 0, 1, 5)
-    assert dispatch.for_group(Group).inline
+    assert group_dispatcher.for_group(Group).inline

@@ -7,7 +7,8 @@ from tests.support.profiles import examples
 
 from collectives.core import kernels_numpy as fb
 
-core = pytest.importorskip("collectives._core", reason="build it: COLLECTIVES_ONLY=_core setup.py build_ext")
+core = pytest.importorskip("collectives.engines._core",
+                           reason="build it: COLLECTIVES_ONLY=_core setup.py build_ext")
 torch = pytest.importorskip("torch")
 
 IMPLS = [pytest.param(core, id="core"), pytest.param(fb, id="fallback")]

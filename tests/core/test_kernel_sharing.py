@@ -1,7 +1,7 @@
-"""The transports run collectives._core's reduction kernels, not copies of their own.
+"""The transports run collectives.engines._core's reduction kernels, not copies of their own.
 
 The kernels are compiled once, into ``_core``; ``_tcp`` and ``_shm`` call them through the
-table ``_core`` exports (the capsule ``collectives._core._C_API``). So forcing an instruction
+table ``_core`` exports (the capsule ``collectives.engines._core._C_API``). So forcing an instruction
 set in ``_core`` (as tests/core/test_kernels.py does) switches what the TCP algorithms and the
 shared-memory collectives run, and their results on every forced set equal NumPy's.
 """
@@ -16,16 +16,16 @@ import pytest
 import collectives  # noqa: F401  (first: COLLECTIVES_NO_EXTENSIONS hides the extensions on import)
 from tests.support.ranks import ROOT, backend_pool, config_available
 
-core = pytest.importorskip("collectives._core", reason="build it: setup.py build_ext --inplace")
+core = pytest.importorskip("collectives.engines._core", reason="build it: setup.py build_ext --inplace")
 
 ISAS = ["avx512bf16", "avx512", "avx2", "baseline"]
 TRANSPORTS = ["_tcp", "_shm"]
 
 
 def _transport(name):
-    if importlib.util.find_spec(f"collectives.{name}") is None:
-        pytest.skip(f"collectives.{name} is not built (or hidden)")
-    return importlib.import_module(f"collectives.{name}")
+    if importlib.util.find_spec(f"collectives.engines.{name}") is None:
+        pytest.skip(f"collectives.engines.{name} is not built (or hidden)")
+    return importlib.import_module(f"collectives.engines.{name}")
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
@@ -47,13 +47,13 @@ def test_forcing_an_instruction_set_in_core_switches_the_transports_kernels(name
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_a_transport_without_core_fails_to_import_naming_it(name):
-    if importlib.util.find_spec(f"collectives.{name}") is None:
-        pytest.skip(f"collectives.{name} is not built (or hidden)")
+    if importlib.util.find_spec(f"collectives.engines.{name}") is None:
+        pytest.skip(f"collectives.engines.{name} is not built (or hidden)")
     code = textwrap.dedent(f"""
         import sys
-        sys.modules["collectives._core"] = None  # as if it were not built
+        sys.modules["collectives.engines._core"] = None  # as if it were not built
         try:
-            import collectives.{name}
+            import collectives.engines.{name}
         except ImportError as exc:
             print("ImportError:", exc)
         else:
@@ -65,7 +65,7 @@ def test_a_transport_without_core_fails_to_import_naming_it(name):
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ImportError:"), out.stdout
-    assert "collectives._core" in out.stdout and "build_ext" in out.stdout, out.stdout
+    assert "collectives.engines._core" in out.stdout and "build_ext" in out.stdout, out.stdout
 
 
 # ---- all_reduce on every instruction set, through the transports ---------------------------
@@ -105,7 +105,7 @@ def all_reduce_on_each_isa(ctx, seed, transports):
     import numpy as np
 
     import collectives as dist
-    from collectives import _core
+    from collectives.engines import _core
     from collectives.core import kernels_numpy as fb
     from collectives.core import dtypes as D
 
@@ -115,7 +115,7 @@ def all_reduce_on_each_isa(ctx, seed, transports):
     cases = [(dt, fam) for dt, fam in NUMPY_DTYPES.items()]
     if torch is not None:
         cases.append(("bfloat16", "float"))
-    mods = [importlib.import_module(f"collectives.{t}") for t in transports]
+    mods = [importlib.import_module(f"collectives.engines.{t}") for t in transports]
     best = _core.kernel_isa()
     done, bad = [], []
     try:

@@ -1,4 +1,4 @@
-"""The reduction kernels (collectives._core, and the NumPy _fallback) as a specification.
+"""The reduction kernels (collectives.engines._core, and the NumPy _fallback) as a specification.
 
 Each property first, then the examples that pin it down. Float results are compared
 bit for bit (NaN compared as NaN, payload ignored; -0.0 differs from 0.0).
@@ -20,7 +20,8 @@ from collectives.core import kernels_numpy as fb
 from collectives.core import dtypes as D
 from collectives.core.tensors import Buffer, to_buffer
 
-core = pytest.importorskip("collectives._core", reason="build it: COLLECTIVES_ONLY=_core setup.py build_ext")
+core = pytest.importorskip("collectives.engines._core",
+                           reason="build it: COLLECTIVES_ONLY=_core setup.py build_ext")
 torch = pytest.importorskip("torch")
 
 IMPLS = [pytest.param(core, id="core"), pytest.param(fb, id="fallback")]
@@ -582,7 +583,7 @@ def test_import_and_reduce_without_torch():
         sys.meta_path.insert(0, NoTorch())
         import numpy as np
         import collectives
-        from collectives import _core
+        from collectives.engines import _core
         from collectives.core import dtypes, kernels_numpy as _fallback
         for impl in (_core, _fallback):
             a = np.arange(5, dtype=np.float32)

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 from collectives.core import dtypes as D
-from collectives.core.tensors import to_buffer, view_numpy
+from collectives.core.tensors import to_buffer
+from collectives.core.views import view_numpy
 
 try:
     import torch
@@ -58,21 +59,21 @@ def test_what_cannot_be_a_buffer_is_named(bad, exc, match):
         to_buffer(bad, "tensor")
 
 
-# ---- the compiled Buffer and the front end's C fast path (collectives._buffer) --------------
+# ---- the compiled Buffer and the front end's C fast path (collectives.engines._buffer) --------------
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tests.support.profiles import examples  # noqa: E402
 
-from collectives.core import plans as _frontend, tensors  # noqa: E402
+from collectives.core import convert, staging, tensors  # noqa: E402
 from collectives.core.tensors import Buffer, _PyBuffer  # noqa: E402
 
 try:
-    from collectives import _buffer
+    from collectives.engines import _buffer
 except ImportError:  # pragma: no cover - the extensions are built in CI
     _buffer = None
 
-needs_ext = pytest.mark.skipif(_buffer is None, reason="collectives._buffer is not built")
+needs_ext = pytest.mark.skipif(_buffer is None, reason="collectives.engines._buffer is not built")
 BUFFER_TYPES = [_PyBuffer] + ([_buffer.Buffer] if _buffer is not None else [])
 NP_DTYPES = [np.float16, np.float32, np.float64, np.complex64, np.complex128, np.int8, np.uint8,
              np.int16, np.int32, np.int64, np.longlong, np.intc, np.bool_]
@@ -85,7 +86,7 @@ def fields(b):
 @needs_ext
 def test_the_compiled_buffer_is_the_one_in_use():
     assert Buffer is _buffer.Buffer
-    assert _frontend.buffer is _buffer.buffer
+    assert convert.buffer is _buffer.buffer
 
 
 @pytest.mark.parametrize("cls", BUFFER_TYPES)
@@ -163,7 +164,7 @@ def test_fast_buffer_agrees_with_to_buffer(a):
 ])
 def test_fast_buffer_agrees_with_to_buffer_for_torch(make):
     t = make()
-    _frontend.buffer(torch.zeros(1))  # the first torch tensor teaches the C path the torch types
+    convert.buffer(torch.zeros(1))  # the first torch tensor teaches the C path the torch types
     assert outcome(_buffer.buffer, t) == outcome(to_buffer, t)
 
 
@@ -188,7 +189,7 @@ def test_separate_blocks_agrees_with_the_python_check(blocks, in_at, in_count, r
     base = 0x10000
     outs = [Buffer(base + 4 * at, count, D.FLOAT32) for at, count in blocks]
     inp = Buffer(base + 4 * in_at, in_count, D.FLOAT32)
-    want = _frontend._py_separate_blocks(outs, inp, rank)
+    want = staging._py_separate_blocks(outs, inp, rank)
     assert bool(_buffer.separate_blocks(outs, inp, rank)) == bool(want)
 
 
@@ -212,13 +213,14 @@ def test_fast_buffers_agrees_with_the_python_list_path(tensors, kw):
             return [(b.ptr, b.count, b.dtype) for b in f(tensors, "tensor_list", **kw)]
         except (TypeError, ValueError) as e:
             return type(e), str(e)
-    assert run(_buffer.buffers) == run(_frontend._py_buffers)
+    assert run(_buffer.buffers) == run(convert._py_buffers)
 
 
 def test_numpy_and_torch_dtypes_follow_the_one_list_of_codes():
     """tensors' two dtype tables come from dtypes.DTYPE_NAMES: every code but bfloat16 has
     the NumPy dtype of its name, every code the torch dtype, each of the code's item size."""
-    from collectives.core.tensors import _NP_CODES, _torch_table
+    from collectives.core.tensors import _torch_table
+    from collectives.core.views import _NP_CODES
     assert sorted(_NP_CODES.values()) == sorted(set(D.DTYPE_NAMES) - {D.BFLOAT16})
     for dt, code in _NP_CODES.items():
         assert (dt.name, dt.itemsize) == (D.DTYPE_NAMES[code], D.ITEMSIZE[code])

@@ -1,4 +1,4 @@
-"""The flight recorder's ring of collectives: ``collectives._core.CallRing`` (C arrays) and
+"""The flight recorder's ring of collectives: ``collectives.engines._core.CallRing`` (C arrays) and
 ``flight_recorder._PyCallRing`` (the package without its extensions) keep the same
 entries, and a recorder with stacks (COLLECTIVES_FR_STACK=1) records the caller's.
 
@@ -20,10 +20,10 @@ from tests.support.requires import needs_gloo
 
 
 def _rings():
-    from collectives import flight_recorder as fr
+    from collectives.diagnostics import flight_recorder as fr
     out = [pytest.param(fr._PyCallRing, id="python")]
     try:
-        from collectives._core import CallRing
+        from collectives.engines._core import CallRing
     except ImportError:
         out.append(pytest.param(None, id="c", marks=pytest.mark.skip(reason="_core not built")))
     else:

@@ -402,7 +402,7 @@ def test_every_front_end_call_is_recorded_with_what_was_called(world1, tmp_path)
 
 
 def test_the_ring_keeps_the_last_entries_and_the_counters_say_their_state():
-    from collectives import flight_recorder as fr
+    from collectives.diagnostics import flight_recorder as fr
     rec = fr.Recorder("g", [0, 1], 0, "gloo")
     n = rec.size + 5
     for _ in range(n):
@@ -461,7 +461,7 @@ if __name__ == "__main__":
 def _dumps_of(histories, world):
     """Dumps (as collectives-trace reads them) of ranks whose recorders saw ``histories``:
     rank -> (calls issued [(kind, count, dtype, root, op)], number completed, failed seq)."""
-    from collectives import flight_recorder as fr
+    from collectives.diagnostics import flight_recorder as fr, progress
     dumps = {}
     for r, (calls, done, failed) in histories.items():
         rec = fr.Recorder("default_pg", list(range(world)), r, "gloo")
@@ -472,7 +472,7 @@ def _dumps_of(histories, world):
                 rec.done = s
         if failed:
             rec.failures[failed] = (f"rank {r} failed", 0.0)
-        dumps[r] = {"format": fr.FORMAT, "version": fr.VERSION, "rank": r, "world_size": world,
+        dumps[r] = {"format": progress.FORMAT, "version": progress.VERSION, "rank": r, "world_size": world,
                     "job": "j", "time": 0.0, "groups": {"default_pg": rec.snapshot(0)}}
     return dumps
 
@@ -520,16 +520,16 @@ def test_the_verdict_names_the_first_collective_not_every_rank_completed():
         assert v["calls"] == called, (v, histories)
 
     def trace_call(call):
-        from collectives import flight_recorder as fr
-        return fr.describe((0,) + call)
+        from collectives.diagnostics.fr_registry import describe
+        return describe((0,) + call)
 
     check()
 
 
 def test_a_peer_process_that_is_gone_is_told_from_one_that_lives():
-    from collectives import flight_recorder as fr
+    from collectives.diagnostics import progress
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
-    assert fr._gone(fr._HOST, p.pid) == p.pid
-    assert fr._gone(fr._HOST, os.getpid()) is None
-    assert fr._gone("another host|pid:[1]", p.pid) is None  # not ours to look up
+    assert progress._gone(progress._HOST, p.pid) == p.pid
+    assert progress._gone(progress._HOST, os.getpid()) is None
+    assert progress._gone("another host|pid:[1]", p.pid) is None  # not ours to look up

@@ -87,7 +87,7 @@ SAME_TEXT = ("gloo", "mpi")
 # first barrier after the odd call raises
 MPI_DRAIN = 1
 # configurations whose same-host broadcast of one block returns on its root without waiting
-# for the readers (src/shm/shm_sync.h): that root learns of a mismatch at its next call
+# for the readers (engines/shm/shm_sync.h): that root learns of a mismatch at its next call
 ROOT_RUNS_AHEAD = {"gloo", "gloo-hier"}
 
 
@@ -469,6 +469,6 @@ def test_p2p_receive_takes_a_shorter_message_into_its_start(config):
 @settings(max_examples=examples(200), deadline=None)
 def test_the_shm_engine_packs_words_as_fingerprint_pack(kind, dtype, count, root, op):
     """The words _shm computes from a call's arguments are fingerprint.pack's."""
-    _shm = pytest.importorskip("collectives._shm")
+    _shm = pytest.importorskip("collectives.engines._shm")
     import collectives.core.fingerprint as F
     assert _shm.pack(kind, dtype, count, root, op) == F.pack(kind, dtype, count, root, op)

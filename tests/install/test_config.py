@@ -178,7 +178,7 @@ from collectives.backends.shm import shm_available
 out = []
 for ext in ("_core", "_buffer", "_tcp", "_shm", "_mpilog", "_ncclcall"):
     try:
-        __import__("collectives." + ext)
+        __import__("collectives.engines." + ext)
         out.append(ext + ":loaded")
     except ImportError:
         out.append(ext + ":hidden")

@@ -65,7 +65,8 @@ def test_the_wheel_holds_the_package_its_stubs_and_the_license():
     assert not [f for f in files if re.search(r"(^|/)(tests|bench|examples|docs)/", f)]
     assert not [f for f in files if f.endswith((".pyx", ".pxi", ".c", ".h"))]
     assert "collectives/py.typed" in files
-    for stub in ("_core.pyi", "_shm.pyi", "_tcp.pyi", "_buffer.pyi", "rendezvous.pyi",
+    for stub in ("engines/_core.pyi", "engines/_shm.pyi", "engines/_tcp.pyi", "engines/_buffer.pyi",
+                 "engines/_buffer.pxd", "store/rendezvous.pyi",
                  "store/__init__.pyi"):
         assert f"collectives/{stub}" in files
     assert any(f.endswith("LICENSE") and ".dist-info/" in f for f in files)

@@ -1,8 +1,9 @@
 """The package's modules import only downward, by layer: each folder (and each public module
 at the top level) sits in one layer of LAYERS, and a module imports from its own layer or the
 layers below it, never above, counting the imports made inside functions and the modules
-named in strings (``importlib.import_module``, ``sys.modules.get``). No import cycle either
-(issue 43: a cycle closed by deferred imports is still a cycle to read)."""
+named in strings (``importlib.import_module``, ``sys.modules.get``), and the extensions'
+imports and cimports (their .pyx with the .pxi files it includes). No import cycle either (a
+cycle closed by deferred imports is still a cycle to read)."""
 import ast
 import os
 import re
@@ -17,16 +18,19 @@ PKG = os.path.join(ROOT, "collectives")
 # The layers, lowest first: (name, the folders and top-level modules in it, relative to
 # collectives/; "" is the package's own __init__). docs/architecture.md draws this tree.
 LAYERS = [
-    ("extensions", ["_core", "_buffer", "_tcp", "_shm", "_mpilog", "_ncclcall"]),  # compiled (their .pyx: leaves here)
     ("settings", ["config"]),
-    ("core", ["core", "security"]),
-    ("services", ["store", "launcher", "rendezvous"]),
+    ("core", ["core", "security"]),  # the vocabulary: errors, dtypes, ops, options, fingerprint...
+    ("extensions", ["engines"]),  # compiled: their .pyx (and .pxi) imports count as a module's
+    # core's modules that take a compiled engine or its Python twin (and those built on them)
+    ("buffers", ["core.tensors", "core.work", "core.kernels_numpy", "core.convert", "core.cuda",
+                 "core.reduction", "core.staging"]),
+    ("services", ["store", "launcher"]),
     ("backends", ["backends"]),
-    ("diagnostics", ["diagnostics", "flight_recorder", "debug"]),
+    ("diagnostics", ["diagnostics"]),
     ("api", ["api"]),
     ("bridges", ["torch_bridge", "master_worker"]),
     # the package, its __main__ and the modules named as torch.distributed's public ones
-    ("public", ["", "__main__", "constants", "device_mesh", "distributed_c10d", "nn", "run"]),
+    ("public", ["", "__main__", "constants", "distributed_c10d", "nn", "run"]),
 ]
 # Known imports up the layers, each with its reason: (importer, imported). The list only
 # shrinks (the test fails when an entry is no longer needed).
@@ -41,7 +45,7 @@ def _modules():
     for dirpath, dirs, files in os.walk(PKG):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         for f in files:
-            if f.endswith(".py") or f.endswith(".pyx"):  # extensions: leaves
+            if f.endswith(".py") or f.endswith(".pyx"):  # extensions: their imports count too
                 path = os.path.join(dirpath, f)
                 rel = os.path.relpath(path, ROOT).rsplit(".", 1)[0].replace(os.sep, ".")
                 if rel.endswith(".__init__"):
@@ -136,9 +140,58 @@ def _layer_of(mod):
     return where
 
 
+_CY_INCLUDE = re.compile(r'^include\s+"([^"]+)"', re.M)
+_CY_FROM = re.compile(r"^[ \t]*from[ \t]+(\.*[\w.]*)[ \t]+c?import[ \t]+\(?([\w ,\t]+)", re.M)
+_CY_IMPORT = re.compile(r"^[ \t]*c?import[ \t]+([\w.]+)", re.M)
+
+
+def _cython_source(path):
+    """A .pyx file's text with the .pxi files it includes (recursively)."""
+    text = open(path).read()
+    for inc in _CY_INCLUDE.findall(text):
+        text += "\n" + _cython_source(os.path.join(os.path.dirname(path), inc))
+    return text
+
+
+def _cython_imports(name, path, known):
+    """Modules of the package that the extension ``name`` imports or cimports (at module
+    level or inside functions, in its .pyx and the .pxi files it includes): the same
+    edges as a Python module's, read with patterns since Cython is not Python's grammar."""
+    text = re.sub(r"#.*", "", _cython_source(path))
+    base = name.split(".")[:-1]
+    out = set()
+
+    def add(c):
+        while c and c not in known:
+            c = c.rpartition(".")[0]
+        if c and c != name:
+            out.add(c)
+
+    for mod, names in _CY_FROM.findall(text):
+        if mod.startswith("."):
+            level = len(mod) - len(mod.lstrip("."))
+            rest = mod[level:]
+            mod = ".".join(base[:len(base) - level + 1] + ([rest] if rest else []))
+        if not mod.startswith("collectives"):
+            continue
+        if mod != "collectives":
+            add(mod)
+        for n in names.replace("\t", " ").split(","):
+            n = n.split()[0] if n.split() else ""
+            if n and f"{mod}.{n}" in known:
+                add(f"{mod}.{n}")
+            elif n and mod == "collectives":
+                add(mod)
+    for mod in _CY_IMPORT.findall(text):
+        if mod.startswith("collectives"):
+            add(mod)
+    return out
+
+
 def _graph():
     mods = _modules()
-    return {m: _imports(m, p, mods) if p.endswith(".py") else set() for m, p in mods.items()}
+    return {m: (_imports if p.endswith(".py") else _cython_imports)(m, p, mods)
+            for m, p in mods.items()}
 
 
 def _upward(graph):
@@ -174,6 +227,22 @@ def test_the_layer_check_finds_an_import_upward(tmp_path):
                  "def g():\n    return sys.modules.get('collectives.api.group')\n")
     assert _imports("collectives.core.tensors", str(p), known) == {"collectives.api.group"}
     assert _upward({"collectives.api.group": {"collectives.core.tensors"}}) == []
+
+
+def test_the_layer_check_reads_an_extensions_imports(tmp_path):
+    """A .pyx's cimports and imports count, those of the .pxi files it includes too, inside
+    functions as well; comments do not."""
+    known = {"collectives.engines", "collectives.engines._x", "collectives.engines._buffer",
+             "collectives.core", "collectives.core.tensors", "collectives.config", "collectives.api"}
+    (tmp_path / "_x.pyx").write_text(
+        'from ._buffer cimport Buffer\nfrom .. import config as _config\ninclude "_y.pxi"\n'
+        "# from ..api import group\n")
+    (tmp_path / "_y.pxi").write_text("def f():\n    from ..core.tensors import to_buffer\n")
+    deps = _cython_imports("collectives.engines._x", str(tmp_path / "_x.pyx"), known)
+    assert deps == {"collectives.engines._buffer", "collectives.config",
+                    "collectives.core.tensors"}
+    assert ("collectives.engines._x", "collectives.core.tensors") in _upward(
+        {"collectives.engines._x": deps})
 
 
 def test_every_folder_is_a_package_that_the_wheel_lists():
@@ -237,9 +306,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 # ---- the shared-memory engine's C layers ---------------------------------------------
 
-SRC = os.path.join(PKG, "src", "shm")  # the shm engine's C sources
-if not os.path.isdir(SRC):  # before the C sources moved into folders by component
-    SRC = os.path.join(PKG, "src")
+SRC = os.path.join(PKG, "engines", "shm")  # the shm engine's C sources
 # each shm C file, lowest layer first, and the shm headers it may include: a layer calls
 # only functions of its own layer or of the layers below it
 SHM_LAYERS = [

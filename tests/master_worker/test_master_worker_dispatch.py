@@ -144,7 +144,7 @@ def test_master_worker_imports_without_torch():
     """The NumPy-only install: importing the package (and its torch-mode code) never
     imports torch."""
     code = ("import sys; import collectives, collectives.master_worker as mw; "
-            "import collectives.master_worker.dispatch, collectives.master_worker.modules; "
+            "import collectives.master_worker.remote_call, collectives.master_worker.modules; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 
 from collectives.core.errors import DistNetworkError, DistStoreError
-from collectives.rendezvous import env_local_rank, env_rank_world, meet
+from collectives.store.rendezvous import env_local_rank, env_rank_world, meet
 from collectives.store import FileStore, HashStore, TCPStore
 from tests.support.ranks import free_port, get_pool, mpiexec_path
 from tests.support.requires import needs_gloo
@@ -324,7 +324,7 @@ def scheme():
     import sys
 
     import collectives  # noqa: F401  (collectives.rendezvous is the function; the module:)
-    handlers = sys.modules["collectives.rendezvous"]._handlers
+    handlers = sys.modules["collectives.store.rendezvous"]._handlers
     name = f"testscheme{len(handlers)}"
     yield name
     handlers.pop(name, None)
@@ -359,7 +359,7 @@ def test_rendezvous_passes_rank_and_world_size_to_the_handler_in_the_query(schem
         assert next(dist.rendezvous(f"{dashed}://h", 1, 4))[1:] == (1, 4)
         assert seen[-1][0] == f"{dashed}://h?rank=1&world_size=4"
     finally:
-        sys.modules["collectives.rendezvous"]._handlers.pop(dashed)
+        sys.modules["collectives.store.rendezvous"]._handlers.pop(dashed)
     with pytest.raises(TypeError, match="handler must be callable"):
         dist.register_rendezvous_handler(scheme + "x", None)
     with pytest.raises(TypeError, match="url must be a str"):
@@ -391,3 +391,16 @@ def test_init_process_group_meets_through_a_registered_scheme(scheme):
     finally:
         dist.destroy_process_group()
     assert calls == [(f"{scheme}://job?rank=0&world_size=1", timedelta(seconds=9))]
+
+
+def test_the_module_keeps_torchs_path_and_dist_rendezvous_stays_the_function():
+    """torch.distributed.rendezvous is a module and, on the package, the function: so here
+    (the module lives in store/rendezvous.py; collectives.rendezvous names it too)."""
+    import importlib
+
+    import collectives as dist
+    from collectives.store import rendezvous as module
+    assert importlib.import_module("collectives.rendezvous") is module
+    from collectives.rendezvous import register_rendezvous_handler
+    assert register_rendezvous_handler is module.register_rendezvous_handler
+    assert dist.rendezvous is module.rendezvous and callable(dist.rendezvous)

@@ -741,7 +741,7 @@ def _recv_exact(s, n):
 
 @pytest.mark.timeout(30)
 def test_meet_carries_an_explicit_key_on_every_kind_of_store(tmp_path):
-    from collectives.rendezvous import meet
+    from collectives.store.rendezvous import meet
     store, _, _ = meet(f"file://{tmp_path}/f", 0, 1, auth_key="file key")
     assert auth.key_of(store, env=False) == b"file key"
     given = HashStore()

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from collectives.launcher.hostlist import (derive_master, expand_hostlist, first_host,
                                            slurm_port)
-from collectives.rendezvous import meet
+from collectives.store.rendezvous import meet
 from tests.support.ranks import ROOT, free_port, mpiexec_path
 from tests.support.requires import needs_gloo
 

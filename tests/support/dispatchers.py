@@ -1,7 +1,7 @@
 """The two dispatchers a test runs a world's calls through: the C one and its Python twin."""
 import pytest
 
-from collectives.api import dispatch
+from collectives.api import group_dispatcher
 
 
 def choose(dist, which):
@@ -9,9 +9,9 @@ def choose(dist, which):
     world is destroyed and the test skipped) or its pure-Python twin ("python")."""
     pg = dist.group.WORLD
     if which == "python":
-        pg.dispatch = dispatch._PyDispatcher(pg, pg.fr, pg.backend, pg.dispatch.inline,
+        pg.dispatch = group_dispatcher._PyDispatcher(pg, pg.fr, pg.backend, pg.dispatch.inline,
                                              pg.backend.pending)
-    elif dispatch._Dispatcher is None:
+    elif group_dispatcher._Dispatcher is None:
         dist.destroy_process_group()
-        pytest.skip("collectives._core is not built")
+        pytest.skip("collectives.engines._core is not built")
     return pg

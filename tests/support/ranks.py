@@ -346,7 +346,7 @@ def _has(path):
 
 
 def _ext_built(name):
-    return importlib.util.find_spec(f"collectives.{name}") is not None
+    return importlib.util.find_spec(f"collectives.engines.{name}") is not None
 
 
 def config_available(name):
@@ -356,11 +356,11 @@ def config_available(name):
     if name == "store":
         return _has("tests/support/store_backend.py"), "tests/support/store_backend.py missing"
     if name == "gloo":
-        return _ext_built("_tcp"), "collectives._tcp is not built"
+        return _ext_built("_tcp"), "collectives.engines._tcp is not built"
     if name in ("gloo-tcp", "gloo-hier"):
         if not _ext_built("_shm"):
             return False, f"no shared-memory path, so {name} would repeat gloo"
-        return _ext_built("_tcp"), "collectives._tcp is not built"
+        return _ext_built("_tcp"), "collectives.engines._tcp is not built"
     if name == "mpi":
         if importlib.util.find_spec("mpi4py") is None:
             return False, "mpi4py is not installed (pip install 'collectives[mpi]')"

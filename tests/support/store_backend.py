@@ -20,7 +20,7 @@ import numpy as np
 from collectives.core import dtypes as D
 from collectives.backends import Backend, DoneRequest, Request, register_backend
 from collectives.core.errors import DistBackendError, DistError
-from collectives.core.tensors import view_numpy
+from collectives.core.views import view_numpy
 
 _NP_BINOP = {D.SUM: np.add, D.PRODUCT: np.multiply, D.MIN: np.minimum, D.MAX: np.maximum,
              D.BAND: np.bitwise_and, D.BOR: np.bitwise_or, D.BXOR: np.bitwise_xor}

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import collectives as dist
-from collectives.device_mesh import MeshDimError
+from collectives.torch_bridge.device_mesh import MeshDimError
 from tests.support.profiles import examples
 from tests.support.ranks import available_configs, backend_pool, get_pool
 from tests.support.requires import needs_gloo
@@ -20,6 +20,15 @@ from tests.support.requires import needs_gloo
 CONFIGS = [c for c in available_configs() if c in ("gloo", "mpi", "gloo-hier")]
 SETTINGS = settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
+
+def test_the_module_keeps_torchs_path():
+    """torch.distributed.device_mesh's path names the module in torch_bridge/ (as
+    dist.device_mesh does), so ``from collectives.device_mesh import ...`` still works."""
+    import importlib
+
+    from collectives.torch_bridge import device_mesh
+    assert importlib.import_module("collectives.device_mesh") is device_mesh
+    assert dist.device_mesh is device_mesh and dist.DeviceMesh is device_mesh.DeviceMesh
 
 
 def _owned_groups(mesh, extra=()):
@@ -166,7 +175,7 @@ def test_init_device_mesh_two_by_two(config):
 def misuse_case(ctx):
     """Run on every rank: misuse raises before any group is made, and says what it wanted."""
     import collectives as dist
-    from collectives.device_mesh import MeshDimError
+    from collectives.torch_bridge.device_mesh import MeshDimError
     out = []
     for call in [
         lambda: dist.init_device_mesh("cpu", (3,)),

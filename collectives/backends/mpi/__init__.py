@@ -9,7 +9,7 @@ through the buffer protocol; the pure-Python one goes as
 * Reductions use MPI's predefined ops; bool maps SUM/MAX/BOR to LOR, PRODUCT/MIN/BAND
   to LAND and BXOR to LXOR (torch's gloo treats bool SUM as OR). float16 and
   bfloat16 have no portable MPI datatype: they travel as 16-bit words and reduce
-  through a user-defined MPI op that calls our kernels (``collectives._core``, or
+  through a user-defined MPI op that calls our kernels (``collectives.engines._core``, or
   ``collectives.core.kernels_numpy``), so results match the other backends bit for bit.
 * ``async_op`` collectives, ``isend`` and ``irecv`` are MPI's non-blocking calls
   (Iallreduce, Ibcast, ..., Isend, Irecv) behind :class:`MpiRequest`.
@@ -26,7 +26,7 @@ through the buffer protocol; the pure-Python one goes as
   :mod:`.mpi_fingerprint`). A barrier is that comparison: its all_reduce synchronises the
   ranks as MPI_Barrier does, at MPI_Barrier's cost.
 * The hot blocking calls (all_reduce, broadcast, barrier, the common all_gather) are made
-  by the C call log (``collectives._mpilog``) through MPI's entry points by address
+  by the C call log (``collectives.engines._mpilog``) through MPI's entry points by address
   (:func:`.library.entry_points`), skipping mpi4py's per-call work; everything else, and those
   where the entry points cannot be found, goes through mpi4py.
 """
@@ -62,7 +62,7 @@ _TAG_UB = 32767     # MPI_TAG_UB (the standard's floor until MPI is loaded)
 _fromaddress = None
 _ENTRY = None        # (MPI_Allreduce, MPI_Bcast, MPI_Allgather) addresses + handle size, or None
 _EXPORTS = _Buffer is not _PyBuffer  # a Buffer is itself a buffer-protocol object
-# the call log in C (collectives._mpilog) makes all_reduce, broadcast and barrier's MPI call
+# the call log in C (collectives.engines._mpilog) makes all_reduce, broadcast and barrier's MPI call
 # itself; it takes the compiled Buffer
 _C_LOG = _EXPORTS and _CallLog is not None
 
@@ -183,13 +183,13 @@ class _AsyncCall:
 
 class _PyHotCalls:
     """The four hot blocking calls of :class:`MpiBackend` in Python, its per-instance calls
-    where the call log is not the C one (``collectives._mpilog``, whose own methods are
+    where the call log is not the C one (``collectives.engines._mpilog``, whose own methods are
     used otherwise). A class of their own, so that ``MpiBackend``'s slots of those names
     (a specialised attribute load per call) do not clash with methods of its own."""
 
     # Each appends its fingerprint to the call log (which compares the ranks' logs when
     # full, see the module docstring) and makes MPI's call. Where the log is C
-    # (collectives._mpilog) the log's methods, which make MPI's call themselves, are the
+    # (collectives.engines._mpilog) the log's methods, which make MPI's call themselves, are the
     # instance's instead (a Python frame here was ~900 instructions against a 4-byte
     # MPI_Allreduce's ~2,000). The watchdog knows a blocking call by its frame here, or by
     # the C log's ``busy``.

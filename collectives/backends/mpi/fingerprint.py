@@ -34,7 +34,7 @@ def fold(h):
 
 
 class PyCallLog(list):
-    """``collectives._mpilog.CallLog`` in Python (where the extension is not built): the
+    """``collectives.engines._mpilog.CallLog`` in Python (where the extension is not built): the
     fingerprints of a group's blocking calls since the last comparison, as tuples."""
 
     def __init__(self, compare, error):
@@ -80,7 +80,7 @@ class PyCallLog(list):
 
 
 try:
-    from ..._mpilog import CallLog
+    from ...engines._mpilog import CallLog
 except ImportError:  # extensions not built
     CallLog = None
 
@@ -88,7 +88,7 @@ except ImportError:  # extensions not built
 class FingerprintCheck:
     """The always-on check of a group's blocking collective calls (see the module
     docstring). Each call appends (kind, dtype, count, root, op), fingerprint.pack's
-    arguments, to ``log`` (machine words in ``collectives._mpilog.CallLog``: no
+    arguments, to ``log`` (machine words in ``collectives.engines._mpilog.CallLog``: no
     allocation; tuples in :class:`PyCallLog` without the extension); every
     CHECK_EVERY-th call the ranks compare a hash of their logs (one MIN all_reduce of
     (hash, ~hash) on a duplicate communicator) and, where they differ, the logs

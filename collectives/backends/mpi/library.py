@@ -36,7 +36,7 @@ def handle(obj):
 
 def reduce_kernel():
     """``reduce_ptr(dst, src, count, dtype, op)`` from _core, else the pure-Python fallback."""
-    for name in ("collectives._core", "collectives.core.kernels_numpy"):
+    for name in ("collectives.engines._core", "collectives.core.kernels_numpy"):
         try:
             mod = importlib.import_module(name)
         except ImportError:
@@ -44,7 +44,7 @@ def reduce_kernel():
         fn = getattr(mod, "reduce_ptr", None)
         if fn is not None:
             return fn
-    raise DistBackendError("float16/bfloat16 reductions need collectives._core (build it with "
+    raise DistBackendError("float16/bfloat16 reductions need collectives.engines._core (build it with "
                            "setup.py build_ext) or collectives.core.kernels_numpy; neither "
                            "provides reduce_ptr")
 

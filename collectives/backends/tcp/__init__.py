@@ -2,7 +2,7 @@
 
 One TCP connection per pair of ranks, set up through the store at construction;
 the exchange loops, the reductions and the waits run in C with the GIL released
-(:mod:`collectives._tcp`). Blocking collectives run in the caller's thread;
+(:mod:`collectives.engines._tcp`). Blocking collectives run in the caller's thread;
 ``submit`` (async_op) runs them on the progress thread in issue order; isend and
 irecv are posted at once and progress whenever any thread waits.
 
@@ -48,7 +48,7 @@ from .mesh import (advertised_host, connect_mesh, options_host,  # noqa: F401  (
 
 _OPS = frozenset({D.SUM, D.PRODUCT, D.MIN, D.MAX, D.BAND, D.BOR, D.BXOR})
 
-# option name -> (env var or None, tuning key name in collectives._tcp, agreed across ranks)
+# option name -> (env var or None, tuning key name in collectives.engines._tcp, agreed across ranks)
 _TUNING = {
     "spin_us": ("COLLECTIVES_TCP_SPIN_US", "TUNE_SPIN_US", False),
     "allreduce_rd_max": ("COLLECTIVES_TCP_RD_MAX", "TUNE_ALLREDUCE_RD_MAX", True),
@@ -188,7 +188,7 @@ class TcpBackend(Backend):
     own_block_in_place = True
 
     def __init__(self, store, rank, size, timeout, options=None, *, rank_names=None):
-        from ... import _tcp
+        from ...engines import _tcp
         secs = timeout_seconds(timeout)
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
@@ -219,7 +219,7 @@ class TcpBackend(Backend):
         """Rank 0 publishes the algorithm thresholds it uses under this connection's group id
         (unique per backend); the others take them: every rank picks the same algorithm for a
         call whatever its own environment or options say (the shm backend does the same)."""
-        from ... import _tcp
+        from ...engines import _tcp
         key = f"tcp/tuning/{group}"
         if rank == 0:
             mine = ",".join(f"{n}={self._engine.get_tuning(getattr(_tcp, _TUNING[n][1]))}"
@@ -245,13 +245,13 @@ class TcpBackend(Backend):
 
     def tuning(self):
         """The tuning values in use, by option name."""
-        from ... import _tcp
+        from ...engines import _tcp
         return {name: self._engine.get_tuning(getattr(_tcp, key)) for name, (_, key, _) in _TUNING.items()}
 
     def set_tuning(self, **values):
         """Override tuning values (same names as ``options``) on this rank only: call it on
         every rank alike for the algorithm thresholds."""
-        from ... import _tcp
+        from ...engines import _tcp
         for name, value in values.items():
             if name not in _TUNING:
                 raise ValueError(f"unknown tuning option {name!r}; expected one of {sorted(_TUNING)}")

@@ -3,7 +3,7 @@ store (``connect_mesh``), each opened by a versioned hello and, where the job ha
 authentication handshake; and the network helpers it needs (the address a rank advertises,
 an interface's address, whether a host is loopback).
 
-The TCP engine (``collectives._tcp``) takes the connected sockets from here.
+The TCP engine (``collectives.engines._tcp``) takes the connected sockets from here.
 """
 import fcntl
 import functools
@@ -29,7 +29,7 @@ _ACK = struct.Struct("<I")        # then: rank
 
 def wire_version():
     """The TCP engine's frame format version, which the connection hello carries."""
-    from ... import _tcp
+    from ...engines import _tcp
     return _tcp.WIRE_VERSION
 
 

@@ -61,7 +61,7 @@ def main():
             print(f"rank {rank} got KeyboardInterrupt", flush=True)
             sys.exit(130)
     elif mode == "rdzv":
-        from collectives.rendezvous import meet
+        from collectives.store.rendezvous import meet
         store, r, n = meet(timeout=30)
         store.set(f"k{r}", str(r * r))
         vals = [int(v) for v in store.multi_get([f"k{i}" for i in range(n)])]

@@ -6,7 +6,7 @@ time it was issued, and the Python stack where asked), a smaller ring of its
 point-to-point calls, and three counters: the last collective issued, started and
 completed. The groups' calls complete in issue order, so one counter says which entries
 are done; recording a call is one method call that stores it into the ring (C arrays,
-collectives._core.CallRing) and a few integer stores.
+collectives.engines._core.CallRing) and a few integer stores.
 
 A rank's recorders are written to one JSON file (:func:`dump`): when one of its calls
 fails (a timeout, a lost peer, calls that do not match), when another rank's call failed
@@ -25,28 +25,23 @@ its dumps and the progress posts off), ``TORCH_FR_DUMP_TEMP_FILE`` else
 ``COLLECTIVES_FR_DUMP`` (the dump path prefix; the global rank is appended) and
 ``COLLECTIVES_FR_STACK`` (1: record the Python stack of every call; costly).
 
-This module holds the recorders and what the front end calls (:class:`Recorder`,
-:func:`run`, :func:`submit`, :func:`p2p`, :func:`new_recorder`) and the
-SIGUSR1 handler; :mod:`collectives.diagnostics.progress` the dumps and the progress daemon;
-:mod:`collectives.diagnostics.fr_registry` the settings and the process's recorders. Their public
-names are importable from here.
+This module holds the recorders (:class:`Recorder`, :func:`new_recorder`) and the ends of
+an async entry (:class:`CollectiveEnd`, :class:`P2PEnd`); :mod:`collectives.api.tracked` runs the front
+end's calls as their entries; :mod:`collectives.diagnostics.progress` has the dumps and the
+progress daemon, :mod:`collectives.diagnostics.fr_registry` the settings and the process's
+recorders, :mod:`collectives.diagnostics.sigusr1` the SIGUSR1 handler.
 """
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 import warnings
 
-from .backends import base as _backend_base
-from .core import dtypes as D
-from .core import timeline as _timeline
-from .core.errors import DistError
-from .diagnostics.progress import (FORMAT, VERSION, _HOST, _gone, _progress, _trace_arg,  # noqa: F401
-                                   _within, dump, dump_flight_recorder, dump_prefix, job_id, snapshot)
-from .diagnostics.fr_registry import (BUFFER_SIZE, DUMP_PREFIX, ENABLED, STACKS, describe,  # noqa: F401
-                                      global_rank, live_recorders, recorders, register)
+from ..backends import base as _backend_base
+from ..core import dtypes as D
+from . import sigusr1
+from .fr_registry import BUFFER_SIZE, ENABLED, STACKS, describe, register
+from .progress import _progress, _trace_arg, dump
 
 _log = logging.getLogger("collectives")
 
@@ -75,7 +70,7 @@ def _stack():
 
 
 class _PyCallRing:
-    """``collectives._core.CallRing`` in Python (the package without its extensions): a
+    """``collectives.engines._core.CallRing`` in Python (the package without its extensions): a
     group's last ``size`` collectives as tuples ``(seq, kind, count, dtype, root, op,
     time_ns[, stack])``, and ``seq``, the last issued."""
 
@@ -117,7 +112,7 @@ class _PyCallRing:
 
 
 try:
-    from ._core import CallRing
+    from ..engines._core import CallRing
 except ImportError:  # extensions not built (or hidden)
     CallRing = _PyCallRing
 
@@ -127,7 +122,7 @@ class Recorder(CallRing):
     ``s = fr.issue_buffer(kind, buf, root, op)`` (or ``fr.issue(kind, count, dtype, root,
     op)``), then ``fr.started = s`` when the call runs and ``fr.done = s`` when it
     returns; :meth:`fail` when it raises. ``root`` is a group rank (-1: none), ``op`` a
-    reduce-op code (-1: none). The ring and ``seq`` are :class:`collectives._core.CallRing`'s
+    reduce-op code (-1: none). The ring and ``seq`` are :class:`collectives.engines._core.CallRing`'s
     (in C; ``_PyCallRing`` without the extensions); ``started`` and ``done`` are plain
     slots (the cheapest stores from Python, two per call).
     """
@@ -243,113 +238,7 @@ class Recorder(CallRing):
                 "entries": entries, "p2p": p2p}
 
 
-class Tracked:
-    """``fn`` run as collective ``s`` of ``fr``: started, then completed or failed."""
-
-    __slots__ = ("fr", "s", "fn", "__name__")
-
-    def __init__(self, fr, s, fn):
-        self.fr, self.s, self.fn = fr, s, fn
-        self.__name__ = getattr(fn, "__name__", "operation")
-
-    def __call__(self, *args):
-        fr, s = self.fr, self.s
-        fr.started = s
-        if _timeline.ON:
-            return self._timed(args)
-        try:
-            self.fn(*args)
-        except DistError as e:
-            fr.fail(s, e)
-            raise
-        fr.done = s
-
-    def _timed(self, args):
-        fr, s = self.fr, self.s
-        name = getattr(fr, "name", None)
-        _timeline.mark("start", name, s)
-        try:
-            self.fn(*args)
-        except DistError as e:
-            fr.fail(s, e)
-            raise
-        finally:
-            _timeline.mark("end", name, s)
-        fr.done = s
-
-
-def run(pg, s, fn, *args):
-    """``pg.run(fn, *args)`` as collective ``s`` (a blocking call that may queue)."""
-    fr = pg.fr
-    try:
-        pg.run(Tracked(fr, s, fn), *args)
-    except DistError as e:
-        fr.fail(s, e)  # a wait that ran out before the call ran (once: fail acts once)
-        raise
-
-
-def submit(pg, s, fn, *args):
-    """``pg.submit(fn, *args)`` as collective ``s`` (async). On the base progress thread
-    ``fn`` runs tracked; a backend with a submit of its own (mpi posts its non-blocking
-    collectives at once, nccl enqueues on its stream) gets ``fn`` itself, and the request
-    says when it is done."""
-    if getattr(type(pg.backend), "submit", None) is _base_submit():
-        return pg.submit(Tracked(pg.fr, s, fn), *args)
-    fr = pg.fr
-    if fr.started < s:
-        fr.started = s
-    return TrackedRequest(pg.submit(fn, *args), _CollectiveEnd(fr, s))
-
-
-def _base_submit():
-    from .backends.base import Backend
-    return Backend.submit
-
-
-class TrackedRequest:
-    """A backend's request with the front end's hooks on its end: the flight recorder's
-    (``end``: a collective's :class:`_CollectiveEnd` or a point-to-point entry's
-    :class:`_P2PEnd`) and the profiler's span (``span``, closed on the thread whose wait
-    or test first finds the request done, before it goes on to its next op). A Work holds
-    one of these over the backend's own request; nothing else wraps it."""
-
-    __slots__ = ("_req", "_end", "_span")
-
-    def __init__(self, req, end=None, span=None):
-        self._req, self._end, self._span = req, end, span
-
-    def _close_span(self):
-        span, self._span = self._span, None
-        if span is not None:
-            span.close()
-
-    def wait(self, timeout=None):
-        req, end = self._req, self._end
-        try:
-            req.wait(timeout)
-        except DistError as e:
-            if end is not None:
-                end.failed(req, e)
-            raise
-        finally:
-            if self._span is not None and req.test():
-                self._close_span()
-        if end is not None:
-            end.completed()
-
-    def test(self):
-        done = self._req.test()
-        if done:
-            if self._end is not None:
-                self._end.tested(self._req)
-            self._close_span()
-        return done
-
-    def __getattr__(self, name):  # exception, source and the backend's extras (nbytes, ...)
-        return getattr(self._req, name)
-
-
-class _CollectiveEnd:
+class CollectiveEnd:
     """An async collective posted by the backend itself: done (or failed) once a wait or
     a test sees it so."""
 
@@ -370,7 +259,7 @@ class _CollectiveEnd:
             self.completed()
 
 
-class _P2PEnd:
+class P2PEnd:
     """A point-to-point call's entry, given its completion (or failure) once."""
 
     __slots__ = ("entry", "fr")
@@ -407,13 +296,6 @@ class _P2PEnd:
             self._finished(req.exception())
 
 
-def p2p(pg, kind, req, peer, tag, buf, span=None):
-    """``req`` (a posted isend/irecv) recorded on ``pg``'s recorder (and ``span``, the
-    profiler's, closed when it is found done)."""
-    fr = pg.fr
-    return TrackedRequest(req, _P2PEnd(fr.issue_p2p(kind, peer, tag, buf), fr), span)
-
-
 def new_recorder(pg):
     """The recorder of a new group ``pg`` (registered for dumps and progress posts)."""
     fr = Recorder(pg.group_name, pg.ranks, pg._rank, str(pg.backend_name))
@@ -421,62 +303,11 @@ def new_recorder(pg):
     if ENABLED:
         _progress.agree_job(pg.store)
         _progress.ensure_started()
-        _signals.install()
+        sigusr1.install()
     return fr
 
 
-# ---- SIGUSR1 ----------------------------------------------------------------------------
-
-class _Signals:
-    """SIGUSR1 dumps. The handler is installed only where the program has none (else it
-    is chained: ours dumps, then calls the program's). Python runs handlers in the main
-    thread only, which may be waiting inside a collective with the GIL released; so where
-    the program has set no wakeup fd, the daemon thread also hears the signal through one
-    and dumps at once."""
-
-    def __init__(self):
-        self.installed = False
-        self.previous = None
-
-    def install(self):
-        if self.installed or threading.current_thread() is not threading.main_thread():
-            return
-        if not hasattr(signal, "SIGUSR1"):
-            return
-        self.installed = True
-        try:
-            prev = signal.getsignal(signal.SIGUSR1)
-            if prev is not signal.SIG_DFL and not callable(prev):
-                return  # ignored on purpose (SIG_IGN), or handled outside Python: left alone
-            self.previous = prev if callable(prev) else None
-            signal.signal(signal.SIGUSR1, self._handler)
-            r, w = os.pipe()
-            os.set_blocking(w, False)
-            os.set_blocking(r, False)
-            try:
-                old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-            except (ValueError, OSError):
-                old = -2
-            if old != -1:  # the program uses its own wakeup fd: leave it
-                if old >= 0:
-                    signal.set_wakeup_fd(old)
-                os.close(r)
-                os.close(w)
-            else:
-                _progress.wake_r = r
-        except Exception as e:  # noqa: BLE001
-            _log.debug("collectives flight recorder: no SIGUSR1 handler: %r", e)
-
-    def _handler(self, signum, frame):
-        _progress.sig_main += 1
-        if _progress.sig_main > _progress.sig_daemon:  # the daemon did not dump for this one
-            dump(reason="SIGUSR1")
-        if self.previous is not None:
-            self.previous(signum, frame)
-
-
-_signals = _Signals()
 _backend_base.set_dump_hook(dump)  # a backend about to end the job dumps first (mpi watchdog)
 
-__all__ = ["dump_flight_recorder"]
+__all__ = ["Recorder", "CallRing", "CollectiveEnd", "P2PEnd", "new_recorder"]
 

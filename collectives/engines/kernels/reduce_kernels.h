@@ -29,7 +29,7 @@ enum coll_op {
 #define COLL_EDTYPE (-1)   /* unknown dtype */
 #define COLL_EOP (-2)      /* op not defined for dtype (e.g. BAND on float, MAX on complex) */
 
-/* The kernels are compiled once, into collectives._core; _tcp and _shm call _core's copy through
+/* The kernels are compiled once, into collectives.engines._core; _tcp and _shm call _core's copy through
  * the table below (reduce_kernels_import.h defines COLL_KERNELS_IMPORTED and, in place of these
  * prototypes, inline wrappers of the same names), so one instruction-set dispatch serves all. */
 #ifndef COLL_KERNELS_IMPORTED
@@ -68,7 +68,7 @@ int coll_force_isa(const char *name);
 #endif /* COLL_KERNELS_IMPORTED */
 
 /* ---- the kernels as a table, for the other extensions ---------------------------------
- * collectives._core exports coll_kernel_api_get() in the capsule collectives._core._C_API.
+ * collectives.engines._core exports coll_kernel_api_get() in the capsule collectives.engines._core._C_API.
  * Append new members at the end and bump the version; never reorder. Forcing an
  * instruction set stays _core's (coll_force_isa): it switches every user of the table. */
 #define COLL_KERNEL_API_VERSION 1

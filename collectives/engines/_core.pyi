@@ -1,9 +1,10 @@
-"""Type stubs for collectives._core (the Cython kernels); collectives.core.kernels_numpy has the same API."""
+"""Type stubs for collectives.engines._core (the Cython kernels); collectives.core.kernels_numpy
+has the same API."""
 from typing import Any, Optional, Sequence, SupportsIndex, SupportsInt, TypeVar, Union
 
 import numpy as np
 
-from .tensors import Buffer
+from ..core.tensors import Buffer
 
 #: An ndarray, a torch CPU tensor or a collectives.core.tensors.Buffer (host memory).
 ArrayLike = Any
@@ -13,7 +14,7 @@ _T = TypeVar("_T")
 _S = TypeVar("_S", bound=Sequence[Any])
 
 CHUNK_BYTES: int
-#: capsule "collectives._core._C_API": the kernels' C table, for _tcp and _shm
+#: capsule "collectives.engines._core._C_API": the kernels' C table, for _tcp and _shm
 _C_API: Any
 
 def reduce_into(dst: _T, src: ArrayLike, op: OpLike) -> _T: ...
@@ -33,7 +34,7 @@ def _force_isa(name: str) -> bool: ...
 
 
 class CallRing:
-    """A group's last collectives (collectives.flight_recorder.Recorder's base)."""
+    """A group's last collectives (collectives.diagnostics.flight_recorder.Recorder's base)."""
     seq: int
     size: int
     started: int
@@ -59,7 +60,7 @@ class ProfilerTap:
 
 
 class Dispatcher:
-    """One group's path for every collective call (collectives.api.dispatch)."""
+    """One group's path for every collective call (collectives.api.group_dispatcher)."""
     fr: CallRing
     pg: Any
     backend: Any

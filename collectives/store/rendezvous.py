@@ -29,9 +29,9 @@ import time
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
-from .security import auth
-from .core.errors import DistError, DistNetworkError, DistStoreError
-from .store import DEFAULT_TIMEOUT, FileStore, Store, TCPStore, to_seconds
+from ..security import auth
+from ..core.errors import DistError, DistNetworkError, DistStoreError
+from . import DEFAULT_TIMEOUT, FileStore, Store, TCPStore, to_seconds
 
 # (rank variable, world-size variable, who sets them), in order of preference
 RANK_SOURCES = (
@@ -144,7 +144,7 @@ def _master_env(environ):
     addr = environ.get("MASTER_ADDR")
     raw = environ.get("MASTER_PORT")
     if not addr or not raw:
-        from .launcher.hostlist import derive_master
+        from ..launcher.hostlist import derive_master
         derived = derive_master(environ)
         if derived is None:
             raise ValueError(_NO_MASTER.format(var="MASTER_ADDR" if not addr else "MASTER_PORT"))

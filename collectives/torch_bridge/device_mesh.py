@@ -14,15 +14,12 @@ Example:
     >>> dist.all_reduce(grad, group=mesh.get_group("dp"))
     >>> tp = mesh["tp"]; tp.get_local_rank()
 """
-import importlib
 import os
 import sys
 
 import numpy as np
 
-
-# the module (the package attribute ``group`` is torch's dist.group class)
-_g = importlib.import_module(".api.group", __package__)
+from ..api import group as _g
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 

@@ -1,4 +1,4 @@
-# C declarations of collectives/src/tcp/tcp_engine.h (all callable without the GIL).
+# C declarations of collectives/engines/tcp/tcp_engine.h (all callable without the GIL).
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 

@@ -8,13 +8,13 @@ the profiler, bounded by its own timeout, queued behind the group's async work o
 submitted to it:
 
 - the cheap path (blocking, nothing queued, a backend whose ``run`` is the base one, no
-  profiler, no per-call timeout) is :class:`collectives._core.Dispatcher`, in C: record,
+  profiler, no per-call timeout) is :class:`collectives.engines._core.Dispatcher`, in C: record,
   run in the calling thread, complete (``_PyDispatcher`` without the extensions);
 - :func:`general` everything else, with the recorder's and the profiler's hooks around the
   one callable.
 
 Point to point takes the same path: ``pg.dispatch.post(kind, fn, buf, peer, tag)`` posts
-the backend's isend or irecv and records it (:func:`collectives.flight_recorder.p2p`), in
+the backend's isend or irecv and records it (:func:`collectives.api.tracked.p2p`), in
 the profiler's span while it runs (:func:`general_post`); :func:`post_batch` posts
 ``batch_isend_irecv``'s ops as one where the backend can.
 
@@ -22,7 +22,8 @@ Whether a group can take the cheap path at all (``inline``) is fixed when the gr
 made (:func:`for_group`); the profiler's and the per-call timeouts' switches are one test
 each per call, as torch's own "fast python check" of its profiler flag.
 """
-from .. import flight_recorder as _flight
+from ..diagnostics import flight_recorder as _flight
+from . import tracked as _tracked
 from ..core import profiling as _profiling
 from ..core import timeline as _timeline
 from ..backends.base import Backend
@@ -30,7 +31,7 @@ from ..core.errors import DistError
 from ..core.work import Counter, Work, call_timeout, timed
 
 try:
-    from .._core import Counter as _CCounter, Dispatcher as _Dispatcher, ProfilerTap
+    from ..engines._core import Counter as _CCounter, Dispatcher as _Dispatcher, ProfilerTap
 except ImportError:  # extensions not built (or hidden)
     _CCounter = _Dispatcher = None
     _tap = None
@@ -85,16 +86,16 @@ def general(pg, kind, buf, root, op, fn, args, async_op, outputs, timeout):
     s = _issue(pg.fr, kind, buf, root, op)
     if _state["_prof"]._is_profiler_enabled:
         if not async_op:
-            return _profiling.run(pg, kind, _flight.Tracked(pg.fr, s, fn), args)
+            return _profiling.run(pg, kind, _tracked.Tracked(pg.fr, s, fn), args)
         fn, args = _profiling.Recorded(pg, kind, fn, args), ()
     if async_op:
         if _timeline.ON:
             _timeline.mark("post", pg.fr.name, s, 0 if buf is None else buf.nbytes)
-            req = _flight.submit(pg, s, fn, *args)
+            req = _tracked.submit(pg, s, fn, *args)
             _timeline.KEYS[id(req)] = (pg.fr.name, s)
             return Work(req, list(outputs), pg)
-        return Work(_flight.submit(pg, s, fn, *args), list(outputs), pg)
-    _flight.run(pg, s, fn, *args)
+        return Work(_tracked.submit(pg, s, fn, *args), list(outputs), pg)
+    _tracked.run(pg, s, fn, *args)
     return None
 
 
@@ -107,7 +108,7 @@ def general_post(pg, kind, fn, buf, peer, tag):
     if name == "recv" and peer is None:
         name = "recvAnySource"
     req, span = _profiling.issue(pg, name, kind[0] == "i", fn, buf, peer, tag)
-    return _flight.p2p(pg, kind, req, peer, tag, buf, span)
+    return _tracked.p2p(pg, kind, req, peer, tag, buf, span)
 
 
 def post_batch(pg, batch):
@@ -118,12 +119,12 @@ def post_batch(pg, batch):
     post = getattr(pg.backend, "batch_p2p", None)
     if post is None or _state["_prof"]._is_profiler_enabled:
         return None
-    return [_flight.p2p(pg, "isend" if send else "irecv", req, peer, tag, buf)
+    return [_tracked.p2p(pg, "isend" if send else "irecv", req, peer, tag, buf)
             for req, (send, buf, peer, tag) in zip(post(batch), batch)]
 
 
 class _PyDispatcher:
-    """``collectives._core.Dispatcher`` in Python (the package without its extensions)."""
+    """``collectives.engines._core.Dispatcher`` in Python (the package without its extensions)."""
 
     __slots__ = ("pg", "fr", "backend", "inline", "_pending")
 
@@ -135,13 +136,13 @@ class _PyDispatcher:
                 or _state["_prof"]._is_profiler_enabled):
             return general(self.pg, kind, buf, root, op, fn, args, async_op, outputs, timeout)
         fr = self.fr
-        _flight.Tracked(fr, _issue(fr, kind, buf, root, op), fn)(*args)
+        _tracked.Tracked(fr, _issue(fr, kind, buf, root, op), fn)(*args)
         return None
 
     def post(self, kind, fn, buf, peer, tag):
         if _state["_prof"]._is_profiler_enabled:
             return general_post(self.pg, kind, fn, buf, peer, tag)
-        return _flight.p2p(self.pg, kind, fn(buf, peer, tag), peer, tag, buf)
+        return _tracked.p2p(self.pg, kind, fn(buf, peer, tag), peer, tag, buf)
 
 
 def for_group(pg):
@@ -156,7 +157,7 @@ def for_group(pg):
     if _Dispatcher is not None and isinstance(pg.fr, _flight.CallRing) \
             and _flight.CallRing is not _flight._PyCallRing and isinstance(pending, _CCounter):
         return _Dispatcher(pg, pg.fr, be, inline, pending, general, timed, _tap, DistError,
-                           _flight.p2p, general_post)
+                           _tracked.p2p, general_post)
     return _PyDispatcher(pg, pg.fr, be, inline, pending)
 
 

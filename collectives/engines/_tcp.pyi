@@ -1,4 +1,4 @@
-"""Type stubs for collectives._tcp (the TCP transport engine of the 'gloo' backend)."""
+"""Type stubs for collectives.engines._tcp (the TCP transport engine of the 'gloo' backend)."""
 from typing import Any, Optional, Sequence
 
 TUNE_SPIN_US: int

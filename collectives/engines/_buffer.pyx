@@ -14,7 +14,8 @@ from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
 
 import numpy as np
 
-from .core import dtypes as _D
+from ..core import dtypes as _D
+from ..core.views import buffer_numpy, buffer_repr
 
 cnp.import_array()
 
@@ -67,7 +68,7 @@ cdef class Buffer:
         obj: the array or tensor that owns the memory (kept alive by the Buffer).
     """
 
-    # fields: _buffer.pxd (collectives._shm and collectives._core read them in C)
+    # fields: _buffer.pxd (collectives.engines._shm and collectives.engines._core read them in C)
 
     def __init__(self, ptr, count, dtype, device=-1, obj=None):
         if not 0 <= dtype < NUM_DTYPES:
@@ -85,8 +86,7 @@ cdef class Buffer:
 
     def numpy(self):
         """A NumPy view of host memory (bfloat16 as uint16 bits); zero-copy."""
-        from .core.tensors import _buffer_numpy
-        return _buffer_numpy(self)
+        return buffer_numpy(self)
 
     def bytes_view(self):
         """A flat uint8 NumPy view of the same memory; zero-copy."""
@@ -97,8 +97,7 @@ cdef class Buffer:
         return _make(self.ptr + start * self.itemsize, stop - start, self.dtype, self.device, self.obj)
 
     def __repr__(self):
-        from .core.tensors import _buffer_repr
-        return _buffer_repr(self)
+        return buffer_repr(self)
 
     def __getbuffer__(self, Py_buffer *view, int flags):
         """Host memory as writable bytes (the buffer protocol), so mpi4py and memoryview
@@ -142,12 +141,12 @@ cdef object _slow_list = None
 cdef int _COMPLEX64 = _D.COMPLEX64
 cdef int _COMPLEX128 = _D.COMPLEX128
 # whether CUDA tensors take the C path: set once a CUDA backend was live (the front end then
-# checks every call's buffers against its group's backend: core.plans.cuda_seen)
+# checks every call's buffers against its group's backend: core.cuda.cuda_seen)
 cdef bint _cuda_ok = False
 
 
 def _allow_cuda():
-    """Let CUDA tensors take the C path from now on (``core.plans._py_buffer`` calls it)."""
+    """Let CUDA tensors take the C path from now on (``core.convert._py_buffer`` calls it)."""
     global _cuda_ok
     _cuda_ok = True
 

@@ -16,8 +16,18 @@ import operator
 
 import numpy as np
 
-from .core import dtypes as _D
-from .core.tensors import Buffer, to_buffer
+from ..core import dtypes as _D
+from ._buffer import Buffer
+
+# core.tensors.to_buffer (a layer above): the conversion, and its errors, of what the kernels
+# do not read in C; core.tensors hands it down when it is imported (_set_to_buffer)
+to_buffer = None
+
+
+def _set_to_buffer(fn):
+    """Take the package's ``to_buffer`` (``core.tensors`` calls this at its import)."""
+    global to_buffer
+    to_buffer = fn
 
 cnp.import_array()
 
@@ -65,11 +75,11 @@ C_CODES = {
     "PREMUL_SUM": COLL_PREMUL_SUM,
 }
 
-#: The kernels' C table (struct coll_kernel_api, src/kernels/reduce_kernels.h) for collectives._tcp and
-#: collectives._shm, which are built without a copy of the kernels and call this module's.
-_C_API = PyCapsule_New(<void *>coll_kernel_api_get(), "collectives._core._C_API", NULL)
+#: The kernels' C table (struct coll_kernel_api, kernels/reduce_kernels.h) for collectives.engines._tcp and
+#: collectives.engines._shm, which are built without a copy of the kernels and call this module's.
+_C_API = PyCapsule_New(<void *>coll_kernel_api_get(), "collectives.engines._core._C_API", NULL)
 
 include "_reduce.pxi"
 include "_flatten.pxi"
 include "_recorder.pxi"
-include "_dispatch.pxi"
+include "_group_dispatcher.pxi"

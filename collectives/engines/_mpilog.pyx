@@ -14,7 +14,7 @@ a call made in ``async_mode`` to the backend's async form.
 Given the MPI library's entry points (``bind_direct``: MPI_Allreduce, MPI_Bcast and
 MPI_Allgather's addresses, and the communicator's, datatypes' and ops' handles as mpi4py's
 ``.handle`` gives them; ``bind_check``: the comparison's), those calls go to MPI by address, as
-``collectives._ncclcall`` calls NCCL: mpi4py's own call (argument parsing, a message
+``collectives.engines._ncclcall`` calls NCCL: mpi4py's own call (argument parsing, a message
 object, the buffer export) was ~200 ns of a 4-byte call's ~300 ns at world 1, which raw
 mpi4py pays too, so that the backend's call stays within its front end's cost of raw
 mpi4py's. The GIL is released around the call, as mpi4py does, and an MPI error raises
@@ -29,7 +29,7 @@ from libc.limits cimport INT_MAX
 from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from cpython.pythread cimport PyThread_get_thread_ident
 
-from collectives._buffer cimport Buffer
+from collectives.engines._buffer cimport Buffer
 
 cdef enum:
     CHECK_EVERY = 64   # FingerprintCheck.CHECK_EVERY

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Same-host shared-memory transport: one segment per group, collectives in C.
 
-Every collective runs in C with the GIL released (src/shm/shm_coll.c), but for barrier,
+Every collective runs in C with the GIL released (shm/shm_coll.c), but for barrier,
 small broadcasts and small all_reduces, which begin with it held and release it only
 where they must wait longer than a short spin (shm_*_try); this module only converts
 arguments and turns error codes into DistBackendError.
@@ -12,11 +12,11 @@ from libc.stdlib cimport free, malloc
 
 from ._buffer cimport Buffer
 
-from . import config as _config
-from .core import dtypes as _D
-from .core import fingerprint as _fp
-from .core.engine_errors import expand as _expand
-from .core.errors import DistBackendError
+from .. import config as _config
+from ..core import dtypes as _D
+from ..core import fingerprint as _fp
+from ..core.engine_errors import expand as _expand
+from ..core.errors import DistBackendError
 
 include "_kernels_import.pxi"
 
@@ -353,7 +353,7 @@ cdef class ShmComm:
     # ---- collectives on Buffers ---------------------------------------------------
     # (binding(False): bound on the backend they are builtin methods, which the dispatcher
     # calls without a bound-method wrapper)
-    # Each takes collectives._buffer.Buffer objects and reads their fields in C (a small
+    # Each takes collectives.engines._buffer.Buffer objects and reads their fields in C (a small
     # call's cost is mostly argument passing). fp: the caller's fingerprint of the call
     # (collectives.core.fingerprint.pack; 0: computed here from the arguments); every rank
     # compares every peer's with its own (see shm_coll.h)

@@ -1,7 +1,7 @@
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Optional, Tuple, Union
 
-from .store import Store
+from . import Store
 
 RANK_SOURCES: Tuple[Tuple[str, str, str], ...]
 LOCAL_SOURCES: Tuple[Tuple[str, str], ...]

@@ -1,4 +1,4 @@
-# The flight recorder's ring of collectives (collectives.flight_recorder.Recorder's base),
+# The flight recorder's ring of collectives (collectives.diagnostics.flight_recorder.Recorder's base),
 # included by _core.pyx. flight_recorder._PyCallRing is the same in Python.
 from libc.stdlib cimport calloc
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec

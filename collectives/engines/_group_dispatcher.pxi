@@ -1,5 +1,5 @@
-# A group's dispatcher (collectives.api.dispatch makes one per group), included by _core.pyx
-# beside the recorder's ring it writes. collectives.api.dispatch._PyDispatcher is the same in
+# A group's dispatcher (collectives.api.group_dispatcher makes one per group), included by _core.pyx
+# beside the recorder's ring it writes. collectives.api.group_dispatcher._PyDispatcher is the same in
 # Python (the package without its extensions), as work._PyCounter is Counter.
 
 

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""The TCP transport engine (collectives/src/tcp/tcp_engine.c) for the 'gloo' backend.
+"""The TCP transport engine (collectives/engines/tcp/tcp_engine.c) for the 'gloo' backend.
 
 Thin wrappers: arguments are prepared with the GIL held, then each call runs in
 one ``with nogil:`` block; a failure comes back as DistBackendError. Every collective
@@ -11,9 +11,9 @@ a peer whose fingerprint differs fails the call on every rank with
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
-from .core.errors import DistBackendError
-from .core.engine_errors import expand as _expand
-from .core.fingerprint import mismatch_message
+from ..core.errors import DistBackendError
+from ..core.engine_errors import expand as _expand
+from ..core.fingerprint import mismatch_message
 
 include "_tcp_decl.pxi"
 include "_kernels_import.pxi"

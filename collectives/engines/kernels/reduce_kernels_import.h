@@ -1,4 +1,4 @@
-/* The reduction kernels as _tcp and _shm see them: calls through collectives._core's table.
+/* The reduction kernels as _tcp and _shm see them: calls through collectives.engines._core's table.
  *
  * The kernels are compiled once, into _core, so a transport's reductions run the same
  * instruction-set dispatch as _core's own (a test that forces one covers them too). The

@@ -1,6 +1,6 @@
 # cython: language_level=3
 # The Buffer type's C layout, for the extensions that read a Buffer's fields directly
-# (collectives._shm's collectives, collectives._core's flight-recorder ring).
+# (collectives.engines._shm's collectives, collectives.engines._core's flight-recorder ring).
 
 cdef class Buffer:
     cdef public size_t ptr

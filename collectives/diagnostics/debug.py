@@ -16,9 +16,9 @@ import os
 
 import numpy as np
 
-from .core import dtypes as D
-from .core.plans import buffer
-from .core.errors import DistBackendError
+from ..core import dtypes as D
+from ..core.convert import buffer
+from ..core.errors import DistBackendError
 
 _log = logging.getLogger("collectives")
 
