@@ -44,7 +44,10 @@ all_reduce, when it was posted (torch's reducer calling the group), started and 
 (collectives.core.timeline); the file holds them, the summary lines print the median
 per-bucket delays, and ``--plot PNG`` draws the steady steps of the first case.
 Each round launches every implementation once, in a rotating order, so drift hits all
-alike; the table gives medians over rounds.
+alike; the table gives medians over rounds. ``NAME@base`` runs an implementation on the
+checkout ``--base-root`` (built in place): a before/after in one run. ``--variants``
+alternates collectives runs between variants within each launch (``VARIANTS``: the
+all_reduce algorithm forced, the futures completed by a completer thread as before).
 """
 import argparse
 import json
