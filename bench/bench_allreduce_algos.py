@@ -8,8 +8,8 @@ two-shot with streaming stores, or the single copy (process_vm_readv), and by de
 ("auto", COLLECTIVES_SHM_AR_ALGO) the ranks time the candidates on their own calls and
 all take the fastest (collectives/engines/shm/shm_tune.c). This runs one group of --world ranks
 and, for every sample, times each forced algorithm and auto in turn (rotating order;
-every rank switches between barriers), plus the copy+add floor: every rank at once copying 2 (W - 1) / W of its
-buffer and adding 1 / W of it (numpy, in its own memory: what reduce-scatter plus
+every rank switches between barriers), plus the copy+add floor: every rank at once copying
+2 (W - 1) / W of its buffer and adding 1 / W of it (numpy, in its own memory: what reduce-scatter plus
 all-gather must do on each rank at least, without the transfers between cores), the
 slowest rank's time. Each sample
 is labelled near or far by the group's latency probes (rank 0's verdict at its end: far

@@ -47,7 +47,7 @@ Each round launches every implementation once, in a rotating order, so drift hit
 alike; the table gives medians over rounds. ``NAME@base`` runs an implementation on the
 checkout ``--base-root`` (built in place): a before/after in one run. ``--variants``
 alternates collectives runs between variants within each launch (``VARIANTS``: the
-all_reduce algorithm forced, the futures completed by a completer thread as before).
+all_reduce algorithm forced).
 """
 import argparse
 import json
@@ -132,7 +132,6 @@ VARIANTS = {
     "auto": "all_reduce algorithm measured (COLLECTIVES_SHM_AR_ALGO=auto)",
     "two_shot": "all_reduce two-shot only",
     "single_copy": "all_reduce single copy only (where the host allows it)",
-    "completer": "torch futures completed by a completer thread, as before",
 }
 
 
@@ -141,13 +140,11 @@ def _variant(v):
     if v == "default":
         return
     from collectives.api import group as _groups
-    from collectives.torch_bridge import torch_work
     comm = getattr(_groups.world.default.backend, "_comm", None)
     if v in ("auto", "two_shot", "single_copy"):
         if comm is None:
             raise SystemExit(f"variant {v}: the default group's backend is not shm")
         comm.set_ar_algo(v)
-    torch_work.INLINE = v != "completer"
 
 
 def worker():

@@ -86,7 +86,7 @@ __all__ = [
     "ReduceScatterOptions", "ScatterOptions",
 ]
 
-# ---- master-worker mode (issue 31): names that do not clash with the process-group API;
+# ---- master-worker mode: names that do not clash with the process-group API;
 # the rest (send, zeros, all_reduce over remote tensors...) live in collectives.master_worker
 from .master_worker import (  # noqa: E402
     BoolTensor, ByteTensor, CharTensor, DoubleTensor, Event, FloatTensor, HalfTensor, IntTensor,

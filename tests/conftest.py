@@ -9,7 +9,7 @@ Run it in pieces::
     HYPOTHESIS_PROFILE=ci pytest -m "not slow"   # the quick selection at full example counts
 
 Profiles (tests/support/profiles.py): a run that names none gets ``dev`` (a tenth of each
-property test's examples) when its -m expression contains ``not slow``, else ``ci`` (every
+property test's examples, at least 4) when its -m expression contains ``not slow``, else ``ci`` (every
 test's own count: ``pytest`` with no -m runs every property at full strength).
     COLLECTIVES_TEST_CONFIGS=gloo pytest    # one backend configuration
 

@@ -1,6 +1,6 @@
 """Process groups: the class, init/destroy, new_group, split and shrink (the world's state
-is in _world; the rank queries, in _group_queries, and the availability probes, in
-_availability, are re-exported here).
+is in collectives.core.world; the rank queries, in api/group_queries.py, and the
+availability probes, in api/availability.py, are re-exported here).
 
 Every rank of the world calls ``new_group`` in the same order (as torch requires);
 group state (ranks, this rank's group rank, the backend's bound methods) is

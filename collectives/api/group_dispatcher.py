@@ -1,11 +1,11 @@
 """Each group's dispatcher: the one path from a collective's plan to its backend.
 
 A front-end function checks its arguments and plans the call (the buffers, the backend
-method, the steps around it); then ``pg.dispatch.call(kind, count, dtype, root, op, fn,
-args, async_op, outputs, timeout)`` runs ``fn(*args)`` as collective ``kind`` of group
-``pg``. This is the only place where a call is recorded by the flight recorder, timed by
-the profiler, bounded by its own timeout, queued behind the group's async work or
-submitted to it:
+method, the steps around it); then ``pg.dispatch.call(kind, buf, root, op, fn, args,
+async_op, outputs, timeout)`` runs ``fn(*args)`` as collective ``kind`` of group ``pg``
+(``buf``, the call's Buffer, gives the recorder its dtype and count). This is the only
+place where a call is recorded by the flight recorder, timed by the profiler, bounded by
+its own timeout, queued behind the group's async work or submitted to it:
 
 - the cheap path (blocking, nothing queued, a backend whose ``run`` is the base one, no
   profiler, no per-call timeout) is :class:`collectives.engines._core.Dispatcher`, in C: record,

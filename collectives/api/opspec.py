@@ -289,12 +289,23 @@ def _reduce_scatter_single(pg, out, inp, output, op, async_op):
     return _reduce_scatter_steps(pg, out, inp, op, async_op, [output], staged)
 
 
+def _self_part(pg, out_counts, in_counts, out_name, in_name):
+    """An all_to_all's part from this rank to itself: the sizes the rank sends and receives
+    are both its own, so they must agree (the other parts' sizes are the peers' to match)."""
+    me = pg._rank
+    if out_counts[me] != in_counts[me]:
+        raise ValueError(f"{out_name.format(me)} has {out_counts[me]} elements, but this rank "
+                         f"(group rank {me}) sends itself {in_name.format(me)}, which has "
+                         f"{in_counts[me]}")
+
+
 def _all_to_all(pg, output_tensor_list, input_tensor_list, async_op):
     n = pg._size
     ins = buffers(input_tensor_list, "input_tensor_list", length=n)
     outs = buffers(output_tensor_list, "output_tensor_list", ins[0].dtype if ins else None, length=n)
     in_counts = [b.count for b in ins]
     out_counts = [b.count for b in outs]
+    _self_part(pg, out_counts, in_counts, "output_tensor_list[{}]", "input_tensor_list[{}]")
     out = contiguous_span(outs)
     copy_out = out is None
     if copy_out:
@@ -335,6 +346,7 @@ def _all_to_all_single(pg, out, inp, output, input, output_split_sizes,  # noqa:
     check_like(out, inp, "output", "input")
     in_counts = _split(input, inp, input_split_sizes, pg._size, "input_split_sizes")
     out_counts = _split(output, out, output_split_sizes, pg._size, "output_split_sizes")
+    _self_part(pg, out_counts, in_counts, "the output's part {}", "the input's part {}")
     if overlaps(inp, out):
         settle(pg)
         inp = copy_of(inp)

@@ -232,11 +232,6 @@ class Backend:
         #: cheap path reads it (in C) on every call of a backend whose ``run`` is this class's
         self.pending = Counter()
 
-    @property
-    def _busy(self):
-        """``pending.n``, under its former name (for subclasses that still read it)."""
-        return self.pending.n
-
     # ---- collectives (blocking) --------------------------------------------
     def broadcast(self, buf, root):
         raise NotImplementedError(f"{self.name} does not implement broadcast")

@@ -64,7 +64,7 @@ class HierarchicalBackend(Backend):
     consecutive ranks (host h: ranks h*L .. h*L+L-1, as launchers place them): host
     blocks are then slices of the user's buffers. Otherwise, as gather, scatter,
     all_to_all and point-to-point always, they go over a TCP backend spanning the whole
-    group. Measured on faked hosts here (bench/bench_hier.py, loopback between hosts):
+    group. Measured with faked hosts (bench/bench_hier.py, loopback between hosts):
     staging interleaved hosts' blocks through padded scratch took 1.3-1.9x the whole
     group's TCP time at 1-16 MiB, and gathering or scattering through the leaders 2-3x
     (every rank's block crosses to or from the root either way); and a receive from any

@@ -4,7 +4,7 @@ Every environment variable the package, its build or its tests read is declared 
 once: its type, default, parser, whether the ranks of a group must agree on it, and a
 one-line doc. ``docs/configuration.md`` is generated from this table
 (``python -m collectives.config --markdown -o docs/configuration.md``; CI runs
-``--check``), and ``tests/test_config.py`` fails for any ``COLLECTIVES_*`` name in the
+``--check``), and ``tests/install/test_config.py`` fails for any ``COLLECTIVES_*`` name in the
 source that is not declared, so docs and code cannot drift.
 
 Read a setting with :func:`get`::
@@ -136,6 +136,7 @@ _shm = _section(read_in="backends/shm.py", agree=True, rank0=True)
 _fr = _section(read_in="diagnostics/fr_registry.py")
 _build = _section(scope="build", read_in="setup.py")
 _test = _section(scope="test", read_in="tests/support/ranks.py")
+_el = _section(read_in="elastic/runtime.py")
 
 
 # ---- the registry: add a new setting HERE (and nowhere else) -----------------------------
@@ -259,6 +260,22 @@ SETTINGS = (
     _s("COLLECTIVES_TIMELINE", "bool", False, read_in="core/timeline.py", doc="""
         Record when each asynchronous collective was posted, started, finished and its torch
         future completed (collectives.core.timeline; for bench/bench_train.py's timelines)."""),
+    # elastic training in place (collectives/elastic, docs/elastic.md); collectives-run sets them
+    _el("COLLECTIVES_ELASTIC_STORE", "str", None, doc="""
+        host:port of the job's store, served outside the training ranks (collectives-run's
+        supervisor, or ``python -m collectives.elastic.store``); elastic.init() meets there."""),
+    _el("COLLECTIVES_ELASTIC_JOB", "str", "job", doc="""
+        The elastic job's name: processes with the same store and name form one job."""),
+    _el("COLLECTIVES_ELASTIC_NP", "int", None, minimum=1, doc="""
+        Processes the first generation waits for (default: WORLD_SIZE, else the minimum)."""),
+    _el("COLLECTIVES_ELASTIC_MIN_NP", "int", 1, minimum=1, doc="""
+        Fewest members a generation may have: below it the members wait for newcomers, then
+        fail with ElasticError."""),
+    _el("COLLECTIVES_ELASTIC_MAX_NP", "int", None, minimum=1, doc="""
+        Most members a generation may have (default: no limit); newcomers beyond it wait."""),
+    _el("COLLECTIVES_ELASTIC_TIMEOUT", "int", 600, minimum=1, unit="s", doc="""
+        Seconds a rendezvous may take: the wait for newcomers below the minimum, and for a
+        live member that does not come to the rendezvous."""),
     # security (docs/security.md)
     _s("COLLECTIVES_AUTH_KEY", "str", None, agree=True, read_in="security/auth.py", doc="""
         The job's shared key: every store and rank-to-rank connection opens with an HMAC-SHA256
@@ -278,7 +295,7 @@ SETTINGS = (
         named after the job."""),
     _fr("COLLECTIVES_FR_STACK", "bool", False, doc="""
         Record the Python stack of every call in the flight recorder (costly)."""),
-    _s("COLLECTIVES_NO_EXTENSIONS", "bool", False, agree=True, read_in="config.py", doc="""
+    _s("COLLECTIVES_NO_EXTENSIONS", "bool", False, agree=True, read_in="config/__init__.py", doc="""
         Hide the compiled extensions (_core, _buffer, _tcp, _shm, _mpilog, _ncclcall): the package
         runs on its pure-Python/NumPy fallback, as when they are not built (kernels and the mpi and
         registered backends work; the gloo backend needs _tcp). For tests and debugging."""),
@@ -292,10 +309,13 @@ SETTINGS = (
     _build("COLLECTIVES_DEBUG_SYMBOLS", "bool", False, doc="""
         Keep debug information in the extensions (for gdb or perf on a checkout). By default they
         are compiled with -g0 and linked with --strip-all, as released wheels are."""),
-    # tests (tests/ranks.py and the test modules)
+    # tests (tests/support/ranks.py and the test modules)
     _test("COLLECTIVES_TEST_CONFIGS", "str", None, doc="""
         Comma-separated backend configurations to test (store, gloo, gloo-tcp, gloo-hier, mpi,
         nccl); default every available host configuration."""),
+    _test("COLLECTIVES_TEST_REQUIRE", "str", None, read_in="tests/support/requires.py", doc="""
+        Comma-separated parts the test run must have (gloo, shm, hier, mpi, slurm, netns): a test
+        that needs a listed part fails where it is missing instead of skipping (.ci/run sets it)."""),
     _test("COLLECTIVES_TEST_START_TIMEOUT", "int", 120, minimum=1, doc="""
         Seconds a rank pool may take to start."""),
     _test("COLLECTIVES_TEST_GROUP_TIMEOUT", "int", 30, minimum=1, doc="""
@@ -325,7 +345,7 @@ def declared(name):
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise KeyError(f"{name} is not declared in collectives/config.py (declare every "
+        raise KeyError(f"{name} is not declared in collectives/config/__init__.py (declare every "
                        f"COLLECTIVES_* setting there)") from None
 
 
@@ -380,7 +400,7 @@ _SCOPES = (
      "Read by the package in every rank's process. Set them in the environment of the "
      "launcher (`collectives-run`, `mpiexec`, `torchrun`), which passes it on to the ranks."),
     ("build", "Build", "Read by `setup.py` while the extensions compile."),
-    ("test", "Tests", "Read by the test harness (`tests/ranks.py`) and the test modules."),
+    ("test", "Tests", "Read by the test harness (`tests/support/ranks.py`) and the test modules."),
 )
 
 
@@ -413,9 +433,9 @@ def markdown():
         "# Configuration reference",
         "",
         "<!-- Generated by `python -m collectives.config --markdown -o docs/configuration.md` "
-        "from collectives/config.py; do not edit by hand (CI checks it is current). -->",
+        "from collectives/config/__init__.py; do not edit by hand (CI checks it is current). -->",
         "",
-        "Every `COLLECTIVES_*` environment variable, declared once in `collectives/config.py`."
+        "Every `COLLECTIVES_*` environment variable, declared once in `collectives/config/__init__.py`."
         " Parsing is the same for every setting of a type: unset or empty gives the default; a"
         " bool is false for `0`, `false`, `no`, `off` (any case) and true otherwise; an int is a"
         " decimal integer; a value that does not parse raises `ValueError` naming the variable.",

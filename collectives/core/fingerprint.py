@@ -15,9 +15,9 @@ compare equal: both are far past anything one host or a test exercises, and the 
 debug mode (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) still compares the full values.
 """
 from . import dtypes as D
-from .errors import DistBackendError
 
-# kind codes (the C engines' COLL_KIND_* in reduce_kernels.h use the same numbers)
+# kind codes: the TCP engine's frame kinds (K_* in engines/tcp/tcp_internal.h, K_P2P for
+# send and recv) use the same numbers, and _shm.pyx takes its codes from here
 BARRIER = 1
 BROADCAST = 2
 ALL_REDUCE = 3
@@ -87,7 +87,3 @@ def mismatch_message(seq, me, mine, peer, theirs, group=None, rank_name=None):
             f"rank {nm(peer)} called {describe_word(theirs)} as collective #{seq}; "
             f"rank {nm(me)} called {describe_word(mine)}")
 
-
-def mismatch_error(seq, me, mine, peer, theirs, group=None, rank_name=None):
-    """A :class:`DistBackendError` carrying :func:`mismatch_message`."""
-    return DistBackendError(mismatch_message(seq, me, mine, peer, theirs, group, rank_name))

@@ -1,8 +1,6 @@
 """Reductions as the backends run them: AVG is SUM then a scale by 1/size, PREMUL_SUM(f) a
 scale by f then SUM (:func:`reduce_plan`), and the scaling itself (:func:`scale`, in C
 where ``engines._core`` is built)."""
-import numpy as np
-
 from . import cuda as _cuda
 from . import dtypes as D
 from .reduce_op import PremulSum, op_code
@@ -43,25 +41,14 @@ def premul_factor(op):
 
 # ---- scaling (AVG, PREMUL_SUM) -----------------------------------------------------------
 
-def _np_scale(buf, factor):
-    a = buf.numpy()
-    if buf.dtype == D.BFLOAT16:  # bits in uint16: widen, scale, round to nearest even
-        x = (a.astype(np.uint32) << 16).view(np.float32) * np.float32(factor)
-        u = x.view(np.uint32)
-        a[...] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    else:
-        np.multiply(a, a.dtype.type(factor), out=a)
-
-
 def _load_scale():
-    for mod in ("_core", "_fallback"):
-        try:
-            m = __import__(f"collectives.engines.{mod}", fromlist=["scale_ptr"])
-            fn = m.scale_ptr
-        except (ImportError, AttributeError):
-            continue
-        return lambda buf, factor: fn(buf.ptr, buf.count, buf.dtype, factor)
-    return _np_scale
+    """``scale_ptr`` of the C kernels, else of their NumPy twin (the same bits: half types
+    scaled in float32 and rounded once)."""
+    try:
+        from ..engines._core import scale_ptr
+    except ImportError:  # extensions not built
+        from .kernels_numpy import scale_ptr
+    return lambda buf, factor: scale_ptr(buf.ptr, buf.count, buf.dtype, factor)
 
 
 _scale_impl = None

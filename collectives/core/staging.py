@@ -31,8 +31,8 @@ def needs_own_copy(pg, whole, part):
 def _py_separate_blocks(outs, inp, rank):
     """Whether ``outs`` (an all_gather's list) do not lie back to back, so that a backend
     gathering into the list itself saves a staging copy, and none of them overlaps ``inp``
-    but ``outs[rank]`` being ``inp`` itself."""
-    return contiguous_span(outs) is None and not any(
+    but ``outs[rank]`` being ``inp`` itself. False for an empty list."""
+    return bool(outs) and contiguous_span(outs) is None and not any(
         overlaps(b, inp) and not (q == rank and b.ptr == inp.ptr) for q, b in enumerate(outs))
 
 

@@ -2,7 +2,7 @@
 user's ``group`` argument resolves to a group.
 
 This module sits below the front end (collective_ops, p2p, objects, multigpu) and the
-group methods (_pg_methods): they resolve groups here, and never import
+group methods (api/pg_methods.py): they resolve groups here, and never import
 :mod:`collectives.api.group`, which creates and destroys groups (init_process_group,
 new_group, split, shrink, destroy) and imports them. What must reach back up, the
 destruction of a group from its own ``shutdown()``, goes through :func:`destroy`, which

@@ -124,6 +124,14 @@ def dump_flight_recorder(path=None):
 
 # ---- progress posts and dump requests through the store -----------------------------------
 
+def set_ack_wait(seconds):
+    """How long a failing call waits for the other ranks' dumps (ACK_WAIT_S): collectives.
+    elastic sets 0, as a failure there is followed at once by a new group, and the dead
+    rank's dump never comes (the others still write theirs, in their daemons)."""
+    global ACK_WAIT_S
+    ACK_WAIT_S = float(seconds)
+
+
 def _within(seconds, fn, *args):
     """fn(*args) in a daemon thread, waited for at most ``seconds``: (True, its result), or
     (False, None) if it is still running (a store across a cut link answers nothing until

@@ -44,6 +44,15 @@ def build_parser():
           help="c10d: join_timeout=S,last_call_timeout=S,close_timeout=S,read_timeout=S "
                "(torchrun's keys; defaults 600, 30, 30, 60)")
     p.add("--max-restarts", type=int, default=0, help="restart every rank up to N times on failure")
+    p.add("--min-np", type=int, default=None,
+          help="elastic in place (collectives.elastic): fewest ranks the job runs with; "
+               "with --min-np or --max-np a dead rank is replaced (--max-replacements) "
+               "without stopping the others, and this launcher serves the job's store")
+    p.add("--max-np", type=int, default=None,
+          help="elastic in place: most ranks the job runs with (newcomers beyond wait)")
+    p.add("--max-replacements", type=int, default=None,
+          help="elastic in place: ranks this launcher may start in place of dead ones "
+               "(default: --max-restarts)")
     p.add("--monitor-interval", type=float, default=0.1, help="seconds between checks of the ranks")
     p.add("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
           help="accepted for torchrun compatibility (ranks are always new processes)")
@@ -188,6 +197,7 @@ class Config:
         if args.term_timeout < 0:
             raise ValueError(f"--term-timeout must be >= 0, got {args.term_timeout}")
         self.max_restarts = args.max_restarts
+        self._elastic(args)
         self.term_timeout = args.term_timeout
         self.monitor_interval = max(0.01, args.monitor_interval)
         self.prefix = not args.no_prefix
@@ -212,6 +222,48 @@ class Config:
         self.rank_base = self.node_rank * self.nproc  # the global rank of local rank 0
         self.auth_key, self.auth_note = _job_key(args.auth_key_file,
                                                  self.nnodes == 1 and not self.dynamic)
+
+    def _elastic(self, args):
+        """--min-np/--max-np: elastic in place. The ranks meet through a store this
+        launcher serves (on --rdzv-endpoint's port, else a free one), or, when
+        --rdzv-endpoint names another host's launcher, through that one's."""
+        self.elastic = args.min_np is not None or args.max_np is not None
+        if not self.elastic:
+            if args.max_replacements is not None:
+                raise ValueError("--max-replacements needs --min-np or --max-np")
+            return
+        if self.dynamic or self.nnodes != 1:
+            raise ValueError("--min-np/--max-np run each host's launcher on its own (no "
+                             "--nnodes, no --rdzv-backend c10d): the ranks meet through "
+                             "the store at --rdzv-endpoint, which the first launcher serves")
+        self.min_np = 1 if args.min_np is None else args.min_np
+        self.max_np = args.max_np
+        if self.min_np < 1:
+            raise ValueError(f"--min-np must be >= 1, got {self.min_np}")
+        if self.max_np is not None and self.max_np < self.min_np:
+            raise ValueError(f"--max-np ({self.max_np}) must be >= --min-np ({self.min_np})")
+        self.max_replacements = args.max_restarts if args.max_replacements is None \
+            else args.max_replacements
+        if self.max_replacements < 0:
+            raise ValueError(f"--max-replacements must be >= 0, got {self.max_replacements}")
+        # the store: served here on a free port; or --rdzv-endpoint host:port[,host:port...],
+        # the primary then its successors: this launcher serves the first entry of this
+        # host that no one serves yet (none if every one is taken), and the ranks get the list
+        self.store_host, self.store_port, self.serve_store = "127.0.0.1", 0, True
+        self.store_list = None
+        self.store_candidates = [("127.0.0.1", 0)]
+        if args.rdzv_endpoint:
+            from .agents import is_local
+            entries = []
+            for item in args.rdzv_endpoint.split(","):
+                host, sep, p = item.strip().rpartition(":")
+                if not sep or not p.isdigit() or not host:
+                    raise ValueError(f"--rdzv-endpoint must be host:port[,host:port...] with "
+                                     f"--min-np/--max-np, got {args.rdzv_endpoint!r}")
+                entries.append((host.strip("[]"), int(p)))
+            self.store_list = ",".join(f"{h}:{p}" for h, p in entries)
+            self.store_candidates = [(h, p) for h, p in entries if is_local(h)]
+            self.serve_store = bool(self.store_candidates)
 
     def _dynamic(self, args):
         """--rdzv-backend c10d: where the launchers meet, and how long they wait."""
@@ -255,6 +307,21 @@ class Config:
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
             "TORCHELASTIC_RUN_ID": self.run_id,  # is_torchelastic_launched() is True, as under torchrun
         })
+        if self.elastic:
+            env.update({
+                "COLLECTIVES_ELASTIC_STORE": self.store_list or f"{self.store_host}:{self.store_port}",
+                "COLLECTIVES_ELASTIC_JOB": self.run_id,
+                "COLLECTIVES_ELASTIC_MIN_NP": str(self.min_np),
+            })
+            if self.max_np is not None:
+                env["COLLECTIVES_ELASTIC_MAX_NP"] = str(self.max_np)
+            # the first generation waits for this launcher's ranks, unless the job says how
+            # many to wait for over all its launchers
+            env.setdefault("COLLECTIVES_ELASTIC_NP", str(self.nproc))
+            # the primary store's address: the ranks publish the address of the interface
+            # that routes there (collectives/backends/tcp/mesh.py's advertised_host)
+            host, _, port = env["COLLECTIVES_ELASTIC_STORE"].split(",")[0].rpartition(":")
+            env["MASTER_ADDR"], env["MASTER_PORT"] = host, port
         if self.auth_key is not None:  # (security) through the environment, never argv or a log
             env[ENV_KEY] = self.auth_key
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the launcher as they are printed

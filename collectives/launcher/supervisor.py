@@ -70,29 +70,37 @@ class Launcher:
             cfg.master_port = free_port()
         ranks = []
         for local in range(cfg.nproc):
-            rank = cfg.rank_base + local
-            show = cfg.show is None or local in cfg.show
-            logs = [None, None]
-            if cfg.log_dir:
-                os.makedirs(cfg.log_dir, exist_ok=True)
-                logs = [open(os.path.join(cfg.log_dir, f"rank{rank}.{s}"), "ab") for s in ("out", "err")]
             try:
-                # rank 0 reads the launcher's stdin, as under mpiexec (input(), pdb,
-                # dist.breakpoint); the others get none
-                stdin = None if rank == 0 else subprocess.DEVNULL
-                proc = subprocess.Popen(cfg.cmd, env=cfg.env(local, restart), stdin=stdin,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True)
-            except OSError as e:
+                ranks.append(self._start_one(local, restart))
+            except ValueError:
                 for r in ranks:
                     _signal_group(r, signal.SIGKILL)
                     self._forget(r)
-                raise ValueError(f"cannot start {shlex.join(cfg.cmd)}: {e}") from e
-            ranks.append(Rank(rank, local, proc,
-                              Stream(rank, self.out, cfg.prefix, show, logs[0], False),
-                              Stream(rank, self.err, cfg.prefix, show, logs[1], True)))
-            self._watch(ranks[-1])
+                raise
         return ranks
+
+    def _start_one(self, local, restart, rank=None):
+        """Start one rank (``rank``: its label, default the launch's numbering)."""
+        cfg = self.cfg
+        rank = cfg.rank_base + local if rank is None else rank
+        show = cfg.show is None or local in cfg.show
+        logs = [None, None]
+        if cfg.log_dir:
+            os.makedirs(cfg.log_dir, exist_ok=True)
+            logs = [open(os.path.join(cfg.log_dir, f"rank{rank}.{s}"), "ab") for s in ("out", "err")]
+        try:
+            # rank 0 reads the launcher's stdin, as under mpiexec (input(), pdb,
+            # dist.breakpoint); the others get none
+            stdin = None if rank == 0 else subprocess.DEVNULL
+            proc = subprocess.Popen(cfg.cmd, env=cfg.env(local, restart), stdin=stdin,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        except OSError as e:
+            raise ValueError(f"cannot start {shlex.join(cfg.cmd)}: {e}") from e
+        r = Rank(rank, local, proc, Stream(rank, self.out, cfg.prefix, show, logs[0], False),
+                 Stream(rank, self.err, cfg.prefix, show, logs[1], True))
+        self._watch(r)
+        return r
 
     def supervise(self, ranks, watch=None, lost_grace=0.0):
         """Run until every rank has ended; returns the ranks that failed on their own.
@@ -205,6 +213,8 @@ class Launcher:
         if self.cfg.auth_note:
             self.note(self.cfg.auth_note)
         try:
+            if self.cfg.elastic:
+                return self.run_elastic()
             if self.cfg.dynamic:
                 return self.run_c10d()
             for attempt in range(self.cfg.max_restarts + 1):
@@ -298,3 +308,127 @@ class Launcher:
         finally:
             rdzv.close()
 
+    # ---- elastic in place (collectives.elastic) ----------------------------------------------
+    def run_elastic(self):
+        """Serve the job's store here (unless another launcher does), start the ranks, and
+        start a new one in place of each that dies, up to --max-replacements, without
+        touching the others: they go on without it and admit the newcomer at their next
+        commit (collectives.elastic). The job succeeds when a rank finishes with 0 and
+        every rank still running at the end does."""
+        cfg = self.cfg
+        server = None
+        if cfg.serve_store:
+            from ..store.server import StoreServer
+            from ..security.auth import check_key
+            key = None if cfg.auth_key is None else check_key(cfg.auth_key)
+            for host, port in cfg.store_candidates:  # the first this host has free
+                try:
+                    server = StoreServer(port, None, host, key)
+                except OSError:
+                    continue
+                cfg.store_host, cfg.store_port = host, server.port
+                break
+            if server is not None:
+                self.note(f"elastic job {cfg.run_id!r}: store on {cfg.store_host}:{server.port} "
+                          f"(in this launcher, pid {os.getpid()}); --min-np {cfg.min_np}"
+                          + (f", --max-np {cfg.max_np}" if cfg.max_np is not None else ""))
+        try:
+            return self._supervise_elastic()
+        finally:
+            if server is not None:
+                server.stop(1.0)
+
+    def _supervise_elastic(self):
+        cfg = self.cfg
+        t0 = time.monotonic()
+        ranks = self.start(0)
+        sel = selectors.DefaultSelector()
+
+        def register(r):
+            for pipe, stream in ((r.proc.stdout, r.out), (r.proc.stderr, r.err)):
+                os.set_blocking(pipe.fileno(), False)
+                sel.register(pipe, selectors.EVENT_READ, stream)
+
+        for r in ranks:
+            register(r)
+        replaced = 0
+        next_label = cfg.nproc
+        failures = []
+        stopping_since = None
+        killed = False
+        forwarded = 0
+        all_ended_at = None
+        while True:
+            for key, _ in sel.select(cfg.monitor_interval):
+                try:
+                    data = os.read(key.fileobj.fileno(), 1 << 16)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                if data:
+                    key.data.feed(data)
+                else:
+                    sel.unregister(key.fileobj)
+                    key.fileobj.close()
+                    key.data.close()
+            now = time.monotonic()
+            for r in list(ranks):
+                r.out.flush_partial(now)
+                r.err.flush_partial(now)
+                if r.returncode is None and r.proc.poll() is not None:
+                    r.returncode = r.proc.returncode
+                    r.ended = now
+                    if r.returncode == 0 or r.killed_by_us or self.signal_received is not None:
+                        continue
+                    failures.append(r)
+                    finished = any(x.returncode == 0 for x in ranks)
+                    if replaced < cfg.max_replacements and not finished:
+                        replaced += 1
+                        new = self._start_one(r.local_rank, replaced, rank=next_label)
+                        next_label += 1
+                        ranks.append(new)
+                        register(new)
+                        self.note(f"rank {r.rank} (pid {r.proc.pid}) died with {r.describe()}; "
+                                  f"the others go on; started rank {new.rank} (pid "
+                                  f"{new.proc.pid}) in its place ({replaced} of "
+                                  f"{cfg.max_replacements})")
+                    else:
+                        self.note(f"rank {r.rank} (pid {r.proc.pid}) died with {r.describe()}; "
+                                  f"the others go on" + ("" if finished else
+                                                         " (no replacement left)"))
+            if self.signal_count > forwarded:
+                forwarded = self.signal_count
+                sig = signal.SIGKILL if forwarded > 1 else self.signal_received
+                for r in ranks:
+                    if r.returncode is None:
+                        r.killed_by_us = True
+                        _signal_group(r, sig)
+                stopping_since = stopping_since or now
+            running = [r for r in ranks if r.returncode is None]
+            if running and stopping_since is not None and not killed \
+                    and now - stopping_since >= cfg.term_timeout:
+                killed = True
+                for r in running:
+                    _signal_group(r, signal.SIGKILL)
+            if not running:
+                all_ended_at = all_ended_at or now
+                if not sel.get_map() or now - all_ended_at > 1.0:
+                    break
+        for key in list(sel.get_map().values()):
+            sel.unregister(key.fileobj)
+            key.fileobj.close()
+            key.data.close()
+        sel.close()
+        for r in ranks:
+            _signal_group(r, signal.SIGKILL)
+            self._forget(r)
+        if self.signal_received is not None:
+            self.note(f"received {signal.Signals(self.signal_received).name}; "
+                      f"stopped {len(ranks)} ranks")
+            return 128 + self.signal_received
+        ok = [r for r in ranks if r.returncode == 0]
+        last = [r for r in ranks if r not in failures]
+        if ok and all(r.returncode == 0 for r in last):
+            return 0
+        bad = [r for r in last if r.returncode != 0] or failures
+        self.summary(bad, (bad[0].ended or time.monotonic()) - t0)
+        return self._exit_code(bad[0])

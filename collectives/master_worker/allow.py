@@ -5,7 +5,11 @@ torch.Tensor methods and properties, torch.nn.functional, torch.linalg, torch.ff
 torch.special), and Tensor's other public methods (``new_ones``...), named
 ``<namespace>.<name>``. NumPy: its ufuncs (``numpy.exp``, and their
 ``reduce``/``accumulate``/``outer`` methods) and the functions of numpy, numpy.linalg and
-numpy.fft that dispatch through ``__array_function__``. Both sides build the same table
+numpy.fft that dispatch through ``__array_function__``. In torch mode NumPy's functions are
+allowed too, given torch tensors (``np.concatenate([a, b])`` of remote torch tensors): NumPy
+reads them on the node as it does locally (``Tensor.__array__``), and its result comes back
+as NumPy gives it, an array (a sync point). Both modes: the Python operators
+(``operator.pow``, ``operator.ipow``..., listed once in :mod:`.operators`). Both sides build the same table
 from the same installed library, so a name means one function; the wire carries the name
 and the worker looks it up in this table (never ``getattr`` on a string it was sent).
 
@@ -18,6 +22,7 @@ Nothing here imports torch at module import: the tables are built on first use.
 """
 import re
 
+import collectives.master_worker.operators as operators
 from .codec import encoded
 
 # name tokens (split at '_' and '.') that mark file I/O, pickling, code or raw memory
@@ -26,16 +31,10 @@ _DENY_TOKENS = frozenset((
     "memmap", "genfromtxt", "fromregex", "storage", "hook", "hooks", "exec", "eval", "compile",
     "dlpack", "ptr", "cdata", "apply", "map", "map2", "share", "autocast", "sym",
     "ctypes", "printoptions"))
-# dunders of Tensor that are plain tensor operations
-_TENSOR_DUNDERS = frozenset((
-    "__add__", "__and__", "__div__", "__eq__", "__floordiv__", "__ge__", "__getitem__",
-    "__gt__", "__iadd__", "__iand__", "__idiv__", "__ifloordiv__", "__ilshift__", "__imod__",
-    "__imul__", "__invert__", "__ior__", "__irshift__", "__isub__", "__itruediv__",
-    "__ixor__", "__le__", "__lshift__", "__lt__", "__matmul__", "__mod__", "__mul__", "__ne__",
-    "__neg__", "__abs__", "__pos__", "__or__", "__pow__", "__ipow__", "__radd__", "__rand__",
-    "__rdiv__", "__rfloordiv__", "__rlshift__", "__rmatmul__", "__rmod__", "__rmul__",
-    "__ror__", "__rpow__", "__rrshift__", "__rshift__", "__rsub__", "__rtruediv__",
-    "__rxor__", "__setitem__", "__sub__", "__truediv__", "__xor__", "__len__", "__contains__"))
+# Tensor's special methods that are plain tensor operations: the Python operators (one list,
+# operators.py), indexing, and the Python 2 division spellings torch keeps
+_TENSOR_DUNDERS = operators.dunders() | frozenset((
+    "__getitem__", "__setitem__", "__len__", "__contains__", "__div__", "__idiv__", "__rdiv__"))
 _SPLIT = re.compile(r"[._]+")
 
 
@@ -53,17 +52,26 @@ def refused(name):
 
 class Entry:
     """One allowed name: the function, and whether it is a Tensor property (read by
-    attribute access) or an in-place method (returns its first argument)."""
+    attribute access) or an in-place method (returns its first argument; by default told
+    by the name: ``add_``, ``__iadd__``, ``__setitem__``)."""
 
     __slots__ = ("name", "fn", "prop", "inplace", "wire", "results")
 
-    def __init__(self, name, fn, prop=False):
+    def __init__(self, name, fn, prop=False, inplace=None):
         self.name, self.fn, self.prop = name, fn, prop
         self.wire = encoded(name)  # the name as the codec writes it, once
-        self.results = {}  # argument kinds -> what a call returns (the master's dispatch.py)
-        last = name.rsplit(".", 1)[-1]
-        self.inplace = (last.endswith("_") and not last.endswith("__")) or (
-            last.startswith("__i") and last not in ("__invert__",)) or last == "__setitem__"
+        self.results = {}  # argument kinds -> what a call returns (the master's remote_call.py)
+        if inplace is None:
+            last = name.rsplit(".", 1)[-1]
+            inplace = (last.endswith("_") and not last.endswith("__")) or (
+                last.startswith("__i") and last not in ("__invert__",)) or last == "__setitem__"
+        self.inplace = inplace
+
+
+def _add_operators(by_name, array_type):
+    """The Python operators' functions (operators.py) a node runs for remote tensors."""
+    for name, f, in_place in operators.entries(array_type):
+        by_name[name] = Entry(name, f, inplace=in_place)
 
 
 # torch mode's own entries: build a module or optimizer on a node, and call one there
@@ -134,6 +142,14 @@ def torch_table():
             f = getattr(torch.Tensor, attr)  # a name from dir(), at build time, not the wire
             if callable(f) and not isinstance(f, type):
                 add("torch.Tensor." + attr, f)
+        for d in sorted(operators.dunders()):  # by their own names too (__pow__ is pow)
+            f = getattr(torch.Tensor, d, None)
+            if f is not None:
+                add("torch.Tensor." + d, f)
+        _add_operators(by_name, torch.Tensor)
+        for name, e in numpy_table()[0].items():  # NumPy's functions, given torch tensors
+            if name.startswith("numpy."):
+                by_name[name] = e
         _TORCH = (by_name, by_fn)
     return _TORCH
 
@@ -167,5 +183,7 @@ def numpy_table():
                         continue
                     by_name[name] = Entry(name, f)
                     by_fn.setdefault(f, name)
+        _add_operators(by_name, np.ndarray)
         _NUMPY = (by_name, by_fn)
     return _NUMPY
+

@@ -345,7 +345,3 @@ def unframe(buf):
     if end != length:
         raise CodecError("trailing bytes in frame")
     return opcode, args
-
-
-def frame_length(buf):
-    return _FRAME.unpack_from(buf, 0)[0]

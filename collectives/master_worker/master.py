@@ -83,7 +83,7 @@ class Master:
         self.timeout = timeout
         self.closed = False
         self.lock = threading.RLock()  # one thread at a time drives a stream
-        # the call path's caches (dispatch.py): allow-list, methods and operators by name
+        # the call path's caches (remote_call.py): allow-list, methods and operators by name
         self.names = None
         self.methods = {}
         self.operators = {}
@@ -231,7 +231,14 @@ class Master:
                     break
                 self._complete(node, node.pending[0], block=True)
         if entry.exc is not None:
-            raise entry.exc
+            # handed over once: the entry (whose handler may hold a remote tensor) and this
+            # frame must not stay in a cycle with the exception's traceback, or the tensor
+            # lives, failed, on its node until the cyclic garbage collector runs
+            exc, entry.exc, entry.handler = entry.exc, None, None
+            try:
+                raise exc
+            finally:
+                del exc
         if not entry.done:
             raise DistBackendError(f"{node} is lost: {node.lost}")
         return entry.value

@@ -158,15 +158,6 @@ _NUMPY_METHODS = {
     "pow_": _iop(operator.ipow), "copy_": _copy, "clamp_": _clamp_,
     "__getitem__": operator.getitem, "__setitem__": _setitem,
 }
-# a remote tensor's operators, by the NumPy ufunc that runs them (NumPy mode)
-NUMPY_OPERATORS = {
-    "add": "add", "sub": "subtract", "mul": "multiply", "truediv": "divide",
-    "floordiv": "floor_divide", "mod": "remainder", "pow": "power", "matmul": "matmul",
-    "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor", "eq": "equal",
-    "ne": "not_equal", "lt": "less", "le": "less_equal", "gt": "greater",
-    "ge": "greater_equal", "neg": "negative", "pos": "positive", "abs": "absolute",
-    "invert": "invert", "lshift": "left_shift", "rshift": "right_shift"}
-
 
 def numpy_names():
     """NumPy mode's table: its functions, plus the ``Tensor.*`` methods above."""

@@ -28,7 +28,8 @@ import collectives.master_worker.protocol as P
 from .allow import PACKAGE_FUNCTION_NAMES, Entry, numpy_table, refused, torch_table
 from .codec import Const, TensorValue
 from .master import RemoteError, current_node, get_master
-from .ops import NUMPY_OPERATORS, dtype_name, numpy_names, torch_consts
+import collectives.master_worker.operators as operators
+from .ops import dtype_name, numpy_names, torch_consts
 
 LOCAL_MAX = 1 << 20   # local tensors/arrays up to this many bytes travel by value
 _TENSOR, _NONE = 1, 2
@@ -97,28 +98,22 @@ def name_of_function(m, func):
     return entry_of(m, name)
 
 
-def operator_entry(m, op, reflected=False):
-    """The Entry that runs a Python operator (``add``, ``matmul``...) on a worker."""
-    key = ("r" if reflected else "") + op
+def operator_entry(m, key):
+    """The Entry that runs a Python operator on a node: ``key`` is its name in
+    :data:`.operators.OPERATORS` (``add``, ``and_``: forward and reflected forms, the
+    reflected ones with their operands swapped) or ``i`` + that name (``iadd``: in place).
+    False for a form the library's arrays lack: in place (torch's ``@=``), Python then
+    rebinds ``a = a @ b``; forward (torch's ``divmod``), Python raises its TypeError."""
     e = m.operators.get(key)
     if e is None:
-        if m.lib == "torch":
-            name = _TORCH_OPERATORS[key]
+        op = operators.BY_NAME.get(key)
+        if op is not None:
+            e = table(m).get(op.wire, False)
         else:
-            name = "numpy." + NUMPY_OPERATORS[op]
-        e = m.operators[key] = entry_of(m, name)
+            op = operators.BY_NAME[key[1:]]
+            e = table(m).get(op.inplace_wire, False)
+        m.operators[key] = e
     return e
-
-
-#: the binary operators with a reflected form (``radd``...): torch.Tensor has both dunders
-_REFLECTED = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
-              "xor", "lshift", "rshift")
-_TORCH_OPERATORS = {
-    **{k: f"torch.Tensor.__{k}__" for op in _REFLECTED for k in (op, "r" + op)},
-    **{op: f"torch.Tensor.__{op}__" for op in ("eq", "ne", "lt", "le", "gt", "ge")},
-    "rtruediv": "torch.Tensor.__rdiv__",
-    "neg": "torch.Tensor.neg", "pos": "torch.Tensor.positive", "abs": "torch.Tensor.abs",
-    "invert": "torch.Tensor.bitwise_not"}
 
 
 # ---- arguments ------------------------------------------------------------------------------------
@@ -326,7 +321,7 @@ def _sync(m, nd, name, a, k, results=None, key=None):
     if handles:
         m.command(nd, P.C_BIND, (out, [h._hid for h in handles]))
     if results is not None:
-        if struct == ("V", None):
+        if struct[0] == "V" and struct[1] is None:
             results[key] = _NONE
         elif struct[0] == "R" and all(s[0] == "T" for s in struct[2]):
             results[key] = (type(value), len(struct[2]))
@@ -409,29 +404,27 @@ def torch_function(func, args, kwargs):
 
 
 def array_function(func, args, kwargs):
+    """A NumPy function given remote tensors (``np.concatenate([a, b])``): NumPy's own on
+    their node, on torch tensors too in torch mode (allow.py)."""
     m = get_master()
-    if m.lib != "numpy":
-        return NotImplemented
-    return call_entry(m, name_of_function(m, func), args, kwargs)
+    name = numpy_table()[1].get(func)
+    if name is None:
+        return name_of_function(m, func)  # raises, naming it
+    return call_entry(m, entry_of(m, name), args, kwargs)
 
 
 def array_ufunc(ufunc, method_name, inputs, kwargs):
     m = get_master()
-    if m.lib == "numpy":
-        name = f"numpy.{ufunc.__name__}" + ("" if method_name == "__call__" else "." + method_name)
-    else:  # torch mode: the torch function of the same name (np.exp(t) -> torch.exp(t))
-        if method_name != "__call__":
-            return NotImplemented
-        name = "torch." + _UFUNC_TO_TORCH.get(ufunc.__name__, ufunc.__name__)
+    name = f"numpy.{ufunc.__name__}" + ("" if method_name == "__call__" else "." + method_name)
+    if m.lib == "torch" and method_name == "__call__":
+        # the torch function of the same name (np.exp(t) -> torch.exp(t)); NumPy's own
+        # ufunc on the torch tensors where torch has none
+        torch_name = "torch." + operators.UFUNC_TO_TORCH.get(ufunc.__name__, ufunc.__name__)
+        if torch_name in table(m):
+            name = torch_name
     if "out" in kwargs:
         raise TypeError("out= with remote tensors is not supported (assign the result)")
     return call_entry(m, entry_of(m, name), inputs, kwargs)
 
-
-_UFUNC_TO_TORCH = {"power": "pow", "absolute": "abs", "negative": "neg", "invert": "bitwise_not",
-                   "equal": "eq", "not_equal": "ne", "less": "lt", "less_equal": "le",
-                   "greater": "gt", "greater_equal": "ge", "true_divide": "true_divide",
-                   "divide": "true_divide", "left_shift": "bitwise_left_shift",
-                   "right_shift": "bitwise_right_shift"}
 
 __all__ = ["call", "LOCAL_MAX"]

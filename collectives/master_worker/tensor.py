@@ -2,7 +2,7 @@
 
 A remote tensor joins torch's and NumPy's dispatch protocols: any torch function,
 Tensor method or ``torch.nn.functional`` call (torch mode), any NumPy ufunc or array
-function (NumPy mode) given remote tensors runs on their node (see dispatch.py for what
+function (NumPy mode) given remote tensors runs on their node (see remote_call.py for what
 travels and what comes back). An operation queues a command and returns a new handle at
 once; the data stays on the node. Copies back (``get``, ``numpy``, ``item``...), values
 (a shape the master does not know, a Python number), ``synchronize`` and ``Event.wait``
@@ -18,6 +18,7 @@ import collectives.master_worker.remote_call as dispatch
 from .codec import Ref
 from .remote_call import method_entry, operator_entry
 from .master import _ctx, current_node, get_master
+from .operators import BY_NAME, OPERATORS
 from .ops import check_shape, dtype_name
 
 # ---- which node ------------------------------------------------------------------------------
@@ -259,28 +260,35 @@ class RemoteTensor:
         raise TypeError("a RemoteTensor is a handle to data on a worker node and cannot be "
                         "pickled: copy it back first (.get())")
 
-    # -- operators (queued): torch's Tensor operators, or NumPy's ufuncs in NumPy mode
-    def _op(self, op, *args):
+    # -- operators (queued): what Python does with the node's tensors or arrays
+    # (operators.py lists them; _operators() below gives this class their methods)
+    def _op(self, key, *args):
         m = self._m
-        return dispatch.call_entry(m, m.operators.get(op) or operator_entry(m, op),
-                                   (self,) + args, None)
+        e = m.operators.get(key) or operator_entry(m, key)
+        if e is False:  # the node's arrays lack it: Python raises its TypeError
+            return NotImplemented
+        return dispatch.call_entry(m, e, (self,) + args, None)
 
-    def _rop(self, op, other):
+    def _rop(self, key, other):
         m = self._m
-        if m.torch is not None:
-            key = "r" + op
-            return dispatch.call_entry(m, m.operators.get(key) or operator_entry(m, op, True),
-                                       (self, other), None)
-        return dispatch.call_entry(m, m.operators.get(op) or operator_entry(m, op),
-                                   (other, self), None)
+        e = m.operators.get(key) or operator_entry(m, key)
+        if e is False:
+            return NotImplemented
+        return dispatch.call_entry(m, e, (other, self), None)
 
-    # the arithmetic, bitwise and comparison operators: _operators() below
+    def _iop(self, key, o):
+        m = self._m
+        e = m.operators.get("i" + key)
+        if e is None:
+            e = operator_entry(m, "i" + key)
+        if e is False:  # the arrays have no in-place form: a new tensor, as Python does
+            return self._op(key, o)
+        if type(o) in _NUMBERS and m.torch is None:  # the hot path (no grad mode to send)
+            m.command(self._nd, P.C_CALL, (e.wire, -1, (self._ref(), o)))
+            return self
+        return dispatch.call_entry(m, e, (self, o), None)
+
     __hash__ = object.__hash__
-
-    def __iadd__(self, o): return self.add_(o)  # noqa: E704
-    def __isub__(self, o): return self.sub_(o)  # noqa: E704
-    def __imul__(self, o): return self.mul_(o)  # noqa: E704
-    def __itruediv__(self, o): return self.div_(o)  # noqa: E704
 
     def __getitem__(self, key):
         return dispatch.method(self, "__getitem__", (key,), None)
@@ -340,26 +348,29 @@ def _method(attr):
 
 
 def _operators(cls):
-    """Give ``cls`` the operator dunders, each queuing ``_op``/``_rop`` with its name."""
-    def binary(op):
-        return lambda self, o: self._op(op, o)
+    """Give ``cls`` every operator's forward, reflected and in-place methods (operators.py),
+    each queuing ``_op``/``_rop``/``_iop`` with the operator's name."""
+    def forward(key):
+        if BY_NAME[key].arity == 1:
+            return lambda self: self._op(key)
+        return lambda self, o: self._op(key, o)
 
-    def reflected(op):
-        return lambda self, o: self._rop(op, o)
+    def reflected(key):
+        return lambda self, o: self._rop(key, o)
 
-    def unary(op):
-        return lambda self: self._op(op)
+    def inplace(key):
+        return lambda self, o: self._iop(key, o)
 
-    table = [(op, binary) for op in ("lshift", "rshift", "eq", "ne", "lt", "le", "gt", "ge")]
-    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and",
-               "or", "xor"):
-        table += [(op, binary), ("r" + op, reflected)]
-    table += [(op, unary) for op in ("neg", "pos", "abs", "invert")]
-    for name, make in table:
-        f = make(name[1:] if make is reflected else name)
-        f.__name__ = f"__{name}__"
-        f.__qualname__ = f"{cls.__name__}.__{name}__"
-        setattr(cls, f.__name__, f)
+    for op in OPERATORS:
+        for dunder, make in ((op.forward, forward), (op.reflected, reflected),
+                             (op.inplace, inplace)):
+            if dunder is None:
+                continue
+            f = make(op.name)
+            f.__name__ = dunder
+            f.__qualname__ = f"{cls.__name__}.{dunder}"
+            f.__doc__ = f"``{op.symbol}`` on this tensor's node."
+            setattr(cls, dunder, f)
 
 
 _operators(RemoteTensor)

@@ -20,7 +20,8 @@ from .prefix import PrefixStore
 from .server import StoreServer, _Waiter  # noqa: F401  (tests reach the server's parts)
 from .tcp import TCPStore
 from .wire import (  # noqa: F401  (the protocol, for tests and tools that speak it)
-    MAX_FRAME, OP_ADD, OP_APPEND, OP_CAS, OP_CHECK, OP_DELETE, OP_GET, OP_LIST_KEYS, OP_MULTI_GET,
+    MAX_FRAME, OP_ADD, OP_APPEND, OP_CAS, OP_CHECK, OP_DELETE, OP_GET, OP_LEASE, OP_LIST_KEYS,
+    OP_MULTI_GET,
     OP_MULTI_SET, OP_NUM_KEYS, OP_PING, OP_QUEUE_LEN, OP_QUEUE_POP, OP_QUEUE_PUSH, OP_SET, OP_WAIT,
     PROTOCOL_VERSION, SERVER_LINGER, ST_ERROR, ST_OK, ST_REJECTED, ST_TIMEOUT, encode_request,
 )

@@ -13,8 +13,8 @@ from ..security import auth
 from ..core.errors import DistStoreError
 from .base import _add, _compare_set
 from .wire import (
-    _HDR, _REQ, MAX_FRAME, OP_ADD, OP_APPEND, OP_CAS, OP_CHECK, OP_DELETE, OP_GET, OP_LIST_KEYS,
-    OP_MULTI_GET, OP_MULTI_SET, OP_NUM_KEYS, OP_PING, OP_QUEUE_LEN, OP_QUEUE_POP, OP_QUEUE_PUSH,
+    _HDR, _REQ, MAX_FRAME, OP_ADD, OP_APPEND, OP_CAS, OP_CHECK, OP_DELETE, OP_GET, OP_LEASE,
+    OP_LIST_KEYS, OP_MULTI_GET, OP_MULTI_SET, OP_NUM_KEYS, OP_PING, OP_QUEUE_LEN, OP_QUEUE_POP, OP_QUEUE_PUSH,
     OP_SET, OP_WAIT, SERVER_LINGER, ST_ERROR, ST_OK, ST_REJECTED, ST_TIMEOUT, _decode_request,
     _encode_reply,
 )
@@ -67,7 +67,7 @@ def _bind_address(host):
 
 
 class _Conn:
-    __slots__ = ("sock", "inbuf", "outbuf", "waiter", "closing", "events", "hs")
+    __slots__ = ("sock", "inbuf", "outbuf", "waiter", "closing", "events", "hs", "leases")
 
     def __init__(self, sock, hs=None):
         self.sock = sock
@@ -77,6 +77,7 @@ class _Conn:
         self.waiter = None
         self.closing = False  # close once outbuf is flushed
         self.events = selectors.EVENT_READ  # what the selector watches for
+        self.leases = None  # key -> (key set when this connection closes, its value)
 
 
 class _Waiter:
@@ -291,6 +292,15 @@ class StoreServer:
             pass
         conn.sock.close()
         conn.sock = None
+        if conn.leases:  # the holder is gone (its process died or let go): say so
+            leases, conn.leases = conn.leases, None
+            woken = []
+            for key, (close_key, close_value) in leases.items():
+                self._data.pop(key, None)
+                if close_key:
+                    self._data[close_key] = close_value
+                    woken.append(close_key)
+            self._wake(woken)
 
     def _read(self, conn):
         if conn.closing:
@@ -442,6 +452,14 @@ class StoreServer:
             self._reply(conn, ST_OK, [str(len(data)).encode()])
         elif op == OP_LIST_KEYS:
             self._reply(conn, ST_OK, list(data))
+        elif op == OP_LEASE:
+            k, v, ck, cv = _nargs(args, 4)
+            data[k] = v
+            if conn.leases is None:
+                conn.leases = {}
+            conn.leases[k] = (ck, cv)
+            self._reply(conn, ST_OK, [])
+            self._wake([k])
         elif op == OP_PING:
             self._reply(conn, ST_OK, [b"pong"])
         else:

@@ -9,8 +9,8 @@ from ..core.errors import DistNetworkError, DistStoreError
 from .base import _INIT_KEY, DEFAULT_TIMEOUT, QueueEmptyError, Store, _deadline, _timeout_error
 from .server import _SERVERS, _SERVERS_LOCK, StoreServer, _close_socks, _release_server
 from .wire import (
-    _HDR, _REP, MAX_FRAME, OP_ADD, OP_APPEND, OP_CAS, OP_CHECK, OP_DELETE, OP_GET, OP_LIST_KEYS,
-    OP_MULTI_GET, OP_MULTI_SET, OP_NUM_KEYS, OP_QUEUE_LEN, OP_QUEUE_POP, OP_QUEUE_PUSH, OP_SET,
+    _HDR, _REP, MAX_FRAME, OP_ADD, OP_APPEND, OP_CAS, OP_CHECK, OP_DELETE, OP_GET, OP_LEASE,
+    OP_LIST_KEYS, OP_MULTI_GET, OP_MULTI_SET, OP_NUM_KEYS, OP_QUEUE_LEN, OP_QUEUE_POP, OP_QUEUE_PUSH, OP_SET,
     OP_WAIT, ST_OK, ST_REJECTED, ST_TIMEOUT, _decode_args, encode_request,
 )
 
@@ -289,6 +289,18 @@ class TCPStore(Store):
 
     def _queue_len(self, key):
         return int(self._request(OP_QUEUE_LEN, [key.encode()])[0])
+
+    def lease(self, key, value, close_key="", close_value=b""):
+        """Set ``key`` to ``value`` for as long as this client's connection to the server
+        lives: when it closes (this process exits or dies, even by SIGKILL, or ``close``
+        is called), the server deletes ``key`` and, if ``close_key`` is given, sets it to
+        ``close_value`` (waking whoever waits for it). Leasing the same key again on the
+        same connection replaces its close action. Use a client of its own (``clone()``)
+        from one thread only, so that every lease rides on the same connection."""
+        from .base import _check_key, _to_bytes
+        self._request(OP_LEASE, [_check_key(key).encode(), _to_bytes(value),
+                                 close_key.encode() if close_key else b"",
+                                 _to_bytes(close_value, "close_value")])
 
     def clone(self):
         """Another client of the same server (for use from another thread)."""

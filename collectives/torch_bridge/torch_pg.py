@@ -94,7 +94,7 @@ class TorchProcessGroup(_TorchSide, CollectiveMethods, td.ProcessGroup):
     for the second name torch gives the world (see ``_create_group``).
 
     Its collective and point-to-point methods are collectives' one table
-    (``_pg_methods.CollectiveMethods``), run on ``group``, returning torch's Work; they
+    (``api.pg_methods.CollectiveMethods``), run on ``group``, returning torch's Work; they
     take torch's ``*Options`` structs (as torch's front end and DDP's reducer pass them),
     ours, or the legacy positional forms.
 

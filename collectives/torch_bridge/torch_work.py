@@ -7,10 +7,6 @@ import torch.distributed as td
 
 from ..core import timeline as _timeline
 
-#: whether futures nobody chained Python callbacks on are completed on the thread that
-#: finished their call (False: by a completer thread, as all were before; for benchmarks)
-INLINE = True
-
 
 def _timeout(timeout):
     """torch passes timedelta(0) (its kNoTimeout) for "the group's timeout"."""
@@ -52,32 +48,27 @@ class TorchWork(td._Work):
     source_rank = _source_rank
 
     def get_future(self):
+        """The call's future. A failed call's error reaches the future as torch's C++
+        sees errors: a Python future's ``set_exception`` is a *result* to C++ (a PyObject
+        holding the exception), which DDP's reducer reads as the reduced tensors and
+        crashes on (a segfault when a peer died mid-backward). So the future returned is
+        a ``then`` child of the one settled here: its callback re-raises the error, which
+        marks the child failed in C++ (Python's ``wait()`` on it raises RuntimeError
+        naming the DistError, as torch's own futures do)."""
         with self._lock:
             if self._fut is None:
-                self._fut = _Future()
+                raw = torch.futures.Future()
+                self._fut = raw.then(_unwrap)
                 if self._work is None or self._work.is_completed():
-                    self._settle(self._fut)
+                    self._settle(raw)
                 else:
-                    fut = self._fut
+                    fut = raw
                     req = self._work._req
-                    if hasattr(req, "add_done_callback"):  # completed by the thread finishing it
-                        req.add_done_callback(lambda _r: self._finish(fut))
+                    if hasattr(req, "add_done_callback"):  # handed over by the thread finishing it
+                        req.add_done_callback(lambda _r: _completer.put(self, fut))
                     else:  # settled by a helper thread that waits for it
                         self._work.get_future().add_done_callback(lambda _f: self._settle(fut))
             return self._fut
-
-    def _finish(self, fut):
-        """In the thread that finished the call (the group's progress thread): complete
-        ``fut`` here, at once, unless Python code has chained callbacks on it (a comm
-        hook's ``then``), which may issue collectives and wait for them, which this
-        thread runs: a completer thread completes those. DDP's reducer only waits on its
-        futures (torch's C++ hooks chain C++ callbacks that compute and return), so its
-        buckets' futures are completed without a thread handoff."""
-        with fut._lock:  # a then() meanwhile waits, and then runs its callback itself
-            if not fut._chained and INLINE:
-                self._settle(fut)
-                return
-        _completer.put(self, fut)
 
     def _settle(self, fut):
         try:
@@ -91,24 +82,8 @@ class TorchWork(td._Work):
             fut.set_result(self._result)
 
 
-class _Future(torch.futures.Future):
-    """torch's future, which notes whether Python code chained callbacks on it (``then``,
-    ``add_done_callback``); ``_lock`` orders that against its completion."""
-
-    def __init__(self):
-        super().__init__()
-        self._lock = threading.Lock()
-        self._chained = False
-
-    def then(self, callback):
-        with self._lock:
-            self._chained = True
-        return super().then(callback)
-
-    def add_done_callback(self, callback):
-        with self._lock:
-            self._chained = True
-        return super().add_done_callback(callback)
+def _unwrap(fut):
+    return fut.wait()  # the value, or the error raised (see TorchWork.get_future)
 
 
 class _Completer:

@@ -771,13 +771,10 @@ CHECK_FACTORY = textwrap.dedent("""
 
 CHECK_FRONT_END = textwrap.dedent("""
     import collectives as dist
-    if not hasattr(dist, "init_process_group"):
-        print("no front end")
-    else:
-        try:
-            dist.init_process_group("mpi")
-        except Exception as e:
-            print("error", type(e).__name__, e)
+    try:
+        dist.init_process_group("mpi")
+    except Exception as e:
+        print("error", type(e).__name__, e)
 """)
 
 
@@ -802,8 +799,6 @@ def test_a_broken_mpi4py_is_the_same_clear_error(tmp_path):
 @pytest.mark.timeout(120)
 def test_init_process_group_mpi_without_mpi4py_is_a_clear_error():
     p = run_without_mpi(HIDE_MPI4PY + CHECK_FRONT_END)
-    if "no front end" in p.stdout:
-        pytest.skip("the front end (init_process_group) is not built yet")
     assert "Traceback" not in p.stderr and 'pip install "collectives[mpi]"' in p.stdout, \
         p.stdout + p.stderr
 
@@ -911,17 +906,10 @@ def run_under_mpiexec(program, n, extra_env=None, args=()):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def front_end_built():
-    import collectives
-    return hasattr(collectives, "init_process_group")
-
-
 @needs_mpi
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_mpiexec_program_runs_with_init_process_group_mpi_and_no_master_addr(n):
-    if not front_end_built():
-        pytest.skip("the front end (init_process_group) is not built yet")
     p = run_under_mpiexec(FRONT_END_PROGRAM, n)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("ok") == n, p.stdout  # every rank got to the end (lines may interleave)
@@ -934,8 +922,6 @@ def test_an_mpi_subgroup_of_a_gloo_world_builds_its_communicator_through_the_sto
     """With MPI initialised on every process, the members' communicator comes from the world
     ranks they swap through the store; without, members get a clear error instead of hanging
     in MPI_Init (which is collective over every process mpiexec started)."""
-    if not front_end_built():
-        pytest.skip("the front end (init_process_group) is not built yet")
     from tests.support.ranks import free_port
     p = run_under_mpiexec(STORE_GROUP_PROGRAM, 3, {"MASTER_ADDR": "127.0.0.1",
                                                    "MASTER_PORT": str(free_port())},
@@ -986,8 +972,6 @@ def test_a_blocking_collective_a_peer_never_calls_ends_the_job_after_the_timeout
         n, call, extensions):
     """MPI cannot time out a blocking call: the watchdog ends the job with MPI_Abort, naming
     the call, once it has run past the group timeout; quick calls never trip it."""
-    if not front_end_built():
-        pytest.skip("the front end (init_process_group) is not built yet")
     start = time.monotonic()
     p = run_under_mpiexec(STUCK_PROGRAM, n, None if extensions else
                           {"COLLECTIVES_NO_EXTENSIONS": "1"}, args=(call,))
@@ -1007,8 +991,6 @@ def test_a_blocking_collective_a_peer_never_calls_ends_the_job_after_the_timeout
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting", ["1", "0"])
 def test_the_watchdog_thread_runs_unless_switched_off(setting):
-    if not front_end_built():
-        pytest.skip("the front end (init_process_group) is not built yet")
     program = textwrap.dedent("""
         import threading
         import collectives as dist

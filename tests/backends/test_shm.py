@@ -22,7 +22,7 @@ from collectives.core import dtypes as D
 from collectives.core.tensors import to_buffer
 from tests.support import ROOT
 from tests.support.profiles import examples
-from tests.support.ranks import RankError, free_port, get_pool
+from tests.support.ranks import RankPool, free_port, get_pool
 from tests.support.marks import quick_only
 
 pytest.importorskip("collectives.engines._shm", reason="build the _shm extension (COLLECTIVES_ONLY=_shm)")
@@ -242,30 +242,58 @@ def segment_name(ctx):
     return ctx.state["be"].segment_name
 
 
+DIE_AFTER = 0.3  # seconds into the call when the victim's timer ends it
+LATE_BY = 1.2    # seconds the late survivor waits before it enters the call
+
+
 def die_in_collective(ctx, victim, op="all_reduce"):
-    """The victim SIGKILLs itself; the others, in `op` (then a barrier), must raise
-    DistBackendError within the timeout."""
+    """The victim arms a SIGALRM timer (its default action ends the process from the kernel,
+    wherever the process is) and enters ``op``: it dies DIE_AFTER s into the call, having
+    posted its part. One survivor, (victim + 1) % world, enters LATE_BY s late, so the victim
+    is still waiting for it inside the call when it dies. A survivor returns what it saw in
+    ``op`` and the barrier after it: ("raised", seconds, message) or ("no error", ...)."""
     from collectives.core.errors import DistBackendError
     be = ctx.state["be"]
+    be.barrier()  # every rank is up before the fault
+    a = np.ones(1 << 20, np.float32)
+    src = np.ones(ctx.world_size << 20, np.float32)
+    out = np.empty(ctx.world_size << 20, np.float32)
     if ctx.rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, DIE_AFTER)
+    elif ctx.rank == (victim + 1) % ctx.world_size:
+        time.sleep(LATE_BY)
     t0 = time.monotonic()
     try:
-        a = np.ones(1 << 20, np.float32)
-        if op == "broadcast":
+        if op == "broadcast":  # the victim is the root
             be.broadcast(to_buffer(a), victim)
         elif op == "all_reduce":
             be.all_reduce(to_buffer(a), D.SUM)
         elif op == "scatter":  # rank 0 the root: it waits for the victim to read its block
-            src = np.ones(ctx.world_size << 20, np.float32)
             be.scatter(to_buffer(a), to_buffer(src) if ctx.rank == 0 else None, 0)
         else:
-            out = np.empty(ctx.world_size << 20, np.float32)
             be.all_gather(to_buffer(out), to_buffer(a))
         be.barrier()
     except DistBackendError as e:
         return ("raised", time.monotonic() - t0, str(e))
+    if ctx.rank == victim:
+        time.sleep(60)  # the call returned before the timer: die here
     return ("no error", time.monotonic() - t0, "")
+
+
+def check_survivors_raised(world, victim, op, env):
+    """A fresh pool whose ``victim`` dies inside ``op``: every other rank raised
+    DistBackendError within the timeout, and no segment is left in /dev/shm."""
+    before = shm_segments()
+    pool = RankPool(world, setup_backend, ("shm",), env)
+    answers, died = pool.run_dead_peer(die_in_collective, victim, op, victims={victim},
+                                       timeout=TIMEOUT + 60)
+    assert died == {victim}, (answers, died)
+    assert sorted(answers) == [r for r in range(world) if r != victim], answers
+    for r, (what, took, msg) in answers.items():
+        assert what == "raised", f"rank {r} in {op}: {what} after {took:.1f} s"
+        assert took < TIMEOUT + 5, f"rank {r} took {took:.1f} s: {msg}"
+    assert shm_segments() <= before
 
 
 def hier_info(ctx):
@@ -535,16 +563,9 @@ def test_a_hierarchical_groups_errors_name_the_groups_ranks():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world,victim", [(2, 1), (4, 0), (4, 2)])
 def test_peer_killed_mid_collective_raises(world, victim):
-    """A SIGKILLed rank: the others raise DistBackendError within the timeout, and the
-    segment is not left in /dev/shm."""
-    before = shm_segments()
-    pool = get_pool(world, setup=setup_backend, setup_args=("shm",), env={"KILLTEST": str(victim)})
-    with pytest.raises(RankError) as ei:
-        pool.run(die_in_collective, victim, timeout=TIMEOUT + 30)
-    msg = str(ei.value)
-    assert "died" in msg or "DistBackendError" in msg
-    # the pool reports the death at once; run the survivors' outcome again in a fresh pool
-    assert shm_segments() <= before
+    """A rank killed inside an all_reduce (two-copy): the others raise DistBackendError
+    within the timeout, and the segment is not left in /dev/shm."""
+    check_survivors_raised(world, victim, "all_reduce", ENV_SMALL)
 
 
 @pytest.mark.faults
@@ -1098,11 +1119,9 @@ def test_bad_stream_mode_is_a_value_error_naming_the_variable(monkeypatch, value
 @pytest.mark.parametrize("op", quick_only(["all_gather", "broadcast", "all_reduce", "scatter"],
                                           "all_reduce"))
 def test_peer_killed_in_single_copy_op_raises(op):
-    pool = get_pool(2, setup=setup_backend, setup_args=("shm",), env=dict(ENV_CMA, KILLTEST="cma"))
-    with pytest.raises(RankError) as ei:
-        pool.run(die_in_collective, 1, op, timeout=TIMEOUT + 30)
-    msg = str(ei.value)
-    assert "died" in msg or "DistBackendError" in msg
+    """A rank killed inside a single-copy call (its peer reads its memory, or it reads the
+    peer's): the survivor raises DistBackendError within the timeout."""
+    check_survivors_raised(2, 1, op, ENV_CMA)
 
 
 def setup_mixed_env(ctx):

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from tests.support.ranks import ROOT
-from tests.support.requires import needs_gloo
+from tests.support.requires import needs_gloo, skip_unless_required
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import model  # noqa: E402
@@ -121,7 +121,7 @@ def test_a_job_over_rate_limited_links_is_correct_and_the_lab_is_removed(tmp_pat
                                                                        ranks_per_host):
     why = _missing()
     if why:
-        pytest.skip(why)
+        skip_unless_required("netns", why)
     args = argparse.Namespace(ops=OPS, sizes="4,64k", budget=0.05, ranks_per_host=ranks_per_host,
                               rdzv="static", job_timeout=150)
     with netlab.Lab(hosts, "200mbit", tag=f"nlt{os.getpid() % 10000}") as lab:

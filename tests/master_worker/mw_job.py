@@ -426,6 +426,9 @@ def _common_calls(a, b, m, tgt, torch, F):
         "gelu": F.gelu(a), "stack": torch.stack([a, a], 1), "flatten": torch.flatten(a),
         "chunk": a.chunk(2), "tanh_method": a.tanh(), "mul_local": a * torch.arange(5.0),
         "argsort": torch.argsort(a, 1), "mse": F.mse_loss(a, a * 2),
+        "pow_op": a ** 2, "rpow": 2 ** a, "ipow": _ipow(a * 1, None),
+        "np_concatenate": np.concatenate([a, a]), "np_stack": np.stack([a, a], 1),
+        "np_vstack": np.vstack([a, a]), "np_hstack": np.hstack([a, a]),
     }
 
 
@@ -675,6 +678,182 @@ def numpy_functions_case():
     return sorted(cases), bad, remote_kinds
 
 
+def _outcome(fn, *args):
+    """("ok", NumPy array of the result) or ("err", exception type name) of ``fn(*args)``."""
+    import warnings
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            r = fn(*args)
+            if isinstance(r, mw.RemoteTensor):
+                r = r.get()
+            if isinstance(r, (list, tuple)):
+                r = [x.get() if isinstance(x, mw.RemoteTensor) else x for x in r]
+                return "ok", [np.asarray(x) for x in r]
+            return "ok", np.asarray(r)
+    except Exception as e:
+        return "err", type(e).__name__
+
+
+def _lib_array(a, torch_mode):
+    if not torch_mode or not isinstance(a, np.ndarray):
+        return a
+    import torch
+    return torch.from_numpy(a.copy())
+
+
+def operator_case(name, form, a, b, node=0):
+    """One Python operator (collectives.master_worker.operators) on a remote tensor and on
+    the same local one: (local outcome, remote outcome), as _outcome gives them.
+
+    ``form``: "forward" (``a OP b``, or ``OP a``), "reflected" (``b OP a``, ``b`` a Python
+    number: the remote tensor's reflected method), "local_left" (``b OP a``, ``b`` a local
+    array or tensor), "inplace" (``a OP= b``; the outcome is the tensor after it, read
+    through another name bound to it before, and the name's own value must be the same)."""
+    from collectives.master_worker.operators import BY_NAME
+    op = BY_NAME[name]
+    torch_mode = mw.master.get_master().lib == "torch"
+    la, lb = _lib_array(a, torch_mode), _lib_array(b, torch_mode)
+
+    def run(x, y):
+        f = op.function()
+        if op.arity == 1:
+            return f(x)
+        if form == "forward":
+            return f(x, y)
+        if form in ("reflected", "local_left"):
+            return f(y, x)
+        alias = x
+        x = op.inplace_function()(x, y)  # exactly what ``x OP= y`` runs
+        same = x.get() if isinstance(x, mw.RemoteTensor) else x
+        before = alias.get() if isinstance(alias, mw.RemoteTensor) else alias
+        if x is not alias:  # rebound (no in-place form): the old name keeps its value
+            return np.asarray(same)
+        if not np.array_equal(np.asarray(same), np.asarray(before), equal_nan=True):
+            raise AssertionError("the name and its alias differ after an in-place op")
+        return before
+
+    ra = mw.send(la, node=node)
+    rb = mw.send(lb, node=node) if isinstance(b, np.ndarray) and form != "local_left" else lb
+    if form == "inplace":
+        la = la.clone() if torch_mode else la.copy()
+    return _outcome(lambda: run(la, lb)), _outcome(lambda: run(ra, rb))
+
+
+# augmented assignments as a user writes them (x: the float tensor, y: the int one)
+def _ipow(x, y):
+    x **= 2
+    return x
+
+
+def _iadd_self(x, y):
+    x += x
+    return x
+
+
+def _isub(x, y):
+    x -= 1
+    return x
+
+
+def _imul(x, y):
+    x *= 3
+    return x
+
+
+def _itruediv(x, y):
+    x /= 2
+    return x
+
+
+def _ifloordiv(x, y):
+    x //= 2
+    return x
+
+
+def _imod(x, y):
+    x %= 2
+    return x
+
+
+def _ilshift(x, y):
+    y <<= 2
+    return y
+
+
+def _irshift(x, y):
+    y >>= 1
+    return y
+
+
+def _iand(x, y):
+    y &= 6
+    return y
+
+
+def _ior(x, y):
+    y |= 1
+    return y
+
+
+def _ixor(x, y):
+    y ^= 3
+    return y
+
+
+def operator_spellings():
+    """The operators as a user writes them, remote vs local: {spelling: same?}."""
+    torch_mode = mw.master.get_master().lib == "torch"
+    base = np.arange(1, 7, dtype=np.float32).reshape(2, 3) / 4
+    ints = np.arange(-3, 3, dtype=np.int64).reshape(2, 3)
+    cases = {
+        "a ** 2": lambda a, i: a ** 2, "2 ** a": lambda a, i: 2 ** a,
+        "a ** a": lambda a, i: a ** a, "a ** 0.5": lambda a, i: a ** 0.5,
+        "1 - a": lambda a, i: 1 - a, "3 / a": lambda a, i: 3 / a, "2 * a": lambda a, i: 2 * a,
+        "1 + a": lambda a, i: 1 + a, "7 // i": lambda a, i: 7 // (i + 4),
+        "7 % i": lambda a, i: 7 % (i + 4), "1 << i": lambda a, i: 1 << (i + 3),
+        "64 >> i": lambda a, i: 64 >> (i + 3), "5 & i": lambda a, i: 5 & i,
+        "5 | i": lambda a, i: 5 | i, "5 ^ i": lambda a, i: 5 ^ i,
+        "i << 1": lambda a, i: i << 1, "i >> 1": lambda a, i: i >> 1,
+        "-a": lambda a, i: -a, "+a": lambda a, i: +a, "abs(i)": lambda a, i: abs(i),
+        "~i": lambda a, i: ~i, "a @ a.T": lambda a, i: a @ a.T,
+        "1 < a": lambda a, i: 1 < a, "a >= 0.5": lambda a, i: a >= 0.5,
+    }
+    inplace = {"a **= 2": _ipow, "a += a": _iadd_self, "a -= 1": _isub, "a *= 3": _imul,
+               "a /= 2": _itruediv, "a //= 2": _ifloordiv, "a %= 2": _imod,
+               "i <<= 2": _ilshift, "i >>= 1": _irshift, "i &= 6": _iand, "i |= 1": _ior,
+               "i ^= 3": _ixor}
+    out = {}
+    la, li = _lib_array(base, torch_mode), _lib_array(ints, torch_mode)
+    ra, ri = mw.send(la, node=0), mw.send(li, node=0)
+    for k, f in cases.items():
+        want, got = _outcome(f, la, li), _outcome(f, ra, ri)
+        out[k] = want[0] == got[0] == "ok" and want[1].dtype == got[1].dtype and \
+            np.array_equal(want[1], got[1])
+    for k, f in inplace.items():
+        res = []
+        for x, y in ((la, li), (mw.send(la, node=0), mw.send(li, node=0))):
+            x = x.clone() if hasattr(x, "clone") else x.copy()
+            y = y.clone() if hasattr(y, "clone") else y.copy()
+            res.append(_outcome(f, x, y))
+        out[k] = res[0][0] == res[1][0] == "ok" and res[0][1].dtype == res[1][1].dtype and \
+            np.array_equal(res[0][1], res[1][1])
+    return out
+
+
+def list_function_case(name, arrays, kwargs, node=0):
+    """NumPy function ``name`` (concatenate, stack, vstack...) on a list of remote tensors
+    and on the same local ones: (local outcome, remote outcome)."""
+    torch_mode = mw.master.get_master().lib == "torch"
+    f = getattr(np, name)
+    local = [_lib_array(a, torch_mode) for a in arrays]
+    remote = [mw.send(x, node=node) for x in local]
+    if name == "block":  # a nested list: the first half above the second
+        h = len(local) // 2 or 1
+        local, remote = [local[:h], local[h:]], [remote[:h], remote[h:]]
+    return _outcome(lambda: f(local, **kwargs)), _outcome(lambda: f(remote, **kwargs))
+
+
 def call_opinfo(which):
     """tests/master_worker/mw_opinfo.py's sweep on this master: the quick slice, or 'all'."""
     from tests.master_worker import mw_opinfo
@@ -733,3 +912,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+

@@ -15,7 +15,11 @@ import numpy as np
 import pytest
 
 from tests.support.requires import needs_gloo
-from tests.master_worker.test_master_worker import ROOT, Job
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.master_worker.test_master_worker import (
+    HYP, ROOT, Job, check_list_function, check_operator, list_function_cases, operator_cases)
 
 pytestmark = needs_gloo
 
@@ -86,6 +90,30 @@ def test_opinfo_sweep_passes_95_percent(torch_job):
           f"classes of failures {out['fail_classes']}")
     assert out["ops"] > 500
     assert out["fraction"] >= 0.95, out["fail_classes"]
+
+
+@pytest.mark.timeout(600)
+@HYP
+@given(case=operator_cases(), node=st.integers(0, 1))
+def test_every_operator_form_on_remote_tensors_equals_torch(torch_job, case, node):
+    """``a ** b``, ``2 ** a``, ``a **= b``, ``local @ a``... give what they give on local
+    torch tensors (operators.OPERATORS, each form), errors included."""
+    check_operator(torch_job, case, node)
+
+
+@pytest.mark.timeout(300)
+def test_operators_as_written_equal_torch(torch_job):
+    out = torch_job("operator_spellings")
+    assert len(out) >= 36 and all(out.values()), {k: v for k, v in out.items() if not v}
+
+
+@pytest.mark.timeout(600)
+@HYP
+@given(case=list_function_cases(), node=st.integers(0, 1))
+def test_numpy_list_functions_on_remote_torch_tensors_equal_local(torch_job, case, node):
+    """``np.concatenate([a, b])``, ``np.stack``, ``np.vstack``... of remote torch tensors give
+    NumPy's array, as on local torch tensors."""
+    check_list_function(torch_job, case, node)
 
 
 # ---- autograd, modules, optimizers ------------------------------------------------------------------
@@ -169,6 +197,38 @@ def test_allow_lists_come_from_the_libraries_own_lists():
     assert "torch.save" not in tn and "torch.load" not in tn and "torch.from_file" not in tn
     assert not any(n.startswith("torch.hub") for n in tn)
     assert np.all([not n.rsplit(".", 1)[1].startswith("_") or n.endswith("__") for n in tn])
+
+
+def test_operator_lists_derive_from_one_table():
+    """operators.OPERATORS is the one list: the remote tensor's methods, both allow-lists and
+    the ufunc names follow it."""
+    from collectives.master_worker import allow, operators
+    from collectives.master_worker.tensor import RemoteTensor
+    names = {d for op in operators.OPERATORS for d in (op.forward, op.reflected, op.inplace) if d}
+    assert names == operators.dunders()
+    assert {"__pow__", "__rpow__", "__ipow__", "__rlshift__", "__irshift__", "__rmatmul__",
+            "__imatmul__", "__rdivmod__"} <= names
+    for d in names:
+        assert getattr(RemoteTensor, d).__name__ == d, d
+        assert allow.refused("torch.Tensor." + d) is None, d
+    by_name, _ = allow.numpy_table()
+    for op in operators.OPERATORS:
+        assert by_name[op.wire].fn is op.function() and not by_name[op.wire].inplace
+        if op.inplace:
+            assert by_name[op.inplace_wire].inplace
+        assert isinstance(getattr(np, op.ufunc), np.ufunc)
+    torch = pytest.importorskip("torch")
+    tn, _ = allow.torch_table()
+    for op in operators.OPERATORS:
+        if op.torch is not None:
+            assert callable(getattr(torch, op.torch)), op
+        assert (op.wire in tn) == hasattr(torch.Tensor, op.forward), op
+        if op.inplace:
+            assert (op.inplace_wire in tn) == hasattr(torch.Tensor, op.inplace), op
+            if hasattr(torch.Tensor, op.inplace):
+                assert "torch.Tensor." + op.inplace in tn
+    assert "operator.imatmul" not in tn and "builtins.divmod" not in tn  # torch has neither
+    assert "numpy.concatenate" in tn and tn["numpy.concatenate"].fn is np.concatenate
 
 
 # ---- the codec: plain data only ------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from tests.support.ranks import ROOT
+from tests.support.requires import skip_unless_required
 
 pytestmark = [pytest.mark.multinode, pytest.mark.faults, pytest.mark.slow]
 
@@ -45,14 +46,14 @@ def nodes():
     """Two network namespaces joined by a veth pair; yields their names."""
     why = _missing()
     if why:
-        pytest.skip(why)
+        skip_unless_required("netns", why)
     names = [f"coll-test-{os.getpid()}-{i}" for i in range(2)]
     made = []
     try:
         for ns in names:
             p = _run("ip", "netns", "add", ns)
             if p.returncode:
-                pytest.skip(f"cannot make a network namespace: {p.stderr.strip()}")
+                skip_unless_required("netns", f"cannot make a network namespace: {p.stderr.strip()}")
             made.append(ns)
         links = [f"ct{os.getpid() % 100000}{c}" for c in "ab"]
         steps = [("ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1])]
@@ -65,7 +66,8 @@ def nodes():
         for step in steps:
             p = _run(*step)
             if p.returncode:
-                pytest.skip(f"cannot set up the nodes ({' '.join(step)}): {p.stderr.strip()}")
+                skip_unless_required("netns", f"cannot set up the nodes ({' '.join(step)}): "
+                                     f"{p.stderr.strip()}")
         yield list(zip(names, links))
     finally:
         for ns in made:

@@ -18,7 +18,7 @@ from collectives.launcher.hostlist import (derive_master, expand_hostlist, first
                                            slurm_port)
 from collectives.store.rendezvous import meet
 from tests.support.ranks import ROOT, free_port, mpiexec_path
-from tests.support.requires import needs_gloo
+from tests.support.requires import needs_gloo, skip_unless_required
 
 PROGRAM = os.path.join(ROOT, "examples", "numpy_allreduce.py")
 EXPECTED = "all_reduce 10, broadcast [0, 1, 2], all_gather [0, 10, 20, 30]"
@@ -200,7 +200,7 @@ def slurm():
     4 tasks fit on a 2-core machine."""
     reason = _slurm_missing()
     if reason:
-        pytest.skip(reason)
+        skip_unless_required("slurm", reason)
     d = tempfile.mkdtemp(prefix="collectives-slurm-")
     os.chmod(d, 0o755)  # munged (its own user) reaches its socket through it
     mkey, mrun = os.path.join(d, "munge"), os.path.join(d, "munge-run")

@@ -1,6 +1,7 @@
 """Hypothesis profiles: ``ci`` (each test's own example count, as written), ``dev`` (a
-tenth of it, at least one: quick while iterating) and ``thorough`` (ten times it, for a
-night run). Choose one with ``HYPOTHESIS_PROFILE=dev`` or ``pytest --hypothesis-profile=dev``.
+tenth of it, but at least FLOOR, or the test's own count where that is lower: quick while
+iterating) and ``thorough`` (ten times it, for a night run). Choose one with
+``HYPOTHESIS_PROFILE=dev`` or ``pytest --hypothesis-profile=dev``.
 
 Which profile a run gets when it names none (:func:`choose`, called from conftest.py):
 ``dev`` for the quick suite (a ``-m`` expression that contains ``not slow``), ``ci`` for
@@ -34,6 +35,12 @@ def choose(markexpr, named=None):
     return name
 
 
+#: the fewest random examples a property draws under any profile (fewer only where its
+#: own count is lower): a tenth of 8 is one, and one random example hardly varies
+FLOOR = 4
+
+
 def examples(n):
-    """``n`` examples under the ``ci`` profile, scaled by the profile in force."""
-    return max(1, n * settings.default.max_examples // PROFILES["ci"])
+    """``n`` examples under the ``ci`` profile, scaled by the profile in force, and never
+    fewer than ``min(n, FLOOR)``."""
+    return max(min(n, FLOOR), n * settings.default.max_examples // PROFILES["ci"])

@@ -198,6 +198,52 @@ class RankPool:
             raise RankError(f"{fn.__name__} failed" + self._format(errors))
         return results
 
+    def run_dead_peer(self, fn, *args, victims, timeout=60):
+        """``fn(ctx, *args)`` on every rank, where the ranks in ``victims`` are meant to die
+        inside it: a victim's death does not stop the run (as it does in :meth:`run`), the
+        others keep running until they answer. Returns ``(answers, died)``: ``{rank: value}``
+        for every rank that answered (a victim may answer if it did not die) and the set of
+        ranks that died. A rank outside ``victims`` that dies, raises, or does not answer
+        within ``timeout`` is a RankError. The pool is killed afterwards: its group lost a
+        rank."""
+        if self.dead:
+            raise RankError("pool is dead")
+        victims = set(victims)
+        payload = pickle.dumps((fn, args))
+        for c in self._conns:
+            c.send_bytes(payload)
+        deadline = time.monotonic() + timeout
+        answers, errors, died = {}, {}, set()
+        pending = set(range(self.world_size))
+        try:
+            while pending:
+                for r in sorted(pending):
+                    c = self._conns[r]
+                    try:
+                        if not c.poll(0.01):
+                            continue
+                        status, value = c.recv()
+                    except (EOFError, OSError):
+                        pending.discard(r)
+                        if r not in victims:
+                            raise RankError(f"rank {r}, not a victim, died during {fn.__name__}"
+                                            + self._format(errors)) from None
+                        died.add(r)
+                        continue
+                    pending.discard(r)
+                    if status == "ok":
+                        answers[r] = value
+                    else:
+                        errors[r] = value
+                if pending and time.monotonic() > deadline:
+                    raise RankError(f"{fn.__name__} timed out after {timeout} s on ranks "
+                                    f"{sorted(pending)}" + self._format(errors))
+        finally:
+            self.kill()
+        if errors:
+            raise RankError(f"{fn.__name__} failed" + self._format(errors))
+        return answers, died
+
     @staticmethod
     def _format(errors):
         return "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
@@ -351,8 +397,6 @@ def _ext_built(name):
 
 def config_available(name):
     """(available, reason) for a configuration on this machine and tree."""
-    if not hasattr(importlib.import_module("collectives"), "init_process_group"):
-        return False, "the front end (init_process_group) is not built yet"
     if name == "store":
         return _has("tests/support/store_backend.py"), "tests/support/store_backend.py missing"
     if name == "gloo":

@@ -627,11 +627,10 @@ def _ways():
 
 
 def _describe(work):
-    """(Work class name, future is torch's (a torch.futures.Future, or a subclass), length
-    of result())."""
-    import torch
+    """(Work class name, future is torch's, length of result())."""
     fut = work.get_future()
-    return (type(work).__name__, isinstance(fut, torch.futures.Future), len(work.result()))
+    return (type(work).__name__, type(fut).__module__.startswith("torch"),
+            len(work.result()))
 
 
 def table_case(ctx, kind):

@@ -46,7 +46,14 @@ class PyCallLog(list):
         self.compared = 0  # calls compared so far (the numbering in messages)
 
     def _put(self, entry):
+        if type(entry) is not tuple:
+            raise TypeError(f"Argument 'entry' has incorrect type (expected tuple, got "
+                            f"{type(entry).__name__})")
+        kind, dtype, count, root, op = entry  # five words, as CallLog takes them
         if self.failed is not None:
+            raise self._error(f"group unusable after an earlier failure: {self.failed}")
+        if len(self) >= FingerprintCheck.CHECK_EVERY:  # a comparison raised before clearing
+            self.failed = "the comparison of the ranks' calls failed"
             raise self._error(f"group unusable after an earlier failure: {self.failed}")
         list.append(self, entry)
 

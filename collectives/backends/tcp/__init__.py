@@ -119,7 +119,7 @@ def placement_defaults(links, size):
       ms), and at 4 hosts the two were even;
     * on one host blocks go whole (``seg_split`` 1, up to the segment setting): there is
       no link to keep busy while a segment is reduced or forwarded, and each segment costs
-      a wake-up (4-rank 1 MiB all_gather on the lent 16-CPU machine: 1.46-1.60 ms in 8
+      a wake-up (4-rank 1 MiB all_gather on a 16-CPU host: 1.46-1.60 ms in 8
       segments, 0.96-1.04 ms whole)."""
     if not links:
         return {"seg_split": 1}

@@ -17,15 +17,9 @@ int shm_barrier(shm_comm *c, uint64_t fp)
  * buffer itself while the readers read the rest, so every rank copies the same amount.
  * Every rank posts the address of its buffer; a reader returns once the root has acked
  * (its writes are done), the root once every reader has acked (its reads are done).
- * Measured on this VM (two ranks, 64 KiB .. 4 MiB, before the split): 0.9x, 0.63x,
- * 1.5x, 1.3x the pipelined two-copy path's time while the two vCPUs share caches well,
- * and 0.27x, 0.15x, 0.15x, 0.12x during the stretches when they do not (two-copy: every
- * byte crosses between the cores' caches twice). It runs with up to two ranks a core
- * (c->cma_bcast): 4 ranks on this VM, alternating Open MPI jobs against the two-copy
- * path, 64 KiB 16-18 us alike, 256 KiB 32-36 us against 51-55 us, 1 MiB 165-196 us
- * against 221-228 us (Open MPI 201-217 us at its best), 4 MiB 508-539 us against
- * 636-650 us, 16 MiB 2.05-2.11 ms against 2.49-2.58 ms; but 8 ranks, 1 MiB 472-503 us
- * against 388-398 us, 4 MiB 1.37-1.48 ms against 1.29-1.38 ms. */
+ * Each byte crosses between the cores once, where the two-copy path moves it twice; with
+ * many readers at once the kernel's pinning of the same pages serialises them, so it runs
+ * only where c->cma_bcast allows (figures: docs/design-shm.md, "Single copy (CMA)"). */
 #define CMA_SPLIT (256 * 1024)
 static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
 {
@@ -590,21 +584,12 @@ int shm_finish(shm_comm *c)
  * every rank, since a list reader reads the others' inputs until it acks).
  * Writing rather than reading: the kernel pins the remote side page by page, and a
  * reader's output, n blocks long, is the buffer likelier to hold 2 MiB pages (numpy's
- * from 4 MiB, or thp_prepare's). Measured against each rank reading the others' blocks
- * (two ranks, samples alternating in one run, push/pull time): 2 MiB 0.72-0.85, 4 MiB
- * 0.94-1.01, 8 MiB 0.89-1.01, 16 MiB 0.92-1.01, 256 KiB-1 MiB 0.92-1.0.
+ * from 4 MiB, or thp_prepare's); pushing was measured as fast as pulling or faster.
  * It runs with more ranks than cores too (c->cma_readable; the all_reduce's single copy
  * does not): each rank's writes are its own, and a rank that waits for the cores does
- * not hold up a peer's copy as a reader of the two-copy path does. Measured on this
- * 2-vCPU VM, all_gather_into_tensor, in alternating mpiexec jobs against the two-copy
- * path (../shared/tools/bench_pair.py, Open MPI 5 alongside, its time unchanged): 4
- * ranks 256 KiB 146-183 us against 251-263 us, 1 MiB 641-787 us against 892-932 us (Open
- * MPI 809-956 us), 4 MiB 2.7-3.2 ms against 3.8-4.4 ms (Open MPI 3.2-3.7 ms); 3 ranks 1
- * MiB 494-526 us against 655-675 us, 4 MiB 1.65-1.69 ms against 2.64-2.65 ms.
- * The chunk: 256 KiB against 1 MiB, alternating jobs on this VM: 4 ranks 1 MiB 542-623 us
- * against 606-683 us, 4 MiB 2.14-2.88 ms against 2.49-3.02 ms; 2 ranks (Open MPI and
- * MPICH jobs) 1 MiB alike, 4 MiB 504-532 us against 556-601 us, 16 MiB 2.21-2.36 ms
- * against 2.46-2.54 ms; 128 KiB and 512 KiB no better than 256 KiB. */
+ * not hold up a peer's copy as a reader of the two-copy path does. CMA_PUSH_CHUNK is the
+ * fastest chunk measured (128 KiB to 1 MiB). Figures: docs/design-shm.md, "Single copy
+ * (CMA)" and "Measured figures behind the engine's constants". */
 #define CMA_PUSH_CHUNK (256 * 1024)
 static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in, size_t nbytes,
                       int root, uint64_t fp)
@@ -731,7 +716,7 @@ int shm_gather(shm_comm *c, void *out, const void *in, size_t nbytes, int root, 
  * root's fingerprint before it reads, and every rank every other's at the end (so a
  * mismatch raises on every rank, as in the two-copy path). The two-copy path
  * below has the root write every block into its slot, alone, before the readers copy them
- * out: on the 2-vCPU VM, 4 ranks, 4 MiB blocks, it took 2.47 ms against Open MPI's 1.65. */
+ * out, which is slower than this (figures: docs/design-shm.md, "Single copy (CMA)"). */
 static int scatter_cma(shm_comm *c, void *out, const void *in, size_t nbytes, int root,
                        uint64_t fp)
 {

@@ -36,14 +36,11 @@ SHM_HIDDEN void copy_stream(void *dst, const void *src, size_t n)
  *
  * A rank that reads data another core has just written gets it from that core's cache.
  * When the two cores share a cache (or sit close) that is the fastest place to read it
- * from; when they do not (other die, other socket, or a VM whose vCPUs the host has put
+ * from; when they do not (other die, other socket, or virtual CPUs the host has put
  * there), each line is a slow cross-die transfer that the prefetchers do not hide, and
- * reading from memory is several times faster. Measured on this project's VM, whose
- * two vCPUs switch between the two states every few seconds to minutes (cache-line
- * round trip ~90 ns, then ~460 ns): two-shot all_reduce of 1 MiB on 2 ranks took 66 us
- * with plain stores and 152 us streaming while close, 499 us plain and 116 us streaming
- * while far (16 MiB: 1.40 vs 3.00 ms close, 8.18 vs 2.16 ms far; a 1 MiB two-copy
- * broadcast 23 vs 37 us close, 426 vs 38 us far).
+ * reading from memory is several times faster. Which state a pair of cores is in can
+ * change while the ranks run, so plain stores cannot be chosen once for all, nor can
+ * streaming (non-temporal) ones: each costs several times the other in the wrong state.
  *
  * So with SHM_STREAM_AUTO the ranks measure it: every PROBE_EVERY-th large step, each
  * rank bounces a cache line with one peer (pairs rotate, so every peer gets measured),
@@ -56,17 +53,9 @@ SHM_HIDDEN void copy_stream(void *dst, const void *src, size_t n)
  * writes its verdict to the segment's header, and every rank follows the latest one
  * from its next step (shared_verdict).
  * Two-shot all_reduce/reduce, the two-copy broadcast, scatter, reduce_scatter and
- * all_to_all use it (2 ranks while far, bench/bench_stream.py, measured/plain: 1 MiB
- * reduce_scatter 0.21x, all_to_all 0.31x, scatter 0.46x; 16 MiB reduce_scatter 0.27x,
- * all_to_all 0.61x; while close 0.99-1.03x), and so do the one-shot all_reduce/reduce
- * and the two-copy all_gather/gather (while far: all_reduce 8 KiB 0.47x, 16 KiB 0.41x,
- * 64 KiB 0.33x, 37.3 -> 12.2 us; all_gather 64 KiB 0.41x, 128 KiB 0.40x; while close
- * 1.00-1.01x; an earlier measurement that had the one-shot slower streamed was taken
- * while close). The two-copy all_gather's blocks from 256 KiB used to stay plain, from
- * a 2-rank measurement on an earlier VM (1 MiB 137 us plain in either state, 171 us
- * streamed); on this AMD EPYC VM (samples alternating, labelled by a cache-line probe
- * run outside the group) measured/plain while far: 4 ranks 256 KiB 0.67x, 1 MiB 0.48x,
- * 2 MiB 0.50x; 2 ranks 256 KiB 0.60x, 1 MiB 0.42x, 16 MiB 0.40x; while close 1.00-1.06x.
+ * all_to_all use it, and so do the one-shot all_reduce/reduce and the two-copy
+ * all_gather/gather, at every size (streamed, they took 0.2-0.6x plain's time while far,
+ * about the same while close: docs/design-shm.md, "Near and far peers").
  * Where the outputs fill the last-level cache the copy-in streams in either state
  * (outputs_past_llc). Small steps probe too, once they add up to PROBE_SMALL_EVERY
  * bytes. Constants: PROBE_* in shm_sync.h. */
@@ -138,16 +127,14 @@ SHM_HIDDEN void probe_peer(shm_comm *c)
 }
 
 /* process_vm_readv/writev pins the peer's pages one by one: from a buffer backed by
- * 2 MiB pages it copies about twice as fast as from 4 KiB pages (measured here, 4 MiB
- * 12.7 -> 26.6 GB/s, 16 MiB 5.1 -> 16.3 GB/s; the pinned side is what counts). numpy
+ * 2 MiB pages it copies about twice as fast as from 4 KiB pages (the pinned side is what
+ * counts; figures: docs/design-shm.md, "Single copy (CMA)"). numpy
  * backs arrays of 4 MiB and more with huge pages, torch's allocator does not. So a rank
  * whose buffer its peers will copy asks the kernel to collapse the buffer's 2 MiB-aligned
  * interior into huge pages (MADV_COLLAPSE, Linux 6.1; the contents stay): only the
  * second time it sees the same range, because a collapse that moves pages costs ~0.45 ms
  * per 2 MiB, and never again once such collapses have taken THP_BUDGET_NS in all.
- * Measured through ../shared/tools/bench_vs.py, torch tensors, two ranks: broadcast
- * 16 MiB 1.11-1.51 -> 0.49-0.66 ms, all_gather 16 MiB 3.9-4.5 -> 2.96-3.27 ms, all_gather
- * 4 MiB 571-653 -> 468-527 us. COLLECTIVES_SHM_THP=0 turns it off. */
+ * COLLECTIVES_SHM_THP=0 turns it off. */
 SHM_HIDDEN void thp_prepare(shm_comm *c, const void *p, size_t len)
 {
     const uintptr_t huge = (uintptr_t)2 << 20;

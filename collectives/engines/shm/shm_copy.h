@@ -14,20 +14,9 @@ static inline void copy(void *dst, const void *src, size_t n)
 SHM_HIDDEN void copy_stream(void *dst, const void *src, size_t n);
 
 /* Whether the outputs of all ranks, `total` bytes together, fill the last-level cache:
- * the all_gather copies into them then stream (measured with 2 cores sharing 32 MiB:
- * single copy, 2 ranks, streaming 305 -> 373 us at 4 MiB per rank, 1207 -> 1118 at 8 MiB,
- * 2298 -> 2082 at 16 MiB; two-copy, 4 ranks: 614 -> 739 us at 1 MiB, 3824 -> 3360 at
- * 4 MiB, 13654 -> 12915 at 16 MiB; a two-copy broadcast was slower streamed). Since
- * the single copy writes into the readers' outputs (2 ranks, samples alternating in one
- * run, streamed/plain): 8 MiB, whose outputs are exactly the cache's size, 0.92-0.99;
- * 16 MiB 0.78-0.82; 4 MiB 1.04-1.13; 2 MiB 1.33-1.5. 4 ranks at 2 MiB: unchanged.
- * Past it, the two-copy all_gather/gather streams its copy into the segment too, whatever
- * the probes say: the blocks would not stay in the cache for the readers anyway. 4 ranks
- * on 2 cores, streamed/plain copy-in (samples alternating in one run): 2 MiB 0.99x,
- * 4 MiB 0.99x, 16 MiB 0.99x while the cores are close; 0.48-0.56x while far, where the
- * probes of 4 ranks on 2 cores often get no verdict (a partner is descheduled) and a
- * 16 MiB all_gather took 22.4 ms plain against 10.8 ms streamed (MPICH: 13.6-22 ms
- * in this session's runs). */
+ * the all_gather copies into them then stream, whatever the probes say, and so does the
+ * two-copy all_gather/gather's copy into the segment: the blocks would not stay in the
+ * cache for the readers anyway (figures: docs/design-shm.md, "Near and far peers"). */
 static inline int outputs_past_llc(const shm_comm *c, size_t total)
 {
     return total >= c->llc;

@@ -95,8 +95,8 @@ static void layout(int n, size_t half, size_t ring, size_t *ctl_off, size_t *slo
     *total = *rdata_off + (size_t)n * n * ring;
 }
 
-/* Size of the largest cache of cpu0, from sysfs (glibc's sysconf reports 320 MiB of L3
- * on a VM whose sysfs and lscpu say 32 MiB); 8 MiB when unknown. */
+/* Size of the largest cache of cpu0, from sysfs (glibc's sysconf can be ten times off
+ * under a hypervisor, where sysfs and lscpu agree); 8 MiB when unknown. */
 static size_t llc_bytes(void)
 {
     size_t best = 0;

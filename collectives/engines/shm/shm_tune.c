@@ -2,12 +2,9 @@
  * all_gather below the single copy's threshold (the same scheme, a table of its own).
  *
  * Which all_reduce is fastest above the one-shot size depends on the host and on where
- * the ranks run, not on one latency figure: on this project's VM, two ranks while their
- * vCPUs sit far apart took 2.4-2.9x MPICH's time at 1 MiB with two-shot (plain or
- * streaming stores) and 0.71-0.81x with the single copy, while close two-shot took
- * 0.65-0.8x the single copy's time; on a 16-core Intel host the probe called every pair
- * far, yet streaming stores were 1.10-1.37x slower than plain ones there. So the ranks
- * time the candidates on the calls they are making and keep the fastest:
+ * the ranks run, not on one latency figure (the figures: docs/design-shm.md, "The measured
+ * all_reduce choice"). So the ranks time the candidates on the calls they are making and
+ * keep the fastest:
  *
  * - Per size class (a power of two from 64 KiB), the k candidate algorithms (two-shot
  *   with plain stores, two-shot with streaming stores, the single copy: those that the
@@ -210,10 +207,9 @@ SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0)
  * runs), the all_gather is timed as the all_reduce is: the two-copy path with the stores
  * the stream mode allows (both with SHM_STREAM_AUTO: the probes' verdict misleads on some
  * hosts, every pair "far" and streaming slower) and, from GATHER_CMA_TRY bytes a block,
- * the single copy (Open MPI reads 64 KiB blocks in one copy; this VM, 2 ranks: 6.5 us
- * against our two copies' 13.4 us), also where the ranks outnumber the cores (4 ranks
- * here, alternating jobs: 128 KiB 65-81 us against 85-101 us without the single copy's
- * trials; 16-64 KiB alike). */
+ * the single copy, which can win from small blocks (Open MPI reads 64 KiB blocks in one
+ * copy), also where the ranks outnumber the cores (figures: docs/design-shm.md, "Measured
+ * figures behind the engine's constants"). */
 #define GATHER_CMA_TRY (16 * 1024)
 SHM_HIDDEN int tune_pick_gather(shm_comm *c, size_t nbytes, int64_t *t0)
 {

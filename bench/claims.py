@@ -1,0 +1,191 @@
+"""The figures README.md and docs/benchmarks.md state, computed from bench/results/.
+
+Each claim names its data file, how many launches (or rounds) each cell holds, and how the
+figure is computed; :func:`render` gives the figure's text as the documents state it (two
+decimals, "lo-hi" or "at most hi"), and tests/install/test_claims.py checks that each
+document holds exactly that text next to the file's name. Run it to print every claim:
+
+    python bench/claims.py            # figure, data file, launches, where stated
+    python bench/claims.py --check    # exit 1 if a document does not state a claim's figure
+
+A ratio is the default backend's time over the other implementation's in one cell (world,
+op, message size). Against "the faster of MPICH and Open MPI", a cell's ratio is the larger
+of its two ratios; with several launches per cell, a cell's figure is the median over them.
+"""
+import argparse
+import collections
+import csv
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+ROOT = os.path.dirname(HERE)
+DOCS = {"README.md": os.path.join(ROOT, "README.md"),
+        "docs/benchmarks.md": os.path.join(ROOT, "docs", "benchmarks.md")}
+
+
+def _jsonl(name):
+    with open(os.path.join(RESULTS, name)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def vs_faster_mpi(name, tree="after", keep=lambda row: True):
+    """{(world, op, bytes): [ratio per launch]} against the faster of MPICH and Open MPI:
+    per launch, the larger of the cell's two ratios (collectives over each MPI's time)."""
+    by = collections.defaultdict(dict)
+    for r in _jsonl(name):
+        if r.get("tree") == tree and keep(r):
+            by[(r["launch"], r["world"], r["op"], r["bytes"])][r["mpi"]] = r["ratio"]
+    cells = collections.defaultdict(list)
+    for (_launch, *cell), mpis in sorted(by.items()):
+        if len(mpis) == 2:
+            cells[tuple(cell)].append(max(mpis.values()))
+    return dict(cells)
+
+
+def launches(name, tree="after"):
+    return len({r["launch"] for r in _jsonl(name) if r.get("tree") == tree})
+
+
+def medians(cells):
+    return [statistics.median(v) for v in cells.values()]
+
+
+def vs_torch_gloo(name, keep):
+    """Ratios against torch gloo of bench_vs's JSON (its "ratios" list), cells kept by keep."""
+    with open(os.path.join(RESULTS, name)) as f:
+        rows = json.load(f)["ratios"]
+    return [r["ratio"] for r in rows
+            if r["vs"] == "torch:gloo" and r["impl"] == "collectives:gloo" and keep(r)]
+
+
+def rounds_of(name):
+    with open(os.path.join(RESULTS, name)) as f:
+        return len(next(iter(json.load(f)["medians"].values())))
+
+
+def csv_vs(name, impl, other, keep):
+    """Ratios impl / other of a results CSV (columns world, op, size_bytes, impl, us)."""
+    with open(os.path.join(RESULTS, name)) as f:
+        rows = list(csv.DictReader(f))
+    cells = collections.defaultdict(dict)
+    for r in rows:  # a barrier's size is empty: 0 bytes
+        cells[(int(r["world"]), r["op"], int(r["size_bytes"] or 0))][r["impl"]] = float(r["us"])
+    return [v[impl] / v[other] for k, v in cells.items() if impl in v and other in v and keep(k)]
+
+
+def nccl_vs_torch(name, key, max_bytes):
+    with open(os.path.join(RESULTS, name)) as f:
+        rows = json.load(f)[key]
+    return [r["ours_s"] / r["torch_s"] for r in rows if r["bytes"] <= max_bytes]
+
+
+def span(values):
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def at_most(values):
+    return f"{max(values):.2f}"
+
+
+Claim = collections.namedtuple("Claim", "name file launches figure text where")
+
+S5_VM = "2026-11-27-s5-vm-shm-vs-mpich-openmpi.jsonl"
+S5_16 = "2026-11-27-s5-16core-after-shm-vs-mpich-openmpi.jsonl"
+S5_VS = "2026-11-27-s5-bench-vs-torch-gloo.json"
+S5_NCCL = "2026-11-27-s5-nccl-vs-torch-h100.json"
+NOV21 = "2026-11-21-collectives-vs-torch-gloo-and-mpich.csv"
+SMALL = 65536
+BIG = 16 << 20
+
+
+def claims():
+    """Every stated figure: (name, data file, launches per cell, figure, the text that states
+    it, the documents that state it). ``text`` holds ``{fig}`` where the figure goes."""
+    out = []
+    both = ("README.md", "docs/benchmarks.md")
+    r = rounds_of(S5_VS)
+    out.append(Claim("torch gloo up to 64 KiB", S5_VS, r,
+                     at_most(vs_torch_gloo(S5_VS, lambda c: c["bytes"] <= SMALL)),
+                     "at most {fig}x torch gloo's time for messages up to 64 KiB", both))
+    out.append(Claim("torch gloo at 16 MiB", S5_VS, r,
+                     span(vs_torch_gloo(S5_VS, lambda c: c["bytes"] == BIG)),
+                     "{fig}x at 16 MiB", both))
+    out.append(Claim("16-core host, faster MPI", S5_16, launches(S5_16),
+                     span(medians(vs_faster_mpi(S5_16))),
+                     "{fig}x the time of all_reduce, all_gather, broadcast and barrier", both))
+    vm = vs_faster_mpi(S5_VM)
+    out.append(Claim("2-core VM, faster MPI", S5_VM, launches(S5_VM), span(medians(vm)),
+                     "{fig}x on 2 and 4 ranks of a 2-core VM", both))
+    closest = vm[(4, "broadcast", SMALL)]
+    out.append(Claim("2-core VM, 4-rank 64 KiB broadcast", S5_VM, len(closest), span(closest),
+                     "the 4-rank 64 KiB broadcast, {fig}x", both))
+    out.append(Claim("2-core VM, 4-rank 64 KiB broadcast median", S5_VM, len(closest),
+                     f"{statistics.median(closest):.2f}", "median {fig}x", both))
+    out.append(Claim("nccl at world 1 up to 1 MiB", S5_NCCL, 1,
+                     span(nccl_vs_torch(S5_NCCL, "after", 1 << 20)),
+                     "{fig}x torch's ProcessGroupNCCL time up to 1 MiB at world 1 on one H100 GPU",
+                     both))
+    # the first round's figures (docs/benchmarks.md's section on that day's code)
+    out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
+                     at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),
+                     "at most {fig}x torch gloo's time up to 64 KiB", ("docs/benchmarks.md",)))
+    out.append(Claim("2026-11-21 torch gloo at 16 MiB", NOV21, 1,
+                     span(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] == BIG)),
+                     "{fig}x at 16 MiB, and", ("docs/benchmarks.md",)))
+    out.append(Claim("2026-11-21 MPICH", NOV21, 1,
+                     span(csv_vs(NOV21, "collectives:gloo", "mpi4py", lambda k: True)),
+                     "{fig}x MPICH's in all", ("docs/benchmarks.md",)))
+    return out
+
+
+def render(claim):
+    return claim.text.format(fig=claim.figure)
+
+
+def paragraphs(name):
+    """A document's paragraphs (blank-line separated; list items apart), each with its line
+    breaks and runs of spaces as single spaces."""
+    with open(DOCS[name]) as f:
+        text = f.read().replace("\n- ", "\n\n- ")
+    return [" ".join(p.split()) for p in text.split("\n\n")]
+
+
+def problems():
+    """What the documents state wrongly: a claim's text in no paragraph of a document that
+    should hold it, or in none that also names the claim's data file and its launches (or
+    rounds) per cell."""
+    found = []
+    for c in claims():
+        stem = c.file.rsplit(".", 1)[0]
+        for doc in c.where:
+            paras = [p for p in paragraphs(doc) if render(c) in p]
+            if not paras:
+                found.append(f"{doc}: no {render(c)!r} ({c.name}, from {c.file})")
+            elif not any(stem in p and (f"{c.launches} launch" in p or f"{c.launches} round" in p)
+                         for p in paras):
+                found.append(f"{doc}: {render(c)!r} is not beside {c.file} and its "
+                             f"{c.launches} launches ({c.name})")
+    return found
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 where a document disagrees")
+    args = ap.parse_args(argv)
+    for c in claims():
+        print(f"{c.name}: {c.figure} ({c.file}, {c.launches} launch(es) per cell; "
+              f"stated in {', '.join(c.where)})")
+    if args.check:
+        bad = problems()
+        for p in bad:
+            print("claims:", p, file=sys.stderr)
+        return 1 if bad else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

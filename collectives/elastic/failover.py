@@ -1,0 +1,171 @@
+"""A store client with successors: ``host0:port0,host1:port1,...``.
+
+The job's store runs outside the training processes (in each host's collectives-run, or
+``python -m collectives.elastic.store``). Its first address is the primary; when the
+primary's process dies (its connections close, it refuses new ones) every client moves to
+the next address that answers, never back, and tells its owner (``on_switch``), which
+writes again what the job needs there: its lease, the current generation's decision.
+Every client walks the same list in the same order, so they meet on the same successor.
+
+Not a consensus protocol: a network partition that leaves the primary alive but
+unreachable to some clients only would split them (docs/elastic.md says so).
+"""
+import datetime
+import threading
+import time
+
+from ..core.errors import DistNetworkError
+from ..security import auth
+from ..store.base import Store
+
+CONNECT_S = 3.0  # seconds to reach one address before the next is tried
+ADOPTED = "_failover/adopted"  # set on a successor once a client moved to it
+
+
+def parse_addresses(text):
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        host, sep, port = item.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise ValueError(f"the elastic store address must be host:port[,host:port...], "
+                             f"got {text!r}")
+        out.append((host.strip("[]"), int(port)))
+    if not out:
+        raise ValueError("the elastic store address is empty")
+    return out
+
+
+class FailoverStore(Store):
+    """The TCPStore API over a list of servers, moving to the next when one dies."""
+
+    def __init__(self, addresses, timeout=30.0, auth_key=None, start=0):
+        super().__init__(datetime.timedelta(seconds=timeout))
+        self._addrs = parse_addresses(addresses) if isinstance(addresses, str) else list(addresses)
+        self._auth_key = auth.resolve_key(auth_key)
+        self._lock = threading.RLock()
+        self.on_switch = []  # callables run (in the switching thread) after a move
+        self.switches = 0
+        self._i = start
+        self._client = None
+        self._client, self._i = self._reach(start, first=True)
+
+    @property
+    def address(self):
+        host, port = self._addrs[self._i]
+        return f"{host}:{port}"
+
+    def _open(self, i):
+        from ..store import TCPStore
+        host, port = self._addrs[i]
+        return TCPStore(host, port, None, False, datetime.timedelta(seconds=CONNECT_S),
+                        wait_for_workers=False, auth_key=self._auth_key)
+
+    def _reach(self, i, first=False):
+        """The first server from index ``i`` on that answers. A process that starts
+        (``first``) waits up to the store's timeout for the primary, and takes a successor
+        only once a client has moved there (ADOPTED is set): one that merely started
+        sooner than the primary must not split the job."""
+        deadline = time.monotonic() + (self._timeout if first else 0.0)
+        last = None
+        while True:
+            for j in range(i, len(self._addrs)):
+                try:
+                    client = self._open(j)
+                except DistNetworkError as e:
+                    last = e
+                    continue
+                if first and j > i and not client.check([ADOPTED]):
+                    client.close()
+                    continue
+                return client, j
+            if time.monotonic() >= deadline:
+                raise DistNetworkError(f"no elastic store answers at {self._addrs[i:]} (the "
+                                       f"last error: {last})")
+            time.sleep(0.2)
+
+    def _failover(self, client):
+        with self._lock:
+            if self._client is not client:  # another thread has moved already
+                return
+            if self._i + 1 >= len(self._addrs):
+                raise DistNetworkError(f"the elastic store at {self.address} is lost and no "
+                                       f"successor is configured")
+            new, i = self._reach(self._i + 1)
+            old, self._client, self._i = self._client, new, i
+            self.switches += 1
+            new.set(ADOPTED, self.address)  # newcomers may come here now
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001
+                pass
+            for cb in list(self.on_switch):
+                cb()
+
+    def _call(self, name, *args):
+        for _ in range(len(self._addrs)):
+            client = self._client
+            try:
+                return getattr(client, name)(*args)
+            except DistNetworkError:
+                if self._still_there(client):
+                    raise  # the server answers: not a lost store
+                self._failover(client)
+        return getattr(self._client, name)(*args)
+
+    def _still_there(self, client):
+        """Whether the server answers a new connection (the one that failed may have been
+        cut alone); a refused or unanswered one (CONNECT_S) means it is gone."""
+        import socket
+        try:
+            with socket.create_connection((client.host, client.port), timeout=CONNECT_S):
+                return True
+        except OSError:
+            return False
+
+    # -- the Store API ------------------------------------------------------------------
+    def _set(self, key, value):
+        return self._call("_set", key, value)
+
+    def _get(self, key, secs):
+        return self._call("_get", key, secs)
+
+    def _add(self, key, amount):
+        return self._call("_add", key, amount)
+
+    def _compare_set(self, key, expected, desired):
+        return self._call("_compare_set", key, expected, desired)
+
+    def _wait(self, keys, secs):
+        return self._call("_wait", keys, secs)
+
+    def _check(self, keys):
+        return self._call("_check", keys)
+
+    def _delete(self, key):
+        return self._call("_delete", key)
+
+    def _num_keys(self):
+        return self._call("_num_keys")
+
+    def _append(self, key, value):
+        return self._call("_append", key, value)
+
+    def _multi_get(self, keys, secs):
+        return self._call("_multi_get", keys, secs)
+
+    def _multi_set(self, keys, values):
+        return self._call("_multi_set", keys, values)
+
+    def _list_keys(self):
+        return self._call("_list_keys")
+
+    def lease(self, key, value, close_key="", close_value=b""):
+        return self._call("lease", key, value, close_key, close_value)
+
+    def clone(self):
+        """Another client of the same list, at the same server (one per thread)."""
+        return FailoverStore(self._addrs, self._timeout, self._auth_key, start=self._i)
+
+    def close(self):
+        with self._lock:
+            self._client.close()
