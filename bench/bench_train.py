@@ -147,6 +147,71 @@ def _variant(v):
         comm.set_ar_algo(v)
 
 
+def _step(m, opt, x, which, steps, timeline, keep):
+    """One training step of ``m``, appended to ``steps`` as (which, ms, marks); marks (the
+    timeline's events and the step's phases) where ``which`` is in ``keep``."""
+    if timeline is not None:
+        timeline.take()
+    t0 = time.monotonic_ns()
+    opt.zero_grad(set_to_none=False)
+    loss = m(x).float().square().mean()
+    t1 = time.monotonic_ns()
+    loss.backward()
+    t2 = time.monotonic_ns()
+    opt.step()
+    t3 = time.monotonic_ns()
+    marks = None
+    if timeline is not None and which in keep:
+        marks = {"t0": t0, "fwd": t1, "bwd": t2, "end": t3, "events": timeline.take()}
+    steps.append((which, (t3 - t0) / 1e6, marks))
+
+
+def _case(td, a, impl, name, kind, fake, timeline):
+    """The result of one (model, kind) on this rank: first steps, then the wrapped model
+    and its floor alternating in blocks (each variant in turn)."""
+    import torch
+    model, x = _build(name, a)
+    floor_model, _ = _build(name, a)
+    real = _wrap(kind, model, False, fake)
+    floor = _wrap(kind, floor_model, True, fake)
+    opt = {id(real): torch.optim.SGD(real.parameters(), lr=1e-4),
+           id(floor): torch.optim.SGD(floor.parameters(), lr=1e-4)}
+    steps = []  # (which, step ms, marks)
+    variants = a.variants if impl != "gloo" else ["default"]
+    keep = ("first", "real:" + variants[0])
+    td.barrier()
+    _variant(variants[0])
+    for _ in range(a.early):
+        _step(real, opt[id(real)], x, "first", steps, timeline, keep)
+    for _ in range(a.early):
+        _step(floor, opt[id(floor)], x, "floor_first", steps, timeline, keep)
+    for i in range(0, a.steps, a.block):
+        for v in [None] + variants:
+            if v is not None and len(variants) > 1:
+                td.barrier()  # every rank switches between the same two steps
+                _variant(v)
+            m = floor if v is None else real
+            for _ in range(min(a.block, a.steps - i)):
+                _step(m, opt[id(m)], x, "floor" if v is None else "real:" + v, steps, timeline,
+                      keep)
+    _variant(variants[0])
+    td.barrier()
+
+    def med(which):
+        v = [ms for w, ms, _ in steps if w == which]
+        return statistics.median(v) if v else None
+
+    res = {"model": name, "kind": kind, "first_ms": med("first"),
+           "ms": med("real:" + variants[0]), "floor_ms": med("floor"),
+           "floor_first_ms": med("floor_first"),
+           "variants": {v: med("real:" + v) for v in variants},
+           "params": sum(p.numel() for p in model.parameters()) if kind == "ddp" else None}
+    if timeline is not None:
+        res["timeline"] = [m for w, _, m in steps if w == "real:" + variants[0]]
+        res["timeline_first"] = [m for w, _, m in steps if w == "first"]
+    return res
+
+
 def worker():
     import torch
     a = json.loads(os.environ["BENCH_TRAIN_ARGS"])
@@ -154,7 +219,6 @@ def worker():
     impl = os.environ["IMPL"]
     torch.set_num_threads(int(os.environ["TORCH_THREADS"]))
     td = _init(impl)
-    rank, world = td.get_rank(), td.get_world_size()
     fake = None
     if "fsdp" in a.kinds:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
@@ -165,66 +229,9 @@ def worker():
             from collectives.core import timeline
         except ImportError:  # a tree from before the timeline (--base-root)
             timeline = None
-    results = []
-    for name in a.models:
-        for kind in a.kinds:
-            model, x = _build(name, a)
-            floor_model, _ = _build(name, a)
-            real = _wrap(kind, model, False, fake)
-            floor = _wrap(kind, floor_model, True, fake)
-            opts = {id(real): torch.optim.SGD(real.parameters(), lr=1e-4),
-                    id(floor): torch.optim.SGD(floor.parameters(), lr=1e-4)}
-            steps = []  # (which, step ms, marks)
-            variants = a.variants if impl != "gloo" else ["default"]
-
-            def step(m, which):
-                opt = opts[id(m)]
-                if timeline is not None:
-                    timeline.take()
-                t0 = time.monotonic_ns()
-                opt.zero_grad(set_to_none=False)
-                loss = m(x).float().square().mean()
-                t1 = time.monotonic_ns()
-                loss.backward()
-                t2 = time.monotonic_ns()
-                opt.step()
-                t3 = time.monotonic_ns()
-                marks = None
-                if timeline is not None and which in ("first", "real:" + variants[0]):
-                    marks = {"t0": t0, "fwd": t1, "bwd": t2, "end": t3, "events": timeline.take()}
-                steps.append((which, (t3 - t0) / 1e6, marks))
-
-            td.barrier()
-            _variant(variants[0])
-            for _ in range(a.early):
-                step(real, "first")
-            for _ in range(a.early):
-                step(floor, "floor_first")
-            for i in range(0, a.steps, a.block):
-                for v in [None] + variants:
-                    if v is not None and len(variants) > 1:
-                        td.barrier()  # every rank switches between the same two steps
-                        _variant(v)
-                    for _ in range(min(a.block, a.steps - i)):
-                        step(floor if v is None else real, "floor" if v is None else "real:" + v)
-            _variant(variants[0])
-            td.barrier()
-
-            def med(which):
-                v = [ms for w, ms, _ in steps if w == which]
-                return statistics.median(v) if v else None
-
-            res = {"model": name, "kind": kind, "first_ms": med("first"),
-                   "ms": med("real:" + variants[0]), "floor_ms": med("floor"),
-                   "floor_first_ms": med("floor_first"),
-                   "variants": {v: med("real:" + v) for v in variants},
-                   "params": sum(p.numel() for p in model.parameters()) if kind == "ddp" else None}
-            if timeline is not None:
-                res["timeline"] = [m for w, _, m in steps if w == "real:" + variants[0]]
-                res["timeline_first"] = [m for w, _, m in steps if w == "first"]
-            results.append(res)
-            del real, floor, model, floor_model, opts
-    if rank == 0:
+    results = [_case(td, a, impl, name, kind, fake, timeline)
+               for name in a.models for kind in a.kinds]
+    if td.get_rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
     td.barrier()
     td.destroy_process_group()
