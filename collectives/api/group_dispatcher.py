@@ -25,6 +25,7 @@ each per call, as torch's own "fast python check" of its profiler flag.
 from ..diagnostics import flight_recorder as _flight
 from . import tracked as _tracked
 from ..core import profiling as _profiling
+from ..core import timeline as _timeline
 from ..backends.base import Backend
 from ..core.errors import DistError
 from ..core.work import Counter, Work, call_timeout, timed
@@ -88,6 +89,11 @@ def general(pg, kind, buf, root, op, fn, args, async_op, outputs, timeout):
             return _profiling.run(pg, kind, _tracked.Tracked(pg.fr, s, fn), args)
         fn, args = _profiling.Recorded(pg, kind, fn, args), ()
     if async_op:
+        if _timeline.ON:
+            _timeline.mark("post", pg.fr.name, s, 0 if buf is None else buf.nbytes)
+            req = _tracked.submit(pg, s, fn, *args)
+            _timeline.KEYS[id(req)] = (pg.fr.name, s)
+            return Work(req, list(outputs), pg)
         return Work(_tracked.submit(pg, s, fn, *args), list(outputs), pg)
     _tracked.run(pg, s, fn, *args)
     return None

@@ -6,6 +6,7 @@ started, then completed or failed); :class:`TrackedRequest` is a backend's reque
 recorder's end and the profiler's span on it; :func:`p2p` records a posted isend or irecv.
 The recorder itself is :mod:`collectives.diagnostics.flight_recorder`.
 """
+from ..core import timeline as _timeline
 from ..core.errors import DistError
 from ..diagnostics import flight_recorder as _fr
 
@@ -22,11 +23,26 @@ class Tracked:
     def __call__(self, *args):
         fr, s = self.fr, self.s
         fr.started = s
+        if _timeline.ON:
+            return self._timed(args)
         try:
             self.fn(*args)
         except DistError as e:
             fr.fail(s, e)
             raise
+        fr.done = s
+
+    def _timed(self, args):
+        fr, s = self.fr, self.s
+        name = getattr(fr, "name", None)
+        _timeline.mark("start", name, s)
+        try:
+            self.fn(*args)
+        except DistError as e:
+            fr.fail(s, e)
+            raise
+        finally:
+            _timeline.mark("end", name, s)
         fr.done = s
 
 

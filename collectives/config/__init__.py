@@ -202,7 +202,8 @@ SETTINGS = (
         Chunk of the two-shot all_reduce and reduce."""),
     _shm("COLLECTIVES_SHM_CMA_MIN", "int", 256 * KiB, unit="bytes", doc="""
         all_gather, gather and scatter blocks from this size go in one copy (process_vm_readv/writev)
-        where the ranks may read each other's memory; 0 turns it off."""),
+        where the ranks may read each other's memory, reduce_scatter blocks from 16 times it; 0 turns
+        it off."""),
     _shm("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB, unit="bytes", doc="""
         broadcast from this size goes in one copy where at most two ranks share a core; 0 turns it
         off. Unset: 64 KiB with two ranks, 256 KiB with more, 0 where more than two ranks run at
@@ -256,6 +257,9 @@ SETTINGS = (
         group becomes torch's; false turns that off."""),
     _s("COLLECTIVES_TORCH_BACKEND", "str", "gloo", agree=True, read_in="torch_bridge/torch_pg.py", doc="""
         Backend of the groups that torch.distributed.init_process_group('collectives') makes."""),
+    _s("COLLECTIVES_TIMELINE", "bool", False, read_in="core/timeline.py", doc="""
+        Record when each asynchronous collective was posted, started, finished and its torch
+        future completed (collectives.core.timeline; for bench/bench_train.py's timelines)."""),
     # elastic training in place (collectives/elastic, docs/elastic.md); collectives-run sets them
     _el("COLLECTIVES_ELASTIC_STORE", "str", None, doc="""
         host:port of the job's store, served outside the training ranks (collectives-run's

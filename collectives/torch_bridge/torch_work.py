@@ -5,6 +5,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as td
 
+from ..core import timeline as _timeline
+
 
 def _timeout(timeout):
     """torch passes timedelta(0) (its kNoTimeout) for "the group's timeout"."""
@@ -75,6 +77,8 @@ class TorchWork(td._Work):
         except Exception as e:  # noqa: BLE001  (handed on to the future's waiters)
             fut.set_exception(e)
         else:
+            if _timeline.ON and self._work is not None:
+                _timeline.mark_request("done", self._work._req)
             fut.set_result(self._result)
 
 

@@ -838,15 +838,17 @@ def single_copy_readable(ctx):
 @SETTINGS
 @given(data=st.data())
 def test_single_copy_ops_match_numpy(world, data):
-    """all_gather, gather, scatter, broadcast and all_reduce in one copy: same results as the
-    reference; every rank agrees on the path (single copy where permitted, for all_reduce
-    only where the ranks do not outnumber the cores, for broadcast where they are at most
-    two a core)."""
+    """all_gather, gather, scatter, broadcast, reduce_scatter (out of place and in place)
+    and all_reduce in one copy: same results as the reference; every rank agrees on the
+    path (single copy where permitted, for all_reduce only where the ranks do not outnumber
+    the cores, for broadcast where they are at most two a core)."""
     pool = pool_for(world, env=ENV_CMA)
     flags = pool.run(single_copy)
     assert flags == [_cma_permitted() and world <= os.cpu_count()] * world
     assert pool.run(single_copy_readable) == [_cma_permitted()] * world
-    name = data.draw(st.sampled_from(GATHERS + ["scatter", "broadcast", "all_reduce"]), "op")
+    name = data.draw(st.sampled_from(GATHERS + ["scatter", "broadcast", "all_reduce",
+                                                "reduce_scatter", "reduce_scatter_in_place"]),
+                     "op")
     dtype = data.draw(st.sampled_from([D.FLOAT32, D.INT8, D.COMPLEX64]), "dtype")
     count = data.draw(st.one_of(st.sampled_from([0, 1, 15, 16, 17, 12345]), st.integers(0, 70000)))
     root = data.draw(st.integers(0, world - 1), "root")

@@ -794,6 +794,63 @@ int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root,
     return SHM_OK;
 }
 
+/* Single-copy reduce_scatter (blocks from RS_CMA_FACTOR * c->cma_min, 4 MiB by default,
+ * where the ranks may read each other's memory): rank r reads block r of every other rank's input straight from its
+ * buffer (in chunks, into the private scratch) and reduces the blocks in rank order into
+ * its output, as the two-copy path does (the same bytes). Through the segment every block
+ * is copied twice (its owner writes it in, its reader reads it out) and each chunk of
+ * half / n bytes a block takes a synchronisation; here once, and two in all: s1 = the
+ * inputs' addresses published; s2 = every rank has read what it needs (no one returns, and
+ * lets its input change, while a peer still reads it). The output must not overlap the
+ * input but as this rank's own block (which no peer reads): the caller sees to it.
+ * On this project's 2-vCPU VM (AMD EPYC, load 14-20, two MPICH jobs per cell, time over
+ * MPICH's in the same job), single copy against through the segment: 2 ranks 4 MiB
+ * 0.67-0.69 against 0.88-1.00, 16 MiB 0.63-0.67 against 0.95-1.04; 4 ranks 4 MiB 0.52-0.57
+ * against 0.53-0.74, 16 MiB 0.53-0.64 against 0.61-0.65; but 1 MiB 0.57-0.69 against
+ * 0.38-0.45 (2 ranks) and 0.43-0.54 against 0.25-0.28 (4): hence the factor. */
+#define RS_CMA_FACTOR 16
+static int reduce_scatter_cma(shm_comm *c, void *out, const void *in, size_t count, int dtype,
+                              int op, size_t isz, const void **srcs, uint64_t fp)
+{
+    int n = c->n, me = c->me;
+    if (!c->cma_tmp && !(c->cma_tmp = malloc((size_t)(n - 1) * CMA_AR_CHUNK)))
+        return SHM_ESYS;
+    int rc;
+    const char *uin = in;
+    thp_prepare(c, in, (size_t)n * count * isz);
+    atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)in, memory_order_relaxed);
+    if ((rc = fp_publish(c, fp)))
+        return rc;
+    uint32_t s1 = ++c->seq;
+    post(c, s1);
+    if ((rc = fp_check_all(c, s1)))
+        return rc;
+    size_t ce = CMA_AR_CHUNK / isz;
+    for (size_t off = 0; off < count; off += ce) {
+        size_t cnt = count - off < ce ? count - off : ce;
+        size_t at = ((size_t)me * count + off) * isz;
+        for (int q = 0, k = 0; q < n; q++) {
+            if (q == me) {
+                srcs[q] = uin + at;
+                continue;
+            }
+            char *tmp = c->cma_tmp + (size_t)k++ * CMA_AR_CHUNK;
+            uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
+            if ((rc = cma_read(c, q, tmp, addr + at, cnt * isz)))
+                return rc;
+            srcs[q] = tmp;
+        }
+        if ((rc = coll_reduce_many((char *)out + off * isz, srcs, n, cnt, dtype, op)))
+            return rc;
+    }
+    uint32_t s2 = ++c->seq;
+    post(c, s2);
+    if ((rc = wait_posts(c, s2)))
+        return rc;
+    ack(c, s2);
+    return SHM_OK;
+}
+
 int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int dtype, int op,
                        uint64_t fp)
 {
@@ -818,6 +875,23 @@ int shm_reduce_scatter(shm_comm *c, void *out, const void *in, size_t count, int
      * otherwise than as exactly that slice (coll_reduce_many may write over one source) */
     const int direct = o0 + count * isz <= i0 || i0 + (size_t)n * count * isz <= o0
                        || o0 == i0 + (size_t)me * count * isz;
+    if (c->cma_readable && c->cma_min && count * isz >= RS_CMA_FACTOR * c->cma_min) {
+        /* (every rank takes this path, whatever its buffers: an output that overlaps
+         * the input otherwise than as this rank's block gets a private copy of the input
+         * for the peers to read) */
+        void *copy = NULL;
+        if (!direct) {
+            if (!(copy = malloc((size_t)n * count * isz))) {
+                rc = SHM_ESYS;
+                goto out;
+            }
+            memcpy(copy, in, (size_t)n * count * isz);
+        }
+        if (!(rc = reduce_scatter_cma(c, out, copy ? copy : in, count, dtype, op, isz, srcs, fp)))
+            tick(c, count * isz);
+        free(copy);
+        goto out;
+    }
     if ((rc = fp_publish(c, fp)))
         goto out;
     const uint32_t s0 = c->seq + 1;

@@ -166,6 +166,10 @@ typedef struct {
     uint32_t decide_at;           /* the call at whose start the round's times are read */
     uint32_t gap;                 /* calls from a decision to the next round */
     int arm;                      /* the agreed algorithm (TUNE_ARMS: none yet) */
+    uint32_t benched[TUNE_ARMS];  /* an arm that lost by far sits out the rounds before
+                                     this call (0: it does not) */
+    int round[TUNE_ARMS];         /* the arms timed in the current round, */
+    int round_k;                  /* ... how many (0: no round begun yet) */
     int64_t best[TUNE_ARMS];      /* this rank's fastest trial of each arm this round */
 } tune_t;
 

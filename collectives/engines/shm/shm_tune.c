@@ -22,7 +22,17 @@
  *   holds (at most TUNE_MAX_GAP, and at most about TUNE_PERIOD_NS of the class's calls,
  *   so that a host that moves the ranks apart is followed within about a second).
  * The round's trials of slower arms are its cost: 3 arms, 3 trials, at most one round in
- * TUNE_MIN_GAP + 9 calls, a few percent at first and less as the gap doubles. */
+ * TUNE_MIN_GAP + 9 calls, a few percent at first and less as the gap doubles.
+ * - That is a few percent only while the arms are close. Where the progress thread shares
+ *   the cores with compute (DDP's buckets in the backward pass on a 2-core VM), two-shot's
+ *   ~130 synchronisations of a 32 MiB all_reduce each wait for a scheduler slice, and it
+ *   measured 10-50x the single copy's time (400-880 ms against 11-15 ms): every round
+ *   then cost seconds. So an arm whose time is TUNE_BENCH_RATIO times the winner's or
+ *   more sits out the rounds of the next TUNE_BENCH_NS of the class's calls, or more
+ *   where it lost by more (its next trials cost at most ~2% of the calls meanwhile; at
+ *   least TUNE_BENCH_MIN calls): the rounds between time the close arms only (one arm
+ *   left: its trials cost nothing), and the far loser is timed again after that.
+ *   Every rank benches the same arms: the decision reads the same published times. */
 #include "shm_tune.h"
 
 #define TUNE_TRIALS 3         /* back to back: the later ones run as that arm runs in a loop */
@@ -31,6 +41,10 @@
 #define TUNE_MAX_GAP 4096
 #define TUNE_PERIOD_NS 1000000000LL
 #define TUNE_NONE INT64_MAX
+#define TUNE_BENCH_RATIO 2
+#define TUNE_BENCH_MIN 64
+#define TUNE_BENCH_NS 10000000000LL
+#define TUNE_BENCH_COST (TUNE_TRIALS * 50)  /* calls benched per unit of the time ratio */
 
 /* log2 of each kind's smallest class's upper bound: all_reduce from 64 KiB (its one-shot
  * size), all_gather blocks from 4 KiB (below, streaming does not start) */
@@ -90,6 +104,20 @@ static void decide(shm_comm *c, int kind, int b, tune_t *t, uint32_t i)
         t->trial_at = i + TUNE_MIN_GAP;
         return;
     }
+    for (int a = 0; a < TUNE_ARMS; a++) {
+        if (slowest[a] == TUNE_NONE || slowest[a] / TUNE_BENCH_RATIO < slowest[best])
+            continue;
+        /* its next trials cost at most ~2% of the winner's time meanwhile */
+        int64_t bench = TUNE_BENCH_NS / slowest[best];
+        int64_t by_cost = TUNE_BENCH_COST * (slowest[a] / slowest[best]);
+        if (bench < by_cost)
+            bench = by_cost;
+        if (bench < TUNE_BENCH_MIN)
+            bench = TUNE_BENCH_MIN;
+        if (bench > (1 << 24))
+            bench = 1 << 24;
+        t->benched[a] = (i + (uint32_t)bench) | 1;  /* (never 0: 0 means not benched) */
+    }
     if (best == t->arm)
         t->gap = t->gap * 2 < TUNE_MAX_GAP ? t->gap * 2 : TUNE_MAX_GAP;
     else
@@ -101,6 +129,15 @@ static void decide(shm_comm *c, int kind, int b, tune_t *t, uint32_t i)
         t->gap = (uint32_t)by_time;
     t->arm = best;
     t->trial_at = i + t->gap;
+}
+
+/* Whether `arm` is among the k `arms` that a call's settings and size allow. */
+static int allowed(int arm, const int *arms, int k)
+{
+    for (int a = 0; a < k; a++)
+        if (arms[a] == arm)
+            return 1;
+    return 0;
 }
 
 /* The arm for this call of the class: a trial, the agreed choice, or `fallback` before
@@ -118,13 +155,27 @@ static int choose(shm_comm *c, int kind, size_t nbytes, const int *arms, int k, 
     uint32_t i = t->calls++;
     if (t->decide_at && i == t->decide_at)
         decide(c, kind, b, t, i);
-    uint32_t n_trials = (uint32_t)(TUNE_TRIALS * k);
+    if (i == t->trial_at) {  /* a round starts: the benched arms sit it out */
+        int kept = 0;
+        for (int a = 0; a < k; a++) {
+            uint32_t until = t->benched[arms[a]];
+            if (until && (int32_t)(until - i) > 0)
+                continue;
+            t->benched[arms[a]] = 0;
+            t->round[kept++] = arms[a];
+        }
+        t->round_k = kept;
+        for (int a = 0; a < TUNE_ARMS; a++)
+            t->best[a] = TUNE_NONE;
+    }
+    uint32_t n_trials = (uint32_t)(TUNE_TRIALS * t->round_k);
     if (i - t->trial_at < n_trials) {  /* a trial of this round */
-        if (i == t->trial_at)
-            for (int a = 0; a < TUNE_ARMS; a++)
-                t->best[a] = TUNE_NONE;
-        *t0 = now_ns();
-        return arms[(i - t->trial_at) / TUNE_TRIALS];
+        int arm = t->round[(i - t->trial_at) / TUNE_TRIALS];
+        if (allowed(arm, arms, k)) {  /* (else this call's size rules it out: not timed) */
+            *t0 = now_ns();
+            return arm;
+        }
+        return allowed(t->arm, arms, k) ? t->arm : fallback;
     }
     if (i - t->trial_at == n_trials) {  /* publish before this call's first post */
         for (int a = 0; a < TUNE_ARMS; a++)
@@ -133,10 +184,7 @@ static int choose(shm_comm *c, int kind, size_t nbytes, const int *arms, int k, 
         t->decide_at = i + 1;
         t->trial_at = i - n_trials - 1;  /* no trials until decide() sets the next round */
     }
-    for (int a = 0; a < k; a++)
-        if (arms[a] == t->arm)
-            return t->arm;
-    return fallback;
+    return allowed(t->arm, arms, k) ? t->arm : fallback;
 }
 
 SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0)

@@ -1,0 +1,482 @@
+#!/usr/bin/env python3
+"""DDP and FSDP2 training steps against their no-communication floors, torch gloo against
+collectives through both of its torch entry points, side by side.
+
+    python bench/bench_train.py                                   # worlds 2 and 4, everything
+    python bench/bench_train.py --worlds 2 --models mlp8 --kinds ddp --rounds 3 --markdown
+    python bench/bench_train.py --worlds 2 --models mlp8 --kinds ddp --timeline t.json \\
+        --plot bench/results/timeline.png
+
+Implementations (``--impls``), each a launch of W ranks (``OMP_NUM_THREADS=1``, torch's
+intra-op threads set per launch):
+
+- ``gloo``: ``torch.distributed.init_process_group("gloo")``;
+- ``coll``: ``collectives.init_process_group("gloo")`` (torch's default group then runs on
+  collectives, see collectives/torch_bridge/torch_pg.py);
+- ``coll_torch``: ``import collectives.torch_bridge.torch_pg`` (registers the backend),
+  then ``torch.distributed.init_process_group("collectives")``.
+
+Models (``--models``): ``mlp8`` the comm-bound MLP 512 -> 2048 x4 -> 16 (17.9M float32
+parameters, 68 MiB of gradients) at batch 8, ``mlp128`` the same at batch 128, ``tfm`` a
+transformer encoder (6 layers, d=512, 8 heads, feed-forward 2048, no dropout; 18.9M
+parameters) on a batch of ``--tfm-batch`` sequences of ``--tfm-seq`` tokens.
+
+Kinds (``--kinds``) and their floors, measured in the same launch, on the same ranks and
+data, blocks of ``--block`` steps alternating with the real thing:
+
+- ``ddp``: ``DistributedDataParallel(model)`` (default buckets); its floor is a second
+  DDP of the same model whose comm hook returns the bucket at once (no communication);
+- ``fsdp``: FSDP2, ``fully_shard`` on every layer, then on the root, over the default
+  group; its floor is the same model sharded the same way over torch's ``fake`` process
+  group (torch.testing._internal.distributed.fake_pg: every collective returns at once,
+  without touching the tensors), of the same world size: the same shards, the same
+  copies in and out of FSDP's buffers, no communication.
+
+The first ``--early`` steps of each wrapped model are reported on their own (``first``):
+they include collectives' measured algorithm choices (the trials of the first calls of
+each size class, src/shm/shm_tune.c) and DDP's bucket rebuild. Then ``--steps`` steps of
+each, alternating in blocks; medians of those are the ``steady`` figures.
+
+``--timeline FILE`` sets ``COLLECTIVES_TIMELINE=1`` for the collectives launches: rank 0
+records, per step, when the backward pass began and ended and, for every bucket's
+all_reduce, when it was posted (torch's reducer calling the group), started and finished
+(on the group's progress thread) and when its torch future was completed
+(collectives.core.timeline); the file holds them, the summary lines print the median
+per-bucket delays, and ``--plot PNG`` draws the steady steps of the first case.
+Each round launches every implementation once, in a rotating order, so drift hits all
+alike; the table gives medians over rounds. ``NAME@base`` runs an implementation on the
+checkout ``--base-root`` (built in place): a before/after in one run. ``--variants``
+alternates collectives runs between variants within each launch (``VARIANTS``: the
+all_reduce algorithm forced).
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+IMPLS = ["gloo", "coll", "coll_torch"]
+MODELS = ["mlp8", "mlp128", "tfm"]
+KINDS = ["ddp", "fsdp"]
+
+
+# ---- ranks ------------------------------------------------------------------------------------
+
+def _init(impl):
+    import torch.distributed as td
+    impl = impl.partition("@")[0]
+    if impl == "gloo":
+        td.init_process_group("gloo")
+    elif impl == "coll":
+        import collectives
+        collectives.init_process_group("gloo")
+    elif impl == "coll_torch":
+        import collectives.torch_bridge.torch_pg  # noqa: F401  (registers "collectives")
+        td.init_process_group("collectives")
+    else:
+        raise ValueError(impl)
+    return td
+
+
+def _build(name, a):
+    """(model, input) of case ``name``; the same on every rank (seed 0)."""
+    import torch
+    torch.manual_seed(0)
+    if name.startswith("mlp"):
+        layers = [torch.nn.Linear(512, 2048), torch.nn.ReLU()]
+        for _ in range(4):
+            layers += [torch.nn.Linear(2048, 2048), torch.nn.ReLU()]
+        layers.append(torch.nn.Linear(2048, 16))
+        return torch.nn.Sequential(*layers), torch.randn(int(name[3:]), 512)
+    if name == "tfm":
+        layers = [torch.nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, batch_first=True)
+                  for _ in range(6)]
+        return (torch.nn.Sequential(*layers, torch.nn.Linear(512, 16)),
+                torch.randn(a.tfm_batch, a.tfm_seq, 512))
+    raise ValueError(name)
+
+
+def _noop_hook(state, bucket):
+    import torch
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _wrap(kind, model, floor, fake):
+    import torch
+    if kind == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        if floor:
+            ddp.register_comm_hook(None, _noop_hook)
+        return ddp
+    from torch.distributed.fsdp import fully_shard
+    mesh = None
+    if floor:
+        from torch.distributed.device_mesh import DeviceMesh
+        mesh = DeviceMesh.from_group(fake, "cpu")
+    for m in model:
+        if any(p.requires_grad for p in m.parameters()):
+            fully_shard(m, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+#: what a variant of the collectives run changes, between blocks of steps, on every rank
+VARIANTS = {
+    "default": "nothing (what the tree does)",
+    "auto": "all_reduce algorithm measured (COLLECTIVES_SHM_AR_ALGO=auto)",
+    "two_shot": "all_reduce two-shot only",
+    "single_copy": "all_reduce single copy only (where the host allows it)",
+}
+
+
+def _variant(v):
+    """Switch the collectives run to variant ``v`` (see VARIANTS)."""
+    if v == "default":
+        return
+    from collectives.api import group as _groups
+    comm = getattr(_groups.world.default.backend, "_comm", None)
+    if v in ("auto", "two_shot", "single_copy"):
+        if comm is None:
+            raise SystemExit(f"variant {v}: the default group's backend is not shm")
+        comm.set_ar_algo(v)
+
+
+def _step(m, opt, x, which, steps, timeline, keep):
+    """One training step of ``m``, appended to ``steps`` as (which, ms, marks); marks (the
+    timeline's events and the step's phases) where ``which`` is in ``keep``."""
+    if timeline is not None:
+        timeline.take()
+    t0 = time.monotonic_ns()
+    opt.zero_grad(set_to_none=False)
+    loss = m(x).float().square().mean()
+    t1 = time.monotonic_ns()
+    loss.backward()
+    t2 = time.monotonic_ns()
+    opt.step()
+    t3 = time.monotonic_ns()
+    marks = None
+    if timeline is not None and which in keep:
+        marks = {"t0": t0, "fwd": t1, "bwd": t2, "end": t3, "events": timeline.take()}
+    steps.append((which, (t3 - t0) / 1e6, marks))
+
+
+def _case(td, a, impl, name, kind, fake, timeline):
+    """The result of one (model, kind) on this rank: first steps, then the wrapped model
+    and its floor alternating in blocks (each variant in turn)."""
+    import torch
+    model, x = _build(name, a)
+    floor_model, _ = _build(name, a)
+    real = _wrap(kind, model, False, fake)
+    floor = _wrap(kind, floor_model, True, fake)
+    opt = {id(real): torch.optim.SGD(real.parameters(), lr=1e-4),
+           id(floor): torch.optim.SGD(floor.parameters(), lr=1e-4)}
+    steps = []  # (which, step ms, marks)
+    variants = a.variants if impl != "gloo" else ["default"]
+    keep = ("first", "real:" + variants[0])
+    td.barrier()
+    _variant(variants[0])
+    for _ in range(a.early):
+        _step(real, opt[id(real)], x, "first", steps, timeline, keep)
+    for _ in range(a.early):
+        _step(floor, opt[id(floor)], x, "floor_first", steps, timeline, keep)
+    for i in range(0, a.steps, a.block):
+        for v in [None] + variants:
+            if v is not None and len(variants) > 1:
+                td.barrier()  # every rank switches between the same two steps
+                _variant(v)
+            m = floor if v is None else real
+            for _ in range(min(a.block, a.steps - i)):
+                _step(m, opt[id(m)], x, "floor" if v is None else "real:" + v, steps, timeline,
+                      keep)
+    _variant(variants[0])
+    td.barrier()
+
+    def med(which):
+        v = [ms for w, ms, _ in steps if w == which]
+        return statistics.median(v) if v else None
+
+    res = {"model": name, "kind": kind, "first_ms": med("first"),
+           "ms": med("real:" + variants[0]), "floor_ms": med("floor"),
+           "floor_first_ms": med("floor_first"),
+           "variants": {v: med("real:" + v) for v in variants},
+           "params": sum(p.numel() for p in model.parameters()) if kind == "ddp" else None}
+    if timeline is not None:
+        res["timeline"] = [m for w, _, m in steps if w == "real:" + variants[0]]
+        res["timeline_first"] = [m for w, _, m in steps if w == "first"]
+    return res
+
+
+def worker():
+    import torch
+    a = json.loads(os.environ["BENCH_TRAIN_ARGS"])
+    a = argparse.Namespace(**a)
+    impl = os.environ["IMPL"]
+    torch.set_num_threads(int(os.environ["TORCH_THREADS"]))
+    td = _init(impl)
+    fake = None
+    if "fsdp" in a.kinds:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+        fake = td.new_group(backend="fake")
+    timeline = None
+    if impl != "gloo" and os.environ.get("COLLECTIVES_TIMELINE") == "1":
+        try:
+            from collectives.core import timeline
+        except ImportError:  # a tree from before the timeline (--base-root)
+            timeline = None
+    results = [_case(td, a, impl, name, kind, fake, timeline)
+               for name in a.models for kind in a.kinds]
+    if td.get_rank() == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+    td.barrier()
+    td.destroy_process_group()
+
+
+# ---- launcher ----------------------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(impl, world, threads, a, timeline):
+    port = free_port()
+    args = {"models": a.models, "kinds": a.kinds, "steps": a.steps, "early": a.early,
+            "variants": a.variants,
+            "block": a.block, "tfm_batch": a.tfm_batch, "tfm_seq": a.tfm_seq}
+    procs = []
+    root = a.base_root if impl.endswith("@base") else ROOT
+    for r in range(world):
+        env = dict(os.environ, IMPL=impl, TORCH_THREADS=str(threads),
+                   BENCH_TRAIN_ARGS=json.dumps(args), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads),
+                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if timeline and impl != "gloo":
+            env["COLLECTIVES_TIMELINE"] = "1"
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            for q in procs:
+                q.wait()
+            raise SystemExit(f"{impl} world {world}: timed out after {a.timeout} s") from None
+        if p.returncode:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"{impl} world {world} failed:\n{err[-3000:]}")
+        outs.append(out)
+    for line in outs[0].splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise SystemExit(f"{impl}: rank 0 printed no result")
+
+
+def bucket_delays(marks):
+    """Per step: [(bytes, posted, started, finished, done) ms from the step's start] for
+    each all_reduce, and the step's (forward end, backward end, end) ms."""
+    calls = {}
+    for what, group, seq, t, extra in marks["events"]:
+        c = calls.setdefault((group, seq), {})
+        c[what] = (t - marks["t0"]) / 1e6
+        if what == "post":
+            c["bytes"] = extra
+    rows = [c for c in calls.values() if {"post", "start", "end", "done"} <= c.keys()]
+    rows.sort(key=lambda c: c["post"])
+    return rows, ((marks["fwd"] - marks["t0"]) / 1e6, (marks["bwd"] - marks["t0"]) / 1e6,
+                  (marks["end"] - marks["t0"]) / 1e6)
+
+
+def summarize_timeline(steps):
+    """Medians over steps: queue (post->start), run (start->end), handoff (end->done) per
+    bucket, and the wait after the last post (last post -> backward end)."""
+    queue, run, hand, tail, exposed = [], [], [], [], []
+    for marks in steps:
+        rows, (fwd, bwd, _end) = bucket_delays(marks)
+        if not rows:
+            continue
+        for c in rows:
+            queue.append(c["start"] - c["post"])
+            run.append(c["end"] - c["start"])
+            hand.append(c["done"] - c["end"])
+        tail.append(bwd - rows[-1]["post"])
+        exposed.append(bwd - max(c["done"] for c in rows))
+    if not queue:
+        return None
+    m = statistics.median
+    return {"queue_ms": m(queue), "run_ms": m(run), "handoff_ms": m(hand),
+            "after_last_post_ms": m(tail), "backward_after_last_done_ms": m(exposed),
+            "buckets": len(queue) // max(len(tail), 1)}
+
+
+def plot(path, steps, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = steps[-3:]
+    fig, axes = plt.subplots(len(steps), 1, figsize=(11, 2.0 + 1.2 * len(steps)), squeeze=False)
+    for ax, marks in zip(axes[:, 0], steps):
+        rows, (fwd, bwd, end) = bucket_delays(marks)
+        ax.barh(0, fwd, left=0, color="#9ecae1", label="forward")
+        ax.barh(0, bwd - fwd, left=fwd, color="#3182bd", label="backward (+ DDP's wait)")
+        ax.barh(0, end - bwd, left=bwd, color="#c6dbef", label="optimizer")
+        for i, c in enumerate(rows, 1):
+            ax.barh(i, c["start"] - c["post"], left=c["post"], color="#fdae6b",
+                    label="posted -> started" if i == 1 else None)
+            ax.barh(i, c["end"] - c["start"], left=c["start"], color="#e6550d",
+                    label="all_reduce running" if i == 1 else None)
+            ax.barh(i, max(c["done"] - c["end"], 0.05), left=c["end"], color="#31a354",
+                    label="finished -> future done" if i == 1 else None)
+            ax.text(c["end"] + 0.3, i, f"{c['bytes'] / 2**20:.1f} MiB", va="center", fontsize=7)
+        ax.set_yticks(range(len(rows) + 1), ["step"] + [f"bucket {i}" for i in range(1, len(rows) + 1)])
+        ax.invert_yaxis()
+        ax.set_xlim(0, end * 1.08)
+    axes[-1, 0].set_xlabel("ms from the step's start (rank 0)")
+    axes[0, 0].set_title(title, fontsize=9)
+    axes[-1, 0].legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--threads", default="1,auto",
+                    help="torch intra-op threads per rank, commas: a number or auto (cores/world)")
+    ap.add_argument("--steps", type=int, default=20, help="steady steps of each (real and floor)")
+    ap.add_argument("--early", type=int, default=10, help="first steps, reported on their own")
+    ap.add_argument("--block", type=int, default=5, help="steps in a row before alternating")
+    ap.add_argument("--tfm-batch", type=int, default=2)
+    ap.add_argument("--tfm-seq", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--timeline", help="write the collectives launches' timelines here (JSON)")
+    ap.add_argument("--plot", help="draw the first case's steady steps here (PNG; needs --timeline)")
+    ap.add_argument("--json", help="write every launch's results here")
+    ap.add_argument("--variants", default="default",
+                    help="collectives runs: variants alternated in blocks within each launch, "
+                    "commas: " + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
+    ap.add_argument("--base-root", help="another checkout of collectives (extensions built): "
+                    "impls coll@base and coll_torch@base run on it, for a before/after in one run")
+    ap.add_argument("--markdown", action="store_true")
+    a = ap.parse_args(argv)
+    if a.worker:
+        return worker()
+    a.models, a.kinds, a.variants = a.models.split(","), a.kinds.split(","), a.variants.split(",")
+    for v in a.variants:
+        if v not in VARIANTS:
+            ap.error(f"--variants: unknown {v!r}; choose from {', '.join(VARIANTS)}")
+    impls = a.impls.split(",")
+    for v, allowed, what in ((impls, IMPLS, "impls"), (a.models, MODELS, "models"),
+                             (a.kinds, KINDS, "kinds")):
+        for x in v:
+            if what == "impls" and x.endswith("@base") and x != "gloo@base":
+                if not a.base_root:
+                    ap.error(f"--impls {x}: give --base-root")
+                x = x[:-5]
+            if x not in allowed:
+                ap.error(f"--{what}: unknown {x!r}; choose from {', '.join(allowed)}")
+    cores = os.cpu_count() or 1
+    runs = []  # (world, threads, impl, round, results)
+    for world in [int(w) for w in a.worlds.split(",")]:
+        threads = []
+        for t in a.threads.split(","):
+            n = max(1, cores // world) if t == "auto" else int(t)
+            if n not in threads:
+                threads.append(n)
+        for nt in threads:
+            for rnd in range(a.rounds):
+                order = impls[rnd % len(impls):] + impls[:rnd % len(impls)]
+                for impl in order:
+                    t0 = time.time()
+                    res = launch(impl, world, nt, a, bool(a.timeline))
+                    runs.append({"world": world, "threads": nt, "impl": impl, "round": rnd,
+                                 "results": res})
+                    for r in res:
+                        print(f"# world={world} threads={nt} round={rnd + 1} {impl:>10} "
+                              f"{r['model']:>6} {r['kind']}: first {r['first_ms']:.1f} "
+                              f"steady {r['ms']:.1f} floor {r['floor_ms']:.1f} ms/step "
+                              f"({time.time() - t0:.0f} s)" + (
+                                  "; variants " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                            r["variants"].items())
+                                  if len(r.get("variants", {})) > 1 else ""),
+                              file=sys.stderr, flush=True)
+                        for label, tl in (("first", r.get("timeline_first")),
+                                          ("steady", r.get("timeline"))):
+                            s = summarize_timeline(tl) if tl else None
+                            if s:
+                                print(f"#   timeline medians, {label}: " + ", ".join(
+                                    f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                    for k, v in s.items()), file=sys.stderr, flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([{k: v for k, v in run.items()} for run in runs], f)
+    if a.timeline:
+        with open(a.timeline, "w") as f:
+            json.dump([run for run in runs if run["impl"] != "gloo"], f)
+        if a.plot:
+            for run in reversed(runs):  # the last launch that has one
+                if run["impl"] != "gloo" and run["results"][0].get("timeline"):
+                    r = run["results"][0]
+                    plot(a.plot, r["timeline"], f"{run['impl']}, world {run['world']}, "
+                         f"{r['model']} {r['kind']}: {r['ms']:.1f} ms/step, floor "
+                         f"{r['floor_ms']:.1f} (medians); the last three steady steps")
+                    break
+    print_table(runs, impls, a.markdown)
+
+
+def print_table(runs, impls, markdown):
+    cells = {}
+    for run in runs:
+        for r in run["results"]:
+            key = (run["world"], run["threads"], r["model"], r["kind"])
+            cells.setdefault(key, {}).setdefault(run["impl"], []).append(r)
+    head = ["world", "threads", "model", "kind"]
+    head += [f"{i} ms" for i in impls] + ["floor ms"]
+    head += [f"{i} first" for i in impls]
+    head += [f"{i}/floor" for i in impls if i != "gloo"]
+    head += [f"{i}/gloo" for i in impls if i != "gloo"]
+    head += [f"{i} above floor / gloo's" for i in impls if i != "gloo"]
+    sep = " | " if markdown else "  "
+    print(("| " + sep.join(head) + " |") if markdown else sep.join(head))
+    if markdown:
+        print("|" + "---|" * len(head))
+    m = statistics.median
+    for key, by in sorted(cells.items()):
+        ms = {i: m(r["ms"] for r in by[i]) for i in impls if i in by}
+        first = {i: m(r["first_ms"] for r in by[i]) for i in impls if i in by}
+        above = {i: m(r["ms"] - r["floor_ms"] for r in by[i]) for i in impls if i in by}
+        floor = m(r["floor_ms"] for i in by for r in by[i])
+        row = [str(key[0]), str(key[1]), key[2], key[3]]
+        row += [f"{ms[i]:.1f}" if i in ms else "" for i in impls] + [f"{floor:.1f}"]
+        row += [f"{first[i]:.1f}" if i in first else "" for i in impls]
+        for i in impls:
+            if i != "gloo":
+                row.append(f"{m(r['ms'] / r['floor_ms'] for r in by[i]):.2f}" if i in by else "")
+        for i in impls:
+            if i != "gloo":
+                row.append(f"{ms[i] / ms['gloo']:.2f}" if i in ms and "gloo" in ms else "")
+        for i in impls:
+            if i != "gloo":
+                ok = i in above and "gloo" in above and above["gloo"] > 0
+                row.append(f"{above[i] / above['gloo']:.2f}" if ok else "")
+        print(("| " + sep.join(row) + " |") if markdown else sep.join(row))
+
+
+if __name__ == "__main__":
+    main()
