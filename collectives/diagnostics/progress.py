@@ -366,23 +366,34 @@ class _Progress:
                       _gone(post.get("host"), post.get("pid")))
         return out
 
+    def whereabouts(self, fr, s, mark_down):
+        """``(missing ranks, notes)`` of collective ``s`` from the other ranks' progress
+        posts, or why they could not be read (a str). ``mark_down``: a store that failed
+        takes no dump requests either."""
+        try:
+            done, posts = _within(READ_WAIT_S, self.read, fr)
+        except Exception as e:  # noqa: BLE001
+            if mark_down:
+                self.down = time.monotonic()
+            return f"the other ranks' progress could not be read: {e}"
+        if not done:
+            if mark_down:
+                self.down = time.monotonic()
+            return (f"the other ranks' progress could not be read: the store did not answer "
+                    f"within {READ_WAIT_S:g} s")
+        if posts is None:
+            return "no store to read the other ranks' progress from"
+        return _whereabouts(fr, s, posts)
+
     def explain(self, fr, s, text):
         """The lead of a timeout's message: which ranks never joined collective ``s``."""
         m = re.search(r"Timed out waiting (\d+)ms", text)
         after = f" after {int(m.group(1)) / 1000:g} s" if m else ""
         head = f"{fr.describe_seq(s)} in group {fr.name} timed out{after}"
-        try:
-            done, posts = _within(READ_WAIT_S, self.read, fr)
-        except Exception as e:  # noqa: BLE001
-            self.down = time.monotonic()  # no dump requests through it either
-            return f"{head} (the other ranks' progress could not be read: {e}). "
-        if not done:
-            self.down = time.monotonic()
-            return (f"{head} (the other ranks' progress could not be read: the store did not "
-                    f"answer within {READ_WAIT_S:g} s). ")
-        if posts is None:
-            return f"{head} (no store to read the other ranks' progress from). "
-        missing, notes = _whereabouts(fr, s, posts)
+        found = self.whereabouts(fr, s, mark_down=True)
+        if isinstance(found, str):
+            return f"{head} ({found}). "
+        missing, notes = found
         who = (f": ranks {{{', '.join(map(str, missing))}}} did not join it" if missing
                else ": every rank joined it")
         return f"{head}{who} ({'; '.join(notes)}). "
@@ -415,15 +426,10 @@ class _Progress:
         """The warning's text: rank R has waited N s in collective #s, and who is missing."""
         head = (f"rank {global_rank()} has waited {waited:.0f} s in {fr.describe_seq(s)} "
                 f"in group {fr.name}")
-        try:
-            done, posts = _within(READ_WAIT_S, self.read, fr)
-        except Exception as e:  # noqa: BLE001
-            return f"{head} (the other ranks' progress could not be read: {e})"
-        if not done:
-            return f"{head} (the other ranks' progress could not be read)"
-        if posts is None:
-            return f"{head} (no store to read the other ranks' progress from)"
-        missing, notes = _whereabouts(fr, s, posts)
+        found = self.whereabouts(fr, s, mark_down=False)
+        if isinstance(found, str):
+            return f"{head} ({found})"
+        missing, notes = found
         who = (f": ranks {{{', '.join(map(str, missing))}}} have not arrived" if missing
                else ": every rank has arrived")
         return f"{head}{who} ({'; '.join(notes)}); still waiting, up to the group's timeout"
