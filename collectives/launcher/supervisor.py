@@ -48,6 +48,43 @@ def _signal_group(rank, sig):
         pass
 
 
+class _Pipes:
+    """The ranks' stdout and stderr, read without blocking into their output streams."""
+
+    def __init__(self):
+        self.sel = selectors.DefaultSelector()
+
+    def add(self, rank):
+        for pipe, stream in ((rank.proc.stdout, rank.out), (rank.proc.stderr, rank.err)):
+            os.set_blocking(pipe.fileno(), False)
+            self.sel.register(pipe, selectors.EVENT_READ, stream)
+
+    def pump(self, timeout):
+        """Feed what the pipes hold (waiting up to ``timeout`` s); close those at EOF."""
+        for key, _ in self.sel.select(timeout):
+            try:
+                data = os.read(key.fileobj.fileno(), 1 << 16)
+            except (BlockingIOError, InterruptedError):
+                continue
+            if data:
+                key.data.feed(data)
+            else:
+                self._drop(key)
+
+    def any_open(self):
+        return bool(self.sel.get_map())
+
+    def _drop(self, key):
+        self.sel.unregister(key.fileobj)
+        key.fileobj.close()
+        key.data.close()
+
+    def close(self):
+        for key in list(self.sel.get_map().values()):
+            self._drop(key)
+        self.sel.close()
+
+
 class Launcher:
     def __init__(self, cfg):
         self.cfg = cfg
@@ -109,11 +146,9 @@ class Launcher:
         A reason of kind "lost" (the rendezvous store) stops the ranks ``lost_grace``
         seconds later, unless they end (or one fails) first."""
         cfg = self.cfg
-        sel = selectors.DefaultSelector()
+        pipes = _Pipes()
         for r in ranks:
-            for pipe, stream in ((r.proc.stdout, r.out), (r.proc.stderr, r.err)):
-                os.set_blocking(pipe.fileno(), False)
-                sel.register(pipe, selectors.EVENT_READ, stream)
+            pipes.add(r)
         failed = []
         stopping_since = None
         killed = False
@@ -122,17 +157,7 @@ class Launcher:
         grace_until = None
         self.stopped_for = None
         while True:
-            for key, _ in sel.select(cfg.monitor_interval):
-                try:
-                    data = os.read(key.fileobj.fileno(), 1 << 16)
-                except (BlockingIOError, InterruptedError):
-                    continue
-                if data:
-                    key.data.feed(data)
-                else:
-                    sel.unregister(key.fileobj)
-                    key.fileobj.close()
-                    key.data.close()
+            pipes.pump(cfg.monitor_interval)
             now = time.monotonic()
             for r in ranks:
                 r.out.flush_partial(now)
@@ -171,17 +196,17 @@ class Launcher:
             if not running:
                 # the ranks are gone: drain their pipes, unless a grandchild keeps one open
                 all_ended_at = all_ended_at or now
-                if not sel.get_map() or now - all_ended_at > 1.0:
+                if not pipes.any_open() or now - all_ended_at > 1.0:
                     break
-        for key in list(sel.get_map().values()):
-            sel.unregister(key.fileobj)
-            key.fileobj.close()
-            key.data.close()
-        sel.close()
-        for r in ranks:  # leave no grandchild behind
+        self._end(ranks, pipes)
+        return failed
+
+    def _end(self, ranks, pipes):
+        """Close the ranks' pipes and leave no grandchild behind."""
+        pipes.close()
+        for r in ranks:
             _signal_group(r, signal.SIGKILL)
             self._forget(r)
-        return failed
 
     def _watch(self, rank):  # (no reaper when start() runs outside run())
         if self.reaper is not None:
@@ -344,15 +369,9 @@ class Launcher:
         cfg = self.cfg
         t0 = time.monotonic()
         ranks = self.start(0)
-        sel = selectors.DefaultSelector()
-
-        def register(r):
-            for pipe, stream in ((r.proc.stdout, r.out), (r.proc.stderr, r.err)):
-                os.set_blocking(pipe.fileno(), False)
-                sel.register(pipe, selectors.EVENT_READ, stream)
-
+        pipes = _Pipes()
         for r in ranks:
-            register(r)
+            pipes.add(r)
         replaced = 0
         next_label = cfg.nproc
         failures = []
@@ -361,17 +380,7 @@ class Launcher:
         forwarded = 0
         all_ended_at = None
         while True:
-            for key, _ in sel.select(cfg.monitor_interval):
-                try:
-                    data = os.read(key.fileobj.fileno(), 1 << 16)
-                except (BlockingIOError, InterruptedError):
-                    continue
-                if data:
-                    key.data.feed(data)
-                else:
-                    sel.unregister(key.fileobj)
-                    key.fileobj.close()
-                    key.data.close()
+            pipes.pump(cfg.monitor_interval)
             now = time.monotonic()
             for r in list(ranks):
                 r.out.flush_partial(now)
@@ -388,7 +397,7 @@ class Launcher:
                         new = self._start_one(r.local_rank, replaced, rank=next_label)
                         next_label += 1
                         ranks.append(new)
-                        register(new)
+                        pipes.add(new)
                         self.note(f"rank {r.rank} (pid {r.proc.pid}) died with {r.describe()}; "
                                   f"the others go on; started rank {new.rank} (pid "
                                   f"{new.proc.pid}) in its place ({replaced} of "
@@ -413,16 +422,9 @@ class Launcher:
                     _signal_group(r, signal.SIGKILL)
             if not running:
                 all_ended_at = all_ended_at or now
-                if not sel.get_map() or now - all_ended_at > 1.0:
+                if not pipes.any_open() or now - all_ended_at > 1.0:
                     break
-        for key in list(sel.get_map().values()):
-            sel.unregister(key.fileobj)
-            key.fileobj.close()
-            key.data.close()
-        sel.close()
-        for r in ranks:
-            _signal_group(r, signal.SIGKILL)
-            self._forget(r)
+        self._end(ranks, pipes)
         if self.signal_received is not None:
             self.note(f"received {signal.Signals(self.signal_received).name}; "
                       f"stopped {len(ranks)} ranks")
