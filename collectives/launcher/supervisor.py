@@ -48,6 +48,15 @@ def _signal_group(rank, sig):
         pass
 
 
+class _Stopping:
+    """A run's stop: signals forwarded so far, when stopping began, whether SIGKILL followed."""
+
+    def __init__(self):
+        self.forwarded = 0
+        self.since = None
+        self.killed = False
+
+
 class _Pipes:
     """The ranks' stdout and stderr, read without blocking into their output streams."""
 
@@ -150,9 +159,7 @@ class Launcher:
         for r in ranks:
             pipes.add(r)
         failed = []
-        stopping_since = None
-        killed = False
-        forwarded = 0
+        stop = _Stopping()
         all_ended_at = None
         grace_until = None
         self.stopped_for = None
@@ -167,32 +174,21 @@ class Launcher:
                     r.ended = now
                     if r.returncode != 0 and not r.killed_by_us and self.signal_received is None:
                         failed.append(r)
-            if self.signal_count > forwarded:  # forward every signal the launcher got
-                forwarded = self.signal_count
-                sig = signal.SIGKILL if forwarded > 1 else self.signal_received
-                for r in ranks:
-                    if r.returncode is None:
-                        r.killed_by_us = True
-                        _signal_group(r, sig)
-                stopping_since = stopping_since or now
-            if watch is not None and stopping_since is None and not failed \
+            self._forward_signals(ranks, stop, now)
+            if watch is not None and stop.since is None and not failed \
                     and self.signal_received is None and self.stopped_for is None:
                 self.stopped_for = watch(now)
                 if self.stopped_for is not None and self.stopped_for[0] == "lost":
                     grace_until = time.monotonic() + lost_grace  # (watch may have waited)
             stop_now = self.stopped_for is not None and (grace_until is None or now >= grace_until)
-            if (failed or stop_now) and stopping_since is None:
-                stopping_since = now
+            if (failed or stop_now) and stop.since is None:
+                stop.since = now
                 for r in ranks:
                     if r.returncode is None:
                         r.killed_by_us = True
                         _signal_group(r, signal.SIGTERM)
             running = [r for r in ranks if r.returncode is None]
-            if running and stopping_since is not None and not killed \
-                    and now - stopping_since >= cfg.term_timeout:
-                killed = True
-                for r in running:
-                    _signal_group(r, signal.SIGKILL)
+            self._escalate(running, stop, now)
             if not running:
                 # the ranks are gone: drain their pipes, unless a grandchild keeps one open
                 all_ended_at = all_ended_at or now
@@ -200,6 +196,26 @@ class Launcher:
                     break
         self._end(ranks, pipes)
         return failed
+
+    def _forward_signals(self, ranks, stop, now):
+        """Forward each signal the launcher got to the running ranks (SIGKILL from the
+        second); stopping begins."""
+        if self.signal_count > stop.forwarded:
+            stop.forwarded = self.signal_count
+            sig = signal.SIGKILL if stop.forwarded > 1 else self.signal_received
+            for r in ranks:
+                if r.returncode is None:
+                    r.killed_by_us = True
+                    _signal_group(r, sig)
+            stop.since = stop.since or now
+
+    def _escalate(self, running, stop, now):
+        """SIGKILL the ranks still running ``term_timeout`` s after stopping began."""
+        if running and stop.since is not None and not stop.killed \
+                and now - stop.since >= self.cfg.term_timeout:
+            stop.killed = True
+            for r in running:
+                _signal_group(r, signal.SIGKILL)
 
     def _end(self, ranks, pipes):
         """Close the ranks' pipes and leave no grandchild behind."""
@@ -375,9 +391,7 @@ class Launcher:
         replaced = 0
         next_label = cfg.nproc
         failures = []
-        stopping_since = None
-        killed = False
-        forwarded = 0
+        stop = _Stopping()
         all_ended_at = None
         while True:
             pipes.pump(cfg.monitor_interval)
@@ -406,20 +420,9 @@ class Launcher:
                         self.note(f"rank {r.rank} (pid {r.proc.pid}) died with {r.describe()}; "
                                   f"the others go on" + ("" if finished else
                                                          " (no replacement left)"))
-            if self.signal_count > forwarded:
-                forwarded = self.signal_count
-                sig = signal.SIGKILL if forwarded > 1 else self.signal_received
-                for r in ranks:
-                    if r.returncode is None:
-                        r.killed_by_us = True
-                        _signal_group(r, sig)
-                stopping_since = stopping_since or now
+            self._forward_signals(ranks, stop, now)
             running = [r for r in ranks if r.returncode is None]
-            if running and stopping_since is not None and not killed \
-                    and now - stopping_since >= cfg.term_timeout:
-                killed = True
-                for r in running:
-                    _signal_group(r, signal.SIGKILL)
+            self._escalate(running, stop, now)
             if not running:
                 all_ended_at = all_ended_at or now
                 if not pipes.any_open() or now - all_ended_at > 1.0:
