@@ -18,14 +18,14 @@ rounds, and the ratio collectives/torch (below 1: collectives faster).
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import torch_ranks  # noqa: E402
 IMPLS = ["torch:gloo", "collectives:gloo"]
 
 
@@ -67,38 +67,10 @@ def worker():
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(impl, world, width, a):
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, IMPL=impl, WIDTH=str(width), DEPTH=str(a.depth), STEPS=str(a.steps),
-                   WARMUP=str(a.warmup), BATCH=str(a.batch), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker"], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=a.timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise SystemExit(f"{impl} world {world} width {width}: timed out after {a.timeout} s") from None
-        if p.returncode:
-            raise SystemExit(f"{impl} world {world} width {width} failed:\n{err[-3000:]}")
-        outs.append(out)
-    for line in outs[0].splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise SystemExit(f"{impl}: rank 0 printed no result")
+    return torch_ranks.launch(__file__, world, dict(
+        IMPL=impl, WIDTH=str(width), DEPTH=str(a.depth), STEPS=str(a.steps),
+        WARMUP=str(a.warmup), BATCH=str(a.batch)), a.timeout, f"{impl} world {world} width {width}")
 
 
 def main(argv=None):

@@ -52,14 +52,14 @@ all_reduce algorithm forced).
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import torch_ranks  # noqa: E402
 IMPLS = ["gloo", "coll", "coll_torch"]
 MODELS = ["mlp8", "mlp128", "tfm"]
 KINDS = ["ddp", "fsdp"]
@@ -239,48 +239,16 @@ def worker():
 
 # ---- launcher ----------------------------------------------------------------------------------
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(impl, world, threads, a, timeline):
-    port = free_port()
     args = {"models": a.models, "kinds": a.kinds, "steps": a.steps, "early": a.early,
             "variants": a.variants,
             "block": a.block, "tfm_batch": a.tfm_batch, "tfm_seq": a.tfm_seq}
-    procs = []
+    env = dict(IMPL=impl, TORCH_THREADS=str(threads), BENCH_TRAIN_ARGS=json.dumps(args))
+    if timeline and impl != "gloo":
+        env["COLLECTIVES_TIMELINE"] = "1"
     root = a.base_root if impl.endswith("@base") else ROOT
-    for r in range(world):
-        env = dict(os.environ, IMPL=impl, TORCH_THREADS=str(threads),
-                   BENCH_TRAIN_ARGS=json.dumps(args), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads),
-                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        if timeline and impl != "gloo":
-            env["COLLECTIVES_TIMELINE"] = "1"
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker"], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=a.timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            for q in procs:
-                q.wait()
-            raise SystemExit(f"{impl} world {world}: timed out after {a.timeout} s") from None
-        if p.returncode:
-            for q in procs:
-                q.kill()
-            raise SystemExit(f"{impl} world {world} failed:\n{err[-3000:]}")
-        outs.append(out)
-    for line in outs[0].splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise SystemExit(f"{impl}: rank 0 printed no result")
+    return torch_ranks.launch(__file__, world, env, a.timeout, f"{impl} world {world}",
+                              root=root, threads=threads)
 
 
 def bucket_delays(marks):
