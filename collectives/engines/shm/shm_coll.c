@@ -311,21 +311,31 @@ static void slice_of(size_t cnt, int n, int q, size_t *st, size_t *len)
  * being read when its owner's peers overwrite it); the acks of s2 = every rank has read
  * the finished slices (so no one returns while its buffer is still being read). */
 #define CMA_AR_CHUNK (256 * 1024)
+
+/* The single-copy reductions' first step: the scratch allocated, this rank's buffer
+ * (``len`` bytes at ``addr``) published for the others to read, and every rank's
+ * fingerprint checked (step s1). */
+static int cma_open(shm_comm *c, const void *addr, size_t len, uint64_t fp)
+{
+    if (!c->cma_tmp && !(c->cma_tmp = malloc((size_t)(c->n - 1) * CMA_AR_CHUNK)))
+        return SHM_ESYS;
+    thp_prepare(c, addr, len);
+    atomic_store_explicit(&c->ctl[c->me].xfer.addr, (uint64_t)(uintptr_t)addr,
+                          memory_order_relaxed);
+    int rc = fp_publish(c, fp);
+    if (rc)
+        return rc;
+    uint32_t s1 = ++c->seq;
+    post(c, s1);
+    return fp_check_all(c, s1);
+}
 static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int op, size_t isz,
                           const void **srcs /* n entries, the caller's */, uint64_t fp)
 {
     int n = c->n, me = c->me;
-    if (!c->cma_tmp && !(c->cma_tmp = malloc((size_t)(n - 1) * CMA_AR_CHUNK)))
-        return SHM_ESYS;
-    int rc = SHM_OK;
     char *ubuf = buf;
-    thp_prepare(c, buf, count * isz);
-    atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)buf, memory_order_relaxed);
-    if ((rc = fp_publish(c, fp)))
-        return rc;
-    uint32_t s1 = ++c->seq;
-    post(c, s1);
-    if ((rc = fp_check_all(c, s1)))
+    int rc = cma_open(c, buf, count * isz, fp);
+    if (rc)
         return rc;
     size_t st, len;
     slice_of(count, n, me, &st, &len);
@@ -813,17 +823,9 @@ static int reduce_scatter_cma(shm_comm *c, void *out, const void *in, size_t cou
                               int op, size_t isz, const void **srcs, uint64_t fp)
 {
     int n = c->n, me = c->me;
-    if (!c->cma_tmp && !(c->cma_tmp = malloc((size_t)(n - 1) * CMA_AR_CHUNK)))
-        return SHM_ESYS;
-    int rc;
     const char *uin = in;
-    thp_prepare(c, in, (size_t)n * count * isz);
-    atomic_store_explicit(&c->ctl[me].xfer.addr, (uint64_t)(uintptr_t)in, memory_order_relaxed);
-    if ((rc = fp_publish(c, fp)))
-        return rc;
-    uint32_t s1 = ++c->seq;
-    post(c, s1);
-    if ((rc = fp_check_all(c, s1)))
+    int rc = cma_open(c, in, (size_t)n * count * isz, fp);
+    if (rc)
         return rc;
     size_t ce = CMA_AR_CHUNK / isz;
     for (size_t off = 0; off < count; off += ce) {
