@@ -630,7 +630,9 @@ def test_every_twin_the_package_falls_back_to_is_compared_here():
     """A new ``try: from .._ext import X / except ImportError`` in the package must be
     added to this module (and to COMPARED)."""
     import pathlib
-    root = pathlib.Path(__file__).resolve().parents[2] / "collectives"
+
+    import collectives
+    root = pathlib.Path(collectives.__file__).resolve().parent  # the package under test
     found = set()
     for path in root.rglob("*.py"):
         for module, names in _fallback_imports(path.read_text()):
