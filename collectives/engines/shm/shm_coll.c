@@ -813,11 +813,8 @@ int shm_scatter(shm_comm *c, void *out, const void *in, size_t nbytes, int root,
  * inputs' addresses published; s2 = every rank has read what it needs (no one returns, and
  * lets its input change, while a peer still reads it). The output must not overlap the
  * input but as this rank's own block (which no peer reads): the caller sees to it.
- * On this project's 2-vCPU VM (AMD EPYC, load 14-20, two MPICH jobs per cell, time over
- * MPICH's in the same job), single copy against through the segment: 2 ranks 4 MiB
- * 0.67-0.69 against 0.88-1.00, 16 MiB 0.63-0.67 against 0.95-1.04; 4 ranks 4 MiB 0.52-0.57
- * against 0.53-0.74, 16 MiB 0.53-0.64 against 0.61-0.65; but 1 MiB 0.57-0.69 against
- * 0.38-0.45 (2 ranks) and 0.43-0.54 against 0.25-0.28 (4): hence the factor. */
+ * It is faster than the segment from 4 MiB a block and slower at 1 MiB, hence the
+ * factor over COLLECTIVES_SHM_CMA_MIN (figures: docs/design-shm.md). */
 #define RS_CMA_FACTOR 16
 static int reduce_scatter_cma(shm_comm *c, void *out, const void *in, size_t count, int dtype,
                               int op, size_t isz, const void **srcs, uint64_t fp)

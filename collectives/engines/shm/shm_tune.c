@@ -24,7 +24,7 @@
  * The round's trials of slower arms are its cost: 3 arms, 3 trials, at most one round in
  * TUNE_MIN_GAP + 9 calls, a few percent at first and less as the gap doubles.
  * - That is a few percent only while the arms are close. Where the progress thread shares
- *   the cores with compute (DDP's buckets in the backward pass on a 2-core VM), two-shot's
+ *   the cores with compute (DDP's buckets in the backward pass on a 2-core host), two-shot's
  *   ~130 synchronisations of a 32 MiB all_reduce each wait for a scheduler slice, and it
  *   measured 10-50x the single copy's time (400-880 ms against 11-15 ms): every round
  *   then cost seconds. So an arm whose time is TUNE_BENCH_RATIO times the winner's or
