@@ -38,4 +38,5 @@ for x, y in loader:
     accelerator.backward(torch.nn.functional.mse_loss(ddp(x), y))
     opt.step()
 write_weights(out, accelerator.process_index, accelerator.unwrap_model(ddp))
-accelerator.end_training()
+accelerator.wait_for_everyone()  # no rank tears its group down while a peer still uses it
+accelerator.end_training()  # (destroys the process group)

@@ -44,3 +44,5 @@ trainer.fit(module, loader)
 import torch.distributed as td  # noqa: E402
 assert td.get_backend() == backend, td.get_backend()
 write_weights(out, trainer.global_rank, module.net)
+td.barrier()  # no rank tears its group down while a peer still uses it (torch gloo aborts)
+td.destroy_process_group()
