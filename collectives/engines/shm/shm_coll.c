@@ -302,14 +302,17 @@ static void slice_of(size_t cnt, int n, int q, size_t *st, size_t *len)
     *len = b + ((size_t)q < r ? 1 : 0);
 }
 
-/* Single-copy all_reduce: rank r owns slice r of the buffer. It reads the other ranks'
- * slice r straight from their buffers (in chunks, into a private scratch), reduces
- * them into its own buffer (its own values first, then the others in rank order), and
- * then every rank reads the other owners' finished slices from their buffers. Each
- * element is computed once, by its owner, so every rank holds the same bytes. Steps:
- * s1 = addresses published; s2 = every slice reduced (so no one's slice r is still
- * being read when its owner's peers overwrite it); the acks of s2 = every rank has read
- * the finished slices (so no one returns while its buffer is still being read). */
+/* Single-copy all_reduce: rank r owns slice r of the buffer. Chunk by chunk, it reads the
+ * other ranks' slice r straight from their buffers (into a private scratch), reduces them
+ * into its own buffer (its own values first, then the others in rank order) and writes
+ * the finished chunk, still in cache, straight into every other rank's slice r. Each
+ * element is computed once, by its owner, so every rank holds the same bytes. Slice r of
+ * a buffer is read and written by its owner r alone (and read before written), so the
+ * owners need no step between reducing and writing. Steps: s1 = addresses published;
+ * s2 = this rank has read and written everything it will (a rank returns once every
+ * other's s2 is posted: nothing touches its buffer after that). Against reading the
+ * finished slices back, the write from cache saves a pass over half the buffer through
+ * memory and one round of steps. */
 #define CMA_AR_CHUNK (256 * 1024)
 
 /* The single-copy reductions' first step: the scratch allocated, this rank's buffer
@@ -355,24 +358,17 @@ static int all_reduce_cma(shm_comm *c, void *buf, size_t count, int dtype, int o
         }
         if ((rc = coll_reduce_many(ubuf + at, srcs, n, cnt, dtype, op)))
             return rc;
+        for (int q = 0; q < n; q++) {
+            if (q == me)
+                continue;
+            uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
+            if ((rc = cma_write(c, q, addr + at, ubuf + at, cnt * isz)))
+                return rc;
+        }
     }
     uint32_t s2 = ++c->seq;
     post(c, s2);
-    for (int k = 1; k < n; k++) {
-        int q = (me + k) % n;
-        if ((rc = wait_post(c, q, s2)))
-            return rc;
-        size_t qst, qlen;
-        slice_of(count, n, q, &qst, &qlen);
-        uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
-        if (qlen && (rc = cma_read(c, q, ubuf + qst * isz, addr + qst * isz, qlen * isz)))
-            return rc;
-    }
-    ack(c, s2);
-    for (int q = 0; q < n; q++)
-        if (q != me && (rc = wait_ctr(c, &c->ctl[q].ack, s2, q, -1)))
-            return rc;
-    return SHM_OK;
+    return wait_posts(c, s2);
 }
 
 /* A reduction's entry: the group still usable, the dtype known (its item size in *isz)
