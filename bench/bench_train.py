@@ -60,7 +60,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import torch_ranks  # noqa: E402
-IMPLS = ["gloo", "coll", "coll_torch"]
+IMPLS = ["gloo", "coll", "coll_torch", "mixed"]
 MODELS = ["mlp8", "mlp128", "tfm"]
 KINDS = ["ddp", "fsdp"]
 
@@ -212,13 +212,86 @@ def _case(td, a, impl, name, kind, fake, timeline):
     return res
 
 
+def _timed_all_reduce(td, pg, numel, reps):
+    """Median ms of ``reps`` all_reduces of ``numel`` float32 on ``pg``, nothing else running
+    (the communication's time alone, for the bound ``floor + this``)."""
+    import torch
+    t = torch.ones(numel)
+    td.all_reduce(t, group=pg)
+    out = []
+    for _ in range(reps):
+        td.barrier()
+        t0 = time.monotonic_ns()
+        td.all_reduce(t, group=pg)
+        out.append((time.monotonic_ns() - t0) / 1e6)
+    return statistics.median(out)
+
+
+def _case_mixed(td, a, name, kind, fake, coll):
+    """One launch, three wrapped models on the same ranks and data: over torch gloo (the
+    default group), over collectives (``coll``: ``new_group(backend="collectives")``) and the
+    floor, in blocks of ``--block`` steps whose order rotates, so that every comparison is
+    within the launch. Then each group's all_reduce of the whole gradient, alone."""
+    import torch
+    pgs = {"gloo": None, "coll": coll}
+    mods = {}
+    for which in ("gloo", "coll", "floor"):
+        model, x = _build(name, a)
+        if kind == "ddp":
+            m = torch.nn.parallel.DistributedDataParallel(model, process_group=pgs.get(which))
+            if which == "floor":
+                m.register_comm_hook(None, _noop_hook)
+        else:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+            group = fake if which == "floor" else (coll if which == "coll" else
+                                                    td.group.WORLD)
+            mesh = DeviceMesh.from_group(group, "cpu")
+            for layer in model:
+                if any(p.requires_grad for p in layer.parameters()):
+                    fully_shard(layer, mesh=mesh)
+            m = fully_shard(model, mesh=mesh)
+        mods[which] = (m, torch.optim.SGD(m.parameters(), lr=1e-4))
+    steps = []
+    td.barrier()
+    for which, (m, opt) in mods.items():
+        for _ in range(a.early):
+            _step(m, opt, x, "first:" + which, steps, None, ())
+    order = list(mods)
+    for i in range(0, a.steps, a.block):
+        for which in order:
+            td.barrier()
+            m, opt = mods[which]
+            for _ in range(min(a.block, a.steps - i)):
+                _step(m, opt, x, which, steps, None, ())
+        order = order[1:] + order[:1]
+    td.barrier()
+
+    def med(which):
+        v = [ms for w, ms, _ in steps if w == which]
+        return statistics.median(v) if v else None
+
+    numel = sum(p.numel() for p in _build(name, a)[0].parameters())
+    alone = {w: _timed_all_reduce(td, pgs[w], numel, 5) for w in ("gloo", "coll")}
+    return {"model": name, "kind": kind, "gloo_ms": med("gloo"), "coll_ms": med("coll"),
+            "floor_ms": med("floor"), "first_gloo_ms": med("first:gloo"),
+            "first_coll_ms": med("first:coll"), "params": numel,
+            "all_reduce_alone_ms": alone,
+            # what tests and the table read as the collectives cell:
+            "ms": med("coll"), "first_ms": med("first:coll")}
+
+
 def worker():
     import torch
     a = json.loads(os.environ["BENCH_TRAIN_ARGS"])
     a = argparse.Namespace(**a)
     impl = os.environ["IMPL"]
     torch.set_num_threads(int(os.environ["TORCH_THREADS"]))
-    td = _init(impl)
+    td = _init("gloo" if impl == "mixed" else impl)
+    coll = None
+    if impl == "mixed":
+        import collectives  # noqa: F401  (registers the torch backend name "collectives")
+        coll = td.new_group(backend="collectives")
     fake = None
     if "fsdp" in a.kinds:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
@@ -229,8 +302,12 @@ def worker():
             from collectives.core import timeline
         except ImportError:  # a tree from before the timeline (--base-root)
             timeline = None
-    results = [_case(td, a, impl, name, kind, fake, timeline)
-               for name in a.models for kind in a.kinds]
+    if impl == "mixed":
+        results = [_case_mixed(td, a, name, kind, fake, coll)
+                   for name in a.models for kind in a.kinds]
+    else:
+        results = [_case(td, a, impl, name, kind, fake, timeline)
+                   for name in a.models for kind in a.kinds]
     if td.get_rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
     td.barrier()
@@ -384,6 +461,8 @@ def main(argv=None):
                                                             r["variants"].items())
                                   if len(r.get("variants", {})) > 1 else ""),
                               file=sys.stderr, flush=True)
+                        if impl == "mixed":
+                            print("#   " + mixed_line(r), file=sys.stderr, flush=True)
                         for label, tl in (("first", r.get("timeline_first")),
                                           ("steady", r.get("timeline"))):
                             s = summarize_timeline(tl) if tl else None
@@ -405,7 +484,42 @@ def main(argv=None):
                          f"{r['model']} {r['kind']}: {r['ms']:.1f} ms/step, floor "
                          f"{r['floor_ms']:.1f} (medians); the last three steady steps")
                     break
-    print_table(runs, impls, a.markdown)
+    print_table([r for r in runs if r["impl"] != "mixed"], [i for i in impls if i != "mixed"],
+                a.markdown)
+    if "mixed" in impls:
+        print_mixed([r for r in runs if r["impl"] == "mixed"], a.markdown)
+
+
+def mixed_line(r):
+    """A mixed launch's case: the three steps, and the ratios the issue asks for."""
+    g, c, f = r["gloo_ms"], r["coll_ms"], r["floor_ms"]
+    alone = r["all_reduce_alone_ms"]
+    above = (c - f) / (g - f) if g > f else float("nan")
+    return (f"gloo {g:.1f} coll {c:.1f} floor {f:.1f} ms: coll/floor {c / f:.2f} "
+            f"gloo/floor {g / f:.2f} coll/gloo {c / g:.2f} above-floor coll/gloo {above:.2f}; "
+            f"all_reduce of the gradient alone: coll {alone['coll']:.1f} gloo "
+            f"{alone['gloo']:.1f} ms (floor + coll's: {(f + alone['coll']) / f:.2f}x floor)")
+
+
+def print_mixed(runs, markdown):
+    """One row per mixed launch and case (every ratio within its launch), then medians."""
+    head = ["world", "threads", "round", "model", "kind", "gloo ms", "coll ms", "floor ms",
+            "coll/floor", "gloo/floor", "coll/gloo", "above floor coll/gloo",
+            "all_reduce alone coll / gloo ms", "(floor + coll alone)/floor"]
+    sep = " | " if markdown else "  "
+    print(("| " + sep.join(head) + " |") if markdown else sep.join(head))
+    if markdown:
+        print("|" + "---|" * len(head))
+    for run in runs:
+        for r in run["results"]:
+            g, c, f = r["gloo_ms"], r["coll_ms"], r["floor_ms"]
+            al = r["all_reduce_alone_ms"]
+            row = [str(run["world"]), str(run["threads"]), str(run["round"] + 1), r["model"],
+                   r["kind"], f"{g:.1f}", f"{c:.1f}", f"{f:.1f}", f"{c / f:.2f}",
+                   f"{g / f:.2f}", f"{c / g:.2f}",
+                   f"{(c - f) / (g - f):.2f}" if g > f else "",
+                   f"{al['coll']:.1f} / {al['gloo']:.1f}", f"{(f + al['coll']) / f:.2f}"]
+            print(("| " + sep.join(row) + " |") if markdown else sep.join(row))
 
 
 def print_table(runs, impls, markdown):
