@@ -109,6 +109,22 @@ cdef inline size_t _nbytes(Buffer b) noexcept:
     return <size_t>b.count * <size_t>b.itemsize
 
 
+ctypedef int (*rooted_fn)(shm_comm *c, void *out, const void *inp, size_t nbytes, int root,
+                          uint64_t fp) noexcept nogil
+
+
+cdef inline int _rooted(shm_comm *c, rooted_fn fn, Buffer out, Buffer inp, size_t nbytes,
+                        int root, uint64_t fp) noexcept:
+    """A rooted block transfer (shm_gather, shm_scatter) without the GIL; the side a rank
+    does not hold (None, as the caller's Buffer arguments allow) passes NULL."""
+    cdef int rc
+    cdef void *o = <void *>out.ptr if out is not None else NULL
+    cdef const void *i = <const void *>inp.ptr if inp is not None else NULL
+    with nogil:
+        rc = fn(c, o, i, nbytes, root, fp)
+    return rc
+
+
 cdef inline int _finish(shm_comm *c, int rc) noexcept:
     """The outcome of a call whose nonblocking half returned ``rc``: where that left the call
     pending, its finish (waiting for the peers without the GIL)."""
@@ -444,27 +460,15 @@ cdef class ShmComm:
     def gather(self, Buffer out, Buffer inp not None, int root, uint64_t fp=0):
         """``out`` (None but on ``root``) takes every rank's ``inp``."""
         cdef shm_comm *c = self._live("gather")
-        cdef int rc
-        cdef void *o = <void *>out.ptr if out is not None else NULL
-        cdef const void *i = <const void *>inp.ptr
-        cdef size_t nbytes = _nbytes(inp)
         fp = self._fingerprint(fp, K_GATHER, inp.dtype, inp.count, root, -1)
-        with nogil:
-            rc = shm_gather(c, o, i, nbytes, root, fp)
-        self._check(rc, "gather")
+        self._check(_rooted(c, shm_gather, out, inp, _nbytes(inp), root, fp), "gather")
 
     @cython.binding(False)
     def scatter(self, Buffer out not None, Buffer inp, int root, uint64_t fp=0):
         """Rank r's ``out`` takes block r of ``root``'s ``inp`` (None elsewhere)."""
         cdef shm_comm *c = self._live("scatter")
-        cdef int rc
-        cdef void *o = <void *>out.ptr
-        cdef const void *i = <const void *>inp.ptr if inp is not None else NULL
-        cdef size_t nbytes = _nbytes(out)
         fp = self._fingerprint(fp, K_SCATTER, out.dtype, out.count, root, -1)
-        with nogil:
-            rc = shm_scatter(c, o, i, nbytes, root, fp)
-        self._check(rc, "scatter")
+        self._check(_rooted(c, shm_scatter, out, inp, _nbytes(out), root, fp), "scatter")
 
     @cython.binding(False)
     def reduce_scatter(self, Buffer out not None, Buffer inp not None, int op, uint64_t fp=0):
