@@ -17,7 +17,9 @@ def _found(module):
 
 
 def is_gloo_available():
-    return _found("collectives.backends.tcp")
+    # gloo runs on the compiled _tcp engine: absent where the extensions are not built, and
+    # hidden (None in sys.modules, so find_spec answers None) under COLLECTIVES_NO_EXTENSIONS
+    return _found("collectives.backends.tcp") and _found("collectives.engines._tcp")
 
 
 def is_mpi_available():

@@ -390,13 +390,7 @@ class _Progress:
         m = re.search(r"Timed out waiting (\d+)ms", text)
         after = f" after {int(m.group(1)) / 1000:g} s" if m else ""
         head = f"{fr.describe_seq(s)} in group {fr.name} timed out{after}"
-        found = self.whereabouts(fr, s, mark_down=True)
-        if isinstance(found, str):
-            return f"{head} ({found}). "
-        missing, notes = found
-        who = (f": ranks {{{', '.join(map(str, missing))}}} did not join it" if missing
-               else ": every rank joined it")
-        return f"{head}{who} ({'; '.join(notes)}). "
+        return self._who(fr, s, head, True, "did not join it", "joined it") + ". "
 
     # -- a collective that waits long -------------------------------------------------
     def watch(self, frs):
@@ -426,13 +420,20 @@ class _Progress:
         """The warning's text: rank R has waited N s in collective #s, and who is missing."""
         head = (f"rank {global_rank()} has waited {waited:.0f} s in {fr.describe_seq(s)} "
                 f"in group {fr.name}")
-        found = self.whereabouts(fr, s, mark_down=False)
+        return self._who(fr, s, head, False, "have not arrived", "has arrived",
+                         tail="; still waiting, up to the group's timeout")
+
+    def _who(self, fr, s, head, mark_down, missing_did, every_did, tail=""):
+        """``head``, then the ranks missing from collective ``s`` ("ranks {..} <missing_did>",
+        or "every rank <every_did>") and what each other rank is doing, then ``tail``; or
+        ``head`` and why their progress could not be read."""
+        found = self.whereabouts(fr, s, mark_down=mark_down)
         if isinstance(found, str):
             return f"{head} ({found})"
         missing, notes = found
-        who = (f": ranks {{{', '.join(map(str, missing))}}} have not arrived" if missing
-               else ": every rank has arrived")
-        return f"{head}{who} ({'; '.join(notes)}); still waiting, up to the group's timeout"
+        who = (f": ranks {{{', '.join(map(str, missing))}}} {missing_did}" if missing
+               else f": every rank {every_did}")
+        return f"{head}{who} ({'; '.join(notes)}){tail}"
 
 
 def _whereabouts(fr, s, posts):

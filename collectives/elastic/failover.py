@@ -122,42 +122,7 @@ class FailoverStore(Store):
         except OSError:
             return False
 
-    # -- the Store API ------------------------------------------------------------------
-    def _set(self, key, value):
-        return self._call("_set", key, value)
-
-    def _get(self, key, secs):
-        return self._call("_get", key, secs)
-
-    def _add(self, key, amount):
-        return self._call("_add", key, amount)
-
-    def _compare_set(self, key, expected, desired):
-        return self._call("_compare_set", key, expected, desired)
-
-    def _wait(self, keys, secs):
-        return self._call("_wait", keys, secs)
-
-    def _check(self, keys):
-        return self._call("_check", keys)
-
-    def _delete(self, key):
-        return self._call("_delete", key)
-
-    def _num_keys(self):
-        return self._call("_num_keys")
-
-    def _append(self, key, value):
-        return self._call("_append", key, value)
-
-    def _multi_get(self, keys, secs):
-        return self._call("_multi_get", keys, secs)
-
-    def _multi_set(self, keys, values):
-        return self._call("_multi_set", keys, values)
-
-    def _list_keys(self):
-        return self._call("_list_keys")
+    # (the Store API's primitives: _ON_CLIENT below)
 
     def lease(self, key, value, close_key="", close_value=b""):
         return self._call("lease", key, value, close_key, close_value)
@@ -169,3 +134,23 @@ class FailoverStore(Store):
     def close(self):
         with self._lock:
             self._client.close()
+
+
+# The Store primitives that FailoverStore runs on the current server's client through _call,
+# moving to the next server when it dies: class attributes, set once here.
+_ON_CLIENT = ("_set", "_get", "_add", "_compare_set", "_wait", "_check", "_delete", "_num_keys",
+              "_append", "_multi_get", "_multi_set", "_list_keys")
+
+
+def _on_client(name):
+    def method(self, *args):
+        return self._call(name, *args)
+    method.__name__ = name
+    method.__qualname__ = f"FailoverStore.{name}"
+    method.__doc__ = f"The current server's ``{name}`` (see FailoverStore._call)."
+    return method
+
+
+for _name in _ON_CLIENT:
+    setattr(FailoverStore, _name, _on_client(_name))
+del _name

@@ -29,6 +29,7 @@ def _set_to_buffer(fn):
     global to_buffer
     to_buffer = fn
 
+
 cnp.import_array()
 
 cdef extern from "numpy/ndarraytypes.h":

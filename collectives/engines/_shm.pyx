@@ -7,7 +7,7 @@ where they must wait longer than a short spin (shm_*_try); this module only conv
 arguments and turns error codes into DistBackendError.
 """
 cimport cython
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from ._buffer cimport Buffer
@@ -109,6 +109,31 @@ cdef inline size_t _nbytes(Buffer b) noexcept:
     return <size_t>b.count * <size_t>b.itemsize
 
 
+ctypedef int (*rooted_fn)(shm_comm *c, void *out, const void *inp, size_t nbytes, int root,
+                          uint64_t fp) noexcept nogil
+
+
+cdef inline int _rooted(shm_comm *c, rooted_fn fn, Buffer out, Buffer inp, size_t nbytes,
+                        int root, uint64_t fp) noexcept:
+    """A rooted block transfer (shm_gather, shm_scatter) without the GIL; the side a rank
+    does not hold (None, as the caller's Buffer arguments allow) passes NULL."""
+    cdef int rc
+    cdef void *o = <void *>out.ptr if out is not None else NULL
+    cdef const void *i = <const void *>inp.ptr if inp is not None else NULL
+    with nogil:
+        rc = fn(c, o, i, nbytes, root, fp)
+    return rc
+
+
+cdef inline int _finish(shm_comm *c, int rc) noexcept:
+    """The outcome of a call whose nonblocking half returned ``rc``: where that left the call
+    pending, its finish (waiting for the peers without the GIL)."""
+    if rc == SHM_PENDING:
+        with nogil:
+            rc = shm_finish(c)
+    return rc
+
+
 cdef long long _or_default(value):
     """An int setting's value for the C engine: -1 (keep the engine's default) for None."""
     return -1 if value is None else value
@@ -199,8 +224,8 @@ cdef class ShmComm:
             raise DistBackendError(f"{self.label} {op}: communicator is closed")
         return self.c
 
-    cdef inline uint64_t _fp(self, uint64_t fp, int kind, int dtype, uint64_t count, int root,
-                             int op) noexcept:
+    cdef inline uint64_t _fingerprint(self, uint64_t fp, int kind, int dtype, uint64_t count,
+                                      int root, int op) noexcept:
         """The call's fingerprint: ``fp`` where the caller passed one (the hierarchical
         backend passes the whole group's call), else packed from the arguments; kept as
         ``last_fp``."""
@@ -366,39 +391,24 @@ cdef class ShmComm:
     @cython.binding(False)
     def barrier(self, uint64_t fp=0):
         cdef shm_comm *c = self._live("barrier")
-        cdef int rc
-        fp = self._fp(fp, K_BARRIER, NO_DTYPE, 0, -1, -1)
-        rc = shm_barrier_try(c, fp)
-        if rc == SHM_PENDING:
-            with nogil:
-                rc = shm_finish(c)
-        self._check(rc, "barrier")
+        fp = self._fingerprint(fp, K_BARRIER, NO_DTYPE, 0, -1, -1)
+        self._check(_finish(c, shm_barrier_try(c, fp)), "barrier")
 
     @cython.binding(False)
     def broadcast(self, Buffer buf not None, int root, uint64_t fp=0):
         cdef shm_comm *c = self._live("broadcast")
-        cdef int rc
-        cdef void *p = <void *>buf.ptr
-        cdef size_t nbytes = _nbytes(buf)
-        fp = self._fp(fp, K_BROADCAST, buf.dtype, buf.count, root, -1)
-        rc = shm_broadcast_try(c, p, nbytes, root, fp)
-        if rc == SHM_PENDING:
-            with nogil:
-                rc = shm_finish(c)
-        self._check(rc, "broadcast")
+        fp = self._fingerprint(fp, K_BROADCAST, buf.dtype, buf.count, root, -1)
+        self._check(_finish(c, shm_broadcast_try(c, <void *>buf.ptr, _nbytes(buf), root, fp)),
+                    "broadcast")
 
     @cython.binding(False)
     def all_reduce(self, Buffer buf not None, int op, uint64_t fp=0):
         cdef shm_comm *c = self._live("all_reduce")
-        cdef int rc, dtype = buf.dtype
-        cdef void *p = <void *>buf.ptr
+        cdef int dtype = buf.dtype
         cdef size_t count = buf.count
-        fp = self._fp(fp, K_ALL_REDUCE, dtype, count, -1, op)
-        rc = shm_all_reduce_try(c, p, count, dtype, op, fp)
-        if rc == SHM_PENDING:
-            with nogil:
-                rc = shm_finish(c)
-        self._check(rc, "all_reduce")
+        fp = self._fingerprint(fp, K_ALL_REDUCE, dtype, count, -1, op)
+        self._check(_finish(c, shm_all_reduce_try(c, <void *>buf.ptr, count, dtype, op, fp)),
+                    "all_reduce")
 
     @cython.binding(False)
     def reduce(self, Buffer buf not None, int op, int root, uint64_t fp=0):
@@ -406,7 +416,7 @@ cdef class ShmComm:
         cdef int rc, dtype = buf.dtype
         cdef void *p = <void *>buf.ptr
         cdef size_t count = buf.count
-        fp = self._fp(fp, K_REDUCE, dtype, count, root, op)
+        fp = self._fingerprint(fp, K_REDUCE, dtype, count, root, op)
         with nogil:
             rc = shm_reduce(c, p, count, dtype, op, root, fp)
         self._check(rc, "reduce")
@@ -419,7 +429,7 @@ cdef class ShmComm:
         cdef void *o = <void *>out.ptr
         cdef const void *i = <const void *>inp.ptr
         cdef size_t nbytes = _nbytes(inp)
-        fp = self._fp(fp, K_ALL_GATHER, inp.dtype, inp.count, -1, -1)
+        fp = self._fingerprint(fp, K_ALL_GATHER, inp.dtype, inp.count, -1, -1)
         with nogil:
             rc = shm_all_gather(c, o, i, nbytes, fp)
         self._check(rc, "all_gather")
@@ -436,7 +446,7 @@ cdef class ShmComm:
         cdef void **o = <void **>malloc(n * sizeof(void *))
         if o == NULL:
             raise MemoryError()
-        fp = self._fp(fp, K_ALL_GATHER, inp.dtype, inp.count, -1, -1)
+        fp = self._fingerprint(fp, K_ALL_GATHER, inp.dtype, inp.count, -1, -1)
         try:
             for i in range(n):
                 o[i] = <void *>(<Buffer?>outs[i]).ptr
@@ -450,27 +460,15 @@ cdef class ShmComm:
     def gather(self, Buffer out, Buffer inp not None, int root, uint64_t fp=0):
         """``out`` (None but on ``root``) takes every rank's ``inp``."""
         cdef shm_comm *c = self._live("gather")
-        cdef int rc
-        cdef void *o = <void *>out.ptr if out is not None else NULL
-        cdef const void *i = <const void *>inp.ptr
-        cdef size_t nbytes = _nbytes(inp)
-        fp = self._fp(fp, K_GATHER, inp.dtype, inp.count, root, -1)
-        with nogil:
-            rc = shm_gather(c, o, i, nbytes, root, fp)
-        self._check(rc, "gather")
+        fp = self._fingerprint(fp, K_GATHER, inp.dtype, inp.count, root, -1)
+        self._check(_rooted(c, shm_gather, out, inp, _nbytes(inp), root, fp), "gather")
 
     @cython.binding(False)
     def scatter(self, Buffer out not None, Buffer inp, int root, uint64_t fp=0):
         """Rank r's ``out`` takes block r of ``root``'s ``inp`` (None elsewhere)."""
         cdef shm_comm *c = self._live("scatter")
-        cdef int rc
-        cdef void *o = <void *>out.ptr
-        cdef const void *i = <const void *>inp.ptr if inp is not None else NULL
-        cdef size_t nbytes = _nbytes(out)
-        fp = self._fp(fp, K_SCATTER, out.dtype, out.count, root, -1)
-        with nogil:
-            rc = shm_scatter(c, o, i, nbytes, root, fp)
-        self._check(rc, "scatter")
+        fp = self._fingerprint(fp, K_SCATTER, out.dtype, out.count, root, -1)
+        self._check(_rooted(c, shm_scatter, out, inp, _nbytes(out), root, fp), "scatter")
 
     @cython.binding(False)
     def reduce_scatter(self, Buffer out not None, Buffer inp not None, int op, uint64_t fp=0):
@@ -479,7 +477,7 @@ cdef class ShmComm:
         cdef void *o = <void *>out.ptr
         cdef const void *i = <const void *>inp.ptr
         cdef size_t count = out.count
-        fp = self._fp(fp, K_REDUCE_SCATTER, dtype, count, -1, op)
+        fp = self._fingerprint(fp, K_REDUCE_SCATTER, dtype, count, -1, op)
         with nogil:
             rc = shm_reduce_scatter(c, o, i, count, dtype, op, fp)
         self._check(rc, "reduce_scatter")
@@ -500,7 +498,7 @@ cdef class ShmComm:
         if ob == NULL:
             raise MemoryError()
         cdef size_t *ib = ob + n
-        fp = self._fp(fp, K_ALL_TO_ALL, out.dtype, 0, -1, -1)
+        fp = self._fingerprint(fp, K_ALL_TO_ALL, out.dtype, 0, -1, -1)
         try:
             for i in range(n):
                 ob[i] = <size_t>out_counts[i] * isz

@@ -49,12 +49,14 @@ def _signal_group(rank, sig):
 
 
 class _Stopping:
-    """A run's stop: signals forwarded so far, when stopping began, whether SIGKILL followed."""
+    """A run's stop: signals forwarded so far, when stopping began, whether SIGKILL followed,
+    when the last rank ended."""
 
     def __init__(self):
         self.forwarded = 0
         self.since = None
         self.killed = False
+        self.all_ended_at = None
 
 
 class _Pipes:
@@ -160,20 +162,12 @@ class Launcher:
             pipes.add(r)
         failed = []
         stop = _Stopping()
-        all_ended_at = None
         grace_until = None
         self.stopped_for = None
         while True:
             pipes.pump(cfg.monitor_interval)
             now = time.monotonic()
-            for r in ranks:
-                r.out.flush_partial(now)
-                r.err.flush_partial(now)
-                if r.returncode is None and r.proc.poll() is not None:
-                    r.returncode = r.proc.returncode
-                    r.ended = now
-                    if r.returncode != 0 and not r.killed_by_us and self.signal_received is None:
-                        failed.append(r)
+            failed += self._poll(ranks, now)
             self._forward_signals(ranks, stop, now)
             if watch is not None and stop.since is None and not failed \
                     and self.signal_received is None and self.stopped_for is None:
@@ -187,15 +181,36 @@ class Launcher:
                     if r.returncode is None:
                         r.killed_by_us = True
                         _signal_group(r, signal.SIGTERM)
-            running = [r for r in ranks if r.returncode is None]
-            self._escalate(running, stop, now)
-            if not running:
-                # the ranks are gone: drain their pipes, unless a grandchild keeps one open
-                all_ended_at = all_ended_at or now
-                if not pipes.any_open() or now - all_ended_at > 1.0:
-                    break
+            if self._over(ranks, pipes, stop, now):
+                break
         self._end(ranks, pipes)
         return failed
+
+    def _poll(self, ranks, now):
+        """Flush the ranks' partial output lines and note the exit of each rank that ended
+        since the last look; returns those of them that failed on their own (a nonzero exit
+        code, neither stopped by the launcher nor after a signal the launcher got)."""
+        failed = []
+        for r in ranks:
+            r.out.flush_partial(now)
+            r.err.flush_partial(now)
+            if r.returncode is None and r.proc.poll() is not None:
+                r.returncode = r.proc.returncode
+                r.ended = now
+                if r.returncode != 0 and not r.killed_by_us and self.signal_received is None:
+                    failed.append(r)
+        return failed
+
+    def _over(self, ranks, pipes, stop, now):
+        """Whether a supervising loop may end: SIGKILL the ranks that outlive the stop's
+        ``term_timeout``; once every rank has ended, drain their pipes (for up to 1 s more,
+        should a grandchild keep one open)."""
+        running = [r for r in ranks if r.returncode is None]
+        self._escalate(running, stop, now)
+        if running:
+            return False
+        stop.all_ended_at = stop.all_ended_at or now
+        return not pipes.any_open() or now - stop.all_ended_at > 1.0
 
     def _forward_signals(self, ranks, stop, now):
         """Forward each signal the launcher got to the running ranks (SIGKILL from the
@@ -392,41 +407,29 @@ class Launcher:
         next_label = cfg.nproc
         failures = []
         stop = _Stopping()
-        all_ended_at = None
         while True:
             pipes.pump(cfg.monitor_interval)
             now = time.monotonic()
-            for r in list(ranks):
-                r.out.flush_partial(now)
-                r.err.flush_partial(now)
-                if r.returncode is None and r.proc.poll() is not None:
-                    r.returncode = r.proc.returncode
-                    r.ended = now
-                    if r.returncode == 0 or r.killed_by_us or self.signal_received is not None:
-                        continue
-                    failures.append(r)
-                    finished = any(x.returncode == 0 for x in ranks)
-                    if replaced < cfg.max_replacements and not finished:
-                        replaced += 1
-                        new = self._start_one(r.local_rank, replaced, rank=next_label)
-                        next_label += 1
-                        ranks.append(new)
-                        pipes.add(new)
-                        self.note(f"rank {r.rank} (pid {r.proc.pid}) died with {r.describe()}; "
-                                  f"the others go on; started rank {new.rank} (pid "
-                                  f"{new.proc.pid}) in its place ({replaced} of "
-                                  f"{cfg.max_replacements})")
-                    else:
-                        self.note(f"rank {r.rank} (pid {r.proc.pid}) died with {r.describe()}; "
-                                  f"the others go on" + ("" if finished else
-                                                         " (no replacement left)"))
+            for r in self._poll(ranks, now):
+                failures.append(r)
+                finished = any(x.returncode == 0 for x in ranks)
+                if replaced < cfg.max_replacements and not finished:
+                    replaced += 1
+                    new = self._start_one(r.local_rank, replaced, rank=next_label)
+                    next_label += 1
+                    ranks.append(new)
+                    pipes.add(new)
+                    self.note(f"rank {r.rank} (pid {r.proc.pid}) died with {r.describe()}; "
+                              f"the others go on; started rank {new.rank} (pid "
+                              f"{new.proc.pid}) in its place ({replaced} of "
+                              f"{cfg.max_replacements})")
+                else:
+                    self.note(f"rank {r.rank} (pid {r.proc.pid}) died with {r.describe()}; "
+                              f"the others go on" + ("" if finished else
+                                                     " (no replacement left)"))
             self._forward_signals(ranks, stop, now)
-            running = [r for r in ranks if r.returncode is None]
-            self._escalate(running, stop, now)
-            if not running:
-                all_ended_at = all_ended_at or now
-                if not pipes.any_open() or now - all_ended_at > 1.0:
-                    break
+            if self._over(ranks, pipes, stop, now):
+                break
         self._end(ranks, pipes)
         if self.signal_received is not None:
             self.note(f"received {signal.Signals(self.signal_received).name}; "

@@ -98,18 +98,19 @@ def call(dist, op, rank, world, n, async_op=False):
     if op == "barrier":
         return dist.barrier(**kw)
     if op == "send_to_dead_receiver":
-        if rank == 0:
-            return dist.isend(x, VICTIM) if async_op else dist.send(x, VICTIM)
-        if rank == VICTIM:
-            return dist.irecv(x, 0) if async_op else dist.recv(x, 0)
-        return None
+        return _send_recv(dist, x, rank, 0, VICTIM, async_op)
     if op == "recv_from_dead_sender":
-        if rank == 0:
-            return dist.irecv(x, VICTIM) if async_op else dist.recv(x, VICTIM)
-        if rank == VICTIM:
-            return dist.isend(x, 0) if async_op else dist.send(x, 0)
-        return None
+        return _send_recv(dist, x, rank, VICTIM, 0, async_op)
     raise ValueError(op)
+
+
+def _send_recv(dist, x, rank, src, dst, async_op):
+    """Rank ``src`` sends ``x`` to rank ``dst``, which receives it; the others take no part."""
+    if rank == src:
+        return dist.isend(x, dst) if async_op else dist.send(x, dst)
+    if rank == dst:
+        return dist.irecv(x, src) if async_op else dist.recv(x, src)
+    return None
 
 
 def involved(op, rank):

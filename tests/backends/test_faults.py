@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.support.collective_cases import HAVE_TORCH
+from tests.support.procs import json_results
 from tests.support.ranks import CONFIGS, ROOT, available_configs, free_port
 
 pytestmark = pytest.mark.faults
@@ -155,21 +156,7 @@ def run_world(config, mode, op, world=WORLD, victim=VICTIM, **extra):
                    **extra)
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.backends.test_faults"], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = {}
-    try:
-        for r, p in enumerate(procs):
-            if r == victim:
-                continue
-            out, err = p.communicate(timeout=120)
-            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-            assert lines, f"rank {r} printed no result (exit {p.returncode}):\n{out}\n{err}"
-            results[r] = json.loads(lines[-1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
-    return results
+    return json_results(procs, 120, skip=(victim,))
 
 
 @pytest.mark.slow

@@ -74,6 +74,11 @@ def outcome(fn, *args, **kwargs):
         return ("raise", type(e), str(e))
 
 
+def outcomes(c_fn, p_fn, *args, **kwargs):
+    """The outcomes of a C original and of its Python twin on the same arguments."""
+    return outcome(c_fn, *args, **kwargs), outcome(p_fn, *args, **kwargs)
+
+
 def same_raise(c, p, message=True):
     """Both raised the same exception type (and message, unless ``message`` is False: a
     Cython argument check words its own), or neither raised."""
@@ -103,8 +108,7 @@ def array(draw, code, n):
        start=st.integers(0, 64), stop=st.integers(0, 64))
 def test_buffer_fields_slices_and_errors_are_the_same(dtype, count, ptr, device, start, stop):
     owner = object()
-    c = outcome(_buffer.Buffer, ptr, count, dtype, device, owner)
-    p = outcome(tensors._PyBuffer, ptr, count, dtype, device, owner)
+    c, p = outcomes(_buffer.Buffer, tensors._PyBuffer, ptr, count, dtype, device, owner)
     same_raise(c, p)
     if c[0] == "ok":
         cb, pb = c[1], p[1]
@@ -170,7 +174,7 @@ def host_tensors(draw, torch_too=True):
 @SETTINGS
 @given(t=host_tensors(), name=st.sampled_from(["tensor", "output_tensor"]))
 def test_buffer_of_a_tensor_is_the_same(t, name):
-    c, p = outcome(_buffer.buffer, t, name), outcome(convert._py_buffer, t, name)
+    c, p = outcomes(_buffer.buffer, convert._py_buffer, t, name)
     same_raise(c, p)
     if c[0] == "ok":
         assert fields(c[1]) == fields(p[1]) and c[1].obj is p[1].obj
@@ -181,8 +185,7 @@ def test_buffer_of_a_tensor_is_the_same(t, name):
        dtype=st.sampled_from([None, D.FLOAT32, D.INT64]), count=st.sampled_from([None, 0, 3, 5]),
        length=st.sampled_from([None, 0, 1, 2, 3]))
 def test_buffers_of_a_list_are_the_same(ts, dtype, count, length):
-    c = outcome(_buffer.buffers, ts, "tensor_list", dtype, count, length)
-    p = outcome(convert._py_buffers, ts, "tensor_list", dtype, count, length)
+    c, p = outcomes(_buffer.buffers, convert._py_buffers, ts, "tensor_list", dtype, count, length)
     same_raise(c, p)
     if c[0] == "ok":
         assert [fields(b) for b in c[1]] == [fields(b) for b in p[1]]
@@ -217,9 +220,7 @@ def blocks(draw):
 @SETTINGS
 @given(case=blocks())
 def test_separate_blocks_is_the_same(case):
-    outs, inp, rank = case
-    c = outcome(_buffer.separate_blocks, outs, inp, rank)
-    p = outcome(staging._py_separate_blocks, outs, inp, rank)
+    c, p = outcomes(_buffer.separate_blocks, staging._py_separate_blocks, *case)  # outs, inp, rank
     same_raise(c, p)
     assert c == p, (c, p)
 
@@ -291,9 +292,7 @@ def _run_ring(ring_type, size, stacked, ops):
 @SETTINGS
 @given(case=ring_ops())
 def test_call_ring_records_the_same(case):
-    size, stacked, ops = case
-    c = _run_ring(_core.CallRing, size, stacked, ops)
-    p = _run_ring(flight_recorder._PyCallRing, size, stacked, ops)
+    c, p = (_run_ring(ring, *case) for ring in (_core.CallRing, flight_recorder._PyCallRing))
     if c[1] is None or p[1] is None:
         same_raise(c[0], p[0])
         return

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.support.procs import json_results, reaped
 from tests.support.profiles import examples
 from tests.support.ranks import CONFIGS, ROOT, available_configs, free_port
 from tests.support.requires import needs_gloo
@@ -125,31 +126,13 @@ def spawn(config, module_fn, world, **env_extra):
     return procs
 
 
-def results_of(procs, skip=()):
-    out = {}
-    try:
-        for r, p in enumerate(procs):
-            if r in skip:
-                continue
-            stdout, stderr = p.communicate(timeout=90)
-            lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-            assert lines, f"rank {r} printed no result (exit {p.returncode}):\n{stdout}\n{stderr}"
-            out[r] = json.loads(lines[-1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
-    return out
-
-
 def run_scenario(config, mode, tmp_path, victim=1):
     prefix = str(tmp_path / "fr-rank")
     # one setting each way: torch's name and ours
     var = "TORCH_FR_DUMP_TEMP_FILE" if mode != "mismatch" else "COLLECTIVES_FR_DUMP"
     procs = spawn(config, "worker", WORLD, FR_MODE=mode, FR_VICTIM=str(victim), FR_PREFIX=prefix,
                   **{var: prefix})
-    return prefix, results_of(procs, skip=(victim,) if mode == "die" else ())
+    return prefix, json_results(procs, 90, skip=(victim,) if mode == "die" else ())
 
 
 def trace(where, *args):
@@ -240,7 +223,7 @@ def test_sigusr1_dumps_a_rank_blocked_in_a_collective(tmp_path, own_handler):
     prefix = str(tmp_path / "sig-rank")
     extra = {"FR_OWN_HANDLER": "1"} if own_handler else {}
     procs = spawn("gloo", "sigusr1_worker", 2, TORCH_FR_DUMP_TEMP_FILE=prefix, **extra)
-    try:
+    with reaped(procs):
         p0 = procs[0]
         assert json.loads(p0.stdout.readline()) == {"ready": True}
         time.sleep(0.5)  # in the barrier by now
@@ -260,11 +243,6 @@ def test_sigusr1_dumps_a_rank_blocked_in_a_collective(tmp_path, own_handler):
         if own_handler:  # it runs once the main thread is back in Python (the barrier's timeout)
             out, _ = p0.communicate(timeout=60)
             assert '{"own_handler": true}' in out, out
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
 
 
 MPI_PROGRAM = """

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.support import ROOT
+from tests.support.procs import reaped
 from tests.support.ranks import free_port
 from tests.support.requires import needs_gloo
 
@@ -52,15 +53,10 @@ def _ranks(code, args, envs, timeout=120):
         procs.append(subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
                                       text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     out = []
-    try:
+    with reaped(procs):
         for p in procs:
             stdout, stderr = p.communicate(timeout=timeout)
             out.append((p.returncode, stdout, stderr, time.monotonic() - t0))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     return out
 
 

@@ -22,11 +22,7 @@ from tests.elastic.programs import reference
 from tests.support.ranks import ROOT
 from tests.support.requires import needs_gloo
 
-_NO_EXT = pytest.mark.skipif(
-    os.environ.get("COLLECTIVES_NO_EXTENSIONS", "0") not in ("", "0"),
-    reason="elastic groups run on the compiled engines (COLLECTIVES_NO_EXTENSIONS is set)")
-
-pytestmark = [pytest.mark.faults, needs_gloo, _NO_EXT]  # the elastic groups run on gloo
+pytestmark = [pytest.mark.faults, needs_gloo]  # the elastic groups run on gloo
 
 STEPS = 20
 KILL_STEP = 5

@@ -100,27 +100,11 @@ def _imports(name, path, known):
     is_pkg = path.endswith("__init__.py")
     base = name.split(".") if is_pkg else name.split(".")[:-1]
     out = set()
-
-    def add(c):
-        while c and c not in known:
-            c = c.rpartition(".")[0]
-        if c and c != name:
-            out.add(c)
-
+    add = _recorder(name, known, out)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = base[:len(base) - node.level + 1]
-                mod = ".".join(parts + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            if mod != "collectives":
-                add(mod)
-            for a in node.names:
-                if f"{mod}.{a.name}" in known:
-                    add(f"{mod}.{a.name}")
-                elif mod == "collectives":
-                    add(mod)
+            mod = _absolute(base, node.level, node.module)
+            _add_from(add, mod, [a.name for a in node.names], known)
         elif isinstance(node, ast.Import):
             for a in node.names:
                 add(a.name)
@@ -129,6 +113,37 @@ def _imports(name, path, known):
             if target and target.startswith("collectives"):
                 add(target)
     return out
+
+
+def _recorder(name, known, out):
+    """``add(module)``: puts in ``out`` the module of ``known`` that ``module`` names (or the
+    nearest package of ``known`` above it), unless that is ``name`` itself."""
+    def add(c):
+        while c and c not in known:
+            c = c.rpartition(".")[0]
+        if c and c != name:
+            out.add(c)
+    return add
+
+
+def _absolute(base, level, module):
+    """The module that ``from <level dots><module> import`` names in package ``base`` (its
+    name's parts)."""
+    if not level:
+        return module or ""
+    return ".".join(base[:len(base) - level + 1] + ([module] if module else []))
+
+
+def _add_from(add, mod, names, known):
+    """The edges of ``from mod import names``: ``mod`` (the top package only where a name is
+    taken from it), and each name that is itself a module of ``known``."""
+    if mod != "collectives":
+        add(mod)
+    for n in names:
+        if f"{mod}.{n}" in known:
+            add(f"{mod}.{n}")
+        elif mod == "collectives":
+            add(mod)
 
 
 def _layer_of(mod):
@@ -162,28 +177,12 @@ def _cython_imports(name, path, known):
     text = re.sub(r"#.*", "", _cython_source(path))
     base = name.split(".")[:-1]
     out = set()
-
-    def add(c):
-        while c and c not in known:
-            c = c.rpartition(".")[0]
-        if c and c != name:
-            out.add(c)
-
+    add = _recorder(name, known, out)
     for mod, names in _CY_FROM.findall(text):
-        if mod.startswith("."):
-            level = len(mod) - len(mod.lstrip("."))
-            rest = mod[level:]
-            mod = ".".join(base[:len(base) - level + 1] + ([rest] if rest else []))
-        if not mod.startswith("collectives"):
-            continue
-        if mod != "collectives":
-            add(mod)
-        for n in names.replace("\t", " ").split(","):
-            n = n.split()[0] if n.split() else ""
-            if n and f"{mod}.{n}" in known:
-                add(f"{mod}.{n}")
-            elif n and mod == "collectives":
-                add(mod)
+        level = len(mod) - len(mod.lstrip("."))
+        mod = _absolute(base, level, mod[level:])
+        if mod.startswith("collectives"):
+            _add_from(add, mod, [n.split()[0] for n in names.split(",") if n.split()], known)
     for mod in _CY_IMPORT.findall(text):
         if mod.startswith("collectives"):
             add(mod)

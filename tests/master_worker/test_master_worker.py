@@ -148,6 +148,14 @@ def job():
     assert [p.returncode for p in j.procs] == [0, 0, 0]
 
 
+@pytest.fixture(scope="module", params=["numpy", "torch"])
+def lib_job(request):
+    """The job of each library a worker may hold: NumPy arrays (``job``), torch tensors
+    (``torch_job``, tests/master_worker/conftest.py); its results are compared with the same
+    library's on local data."""
+    return request.getfixturevalue("job" if request.param == "numpy" else "torch_job")
+
+
 # ---- the seed's example --------------------------------------------------------------------------
 @pytest.mark.timeout(200)
 def test_seed_example_values(job):
@@ -434,21 +442,25 @@ def check_list_function(job, case, node):
 @pytest.mark.timeout(600)
 @HYP
 @given(case=operator_cases(), node=st.integers(0, 1))
-def test_every_operator_form_on_remote_arrays_equals_numpy(job, case, node):
-    check_operator(job, case, node)
+def test_every_operator_form_on_remote_data_equals_local(lib_job, case, node):
+    """``a ** b``, ``2 ** a``, ``a **= b``, ``local @ a``... give what they give on local
+    arrays or tensors (operators.OPERATORS, each form), errors included."""
+    check_operator(lib_job, case, node)
 
 
 @pytest.mark.timeout(300)
-def test_operators_as_written_equal_numpy(job):
-    out = job("operator_spellings")
+def test_operators_as_written_equal_local(lib_job):
+    out = lib_job("operator_spellings")
     assert len(out) >= 36 and all(out.values()), {k: v for k, v in out.items() if not v}
 
 
 @pytest.mark.timeout(600)
 @HYP
 @given(case=list_function_cases(), node=st.integers(0, 1))
-def test_numpy_list_functions_on_remote_arrays_equal_numpy(job, case, node):
-    check_list_function(job, case, node)
+def test_numpy_list_functions_on_remote_data_equal_local(lib_job, case, node):
+    """``np.concatenate([a, b])``, ``np.stack``, ``np.vstack``... of remote arrays or torch
+    tensors give NumPy's array, as on local ones."""
+    check_list_function(lib_job, case, node)
 
 
 # ---- errors: before anything is sent, and from the workers at sync points ------------------------

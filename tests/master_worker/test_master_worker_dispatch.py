@@ -15,21 +15,10 @@ import numpy as np
 import pytest
 
 from tests.support.requires import needs_gloo
-from hypothesis import given
-from hypothesis import strategies as st
 
-from tests.master_worker.test_master_worker import (
-    HYP, ROOT, Job, check_list_function, check_operator, list_function_cases, operator_cases)
+from tests.master_worker.test_master_worker import ROOT
 
-pytestmark = needs_gloo
-
-
-@pytest.fixture(scope="module")
-def torch_job():
-    pytest.importorskip("torch")
-    j = Job(3, {"MW_TEST_LIBRARY": "torch"})
-    yield j
-    assert j.close() == [], "processes left running at the end"
+pytestmark = needs_gloo  # torch_job: tests/master_worker/conftest.py
 
 
 # ---- torch: what a torch user writes gives torch's result ----------------------------------------
@@ -92,28 +81,8 @@ def test_opinfo_sweep_passes_95_percent(torch_job):
     assert out["fraction"] >= 0.95, out["fail_classes"]
 
 
-@pytest.mark.timeout(600)
-@HYP
-@given(case=operator_cases(), node=st.integers(0, 1))
-def test_every_operator_form_on_remote_tensors_equals_torch(torch_job, case, node):
-    """``a ** b``, ``2 ** a``, ``a **= b``, ``local @ a``... give what they give on local
-    torch tensors (operators.OPERATORS, each form), errors included."""
-    check_operator(torch_job, case, node)
-
-
-@pytest.mark.timeout(300)
-def test_operators_as_written_equal_torch(torch_job):
-    out = torch_job("operator_spellings")
-    assert len(out) >= 36 and all(out.values()), {k: v for k, v in out.items() if not v}
-
-
-@pytest.mark.timeout(600)
-@HYP
-@given(case=list_function_cases(), node=st.integers(0, 1))
-def test_numpy_list_functions_on_remote_torch_tensors_equal_local(torch_job, case, node):
-    """``np.concatenate([a, b])``, ``np.stack``, ``np.vstack``... of remote torch tensors give
-    NumPy's array, as on local torch tensors."""
-    check_list_function(torch_job, case, node)
+# (the operator and list-function properties on torch tensors: test_master_worker.py's
+# lib_job runs them on this torch job as on the NumPy one)
 
 
 # ---- autograd, modules, optimizers ------------------------------------------------------------------

@@ -258,9 +258,7 @@ dist.barrier()
 """
 
 
-@needs_gloo  # its program's init_process_group("gloo"), which hidden extensions refuse
-@pytest.mark.skipif(os.environ.get("COLLECTIVES_NO_EXTENSIONS", "0") not in ("", "0"),
-                    reason="its program's gloo group needs the compiled engines (hidden here)")
+@needs_gloo  # its program's init_process_group("gloo")
 @pytest.mark.timeout(120)
 def test_a_failed_ranks_traceback_is_printed_once_with_one_prefix(tmp_path):
     pytest.importorskip("torch")

@@ -154,49 +154,27 @@ class RankPool:
 
     def run(self, fn, *args, timeout=60):
         """``fn(ctx, *args)`` on every rank; the list of their return values, by rank."""
-        if self.dead:
-            raise RankError("pool is dead")
-        payload = pickle.dumps((fn, args))
-        for c in self._conns:
-            c.send_bytes(payload)
-        deadline = time.monotonic() + timeout
-        results = [None] * self.world_size
-        errors = {}
-        pending = set(range(self.world_size))
-        while pending:
-            for r in sorted(pending):
-                c = self._conns[r]
-                try:
-                    ready = c.poll(0.01)
-                except (EOFError, OSError):
-                    ready = True
-                if not ready:
-                    continue
-                try:
-                    status, value = c.recv()
-                except (EOFError, OSError):
-                    self.kill()
-                    raise RankError(f"rank {r} died during {fn.__name__}"
-                                    + self._format(errors)) from None
-                pending.discard(r)
-                if status == "ok":
-                    results[r] = value
-                else:
-                    errors[r] = value
-            if pending and time.monotonic() > deadline:
-                self.kill()
-                raise RankError(f"{fn.__name__} timed out after {timeout} s on ranks "
-                                f"{sorted(pending)}" + self._format(errors))
-            if pending and any(p.poll() is not None for p in self._procs):
+        def closed(r, errors):
+            raise RankError(f"rank {r} died during {fn.__name__}" + self._format(errors))
+
+        def idle(pending, errors):
+            if any(p.poll() is not None for p in self._procs):
                 # give a last chance to read answers already sent, then fail
                 time.sleep(0.05)
                 if all(not self._conns[r].poll(0) for r in pending):
-                    self.kill()
                     raise RankError(f"ranks {sorted(pending)} died during {fn.__name__}"
                                     + self._format(errors))
-        if errors:
+
+        if self.dead:
+            raise RankError("pool is dead")
+        try:
+            answers, errors = self._collect(fn, args, timeout, closed, idle)
+        except RankError:
+            self.kill()
+            raise
+        if errors:  # the ranks are fine: the pool serves on
             raise RankError(f"{fn.__name__} failed" + self._format(errors))
-        return results
+        return [answers[r] for r in range(self.world_size)]
 
     def run_dead_peer(self, fn, *args, victims, timeout=60):
         """``fn(ctx, *args)`` on every rank, where the ranks in ``victims`` are meant to die
@@ -206,43 +184,58 @@ class RankPool:
         ranks that died. A rank outside ``victims`` that dies, raises, or does not answer
         within ``timeout`` is a RankError. The pool is killed afterwards: its group lost a
         rank."""
+        victims, died = set(victims), set()
+
+        def closed(r, errors):
+            if r not in victims:
+                raise RankError(f"rank {r}, not a victim, died during {fn.__name__}"
+                                + self._format(errors))
+            died.add(r)
+
         if self.dead:
             raise RankError("pool is dead")
-        victims = set(victims)
-        payload = pickle.dumps((fn, args))
-        for c in self._conns:
-            c.send_bytes(payload)
-        deadline = time.monotonic() + timeout
-        answers, errors, died = {}, {}, set()
-        pending = set(range(self.world_size))
         try:
-            while pending:
-                for r in sorted(pending):
-                    c = self._conns[r]
-                    try:
-                        if not c.poll(0.01):
-                            continue
-                        status, value = c.recv()
-                    except (EOFError, OSError):
-                        pending.discard(r)
-                        if r not in victims:
-                            raise RankError(f"rank {r}, not a victim, died during {fn.__name__}"
-                                            + self._format(errors)) from None
-                        died.add(r)
-                        continue
-                    pending.discard(r)
-                    if status == "ok":
-                        answers[r] = value
-                    else:
-                        errors[r] = value
-                if pending and time.monotonic() > deadline:
-                    raise RankError(f"{fn.__name__} timed out after {timeout} s on ranks "
-                                    f"{sorted(pending)}" + self._format(errors))
+            answers, errors = self._collect(fn, args, timeout, closed)
         finally:
             self.kill()
         if errors:
             raise RankError(f"{fn.__name__} failed" + self._format(errors))
         return answers, died
+
+    def _collect(self, fn, args, timeout, closed, idle=None):
+        """Send ``fn(ctx, *args)`` to every rank and gather the answers: ``({rank: value},
+        {rank: traceback})`` of the ranks that returned and that raised. ``closed(rank,
+        errors)`` is told of a rank whose connection ended before it answered,
+        ``idle(pending, errors)`` (if given) of the ranks still pending after each round;
+        either raises RankError to stop. Ranks that have not answered within ``timeout``
+        are a RankError (with the tracebacks so far)."""
+        payload = pickle.dumps((fn, args))
+        for c in self._conns:
+            c.send_bytes(payload)
+        deadline = time.monotonic() + timeout
+        answers, errors = {}, {}
+        pending = set(range(self.world_size))
+        while pending:
+            for r in sorted(pending):
+                try:
+                    if not self._conns[r].poll(0.01):
+                        continue
+                    answer = self._conns[r].recv()
+                except (EOFError, OSError):
+                    answer = None
+                pending.discard(r)
+                if answer is None:
+                    closed(r, errors)
+                elif answer[0] == "ok":
+                    answers[r] = answer[1]
+                else:
+                    errors[r] = answer[1]
+            if pending and time.monotonic() > deadline:
+                raise RankError(f"{fn.__name__} timed out after {timeout} s on ranks "
+                                f"{sorted(pending)}" + self._format(errors))
+            if pending and idle is not None:
+                idle(pending, errors)
+        return answers, errors
 
     @staticmethod
     def _format(errors):
@@ -391,7 +384,14 @@ def _has(path):
     return os.path.exists(os.path.join(ROOT, path))
 
 
+_NO_EXTENSION = ("collectives.engines.{} is not built, or COLLECTIVES_NO_EXTENSIONS hides the "
+                 "extensions (gloo runs on them)")
+
+
 def _ext_built(name):
+    """Whether the extension ``name`` is there to import: built, and not hidden by
+    COLLECTIVES_NO_EXTENSIONS (which the package applies at its import, so it comes first)."""
+    import collectives  # noqa: F401
     return importlib.util.find_spec(f"collectives.engines.{name}") is not None
 
 
@@ -399,12 +399,10 @@ def config_available(name):
     """(available, reason) for a configuration on this machine and tree."""
     if name == "store":
         return _has("tests/support/store_backend.py"), "tests/support/store_backend.py missing"
-    if name == "gloo":
-        return _ext_built("_tcp"), "collectives.engines._tcp is not built"
-    if name in ("gloo-tcp", "gloo-hier"):
-        if not _ext_built("_shm"):
+    if name in ("gloo", "gloo-tcp", "gloo-hier"):
+        if name != "gloo" and not _ext_built("_shm"):
             return False, f"no shared-memory path, so {name} would repeat gloo"
-        return _ext_built("_tcp"), "collectives.engines._tcp is not built"
+        return _ext_built("_tcp"), _NO_EXTENSION.format("_tcp")
     if name == "mpi":
         if importlib.util.find_spec("mpi4py") is None:
             return False, "mpi4py is not installed (pip install 'collectives[mpi]')"

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from tests.support import ROOT
+from tests.support.procs import reaped
 from tests.support.ranks import free_port
 from tests.support.requires import needs_gloo
 
@@ -44,18 +45,13 @@ def _train(backend, how, world=2, **env):
         env=_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=port, **env)) for r in range(world)]
     out = []
-    try:
+    with reaped(procs):
         for r, p in enumerate(procs):
             stdout, stderr = p.communicate(timeout=150)
             assert p.returncode == 0, f"rank {r} ({backend}, {how}) failed:\n{stderr}"
             lines = dict(line.split(" ", 1) for line in stdout.splitlines() if " " in line)
             facts = dict(kv.split("=", 1) for kv in lines["FACTS"].split())
             out.append((facts, lines["WEIGHTS"]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     return out
 
 
