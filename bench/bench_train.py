@@ -14,7 +14,14 @@ intra-op threads set per launch):
 - ``coll``: ``collectives.init_process_group("gloo")`` (torch's default group then runs on
   collectives, see collectives/torch_bridge/torch_pg.py);
 - ``coll_torch``: ``import collectives.torch_bridge.torch_pg`` (registers the backend),
-  then ``torch.distributed.init_process_group("collectives")``.
+  then ``torch.distributed.init_process_group("collectives")``;
+- ``mixed``: one launch for both: torch's default group is gloo, and
+  ``new_group(backend="collectives")`` makes ours; the model over gloo, over ours and the
+  floor take turns in blocks (the order rotating), so that "ours / gloo" and "time above
+  the floor, ours over gloo's" are read within one launch instead of across launches of
+  unequal load. After the steps, each group's all_reduce of the whole gradient is timed
+  alone: with no free core (ranks >= cores), ``floor + that`` is roughly the least a step
+  can take.
 
 Models (``--models``): ``mlp8`` the comm-bound MLP 512 -> 2048 x4 -> 16 (17.9M float32
 parameters, 68 MiB of gradients) at batch 8, ``mlp128`` the same at batch 128, ``tfm`` a
