@@ -1,6 +1,7 @@
-"""The long docstrings of the op table's entries (collectives.api.opspec.SPECS), which
-``python -m collectives.api.gen`` writes into the public functions of api/_generated.py.
-The one-line ones stay beside their entries in the table."""
+"""The long docstrings of the op table's entries (collectives.api.opspec.SPECS): the one
+copy of each, which api/_generated.py sets as its public functions' ``__doc__`` (written so
+by ``python -m collectives.api.gen``). The one-line ones stay beside their entries in the
+table."""
 
 DOC_ALL_REDUCE = """Reduce ``tensor`` across the group, in place, on every rank.
 
