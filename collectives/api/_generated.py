@@ -7,8 +7,7 @@ call (``collectives.NAME``), and the one the ProcessGroup methods call with ``gr
 the long docstrings are :mod:`collectives.api.opdocs`' texts, set at the end.
 """
 from . import multigpu as _multigpu
-from . import opdocs as _opdocs
-from .opspec import _absent, any_sender, recv_peer, send_peer
+from .opspec import SPECS as _SPECS, _absent, any_sender, recv_peer, send_peer
 from ..core.args import TAG_LIMIT, check_tag
 from ..core.dtypes import SUM as _SUM_CODE
 from ..core.convert import buffer, buffers, check_devices
@@ -322,15 +321,11 @@ def reduce_scatter_multigpu(output_tensor_list, input_tensor_lists, op=_SUM, gro
                                          reduce_scatter)
 
 
-# the long docstrings: one copy of each text, in opdocs
-all_reduce.__doc__ = _opdocs.DOC_ALL_REDUCE
-broadcast.__doc__ = _opdocs.DOC_BROADCAST
-all_gather_single.__doc__ = _opdocs.DOC_ALL_GATHER_SINGLE
-all_gather_coalesced.__doc__ = _opdocs.DOC_ALL_GATHER_COALESCED
-all_to_all_single.__doc__ = _opdocs.DOC_ALL_TO_ALL_SINGLE
-barrier.__doc__ = _opdocs.DOC_BARRIER
-send.__doc__ = _opdocs.DOC_SEND
-recv.__doc__ = _opdocs.DOC_RECV
+# the long docstrings: one copy of each, opdocs' texts, which the entries hold
+for _fn in (all_reduce, broadcast, all_gather_single, all_gather_coalesced, all_to_all_single,
+            barrier, send, recv):
+    _fn.__doc__ = _SPECS[_fn.__name__].doc
+del _fn
 
 __all__ = ['all_reduce', 'all_reduce_coalesced', 'reduce', 'broadcast', 'all_gather',
            'all_gather_single', 'all_gather_coalesced', 'gather', 'scatter', 'reduce_scatter',

@@ -14,9 +14,9 @@ group, then the body), with the body in place rather than called, so its common 
 (:mod:`collectives.api.pg_methods`) and the ``*_multigpu`` plans call the same function
 with ``group=`` the group they run on.
 
-A docstring that is one of :mod:`collectives.api.opdocs`' texts is not copied: the module
-sets it from there at its end (``all_reduce.__doc__ = _opdocs.DOC_ALL_REDUCE``), so each
-long text has one copy; the table's one-line docstrings are written in place.
+A docstring that is one of :mod:`collectives.api.opdocs`' texts is not copied: at its end
+the module sets each such function's ``__doc__`` to its entry's ``doc`` (that text), so
+each long text has one copy; the table's one-line docstrings are written in place.
 """
 import difflib
 import os
@@ -184,8 +184,7 @@ call (``collectives.NAME``), and the one the ProcessGroup methods call with ``gr
 the long docstrings are :mod:`collectives.api.opdocs`' texts, set at the end.
 """
 from . import multigpu as _multigpu
-from . import opdocs as _opdocs
-from .opspec import _absent, any_sender, recv_peer, send_peer
+from .opspec import SPECS as _SPECS, _absent, any_sender, recv_peer, send_peer
 from ..core.args import TAG_LIMIT, check_tag
 from ..core.dtypes import SUM as _SUM_CODE
 from ..core.convert import buffer, buffers, check_devices
@@ -219,10 +218,10 @@ def module_text():
     for spec in SPECS.values():
         parts += ["", source(spec), ""]
     docs = long_docs()
-    parts += ["", "# the long docstrings: one copy of each text, in opdocs"]
-    parts += [f"{spec.name}.__doc__ = _opdocs.{docs[spec.doc]}" for spec in SPECS.values()
-              if spec.doc in docs]
-    parts.append("")
+    named = ", ".join(spec.name for spec in SPECS.values() if spec.doc in docs)
+    parts += ["", "# the long docstrings: one copy of each, opdocs' texts, which the entries hold",
+              *_wrap(f"for _fn in ({named}):"), "    _fn.__doc__ = _SPECS[_fn.__name__].doc",
+              "del _fn", ""]
     names = ", ".join(repr(n) for n in SPECS)
     parts += [*_wrap(f"__all__ = [{names}]"), ""]
     return "\n".join(parts)
