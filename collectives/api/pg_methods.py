@@ -14,7 +14,7 @@ Each returns a Work (the call is asynchronous, as torch's, unless the options sa
 ones, as in torch. A list of several tensors per rank takes the ``*_multigpu`` meaning
 (every entry takes part), as torch's gloo does. An options struct's ``timeout``, where
 set, bounds that call instead of the group's timeout (torch's gloo does the same). They
-run the free functions' bodies, so they take what those take (torch tensors, NumPy
+call the free functions, so they take what those take (torch tensors, NumPy
 arrays) and check it the same way.
 """
 from ..core.options import (
