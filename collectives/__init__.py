@@ -26,8 +26,8 @@ from .api.group import (
     get_node_local_rank, get_pg_count, get_process_group_ranks, get_rank, get_world_size, group,
     init_process_group, is_available, is_backend_available, is_gloo_available, is_initialized,
     is_mpi_available, is_nccl_available, is_torchelastic_launched, is_ucc_available,
-    is_xccl_available, new_group, new_subgroups, new_subgroups_by_enumeration, shrink_group,
-    split_group)
+    is_xccl_available, new_group, new_subgroups, new_subgroups_by_enumeration, split_group)
+from .api.shrink import shrink_group
 from .api._generated import (  # the *_multigpu calls (their plans: api/multigpu.py)
     all_gather_multigpu, all_reduce_multigpu, broadcast_multigpu, reduce_multigpu,
     reduce_scatter_multigpu)

@@ -16,8 +16,8 @@ import warnings
 from . import *  # noqa: F401,F403  (the package's __all__)
 from . import __all__ as _public
 from .constants import default_pg_nccl_timeout, default_pg_timeout
-from .api.group import (SHRINK_ABORT, SHRINK_DEFAULT, GroupMember, default_group, get_global_rank,
-                        get_world_size, world)
+from .api.group import GroupMember, default_group, get_global_rank, get_world_size, world
+from .api.shrink import SHRINK_ABORT, SHRINK_DEFAULT
 
 __all__ = list(_public) + ["SHRINK_ABORT", "SHRINK_DEFAULT"]
 

@@ -6,8 +6,8 @@ that describes each collective once) into :mod:`collectives.api._generated` by
 :mod:`collectives.api.gen`: it resolves the group (None on a rank outside it), checks and
 converts the tensors, and hands the call to the group's dispatcher (``pg.dispatch.call``:
 see :mod:`collectives.api.group_dispatcher`), which records it, runs it blocking or queues it, and
-returns a Work when async. The ProcessGroup methods (``pg.allreduce(...)``) run the same
-entries' bodies on their group (``_generated.RUNS[name]``).
+returns a Work when async. The ProcessGroup methods (``pg.allreduce(...)``) call these
+same functions with ``group=`` their group.
 """
 from ._generated import (
     all_gather, all_gather_coalesced, all_gather_single, all_reduce, all_reduce_coalesced,

@@ -6,10 +6,10 @@ back to every entry; a one-element list behaves like the plain call.
 Each is an entry of the op table (:data:`collectives.api.opspec.SPECS`, entered here by
 :func:`~collectives.api.opspec.add`, beside its plan): the free function and the
 ProcessGroup methods' many-tensor form (``pg.allreduce([t0, t1])``) are written from it
-into :mod:`collectives.api._generated`. Its plan does the local part and runs the
-single-tensor entry's body on the group, which it is handed (``run``: ``all_reduce_run``
-...), so the call across ranks takes that entry's path through the group's dispatcher
-(recorded under its name: all_reduce, broadcast, ...).
+into :mod:`collectives.api._generated`. Its plan does the local part and calls the
+single-tensor entry's free function on the group, which it is handed (``run``:
+``all_reduce``..., called with ``group=pg``), so the call across ranks takes that entry's
+path through the group's dispatcher (recorded under its name: all_reduce, broadcast, ...).
 """
 import numpy as np
 
@@ -63,10 +63,10 @@ def _all_reduce(pg, tensor_list, op, async_op, run):
     for t in tensor_list[1:]:
         _local_reduce(first, t, D.SUM if kind in (D.AVG, D.PREMUL_SUM) else kind)
     if kind == D.AVG and len(tensor_list) > 1:  # the mean over every entry of every rank
-        run(pg, first)
+        run(first, group=pg)
         scale(buffer(first), 1.0 / (len(tensor_list) * pg._size))
     else:
-        run(pg, first, op)
+        run(first, op, group=pg)
     for t in tensor_list[1:]:
         _copy(t, first)
     return _sync_work(async_op, tensor_list)
@@ -85,7 +85,7 @@ def _broadcast(pg, tensor_list, src, async_op, src_tensor, run):
     if not isinstance(src_tensor, int) or not 0 <= src_tensor < len(tensor_list):
         raise ValueError(f"src_tensor must index tensor_list (0..{len(tensor_list) - 1}), got {src_tensor!r}")
     main = tensor_list[src_tensor]
-    run(pg, main, src)
+    run(main, src, group=pg)
     for t in tensor_list:
         if t is not main:
             _copy(t, main)
@@ -106,7 +106,7 @@ def _reduce(pg, tensor_list, dst, op, async_op, dst_tensor, run):
     for i, t in enumerate(tensor_list):
         if i != dst_tensor:
             _local_reduce(acc, t, code)
-    run(pg, acc, dst, op)
+    run(acc, dst, op, group=pg)
     return _sync_work(async_op, tensor_list)
 
 
@@ -136,7 +136,7 @@ def _all_gather(pg, output_tensor_lists, input_tensor_list, async_op, run):
     else:
         stacked = np.concatenate([t.reshape(-1) for t in input_tensor_list])
         gathered = [np.empty_like(stacked) for _ in range(pg._size)]
-    run(pg, gathered, stacked)
+    run(gathered, stacked, group=pg)
     n = ins[0].count
     for lst in output_tensor_lists:
         for r in range(pg._size):
@@ -165,36 +165,36 @@ def _reduce_scatter(pg, output_tensor_list, input_tensor_lists, op, async_op, ru
         import torch
         chunks = [torch.cat([c.reshape(-1) for c in combined[r * k:(r + 1) * k]]) for r in range(n)]
         mine = torch.empty_like(chunks[0])
-    run(pg, mine, chunks, op)
+    run(mine, chunks, op, group=pg)
     m = outs[0].count
     for i, t in enumerate(output_tensor_list):
         _copy(t, mine[i * m:(i + 1) * m].reshape(t.shape))
     return _sync_work(async_op, output_tensor_list)
 
 
-# ---- the entries: each plan is handed its single-tensor entry's run ---------------------------
+# ---- the entries: each plan is handed its single-tensor entry's function --------------------
 
 add(OpSpec("all_reduce_multigpu", "tensor_list, op=_SUM, group=None, async_op=False",
            "all_reduce", method="all_reduce", plan=_all_reduce,
-           plan_args="tensor_list, op, async_op, all_reduce_run",
+           plan_args="tensor_list, op, async_op, all_reduce",
            doc="all_reduce across ranks and across the entries of ``tensor_list``; every entry gets "
                "the result."),
     OpSpec("broadcast_multigpu", "tensor_list, src, group=None, async_op=False, src_tensor=0",
            "broadcast", method="broadcast", plan=_broadcast,
-           plan_args="tensor_list, src, async_op, src_tensor, broadcast_run",
+           plan_args="tensor_list, src, async_op, src_tensor, broadcast",
            doc="Broadcast ``tensor_list[src_tensor]`` of rank ``src`` into every entry on every rank."),
     OpSpec("reduce_multigpu", "tensor_list, dst, op=_SUM, group=None, async_op=False, "
            "dst_tensor=0", "reduce", method="reduce", plan=_reduce,
-           plan_args="tensor_list, dst, op, async_op, dst_tensor, reduce_run",
+           plan_args="tensor_list, dst, op, async_op, dst_tensor, reduce",
            doc="Reduce across ranks and entries into ``tensor_list[dst_tensor]`` of rank ``dst``."),
     OpSpec("all_gather_multigpu", "output_tensor_lists, input_tensor_list, group=None, "
            "async_op=False", "all_gather", method="all_gather", plan=_all_gather,
-           plan_args="output_tensor_lists, input_tensor_list, async_op, all_gather_run",
+           plan_args="output_tensor_lists, input_tensor_list, async_op, all_gather",
            doc="``output_tensor_lists[i][r * k + j]`` gets rank r's ``input_tensor_list[j]`` (k "
                "entries per rank)."),
     OpSpec("reduce_scatter_multigpu", "output_tensor_list, input_tensor_lists, op=_SUM, "
            "group=None, async_op=False", "reduce_scatter", method="reduce_scatter",
            plan=_reduce_scatter,
-           plan_args="output_tensor_list, input_tensor_lists, op, async_op, reduce_scatter_run",
+           plan_args="output_tensor_list, input_tensor_lists, op, async_op, reduce_scatter",
            doc="""``output_tensor_list[i]`` on rank r gets the reduction, over every rank and
     entry, of ``input_tensor_lists[.][r * k + i]`` (k entries per rank)."""))

@@ -1,6 +1,7 @@
-"""The long docstrings of the op table's entries (collectives.api.opspec.SPECS), which
-``python -m collectives.api.gen`` writes into the public functions of api/_generated.py.
-The one-line ones stay beside their entries in the table."""
+"""The long docstrings of the op table's entries (collectives.api.opspec.SPECS): the one
+copy of each, which api/_generated.py sets as its public functions' ``__doc__`` (written so
+by ``python -m collectives.api.gen``). The one-line ones stay beside their entries in the
+table."""
 
 DOC_ALL_REDUCE = """Reduce ``tensor`` across the group, in place, on every rank.
 
@@ -97,13 +98,16 @@ DOC_SEND = """Send ``tensor`` to global rank ``dst``; returns when the tensor ma
 DOC_ALL_GATHER_COALESCED = """Gather every rank's ``input_tensor_list`` in one backend call
     (torch's deprecated coalesced form): ``output_tensor_lists[r][i]`` receives rank r's
     ``input_tensor_list[i]``. The tensors share one dtype, as torch's gloo requires; their
-    shapes may differ."""
+    shapes may differ.
+    """
 DOC_ALL_TO_ALL_SINGLE = """Split ``input`` along dim 0 (evenly, or by ``input_split_sizes``),
-    send part q to rank q; receive rank r's part into ``output``'s r-th slice (``output_split_sizes``)."""
+    send part q to rank q; receive rank r's part into ``output``'s r-th slice (``output_split_sizes``).
+    """
 DOC_BARRIER = """Block until every rank of the group has reached this barrier.
 
     ``timeout`` (a timedelta or seconds, > 0) bounds this barrier instead of the group's
     timeout; past it, DistBackendError ("Timed out waiting <n>ms ..."), as torch's gloo.
     """
 DOC_RECV = """Receive into ``tensor`` from ``src`` (None: any rank). Returns the
-    sender's global rank (-1 if this rank is not in ``group``)."""
+    sender's global rank (-1 if this rank is not in ``group``).
+    """

@@ -15,22 +15,22 @@ An OpSpec holds what the front end knows about a collective:
   whose count and dtype are recorded, the root, the op); ``fingerprint``: the kind code
   the backend's fingerprint carries for the call (:mod:`collectives.core.fingerprint`).
 
-From each OpSpec two functions are written out, by :mod:`collectives.api.gen`, into
+From each OpSpec one function is written out, by :mod:`collectives.api.gen`, into
 :mod:`collectives.api._generated` (checked in; a test fails when it is not what the table
-makes): the free function (``collectives.all_reduce``: resolve the group, then the body)
-and ``all_reduce_run(pg, ...)`` (the body on a group already resolved), which the
-ProcessGroup methods call. The body is the same text in both, written in place rather
-than called, so the free function's common call (``dist.all_reduce(t)``) has one Python
-frame and goes straight to the group's dispatcher (``pg.dispatch.call``:
-:mod:`collectives.api.group_dispatcher`). ``fast``, ``args``, ``record`` and ``plan_args`` are
-Python expressions over the generated function's parameters and the buffers the roles
-name.
+makes): the free function (``collectives.all_reduce``: resolve the group, then the body,
+written in place rather than called, so its common call ``dist.all_reduce(t)`` has one
+Python frame and goes straight to the group's dispatcher, ``pg.dispatch.call``:
+:mod:`collectives.api.group_dispatcher`). The ProcessGroup methods call it with ``group=``
+the group they run on. ``fast``, ``args``, ``record`` and ``plan_args`` are Python
+expressions over the generated function's parameters and the buffers the roles name;
+``doc`` is the function's docstring (the long ones are :mod:`collectives.api.opdocs`' texts,
+which the generated module sets rather than copies).
 
 Point-to-point calls (``isend``, ``irecv``, ``send``, ``recv``) are entries too: a buffer,
 a peer argument (``peer``), the backend's isend or irecv, posted through the group's
 dispatcher (``pg.dispatch.post``), which records and profiles it; the ``*_multigpu``
 calls are entries whose plans (:mod:`collectives.api.multigpu`) are handed the
-single-tensor entry's run (``all_reduce_run``...) to call.
+single-tensor entry's free function (``all_reduce``...) to call on their group.
 
 Lists of tensors reach the backend as one Buffer (a staging buffer, or the tensors' own
 memory when they already lie back to back).

@@ -4,10 +4,9 @@
 One table (:class:`CollectiveMethods`) serves our groups, torch's wrapper over one of
 them and the groups that are both (collectives.torch_bridge.torch_pg). In torch's order: each method
 normalises its options (:func:`normalise`: torch's ``*Options`` struct or ours, or the
-legacy positional form) into one :class:`Call`, runs the collective's entry of the op
-table on its group (``collectives.api._generated.RUNS[name]``, the body the free function
-runs too), and hands the result to the class's result adapter (``_result``): our groups
-return our Work, torch's groups torch's.
+legacy positional form) into one :class:`Call`, calls the collective's free function
+(:mod:`collectives.api._generated`) with ``group=`` its group, and hands the result to the
+class's result adapter (``_result``): our groups return our Work, torch's groups torch's.
 
 Each returns a Work (the call is asynchronous, as torch's, unless the options say
 ``asyncOp=False``: it then blocks and its Work is completed). Ranks given to them
@@ -15,14 +14,14 @@ Each returns a Work (the call is asynchronous, as torch's, unless the options sa
 ones, as in torch. A list of several tensors per rank takes the ``*_multigpu`` meaning
 (every entry takes part), as torch's gloo does. An options struct's ``timeout``, where
 set, bounds that call instead of the group's timeout (torch's gloo does the same). They
-run the free functions' bodies, so they take what those take (torch tensors, NumPy
+call the free functions, so they take what those take (torch tensors, NumPy
 arrays) and check it the same way.
 """
 from ..core.options import (
     AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
     BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
 from ..core import world as _world
-from ._generated import RUNS as _run_of  # the table's bodies, by entry name
+from . import _generated as _api  # the free functions, which the methods call
 from .monitored_barrier import monitored_barrier as _monitored_barrier
 from ..backends.base import DoneRequest
 from ..core.reduce_op import PremulSum, RedOpType, ReduceOp, _PremulSumMember, as_op
@@ -111,8 +110,8 @@ def normalise(group, first, value, cls, legacy):
 class CollectiveMethods:
     """The collective and point-to-point methods, for our groups (mixed into ProcessGroup)
     and torch's (collectives.torch_bridge.torch_pg), in torch's order: a method resolves its arguments
-    (:func:`normalise`) and runs the collective's entry of the table
-    (``collectives.api._generated.RUNS[name]``) on ``self._group``, the collectives group it
+    (:func:`normalise`) and calls the collective's free function (``fn``, of
+    :mod:`collectives.api._generated`) with ``group=self._group``, the collectives group it
     runs on (the group itself, or the one a torch group wraps). ``_result`` is what a
     class returns for a call (``call`` None: a point-to-point one)."""
 
@@ -128,31 +127,30 @@ class CollectiveMethods:
         """The :class:`Call` of a method, on the group it runs on."""
         return normalise(self._group, first, opts, cls, legacy)
 
-    def _run(self, c, name, outputs, *args, **kwargs):
-        """The table's collective ``name`` on the call's group, ``(*args, async_op=,
-        **kwargs)``, under the call's own timeout; its Work through the result adapter
-        (``outputs``: what torch's Work's result() holds)."""
-        pg = _world.current(c.group)  # (a destroyed group raises here)
-        run = _run_of[name]
+    def _run(self, c, fn, outputs, *args, **kwargs):
+        """The free function ``fn(*args, group=, async_op=, **kwargs)`` on the call's group
+        (a destroyed one raises there), under the call's own timeout; its Work through the
+        result adapter (``outputs``: what torch's Work's result() holds). ``args`` stop
+        before ``fn``'s ``group`` parameter."""
         if c.secs is None:
-            work = run(pg, *args, async_op=c.async_op, **kwargs)
+            work = fn(*args, group=c.group, async_op=c.async_op, **kwargs)
         else:
             with per_call_timeout(c.secs):
-                work = run(pg, *args, async_op=c.async_op, **kwargs)
+                work = fn(*args, group=c.group, async_op=c.async_op, **kwargs)
         return self._result(c, work, outputs)
 
-    def _coalesced(self, c, name, outputs, inputs, *args):
-        """The table's ``name(output, input, *args)`` for each pair, all issued before any
-        is waited for; one Work for them all (the group runs them in order: the last done
-        means all are)."""
+    def _coalesced(self, c, fn, outputs, inputs, *args):
+        """The free function ``fn(output, input, *args)`` on the call's group for each pair,
+        all issued before any is waited for; one Work for them all (the group runs them in
+        order: the last done means all are)."""
         outputs, inputs = _seq(outputs), _seq(inputs)
         if len(outputs) != len(inputs):
             raise ValueError(f"outputs and inputs must have the same length, got {len(outputs)} "
                              f"and {len(inputs)}")
-        pg = _world.current(c.group)
-        run = _run_of[name]
+        _world.current(c.group)  # (a destroyed group raises, with no pairs too)
         with per_call_timeout(c.secs):
-            works = [run(pg, o, i, *args, async_op=c.async_op) for o, i in zip(outputs, inputs)]
+            works = [fn(o, i, *args, group=c.group, async_op=c.async_op)
+                     for o, i in zip(outputs, inputs)]
         last = works[-1] if works else None
         return self._result(c, None if last is None else Work(last._req, outputs, c.group),
                             outputs)
@@ -165,13 +163,13 @@ class CollectiveMethods:
         ts = _tensors(tensors, "tensors")
         c = self._call(tensors, opts, AllreduceOptions, reduceOp=opts)
         if len(ts) > 1:
-            return self._run(c, "all_reduce_multigpu", ts, ts, c.op)
-        return self._run(c, "all_reduce", ts, ts[0], c.op)
+            return self._run(c, _api.all_reduce_multigpu, ts, ts, c.op)
+        return self._run(c, _api.all_reduce, ts, ts[0], c.op)
 
     def allreduce_coalesced(self, tensors, opts=None):
         ts = _tensors(tensors, "tensors")
         c = self._call(tensors, opts, AllreduceCoalescedOptions)
-        return self._run(c, "all_reduce_coalesced", ts, ts, c.op)
+        return self._run(c, _api.all_reduce_coalesced, ts, ts, c.op)
 
     def broadcast(self, tensors, opts=None):
         """``broadcast(tensors, BroadcastOptions())`` or ``broadcast(tensor, root)``."""
@@ -179,9 +177,9 @@ class CollectiveMethods:
         c = self._call(tensors, opts, BroadcastOptions, rootRank=opts)
         root = _root(c.group, c.root, "rootRank")
         if len(ts) > 1:
-            return self._run(c, "broadcast_multigpu", ts, ts, c.group.ranks[root],
+            return self._run(c, _api.broadcast_multigpu, ts, ts, c.group.ranks[root],
                              src_tensor=c.root_tensor)
-        return self._run(c, "broadcast", ts, ts[0], group_src=root)
+        return self._run(c, _api.broadcast, ts, ts[0], group_src=root)
 
     def reduce(self, tensors, opts=None, op=None):
         """``reduce(tensors, ReduceOptions())`` or ``reduce(tensor, root, op)``."""
@@ -189,9 +187,9 @@ class CollectiveMethods:
         c = self._call(tensors, opts, ReduceOptions, rootRank=opts, reduceOp=op)
         root = _root(c.group, c.root, "rootRank")
         if len(ts) > 1:
-            return self._run(c, "reduce_multigpu", ts, ts, c.group.ranks[root], c.op,
+            return self._run(c, _api.reduce_multigpu, ts, ts, c.group.ranks[root], c.op,
                              dst_tensor=c.root_tensor)
-        return self._run(c, "reduce", ts, ts[0], op=c.op, group_dst=root)
+        return self._run(c, _api.reduce, ts, ts[0], op=c.op, group_dst=root)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """``allgather([[out per rank]], [inp], AllgatherOptions())`` or
@@ -199,34 +197,34 @@ class CollectiveMethods:
         c = self._call(output_tensors, opts, AllgatherOptions)
         if not isinstance(input_tensors, (list, tuple)):
             outs = list(output_tensors)
-            return self._run(c, "all_gather", outs, outs, input_tensors)
+            return self._run(c, _api.all_gather, outs, outs, input_tensors)
         ins = _tensors(input_tensors, "input_tensors")
         if len(ins) > 1:
             outs = [list(x) for x in output_tensors]
-            return self._run(c, "all_gather_multigpu", outs, outs, ins)
+            return self._run(c, _api.all_gather_multigpu, outs, outs, ins)
         if len(output_tensors) != 1 or not isinstance(output_tensors[0], (list, tuple)):
             raise ValueError("output_tensors must be a list holding one list of tensors "
                              "(one per rank) for each input tensor")
         outs = list(output_tensors[0])
-        return self._run(c, "all_gather", [outs], outs, ins[0])
+        return self._run(c, _api.all_gather, [outs], outs, ins[0])
 
     def _allgather_base(self, output, input, opts=None):  # noqa: A002
         c = self._call(output, opts, AllgatherOptions)
-        return self._run(c, "all_gather_single", [output], output, input)
+        return self._run(c, _api.all_gather_single, [output], output, input)
 
     all_gather_single = _allgather_base
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """``_allgather_base`` for each (output, input) pair, as one Work."""
         c = self._call(outputs, opts, AllgatherOptions)
-        return self._coalesced(c, "all_gather_single", outputs, inputs)
+        return self._coalesced(c, _api.all_gather_single, outputs, inputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         c = self._call(output_lists, opts, AllgatherOptions)
         outs = [list(x) for x in output_lists]
-        return self._run(c, "all_gather_coalesced", outs, outs, _seq(input_list))
+        return self._run(c, _api.all_gather_coalesced, outs, outs, _seq(input_list))
 
     def _rooted(self, c, single, many, single_name, many_name):
         """(root, the one tensor, the root's list or None) from gather's and scatter's two
@@ -244,7 +242,7 @@ class CollectiveMethods:
         c = self._call(input_tensors, opts, GatherOptions, rootRank=opts)
         root, inp, outs = self._rooted(c, input_tensors, output_tensors, "input_tensors",
                                        "output_tensors")
-        return self._run(c, "gather", outs or [], inp, outs, group_dst=root)
+        return self._run(c, _api.gather, outs or [], inp, outs, group_dst=root)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """``scatter([out], [[in per rank]] or [], ScatterOptions())`` or
@@ -252,39 +250,39 @@ class CollectiveMethods:
         c = self._call(output_tensors, opts, ScatterOptions, rootRank=opts)
         root, out, ins = self._rooted(c, output_tensors, input_tensors, "output_tensors",
                                       "input_tensors")
-        return self._run(c, "scatter", [out], out, ins, group_src=root)
+        return self._run(c, _api.scatter, [out], out, ins, group_src=root)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """``reduce_scatter([out], [[in per rank]], ReduceScatterOptions())`` or
         ``reduce_scatter(out, [in per rank], op)``."""
         c = self._call(output_tensors, opts, ReduceScatterOptions, reduceOp=opts)
         if not isinstance(output_tensors, (list, tuple)):
-            return self._run(c, "reduce_scatter", [output_tensors], output_tensors,
+            return self._run(c, _api.reduce_scatter, [output_tensors], output_tensors,
                              list(input_tensors), c.op)
         outs = _tensors(output_tensors, "output_tensors")
         if len(outs) > 1:
-            return self._run(c, "reduce_scatter_multigpu", outs, outs,
+            return self._run(c, _api.reduce_scatter_multigpu, outs, outs,
                              [list(x) for x in input_tensors], c.op)
-        return self._run(c, "reduce_scatter", outs, outs[0],
+        return self._run(c, _api.reduce_scatter, outs, outs[0],
                          list(_only(input_tensors, "input_tensors", "list of tensors")), c.op)
 
     def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
         c = self._call(output, opts, ReduceScatterOptions)
-        return self._run(c, "reduce_scatter_single", [output], output, input, c.op)
+        return self._run(c, _api.reduce_scatter_single, [output], output, input, c.op)
 
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         """``_reduce_scatter_base`` for each (output, input) pair, as one Work."""
         c = self._call(outputs, opts, ReduceScatterOptions)
-        return self._coalesced(c, "reduce_scatter_single", outputs, inputs, c.op)
+        return self._coalesced(c, _api.reduce_scatter_single, outputs, inputs, c.op)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
                       opts=None):
         c = self._call(output, opts, AllToAllOptions)
-        return self._run(c, "all_to_all_single", [output], output, input,
+        return self._run(c, _api.all_to_all_single, [output], output, input,
                          list(output_split_sizes) or None, list(input_split_sizes) or None)
 
     all_to_all_single = alltoall_base
@@ -292,29 +290,29 @@ class CollectiveMethods:
     def alltoall(self, output_tensors, input_tensors, opts=None):
         c = self._call(output_tensors, opts, AllToAllOptions)
         outs = list(output_tensors)
-        return self._run(c, "all_to_all", outs, outs, list(input_tensors))
+        return self._run(c, _api.all_to_all, outs, outs, list(input_tensors))
 
     def barrier(self, opts=None):
-        return self._run(self._call(None, opts, BarrierOptions), "barrier", [])
+        return self._run(self._call(None, opts, BarrierOptions), _api.barrier, [])
 
     # ---- point to point --------------------------------------------------------------------
 
-    def _p2p(self, name, t, **kwargs):
-        """The table's point-to-point entry ``name`` (isend, irecv) for tensor ``t`` on this
+    def _p2p(self, fn, t, **kwargs):
+        """The point-to-point free function ``fn`` (isend, irecv) for tensor ``t`` on this
         group; its Work through the result adapter."""
-        return self._result(None, _run_of[name](_world.current(self._group), t, **kwargs), [t])
+        return self._result(None, fn(t, group=self._group, **kwargs), [t])
 
     def send(self, tensors, dstRank, tag=0):  # noqa: N803  (torch's names)
         t = _only(_tensors(tensors, "tensors"), "tensors")
-        return self._p2p("isend", t, tag=tag, group_dst=_root(self._group, dstRank, "dstRank"))
+        return self._p2p(_api.isend, t, tag=tag, group_dst=_root(self._group, dstRank, "dstRank"))
 
     def recv(self, tensors, srcRank, tag=0):  # noqa: N803
         t = _only(_tensors(tensors, "tensors"), "tensors")
-        return self._p2p("irecv", t, tag=tag, group_src=_root(self._group, srcRank, "srcRank"))
+        return self._p2p(_api.irecv, t, tag=tag, group_src=_root(self._group, srcRank, "srcRank"))
 
     def recv_anysource(self, tensors, tag=0):
         """A receive from any rank of the group; ``work.source_rank()`` names the sender."""
-        return self._p2p("irecv", _only(_tensors(tensors, "tensors"), "tensors"), tag=tag)
+        return self._p2p(_api.irecv, _only(_tensors(tensors, "tensors"), "tensors"), tag=tag)
 
 
 class ProcessGroupMethods:

@@ -3,10 +3,10 @@ made from it.
 
 - Every collective the front end exports is written from its OpSpec into
   ``collectives/api/_generated.py`` (a real module: its functions are defined there, and
-  regenerating it from the table changes nothing); the free function and the
-  ProcessGroup methods run the same body (``RUNS[name]``), the generated functions are the
-  old template's text, and the table names backend methods of the backend contract and
-  kinds the flight recorder knows. ``exec`` appears nowhere in the package.
+  regenerating it from the table changes nothing), once each: the ProcessGroup methods
+  call the free function with ``group=``; its body is the table's statements, its long
+  docstring the one copy in opdocs, and the table names backend methods of the backend
+  contract and kinds the flight recorder knows. ``exec`` appears nowhere in the package.
 - Property (world of 3, gloo): for any reduction the table plans in more than one step
   (AVG, PREMUL_SUM, the others' single call), dtype, shape and root, the free function
   and the group's method give the same bits, both match the NumPy reference, and the
@@ -18,7 +18,7 @@ The point-to-point and ``*_multigpu`` entries:
 - isend, irecv, send, recv and the five ``*_multigpu`` calls are written from their
   OpSpecs, as the collectives are; the p2p entries name the backend's isend/irecv, the
   kinds the backend fingerprints and what the recorder takes; the multigpu entries hand
-  their plan the single-tensor entry's run.
+  their plan the single-tensor entry's free function.
 - The C dispatcher and its Python twin post and record every p2p call alike.
 - Nothing in ``collectives/api/`` but the dispatcher writes the flight recorder's or the
   profiler's handling by hand.
@@ -72,9 +72,8 @@ def test_every_collective_is_made_from_its_opspec(name):
     assert fn is getattr(_generated, spec.name) and fn.__module__ == _generated.__name__
     assert fn.__code__.co_filename == _generated.__file__  # a real file: debuggers step in
     assert inspect.getdoc(fn).split() == spec.doc.split()  # the table's text, refilled
-    free = list(inspect.signature(fn).parameters)
-    run = list(inspect.signature(_generated.RUNS[spec.name]).parameters)
-    assert run == ["pg"] + [p for p in free if p != "group"]
+    assert list(inspect.signature(fn).parameters) == [p.split("=")[0].strip()
+                                                      for p in spec.params.split(",")]
 
 
 def test_the_generated_module_is_what_the_table_makes():
@@ -88,15 +87,31 @@ def test_the_generated_module_is_what_the_table_makes():
 
 
 def test_the_generated_module_defines_each_entry_once():
-    """Each entry's free function and run are plain ``def``s of _generated.py (greppable),
-    in the table's order, and RUNS names every run."""
+    """Each entry's free function is a plain ``def`` of _generated.py (greppable), once, in
+    the table's order, and nothing else is defined there."""
     with open(gen.PATH) as f:
         tree = ast.parse(f.read())
     defs = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
-    assert defs == [x for name in opspec.SPECS for x in (name, name + "_run")]
-    assert set(_generated.RUNS) == set(opspec.SPECS)
-    for name, run in _generated.RUNS.items():
-        assert run is getattr(_generated, name + "_run")
+    assert defs == list(opspec.SPECS)
+
+
+def test_each_long_docstring_has_one_copy():
+    """opdocs' texts are not written into _generated.py: the module sets them, and each
+    function's ``__doc__`` is the very text the table holds (help() and the docs see it)."""
+    from collectives.api import opdocs
+    with open(gen.PATH) as f:
+        text = f.read()
+    long = {name: doc for name, doc in vars(opdocs).items() if name.startswith("DOC_")}
+    for spec in opspec.SPECS.values():
+        fn = getattr(_generated, spec.name)
+        assert fn.__doc__ == spec.doc or fn.__doc__.split() == spec.doc.split()
+        if spec.doc in long.values():
+            assert fn.__doc__ is spec.doc
+    for name, doc in long.items():
+        assert any(spec.doc is doc for spec in opspec.SPECS.values()), name  # each one used
+        copied = [ln.strip() for ln in doc.splitlines() if len(ln.strip()) > 20
+                  and ln.strip() in text]
+        assert not copied, (name, copied)
 
 
 def test_no_exec_in_the_package():
@@ -116,17 +131,16 @@ def test_no_exec_in_the_package():
 
 
 @pytest.mark.parametrize("name", sorted(opspec.SPECS))
-def test_the_free_function_and_the_method_run_one_body(name):
+def test_the_free_function_resolves_the_group_then_runs_the_body(name):
     spec = opspec.SPECS[name]
-    free, run = ast.parse(gen.source(spec)).body
-    assert (free.name, run.name) == (name, name + "_run")
+    free, = ast.parse(gen.source(spec)).body
+    assert free.name == name
 
     def code(stmts):  # the statements, the docstring aside
         if isinstance(stmts[0], ast.Expr) and isinstance(stmts[0].value, ast.Constant):
             stmts = stmts[1:]
         return [ast.unparse(st) for st in stmts]
     want = code(ast.parse("def f():\n" + "\n".join("    " + ln for ln in gen.body(spec))).body[0].body)
-    assert code(run.body) == want
     free_code = code(free.body)
     # the free function: the group resolved, then the same statements in the same order
     assert [st for st in free_code if st in want] == want
@@ -307,9 +321,8 @@ def test_p2p_and_multigpu_calls_are_made_from_their_opspec(name):
     assert fn is getattr(_generated, name) and fn is getattr({**P2P, **MULTIGPU}[name], name)
     assert fn.__module__ == _generated.__name__ and fn.__code__.co_filename == _generated.__file__
     assert inspect.getdoc(fn).split() == spec.doc.split()  # the table's text, refilled
-    free = list(inspect.signature(fn).parameters)
-    assert list(inspect.signature(_generated.RUNS[name]).parameters) == ["pg"] + [
-        p for p in free if p != "group"]
+    assert list(inspect.signature(fn).parameters) == [p.split("=")[0].strip()
+                                                      for p in spec.params.split(",")]
 
 
 @pytest.mark.parametrize("name", sorted(P2P))
@@ -336,10 +349,10 @@ def test_a_multigpu_entry_runs_its_single_tensor_entry(name):
     single = name[:-len("_multigpu")]
     assert spec.kind == single and spec.method == single and spec.plan is not None
     assert KIND_NAMES[spec.fingerprint] == spec.method
-    # the plan is handed the single-tensor entry's run, and calls it
-    assert spec.plan_args.split(", ")[-1] == f"{single}_run"
+    # the plan is handed the single-tensor entry's free function, and calls it on its group
+    assert spec.plan_args.split(", ")[-1] == single
     assert list(inspect.signature(spec.plan).parameters)[-1] == "run"
-    assert "run(pg, " in inspect.getsource(spec.plan)
+    assert re.search(r"\brun\([^()]*, group=pg\)", inspect.getsource(spec.plan))
     assert gen.body(spec)[-1].startswith(f"return {gen.plan_name(spec)}(pg, ")
 
 

@@ -31,7 +31,6 @@ through the buffer protocol; the pure-Python one goes as
   where the entry points cannot be found, goes through mpi4py.
 """
 import importlib.util
-import sys
 
 from ...core import dtypes as D
 from ...core import fingerprint as F
@@ -44,10 +43,10 @@ from ..base import Backend
 from .fingerprint import CallLog as _CallLog
 from .fingerprint import FingerprintCheck as _FingerprintCheck
 from .request import MpiRequest
+from .communicator import communicator as _communicator
 from .library import displs as _displs
 from .library import entry_points as _entry_points
 from .library import handle as _handle
-from .library import launcher_world_size as _launcher_world_size
 from .library import overlap as _overlap
 from .library import reduce_kernel as _reduce_kernel
 from .watchdog import watchdog as _watchdog
@@ -552,50 +551,9 @@ _NATIVE = {
 }
 
 
-def _comm_for(store, rank, size):
-    """The communicator of a group of ``size`` ranks where this process is ``rank``.
-
-    ``store`` None: the world group under mpiexec (a duplicate of MPI_COMM_WORLD).
-    Otherwise a group whose members rendezvoused through ``store`` (a world group
-    given an init_method, or a subgroup of a non-MPI parent): members exchange their
-    MPI world ranks and build the communicator with MPI_Comm_create_group.
-    """
-    launched = _launcher_world_size()
-    if store is not None and _MPI is None and "mpi4py.MPI" not in sys.modules and size < launched:
-        # MPI_Init is collective over all mpiexec's processes: members alone would hang in it
-        raise DistBackendError(
-            f"an 'mpi' group of {size} of the {launched} processes needs MPI initialised on every "
-            f"process first: run 'from mpi4py import MPI' on all ranks before new_group(..., "
-            f"backend='mpi'), or use init_process_group('mpi')")
-    MPI = _load_mpi()
-    world = MPI.COMM_WORLD
-    wrank, wsize = world.Get_rank(), world.Get_size()
-    if wsize == 1 and size > 1:
-        raise DistBackendError(
-            f"the 'mpi' backend found a one-process MPI world but world_size={size}: start the "
-            f"program with mpiexec (mpiexec -n {size} python prog.py)")
-    if store is None:
-        if (rank, size) != (wrank, wsize):
-            raise DistBackendError(
-                f"the 'mpi' backend got rank={rank}, world_size={size}, but MPI_COMM_WORLD has "
-                f"rank {wrank} of {wsize}; under mpiexec let init_process_group('mpi') take both "
-                f"from MPI")
-        return world.Dup()
-    if size > wsize:
-        raise DistBackendError(f"the 'mpi' backend got world_size={size} but MPI_COMM_WORLD has "
-                               f"only {wsize} processes (mpiexec -n {size})")
-    store.set(f"mpi_world_rank/{rank}", str(wrank).encode())
-    members = [int(store.get(f"mpi_world_rank/{r}")) for r in range(size)]
-    group = world.Get_group().Incl(members)
-    try:
-        return world.Create_group(group)
-    finally:
-        group.Free()
-
-
 def create_mpi_backend(store, rank, size, timeout, options=None):
     """The backend for ``init_process_group('mpi')``; ``store`` may be None under mpiexec."""
-    return MpiBackend(_comm_for(store, rank, size), timeout, options)
+    return MpiBackend(_communicator(store, rank, size, _load_mpi), timeout, options)
 
 
 create_mpi_backend.world_rank_size = world_rank_size
