@@ -23,7 +23,7 @@ def launch(script, world, env, timeout, label, root=ROOT, threads=1):
                     PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         procs.append(subprocess.Popen([sys.executable, script, "--worker"], env=renv,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
+    outs, failed = [], []
     try:
         for p in procs:
             try:
@@ -31,14 +31,27 @@ def launch(script, world, env, timeout, label, root=ROOT, threads=1):
             except subprocess.TimeoutExpired:
                 raise SystemExit(f"{label}: timed out after {timeout} s") from None
             if p.returncode:
-                raise SystemExit(f"{label} failed:\n{err[-3000:]}")
+                failed.append(err)
             outs.append(out)
     finally:
         for q in procs:
             if q.poll() is None:
                 q.kill()
                 q.wait()
+    result = None
     for line in outs[0].splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise SystemExit(f"{label}: rank 0 printed no result")
+            result = json.loads(line[7:])
+    if failed and not (result is not None and all(_TEARDOWN in err for err in failed)):
+        raise SystemExit(f"{label} failed:\n{failed[0][-3000:]}")
+    if result is None:
+        raise SystemExit(f"{label}: rank 0 printed no result")
+    if failed:  # every step was measured and reported; a rank died in torch's own teardown
+        print(f"# {label}: {len(failed)} rank(s) aborted at exit after the result "
+              f"({_TEARDOWN!r}); the result stands", file=sys.stderr, flush=True)
+    return result
+
+
+#: what torch's C++ teardown prints when it aborts a rank at exit (now and then, torch gloo's
+#: own runs included), after the measured part has ended and rank 0 has printed its result
+_TEARDOWN = "terminate called without an active exception"
