@@ -34,6 +34,21 @@ _plan_reduce_scatter_multigpu = _multigpu._reduce_scatter
 _SUM = ReduceOp.SUM
 
 
+def _post(pg, kind, fn, tensor, arg, group_arg, tag, rule):
+    """Post ``fn(buffer, peer, tag)`` as point-to-point call ``kind`` of ``pg``, the peer
+    named by ``arg`` or ``group_arg`` (``rule``: send_peer or recv_peer), the tag and the
+    tensor checked; the request."""
+    peer = pg.group_of_global.get(arg) if type(arg) is int and group_arg is None else None
+    if peer is None or peer == pg._rank:
+        peer = rule(pg, arg, group_arg)
+    if type(tag) is not int or not 0 <= tag < TAG_LIMIT:
+        check_tag(tag)
+    buf = buffer(tensor)
+    if buf.device != -1:
+        check_devices(pg, (buf,), 'tensor')
+    return pg.dispatch.post(kind, fn, buf, peer, tag)
+
+
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):
     # docstring: opdocs.DOC_ALL_REDUCE (set at the end of the module)
     pg = world.default if group is None else current(group)
@@ -61,9 +76,7 @@ def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None
     pg = world.default if group is None else current(group)
     if pg is None:
         return _absent(group)
-    root = pg.group_of_global.get(dst) if type(dst) is int and group_dst is None else None
-    if root is None:
-        root = pg.peer(dst, group_dst, 'dst', default=0)
+    root = pg.dispatch.root(dst, group_dst, 'dst')
     buf = buffer(tensor)
     if op is _SUM:
         if buf.device != -1:
@@ -79,9 +92,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     if pg is None:
         return _absent(group)
     buf = buffer(tensor)
-    root = pg.group_of_global.get(src) if type(src) is int and group_src is None else None
-    if root is None:
-        root = pg.peer(src, group_src, 'src', default=0)
+    root = pg.dispatch.root(src, group_src, 'src')
     if buf.device != -1:
         check_devices(pg, (buf,), 'tensor')
     return pg.dispatch.call('broadcast', buf, root, -1, pg.backend.broadcast, (buf, root),
@@ -126,9 +137,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
     pg = world.default if group is None else current(group)
     if pg is None:
         return _absent(group)
-    root = pg.group_of_global.get(dst) if type(dst) is int and group_dst is None else None
-    if root is None:
-        root = pg.peer(dst, group_dst, 'dst', default=0)
+    root = pg.dispatch.root(dst, group_dst, 'dst')
     inp = buffer(tensor)
     return _plan_gather(pg, inp, root, gather_list, async_op)
 
@@ -138,9 +147,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     pg = world.default if group is None else current(group)
     if pg is None:
         return _absent(group)
-    root = pg.group_of_global.get(src) if type(src) is int and group_src is None else None
-    if root is None:
-        root = pg.peer(src, group_src, 'src', default=0)
+    root = pg.dispatch.root(src, group_src, 'src')
     out = buffer(tensor)
     return _plan_scatter(pg, out, root, tensor, scatter_list, async_op)
 
@@ -206,15 +213,7 @@ def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     pg = world.default if group is None else current(group)
     if pg is None:
         return _absent(group)
-    peer = pg.group_of_global.get(dst) if type(dst) is int and group_dst is None else None
-    if peer is None or peer == pg._rank:
-        peer = send_peer(pg, dst, group_dst)
-    if type(tag) is not int or not 0 <= tag < TAG_LIMIT:
-        check_tag(tag)
-    buf = buffer(tensor)
-    if buf.device != -1:
-        check_devices(pg, (buf,), 'tensor')
-    req = pg.dispatch.post('isend', pg.backend.isend, buf, peer, tag)
+    req = _post(pg, 'isend', pg.backend.isend, tensor, dst, group_dst, tag, send_peer)
     return Work(req, [tensor], pg)
 
 
@@ -224,15 +223,7 @@ def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     pg = world.default if group is None else current(group)
     if pg is None:
         return _absent(group)
-    peer = pg.group_of_global.get(src) if type(src) is int and group_src is None else None
-    if peer is None or peer == pg._rank:
-        peer = recv_peer(pg, src, group_src)
-    if type(tag) is not int or not 0 <= tag < TAG_LIMIT:
-        check_tag(tag)
-    buf = buffer(tensor)
-    if buf.device != -1:
-        check_devices(pg, (buf,), 'tensor')
-    req = pg.dispatch.post('irecv', pg.backend.irecv, buf, peer, tag)
+    req = _post(pg, 'irecv', pg.backend.irecv, tensor, src, group_src, tag, recv_peer)
     return Work(req, [tensor], pg)
 
 
@@ -241,15 +232,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     pg = world.default if group is None else current(group)
     if pg is None:
         return _absent(group)
-    peer = pg.group_of_global.get(dst) if type(dst) is int and group_dst is None else None
-    if peer is None or peer == pg._rank:
-        peer = send_peer(pg, dst, group_dst)
-    if type(tag) is not int or not 0 <= tag < TAG_LIMIT:
-        check_tag(tag)
-    buf = buffer(tensor)
-    if buf.device != -1:
-        check_devices(pg, (buf,), 'tensor')
-    req = pg.dispatch.post('send', pg.backend.isend, buf, peer, tag)
+    req = _post(pg, 'send', pg.backend.isend, tensor, dst, group_dst, tag, send_peer)
     req.wait()
     return None
 
@@ -259,16 +242,9 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
     pg = world.default if group is None else current(group)
     if pg is None:
         return _absent(group, -1)
-    peer = pg.group_of_global.get(src) if type(src) is int and group_src is None else None
-    if peer is None or peer == pg._rank:
-        peer = recv_peer(pg, src, group_src)
-    if type(tag) is not int or not 0 <= tag < TAG_LIMIT:
-        check_tag(tag)
-    buf = buffer(tensor)
-    if buf.device != -1:
-        check_devices(pg, (buf,), 'tensor')
-    req = pg.dispatch.post('recv', pg.backend.irecv, buf, peer, tag)
+    req = _post(pg, 'recv', pg.backend.irecv, tensor, src, group_src, tag, recv_peer)
     req.wait()
+    peer = recv_peer(pg, src, group_src)  # (checked when it was posted)
     if peer is None:
         peer = any_sender(pg, req)
     return pg.ranks[peer]

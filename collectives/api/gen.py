@@ -40,15 +40,11 @@ def _role(role):
     return f"{role.var} = buffer({role.param}{label})"
 
 
-def _rooted(p, var="root", rule=None, more=""):
-    """The lines that set ``var`` to the group rank argument ``p`` (or ``group_p``) names:
-    the global rank's common case is one dict lookup; else (or where ``more`` holds) the
-    ``rule`` in full (default: the root's, rank 0 when neither is given)."""
-    rule = rule or f"pg.peer({p}, group_{p}, {p!r}, default=0)"
-    return [f"{var} = pg.group_of_global.get({p}) if type({p}) is int and group_{p} is None "
-            f"else None",
-            f"if {var} is None{more}:",
-            f"    {var} = {rule}"]
+def _rooted(p):
+    """The line that sets ``root`` to the group rank argument ``p`` (or ``group_p``) names
+    (rank 0 when neither is given): the dispatcher's ``root``, one dict lookup in C for a
+    global rank of the group."""
+    return [f"root = pg.dispatch.root({p}, group_{p}, {p!r})"]
 
 
 def _devices(spec, pad=""):
@@ -60,17 +56,36 @@ def _devices(spec, pad=""):
             pad + f"    check_devices(pg, ({', '.join(bufs)},), {label!r})"]
 
 
-def _p2p_body(spec):
-    """A point-to-point call's lines: its peer, its tag, its buffer, then the post."""
-    p = spec.peer
-    rule = f"{'send' if p == 'dst' else 'recv'}_peer(pg, {p}, group_{p})"
+def post_source(spec):
+    """The text of ``_post``, which posts a point-to-point call on the group ``pg``: its
+    peer (``arg``, a global rank, or ``group_arg``, resolved in full by ``rule``: the send's
+    or the receive's), its tag, its buffer, then the post; the request. The blocking and
+    the non-blocking calls of both directions share it (written from ``spec``, one of them)."""
     buf, peer, tag = spec.record
-    lines = [*_rooted(p, "peer", rule, " or peer == pg._rank"),
+    lines = ["peer = pg.group_of_global.get(arg) if type(arg) is int and group_arg is None "
+             "else None",
+             "if peer is None or peer == pg._rank:",
+             "    peer = rule(pg, arg, group_arg)",
              "if type(tag) is not int or not 0 <= tag < TAG_LIMIT:",
              "    check_tag(tag)",  # (the rule; the test above only spares the call)
              *[_role(r) for r in spec.roles], *_devices(spec),
-             f"req = pg.dispatch.post({spec.kind!r}, pg.backend.{spec.method}, {buf}, {peer}, "
-             f"{tag})"]
+             f"return pg.dispatch.post(kind, fn, {buf}, {peer}, {tag})"]
+    head = ("def _post(pg, kind, fn, tensor, arg, group_arg, tag, rule):\n"
+            '    """Post ``fn(buffer, peer, tag)`` as point-to-point call ``kind`` of ``pg``, '
+            'the peer\n'
+            '    named by ``arg`` or ``group_arg`` (``rule``: send_peer or recv_peer), the tag '
+            'and the\n'
+            '    tensor checked; the request."""')
+    return head + "\n" + "\n".join(w for ln in lines for w in _wrap("    " + ln))
+
+
+def _p2p_body(spec):
+    """A point-to-point call's lines: the post (``_post``, shared by every point-to-point
+    call), then the wait and the result."""
+    p = spec.peer
+    rule = f"{'send' if p == 'dst' else 'recv'}_peer"
+    lines = [f"req = _post(pg, {spec.kind!r}, pg.backend.{spec.method}, tensor, {p}, group_{p}, "
+             f"tag, {rule})"]
     if spec.blocking:
         lines.append("req.wait()")
     return lines + list(spec.result)
@@ -215,6 +230,9 @@ def _plan_imports():
 def module_text():
     """The text of :mod:`collectives.api._generated` for the table as it is."""
     parts = [_HEADER.rstrip("\n"), *_plan_imports(), "", "_SUM = ReduceOp.SUM", ""]
+    p2p = [spec for spec in SPECS.values() if spec.peer is not None]
+    if p2p:
+        parts += ["", post_source(p2p[0]), ""]
     for spec in SPECS.values():
         parts += ["", source(spec), ""]
     docs = long_docs()

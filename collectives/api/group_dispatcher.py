@@ -139,6 +139,13 @@ class _PyDispatcher:
         _tracked.Tracked(fr, _issue(fr, kind, buf, root, op), fn)(*args)
         return None
 
+    def root(self, arg, group_arg, name):
+        if type(arg) is int and group_arg is None:
+            r = self.pg.group_of_global.get(arg)
+            if r is not None:
+                return r
+        return self.pg.peer(arg, group_arg, name, default=0)
+
     def post(self, kind, fn, buf, peer, tag):
         if _state["_prof"]._is_profiler_enabled:
             return general_post(self.pg, kind, fn, buf, peer, tag)

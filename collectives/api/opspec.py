@@ -495,7 +495,8 @@ SPECS = {s.name: s for s in (
          result=("return Work(req, [tensor], pg)",)),
     _p2p("send", "send", "isend", "dst", DOC_SEND, blocking=True),
     _p2p("recv", "recv", "irecv", "src", DOC_RECV, blocking=True, absent="-1",
-         result=("if peer is None:", "    peer = any_sender(pg, req)", "return pg.ranks[peer]")),
+         result=("peer = recv_peer(pg, src, group_src)  # (checked when it was posted)",
+                 "if peer is None:", "    peer = any_sender(pg, req)", "return pg.ranks[peer]")),
 )}
 
 

@@ -51,6 +51,7 @@ cdef class Dispatcher:
     cdef object _error
     cdef object _track
     cdef object _general_post
+    cdef object _of_global  # the group's global -> group rank dict (fixed), or None
 
     def __init__(self, pg, CallRing fr not None, backend, bint inline, Counter pending not None,
                  general, Counter timed not None, ProfilerTap prof not None, error, track,
@@ -59,6 +60,23 @@ cdef class Dispatcher:
         self._pending, self._timed, self._prof = pending, timed, prof
         self._general, self._error = general, error
         self._track, self._general_post = track, general_post
+        of_global = getattr(pg, "group_of_global", None)
+        self._of_global = of_global if type(of_global) is dict else None
+
+    @cython.binding(False)  # a method descriptor: the interpreter's specialised call
+    def root(self, arg, group_arg, name):
+        """The group rank a collective's root argument names: ``arg`` (a global rank) or
+        ``group_arg`` (a group rank), rank 0 where neither is given. The common case, a
+        global rank of the group, is one dict lookup here; every other is the group's
+        ``peer(arg, group_arg, name, default=0)`` (which checks and raises)."""
+        if type(arg) is int and group_arg is None:
+            if self._of_global is not None:
+                r = (<dict>self._of_global).get(arg)
+            else:
+                r = self.pg.group_of_global.get(arg)
+            if r is not None:
+                return r
+        return self.pg.peer(arg, group_arg, name, default=0)
 
     def post(self, kind, fn, buf, peer, tag):
         """Post ``fn(buf, peer, tag)`` (the backend's isend or irecv) as point-to-point

@@ -39,6 +39,7 @@ mpi backend asks ``.numpy()`` of a twin Buffer instead: ``backends/mpi`` ``_EXPO
 """
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -411,6 +412,49 @@ def test_dispatcher_takes_the_same_path_and_records_the_same(case, monkeypatch):
     with monkeypatch.context() as m:
         py = _run_dispatcher("py", path, calls, m)
     assert _run_dispatcher("c", path, calls, monkeypatch) == py
+
+
+class _RootGroup:
+    """What a dispatcher's ``root`` reads of its group: the global -> group rank map and
+    ``peer`` (here a log of its calls, raising as the group's does for a rank outside)."""
+
+    def __init__(self, ranks, mapping=dict):
+        self.group_of_global = mapping({g: r for r, g in enumerate(ranks)})
+        self.calls = []
+
+    def peer(self, arg, group_arg, name, default=None):
+        self.calls.append((arg, group_arg, name, default))
+        if arg is None and group_arg is None:
+            return default
+        if group_arg is not None:
+            if arg is not None:
+                raise ValueError(f"give {name} or group_{name}, not both")
+            return group_arg
+        if arg not in self.group_of_global:
+            raise ValueError(f"{name}={arg!r} is not a rank of the group")
+        return self.group_of_global[arg]
+
+
+@SETTINGS
+@given(ranks=st.lists(st.integers(0, 9), min_size=1, max_size=5, unique=True),
+       arg=st.one_of(st.none(), st.integers(-1, 10), st.booleans(), st.just(2.0)),
+       group_arg=st.one_of(st.none(), st.integers(0, 4)),
+       name=st.sampled_from(["src", "dst"]),
+       mapping=st.sampled_from([dict, types.MappingProxyType]))
+def test_dispatcher_root_is_the_same(ranks, arg, group_arg, name, mapping):
+    """A collective's root: a global rank of the group by one lookup, every other argument
+    (None, a group rank, a bool, a float, a rank outside) through the group's ``peer``,
+    with the same result or exception and the same calls of ``peer`` (the group's map a
+    dict, which C keeps, or another mapping, which it reads each call)."""
+    out = []
+    for make in (lambda pg: _core.Dispatcher(pg, _CRing(8), "backend", True, _core.Counter(),
+                                             None, _core.Counter(), _core.ProfilerTap(None),
+                                             DistError, None, None),
+                 lambda pg: api_dispatch._PyDispatcher(pg, _PyRing(8), "backend", True,
+                                                       work._PyCounter())):
+        pg = _RootGroup(ranks, mapping)
+        out.append((outcome(make(pg).root, arg, group_arg, name), pg.calls))
+    assert out[0] == out[1]
 
 
 # ---- the reduction kernels, staging and scaling ----------------------------------------------
