@@ -244,10 +244,11 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
         return _absent(group, -1)
     req = _post(pg, 'recv', pg.backend.irecv, tensor, src, group_src, tag, recv_peer)
     req.wait()
-    peer = recv_peer(pg, src, group_src)  # (checked when it was posted)
-    if peer is None:
-        peer = any_sender(pg, req)
-    return pg.ranks[peer]
+    if src is None and group_src is None:
+        return pg.ranks[any_sender(pg, req)]
+    if type(src) is int and group_src is None:
+        return src  # (a rank of the group: checked when it was posted)
+    return pg.ranks[recv_peer(pg, src, group_src)]
 
 
 def all_reduce_multigpu(tensor_list, op=_SUM, group=None, async_op=False):

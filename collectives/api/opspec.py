@@ -495,8 +495,11 @@ SPECS = {s.name: s for s in (
          result=("return Work(req, [tensor], pg)",)),
     _p2p("send", "send", "isend", "dst", DOC_SEND, blocking=True),
     _p2p("recv", "recv", "irecv", "src", DOC_RECV, blocking=True, absent="-1",
-         result=("peer = recv_peer(pg, src, group_src)  # (checked when it was posted)",
-                 "if peer is None:", "    peer = any_sender(pg, req)", "return pg.ranks[peer]")),
+         result=("if src is None and group_src is None:",
+                 "    return pg.ranks[any_sender(pg, req)]",
+                 "if type(src) is int and group_src is None:",
+                 "    return src  # (a rank of the group: checked when it was posted)",
+                 "return pg.ranks[recv_peer(pg, src, group_src)]")),
 )}
 
 
