@@ -115,18 +115,20 @@ def _noop_hook(state, bucket):
     return fut
 
 
-def _wrap(kind, model, floor, fake):
+def _wrap(kind, model, floor, fake, group=None):
+    """``model`` under DDP or FSDP2 over ``group`` (None: the default group); the floor's
+    (``floor``): DDP with the no-op hook, FSDP2 over ``fake``."""
     import torch
     if kind == "ddp":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
         if floor:
             ddp.register_comm_hook(None, _noop_hook)
         return ddp
     from torch.distributed.fsdp import fully_shard
     mesh = None
-    if floor:
+    if floor or group is not None:
         from torch.distributed.device_mesh import DeviceMesh
-        mesh = DeviceMesh.from_group(fake, "cpu")
+        mesh = DeviceMesh.from_group(fake if floor else group, "cpu")
     for m in model:
         if any(p.requires_grad for p in m.parameters()):
             fully_shard(m, mesh=mesh)
@@ -244,20 +246,7 @@ def _case_mixed(td, a, name, kind, fake, coll):
     mods = {}
     for which in ("gloo", "coll", "floor"):
         model, x = _build(name, a)
-        if kind == "ddp":
-            m = torch.nn.parallel.DistributedDataParallel(model, process_group=pgs.get(which))
-            if which == "floor":
-                m.register_comm_hook(None, _noop_hook)
-        else:
-            from torch.distributed.device_mesh import DeviceMesh
-            from torch.distributed.fsdp import fully_shard
-            group = fake if which == "floor" else (coll if which == "coll" else
-                                                    td.group.WORLD)
-            mesh = DeviceMesh.from_group(group, "cpu")
-            for layer in model:
-                if any(p.requires_grad for p in layer.parameters()):
-                    fully_shard(layer, mesh=mesh)
-            m = fully_shard(model, mesh=mesh)
+        m = _wrap(kind, model, which == "floor", fake, pgs.get(which))
         mods[which] = (m, torch.optim.SGD(m.parameters(), lr=1e-4))
     steps = []
     td.barrier()

@@ -122,8 +122,6 @@ def body(spec):
     return lines
 
 
-
-
 def _wrap(line):
     """``line`` (indented) broken at the commas of its first bracket into lines of at most
     ``_WIDTH`` characters, continuation lines aligned after that bracket."""
