@@ -21,7 +21,9 @@ intra-op threads set per launch):
   the floor, ours over gloo's" are read within one launch instead of across launches of
   unequal load. After the steps, each group's all_reduce of the whole gradient is timed
   alone: with no free core (ranks >= cores), ``floor + that`` is roughly the least a step
-  can take.
+  can take. For DDP a fourth copy, ``floor_sync``, is the floor whose last bucket waits
+  for every rank (a 4-byte all_reduce over ours): what the one wait of a real step costs,
+  the ranks' drift apart included, with no gradient moved.
 
 Models (``--models``): ``mlp8`` the comm-bound MLP 512 -> 2048 x4 -> 16 (17.9M float32
 parameters, 68 MiB of gradients) at batch 8, ``mlp128`` the same at batch 128, ``tfm`` a
@@ -115,14 +117,25 @@ def _noop_hook(state, bucket):
     return fut
 
 
-def _wrap(kind, model, floor, fake, group=None):
+def _sync_hook(group, bucket):
+    """The no-op hook, except that the backward pass's last bucket waits for every rank
+    (a 4-byte all_reduce over ``group``): the floor with the one wait a real step has."""
+    import torch
+    import torch.distributed as td
+    if bucket.is_last():
+        td.all_reduce(torch.zeros(1), group=group)
+    return _noop_hook(None, bucket)
+
+
+def _wrap(kind, model, floor, fake, group=None, sync=None):
     """``model`` under DDP or FSDP2 over ``group`` (None: the default group); the floor's
-    (``floor``): DDP with the no-op hook, FSDP2 over ``fake``."""
+    (``floor``): DDP with the no-op hook (with ``sync``, a group: :func:`_sync_hook` over
+    it), FSDP2 over ``fake``."""
     import torch
     if kind == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
         if floor:
-            ddp.register_comm_hook(None, _noop_hook)
+            ddp.register_comm_hook(sync, _noop_hook if sync is None else _sync_hook)
         return ddp
     from torch.distributed.fsdp import fully_shard
     mesh = None
@@ -244,9 +257,10 @@ def _case_mixed(td, a, name, kind, fake, coll):
     import torch
     pgs = {"gloo": None, "coll": coll}
     mods = {}
-    for which in ("gloo", "coll", "floor"):
+    for which in ("gloo", "coll", "floor") + (("floor_sync",) if kind == "ddp" else ()):
         model, x = _build(name, a)
-        m = _wrap(kind, model, which == "floor", fake, pgs.get(which))
+        m = _wrap(kind, model, which.startswith("floor"), fake, pgs.get(which),
+                  coll if which == "floor_sync" else None)
         mods[which] = (m, torch.optim.SGD(m.parameters(), lr=1e-4))
     steps = []
     td.barrier()
@@ -270,7 +284,8 @@ def _case_mixed(td, a, name, kind, fake, coll):
     numel = sum(p.numel() for p in _build(name, a)[0].parameters())
     alone = {w: _timed_all_reduce(td, pgs[w], numel, 5) for w in ("gloo", "coll")}
     return {"model": name, "kind": kind, "gloo_ms": med("gloo"), "coll_ms": med("coll"),
-            "floor_ms": med("floor"), "first_gloo_ms": med("first:gloo"),
+            "floor_ms": med("floor"), "floor_sync_ms": med("floor_sync"),
+            "first_gloo_ms": med("first:gloo"),
             "first_coll_ms": med("first:coll"), "params": numel,
             "all_reduce_alone_ms": alone,
             # what tests and the table read as the collectives cell:
@@ -494,14 +509,17 @@ def mixed_line(r):
     return (f"gloo {g:.1f} coll {c:.1f} floor {f:.1f} ms: coll/floor {c / f:.2f} "
             f"gloo/floor {g / f:.2f} coll/gloo {c / g:.2f} above-floor coll/gloo {above:.2f}; "
             f"all_reduce of the gradient alone: coll {alone['coll']:.1f} gloo "
-            f"{alone['gloo']:.1f} ms (floor + coll's: {(f + alone['coll']) / f:.2f}x floor)")
+            f"{alone['gloo']:.1f} ms (floor + coll's: {(f + alone['coll']) / f:.2f}x floor)"
+            + (f"; floor with one wait a step: {r['floor_sync_ms'] / f:.2f}x floor"
+               if r.get("floor_sync_ms") else ""))
 
 
 def print_mixed(runs, markdown):
     """One row per mixed launch and case (every ratio within its launch), then medians."""
     head = ["world", "threads", "round", "model", "kind", "gloo ms", "coll ms", "floor ms",
             "coll/floor", "gloo/floor", "coll/gloo", "above floor coll/gloo",
-            "all_reduce alone coll / gloo ms", "(floor + coll alone)/floor"]
+            "all_reduce alone coll / gloo ms", "(floor + coll alone)/floor",
+            "floor with one wait/floor"]
     sep = " | " if markdown else "  "
     print(("| " + sep.join(head) + " |") if markdown else sep.join(head))
     if markdown:
@@ -514,7 +532,8 @@ def print_mixed(runs, markdown):
                    r["kind"], f"{g:.1f}", f"{c:.1f}", f"{f:.1f}", f"{c / f:.2f}",
                    f"{g / f:.2f}", f"{c / g:.2f}",
                    f"{(c - f) / (g - f):.2f}" if g > f else "",
-                   f"{al['coll']:.1f} / {al['gloo']:.1f}", f"{(f + al['coll']) / f:.2f}"]
+                   f"{al['coll']:.1f} / {al['gloo']:.1f}", f"{(f + al['coll']) / f:.2f}",
+                   f"{r['floor_sync_ms'] / f:.2f}" if r.get("floor_sync_ms") else ""]
             print(("| " + sep.join(row) + " |") if markdown else sep.join(row))
 
 
