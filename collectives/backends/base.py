@@ -29,6 +29,7 @@ import threading
 from _thread import allocate_lock as _allocate_lock
 
 from ..core.errors import DistBackendError, DistError
+from ..core.sched import short_slice
 from ..core.work import Counter
 
 
@@ -339,6 +340,7 @@ class Backend:
             return self._queue.popleft() if self._queue else None
 
     def _progress(self):
+        short_slice()  # woken by a post or a peer, run at once (see core/sched.py)
         while True:
             item = self._take_queued()
             if item is None:

@@ -257,6 +257,12 @@ SETTINGS = (
         group becomes torch's; false turns that off."""),
     _s("COLLECTIVES_TORCH_BACKEND", "str", "gloo", agree=True, read_in="torch_bridge/torch_pg.py", doc="""
         Backend of the groups that torch.distributed.init_process_group('collectives') makes."""),
+    _s("COLLECTIVES_PROGRESS_SLICE_US", "int", 100,
+        unit="us", read_in="core/sched.py", doc="""
+        Time slice the progress threads and the thread completing torch's futures ask of the
+        kernel (sched_setattr's sched_runtime, Linux 6.12 and later; unprivileged): a short one
+        runs them as soon as they wake instead of after the computing thread's slice; 0 keeps the
+        kernel's. Older kernels ignore it."""),
     _s("COLLECTIVES_TIMELINE", "bool", False, read_in="core/timeline.py", doc="""
         Record when each asynchronous collective was posted, started, finished and its torch
         future completed (collectives.core.timeline; for bench/bench_train.py's timelines)."""),

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as td
 
 from ..core import timeline as _timeline
+from ..core.sched import short_slice
 
 
 def _timeout(timeout):
@@ -125,6 +126,7 @@ class _Completer:
 
     def _loop(self, work, fut):
         import queue
+        short_slice()  # a finished call's future completed at once (see core/sched.py)
         q = self._queue
         while True:
             try:
