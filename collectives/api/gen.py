@@ -7,12 +7,16 @@ table makes; ``tests/api/test_opspec.py`` runs the check). The generator imports
 package, so the module it replaces must still import: to add a collective, enter its
 OpSpec, regenerate, then export the new function.
 
-From each OpSpec one function is written, the free function (``all_reduce``: resolve the
-group, then the body), with the body in place rather than called, so its common call
-(``dist.all_reduce(t)``) has one Python frame and goes straight to the group's dispatcher
-(``pg.dispatch.call``: :mod:`collectives.api.group_dispatcher`). The ProcessGroup methods
-(:mod:`collectives.api.pg_methods`) and the ``*_multigpu`` plans call the same function
-with ``group=`` the group they run on.
+From each OpSpec one function is written, the free function. An entry with a path that
+is one backend call (:func:`one_call`: all_reduce, broadcast, the point-to-point calls...)
+resolves the group, then runs the body, written in place rather than called, so its
+common call (``dist.all_reduce(t)``) has one Python frame and goes straight to the group's
+dispatcher (``pg.dispatch.call``: :mod:`collectives.api.group_dispatcher`). The others
+(gather, all_to_all, the ``*_multigpu`` calls...) are one statement,
+``return _in_group(group, plan, args...)``: :func:`~collectives.api.opspec._in_group`
+resolves the group by the same rule and runs the plan, which checks the buffers and the
+root. The ProcessGroup methods (:mod:`collectives.api.pg_methods`) and the ``*_multigpu``
+plans call the free function with ``group=`` the group they run on.
 
 A docstring that is one of :mod:`collectives.api.opdocs`' texts is not copied: at its end
 the module sets each such function's ``__doc__`` to its entry's ``doc`` (that text), so
@@ -96,10 +100,24 @@ def plan_name(spec):
     return f"_plan_{spec.name}"
 
 
+def one_call(spec):
+    """Whether ``spec``'s entry has a path that is one backend call (``pg.dispatch.call``,
+    or ``_post`` for a point-to-point call): its free function resolves the group in
+    place; the others are one call of ``_in_group``."""
+    return spec.fast is not False or spec.peer is not None
+
+
 def body(spec):
-    """The lines of ``spec``'s body, on the group ``pg`` its free function resolved."""
+    """The lines of ``spec``'s body: on the group ``pg`` its free function resolved, or,
+    for an entry without a one-call path, the call of its plan on the group ``group``
+    names (``_in_group``: the plan resolves its buffers and root)."""
     if spec.peer is not None:
         return _p2p_body(spec)
+    if not one_call(spec):
+        if spec.roles or spec.root or spec.timeout or spec.absent != "None":
+            raise ValueError(f"{spec.name}: an entry without a one-call path names no roles, "
+                             f"root, timeout or absent value (its plan resolves them)")
+        return [f"return _in_group(group, {plan_name(spec)}, {spec.plan_args})"]
     lines = []
     if spec.timeout:
         lines.append("if timeout is not None:")
@@ -174,13 +192,18 @@ def _doc(spec):
 
 
 def source(spec):
-    """The text of ``spec``'s free function."""
+    """The text of ``spec``'s free function: the group resolved in place (``pg``, or the
+    entry's ``absent`` value on a rank outside it), then the body; for an entry without a
+    one-call path, the body alone (``_in_group`` resolves the group)."""
     lines = ["    " + s for s in body(spec)]
-    resolve = ["    pg = world.default if group is None else current(group)",
-               "    if pg is None:",
-               f"        return _absent(group{'' if spec.absent == 'None' else ', ' + spec.absent})"]
+    if not one_call(spec):
+        out = [f"def {spec.name}({spec.params}):", *_doc(spec), *lines]
+        return "\n".join(w for ln in out for w in _wrap(ln))
+    absent = f"        return _absent(group{'' if spec.absent == 'None' else ', ' + spec.absent})"
+    resolve = ["    if (pg := world.default if group is None else current(group)) is None:", absent]
     if spec.timeout:  # the timeout is checked before a non-member returns (torch's order)
-        resolve = resolve[:1] + lines[:2] + resolve[1:]
+        resolve = ["    pg = world.default if group is None else current(group)", *lines[:2],
+                   "    if pg is None:", absent]
         free = lines[2:]
     else:
         free = lines
@@ -197,10 +220,10 @@ call (``collectives.NAME``), and the one the ProcessGroup methods call with ``gr
 the long docstrings are :mod:`collectives.api.opdocs`' texts, set at the end.
 """
 from . import multigpu as _multigpu
-from .opspec import SPECS as _SPECS, _absent, any_sender, recv_peer, send_peer
+from .opspec import SPECS as _SPECS, _absent, _in_group, any_sender, recv_peer, send_peer
 from ..core.args import TAG_LIMIT, check_tag
 from ..core.dtypes import SUM as _SUM_CODE
-from ..core.convert import buffer, buffers, check_devices
+from ..core.convert import {convert}
 from ..core.tensors import disjoint_gather
 from ..core.reduce_op import ReduceOp
 from ..core.work import Work, timeout_seconds
@@ -227,7 +250,10 @@ def _plan_imports():
 
 def module_text():
     """The text of :mod:`collectives.api._generated` for the table as it is."""
-    parts = [_HEADER.rstrip("\n"), *_plan_imports(), "", "_SUM = ReduceOp.SUM", ""]
+    lists = any(r.like is not None for spec in SPECS.values() if one_call(spec) for r in spec.roles)
+    convert = "buffer, buffers, check_devices" if lists else "buffer, check_devices"
+    parts = [_HEADER.format(convert=convert).rstrip("\n"), *_plan_imports(), "",
+             "_SUM = ReduceOp.SUM", ""]
     p2p = [spec for spec in SPECS.values() if spec.peer is not None]
     if p2p:
         parts += ["", post_source(p2p[0]), ""]
