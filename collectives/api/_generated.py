@@ -34,10 +34,13 @@ _plan_reduce_scatter_multigpu = _multigpu._reduce_scatter
 _SUM = ReduceOp.SUM
 
 
-def _post(pg, kind, fn, tensor, arg, group_arg, tag, rule):
-    """Post ``fn(buffer, peer, tag)`` as point-to-point call ``kind`` of ``pg``, the peer
-    named by ``arg`` or ``group_arg`` (``rule``: send_peer or recv_peer), the tag and the
-    tensor checked; the request."""
+def _post(group, kind, tensor, arg, group_arg, tag, rule, wait):
+    """Point-to-point call ``kind`` of ``tensor`` on ``group``, the peer named by ``arg`` or
+    ``group_arg`` (``rule``: send_peer or recv_peer), the tag and the tensor checked: a Work;
+    waited for (``wait``): None for a send, the sender's global rank for a receive (-1 on
+    a rank outside the group, torch's recv)."""
+    if (pg := world.default if group is None else current(group)) is None:
+        return _absent(group, -1 if wait and rule is recv_peer else None)
     peer = pg.group_of_global.get(arg) if type(arg) is int and group_arg is None else None
     if peer is None or peer == pg._rank:
         peer = rule(pg, arg, group_arg)
@@ -46,7 +49,14 @@ def _post(pg, kind, fn, tensor, arg, group_arg, tag, rule):
     buf = buffer(tensor)
     if buf.device != -1:
         check_devices(pg, (buf,), 'tensor')
-    return pg.dispatch.post(kind, fn, buf, peer, tag)
+    fn = pg.backend.isend if rule is send_peer else pg.backend.irecv
+    req = pg.dispatch.post(kind, fn, buf, peer, tag)
+    if not wait:
+        return Work(req, [tensor], pg)
+    req.wait()
+    if rule is send_peer:
+        return None
+    return pg.ranks[any_sender(pg, req) if peer is None else peer]
 
 
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):
@@ -173,41 +183,23 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     """Start sending ``tensor`` to ``dst``; returns a Work (don't modify the tensor until it's
     done)."""
-    if (pg := world.default if group is None else current(group)) is None:
-        return _absent(group)
-    req = _post(pg, 'isend', pg.backend.isend, tensor, dst, group_dst, tag, send_peer)
-    return Work(req, [tensor], pg)
+    return _post(group, 'isend', tensor, dst, group_dst, tag, send_peer, False)
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     """Start receiving into ``tensor`` from ``src`` (None: any rank; ``Work.source_rank()`` names
     it)."""
-    if (pg := world.default if group is None else current(group)) is None:
-        return _absent(group)
-    req = _post(pg, 'irecv', pg.backend.irecv, tensor, src, group_src, tag, recv_peer)
-    return Work(req, [tensor], pg)
+    return _post(group, 'irecv', tensor, src, group_src, tag, recv_peer, False)
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     # docstring: opdocs.DOC_SEND (set at the end of the module)
-    if (pg := world.default if group is None else current(group)) is None:
-        return _absent(group)
-    req = _post(pg, 'send', pg.backend.isend, tensor, dst, group_dst, tag, send_peer)
-    req.wait()
-    return None
+    return _post(group, 'send', tensor, dst, group_dst, tag, send_peer, True)
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
     # docstring: opdocs.DOC_RECV (set at the end of the module)
-    if (pg := world.default if group is None else current(group)) is None:
-        return _absent(group, -1)
-    req = _post(pg, 'recv', pg.backend.irecv, tensor, src, group_src, tag, recv_peer)
-    req.wait()
-    if src is None and group_src is None:
-        return pg.ranks[any_sender(pg, req)]
-    if type(src) is int and group_src is None:
-        return src  # (a rank of the group: checked when it was posted)
-    return pg.ranks[recv_peer(pg, src, group_src)]
+    return _post(group, 'recv', tensor, src, group_src, tag, recv_peer, True)
 
 
 def all_reduce_multigpu(tensor_list, op=_SUM, group=None, async_op=False):

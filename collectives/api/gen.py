@@ -7,12 +7,14 @@ table makes; ``tests/api/test_opspec.py`` runs the check). The generator imports
 package, so the module it replaces must still import: to add a collective, enter its
 OpSpec, regenerate, then export the new function.
 
-From each OpSpec one function is written, the free function. An entry with a path that
-is one backend call (:func:`one_call`: all_reduce, broadcast, the point-to-point calls...)
-resolves the group, then runs the body, written in place rather than called, so its
-common call (``dist.all_reduce(t)``) has one Python frame and goes straight to the group's
-dispatcher (``pg.dispatch.call``: :mod:`collectives.api.group_dispatcher`). The others
-(gather, all_to_all, the ``*_multigpu`` calls...) are one statement,
+From each OpSpec one function is written, the free function. A collective with a path
+that is one backend call (:func:`in_place`: all_reduce, broadcast, barrier...) resolves
+the group, then runs the body, written in place rather than called, so its common call
+(``dist.all_reduce(t)``) has one Python frame and goes straight to the group's dispatcher
+(``pg.dispatch.call``: :mod:`collectives.api.group_dispatcher`). A point-to-point call is
+one call of the module's ``_post`` (:func:`post_source`), which resolves the group by the
+same rule, posts and, for send and recv, waits. The others (gather, all_to_all, the
+``*_multigpu`` calls...) are one statement,
 ``return _in_group(group, plan, args...)``: :func:`~collectives.api.opspec._in_group`
 resolves the group by the same rule and runs the plan, which checks the buffers and the
 root. The ProcessGroup methods (:mod:`collectives.api.pg_methods`) and the ``*_multigpu``
@@ -61,38 +63,48 @@ def _devices(spec, pad=""):
 
 
 def post_source(spec):
-    """The text of ``_post``, which posts a point-to-point call on the group ``pg``: its
-    peer (``arg``, a global rank, or ``group_arg``, resolved in full by ``rule``: the send's
-    or the receive's), its tag, its buffer, then the post; the request. The blocking and
-    the non-blocking calls of both directions share it (written from ``spec``, one of them)."""
+    """The text of ``_post``, which runs a point-to-point call on the group ``group`` names,
+    resolved as the collectives' prologue does: its peer (``arg``, a global rank, or
+    ``group_arg``, resolved in full by ``rule``: the send's or the receive's), its tag, its
+    buffer, then the post of the backend's isend or irecv; a Work, or (``wait``) the wait
+    and the result. Every point-to-point call is one call of it, its one Python frame
+    (written from ``spec``, one of them)."""
     buf, peer, tag = spec.record
-    lines = ["peer = pg.group_of_global.get(arg) if type(arg) is int and group_arg is None "
+    lines = ["if (pg := world.default if group is None else current(group)) is None:",
+             "    return _absent(group, -1 if wait and rule is recv_peer else None)",
+             "peer = pg.group_of_global.get(arg) if type(arg) is int and group_arg is None "
              "else None",
              "if peer is None or peer == pg._rank:",
              "    peer = rule(pg, arg, group_arg)",
              "if type(tag) is not int or not 0 <= tag < TAG_LIMIT:",
              "    check_tag(tag)",  # (the rule; the test above only spares the call)
              *[_role(r) for r in spec.roles], *_devices(spec),
-             f"return pg.dispatch.post(kind, fn, {buf}, {peer}, {tag})"]
-    head = ("def _post(pg, kind, fn, tensor, arg, group_arg, tag, rule):\n"
-            '    """Post ``fn(buffer, peer, tag)`` as point-to-point call ``kind`` of ``pg``, '
-            'the peer\n'
-            '    named by ``arg`` or ``group_arg`` (``rule``: send_peer or recv_peer), the tag '
-            'and the\n'
-            '    tensor checked; the request."""')
+             "fn = pg.backend.isend if rule is send_peer else pg.backend.irecv",
+             f"req = pg.dispatch.post(kind, fn, {buf}, {peer}, {tag})",
+             "if not wait:",
+             "    return Work(req, [tensor], pg)",
+             "req.wait()",
+             "if rule is send_peer:",
+             "    return None",
+             "return pg.ranks[any_sender(pg, req) if peer is None else peer]"]
+    head = ("def _post(group, kind, tensor, arg, group_arg, tag, rule, wait):\n"
+            '    """Point-to-point call ``kind`` of ``tensor`` on ``group``, the peer named by '
+            '``arg`` or\n'
+            '    ``group_arg`` (``rule``: send_peer or recv_peer), the tag and the tensor '
+            'checked: a Work;\n'
+            '    waited for (``wait``): None for a send, the sender\'s global rank for a '
+            'receive (-1 on\n'
+            '    a rank outside the group, torch\'s recv)."""')
     return head + "\n" + "\n".join(w for ln in lines for w in _wrap("    " + ln))
 
 
 def _p2p_body(spec):
-    """A point-to-point call's lines: the post (``_post``, shared by every point-to-point
-    call), then the wait and the result."""
+    """A point-to-point call's line: one call of ``_post`` (shared by every point-to-point
+    call), which resolves the group, posts, and waits where the call blocks."""
     p = spec.peer
     rule = f"{'send' if p == 'dst' else 'recv'}_peer"
-    lines = [f"req = _post(pg, {spec.kind!r}, pg.backend.{spec.method}, tensor, {p}, group_{p}, "
-             f"tag, {rule})"]
-    if spec.blocking:
-        lines.append("req.wait()")
-    return lines + list(spec.result)
+    return [f"return _post(group, {spec.kind!r}, tensor, {p}, group_{p}, tag, {rule}, "
+            f"{spec.blocking})"]
 
 
 def plan_name(spec):
@@ -102,9 +114,15 @@ def plan_name(spec):
 
 def one_call(spec):
     """Whether ``spec``'s entry has a path that is one backend call (``pg.dispatch.call``,
-    or ``_post`` for a point-to-point call): its free function resolves the group in
-    place; the others are one call of ``_in_group``."""
+    or ``_post`` for a point-to-point call); the others are one call of ``_in_group``."""
     return spec.fast is not False or spec.peer is not None
+
+
+def in_place(spec):
+    """Whether ``spec``'s free function resolves the group itself (a collective with a
+    one-call path: no frame before the dispatcher); else the one function it calls does,
+    by the same rule (``_in_group``, or ``_post`` for a point-to-point call)."""
+    return spec.peer is None and spec.fast is not False
 
 
 def body(spec):
@@ -114,9 +132,9 @@ def body(spec):
     if spec.peer is not None:
         return _p2p_body(spec)
     if not one_call(spec):
-        if spec.roles or spec.root or spec.timeout or spec.absent != "None":
+        if spec.roles or spec.root or spec.timeout:
             raise ValueError(f"{spec.name}: an entry without a one-call path names no roles, "
-                             f"root, timeout or absent value (its plan resolves them)")
+                             f"root or timeout (its plan resolves them)")
         return [f"return _in_group(group, {plan_name(spec)}, {spec.plan_args})"]
     lines = []
     if spec.timeout:
@@ -192,14 +210,14 @@ def _doc(spec):
 
 
 def source(spec):
-    """The text of ``spec``'s free function: the group resolved in place (``pg``, or the
-    entry's ``absent`` value on a rank outside it), then the body; for an entry without a
-    one-call path, the body alone (``_in_group`` resolves the group)."""
+    """The text of ``spec``'s free function: the group resolved in place (``pg``; on a
+    rank outside it, what ``_absent`` says), then the body; where :func:`in_place` is
+    false, the body alone (the one function it calls resolves the group)."""
     lines = ["    " + s for s in body(spec)]
-    if not one_call(spec):
+    if not in_place(spec):
         out = [f"def {spec.name}({spec.params}):", *_doc(spec), *lines]
         return "\n".join(w for ln in out for w in _wrap(ln))
-    absent = f"        return _absent(group{'' if spec.absent == 'None' else ', ' + spec.absent})"
+    absent = "        return _absent(group)"
     resolve = ["    if (pg := world.default if group is None else current(group)) is None:", absent]
     if spec.timeout:  # the timeout is checked before a non-member returns (torch's order)
         resolve = ["    pg = world.default if group is None else current(group)", *lines[:2],

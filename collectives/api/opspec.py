@@ -407,23 +407,24 @@ class OpSpec:
     receive's, which may be any rank) and posts the backend's ``method`` (isend, irecv)
     through the group's dispatcher (``pg.dispatch.post``), which records it under
     ``kind`` with ``record`` (the buffer, the peer, the tag); a ``blocking`` one waits for
-    it; ``result`` is what it returns and ``absent`` what it returns on a rank outside
-    the group. ``fingerprint`` names the backend's kind where it differs from ``method``."""
+    it and returns None (a send) or the sender's global rank (a receive; -1 on a rank
+    outside the group), the others a Work. ``fingerprint`` names the backend's kind where
+    it differs from ``method``."""
 
     __slots__ = ("name", "params", "kind", "roles", "root", "root_first", "fast", "devices",
                  "method", "args", "record", "outputs", "timeout", "plan", "plan_args",
-                 "peer", "blocking", "result", "absent", "fingerprint", "doc")
+                 "peer", "blocking", "fingerprint", "doc")
 
     def __init__(self, name, params, kind, roles=(), root=None, root_first=False, fast=False,
                  devices=(), method=None, args="()", record=("None", "-1", "-1"), outputs="()",
                  timeout=False, plan=None, plan_args=None, peer=None, blocking=False,
-                 result=("return None",), absent="None", fingerprint=None, doc=None):
+                 fingerprint=None, doc=None):
         self.name, self.params, self.kind, self.roles = name, params, kind, roles
         self.root, self.root_first, self.fast, self.devices = root, root_first, fast, devices
         self.method, self.args, self.record, self.outputs = method, args, record, outputs
         self.timeout, self.plan = timeout, plan
         self.plan_args = call_args(params) if plan_args is None else plan_args
-        self.peer, self.blocking, self.result, self.absent = peer, blocking, result, absent
+        self.peer, self.blocking = peer, blocking
         self.fingerprint = _FINGERPRINT_KIND[fingerprint or method]
         self.doc = doc
 
@@ -431,12 +432,12 @@ class OpSpec:
         return f"OpSpec({self.name!r}, kind={self.kind!r}, method={self.method!r})"
 
 
-def _p2p(name, kind, method, peer, doc, *, blocking=False, result=("return None",), absent="None"):
+def _p2p(name, kind, method, peer, doc, *, blocking=False):
     """A point-to-point call's entry: one buffer, its peer, the backend's isend or irecv."""
     return OpSpec(name, f"tensor, {peer}=None, group=None, tag=0, group_{peer}=None", kind,
                   roles=(Role("buf", "tensor"),), fast=None, devices=(("buf",), "tensor"),
                   method=method, record=("buf", "peer", "tag"), outputs="[tensor]", peer=peer,
-                  blocking=blocking, result=result, absent=absent,
+                  blocking=blocking,
                   fingerprint="send" if method == "isend" else "recv", doc=doc)
 
 
@@ -506,18 +507,11 @@ SPECS = {s.name: s for s in (
            doc=DOC_BARRIER),
     # point to point: a Work for isend/irecv; send/recv wait, recv names the sender
     _p2p("isend", "isend", "isend", "dst", "Start sending ``tensor`` to ``dst``; returns a Work "
-         "(don't modify the tensor until it's done).",
-         result=("return Work(req, [tensor], pg)",)),
+         "(don't modify the tensor until it's done)."),
     _p2p("irecv", "irecv", "irecv", "src", "Start receiving into ``tensor`` from ``src`` (None: "
-         "any rank; ``Work.source_rank()`` names it).",
-         result=("return Work(req, [tensor], pg)",)),
+         "any rank; ``Work.source_rank()`` names it)."),
     _p2p("send", "send", "isend", "dst", DOC_SEND, blocking=True),
-    _p2p("recv", "recv", "irecv", "src", DOC_RECV, blocking=True, absent="-1",
-         result=("if src is None and group_src is None:",
-                 "    return pg.ranks[any_sender(pg, req)]",
-                 "if type(src) is int and group_src is None:",
-                 "    return src  # (a rank of the group: checked when it was posted)",
-                 "return pg.ranks[recv_peer(pg, src, group_src)]")),
+    _p2p("recv", "recv", "irecv", "src", DOC_RECV, blocking=True),
 )}
 
 

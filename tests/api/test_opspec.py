@@ -149,11 +149,13 @@ def _code(stmts):
 
 @pytest.mark.parametrize("name", sorted(opspec.SPECS))
 def test_the_free_function_resolves_the_group_then_runs_the_body(name):
-    """An entry with a one-call path (``pg.dispatch.call`` or ``_post`` in its body) resolves
-    the group in place, no frame between it and the dispatcher: the prologue (barrier: the
-    group, its timeout, then the non-member's return, torch's order), then the body. Every
-    other entry is one statement: ``_in_group`` resolves the group by the same rule and runs
-    the plan with the call's arguments, ``group`` aside, in the signature's order."""
+    """A collective with a one-call path (``pg.dispatch.call`` in its body) resolves the
+    group in place, no frame between it and the dispatcher: the prologue (barrier: the
+    group, its timeout, then the non-member's return, torch's order), then the body. A
+    point-to-point call is one call of ``_post`` (its one frame, which resolves the group
+    by the same rule; see below), every other entry one call of ``_in_group``, which
+    resolves it so and runs the plan with the call's arguments, ``group`` aside, in the
+    signature's order."""
     spec = opspec.SPECS[name]
     free, = ast.parse(gen.source(spec)).body
     assert free.name == name
@@ -162,7 +164,12 @@ def test_the_free_function_resolves_the_group_then_runs_the_body(name):
     body_text = "\n".join(gen.body(spec))
     one_call = "pg.dispatch.call(" in body_text or "_post(" in body_text
     assert gen.one_call(spec) == one_call
-    absent = f"return _absent(group{'' if spec.absent == 'None' else ', ' + spec.absent})"
+    assert gen.in_place(spec) == ("pg.dispatch.call(" in body_text)
+    absent = "return _absent(group)"
+    if spec.peer is not None:
+        call, = free_code
+        assert call == want[0] and call.startswith("return _post(group, ")
+        return
     if not one_call:
         params = [p.split("=")[0].strip() for p in spec.params.split(",")]
         call, = free_code
@@ -185,12 +192,20 @@ def test_the_free_function_resolves_the_group_then_runs_the_body(name):
         assert free_code[0] == ast.unparse(ast.parse(f"{PROLOGUE}\n    {absent}"))
 
 
-def test_in_group_resolves_the_group_as_the_prologue_does():
-    """``_in_group``: the entries' prologue, then the plan on the group (one rule, two
-    places: in place in the one-call entries, here for the others)."""
+def test_in_group_and_post_resolve_the_group_as_the_prologue_does():
+    """``_in_group``: the entries' prologue, then the plan on the group; ``_post`` the same
+    prologue (torch's recv returns -1 on a rank outside the group). One rule, three places:
+    in place in the collectives with a one-call path, in these two for the others."""
     fn, = ast.parse(inspect.getsource(opspec._in_group)).body
     assert _code(fn.body) == [ast.unparse(ast.parse(f"{PROLOGUE}\n    return _absent(group)")),
                               "return plan(pg, *args)"]
+    post, = ast.parse(gen.post_source(opspec.SPECS["recv"])).body
+    assert _code(post.body)[0] == ast.unparse(ast.parse(
+        f"{PROLOGUE}\n    return _absent(group, -1 if wait and rule is recv_peer else None)"))
+    outside = dist.GroupMember.NON_GROUP_MEMBER
+    x = np.zeros(1, np.float32)
+    assert [f(x, 0, group=outside) for f in (dist.isend, dist.irecv, dist.send, dist.recv)] == \
+        [None, None, None, -1]
     def plan(pg, *args):
         ran.append((pg, args))
         return "ran"
@@ -394,18 +409,19 @@ def test_a_p2p_entry_posts_the_backends_call_through_the_dispatcher(name):
     assert spec.kind == name and spec.blocking == (name in ("send", "recv"))
     assert spec.peer == ("dst" if spec.method == "isend" else "src")
     assert spec.record == ("buf", "peer", "tag")
-    body = gen.body(spec)
     rule = f"{'send' if spec.peer == 'dst' else 'recv'}_peer"
-    post = [ln for ln in body if "_post(" in ln]
-    assert post == [f"req = _post(pg, {name!r}, pg.backend.{spec.method}, tensor, {spec.peer}, "
-                    f"group_{spec.peer}, tag, {rule})"]
-    assert ("req.wait()" in body) == spec.blocking
-    # _post resolves the peer (refused when it is this rank, by the rule), checks the tag
-    # and the tensor, then posts through the dispatcher, in that order
+    assert gen.body(spec) == [f"return _post(group, {name!r}, tensor, {spec.peer}, "
+                              f"group_{spec.peer}, tag, {rule}, {spec.blocking})"]
+    # _post resolves the group, then the peer (refused when it is this rank, by the rule),
+    # checks the tag and the tensor, posts the backend's isend (a send's rule) or irecv
+    # through the dispatcher, then waits where it is told to, in that order
     shared = gen.post_source(spec).splitlines()
     order = [next(i for i, ln in enumerate(shared) if what in ln)
-             for what in ("peer = rule(pg, arg, group_arg)", "check_tag(tag)",
-                          "buf = buffer(tensor)", "return pg.dispatch.post(kind, fn, buf, peer, tag)")]
+             for what in (PROLOGUE, "peer = rule(pg, arg, group_arg)", "check_tag(tag)",
+                          "buf = buffer(tensor)",
+                          "fn = pg.backend.isend if rule is send_peer else pg.backend.irecv",
+                          "req = pg.dispatch.post(kind, fn, buf, peer, tag)", "if not wait:",
+                          "req.wait()")]
     assert order == sorted(order)
 
 
