@@ -7,10 +7,10 @@ call (``collectives.NAME``), and the one the ProcessGroup methods call with ``gr
 the long docstrings are :mod:`collectives.api.opdocs`' texts, set at the end.
 """
 from . import multigpu as _multigpu
-from .opspec import SPECS as _SPECS, _absent, any_sender, recv_peer, send_peer
+from .opspec import SPECS as _SPECS, _absent, _in_group, any_sender, recv_peer, send_peer
 from ..core.args import TAG_LIMIT, check_tag
 from ..core.dtypes import SUM as _SUM_CODE
-from ..core.convert import buffer, buffers, check_devices
+from ..core.convert import buffer, check_devices
 from ..core.tensors import disjoint_gather
 from ..core.reduce_op import ReduceOp
 from ..core.work import Work, timeout_seconds
@@ -34,10 +34,13 @@ _plan_reduce_scatter_multigpu = _multigpu._reduce_scatter
 _SUM = ReduceOp.SUM
 
 
-def _post(pg, kind, fn, tensor, arg, group_arg, tag, rule):
-    """Post ``fn(buffer, peer, tag)`` as point-to-point call ``kind`` of ``pg``, the peer
-    named by ``arg`` or ``group_arg`` (``rule``: send_peer or recv_peer), the tag and the
-    tensor checked; the request."""
+def _post(group, kind, tensor, arg, group_arg, tag, rule, wait):
+    """Point-to-point call ``kind`` of ``tensor`` on ``group``, the peer named by ``arg`` or
+    ``group_arg`` (``rule``: send_peer or recv_peer), the tag and the tensor checked: a Work;
+    waited for (``wait``): None for a send, the sender's global rank for a receive (-1 on
+    a rank outside the group, torch's recv)."""
+    if (pg := world.default if group is None else current(group)) is None:
+        return _absent(group, -1 if wait and rule is recv_peer else None)
     peer = pg.group_of_global.get(arg) if type(arg) is int and group_arg is None else None
     if peer is None or peer == pg._rank:
         peer = rule(pg, arg, group_arg)
@@ -46,13 +49,19 @@ def _post(pg, kind, fn, tensor, arg, group_arg, tag, rule):
     buf = buffer(tensor)
     if buf.device != -1:
         check_devices(pg, (buf,), 'tensor')
-    return pg.dispatch.post(kind, fn, buf, peer, tag)
+    fn = pg.backend.isend if rule is send_peer else pg.backend.irecv
+    req = pg.dispatch.post(kind, fn, buf, peer, tag)
+    if not wait:
+        return Work(req, [tensor], pg)
+    req.wait()
+    if rule is send_peer:
+        return None
+    return pg.ranks[any_sender(pg, req) if peer is None else peer]
 
 
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):
     # docstring: opdocs.DOC_ALL_REDUCE (set at the end of the module)
-    pg = world.default if group is None else current(group)
-    if pg is None:
+    if (pg := world.default if group is None else current(group)) is None:
         return _absent(group)
     buf = buffer(tensor)
     if op is _SUM:
@@ -65,16 +74,12 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
 
 def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
     """all_reduce of several tensors of one dtype in one backend call."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    return _plan_all_reduce_coalesced(pg, tensors, op, async_op)
+    return _in_group(group, _plan_all_reduce_coalesced, tensors, op, async_op)
 
 
 def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None):
     """Reduce ``tensor`` across the group into ``dst``'s tensor; the others keep theirs."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
+    if (pg := world.default if group is None else current(group)) is None:
         return _absent(group)
     root = pg.dispatch.root(dst, group_dst, 'dst')
     buf = buffer(tensor)
@@ -88,8 +93,7 @@ def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     # docstring: opdocs.DOC_BROADCAST (set at the end of the module)
-    pg = world.default if group is None else current(group)
-    if pg is None:
+    if (pg := world.default if group is None else current(group)) is None:
         return _absent(group)
     buf = buffer(tensor)
     root = pg.dispatch.root(src, group_src, 'src')
@@ -101,18 +105,12 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     """Gather every rank's ``tensor`` into ``tensor_list`` (one tensor per rank) on every rank."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    inp = buffer(tensor)
-    outs = buffers(tensor_list, 'tensor_list', inp.dtype, inp.count, pg._size)
-    return _plan_all_gather(pg, inp, outs, tensor_list, async_op)
+    return _in_group(group, _plan_all_gather, tensor_list, tensor, async_op)
 
 
 def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
     # docstring: opdocs.DOC_ALL_GATHER_SINGLE (set at the end of the module)
-    pg = world.default if group is None else current(group)
-    if pg is None:
+    if (pg := world.default if group is None else current(group)) is None:
         return _absent(group)
     inp = buffer(input_tensor, 'input_tensor')
     out = buffer(output_tensor, 'output_tensor')
@@ -126,45 +124,28 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
 
 def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op=False):
     # docstring: opdocs.DOC_ALL_GATHER_COALESCED (set at the end of the module)
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    return _plan_all_gather_coalesced(pg, output_tensor_lists, input_tensor_list, async_op)
+    return _in_group(group, _plan_all_gather_coalesced, output_tensor_lists, input_tensor_list,
+                     async_op)
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
     """Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (None elsewhere)."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    root = pg.dispatch.root(dst, group_dst, 'dst')
-    inp = buffer(tensor)
-    return _plan_gather(pg, inp, root, gather_list, async_op)
+    return _in_group(group, _plan_gather, tensor, gather_list, dst, async_op, group_dst)
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
     """Rank r receives ``scatter_list[r]`` of ``src`` into ``tensor``."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    root = pg.dispatch.root(src, group_src, 'src')
-    out = buffer(tensor)
-    return _plan_scatter(pg, out, root, tensor, scatter_list, async_op)
+    return _in_group(group, _plan_scatter, tensor, scatter_list, src, async_op, group_src)
 
 
 def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
     """Rank r's ``output`` gets the reduction over ranks of their ``input_list[r]``."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    out = buffer(output, 'output')
-    return _plan_reduce_scatter(pg, out, output, input_list, op, async_op)
+    return _in_group(group, _plan_reduce_scatter, output, input_list, op, async_op)
 
 
 def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):
     """Rank r's ``output`` gets the reduction of slice r of every rank's ``input``."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
+    if (pg := world.default if group is None else current(group)) is None:
         return _absent(group)
     out = buffer(output, 'output')
     inp = buffer(input, 'input')
@@ -179,22 +160,14 @@ def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     """Rank r sends ``input_tensor_list[q]`` to rank q, which receives it in
     ``output_tensor_list[r]``."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    return _plan_all_to_all(pg, output_tensor_list, input_tensor_list, async_op)
+    return _in_group(group, _plan_all_to_all, output_tensor_list, input_tensor_list, async_op)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                       async_op=False):
     # docstring: opdocs.DOC_ALL_TO_ALL_SINGLE (set at the end of the module)
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    inp = buffer(input, 'input')
-    out = buffer(output, 'output')
-    return _plan_all_to_all_single(pg, out, inp, output, input, output_split_sizes,
-                                   input_split_sizes, async_op)
+    return _in_group(group, _plan_all_to_all_single, output, input, output_split_sizes,
+                     input_split_sizes, async_op)
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
@@ -210,80 +183,48 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     """Start sending ``tensor`` to ``dst``; returns a Work (don't modify the tensor until it's
     done)."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    req = _post(pg, 'isend', pg.backend.isend, tensor, dst, group_dst, tag, send_peer)
-    return Work(req, [tensor], pg)
+    return _post(group, 'isend', tensor, dst, group_dst, tag, send_peer, False)
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     """Start receiving into ``tensor`` from ``src`` (None: any rank; ``Work.source_rank()`` names
     it)."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    req = _post(pg, 'irecv', pg.backend.irecv, tensor, src, group_src, tag, recv_peer)
-    return Work(req, [tensor], pg)
+    return _post(group, 'irecv', tensor, src, group_src, tag, recv_peer, False)
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     # docstring: opdocs.DOC_SEND (set at the end of the module)
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    req = _post(pg, 'send', pg.backend.isend, tensor, dst, group_dst, tag, send_peer)
-    req.wait()
-    return None
+    return _post(group, 'send', tensor, dst, group_dst, tag, send_peer, True)
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
     # docstring: opdocs.DOC_RECV (set at the end of the module)
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group, -1)
-    req = _post(pg, 'recv', pg.backend.irecv, tensor, src, group_src, tag, recv_peer)
-    req.wait()
-    if src is None and group_src is None:
-        return pg.ranks[any_sender(pg, req)]
-    if type(src) is int and group_src is None:
-        return src  # (a rank of the group: checked when it was posted)
-    return pg.ranks[recv_peer(pg, src, group_src)]
+    return _post(group, 'recv', tensor, src, group_src, tag, recv_peer, True)
 
 
 def all_reduce_multigpu(tensor_list, op=_SUM, group=None, async_op=False):
     """all_reduce across ranks and across the entries of ``tensor_list``; every entry gets the
     result."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    return _plan_all_reduce_multigpu(pg, tensor_list, op, async_op, all_reduce)
+    return _in_group(group, _plan_all_reduce_multigpu, tensor_list, op, async_op, all_reduce)
 
 
 def broadcast_multigpu(tensor_list, src, group=None, async_op=False, src_tensor=0):
     """Broadcast ``tensor_list[src_tensor]`` of rank ``src`` into every entry on every rank."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    return _plan_broadcast_multigpu(pg, tensor_list, src, async_op, src_tensor, broadcast)
+    return _in_group(group, _plan_broadcast_multigpu, tensor_list, src, async_op, src_tensor,
+                     broadcast)
 
 
 def reduce_multigpu(tensor_list, dst, op=_SUM, group=None, async_op=False, dst_tensor=0):
     """Reduce across ranks and entries into ``tensor_list[dst_tensor]`` of rank ``dst``."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    return _plan_reduce_multigpu(pg, tensor_list, dst, op, async_op, dst_tensor, reduce)
+    return _in_group(group, _plan_reduce_multigpu, tensor_list, dst, op, async_op, dst_tensor,
+                     reduce)
 
 
 def all_gather_multigpu(output_tensor_lists, input_tensor_list, group=None, async_op=False):
     """``output_tensor_lists[i][r * k + j]`` gets rank r's ``input_tensor_list[j]`` (k entries per
     rank)."""
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    return _plan_all_gather_multigpu(pg, output_tensor_lists, input_tensor_list, async_op,
-                                     all_gather)
+    return _in_group(group, _plan_all_gather_multigpu, output_tensor_lists, input_tensor_list,
+                     async_op, all_gather)
 
 
 def reduce_scatter_multigpu(output_tensor_list, input_tensor_lists, op=_SUM, group=None,
@@ -291,11 +232,8 @@ def reduce_scatter_multigpu(output_tensor_list, input_tensor_lists, op=_SUM, gro
     """``output_tensor_list[i]`` on rank r gets the reduction, over every rank and
     entry, of ``input_tensor_lists[.][r * k + i]`` (k entries per rank).
     """
-    pg = world.default if group is None else current(group)
-    if pg is None:
-        return _absent(group)
-    return _plan_reduce_scatter_multigpu(pg, output_tensor_list, input_tensor_lists, op, async_op,
-                                         reduce_scatter)
+    return _in_group(group, _plan_reduce_scatter_multigpu, output_tensor_list, input_tensor_lists,
+                     op, async_op, reduce_scatter)
 
 
 # the long docstrings: one copy of each, opdocs' texts, which the entries hold

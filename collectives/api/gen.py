@@ -7,12 +7,18 @@ table makes; ``tests/api/test_opspec.py`` runs the check). The generator imports
 package, so the module it replaces must still import: to add a collective, enter its
 OpSpec, regenerate, then export the new function.
 
-From each OpSpec one function is written, the free function (``all_reduce``: resolve the
-group, then the body), with the body in place rather than called, so its common call
+From each OpSpec one function is written, the free function. A collective with a path
+that is one backend call (:func:`in_place`: all_reduce, broadcast, barrier...) resolves
+the group, then runs the body, written in place rather than called, so its common call
 (``dist.all_reduce(t)``) has one Python frame and goes straight to the group's dispatcher
-(``pg.dispatch.call``: :mod:`collectives.api.group_dispatcher`). The ProcessGroup methods
-(:mod:`collectives.api.pg_methods`) and the ``*_multigpu`` plans call the same function
-with ``group=`` the group they run on.
+(``pg.dispatch.call``: :mod:`collectives.api.group_dispatcher`). A point-to-point call is
+one call of the module's ``_post`` (:func:`post_source`), which resolves the group by the
+same rule, posts and, for send and recv, waits. The others (gather, all_to_all, the
+``*_multigpu`` calls...) are one statement,
+``return _in_group(group, plan, args...)``: :func:`~collectives.api.opspec._in_group`
+resolves the group by the same rule and runs the plan, which checks the buffers and the
+root. The ProcessGroup methods (:mod:`collectives.api.pg_methods`) and the ``*_multigpu``
+plans call the free function with ``group=`` the group they run on.
 
 A docstring that is one of :mod:`collectives.api.opdocs`' texts is not copied: at its end
 the module sets each such function's ``__doc__`` to its entry's ``doc`` (that text), so
@@ -57,38 +63,48 @@ def _devices(spec, pad=""):
 
 
 def post_source(spec):
-    """The text of ``_post``, which posts a point-to-point call on the group ``pg``: its
-    peer (``arg``, a global rank, or ``group_arg``, resolved in full by ``rule``: the send's
-    or the receive's), its tag, its buffer, then the post; the request. The blocking and
-    the non-blocking calls of both directions share it (written from ``spec``, one of them)."""
+    """The text of ``_post``, which runs a point-to-point call on the group ``group`` names,
+    resolved as the collectives' prologue does: its peer (``arg``, a global rank, or
+    ``group_arg``, resolved in full by ``rule``: the send's or the receive's), its tag, its
+    buffer, then the post of the backend's isend or irecv; a Work, or (``wait``) the wait
+    and the result. Every point-to-point call is one call of it, its one Python frame
+    (written from ``spec``, one of them)."""
     buf, peer, tag = spec.record
-    lines = ["peer = pg.group_of_global.get(arg) if type(arg) is int and group_arg is None "
+    lines = ["if (pg := world.default if group is None else current(group)) is None:",
+             "    return _absent(group, -1 if wait and rule is recv_peer else None)",
+             "peer = pg.group_of_global.get(arg) if type(arg) is int and group_arg is None "
              "else None",
              "if peer is None or peer == pg._rank:",
              "    peer = rule(pg, arg, group_arg)",
              "if type(tag) is not int or not 0 <= tag < TAG_LIMIT:",
              "    check_tag(tag)",  # (the rule; the test above only spares the call)
              *[_role(r) for r in spec.roles], *_devices(spec),
-             f"return pg.dispatch.post(kind, fn, {buf}, {peer}, {tag})"]
-    head = ("def _post(pg, kind, fn, tensor, arg, group_arg, tag, rule):\n"
-            '    """Post ``fn(buffer, peer, tag)`` as point-to-point call ``kind`` of ``pg``, '
-            'the peer\n'
-            '    named by ``arg`` or ``group_arg`` (``rule``: send_peer or recv_peer), the tag '
-            'and the\n'
-            '    tensor checked; the request."""')
+             "fn = pg.backend.isend if rule is send_peer else pg.backend.irecv",
+             f"req = pg.dispatch.post(kind, fn, {buf}, {peer}, {tag})",
+             "if not wait:",
+             "    return Work(req, [tensor], pg)",
+             "req.wait()",
+             "if rule is send_peer:",
+             "    return None",
+             "return pg.ranks[any_sender(pg, req) if peer is None else peer]"]
+    head = ("def _post(group, kind, tensor, arg, group_arg, tag, rule, wait):\n"
+            '    """Point-to-point call ``kind`` of ``tensor`` on ``group``, the peer named by '
+            '``arg`` or\n'
+            '    ``group_arg`` (``rule``: send_peer or recv_peer), the tag and the tensor '
+            'checked: a Work;\n'
+            '    waited for (``wait``): None for a send, the sender\'s global rank for a '
+            'receive (-1 on\n'
+            '    a rank outside the group, torch\'s recv)."""')
     return head + "\n" + "\n".join(w for ln in lines for w in _wrap("    " + ln))
 
 
 def _p2p_body(spec):
-    """A point-to-point call's lines: the post (``_post``, shared by every point-to-point
-    call), then the wait and the result."""
+    """A point-to-point call's line: one call of ``_post`` (shared by every point-to-point
+    call), which resolves the group, posts, and waits where the call blocks."""
     p = spec.peer
     rule = f"{'send' if p == 'dst' else 'recv'}_peer"
-    lines = [f"req = _post(pg, {spec.kind!r}, pg.backend.{spec.method}, tensor, {p}, group_{p}, "
-             f"tag, {rule})"]
-    if spec.blocking:
-        lines.append("req.wait()")
-    return lines + list(spec.result)
+    return [f"return _post(group, {spec.kind!r}, tensor, {p}, group_{p}, tag, {rule}, "
+            f"{spec.blocking})"]
 
 
 def plan_name(spec):
@@ -96,10 +112,30 @@ def plan_name(spec):
     return f"_plan_{spec.name}"
 
 
+def one_call(spec):
+    """Whether ``spec``'s entry has a path that is one backend call (``pg.dispatch.call``,
+    or ``_post`` for a point-to-point call); the others are one call of ``_in_group``."""
+    return spec.fast is not False or spec.peer is not None
+
+
+def in_place(spec):
+    """Whether ``spec``'s free function resolves the group itself (a collective with a
+    one-call path: no frame before the dispatcher); else the one function it calls does,
+    by the same rule (``_in_group``, or ``_post`` for a point-to-point call)."""
+    return spec.peer is None and spec.fast is not False
+
+
 def body(spec):
-    """The lines of ``spec``'s body, on the group ``pg`` its free function resolved."""
+    """The lines of ``spec``'s body: on the group ``pg`` its free function resolved, or,
+    for an entry without a one-call path, the call of its plan on the group ``group``
+    names (``_in_group``: the plan resolves its buffers and root)."""
     if spec.peer is not None:
         return _p2p_body(spec)
+    if not one_call(spec):
+        if spec.roles or spec.root or spec.timeout:
+            raise ValueError(f"{spec.name}: an entry without a one-call path names no roles, "
+                             f"root or timeout (its plan resolves them)")
+        return [f"return _in_group(group, {plan_name(spec)}, {spec.plan_args})"]
     lines = []
     if spec.timeout:
         lines.append("if timeout is not None:")
@@ -174,13 +210,18 @@ def _doc(spec):
 
 
 def source(spec):
-    """The text of ``spec``'s free function."""
+    """The text of ``spec``'s free function: the group resolved in place (``pg``; on a
+    rank outside it, what ``_absent`` says), then the body; where :func:`in_place` is
+    false, the body alone (the one function it calls resolves the group)."""
     lines = ["    " + s for s in body(spec)]
-    resolve = ["    pg = world.default if group is None else current(group)",
-               "    if pg is None:",
-               f"        return _absent(group{'' if spec.absent == 'None' else ', ' + spec.absent})"]
+    if not in_place(spec):
+        out = [f"def {spec.name}({spec.params}):", *_doc(spec), *lines]
+        return "\n".join(w for ln in out for w in _wrap(ln))
+    absent = "        return _absent(group)"
+    resolve = ["    if (pg := world.default if group is None else current(group)) is None:", absent]
     if spec.timeout:  # the timeout is checked before a non-member returns (torch's order)
-        resolve = resolve[:1] + lines[:2] + resolve[1:]
+        resolve = ["    pg = world.default if group is None else current(group)", *lines[:2],
+                   "    if pg is None:", absent]
         free = lines[2:]
     else:
         free = lines
@@ -197,10 +238,10 @@ call (``collectives.NAME``), and the one the ProcessGroup methods call with ``gr
 the long docstrings are :mod:`collectives.api.opdocs`' texts, set at the end.
 """
 from . import multigpu as _multigpu
-from .opspec import SPECS as _SPECS, _absent, any_sender, recv_peer, send_peer
+from .opspec import SPECS as _SPECS, _absent, _in_group, any_sender, recv_peer, send_peer
 from ..core.args import TAG_LIMIT, check_tag
 from ..core.dtypes import SUM as _SUM_CODE
-from ..core.convert import buffer, buffers, check_devices
+from ..core.convert import {convert}
 from ..core.tensors import disjoint_gather
 from ..core.reduce_op import ReduceOp
 from ..core.work import Work, timeout_seconds
@@ -227,7 +268,10 @@ def _plan_imports():
 
 def module_text():
     """The text of :mod:`collectives.api._generated` for the table as it is."""
-    parts = [_HEADER.rstrip("\n"), *_plan_imports(), "", "_SUM = ReduceOp.SUM", ""]
+    lists = any(r.like is not None for spec in SPECS.values() if one_call(spec) for r in spec.roles)
+    convert = "buffer, buffers, check_devices" if lists else "buffer, check_devices"
+    parts = [_HEADER.format(convert=convert).rstrip("\n"), *_plan_imports(), "",
+             "_SUM = ReduceOp.SUM", ""]
     p2p = [spec for spec in SPECS.values() if spec.peer is not None]
     if p2p:
         parts += ["", post_source(p2p[0]), ""]

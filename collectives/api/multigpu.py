@@ -17,7 +17,7 @@ from ..core import dtypes as D
 from ..core.convert import buffer, buffers
 from ..core.queued import settle
 from ..core.reduction import reduce_plan, scale
-from .opspec import OpSpec, add
+from .opspec import OpSpec, add, call_args
 from ..core.reduce_op import op_code
 from ..core.work import Work
 
@@ -172,29 +172,28 @@ def _reduce_scatter(pg, output_tensor_list, input_tensor_lists, op, async_op, ru
     return _sync_work(async_op, output_tensor_list)
 
 
-# ---- the entries: each plan is handed its single-tensor entry's function --------------------
+# ---- the entries: each plan is handed the call's arguments and its single-tensor entry's function
 
-add(OpSpec("all_reduce_multigpu", "tensor_list, op=_SUM, group=None, async_op=False",
-           "all_reduce", method="all_reduce", plan=_all_reduce,
-           plan_args="tensor_list, op, async_op, all_reduce",
-           doc="all_reduce across ranks and across the entries of ``tensor_list``; every entry gets "
-               "the result."),
-    OpSpec("broadcast_multigpu", "tensor_list, src, group=None, async_op=False, src_tensor=0",
-           "broadcast", method="broadcast", plan=_broadcast,
-           plan_args="tensor_list, src, async_op, src_tensor, broadcast",
-           doc="Broadcast ``tensor_list[src_tensor]`` of rank ``src`` into every entry on every rank."),
-    OpSpec("reduce_multigpu", "tensor_list, dst, op=_SUM, group=None, async_op=False, "
-           "dst_tensor=0", "reduce", method="reduce", plan=_reduce,
-           plan_args="tensor_list, dst, op, async_op, dst_tensor, reduce",
-           doc="Reduce across ranks and entries into ``tensor_list[dst_tensor]`` of rank ``dst``."),
-    OpSpec("all_gather_multigpu", "output_tensor_lists, input_tensor_list, group=None, "
-           "async_op=False", "all_gather", method="all_gather", plan=_all_gather,
-           plan_args="output_tensor_lists, input_tensor_list, async_op, all_gather",
-           doc="``output_tensor_lists[i][r * k + j]`` gets rank r's ``input_tensor_list[j]`` (k "
-               "entries per rank)."),
-    OpSpec("reduce_scatter_multigpu", "output_tensor_list, input_tensor_lists, op=_SUM, "
-           "group=None, async_op=False", "reduce_scatter", method="reduce_scatter",
-           plan=_reduce_scatter,
-           plan_args="output_tensor_list, input_tensor_lists, op, async_op, reduce_scatter",
-           doc="""``output_tensor_list[i]`` on rank r gets the reduction, over every rank and
+def _entry(name, params, plan, doc):
+    """The entry ``name`` (``X_multigpu``): recorded as X, its plan handed the call's
+    arguments, then X's free function (``run``)."""
+    single = name[:-len("_multigpu")]
+    return OpSpec(name, params, single, method=single, plan=plan,
+                  plan_args=f"{call_args(params)}, {single}", doc=doc)
+
+
+add(_entry("all_reduce_multigpu", "tensor_list, op=_SUM, group=None, async_op=False", _all_reduce,
+           "all_reduce across ranks and across the entries of ``tensor_list``; every entry gets "
+           "the result."),
+    _entry("broadcast_multigpu", "tensor_list, src, group=None, async_op=False, src_tensor=0",
+           _broadcast,
+           "Broadcast ``tensor_list[src_tensor]`` of rank ``src`` into every entry on every rank."),
+    _entry("reduce_multigpu", "tensor_list, dst, op=_SUM, group=None, async_op=False, dst_tensor=0",
+           _reduce, "Reduce across ranks and entries into ``tensor_list[dst_tensor]`` of rank ``dst``."),
+    _entry("all_gather_multigpu", "output_tensor_lists, input_tensor_list, group=None, async_op=False",
+           _all_gather, "``output_tensor_lists[i][r * k + j]`` gets rank r's ``input_tensor_list[j]`` "
+           "(k entries per rank)."),
+    _entry("reduce_scatter_multigpu", "output_tensor_list, input_tensor_lists, op=_SUM, group=None, "
+           "async_op=False", _reduce_scatter,
+           """``output_tensor_list[i]`` on rank r gets the reduction, over every rank and
     entry, of ``input_tensor_lists[.][r * k + i]`` (k entries per rank)."""))

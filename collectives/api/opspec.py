@@ -8,7 +8,9 @@ An OpSpec holds what the front end knows about a collective:
   argument (``root``: the global and the group spelling of it);
 - ``fast``: the condition under which the call is one backend call on the buffers as
   given (``None``: always; absent: never), and ``plan``: the front end's work otherwise
-  (counts, offsets, the AVG/PREMUL scaling, staging), a function of this module;
+  (counts, offsets, the AVG/PREMUL scaling, staging), a function of this module; an entry
+  that is never one call names no roles nor root: its plan is handed the call's
+  arguments and checks its buffers and root itself;
 - ``method`` and ``args``: the backend method (``backends/base.py``'s contract) and its
   arguments;
 - ``record``: what the flight recorder and the fingerprint take (the kind, the buffer
@@ -20,9 +22,11 @@ From each OpSpec one function is written out, by :mod:`collectives.api.gen`, int
 makes): the free function (``collectives.all_reduce``: resolve the group, then the body,
 written in place rather than called, so its common call ``dist.all_reduce(t)`` has one
 Python frame and goes straight to the group's dispatcher, ``pg.dispatch.call``:
-:mod:`collectives.api.group_dispatcher`). The ProcessGroup methods call it with ``group=``
+:mod:`collectives.api.group_dispatcher`; an entry with no one-call path is one call,
+``_in_group(group, plan, args...)``). The ProcessGroup methods call it with ``group=``
 the group they run on. ``fast``, ``args``, ``record`` and ``plan_args`` are Python
-expressions over the generated function's parameters and the buffers the roles name;
+expressions over the generated function's parameters and the buffers the roles name
+(``plan_args`` by default: the call's arguments but ``group``, :func:`call_args`);
 ``doc`` is the function's docstring (the long ones are :mod:`collectives.api.opdocs`' texts,
 which the generated module sets rather than copies).
 
@@ -39,13 +43,13 @@ import numpy as np
 
 from ..core import cuda as _cuda
 from ..core.fingerprint import KIND_NAMES
-from ..core.convert import buffers, check_devices, check_like
+from ..core.convert import buffer, buffers, check_devices, check_like
 from ..core.queued import Steps, settle
 from ..core.reduction import reduce_plan, scale
 from ..core.staging import (contiguous_span, copy_into, copy_of, needs_own_copy, separate_blocks,
                             stage, unstage)
 from ..core.tensors import overlaps
-from ..core.world import NOT_INITIALIZED
+from ..core.world import NOT_INITIALIZED, current, world
 from ..core.reduce_op import ReduceOp
 from ..core.tensors import Buffer
 from .opdocs import (DOC_ALL_GATHER_COALESCED, DOC_ALL_GATHER_SINGLE, DOC_ALL_REDUCE,
@@ -60,6 +64,16 @@ def _absent(group, value=None):
     if group is None:
         raise ValueError(NOT_INITIALIZED)
     return value
+
+
+def _in_group(group, plan, *args):
+    """``plan(pg, *args)`` on the group ``group`` names (None: the default group), as the
+    entries without a one-call path run (their free function is this one call); what
+    :func:`_absent` says on a rank outside it. The entries with one (all_reduce, the
+    point-to-point calls...) resolve the group in their own body, by the same rule."""
+    if (pg := world.default if group is None else current(group)) is None:
+        return _absent(group)
+    return plan(pg, *args)
 
 
 # ---- point to point: the peer's rules -----------------------------------------------------------
@@ -192,7 +206,9 @@ def _reduce(pg, buf, tensor, root, op, async_op):
     return _launch(pg, async_op, [tensor], "reduce", steps, buf, root, op)
 
 
-def _all_gather(pg, inp, outs, tensor_list, async_op):
+def _all_gather(pg, tensor_list, tensor, async_op):
+    inp = buffer(tensor)
+    outs = buffers(tensor_list, "tensor_list", inp.dtype, inp.count, pg._size)
     if pg.backend.gathers_into_list and separate_blocks(outs, inp, pg._rank):
         # separate tensors, as torch programs allocate them: the backend fills each one
         steps = [(pg.backend.all_gather_list, (outs, inp))]
@@ -245,7 +261,9 @@ def _root_list(pg, root, buf, tensors, list_name, where):
     return buffers(tensors, list_name, buf.dtype, buf.count, pg._size)
 
 
-def _gather(pg, inp, root, gather_list, async_op):
+def _gather(pg, tensor, gather_list, dst, async_op, group_dst):
+    root = pg.dispatch.root(dst, group_dst, "dst")
+    inp = buffer(tensor)
     outs = _root_list(pg, root, inp, gather_list, "gather_list", "destination")
     if outs is None:
         return _launch(pg, async_op, [], "gather", [(pg.backend.gather, (None, inp, root))], inp,
@@ -255,7 +273,9 @@ def _gather(pg, inp, root, gather_list, async_op):
     return _launch(pg, async_op, list(gather_list), "gather", steps, inp, root)
 
 
-def _scatter(pg, out, root, tensor, scatter_list, async_op):
+def _scatter(pg, tensor, scatter_list, src, async_op, group_src):
+    root = pg.dispatch.root(src, group_src, "src")
+    out = buffer(tensor)
     ins = _root_list(pg, root, out, scatter_list, "scatter_list", "source")
     inp = None if ins is None else _flat_apart(pg, ins, out.dtype, out)
     return _launch(pg, async_op, [tensor], "scatter", [(pg.backend.scatter, (out, inp, root))],
@@ -269,7 +289,8 @@ def _reduce_scatter_steps(pg, out, inp, op, async_op, outputs, staged):
     return _launch(pg, async_op, outputs, "reduce_scatter", steps, out, -1, op)
 
 
-def _reduce_scatter(pg, out, output, input_list, op, async_op):
+def _reduce_scatter(pg, output, input_list, op, async_op):
+    out = buffer(output, "output")
     ins = buffers(input_list, "input_list", out.dtype, out.count, pg._size)
     inp = contiguous_span(ins)
     staged = inp is None or overlaps(inp, out)
@@ -340,8 +361,10 @@ def _split(t, buf, sizes, n, name):
     return _split_counts(sizes, rows, row, n, name)
 
 
-def _all_to_all_single(pg, out, inp, output, input, output_split_sizes,  # noqa: A002
-                       input_split_sizes, async_op):
+def _all_to_all_single(pg, output, input, output_split_sizes, input_split_sizes,  # noqa: A002
+                       async_op):
+    inp = buffer(input, "input")
+    out = buffer(output, "output")
     check_like(out, inp, "output", "input")
     in_counts = _split(input, inp, input_split_sizes, pg._size, "input_split_sizes")
     out_counts = _split(output, out, output_split_sizes, pg._size, "output_split_sizes")
@@ -366,6 +389,13 @@ class Role:
         self.var, self.param, self.label, self.like = var, param, label, like
 
 
+def call_args(params):
+    """The names of the parameters ``params`` (a signature's text) but ``group``, as the
+    arguments of a call: what an entry without a one-call path hands its plan."""
+    names = (p.split("=")[0].strip() for p in params.split(","))
+    return ", ".join(n for n in names if n != "group")
+
+
 _FINGERPRINT_KIND = {name: code for code, name in KIND_NAMES.items()}  # backend method -> kind
 
 
@@ -377,22 +407,24 @@ class OpSpec:
     receive's, which may be any rank) and posts the backend's ``method`` (isend, irecv)
     through the group's dispatcher (``pg.dispatch.post``), which records it under
     ``kind`` with ``record`` (the buffer, the peer, the tag); a ``blocking`` one waits for
-    it; ``result`` is what it returns and ``absent`` what it returns on a rank outside
-    the group. ``fingerprint`` names the backend's kind where it differs from ``method``."""
+    it and returns None (a send) or the sender's global rank (a receive; -1 on a rank
+    outside the group), the others a Work. ``fingerprint`` names the backend's kind where
+    it differs from ``method``."""
 
     __slots__ = ("name", "params", "kind", "roles", "root", "root_first", "fast", "devices",
                  "method", "args", "record", "outputs", "timeout", "plan", "plan_args",
-                 "peer", "blocking", "result", "absent", "fingerprint", "doc")
+                 "peer", "blocking", "fingerprint", "doc")
 
     def __init__(self, name, params, kind, roles=(), root=None, root_first=False, fast=False,
                  devices=(), method=None, args="()", record=("None", "-1", "-1"), outputs="()",
-                 timeout=False, plan=None, plan_args="", peer=None, blocking=False,
-                 result=("return None",), absent="None", fingerprint=None, doc=None):
+                 timeout=False, plan=None, plan_args=None, peer=None, blocking=False,
+                 fingerprint=None, doc=None):
         self.name, self.params, self.kind, self.roles = name, params, kind, roles
         self.root, self.root_first, self.fast, self.devices = root, root_first, fast, devices
         self.method, self.args, self.record, self.outputs = method, args, record, outputs
-        self.timeout, self.plan, self.plan_args = timeout, plan, plan_args
-        self.peer, self.blocking, self.result, self.absent = peer, blocking, result, absent
+        self.timeout, self.plan = timeout, plan
+        self.plan_args = call_args(params) if plan_args is None else plan_args
+        self.peer, self.blocking = peer, blocking
         self.fingerprint = _FINGERPRINT_KIND[fingerprint or method]
         self.doc = doc
 
@@ -400,12 +432,12 @@ class OpSpec:
         return f"OpSpec({self.name!r}, kind={self.kind!r}, method={self.method!r})"
 
 
-def _p2p(name, kind, method, peer, doc, *, blocking=False, result=("return None",), absent="None"):
+def _p2p(name, kind, method, peer, doc, *, blocking=False):
     """A point-to-point call's entry: one buffer, its peer, the backend's isend or irecv."""
     return OpSpec(name, f"tensor, {peer}=None, group=None, tag=0, group_{peer}=None", kind,
                   roles=(Role("buf", "tensor"),), fast=None, devices=(("buf",), "tensor"),
                   method=method, record=("buf", "peer", "tag"), outputs="[tensor]", peer=peer,
-                  blocking=blocking, result=result, absent=absent,
+                  blocking=blocking,
                   fingerprint="send" if method == "isend" else "recv", doc=doc)
 
 
@@ -418,7 +450,6 @@ SPECS = {s.name: s for s in (
            doc=DOC_ALL_REDUCE),
     OpSpec("all_reduce_coalesced", "tensors, op=_SUM, group=None, async_op=False",
            "all_reduce_coalesced", method="all_reduce", plan=_all_reduce_coalesced,
-           plan_args="tensors, op, async_op",
            doc="all_reduce of several tensors of one dtype in one backend call."),
     OpSpec("reduce", "tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None",
            "reduce", roles=(Role("buf", "tensor"),), root="dst", root_first=True,
@@ -432,8 +463,7 @@ SPECS = {s.name: s for s in (
            record=("buf", "root", "-1"), outputs="(tensor,)",
            doc=DOC_BROADCAST),
     OpSpec("all_gather", "tensor_list, tensor, group=None, async_op=False", "all_gather",
-           roles=(Role("inp", "tensor"), Role("outs", "tensor_list", like="inp")),
-           method="all_gather", plan=_all_gather, plan_args="inp, outs, tensor_list, async_op",
+           method="all_gather", plan=_all_gather,
            doc="Gather every rank's ``tensor`` into ``tensor_list`` (one tensor per rank) on every rank."),
     OpSpec("all_gather_single", "output_tensor, input_tensor, group=None, async_op=False",
            "all_gather",
@@ -446,22 +476,15 @@ SPECS = {s.name: s for s in (
            doc=DOC_ALL_GATHER_SINGLE),
     OpSpec("all_gather_coalesced", "output_tensor_lists, input_tensor_list, group=None, "
            "async_op=False", "all_gather_coalesced", method="all_gather",
-           plan=_all_gather_coalesced,
-           plan_args="output_tensor_lists, input_tensor_list, async_op",
-           doc=DOC_ALL_GATHER_COALESCED),
+           plan=_all_gather_coalesced, doc=DOC_ALL_GATHER_COALESCED),
     OpSpec("gather", "tensor, gather_list=None, dst=None, group=None, async_op=False, "
-           "group_dst=None", "gather", roles=(Role("inp", "tensor"),), root="dst",
-           root_first=True, method="gather", plan=_gather, plan_args="inp, root, gather_list, async_op",
+           "group_dst=None", "gather", method="gather", plan=_gather,
            doc="Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (None elsewhere)."),
     OpSpec("scatter", "tensor, scatter_list=None, src=None, group=None, async_op=False, "
-           "group_src=None", "scatter", roles=(Role("out", "tensor"),), root="src",
-           root_first=True, method="scatter", plan=_scatter,
-           plan_args="out, root, tensor, scatter_list, async_op",
+           "group_src=None", "scatter", method="scatter", plan=_scatter,
            doc="Rank r receives ``scatter_list[r]`` of ``src`` into ``tensor``."),
     OpSpec("reduce_scatter", "output, input_list, op=_SUM, group=None, async_op=False",
-           "reduce_scatter", roles=(Role("out", "output", "output"),),
-           method="reduce_scatter", plan=_reduce_scatter,
-           plan_args="out, output, input_list, op, async_op",
+           "reduce_scatter", method="reduce_scatter", plan=_reduce_scatter,
            doc="Rank r's ``output`` gets the reduction over ranks of their ``input_list[r]``."),
     OpSpec("reduce_scatter_single", "output, input, op=_SUM, group=None, async_op=False",
            "reduce_scatter",
@@ -474,32 +497,21 @@ SPECS = {s.name: s for s in (
            doc="Rank r's ``output`` gets the reduction of slice r of every rank's ``input``."),
     OpSpec("all_to_all", "output_tensor_list, input_tensor_list, group=None, async_op=False",
            "all_to_all", method="all_to_all", plan=_all_to_all,
-           plan_args="output_tensor_list, input_tensor_list, async_op",
            doc="Rank r sends ``input_tensor_list[q]`` to rank q, which receives it in "
                "``output_tensor_list[r]``."),
     OpSpec("all_to_all_single", "output, input, output_split_sizes=None, input_split_sizes=None, "
-           "group=None, async_op=False", "all_to_all",
-           roles=(Role("inp", "input", "input"), Role("out", "output", "output")),
-           method="all_to_all", plan=_all_to_all_single,
-           plan_args="out, inp, output, input, output_split_sizes, input_split_sizes, async_op",
-           doc=DOC_ALL_TO_ALL_SINGLE),
+           "group=None, async_op=False", "all_to_all", method="all_to_all",
+           plan=_all_to_all_single, doc=DOC_ALL_TO_ALL_SINGLE),
     OpSpec("barrier", "group=None, async_op=False, device_ids=None, timeout=None", "barrier",
            fast=None, method="barrier", timeout=True,
            doc=DOC_BARRIER),
     # point to point: a Work for isend/irecv; send/recv wait, recv names the sender
     _p2p("isend", "isend", "isend", "dst", "Start sending ``tensor`` to ``dst``; returns a Work "
-         "(don't modify the tensor until it's done).",
-         result=("return Work(req, [tensor], pg)",)),
+         "(don't modify the tensor until it's done)."),
     _p2p("irecv", "irecv", "irecv", "src", "Start receiving into ``tensor`` from ``src`` (None: "
-         "any rank; ``Work.source_rank()`` names it).",
-         result=("return Work(req, [tensor], pg)",)),
+         "any rank; ``Work.source_rank()`` names it)."),
     _p2p("send", "send", "isend", "dst", DOC_SEND, blocking=True),
-    _p2p("recv", "recv", "irecv", "src", DOC_RECV, blocking=True, absent="-1",
-         result=("if src is None and group_src is None:",
-                 "    return pg.ranks[any_sender(pg, req)]",
-                 "if type(src) is int and group_src is None:",
-                 "    return src  # (a rank of the group: checked when it was posted)",
-                 "return pg.ranks[recv_peer(pg, src, group_src)]")),
+    _p2p("recv", "recv", "irecv", "src", DOC_RECV, blocking=True),
 )}
 
 
@@ -512,4 +524,4 @@ def add(*specs):
         SPECS[spec.name] = spec
 
 
-__all__ = ["OpSpec", "Role", "SPECS", "add", "any_sender", "recv_peer", "send_peer"]
+__all__ = ["OpSpec", "Role", "SPECS", "add", "any_sender", "call_args", "recv_peer", "send_peer"]

@@ -137,21 +137,89 @@ def test_no_exec_in_the_package():
     assert not found, found
 
 
+PROLOGUE = "if (pg := world.default if group is None else current(group)) is None:"
+
+
+def _code(stmts):
+    """The statements, as text, the docstring aside."""
+    if isinstance(stmts[0], ast.Expr) and isinstance(stmts[0].value, ast.Constant):
+        stmts = stmts[1:]
+    return [ast.unparse(st) for st in stmts]
+
+
 @pytest.mark.parametrize("name", sorted(opspec.SPECS))
 def test_the_free_function_resolves_the_group_then_runs_the_body(name):
+    """A collective with a one-call path (``pg.dispatch.call`` in its body) resolves the
+    group in place, no frame between it and the dispatcher: the prologue (barrier: the
+    group, its timeout, then the non-member's return, torch's order), then the body. A
+    point-to-point call is one call of ``_post`` (its one frame, which resolves the group
+    by the same rule; see below), every other entry one call of ``_in_group``, which
+    resolves it so and runs the plan with the call's arguments, ``group`` aside, in the
+    signature's order."""
     spec = opspec.SPECS[name]
     free, = ast.parse(gen.source(spec)).body
     assert free.name == name
-
-    def code(stmts):  # the statements, the docstring aside
-        if isinstance(stmts[0], ast.Expr) and isinstance(stmts[0].value, ast.Constant):
-            stmts = stmts[1:]
-        return [ast.unparse(st) for st in stmts]
-    want = code(ast.parse("def f():\n" + "\n".join("    " + ln for ln in gen.body(spec))).body[0].body)
-    free_code = code(free.body)
-    # the free function: the group resolved, then the same statements in the same order
+    want = _code(ast.parse("def f():\n" + "\n".join("    " + ln for ln in gen.body(spec))).body[0].body)
+    free_code = _code(free.body)
+    body_text = "\n".join(gen.body(spec))
+    one_call = "pg.dispatch.call(" in body_text or "_post(" in body_text
+    assert gen.one_call(spec) == one_call
+    assert gen.in_place(spec) == ("pg.dispatch.call(" in body_text)
+    absent = "return _absent(group)"
+    if spec.peer is not None:
+        call, = free_code
+        assert call == want[0] and call.startswith("return _post(group, ")
+        return
+    if not one_call:
+        params = [p.split("=")[0].strip() for p in spec.params.split(",")]
+        call, = free_code
+        assert call == want[0]
+        node = ast.parse(call).body[0].value
+        assert ast.unparse(node.func) == "_in_group"
+        assert [ast.unparse(a) for a in node.args[:2]] == ["group", gen.plan_name(spec)]
+        passed = [ast.unparse(a) for a in node.args[2:]]
+        assert [a for a in passed if a in params] == [p for p in params if p != "group"]
+        assert set(passed) - set(params) <= {name[:-len("_multigpu")]}  # (multigpu's run)
+        assert len(inspect.signature(spec.plan).parameters) == 1 + len(passed)
+        return
+    # the group resolved, then the same statements in the same order
     assert [st for st in free_code if st in want] == want
-    assert free_code[0] == "pg = world.default if group is None else current(group)"
+    if spec.timeout:
+        assert free_code[0] == "pg = world.default if group is None else current(group)"
+        assert free_code[1].startswith("if timeout is not None:")
+        assert free_code[2] == f"if pg is None:\n    {absent}"
+    else:
+        assert free_code[0] == ast.unparse(ast.parse(f"{PROLOGUE}\n    {absent}"))
+
+
+def test_in_group_and_post_resolve_the_group_as_the_prologue_does():
+    """``_in_group``: the entries' prologue, then the plan on the group; ``_post`` the same
+    prologue (torch's recv returns -1 on a rank outside the group). One rule, three places:
+    in place in the collectives with a one-call path, in these two for the others."""
+    fn, = ast.parse(inspect.getsource(opspec._in_group)).body
+    assert _code(fn.body) == [ast.unparse(ast.parse(f"{PROLOGUE}\n    return _absent(group)")),
+                              "return plan(pg, *args)"]
+    post, = ast.parse(gen.post_source(opspec.SPECS["recv"])).body
+    assert _code(post.body)[0] == ast.unparse(ast.parse(
+        f"{PROLOGUE}\n    return _absent(group, -1 if wait and rule is recv_peer else None)"))
+    outside = dist.GroupMember.NON_GROUP_MEMBER
+    x = np.zeros(1, np.float32)
+    assert [f(x, 0, group=outside) for f in (dist.isend, dist.irecv, dist.send, dist.recv)] == \
+        [None, None, None, -1]
+    def plan(pg, *args):
+        ran.append((pg, args))
+        return "ran"
+    ran = []
+    with pytest.raises(ValueError, match="init_process_group"):  # before init
+        opspec._in_group(None, plan, 1)
+    assert opspec._in_group(dist.GroupMember.NON_GROUP_MEMBER, plan, 1) is None and not ran
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        assert opspec._in_group(None, plan, 1, 2) == "ran"
+        assert opspec._in_group(dist.group.WORLD, plan) == "ran"
+        assert ran == [(dist.group.WORLD, (1, 2)), (dist.group.WORLD, ())]
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", sorted(opspec.SPECS))
@@ -341,18 +409,19 @@ def test_a_p2p_entry_posts_the_backends_call_through_the_dispatcher(name):
     assert spec.kind == name and spec.blocking == (name in ("send", "recv"))
     assert spec.peer == ("dst" if spec.method == "isend" else "src")
     assert spec.record == ("buf", "peer", "tag")
-    body = gen.body(spec)
     rule = f"{'send' if spec.peer == 'dst' else 'recv'}_peer"
-    post = [ln for ln in body if "_post(" in ln]
-    assert post == [f"req = _post(pg, {name!r}, pg.backend.{spec.method}, tensor, {spec.peer}, "
-                    f"group_{spec.peer}, tag, {rule})"]
-    assert ("req.wait()" in body) == spec.blocking
-    # _post resolves the peer (refused when it is this rank, by the rule), checks the tag
-    # and the tensor, then posts through the dispatcher, in that order
+    assert gen.body(spec) == [f"return _post(group, {name!r}, tensor, {spec.peer}, "
+                              f"group_{spec.peer}, tag, {rule}, {spec.blocking})"]
+    # _post resolves the group, then the peer (refused when it is this rank, by the rule),
+    # checks the tag and the tensor, posts the backend's isend (a send's rule) or irecv
+    # through the dispatcher, then waits where it is told to, in that order
     shared = gen.post_source(spec).splitlines()
     order = [next(i for i, ln in enumerate(shared) if what in ln)
-             for what in ("peer = rule(pg, arg, group_arg)", "check_tag(tag)",
-                          "buf = buffer(tensor)", "return pg.dispatch.post(kind, fn, buf, peer, tag)")]
+             for what in (PROLOGUE, "peer = rule(pg, arg, group_arg)", "check_tag(tag)",
+                          "buf = buffer(tensor)",
+                          "fn = pg.backend.isend if rule is send_peer else pg.backend.irecv",
+                          "req = pg.dispatch.post(kind, fn, buf, peer, tag)", "if not wait:",
+                          "req.wait()")]
     assert order == sorted(order)
 
 
@@ -366,7 +435,7 @@ def test_a_multigpu_entry_runs_its_single_tensor_entry(name):
     assert spec.plan_args.split(", ")[-1] == single
     assert list(inspect.signature(spec.plan).parameters)[-1] == "run"
     assert re.search(r"\brun\([^()]*, group=pg\)", inspect.getsource(spec.plan))
-    assert gen.body(spec)[-1].startswith(f"return {gen.plan_name(spec)}(pg, ")
+    assert gen.body(spec) == [f"return _in_group(group, {gen.plan_name(spec)}, {spec.plan_args})"]
 
 
 def test_the_recorder_and_the_profiler_are_handled_in_the_dispatcher_only():
