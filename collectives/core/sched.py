@@ -54,15 +54,9 @@ def _syscalls():
     return _libc, calls[0], calls[1]
 
 
-def short_slice(us=None):
-    """Ask the kernel for a slice of ``us`` microseconds (default
-    ``COLLECTIVES_PROGRESS_SLICE_US``) for the calling thread, keeping its policy and nice
-    value. Returns the slice the thread now has in microseconds, or None where it was not
-    set (turned off, no such call, or the kernel refused)."""
-    if us is None:
-        us = config.get("COLLECTIVES_PROGRESS_SLICE_US")
-    if not us:
-        return None
+def _attr():
+    """(libc, setattr number, the calling thread's sched_attr), or None where it cannot be
+    read."""
     sc = _syscalls()
     if sc is None:
         return None
@@ -70,6 +64,20 @@ def short_slice(us=None):
     attr = _Attr()
     if libc.syscall(getattr_nr, 0, ctypes.byref(attr), ctypes.sizeof(_Attr), 0) != 0:
         return None
+    return libc, setattr_nr, attr
+
+
+def short_slice(us=None):
+    """Ask the kernel for a slice of ``us`` microseconds (default
+    ``COLLECTIVES_PROGRESS_SLICE_US``) for the calling thread, keeping its policy and nice
+    value. Returns the slice the thread now has in microseconds, or None where it was not
+    set (turned off, no such call, or the kernel refused)."""
+    if us is None:
+        us = config.get("COLLECTIVES_PROGRESS_SLICE_US")
+    got = _attr() if us else None
+    if got is None:
+        return None
+    libc, setattr_nr, attr = got
     if attr.sched_policy not in (os.SCHED_OTHER, os.SCHED_BATCH):
         return None  # a real-time or deadline thread has no fair slice to shorten
     attr.size = ctypes.sizeof(_Attr)
@@ -84,14 +92,8 @@ def current_slice():
     """The calling thread's slice in microseconds as the kernel reports it (the kernel's
     default where none was asked for; 0 on kernels before 6.12), or None where it cannot
     tell."""
-    sc = _syscalls()
-    if sc is None:
-        return None
-    libc, _set, getattr_nr = sc
-    attr = _Attr()
-    if libc.syscall(getattr_nr, 0, ctypes.byref(attr), ctypes.sizeof(_Attr), 0) != 0:
-        return None
-    return attr.sched_runtime // 1000
+    got = _attr()
+    return None if got is None else got[2].sched_runtime // 1000
 
 
 __all__ = ["current_slice", "short_slice"]
