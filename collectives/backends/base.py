@@ -28,6 +28,7 @@ import collections
 import threading
 from _thread import allocate_lock as _allocate_lock
 
+from .. import config
 from ..core.errors import DistBackendError, DistError
 from ..core.sched import short_slice
 from ..core.work import Counter
@@ -297,13 +298,16 @@ class Backend:
     def submit(self, fn, *args):
         """Run ``fn(*args)`` on the progress thread after every earlier submission."""
         req = FutureRequest(f"{self.name} {getattr(fn, '__name__', 'operation')}", self.timeout)
+        # the progress thread's slice, read here so that a bad value raises in the caller
+        slice_us = config.get("COLLECTIVES_PROGRESS_SLICE_US") if self._thread is None else None
         with self._cv:
             if self._closed:
                 raise DistBackendError(f"{self.name} backend is shut down")
             self._queue.append((fn, args, req))
             self.pending.n += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._progress, daemon=True,
+                self._thread = threading.Thread(target=self._progress, args=(slice_us,),
+                                                daemon=True,
                                                 name=f"collectives-{self.name}-progress")
                 self._thread.start()
             self._cv.notify()
@@ -339,8 +343,8 @@ class Backend:
                 self._cv.wait()
             return self._queue.popleft() if self._queue else None
 
-    def _progress(self):
-        short_slice()  # woken by a post or a peer, run at once (see core/sched.py)
+    def _progress(self, slice_us=None):
+        short_slice(slice_us or 0)  # woken by a post or a peer, run at once (core/sched.py)
         while True:
             item = self._take_queued()
             if item is None:

@@ -71,9 +71,14 @@ def short_slice(us=None):
     """Ask the kernel for a slice of ``us`` microseconds (default
     ``COLLECTIVES_PROGRESS_SLICE_US``) for the calling thread, keeping its policy and nice
     value. Returns the slice the thread now has in microseconds, or None where it was not
-    set (turned off, no such call, or the kernel refused)."""
+    set (turned off, no such call, or the kernel refused). It never raises: a thread that
+    reads a setting which does not parse keeps its slice (the backends read the setting in
+    the caller's thread first, where the ValueError reaches the program)."""
     if us is None:
-        us = config.get("COLLECTIVES_PROGRESS_SLICE_US")
+        try:
+            us = config.get("COLLECTIVES_PROGRESS_SLICE_US")
+        except ValueError:
+            return None
     got = _attr() if us else None
     if got is None:
         return None

@@ -70,6 +70,18 @@ def test_a_backends_progress_thread_takes_the_configured_slice(monkeypatch):
         assert seen[-1] == (want if want is not None else default)
 
 
+def test_a_setting_that_does_not_parse_raises_in_the_caller(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_PROGRESS_SLICE_US", "fast")
+    b = Backend(None, 0, 1, 30.0)
+    try:
+        with pytest.raises(ValueError, match="COLLECTIVES_PROGRESS_SLICE_US"):
+            b.submit(lambda: None)
+        assert b.pending.n == 0 and b._thread is None  # nothing queued for no thread
+    finally:
+        b.shutdown()
+    assert _in_thread(sched.short_slice) is None  # a thread reading it keeps its slice
+
+
 def test_elsewhere_it_changes_nothing(monkeypatch):
     monkeypatch.setattr(sched, "_syscalls", lambda: None)
     assert sched.short_slice(100) is None
