@@ -243,4 +243,4 @@ def disjoint_gather(Buffer out not None, Buffer inp not None, Py_ssize_t size):
     cdef size_t onb = <size_t>out.count * out.itemsize, inb = <size_t>inp.count * inp.itemsize
     if out.dtype != inp.dtype or out.count != inp.count * size:
         return False
-    return inb == 0 or out.ptr >= inp.ptr + inb or inp.ptr >= out.ptr + onb
+    return inb == 0 or onb == 0 or out.ptr >= inp.ptr + inb or inp.ptr >= out.ptr + onb

@@ -238,6 +238,14 @@ def test_disjoint_gather_is_the_same(case, size, other_dtype):
         bool(tensors._py_disjoint_gather(out, inp, size))
 
 
+def test_an_empty_output_inside_the_inputs_bytes_shares_none_of_them():
+    arr = np.zeros(2, np.float16)
+    inp = tensors.to_buffer(arr)
+    out = _buffer.Buffer(inp.ptr + 2, 0, inp.dtype, -1, arr)  # zero bytes, inside inp's four
+    assert _buffer.disjoint_gather(out, inp, 0) and tensors._py_disjoint_gather(out, inp, 0)
+    assert not _buffer.disjoint_gather(inp, inp, 1)  # (and a buffer overlaps itself)
+
+
 # ---- Counter, CallRing ------------------------------------------------------------------------
 @SETTINGS
 @given(values=st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=5))
