@@ -7,13 +7,12 @@ call (``collectives.NAME``), and the one the ProcessGroup methods call with ``gr
 the long docstrings are :mod:`collectives.api.opdocs`' texts, set at the end.
 """
 from . import multigpu as _multigpu
-from .opspec import SPECS as _SPECS, _absent, _in_group, any_sender, recv_peer, send_peer
-from ..core.args import TAG_LIMIT, check_tag
+from .opspec import SPECS as _SPECS, _absent, _in_group, _post, recv_peer, send_peer
 from ..core.dtypes import SUM as _SUM_CODE
 from ..core.convert import buffer, check_devices
 from ..core.tensors import disjoint_gather
 from ..core.reduce_op import ReduceOp
-from ..core.work import Work, timeout_seconds
+from ..core.work import timeout_seconds
 from ..core.world import current, world
 from .opspec import (_all_reduce as _plan_all_reduce,
                      _all_reduce_coalesced as _plan_all_reduce_coalesced, _reduce as _plan_reduce,
@@ -32,31 +31,6 @@ _plan_all_gather_multigpu = _multigpu._all_gather
 _plan_reduce_scatter_multigpu = _multigpu._reduce_scatter
 
 _SUM = ReduceOp.SUM
-
-
-def _post(group, kind, tensor, arg, group_arg, tag, rule, wait):
-    """Point-to-point call ``kind`` of ``tensor`` on ``group``, the peer named by ``arg`` or
-    ``group_arg`` (``rule``: send_peer or recv_peer), the tag and the tensor checked: a Work;
-    waited for (``wait``): None for a send, the sender's global rank for a receive (-1 on
-    a rank outside the group, torch's recv)."""
-    if (pg := world.default if group is None else current(group)) is None:
-        return _absent(group, -1 if wait and rule is recv_peer else None)
-    peer = pg.group_of_global.get(arg) if type(arg) is int and group_arg is None else None
-    if peer is None or peer == pg._rank:
-        peer = rule(pg, arg, group_arg)
-    if type(tag) is not int or not 0 <= tag < TAG_LIMIT:
-        check_tag(tag)
-    buf = buffer(tensor)
-    if buf.device != -1:
-        check_devices(pg, (buf,), 'tensor')
-    fn = pg.backend.isend if rule is send_peer else pg.backend.irecv
-    req = pg.dispatch.post(kind, fn, buf, peer, tag)
-    if not wait:
-        return Work(req, [tensor], pg)
-    req.wait()
-    if rule is send_peer:
-        return None
-    return pg.ranks[any_sender(pg, req) if peer is None else peer]
 
 
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):

@@ -12,7 +12,7 @@ that is one backend call (:func:`in_place`: all_reduce, broadcast, barrier...) r
 the group, then runs the body, written in place rather than called, so its common call
 (``dist.all_reduce(t)``) has one Python frame and goes straight to the group's dispatcher
 (``pg.dispatch.call``: :mod:`collectives.api.group_dispatcher`). A point-to-point call is
-one call of the module's ``_post`` (:func:`post_source`), which resolves the group by the
+one call of :func:`~collectives.api.opspec._post`, which resolves the group by the
 same rule, posts and, for send and recv, waits. The others (gather, all_to_all, the
 ``*_multigpu`` calls...) are one statement,
 ``return _in_group(group, plan, args...)``: :func:`~collectives.api.opspec._in_group`
@@ -60,42 +60,6 @@ def _devices(spec, pad=""):
     bufs, label = spec.devices
     return [pad + f"if {' or '.join(f'{b}.device != -1' for b in bufs)}:",
             pad + f"    check_devices(pg, ({', '.join(bufs)},), {label!r})"]
-
-
-def post_source(spec):
-    """The text of ``_post``, which runs a point-to-point call on the group ``group`` names,
-    resolved as the collectives' prologue does: its peer (``arg``, a global rank, or
-    ``group_arg``, resolved in full by ``rule``: the send's or the receive's), its tag, its
-    buffer, then the post of the backend's isend or irecv; a Work, or (``wait``) the wait
-    and the result. Every point-to-point call is one call of it, its one Python frame
-    (written from ``spec``, one of them)."""
-    buf, peer, tag = spec.record
-    lines = ["if (pg := world.default if group is None else current(group)) is None:",
-             "    return _absent(group, -1 if wait and rule is recv_peer else None)",
-             "peer = pg.group_of_global.get(arg) if type(arg) is int and group_arg is None "
-             "else None",
-             "if peer is None or peer == pg._rank:",
-             "    peer = rule(pg, arg, group_arg)",
-             "if type(tag) is not int or not 0 <= tag < TAG_LIMIT:",
-             "    check_tag(tag)",  # (the rule; the test above only spares the call)
-             *[_role(r) for r in spec.roles], *_devices(spec),
-             "fn = pg.backend.isend if rule is send_peer else pg.backend.irecv",
-             f"req = pg.dispatch.post(kind, fn, {buf}, {peer}, {tag})",
-             "if not wait:",
-             "    return Work(req, [tensor], pg)",
-             "req.wait()",
-             "if rule is send_peer:",
-             "    return None",
-             "return pg.ranks[any_sender(pg, req) if peer is None else peer]"]
-    head = ("def _post(group, kind, tensor, arg, group_arg, tag, rule, wait):\n"
-            '    """Point-to-point call ``kind`` of ``tensor`` on ``group``, the peer named by '
-            '``arg`` or\n'
-            '    ``group_arg`` (``rule``: send_peer or recv_peer), the tag and the tensor '
-            'checked: a Work;\n'
-            '    waited for (``wait``): None for a send, the sender\'s global rank for a '
-            'receive (-1 on\n'
-            '    a rank outside the group, torch\'s recv)."""')
-    return head + "\n" + "\n".join(w for ln in lines for w in _wrap("    " + ln))
 
 
 def _p2p_body(spec):
@@ -238,13 +202,12 @@ call (``collectives.NAME``), and the one the ProcessGroup methods call with ``gr
 the long docstrings are :mod:`collectives.api.opdocs`' texts, set at the end.
 """
 from . import multigpu as _multigpu
-from .opspec import SPECS as _SPECS, _absent, _in_group, any_sender, recv_peer, send_peer
-from ..core.args import TAG_LIMIT, check_tag
+from .opspec import SPECS as _SPECS, _absent, _in_group, _post, recv_peer, send_peer
 from ..core.dtypes import SUM as _SUM_CODE
 from ..core.convert import {convert}
 from ..core.tensors import disjoint_gather
 from ..core.reduce_op import ReduceOp
-from ..core.work import Work, timeout_seconds
+from ..core.work import timeout_seconds
 from ..core.world import current, world
 '''
 
@@ -272,9 +235,6 @@ def module_text():
     convert = "buffer, buffers, check_devices" if lists else "buffer, check_devices"
     parts = [_HEADER.format(convert=convert).rstrip("\n"), *_plan_imports(), "",
              "_SUM = ReduceOp.SUM", ""]
-    p2p = [spec for spec in SPECS.values() if spec.peer is not None]
-    if p2p:
-        parts += ["", post_source(p2p[0]), ""]
     for spec in SPECS.values():
         parts += ["", source(spec), ""]
     docs = long_docs()

@@ -49,6 +49,8 @@ from ..core.reduction import reduce_plan, scale
 from ..core.staging import (contiguous_span, copy_into, copy_of, needs_own_copy, separate_blocks,
                             stage, unstage)
 from ..core.tensors import overlaps
+from ..core.args import TAG_LIMIT, check_tag
+from ..core.work import Work
 from ..core.world import NOT_INITIALIZED, current, world
 from ..core.reduce_op import ReduceOp
 from ..core.tensors import Buffer
@@ -97,6 +99,34 @@ def recv_peer(pg, src, group_src):
         raise ValueError("Invalid source rank: source rank should not be the same as "
                          "the rank of the current process.")
     return peer
+
+
+def _post(group, kind, tensor, arg, group_arg, tag, rule, wait):
+    """Point-to-point call ``kind`` of ``tensor`` on the group ``group`` names (resolved as
+    the collectives' prologue does), the peer named by ``arg`` (a global rank: one dict
+    lookup) or ``group_arg`` (resolved in full by ``rule``: :func:`send_peer` or
+    :func:`recv_peer`), the tag and the tensor checked, then the backend's isend or irecv
+    posted through the dispatcher: a Work; waited for (``wait``): None for a send, the
+    sender's global rank for a receive (-1 on a rank outside the group, torch's recv).
+    Every generated point-to-point call is one call of it, its one Python frame."""
+    if (pg := world.default if group is None else current(group)) is None:
+        return _absent(group, -1 if wait and rule is recv_peer else None)
+    peer = pg.group_of_global.get(arg) if type(arg) is int and group_arg is None else None
+    if peer is None or peer == pg._rank:
+        peer = rule(pg, arg, group_arg)
+    if type(tag) is not int or not 0 <= tag < TAG_LIMIT:
+        check_tag(tag)  # (the rule; the test above only spares the call)
+    buf = buffer(tensor)
+    if buf.device != -1:
+        check_devices(pg, (buf,), 'tensor')
+    fn = pg.backend.isend if rule is send_peer else pg.backend.irecv
+    req = pg.dispatch.post(kind, fn, buf, peer, tag)
+    if not wait:
+        return Work(req, [tensor], pg)
+    req.wait()
+    if rule is send_peer:
+        return None
+    return pg.ranks[any_sender(pg, req) if peer is None else peer]
 
 
 def any_sender(pg, req):
