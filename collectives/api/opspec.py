@@ -436,7 +436,7 @@ class OpSpec:
     A point-to-point call names its ``peer`` argument ("dst": a send's, "src": a
     receive's, which may be any rank) and posts the backend's ``method`` (isend, irecv)
     through the group's dispatcher (``pg.dispatch.post``), which records it under
-    ``kind`` with ``record`` (the buffer, the peer, the tag); a ``blocking`` one waits for
+    ``kind`` with the buffer, the peer and the tag (:func:`_post`); a ``blocking`` one waits for
     it and returns None (a send) or the sender's global rank (a receive; -1 on a rank
     outside the group), the others a Work. ``fingerprint`` names the backend's kind where
     it differs from ``method``."""
@@ -463,11 +463,11 @@ class OpSpec:
 
 
 def _p2p(name, kind, method, peer, doc, *, blocking=False):
-    """A point-to-point call's entry: one buffer, its peer, the backend's isend or irecv."""
+    """A point-to-point call's entry: one buffer, its peer, the backend's isend or irecv.
+    It names no roles, fast path, record or outputs: :func:`_post` checks the buffer and
+    has the dispatcher record it with the peer and the tag, the same for all four."""
     return OpSpec(name, f"tensor, {peer}=None, group=None, tag=0, group_{peer}=None", kind,
-                  roles=(Role("buf", "tensor"),), fast=None, devices=(("buf",), "tensor"),
-                  method=method, record=("buf", "peer", "tag"), outputs="[tensor]", peer=peer,
-                  blocking=blocking,
+                  method=method, peer=peer, blocking=blocking,
                   fingerprint="send" if method == "isend" else "recv", doc=doc)
 
 

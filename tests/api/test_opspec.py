@@ -235,13 +235,13 @@ def test_the_table_names_backend_methods_and_recorded_kinds(name):
                          "all_gather", "all_gather_coalesced", "gather", "scatter",
                          "reduce_scatter", "all_to_all", "barrier",
                          "isend", "irecv", "send", "recv"}
-    if spec.peer is not None:  # point to point: the p2p checks below
-        assert spec.record == ("buf", "peer", "tag")
+    if spec.peer is not None:  # point to point: _post does it all (the p2p checks below)
+        assert (spec.roles, spec.fast, spec.plan) == ((), False, None)
     elif spec.fast is not False:  # one backend call: what the recorder takes is named
         buf, root, op = spec.record
         assert buf == "None" or buf in {r.var for r in spec.roles}
         assert root in ("-1", "root") and op in ("-1", "_SUM_CODE")
-    assert spec.plan is not None or spec.fast is None  # some path for every call
+    assert spec.plan is not None or spec.fast is None or spec.peer is not None  # some path
 
 
 def test_a_traceback_shows_the_generated_source():
@@ -411,7 +411,6 @@ def test_a_p2p_entry_posts_the_backends_call_through_the_dispatcher(name):
     assert KIND_NAMES[spec.fingerprint] == spec.method[1:]  # send, recv
     assert spec.kind == name and spec.blocking == (name in ("send", "recv"))
     assert spec.peer == ("dst" if spec.method == "isend" else "src")
-    assert spec.record == ("buf", "peer", "tag")
     rule = f"{'send' if spec.peer == 'dst' else 'recv'}_peer"
     assert gen.body(spec) == [f"return _post(group, {name!r}, tensor, {spec.peer}, "
                               f"group_{spec.peer}, tag, {rule}, {spec.blocking})"]
