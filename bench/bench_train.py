@@ -42,9 +42,13 @@ data, blocks of ``--block`` steps alternating with the real thing:
   copies in and out of FSDP's buffers, no communication.
 
 The first ``--early`` steps of each wrapped model are reported on their own (``first``):
-they include collectives' measured algorithm choices (the trials of the first calls of
-each size class, src/shm/shm_tune.c) and DDP's bucket rebuild. Then ``--steps`` steps of
-each, alternating in blocks; medians of those are the ``steady`` figures.
+they include DDP's bucket rebuild (after the first step) and collectives' first round of
+measured algorithm choices for each bucket's size class
+(collectives/engines/shm/shm_tune.c: calls 2-10 of a class are its trials, the 11th
+publishes the times and the 12th decides), hence 15 by default: with fewer, the steady
+window starts inside that round and times the slower arms' trials as steady steps. Then
+``--steps`` steps of each, alternating in blocks; medians of those are the ``steady``
+figures (they include the later rounds, 16, 32, 64... calls apart, as a long run does).
 
 ``--timeline FILE`` sets ``COLLECTIVES_TIMELINE=1`` for the collectives launches: rank 0
 records, per step, when the backward pass began and ended and, for every bucket's
@@ -415,7 +419,8 @@ def main(argv=None):
     ap.add_argument("--threads", default="1,auto",
                     help="torch intra-op threads per rank, commas: a number or auto (cores/world)")
     ap.add_argument("--steps", type=int, default=20, help="steady steps of each (real and floor)")
-    ap.add_argument("--early", type=int, default=10, help="first steps, reported on their own")
+    ap.add_argument("--early", type=int, default=15,
+                    help="first steps, reported on their own (past the first round of trials)")
     ap.add_argument("--block", type=int, default=5, help="steps in a row before alternating")
     ap.add_argument("--tfm-batch", type=int, default=2)
     ap.add_argument("--tfm-seq", type=int, default=32)
