@@ -238,12 +238,19 @@ def _case(td, a, impl, name, kind, fake, timeline):
     return res
 
 
+#: calls before timing a size class alone: past its first round of trials (the 12th call decides)
+WARM_CALLS = 13
+
+
 def _timed_all_reduce(td, pg, numel, reps):
     """Median ms of ``reps`` all_reduces of ``numel`` float32 on ``pg``, nothing else running
-    (the communication's time alone, for the bound ``floor + this``)."""
+    (the communication's time alone, for the bound ``floor + this``), after ``WARM_CALLS``
+    calls: the whole gradient is a size class of its own, whose first round of trials
+    (collectives/engines/shm/shm_tune.c) would otherwise be timed."""
     import torch
     t = torch.ones(numel)
-    td.all_reduce(t, group=pg)
+    for _ in range(WARM_CALLS):
+        td.all_reduce(t, group=pg)
     out = []
     for _ in range(reps):
         td.barrier()
