@@ -72,6 +72,34 @@ def shutdown():
     rt.close()
 
 
+def _here(text):
+    """A ``g<g>/here`` value's [(arrival, uid)], in the order they were appended."""
+    out = []
+    for line in text.decode().splitlines():
+        a, _, uid = line.partition(" ")
+        if uid:
+            out.append((int(a), uid))
+    return out
+
+
+def job_status(store, job):
+    """The job as a watcher outside its processes sees it on ``store`` (a launcher whose
+    ranks are all gone while the others may go on): "done" once a process finished it,
+    "running" while a member of its latest generation, or a process that came to the next,
+    holds its lease, and "gone" when none does (its state went with them)."""
+    prefix = f"elastic/{job}/"
+    if store.check([prefix + "done"]):
+        return "done"
+    g = int(store.get(prefix + "latest")) if store.check([prefix + "latest"]) else -1
+    uids = []
+    if g >= 0 and store.check([prefix + f"gen/{g}"]):
+        uids += json.loads(store.get(prefix + f"gen/{g}"))["members"]
+    if store.check([prefix + f"g{g + 1}/here"]):
+        uids += [u for _, u in _here(store.get(prefix + f"g{g + 1}/here"))]
+    alive = any(store.check([prefix + f"alive/{u}"]) for u in uids)
+    return "running" if alive else "gone"
+
+
 def _connect(address, timeout):
     from .failover import FailoverStore, parse_addresses
     return FailoverStore(parse_addresses(address), timeout)
@@ -231,11 +259,10 @@ class Runtime:
         if not self._check(f"g{g}/here"):
             return []
         seen, out = set(), []
-        for line in self.store.get(self._k(f"g{g}/here")).decode().splitlines():
-            a, _, uid = line.partition(" ")
-            if uid and uid not in seen:
+        for a, uid in _here(self.store.get(self._k(f"g{g}/here"))):
+            if uid not in seen:
                 seen.add(uid)
-                out.append((int(a), uid))
+                out.append((a, uid))
         return out
 
     # -- deciding a generation ------------------------------------------------------------

@@ -293,6 +293,10 @@ class Config:
         self.rank_base = sum(nprocs[:node_rank])
         self.world_size = sum(nprocs)
 
+    def elastic_store(self):
+        """The elastic job's store as its ranks get it: host:port[,host:port...]."""
+        return self.store_list or f"{self.store_host}:{self.store_port}"
+
     def env(self, local_rank, restart):
         rank = self.rank_base + local_rank
         env = dict(os.environ)
@@ -309,7 +313,7 @@ class Config:
         })
         if self.elastic:
             env.update({
-                "COLLECTIVES_ELASTIC_STORE": self.store_list or f"{self.store_host}:{self.store_port}",
+                "COLLECTIVES_ELASTIC_STORE": self.elastic_store(),
                 "COLLECTIVES_ELASTIC_JOB": self.run_id,
                 "COLLECTIVES_ELASTIC_MIN_NP": str(self.min_np),
             })

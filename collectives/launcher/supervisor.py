@@ -15,6 +15,9 @@ from .output import Sink, Stream
 from .ports import free_port
 from .reaper import Reaper
 
+WATCH_S = 0.5  # seconds between looks at the elastic job, once this launcher's ranks are gone
+GONE_GRACE = 5.0  # seconds no member may hold a lease before the job counts as gone
+
 
 @dataclass(eq=False)
 class Rank:
@@ -232,6 +235,42 @@ class Launcher:
             for r in running:
                 _signal_group(r, signal.SIGKILL)
 
+    def _job_finishes(self):
+        """Every rank here died and none may replace them, while the others may go on:
+        wait for the job's end, with this launcher's store still served (they may fail over
+        to it). True once a rank finishes the job; False when none of its members is alive
+        for GONE_GRACE s (just after a move to a successor store the survivors lease again
+        there), when no store answers, or on a signal."""
+        from ..core.errors import DistError
+        from ..elastic.failover import FailoverStore
+        from ..elastic.runtime import job_status
+        cfg = self.cfg
+        self.note("every rank of this launcher is gone; waiting for the job's other ranks"
+                  + (" (the store is still served here)" if cfg.serve_store else ""))
+        try:
+            client = FailoverStore(cfg.elastic_store(), 30.0, cfg.auth_key)
+        except (DistError, OSError):
+            return False
+        gone_since = None
+        try:
+            while self.signal_received is None:
+                state = job_status(client, cfg.run_id)
+                if state == "done":
+                    return True
+                now = time.monotonic()
+                if state == "running":
+                    gone_since = None
+                elif gone_since is None:
+                    gone_since = now
+                elif now - gone_since >= GONE_GRACE:
+                    return False
+                time.sleep(WATCH_S)
+        except (DistError, OSError):
+            return False
+        finally:
+            client.close()
+        return False
+
     def _end(self, ranks, pipes):
         """Close the ranks' pipes and leave no grandchild behind."""
         pipes.close()
@@ -439,6 +478,11 @@ class Launcher:
         last = [r for r in ranks if r not in failures]
         if ok and all(r.returncode == 0 for r in last):
             return 0
+        if not last and self._job_finishes():
+            self.note(f"the job finished without this launcher's {len(ranks)} rank(s)")
+            return 0
+        if self.signal_received is not None:
+            return 128 + self.signal_received
         bad = [r for r in last if r.returncode != 0] or failures
         self.summary(bad, (bad[0].ended or time.monotonic()) - t0)
         return self._exit_code(bad[0])

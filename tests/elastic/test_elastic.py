@@ -340,6 +340,78 @@ def test_the_store_moves_to_its_successor_when_the_first_launcher_dies(tmp_path)
         assert r["w"] == ref and r["world"] == 2 and r["step"] == STEPS
 
 
+def _children(pid):
+    """The pids of ``pid``'s children (every thread's)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
+def _generations(out):
+    path = os.path.join(out, "members.log")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _wait_for(pred, what, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.mark.timeout(150)
+def test_a_launcher_whose_ranks_died_keeps_serving_the_successor_store(tmp_path):
+    """Three launchers of one job, one rank each: the first serves the store, the second
+    its successor. The second's rank dies: its launcher keeps serving, and waits for the
+    job. Then the first launcher dies with the primary: the third's rank moves to the
+    second's store, trains on alone and ends with the reference's bits; the second
+    launcher then ends with 0 (the job finished without its rank)."""
+    from tests.support.ranks import free_port
+    p1, p2 = free_port(), free_port()
+    steps = 200
+    env = job_env(None, tmp_path, ELASTIC_STEPS=steps, ELASTIC_STEP_SLEEP=0.1,
+                  COLLECTIVES_AUTH_KEY=KEY, COLLECTIVES_ELASTIC_NP=3)
+    args = [sys.executable, "-m", "collectives.run", "--nproc-per-node", "1", "--min-np", "1",
+            "--rdzv-endpoint", f"127.0.0.1:{p1},127.0.0.1:{p2}", "-m", "tests.elastic.programs"]
+    launchers = []
+    try:
+        for _ in range(3):
+            launchers.append(subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE))
+            time.sleep(1.0)  # the first serves the primary, the second the successor
+        a, b, c = launchers
+        _wait_for(lambda: len([m for m in _generations(tmp_path) if m["gen"] == 0]) == 3,
+                  "generation 0 of 3", 60)
+        b_rank, = {m["pid"] for m in _generations(tmp_path)} & set(_children(b.pid))
+        os.kill(b_rank, signal.SIGKILL)
+        _wait_for(lambda: any(m["world"] == 2 for m in _generations(tmp_path)),
+                  "a generation of 2", 60)
+        a.kill()  # the primary store goes, and the first launcher's rank with it
+        a.wait(10)
+        out_c, err_c = c.communicate(timeout=90)
+        out_b, err_b = b.communicate(timeout=30)
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert c.returncode == 0, err_c.decode()[-3000:]
+    assert b.returncode == 0, err_b.decode()[-3000:]
+    assert "the job finished without this launcher's 1 rank(s)" in err_b.decode()
+    res = results(tmp_path)
+    assert len(res) == 1, err_c.decode()[-3000:]
+    r, = res.values()
+    assert r["world"] == 1 and r["step"] == steps  # it trained on alone, past the primary
+    assert r["w"] == reference(steps).tobytes().hex()
+
+
 def test_failover_store_moves_to_the_successor_once_and_only_forward():
     """A client of host:port,host:port moves to the successor when the primary's server
     is gone (its connections closed, new ones refused), runs its owner's callback there,
