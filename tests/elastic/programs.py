@@ -30,6 +30,28 @@ def reference(steps):
     return w
 
 
+def members_log(out):
+    """The lines the programs append to ``out``/members.log (one per process and
+    generation: gen, rank, world, pid, host, t), as dicts."""
+    path = os.path.join(out, "members.log")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def wait_until(pred, what, timeout=60):
+    """``pred()``'s first true value, looked at every 0.1 s; AssertionError after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def _kill_now():
     os.kill(os.getpid(), signal.SIGKILL)
 

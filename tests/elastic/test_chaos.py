@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.elastic.programs import reference
+from tests.elastic.programs import members_log, reference, wait_until
 from tests.support.ranks import ROOT
 from tests.support.requires import needs_gloo
 
@@ -38,24 +38,6 @@ def _lab():
     if why:
         pytest.skip(why)
     return netlab
-
-
-def _members(out):
-    path = os.path.join(out, "members.log")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _wait(pred, what, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _alive(pid):
@@ -109,18 +91,18 @@ def _chaos(lab, launchers, launcher, out, rng):
     launchers.append(launcher(0, 2))
     time.sleep(1.0)  # host 0 serves the primary store
     launchers.extend(launcher(i, 2) for i in (1, 2, 3))
-    first = _wait(lambda: [m for m in _members(out) if m["gen"] == 0] if len(
-        [m for m in _members(out) if m["gen"] == 0]) == 8 else None, "generation 0 of 8", 120)
+    first = wait_until(lambda: [m for m in members_log(out) if m["gen"] == 0] if len(
+        [m for m in members_log(out) if m["gen"] == 0]) == 8 else None, "generation 0 of 8", 120)
     started = {m["pid"]: m["host"] for m in first}
     dead = set()
 
     def next_gen(after):
-        return _wait(lambda: max((m["gen"] for m in _members(out)), default=-1) > after
-                     and max(m["gen"] for m in _members(out)), f"a generation after {after}")
+        return wait_until(lambda: max((m["gen"] for m in members_log(out)), default=-1) > after
+                          and max(m["gen"] for m in members_log(out)), f"a generation after {after}")
 
     def current():
-        gen = max(m["gen"] for m in _members(out))
-        return gen, [m for m in _members(out) if m["gen"] == gen]
+        gen = max(m["gen"] for m in members_log(out))
+        return gen, [m for m in members_log(out) if m["gen"] == gen]
 
     # 1. the current rank 0
     gen, members = current()
@@ -134,7 +116,7 @@ def _chaos(lab, launchers, launcher, out, rng):
     for pid, host in started.items():
         if host == host0:
             dead.add(pid)
-    _wait(lambda: not any(_alive(p) for p in dead), "host 0's ranks to die", 30)
+    wait_until(lambda: not any(_alive(p) for p in dead), "host 0's ranks to die", 30)
     gen = next_gen(gen)
     # 3. more ranks elsewhere until four are dead
     while len(dead) < 4:

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from collectives.store import TCPStore
-from tests.elastic.programs import reference
+from tests.elastic.programs import members_log, reference, wait_until
 from tests.support.ranks import ROOT
 from tests.support.requires import needs_gloo
 
@@ -349,23 +349,6 @@ def _children(pid):
     return out
 
 
-def _generations(out):
-    path = os.path.join(out, "members.log")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _wait_for(pred, what, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    pytest.fail(f"timed out waiting for {what}")
-
-
 @pytest.mark.timeout(150)
 def test_a_launcher_whose_ranks_died_keeps_serving_the_successor_store(tmp_path):
     """Three launchers of one job, one rank each: the first serves the store, the second
@@ -387,12 +370,12 @@ def test_a_launcher_whose_ranks_died_keeps_serving_the_successor_store(tmp_path)
                                               stderr=subprocess.PIPE))
             time.sleep(1.0)  # the first serves the primary, the second the successor
         a, b, c = launchers
-        _wait_for(lambda: len([m for m in _generations(tmp_path) if m["gen"] == 0]) == 3,
-                  "generation 0 of 3", 60)
-        b_rank, = {m["pid"] for m in _generations(tmp_path)} & set(_children(b.pid))
+        wait_until(lambda: len([m for m in members_log(tmp_path) if m["gen"] == 0]) == 3,
+                   "generation 0 of 3", 60)
+        b_rank, = {m["pid"] for m in members_log(tmp_path)} & set(_children(b.pid))
         os.kill(b_rank, signal.SIGKILL)
-        _wait_for(lambda: any(m["world"] == 2 for m in _generations(tmp_path)),
-                  "a generation of 2", 60)
+        wait_until(lambda: any(m["world"] == 2 for m in members_log(tmp_path)),
+                   "a generation of 2", 60)
         a.kill()  # the primary store goes, and the first launcher's rank with it
         a.wait(10)
         out_c, err_c = c.communicate(timeout=90)
