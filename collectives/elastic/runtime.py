@@ -2,18 +2,8 @@
 
 A *generation* is one default process group: its members (process ids, in rank order)
 are decided once, written to the store under ``gen/<g>`` by compare-and-set, so every
-process reads the same list. The store keys, under ``elastic/<job>/``:
-
-``arrivals``          counter: each process's arrival number (its place among newcomers)
-``alive/<uid>``       leased by the process: the server deletes it when the process's
-                      connection closes (exit, crash, SIGKILL), at once
-``g<g>/here``         appended ``<arrival> <uid>`` lines: who came to generation g
-``gen/<g>``           the decision: JSON ``{"members": [uid, ...]}``
-``g<g>/abort``        set when generation g is broken: by a member that caught a DistError,
-                      or by the server when a member's lease connection closes; every
-                      member's watcher thread then interrupts its groups, so no rank
-                      waits out a timeout on a dead peer
-``g<g>/pg/...``       the generation's default group meets here
+process reads the same list. The keys it uses on the store, under ``elastic/<job>/``,
+are listed in :mod:`collectives.store.elastic_job`.
 
 Deciding generation g (every process that came to it runs the same loop; the first
 compare-and-set wins): ready when every member of g-1 whose lease is alive has come, or
@@ -33,6 +23,7 @@ import time
 
 from .. import config
 from ..core.errors import DistError
+from ..store.elastic_job import here_entries, prefix
 
 POLL = 0.05  # seconds between looks at a generation being decided
 SETTLE = 30.0  # seconds the first generation waits for np processes before it starts with min_np
@@ -72,36 +63,8 @@ def shutdown():
     rt.close()
 
 
-def _here(text):
-    """A ``g<g>/here`` value's [(arrival, uid)], in the order they were appended."""
-    out = []
-    for line in text.decode().splitlines():
-        a, _, uid = line.partition(" ")
-        if uid:
-            out.append((int(a), uid))
-    return out
-
-
-def job_status(store, job):
-    """The job as a watcher outside its processes sees it on ``store`` (a launcher whose
-    ranks are all gone while the others may go on): "done" once a process finished it,
-    "running" while a member of its latest generation, or a process that came to the next,
-    holds its lease, and "gone" when none does (its state went with them)."""
-    prefix = f"elastic/{job}/"
-    if store.check([prefix + "done"]):
-        return "done"
-    g = int(store.get(prefix + "latest")) if store.check([prefix + "latest"]) else -1
-    uids = []
-    if g >= 0 and store.check([prefix + f"gen/{g}"]):
-        uids += json.loads(store.get(prefix + f"gen/{g}"))["members"]
-    if store.check([prefix + f"g{g + 1}/here"]):
-        uids += [u for _, u in _here(store.get(prefix + f"g{g + 1}/here"))]
-    alive = any(store.check([prefix + f"alive/{u}"]) for u in uids)
-    return "running" if alive else "gone"
-
-
 def _connect(address, timeout):
-    from .failover import FailoverStore, parse_addresses
+    from ..store.failover import FailoverStore, parse_addresses
     return FailoverStore(parse_addresses(address), timeout)
 
 
@@ -156,7 +119,7 @@ def init(store=None, *, job=None, np=None, min_np=None, max_np=None, backend=Non
                              "'host:port') or set COLLECTIVES_ELASTIC_STORE (collectives-run "
                              "--min-np/--max-np does)")
     if isinstance(store, str):
-        from .failover import parse_addresses
+        from ..store.failover import parse_addresses
         host, port = parse_addresses(store)[0]  # a bad one is a ValueError before anything is sent
         if not any(os.environ.get(v) for v in ("MASTER_ADDR", "COLLECTIVES_IFNAME",
                                                "GLOO_SOCKET_IFNAME")):
@@ -185,7 +148,7 @@ class Runtime:
 
     def __init__(self, store, job, np, min_np, max_np, backend, timeout, rdzv_timeout):
         self.store = store
-        self.prefix = f"elastic/{job}/"
+        self.prefix = prefix(job)
         self.np, self.min_np, self.max_np = np, min_np, max_np
         self.backend = backend
         self.timeout = timeout
@@ -259,7 +222,7 @@ class Runtime:
         if not self._check(f"g{g}/here"):
             return []
         seen, out = set(), []
-        for a, uid in _here(self.store.get(self._k(f"g{g}/here"))):
+        for a, uid in here_entries(self.store.get(self._k(f"g{g}/here"))):
             if uid not in seen:
                 seen.add(uid)
                 out.append((a, uid))

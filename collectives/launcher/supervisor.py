@@ -242,8 +242,8 @@ class Launcher:
         for GONE_GRACE s (just after a move to a successor store the survivors lease again
         there), when no store answers, or on a signal."""
         from ..core.errors import DistError
-        from ..elastic.failover import FailoverStore
-        from ..elastic.runtime import job_status
+        from ..store.elastic_job import job_status
+        from ..store.failover import FailoverStore
         cfg = self.cfg
         self.note("every rank of this launcher is gone; waiting for the job's other ranks"
                   + (" (the store is still served here)" if cfg.serve_store else ""))

@@ -62,7 +62,7 @@ def _join_after():
     g = os.environ.get("ELASTIC_JOIN_AFTER")
     if g is None:
         return
-    from collectives.elastic.failover import FailoverStore
+    from collectives.store.failover import FailoverStore
     store = FailoverStore(os.environ["COLLECTIVES_ELASTIC_STORE"])
     deadline = time.monotonic() + 60
     while not store.check([f"elastic/job/gen/{g}"]) and time.monotonic() < deadline:

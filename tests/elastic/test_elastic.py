@@ -400,7 +400,7 @@ def test_failover_store_moves_to_the_successor_once_and_only_forward():
     is gone (its connections closed, new ones refused), runs its owner's callback there,
     marks the successor adopted; a process starting afterwards takes the adopted successor,
     and one starting while the primary is merely down does not take an unadopted one."""
-    from collectives.elastic.failover import ADOPTED, FailoverStore
+    from collectives.store.failover import ADOPTED, FailoverStore
     from collectives.store import StoreServer
     a, b = StoreServer(0, None, "127.0.0.1"), StoreServer(0, None, "127.0.0.1")
     addrs = f"127.0.0.1:{a.port},127.0.0.1:{b.port}"

@@ -16,7 +16,8 @@ import time
 
 from ..core.errors import DistNetworkError
 from ..security import auth
-from ..store.base import Store
+from .base import Store
+from .tcp import TCPStore
 
 CONNECT_S = 3.0  # seconds to reach one address before the next is tried
 ADOPTED = "_failover/adopted"  # set on a successor once a client moved to it
@@ -55,7 +56,6 @@ class FailoverStore(Store):
         return f"{host}:{port}"
 
     def _open(self, i):
-        from ..store import TCPStore
         host, port = self._addrs[i]
         return TCPStore(host, port, None, False, datetime.timedelta(seconds=CONNECT_S),
                         wait_for_workers=False, auth_key=self._auth_key)

@@ -1,0 +1,50 @@
+"""An elastic job's keys on its store: written by its processes
+(:mod:`collectives.elastic.runtime`), read by them and by a launcher whose ranks are all
+gone while the others go on (:mod:`collectives.launcher.supervisor`). Under ``elastic/<job>/``:
+
+``arrivals``          counter: each process's arrival number (its place among newcomers)
+``alive/<uid>``       leased by the process: the server deletes it when the process's
+                      connection closes (exit, crash, SIGKILL), at once
+``g<g>/here``         appended ``<arrival> <uid>`` lines: who came to generation g
+``gen/<g>``           the decision: JSON ``{"members": [uid, ...]}``
+``latest``            the newest decided generation (where newcomers start looking)
+``g<g>/abort``        set when generation g is broken: by a member that caught a DistError,
+                      or by the server when a member's lease connection closes; every
+                      member's watcher thread then interrupts its groups, so no rank
+                      waits out a timeout on a dead peer
+``g<g>/pg/...``       the generation's default group meets here
+``done``              set by the first process whose training function returned
+"""
+import json
+
+
+def prefix(job):
+    return f"elastic/{job}/"
+
+
+def here_entries(text):
+    """A ``g<g>/here`` value's [(arrival, uid)], in the order they were appended."""
+    out = []
+    for line in text.decode().splitlines():
+        a, _, uid = line.partition(" ")
+        if uid:
+            out.append((int(a), uid))
+    return out
+
+
+def job_status(store, job):
+    """The job as a watcher outside its processes sees it on ``store``: "done" once a
+    process finished it, "running" while a member of its latest generation, or a process
+    that came to the next, holds its lease, and "gone" when none does (its state went with
+    them)."""
+    p = prefix(job)
+    if store.check([p + "done"]):
+        return "done"
+    g = int(store.get(p + "latest")) if store.check([p + "latest"]) else -1
+    uids = []
+    if g >= 0 and store.check([p + f"gen/{g}"]):
+        uids += json.loads(store.get(p + f"gen/{g}"))["members"]
+    if store.check([p + f"g{g + 1}/here"]):
+        uids += [u for _, u in here_entries(store.get(p + f"g{g + 1}/here"))]
+    alive = any(store.check([p + f"alive/{u}"]) for u in uids)
+    return "running" if alive else "gone"
