@@ -56,6 +56,10 @@ all_reduce, when it was posted (torch's reducer calling the group), started and 
 (on the group's progress thread) and when its torch future was completed
 (collectives.core.timeline); the file holds them, the summary lines print the median
 per-bucket delays, and ``--plot PNG`` draws the steady steps of the first case.
+In a mixed launch, each rotation of blocks is labelled "near" or "far" by what rank 0's
+shared-memory latency probes said at its end (the VM's two vCPUs share a cache or not,
+switching every few seconds to minutes; bench_stream.py labels its samples the same way),
+and the summary gives the ratios per label too.
 Each round launches every implementation once, in a rotating order, so drift hits all
 alike; the table gives medians over rounds. ``NAME@base`` runs an implementation on the
 checkout ``--base-root`` (built in place): a before/after in one run. ``--variants``
@@ -260,6 +264,18 @@ def _timed_all_reduce(td, pg, numel, reps):
     return statistics.median(out)
 
 
+def _placement():
+    """"near" or "far": what rank 0's shared-memory latency probes last said of its peers
+    (collectives/engines/shm/shm_copy.c; on this project's VM the two vCPUs share a cache
+    or not, switching every few seconds to minutes), None where no shm group is found."""
+    from collectives.core.world import world
+    for pg in list(world.groups):
+        comm = getattr(getattr(pg, "backend", None), "_comm", None)
+        if comm is not None and hasattr(comm, "far"):
+            return "far" if comm.far else "near"
+    return None
+
+
 def _case_mixed(td, a, name, kind, fake, coll):
     """One launch, three wrapped models on the same ranks and data: over torch gloo (the
     default group), over collectives (``coll``: ``new_group(backend="collectives")``) and the
@@ -279,24 +295,34 @@ def _case_mixed(td, a, name, kind, fake, coll):
         for _ in range(a.early):
             _step(m, opt, x, "first:" + which, steps, None, ())
     order = list(mods)
+    rounds = []  # (the round's steps, its placement label)
     for i in range(0, a.steps, a.block):
+        first = len(steps)
         for which in order:
             td.barrier()
             m, opt = mods[which]
             for _ in range(min(a.block, a.steps - i)):
                 _step(m, opt, x, which, steps, None, ())
+        rounds.append((steps[first:], _placement()))
         order = order[1:] + order[:1]
     td.barrier()
 
-    def med(which):
-        v = [ms for w, ms, _ in steps if w == which]
+    def med(which, among=steps):
+        v = [ms for w, ms, _ in among if w == which]
         return statistics.median(v) if v else None
+
+    by_place = {}
+    for label in ("near", "far"):
+        among = [s for r, lab in rounds if lab == label for s in r]
+        if among:
+            by_place[label] = {"rounds": sum(lab == label for _, lab in rounds),
+                               **{w + "_ms": med(w, among) for w in mods}}
 
     numel = sum(p.numel() for p in _build(name, a)[0].parameters())
     alone = {w: _timed_all_reduce(td, pgs[w], numel, 5) for w in ("gloo", "coll")}
     return {"model": name, "kind": kind, "gloo_ms": med("gloo"), "coll_ms": med("coll"),
             "floor_ms": med("floor"), "floor_sync_ms": med("floor_sync"),
-            "first_gloo_ms": med("first:gloo"),
+            "first_gloo_ms": med("first:gloo"), "placement": by_place,
             "first_coll_ms": med("first:coll"), "params": numel,
             "all_reduce_alone_ms": alone,
             # what tests and the table read as the collectives cell:
@@ -523,7 +549,10 @@ def mixed_line(r):
             f"all_reduce of the gradient alone: coll {alone['coll']:.1f} gloo "
             f"{alone['gloo']:.1f} ms (floor + coll's: {(f + alone['coll']) / f:.2f}x floor)"
             + (f"; floor with one wait a step: {r['floor_sync_ms'] / f:.2f}x floor"
-               if r.get("floor_sync_ms") else ""))
+               if r.get("floor_sync_ms") else "")
+            + "".join(f"; {lab} ({p['rounds']} rounds): coll/floor "
+                      f"{p['coll_ms'] / p['floor_ms']:.2f} coll/gloo {p['coll_ms'] / p['gloo_ms']:.2f}"
+                      for lab, p in r.get("placement", {}).items()))
 
 
 def print_mixed(runs, markdown):
