@@ -16,7 +16,7 @@ from .ports import free_port
 from .reaper import Reaper
 
 WATCH_S = 0.5  # seconds between looks at the elastic job, once this launcher's ranks are gone
-GONE_GRACE = 5.0  # seconds no member may hold a lease before the job counts as gone
+GONE_GRACE = 5.0  # seconds no process of the job may hold a lease before it counts as over
 
 
 @dataclass(eq=False)
@@ -238,35 +238,42 @@ class Launcher:
     def _job_finishes(self):
         """Every rank here died and none may replace them, while the others may go on:
         wait for the job's end, with this launcher's store still served (they may fail over
-        to it). True once a rank finishes the job; False when none of its members is alive
-        for GONE_GRACE s (just after a move to a successor store the survivors lease again
-        there), when no store answers, or on a signal."""
-        from ..core.errors import DistError
-        from ..store.elastic_job import job_status
+        to it) until no process of the job has held its lease for GONE_GRACE s (just after
+        a move to a successor store the survivors lease again there). True if a rank
+        finished the job (seen the moment it is marked done: the store may go with its own
+        launcher right after); False if none did, if no store answers, or on a signal."""
+        import datetime
+        from ..core.errors import DistError, DistStoreError
+        from ..store.elastic_job import job_alive, prefix
         from ..store.failover import FailoverStore
         cfg = self.cfg
         self.note("every rank of this launcher is gone; waiting for the job's other ranks"
                   + (" (the store is still served here)" if cfg.serve_store else ""))
+        done_key = prefix(cfg.run_id) + "done"
+        done, gone_since = False, None
         try:
             client = FailoverStore(cfg.elastic_store(), 30.0, cfg.auth_key)
         except (DistError, OSError):
             return False
-        gone_since = None
         try:
             while self.signal_received is None:
-                state = job_status(client, cfg.run_id)
-                if state == "done":
-                    return True
+                if done:
+                    time.sleep(WATCH_S)
+                else:
+                    try:
+                        client.wait([done_key], datetime.timedelta(seconds=WATCH_S))
+                        done = True
+                    except DistStoreError:  # not within WATCH_S
+                        pass
                 now = time.monotonic()
-                if state == "running":
+                if job_alive(client, cfg.run_id):
                     gone_since = None
                 elif gone_since is None:
                     gone_since = now
                 elif now - gone_since >= GONE_GRACE:
-                    return False
-                time.sleep(WATCH_S)
+                    return done
         except (DistError, OSError):
-            return False
+            return done  # the store is gone (with its launcher, once its ranks ended)
         finally:
             client.close()
         return False

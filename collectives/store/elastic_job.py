@@ -13,7 +13,8 @@ gone while the others go on (:mod:`collectives.launcher.supervisor`). Under ``el
                       member's watcher thread then interrupts its groups, so no rank
                       waits out a timeout on a dead peer
 ``g<g>/pg/...``       the generation's default group meets here
-``done``              set by the first process whose training function returned
+``done``              set by each process that leaves the job normally (its training
+                      function returned)
 """
 import json
 
@@ -32,19 +33,15 @@ def here_entries(text):
     return out
 
 
-def job_status(store, job):
-    """The job as a watcher outside its processes sees it on ``store``: "done" once a
-    process finished it, "running" while a member of its latest generation, or a process
-    that came to the next, holds its lease, and "gone" when none does (its state went with
-    them)."""
+def job_alive(store, job):
+    """Whether a process of the job holds its lease on ``store``: a member of its latest
+    generation, or one that came to the next (a lease lasts until the process exits, after
+    its training too). A watcher outside the processes reads it there."""
     p = prefix(job)
-    if store.check([p + "done"]):
-        return "done"
     g = int(store.get(p + "latest")) if store.check([p + "latest"]) else -1
     uids = []
     if g >= 0 and store.check([p + f"gen/{g}"]):
         uids += json.loads(store.get(p + f"gen/{g}"))["members"]
     if store.check([p + f"g{g + 1}/here"]):
         uids += [u for _, u in here_entries(store.get(p + f"g{g + 1}/here"))]
-    alive = any(store.check([p + f"alive/{u}"]) for u in uids)
-    return "running" if alive else "gone"
+    return any(store.check([p + f"alive/{u}"]) for u in uids)

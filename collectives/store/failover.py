@@ -14,7 +14,7 @@ import datetime
 import threading
 import time
 
-from ..core.errors import DistNetworkError
+from ..core.errors import DistNetworkError, DistStoreError
 from ..security import auth
 from .base import Store
 from .tcp import TCPStore
@@ -113,14 +113,28 @@ class FailoverStore(Store):
         return getattr(self._client, name)(*args)
 
     def _still_there(self, client):
-        """Whether the server answers a new connection (the one that failed may have been
-        cut alone); a refused or unanswered one (CONNECT_S) means it is gone."""
+        """Whether the server answers a request on a new connection (the one that failed
+        may have been cut alone). A connection the kernel accepts is not enough: a dying
+        server's listening socket still takes them for a moment after its other connections
+        closed. Refused, cut, or unanswered within CONNECT_S: it is gone."""
         import socket
         try:
             with socket.create_connection((client.host, client.port), timeout=CONNECT_S):
-                return True
+                pass
         except OSError:
+            return False  # refused: no retry, unlike a store client's connect
+        probe = None
+        try:
+            probe = TCPStore(client.host, client.port, None, False,
+                             datetime.timedelta(seconds=CONNECT_S), wait_for_workers=False,
+                             auth_key=self._auth_key)
+            probe.check([ADOPTED])
+            return True
+        except (DistNetworkError, DistStoreError):
             return False
+        finally:
+            if probe is not None:
+                probe.close()
 
     # (the Store API's primitives: _ON_CLIENT below)
 

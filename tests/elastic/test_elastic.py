@@ -351,45 +351,55 @@ def _children(pid):
 
 @pytest.mark.timeout(150)
 def test_a_launcher_whose_ranks_died_keeps_serving_the_successor_store(tmp_path):
-    """Three launchers of one job, one rank each: the first serves the store, the second
-    its successor. The second's rank dies: its launcher keeps serving, and waits for the
-    job. Then the first launcher dies with the primary: the third's rank moves to the
-    second's store, trains on alone and ends with the reference's bits; the second
-    launcher then ends with 0 (the job finished without its rank)."""
+    """Four launchers of one job, one rank each: the first serves the store, the second
+    its successor, the others none. The second's and the fourth's ranks die: their
+    launchers wait for the job, the second still serving. Then the first launcher dies
+    with the primary: the third's rank moves to the second's store, trains on alone and
+    ends with the reference's bits; the second and the fourth launchers then end with 0
+    (the job finished without their ranks)."""
     from tests.support.ranks import free_port
     p1, p2 = free_port(), free_port()
     steps = 200
     env = job_env(None, tmp_path, ELASTIC_STEPS=steps, ELASTIC_STEP_SLEEP=0.1,
-                  COLLECTIVES_AUTH_KEY=KEY, COLLECTIVES_ELASTIC_NP=3)
+                  COLLECTIVES_AUTH_KEY=KEY, COLLECTIVES_ELASTIC_NP=4, ELASTIC_DEBUG_AFTER=60)
     args = [sys.executable, "-m", "collectives.run", "--nproc-per-node", "1", "--min-np", "1",
             "--rdzv-endpoint", f"127.0.0.1:{p1},127.0.0.1:{p2}", "-m", "tests.elastic.programs"]
     launchers = []
     try:
-        for _ in range(3):
+        for _ in range(4):
             launchers.append(subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE))
             time.sleep(1.0)  # the first serves the primary, the second the successor
-        a, b, c = launchers
-        wait_until(lambda: len([m for m in members_log(tmp_path) if m["gen"] == 0]) == 3,
-                   "generation 0 of 3", 60)
-        b_rank, = {m["pid"] for m in members_log(tmp_path)} & set(_children(b.pid))
-        os.kill(b_rank, signal.SIGKILL)
+        a, b, c, d = launchers
+        wait_until(lambda: len([m for m in members_log(tmp_path) if m["gen"] == 0]) == 4,
+                   "generation 0 of 4", 60)
+        pids = {m["pid"] for m in members_log(tmp_path)}
+        for launcher in (b, d):
+            rank, = pids & set(_children(launcher.pid))
+            os.kill(rank, signal.SIGKILL)
         wait_until(lambda: any(m["world"] == 2 for m in members_log(tmp_path)),
                    "a generation of 2", 60)
         a.kill()  # the primary store goes, and the first launcher's rank with it
         a.wait(10)
-        out_c, err_c = c.communicate(timeout=90)
-        out_b, err_b = b.communicate(timeout=30)
+        err = {}
+        for name, p in (("c", c), ("b", b), ("d", d)):
+            try:
+                err[name] = p.communicate(timeout=90)[1].decode()
+            except subprocess.TimeoutExpired:
+                p.kill()
+                err[name] = p.communicate()[1].decode()
+                pytest.fail(f"launcher {name} did not end: {err[name][-3000:]}")
     finally:
         for p in launchers:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert c.returncode == 0, err_c.decode()[-3000:]
-    assert b.returncode == 0, err_b.decode()[-3000:]
-    assert "the job finished without this launcher's 1 rank(s)" in err_b.decode()
+    assert c.returncode == 0, err["c"][-3000:] + "\nthe second launcher's output:\n" + err["b"][-2000:]
+    for name, p in (("b", b), ("d", d)):
+        assert p.returncode == 0, err[name][-3000:]
+        assert "the job finished without this launcher's 1 rank(s)" in err[name]
     res = results(tmp_path)
-    assert len(res) == 1, err_c.decode()[-3000:]
+    assert len(res) == 1, err["c"][-3000:]
     r, = res.values()
     assert r["world"] == 1 and r["step"] == steps  # it trained on alone, past the primary
     assert r["w"] == reference(steps).tobytes().hex()
