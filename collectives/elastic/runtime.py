@@ -14,7 +14,6 @@ newcomers up to the timeout, then :class:`ElasticError`. The first generation wa
 ``np`` processes (or, after SETTLE seconds, at least ``min_np``).
 """
 import datetime
-import json
 import os
 import secrets
 import socket
@@ -23,7 +22,7 @@ import time
 
 from .. import config
 from ..core.errors import DistError
-from ..store.elastic_job import here_entries, prefix
+from ..store.elastic_job import decide, decided, done_key, here_entries, latest, prefix
 
 POLL = 0.05  # seconds between looks at a generation being decided
 SETTLE = 30.0  # seconds the first generation waits for np processes before it starts with min_np
@@ -148,6 +147,7 @@ class Runtime:
 
     def __init__(self, store, job, np, min_np, max_np, backend, timeout, rdzv_timeout):
         self.store = store
+        self.job = job
         self.prefix = prefix(job)
         self.np, self.min_np, self.max_np = np, min_np, max_np
         self.backend = backend
@@ -175,9 +175,7 @@ class Runtime:
         try:
             self._lease(g if g >= 0 else None)
             if g >= 0:
-                self.store.compare_set(self._k(f"gen/{g}"), b"", json.dumps(
-                    {"members": members}).encode())
-                self.store.set(self._k("latest"), str(g))
+                decide(self.store, self.job, g, members)
         except DistError:
             pass  # the next store call fails over again, or says why
 
@@ -201,18 +199,15 @@ class Runtime:
 
     def decision(self, g, wait=0.0):
         """Generation g's members, or None if not decided (within ``wait`` seconds)."""
-        key = self._k(f"gen/{g}")
         if wait > 0:
             try:
-                self.store.wait([key], datetime.timedelta(seconds=wait))
+                self.store.wait([self._k(f"gen/{g}")], datetime.timedelta(seconds=wait))
             except DistError:
                 return None
-        elif not self.store.check([key]):
-            return None
-        return json.loads(self.store.get(key))["members"]
+        return decided(self.store, self.job, g)
 
     def _first_undecided(self):
-        g = int(self.store.get(self._k("latest"))) if self._check("latest") else 0
+        g = latest(self.store, self.job, 0)
         while self.store.check([self._k(f"gen/{g}")]):
             g += 1
         return g
@@ -260,20 +255,18 @@ class Runtime:
             if old is not None and not stay and not settling and \
                     not any(self.alive(u) for u in old):
                 raise ElasticError(
-                    f"elastic job {self.prefix[8:-1]!r}: every member of generation {g - 1} "
+                    f"elastic job {self.job!r}: every member of generation {g - 1} "
                     f"is gone, and the state with them" + (
-                        " (the job has finished)" if self._check("done") else ""))
+                        " (the job has finished)" if self.store.check([done_key(self.job)]) else ""))
             members = stay + fresh
             if self.max_np is not None:
                 members = members[:self.max_np]
             if ready and len(members) >= self.min_np:
-                self.store.compare_set(self._k(f"gen/{g}"), b"", json.dumps(
-                    {"members": members}).encode())
-                self.store.set(self._k("latest"), str(g))  # where newcomers start looking
+                decide(self.store, self.job, g, members)
                 continue
             if waited >= self.rdzv_timeout and len(members) < self.min_np:
                 raise ElasticError(
-                    f"elastic job {self.prefix[8:-1]!r}: generation {g} has {len(members)} "
+                    f"elastic job {self.job!r}: generation {g} has {len(members)} "
                     f"member(s), below min_np={self.min_np}, and no newcomer came within "
                     f"{self.rdzv_timeout:g} s (COLLECTIVES_ELASTIC_TIMEOUT)")
 
@@ -407,7 +400,7 @@ class Runtime:
         break the generation, and the job is marked done."""
         try:
             self._lease(None)
-            self.store.set(self._k("done"), self.uid)
+            self.store.set(done_key(self.job), self.uid)
         except DistError:
             pass
 

@@ -244,12 +244,12 @@ class Launcher:
         launcher right after); False if none did, if no store answers, or on a signal."""
         import datetime
         from ..core.errors import DistError, DistStoreError
-        from ..store.elastic_job import job_alive, prefix
+        from ..store.elastic_job import done_key, job_alive
         from ..store.failover import FailoverStore
         cfg = self.cfg
         self.note("every rank of this launcher is gone; waiting for the job's other ranks"
                   + (" (the store is still served here)" if cfg.serve_store else ""))
-        done_key = prefix(cfg.run_id) + "done"
+        done_at = done_key(cfg.run_id)
         done, gone_since = False, None
         try:
             client = FailoverStore(cfg.elastic_store(), 30.0, cfg.auth_key)
@@ -261,7 +261,7 @@ class Launcher:
                     time.sleep(WATCH_S)
                 else:
                     try:
-                        client.wait([done_key], datetime.timedelta(seconds=WATCH_S))
+                        client.wait([done_at], datetime.timedelta(seconds=WATCH_S))
                         done = True
                     except DistStoreError:  # not within WATCH_S
                         pass
@@ -485,7 +485,7 @@ class Launcher:
         last = [r for r in ranks if r not in failures]
         if ok and all(r.returncode == 0 for r in last):
             return 0
-        if not last and self._job_finishes():
+        if not last and cfg.store_list is not None and self._job_finishes():
             self.note(f"the job finished without this launcher's {len(ranks)} rank(s)")
             return 0
         if self.signal_received is not None:

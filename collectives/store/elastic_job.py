@@ -33,15 +33,39 @@ def here_entries(text):
     return out
 
 
+def done_key(job):
+    """Set by each process that leaves the job normally."""
+    return prefix(job) + "done"
+
+
+def decided(store, job, g):
+    """Generation g's decided members (uids in rank order), or None if not decided."""
+    key = prefix(job) + f"gen/{g}"
+    if not store.check([key]):
+        return None
+    return json.loads(store.get(key))["members"]
+
+
+def decide(store, job, g, uids):
+    """Write generation g's decision (the first writer's stands) and point ``latest`` at it
+    (where newcomers start looking)."""
+    store.compare_set(prefix(job) + f"gen/{g}", b"", json.dumps({"members": uids}).encode())
+    store.set(prefix(job) + "latest", str(g))
+
+
+def latest(store, job, default):
+    """The newest decided generation, or ``default`` if none is."""
+    key = prefix(job) + "latest"
+    return int(store.get(key)) if store.check([key]) else default
+
+
 def job_alive(store, job):
     """Whether a process of the job holds its lease on ``store``: a member of its latest
     generation, or one that came to the next (a lease lasts until the process exits, after
     its training too). A watcher outside the processes reads it there."""
     p = prefix(job)
-    g = int(store.get(p + "latest")) if store.check([p + "latest"]) else -1
-    uids = []
-    if g >= 0 and store.check([p + f"gen/{g}"]):
-        uids += json.loads(store.get(p + f"gen/{g}"))["members"]
+    g = latest(store, job, -1)
+    uids = (decided(store, job, g) or []) if g >= 0 else []
     if store.check([p + f"g{g + 1}/here"]):
         uids += [u for _, u in here_entries(store.get(p + f"g{g + 1}/here"))]
     return any(store.check([p + f"alive/{u}"]) for u in uids)

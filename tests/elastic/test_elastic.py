@@ -231,6 +231,20 @@ def test_the_launcher_replaces_a_dead_rank_without_touching_the_others(tmp_path)
 
 
 @pytest.mark.timeout(60)
+def test_a_lone_launcher_whose_ranks_all_failed_ends_with_their_code(tmp_path):
+    """Without --rdzv-endpoint no other launcher can reach this one's store: once its ranks
+    have all failed, the job is over, and the launcher says so with the first failure's code
+    instead of waiting for other ranks."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    out = run_launcher(["--nproc-per-node", "2", "--min-np", "1", "--max-replacements", "0",
+                        str(script)], job_env(None, tmp_path), 50)
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert "waiting for the job's other ranks" not in out.stderr
+    assert "failed with exit code 3" in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("args,match", [
     (["--min-np", "3", "--max-np", "2"], "--max-np"),
     (["--min-np", "0"], "--min-np must be >= 1"),
