@@ -162,19 +162,28 @@ VARIANTS = {
     "auto": "all_reduce algorithm measured (COLLECTIVES_SHM_AR_ALGO=auto)",
     "two_shot": "all_reduce two-shot only",
     "single_copy": "all_reduce single copy only (where the host allows it)",
+    "plain": "segment writes with plain stores only (COLLECTIVES_SHM_STREAM=0)",
+    "stream": "segment writes with streaming stores only (COLLECTIVES_SHM_STREAM=1)",
 }
 
 
 def _variant(v):
-    """Switch the collectives run to variant ``v`` (see VARIANTS)."""
-    if v == "default":
-        return
+    """Switch the collectives run to variant ``v`` (see VARIANTS); "default" puts back what
+    the settings say, after another variant's blocks."""
+    from collectives import config
     from collectives.api import group as _groups
     comm = getattr(_groups.world.default.backend, "_comm", None)
+    if comm is None:
+        if v == "default":
+            return
+        raise SystemExit(f"variant {v}: the default group's backend is not shm")
+    algo, stream = config.get("COLLECTIVES_SHM_AR_ALGO"), int(config.get("COLLECTIVES_SHM_STREAM"))
     if v in ("auto", "two_shot", "single_copy"):
-        if comm is None:
-            raise SystemExit(f"variant {v}: the default group's backend is not shm")
-        comm.set_ar_algo(v)
+        algo = v
+    elif v in ("plain", "stream"):
+        stream = 0 if v == "plain" else 1
+    comm.set_ar_algo(algo)
+    comm.set_stream(stream)
 
 
 def _step(m, opt, x, which, steps, timeline, keep):
