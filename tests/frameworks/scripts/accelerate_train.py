@@ -23,6 +23,7 @@ if backend == "collectives":
 from accelerate import Accelerator  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tests.support.gloo_exit import end_if_torch_gloo  # noqa: E402
 from common import BATCH, dataset, model, write_weights  # noqa: E402
 
 accelerator = Accelerator(cpu=True)
@@ -40,3 +41,4 @@ for x, y in loader:
 write_weights(out, accelerator.process_index, accelerator.unwrap_model(ddp))
 accelerator.wait_for_everyone()  # no rank tears its group down while a peer still uses it
 accelerator.end_training()  # (destroys the process group)
+end_if_torch_gloo(backend)

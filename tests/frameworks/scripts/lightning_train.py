@@ -18,6 +18,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from tests.support.gloo_exit import end_if_torch_gloo  # noqa: E402
 from common import BATCH, dataset, model, write_weights  # noqa: E402
 
 
@@ -46,3 +47,4 @@ assert td.get_backend() == backend, td.get_backend()
 write_weights(out, trainer.global_rank, module.net)
 td.barrier()  # no rank tears its group down while a peer still uses it (torch gloo aborts)
 td.destroy_process_group()
+end_if_torch_gloo(backend)

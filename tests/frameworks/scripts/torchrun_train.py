@@ -11,6 +11,7 @@ import torch.distributed as td
 
 backend, out = sys.argv[1], sys.argv[2]
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tests.support.gloo_exit import end_if_torch_gloo  # noqa: E402
 from common import BATCH, dataset, model, write_weights  # noqa: E402
 
 td.init_process_group(backend)
@@ -29,3 +30,4 @@ assert "collectives" in sys.modules or backend != "collectives"  # the bridge, l
 write_weights(out, rank, net)
 td.barrier()  # torch's gloo can abort at exit ("terminate called ...") when a peer leaves first
 td.destroy_process_group()
+end_if_torch_gloo(backend)

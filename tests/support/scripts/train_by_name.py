@@ -16,6 +16,8 @@ was imported before the group was made) that the test checks.
 """
 import sys
 
+from tests.support.gloo_exit import end_if_torch_gloo
+
 backend, how = sys.argv[1], sys.argv[2]
 facts = {}
 if how == "import-after":
@@ -58,3 +60,4 @@ td.barrier()  # no rank tears its group down while a peer still uses it (torch g
 td.destroy_process_group()
 print("FACTS", " ".join(f"{k}={v}" for k, v in sorted(facts.items())))
 print("WEIGHTS", weights.hex())
+end_if_torch_gloo(backend)
