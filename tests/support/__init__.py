@@ -1,7 +1,8 @@
 """The test suite's shared helpers: rank pools (ranks), skip marks (requires), parameter
 marks (marks), hypothesis profiles (profiles), the collective cases and their NumPy
-reference (collective_cases), the third-party test backend (store_backend), and the
-programs that tests start in subprocesses (scripts/)."""
+reference (collective_cases), the third-party test backend (store_backend), the exit of a
+run on torch's own gloo (gloo_exit), and the programs that tests start in subprocesses
+(scripts/)."""
 import os
 
 # the checkout (or, in .ci/run's installed leg, the directory the tests were copied to)
