@@ -164,6 +164,10 @@ VARIANTS = {
     "single_copy": "all_reduce single copy only (where the host allows it)",
     "plain": "segment writes with plain stores only (COLLECTIVES_SHM_STREAM=0)",
     "stream": "segment writes with streaming stores only (COLLECTIVES_SHM_STREAM=1)",
+    "gather_timed": "all_gather blocks of every size measured (two-copy stores against the "
+                    "single copy), the reduce_scatter's single copy off",
+    "no_gather_cma": "the gathers' and the reduce_scatter's single copy off "
+                     "(COLLECTIVES_SHM_CMA_MIN=0)",
 }
 
 
@@ -178,12 +182,18 @@ def _variant(v):
             return
         raise SystemExit(f"variant {v}: the default group's backend is not shm")
     algo, stream = config.get("COLLECTIVES_SHM_AR_ALGO"), int(config.get("COLLECTIVES_SHM_STREAM"))
+    cma = [int(config.get("COLLECTIVES_SHM_CMA" + s)) for s in ("_MIN", "_BCAST_MIN", "_AR_MIN")]
+    if v == "gather_timed":  # above every block: the all_gather's measured choice decides
+        cma[0] = 1 << 50
+    elif v == "no_gather_cma":
+        cma[0] = 0
     if v in ("auto", "two_shot", "single_copy"):
         algo = v
     elif v in ("plain", "stream"):
         stream = 0 if v == "plain" else 1
     comm.set_ar_algo(algo)
     comm.set_stream(stream)
+    comm.set_cma_min(*cma)
 
 
 def _step(m, opt, x, which, steps, timeline, keep):
