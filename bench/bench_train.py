@@ -64,7 +64,7 @@ Each round launches every implementation once, in a rotating order, so drift hit
 alike; the table gives medians over rounds. ``NAME@base`` runs an implementation on the
 checkout ``--base-root`` (built in place): a before/after in one run. ``--variants``
 alternates collectives runs between variants within each launch (``VARIANTS``: the
-all_reduce algorithm forced).
+all_reduce algorithm forced, the segment stores, the gathers' single copy).
 """
 import argparse
 import json
