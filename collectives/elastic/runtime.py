@@ -22,7 +22,8 @@ import time
 
 from .. import config
 from ..core.errors import DistError
-from ..store.elastic_job import decide, decided, done_key, here_entries, latest, prefix
+from ..store.elastic_job import (decide, decided, done_key, gen_key, here_entries, latest,
+                                 prefix)
 
 POLL = 0.05  # seconds between looks at a generation being decided
 SETTLE = 30.0  # seconds the first generation waits for np processes before it starts with min_np
@@ -201,14 +202,14 @@ class Runtime:
         """Generation g's members, or None if not decided (within ``wait`` seconds)."""
         if wait > 0:
             try:
-                self.store.wait([self._k(f"gen/{g}")], datetime.timedelta(seconds=wait))
+                self.store.wait([gen_key(self.job, g)], datetime.timedelta(seconds=wait))
             except DistError:
                 return None
         return decided(self.store, self.job, g)
 
     def _first_undecided(self):
         g = latest(self.store, self.job, 0)
-        while self.store.check([self._k(f"gen/{g}")]):
+        while self.store.check([gen_key(self.job, g)]):
             g += 1
         return g
 

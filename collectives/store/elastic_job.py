@@ -38,9 +38,14 @@ def done_key(job):
     return prefix(job) + "done"
 
 
+def gen_key(job, g):
+    """Generation g's decision."""
+    return prefix(job) + f"gen/{g}"
+
+
 def decided(store, job, g):
     """Generation g's decided members (uids in rank order), or None if not decided."""
-    key = prefix(job) + f"gen/{g}"
+    key = gen_key(job, g)
     if not store.check([key]):
         return None
     return json.loads(store.get(key))["members"]
@@ -49,7 +54,7 @@ def decided(store, job, g):
 def decide(store, job, g, uids):
     """Write generation g's decision (the first writer's stands) and point ``latest`` at it
     (where newcomers start looking)."""
-    store.compare_set(prefix(job) + f"gen/{g}", b"", json.dumps({"members": uids}).encode())
+    store.compare_set(gen_key(job, g), b"", json.dumps({"members": uids}).encode())
     store.set(prefix(job) + "latest", str(g))
 
 
