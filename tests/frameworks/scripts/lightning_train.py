@@ -45,6 +45,6 @@ trainer.fit(module, loader)
 import torch.distributed as td  # noqa: E402
 assert td.get_backend() == backend, td.get_backend()
 write_weights(out, trainer.global_rank, module.net)
-td.barrier()  # no rank tears its group down while a peer still uses it (torch gloo aborts)
+td.barrier()  # no rank tears its group down while a peer still uses it
 td.destroy_process_group()
 end_if_torch_gloo(backend)

@@ -56,7 +56,7 @@ for _ in range(5):
     torch.nn.functional.mse_loss(ddp(x), y).backward()
     opt.step()
 weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-td.barrier()  # no rank tears its group down while a peer still uses it (torch gloo aborts)
+td.barrier()  # no rank tears its group down while a peer still uses it
 td.destroy_process_group()
 print("FACTS", " ".join(f"{k}={v}" for k, v in sorted(facts.items())))
 print("WEIGHTS", weights.hex())
