@@ -182,7 +182,8 @@ def _variant(v):
             return
         raise SystemExit(f"variant {v}: the default group's backend is not shm")
     algo, stream = config.get("COLLECTIVES_SHM_AR_ALGO"), int(config.get("COLLECTIVES_SHM_STREAM"))
-    cma = [int(config.get("COLLECTIVES_SHM_CMA" + s)) for s in ("_MIN", "_BCAST_MIN", "_AR_MIN")]
+    cma = [int(config.get(name)) for name in ("COLLECTIVES_SHM_CMA_MIN", "COLLECTIVES_SHM_CMA_BCAST_MIN",
+                                              "COLLECTIVES_SHM_CMA_AR_MIN")]
     if v == "gather_timed":  # above every block: the all_gather's measured choice decides
         cma[0] = 1 << 50
     elif v == "no_gather_cma":
