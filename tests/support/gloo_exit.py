@@ -7,9 +7,9 @@ finalisation, the worker's GIL acquire for that decref ends the thread inside a
 ``noexcept`` destructor, and the process aborts with "terminate called without an active
 exception". The core dumps show exactly this stack: ``runLoop`` →
 ``~AsyncBarrierWork`` → ``~ThreadLocalState`` → ``gil_scoped_acquire`` →
-``PyThread_exit_thread`` → ``std::terminate``. It hit 4 of 40 runs of
-``train_by_name.py gloo`` on the 2-core VM, and once in CI. pytorch/pytorch#179291 (not
-merged) describes the same race.
+``PyThread_exit_thread`` → ``std::terminate``. It hit 7 of 100 runs of
+``train_by_name.py gloo`` on the 2-core VM (0 of 80 with this module), and once in CI.
+pytorch/pytorch#179291 (closed unmerged) describes the same race.
 
 So a reference run on torch's gloo leaves through ``os._exit`` once its output is
 written: no finalisation, no race. A run on collectives returns and exits the usual way,
