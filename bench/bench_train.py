@@ -39,7 +39,13 @@ data, blocks of ``--block`` steps alternating with the real thing:
   group; its floor is the same model sharded the same way over torch's ``fake`` process
   group (torch.testing._internal.distributed.fake_pg: every collective returns at once,
   without touching the tensors), of the same world size: the same shards, the same
-  copies in and out of FSDP's buffers, no communication.
+  copies in and out of FSDP's buffers, no communication. A mixed launch adds three more
+  (bench/memory_floor_pg.py): ``floor_mem``, a group that sends nothing but writes every
+  all_gather output and sums every reduce_scatter input from the rank's own memory (the
+  memory work no implementation can skip; the fake floor's outputs are never written);
+  ``floor_mem_sync``, the same plus one 4-byte all_reduce over ours after every call (the
+  wait no all_gather can skip either: together a lower bound for any implementation); and
+  ``floor_sync``, the fake floor plus those waits alone.
 
 The first ``--early`` steps of each wrapped model are reported on their own (``first``):
 they include DDP's bucket rebuild (after the first step) and collectives' first round of
@@ -296,18 +302,25 @@ def _placement():
     return None
 
 
-def _case_mixed(td, a, name, kind, fake, coll):
-    """One launch, three wrapped models on the same ranks and data: over torch gloo (the
-    default group), over collectives (``coll``: ``new_group(backend="collectives")``) and the
-    floor, in blocks of ``--block`` steps whose order rotates, so that every comparison is
-    within the launch. Then each group's all_reduce of the whole gradient, alone."""
+def _case_mixed(td, a, name, kind, fake, coll, mem):
+    """One launch, the wrapped models on the same ranks and data: over torch gloo (the
+    default group), over collectives (``coll``: ``new_group(backend="collectives")``), the
+    floor and its variants (DDP's ``floor_sync``; FSDP2's ``floor_sync``, ``floor_mem`` and
+    ``floor_mem_sync`` over the three groups of ``mem``, memory_floor_pg.py), in blocks of
+    ``--block`` steps whose order rotates, so that every comparison is within the launch.
+    Then each group's all_reduce of the whole gradient, alone."""
     import torch
     pgs = {"gloo": None, "coll": coll}
+    extra = ("floor_sync",) if kind == "ddp" else ()
+    if kind == "fsdp" and mem:  # FSDP2's floor_sync: the fake floor plus a wait a call
+        pgs.update(floor_mem=mem[0], floor_mem_sync=mem[1], floor_sync=mem[2])
+        extra = ("floor_sync", "floor_mem", "floor_mem_sync")
     mods = {}
-    for which in ("gloo", "coll", "floor") + (("floor_sync",) if kind == "ddp" else ()):
+    for which in ("gloo", "coll", "floor") + extra:
         model, x = _build(name, a)
-        m = _wrap(kind, model, which.startswith("floor"), fake, pgs.get(which),
-                  coll if which == "floor_sync" else None)
+        ddp_sync = kind == "ddp" and which == "floor_sync"
+        m = _wrap(kind, model, which == "floor" or ddp_sync, fake, pgs.get(which),
+                  coll if ddp_sync else None)
         mods[which] = (m, torch.optim.SGD(m.parameters(), lr=1e-4))
     steps = []
     td.barrier()
@@ -342,6 +355,7 @@ def _case_mixed(td, a, name, kind, fake, coll):
     alone = {w: _timed_all_reduce(td, pgs[w], numel, 5) for w in ("gloo", "coll")}
     return {"model": name, "kind": kind, "gloo_ms": med("gloo"), "coll_ms": med("coll"),
             "floor_ms": med("floor"), "floor_sync_ms": med("floor_sync"),
+            "floor_mem_ms": med("floor_mem"), "floor_mem_sync_ms": med("floor_mem_sync"),
             "first_gloo_ms": med("first:gloo"), "placement": by_place,
             "first_coll_ms": med("first:coll"), "params": numel,
             "all_reduce_alone_ms": alone,
@@ -360,10 +374,14 @@ def worker():
     if impl == "mixed":
         import collectives  # noqa: F401  (registers the torch backend name "collectives")
         coll = td.new_group(backend="collectives")
-    fake = None
+    fake = mem = None
     if "fsdp" in a.kinds:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
         fake = td.new_group(backend="fake")
+        if impl == "mixed":
+            import memory_floor_pg
+            mem = (memory_floor_pg.new_group(), memory_floor_pg.new_group(sync=coll),
+                   memory_floor_pg.new_group(sync=coll, work=False))
     timeline = None
     if impl != "gloo" and os.environ.get("COLLECTIVES_TIMELINE") == "1":
         try:
@@ -371,7 +389,7 @@ def worker():
         except ImportError:  # a tree from before the timeline (--base-root)
             timeline = None
     if impl == "mixed":
-        results = [_case_mixed(td, a, name, kind, fake, coll)
+        results = [_case_mixed(td, a, name, kind, fake, coll, mem)
                    for name in a.models for kind in a.kinds]
     else:
         results = [_case(td, a, impl, name, kind, fake, timeline)
@@ -568,8 +586,14 @@ def mixed_line(r):
             f"gloo/floor {g / f:.2f} coll/gloo {c / g:.2f} above-floor coll/gloo {above:.2f}; "
             f"all_reduce of the gradient alone: coll {alone['coll']:.1f} gloo "
             f"{alone['gloo']:.1f} ms (floor + coll's: {(f + alone['coll']) / f:.2f}x floor)"
-            + (f"; floor with one wait a step: {r['floor_sync_ms'] / f:.2f}x floor"
-               if r.get("floor_sync_ms") else "")
+            + (f"; floor with its waits (DDP: one a step, FSDP2: one a call): "
+               f"{r['floor_sync_ms'] / f:.2f}x floor" if r.get("floor_sync_ms") else "")
+            + (f"; memory floor {r['floor_mem_ms']:.1f} ms: {r['floor_mem_ms'] / f:.2f}x floor, "
+               f"{r['floor_mem_ms'] / g:.2f}x gloo, coll/memory floor "
+               f"{c / r['floor_mem_ms']:.2f}" if r.get("floor_mem_ms") else "")
+            + (f"; memory floor with a wait a call {r['floor_mem_sync_ms']:.1f} ms: "
+               f"{r['floor_mem_sync_ms'] / f:.2f}x floor, {r['floor_mem_sync_ms'] / g:.2f}x gloo"
+               if r.get("floor_mem_sync_ms") else "")
             + "".join(f"; {lab} ({p['rounds']} rounds): coll/floor "
                       f"{p['coll_ms'] / p['floor_ms']:.2f} coll/gloo {p['coll_ms'] / p['gloo_ms']:.2f}"
                       for lab, p in r.get("placement", {}).items()))
@@ -580,7 +604,7 @@ def print_mixed(runs, markdown):
     head = ["world", "threads", "round", "model", "kind", "gloo ms", "coll ms", "floor ms",
             "coll/floor", "gloo/floor", "coll/gloo", "above floor coll/gloo",
             "all_reduce alone coll / gloo ms", "(floor + coll alone)/floor",
-            "floor with one wait/floor"]
+            "floor with its waits/floor", "memory floor/gloo", "coll/memory floor"]
     sep = " | " if markdown else "  "
     print(("| " + sep.join(head) + " |") if markdown else sep.join(head))
     if markdown:
@@ -595,6 +619,8 @@ def print_mixed(runs, markdown):
                    f"{(c - f) / (g - f):.2f}" if g > f else "",
                    f"{al['coll']:.1f} / {al['gloo']:.1f}", f"{(f + al['coll']) / f:.2f}",
                    f"{r['floor_sync_ms'] / f:.2f}" if r.get("floor_sync_ms") else ""]
+            fm = r.get("floor_mem_ms")
+            row += [f"{fm / g:.2f}", f"{c / fm:.2f}"] if fm else ["", ""]
             print(("| " + sep.join(row) + " |") if markdown else sep.join(row))
 
 

@@ -83,6 +83,21 @@ def nccl_vs_torch(name, key, max_bytes):
     return [r["ours_s"] / r["torch_s"] for r in rows if r["bytes"] <= max_bytes]
 
 
+def train_ratios(name, model, num, den):
+    """Per launch and case of ``model`` in a bench_train JSON: the ``num`` step over the
+    ``den`` step (keys of a mixed launch's result, e.g. "coll_ms", "floor_mem_sync_ms")."""
+    with open(os.path.join(RESULTS, name)) as f:
+        runs = json.load(f)
+    return [r[num] / r[den] for run in runs for r in run["results"] if r["model"] == model]
+
+
+def train_launches(name):
+    """Launches per world in a bench_train JSON (the fewest of any world)."""
+    with open(os.path.join(RESULTS, name)) as f:
+        worlds = collections.Counter(run["world"] for run in json.load(f))
+    return min(worlds.values())
+
+
 def span(values):
     return f"{min(values):.2f}-{max(values):.2f}"
 
@@ -98,6 +113,7 @@ S5_16 = "2026-11-27-s5-16core-after-shm-vs-mpich-openmpi.jsonl"
 S5_VS = "2026-11-27-s5-bench-vs-torch-gloo.json"
 S5_NCCL = "2026-11-27-s5-nccl-vs-torch-h100.json"
 NOV21 = "2026-11-21-collectives-vs-torch-gloo-and-mpich.csv"
+FSDP_MEM = "2026-11-29-fsdp-memory-floor.json"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -129,6 +145,15 @@ def claims():
                      span(nccl_vs_torch(S5_NCCL, "after", 1 << 20)),
                      "{fig}x torch's ProcessGroupNCCL time up to 1 MiB at world 1 on one H100 GPU",
                      both))
+    bench = ("docs/benchmarks.md",)
+    over = train_ratios(FSDP_MEM, "tfm", "coll_ms", "floor_mem_sync_ms")
+    per = train_launches(FSDP_MEM)
+    out.append(Claim("FSDP2 transformer over its memory floor with the waits", FSDP_MEM,
+                     per, span(over),
+                     "ours {fig}x the memory floor plus one wait a call", bench))
+    out.append(Claim("FSDP2 transformer's memory floor against torch gloo", FSDP_MEM,
+                     per, span(train_ratios(FSDP_MEM, "tfm", "floor_mem_ms", "gloo_ms")),
+                     "the memory floor alone {fig}x gloo's step", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),
