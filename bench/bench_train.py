@@ -141,14 +141,16 @@ def _sync_hook(group, bucket):
     return _noop_hook(None, bucket)
 
 
-def _wrap(kind, model, floor, fake, group=None, sync=None):
+def _wrap(kind, model, floor, fake, group=None, sync=None, hook=None):
     """``model`` under DDP or FSDP2 over ``group`` (None: the default group); the floor's
     (``floor``): DDP with the no-op hook (with ``sync``, a group: :func:`_sync_hook` over
-    it), FSDP2 over ``fake``."""
+    it), FSDP2 over ``fake``. ``hook``: DDP with this comm hook, its state ``sync``."""
     import torch
     if kind == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
-        if floor:
+        if hook is not None:
+            ddp.register_comm_hook(sync, hook)
+        elif floor:
             ddp.register_comm_hook(sync, _noop_hook if sync is None else _sync_hook)
         return ddp
     from torch.distributed.fsdp import fully_shard
@@ -309,18 +311,26 @@ def _case_mixed(td, a, name, kind, fake, coll, mem):
     ``floor_mem_sync`` over the three groups of ``mem``, memory_floor_pg.py), in blocks of
     ``--block`` steps whose order rotates, so that every comparison is within the launch.
     Then each group's all_reduce of the whole gradient, alone."""
+    import memory_floor_pg
     import torch
     pgs = {"gloo": None, "coll": coll}
-    extra = ("floor_sync",) if kind == "ddp" else ()
-    if kind == "fsdp" and mem:  # FSDP2's floor_sync: the fake floor plus a wait a call
+    extra = ("floor_sync", "floor_mem", "floor_mem_sync")
+    hooks = {}
+    if kind == "ddp":  # the memory floor as a comm hook, with and without a wait a bucket
+        hooks = {"floor_mem": memory_floor_pg.DdpHookState(),
+                 "floor_mem_sync": memory_floor_pg.DdpHookState(coll)}
+    elif mem:  # FSDP2's floor_sync: the fake floor plus a wait a call
         pgs.update(floor_mem=mem[0], floor_mem_sync=mem[1], floor_sync=mem[2])
-        extra = ("floor_sync", "floor_mem", "floor_mem_sync")
+    else:
+        extra = ()
     mods = {}
     for which in ("gloo", "coll", "floor") + extra:
         model, x = _build(name, a)
         ddp_sync = kind == "ddp" and which == "floor_sync"
+        state = hooks.get(which)
         m = _wrap(kind, model, which == "floor" or ddp_sync, fake, pgs.get(which),
-                  coll if ddp_sync else None)
+                  coll if ddp_sync else state,
+                  memory_floor_pg.ddp_hook if state is not None else None)
         mods[which] = (m, torch.optim.SGD(m.parameters(), lr=1e-4))
     steps = []
     td.barrier()

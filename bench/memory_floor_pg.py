@@ -22,6 +22,9 @@ plus that wait is a lower bound for any implementation of the two calls, ours in
 ``work=False`` leaves the waits alone, to tell the two costs apart. bench_train's FSDP2
 cases name the three ``floor_mem``, ``floor_mem_sync`` and ``floor_sync``. The values
 this group produces are wrong; the benchmark reads only times.
+
+For DDP, :func:`ddp_hook` is the same idea as a comm hook (bench_train's DDP
+``floor_mem`` and ``floor_mem_sync``).
 """
 import torch
 import torch.distributed as td
@@ -99,6 +102,27 @@ class MemoryFloorGroup(td.ProcessGroup):
 
     def barrier(self, opts=None):
         return _Done([])
+
+
+class DdpHookState:
+    """State of :func:`ddp_hook`: ``sync`` as in MemoryFloorGroup (None: no wait)."""
+
+    def __init__(self, sync=None):
+        self.sync = sync
+
+
+def ddp_hook(state, bucket):
+    """DDP's memory floor, a comm hook: the least memory work of an all_reduce of the
+    bucket (every rank reads its G bytes once and writes the sum once: 2G a rank), done
+    in place on the rank's own bucket, then with ``state.sync`` a 4-byte all_reduce over
+    it: the one wait a bucket's all_reduce has. The bucket keeps its values (times one)."""
+    buf = bucket.buffer()
+    torch.mul(buf, 1.0, out=buf)
+    if state.sync is not None:
+        td.all_reduce(torch.zeros(1), group=state.sync)
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
 
 
 def _create(opts, _options=None):

@@ -1,6 +1,7 @@
 """bench/memory_floor_pg.py: the FSDP2 floor that does the collectives' memory work does it
 (every all_gather block written, the reduce_scatter's blocks summed), and nothing with
-``work=False``. Called directly on one group object: no ranks, no communication."""
+``work=False``; DDP's memory-floor hook leaves the gradients as they were. Called directly
+on one group object or bucket: no ranks, no communication."""
 import os
 import sys
 
@@ -58,3 +59,21 @@ def test_without_work_nothing_is_written(floor_pg):
     pg.all_gather_single(out, torch.ones(2))
     pg.reduce_scatter_single(out[:2], torch.ones(4))
     assert torch.equal(out, torch.zeros(4))
+
+
+class _Bucket:
+    """What ddp_hook reads of DDP's GradBucket."""
+
+    def __init__(self, buf):
+        self._buf = buf
+
+    def buffer(self):
+        return self._buf
+
+
+def test_ddp_hook_keeps_the_gradients():
+    import memory_floor_pg
+    import torch
+    grads = torch.linspace(-3.0, 3.0, 11)
+    fut = memory_floor_pg.ddp_hook(memory_floor_pg.DdpHookState(), _Bucket(grads.clone()))
+    assert torch.equal(fut.wait(), grads)
