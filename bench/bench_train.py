@@ -23,7 +23,9 @@ intra-op threads set per launch):
   alone: with no free core (ranks >= cores), ``floor + that`` is roughly the least a step
   can take. For DDP a fourth copy, ``floor_sync``, is the floor whose last bucket waits
   for every rank (a 4-byte all_reduce over ours): what the one wait of a real step costs,
-  the ranks' drift apart included, with no gradient moved.
+  the ranks' drift apart included, with no gradient moved. Two more are DDP's memory
+  floor (bench/memory_floor_pg.py's ``ddp_hook``: an all_reduce's least memory work on
+  each bucket), ``floor_mem`` without waits and ``floor_mem_sync`` with one a bucket.
 
 Models (``--models``): ``mlp8`` the comm-bound MLP 512 -> 2048 x4 -> 16 (17.9M float32
 parameters, 68 MiB of gradients) at batch 8, ``mlp128`` the same at batch 128, ``tfm`` a
