@@ -27,6 +27,11 @@ DOCS = {"README.md": os.path.join(ROOT, "README.md"),
         "docs/benchmarks.md": os.path.join(ROOT, "docs", "benchmarks.md")}
 
 
+def _json(name):
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
 def _jsonl(name):
     with open(os.path.join(RESULTS, name)) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -56,15 +61,13 @@ def medians(cells):
 
 def vs_torch_gloo(name, keep):
     """Ratios against torch gloo of bench_vs's JSON (its "ratios" list), cells kept by keep."""
-    with open(os.path.join(RESULTS, name)) as f:
-        rows = json.load(f)["ratios"]
+    rows = _json(name)["ratios"]
     return [r["ratio"] for r in rows
             if r["vs"] == "torch:gloo" and r["impl"] == "collectives:gloo" and keep(r)]
 
 
 def rounds_of(name):
-    with open(os.path.join(RESULTS, name)) as f:
-        return len(next(iter(json.load(f)["medians"].values())))
+    return len(next(iter(_json(name)["medians"].values())))
 
 
 def csv_vs(name, impl, other, keep):
@@ -78,24 +81,19 @@ def csv_vs(name, impl, other, keep):
 
 
 def nccl_vs_torch(name, key, max_bytes):
-    with open(os.path.join(RESULTS, name)) as f:
-        rows = json.load(f)[key]
+    rows = _json(name)[key]
     return [r["ours_s"] / r["torch_s"] for r in rows if r["bytes"] <= max_bytes]
 
 
 def train_ratios(name, model, num, den):
     """Per launch and case of ``model`` in a bench_train JSON: the ``num`` step over the
     ``den`` step (keys of a mixed launch's result, e.g. "coll_ms", "floor_mem_sync_ms")."""
-    with open(os.path.join(RESULTS, name)) as f:
-        runs = json.load(f)
-    return [r[num] / r[den] for run in runs for r in run["results"] if r["model"] == model]
+    return [r[num] / r[den] for run in _json(name) for r in run["results"] if r["model"] == model]
 
 
 def train_launches(name):
     """Launches per world in a bench_train JSON (the fewest of any world)."""
-    with open(os.path.join(RESULTS, name)) as f:
-        worlds = collections.Counter(run["world"] for run in json.load(f))
-    return min(worlds.values())
+    return min(collections.Counter(run["world"] for run in _json(name)).values())
 
 
 def span(values):
