@@ -29,32 +29,9 @@ For DDP, :func:`ddp_hook` is the same idea as a comm hook (bench_train's DDP
 import torch
 import torch.distributed as td
 
+from collectives.torch_bridge.torch_work import TorchWork
+
 NAME = "memfloor"
-
-
-class _Done(td._Work):
-    """A finished call: ``wait`` returns at once, the future holds the outputs."""
-
-    def __init__(self, result):
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout=None):
-        return True
-
-    def is_completed(self):
-        return True
-
-    def is_success(self):
-        return True
-
-    def result(self):
-        return self._result
-
-    def get_future(self):
-        fut = torch.futures.Future()
-        fut.set_result(self._result)
-        return fut
 
 
 class MemoryFloorGroup(td.ProcessGroup):
@@ -68,9 +45,11 @@ class MemoryFloorGroup(td.ProcessGroup):
     work = True
 
     def _done(self, result):
+        """The call's Work, finished: the bridge's with no call pending (``wait`` returns
+        at once, the future holds the outputs), after the wait with ``sync``."""
         if self.sync is not None:
             td.all_reduce(torch.zeros(1), group=self.sync)
-        return _Done(result)
+        return TorchWork(None, result)
 
     # torch's C++ ProcessGroup keeps its name in its backends, and this group has none:
     # the name torch gives it is kept here, for torch's Python code (DeviceMesh reads it)
@@ -101,7 +80,7 @@ class MemoryFloorGroup(td.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def barrier(self, opts=None):
-        return _Done([])
+        return TorchWork(None, [])
 
 
 class DdpHookState:
