@@ -183,17 +183,19 @@ VARIANTS = {
 
 def _variant(v):
     """Switch the collectives run to variant ``v`` (see VARIANTS); "default" puts back what
-    the settings say, after another variant's blocks."""
-    from collectives import config
+    the group applied at creation (rank 0's settings), after another variant's blocks."""
     from collectives.api import group as _groups
-    comm = getattr(_groups.world.default.backend, "_comm", None)
+    backend = _groups.world.default.backend
+    comm = getattr(backend, "_comm", None)
     if comm is None:
         if v == "default":
             return
         raise SystemExit(f"variant {v}: the default group's backend is not shm")
-    algo, stream = config.get("COLLECTIVES_SHM_AR_ALGO"), int(config.get("COLLECTIVES_SHM_STREAM"))
-    cma = [int(config.get(name)) for name in ("COLLECTIVES_SHM_CMA_MIN", "COLLECTIVES_SHM_CMA_BCAST_MIN",
-                                              "COLLECTIVES_SHM_CMA_AR_MIN")]
+    # what the group applied at creation: rank 0's settings, the same on every rank
+    tuning = backend.tuning
+    algo, stream = tuning["COLLECTIVES_SHM_AR_ALGO"], int(tuning["COLLECTIVES_SHM_STREAM"])
+    cma = [int(tuning[name]) for name in ("COLLECTIVES_SHM_CMA_MIN", "COLLECTIVES_SHM_CMA_BCAST_MIN",
+                                          "COLLECTIVES_SHM_CMA_AR_MIN")]
     if v == "gather_timed":  # above every block: the all_gather's measured choice decides
         cma[0] = 1 << 50
     elif v == "no_gather_cma":

@@ -208,6 +208,8 @@ class ShmBackend(Backend):
             if rank == 0:
                 unlink(name)
         self._comm.coll_base = self._comm.coll  # error messages count the user's collectives
+        #: the group's settings as every rank applied them (rank 0's), by setting name
+        self.tuning = dict(zip(_TUNING, tuning.split(",")))
         (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min, stream,
          ar_algo) = tuning.split(",")
         (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min,

@@ -23,7 +23,7 @@ import time
 from .. import config
 from ..core.errors import DistError
 from ..store.elastic_job import (decide, decided, done_key, gen_key, here_entries, latest,
-                                 prefix)
+                                 members_of, prefix)
 
 POLL = 0.05  # seconds between looks at a generation being decided
 SETTLE = 30.0  # seconds the first generation waits for np processes before it starts with min_np
@@ -205,6 +205,7 @@ class Runtime:
                 self.store.wait([gen_key(self.job, g)], datetime.timedelta(seconds=wait))
             except DistError:
                 return None
+            return members_of(self.store, self.job, g)  # the wait saw it: no second check
         return decided(self.store, self.job, g)
 
     def _first_undecided(self):

@@ -43,12 +43,15 @@ def gen_key(job, g):
     return prefix(job) + f"gen/{g}"
 
 
+def members_of(store, job, g):
+    """Generation g's decided members (uids in rank order); the decision must exist (a get
+    of a missing key waits out the store's timeout)."""
+    return json.loads(store.get(gen_key(job, g)))["members"]
+
+
 def decided(store, job, g):
     """Generation g's decided members (uids in rank order), or None if not decided."""
-    key = gen_key(job, g)
-    if not store.check([key]):
-        return None
-    return json.loads(store.get(key))["members"]
+    return members_of(store, job, g) if store.check([gen_key(job, g)]) else None
 
 
 def decide(store, job, g, uids):

@@ -1134,9 +1134,18 @@ def setup_mixed_env(ctx):
     return setup_backend(ctx, "shm")
 
 
+def group_tuning(ctx):
+    """The settings the rank's group applied, as the backend reports them."""
+    return ctx.state["be"].tuning
+
+
 @pytest.mark.timeout(120)
 def test_thresholds_come_from_rank_0_whatever_the_other_ranks_environment():
     pool = get_pool(2, setup=setup_mixed_env, env={"MIXED_ENV_TEST": "1"})
+    tunings = pool.run(group_tuning)
+    assert tunings[0] == tunings[1], tunings
+    assert tunings[1]["COLLECTIVES_SHM_ONESHOT_MAX"] != "64", tunings  # rank 1's own says 64
+    assert tunings[1]["COLLECTIVES_SHM_CMA_MIN"] != "0", tunings
     for name in ("broadcast", "all_gather", "all_reduce"):
         for count in (5, 3000, 70000, 300000):
             assert pool.run(run_op, name, 11, D.FLOAT32, count, D.SUM, 0, timeout=60) == [True] * 2

@@ -23,8 +23,7 @@ if backend == "collectives":
 from accelerate import Accelerator  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.support.gloo_exit import end_if_torch_gloo  # noqa: E402
-from common import BATCH, dataset, model, write_weights  # noqa: E402
+from common import BATCH, dataset, end_if_torch_gloo, model, write_weights  # noqa: E402
 
 accelerator = Accelerator(cpu=True)
 import torch.distributed as td  # noqa: E402

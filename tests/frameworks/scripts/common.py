@@ -1,6 +1,16 @@
-"""What the framework scripts share: the model, each rank's data, and the weights' bytes
-written where the test reads them (``OUT.rank<r>``, hex)."""
+"""What the framework scripts share: the model, each rank's data, the weights' bytes
+written where the test reads them (``OUT.rank<r>``, hex), and the exit of a run on torch's
+own gloo (tests/support/gloo_exit.py, found from the checkout's root, so a script runs by
+hand without PYTHONPATH)."""
+import os
+import sys
+
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if ROOT not in sys.path:
+    sys.path.append(ROOT)  # after site-packages: an installed collectives still comes first
+from tests.support.gloo_exit import end_if_torch_gloo  # noqa: E402,F401  (the scripts' import)
 
 STEPS = 4
 BATCH = 6

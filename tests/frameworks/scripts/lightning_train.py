@@ -18,8 +18,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from tests.support.gloo_exit import end_if_torch_gloo  # noqa: E402
-from common import BATCH, dataset, model, write_weights  # noqa: E402
+from common import BATCH, dataset, end_if_torch_gloo, model, write_weights  # noqa: E402
 
 
 class Module(L.LightningModule):

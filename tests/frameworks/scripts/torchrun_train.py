@@ -11,8 +11,7 @@ import torch.distributed as td
 
 backend, out = sys.argv[1], sys.argv[2]
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tests.support.gloo_exit import end_if_torch_gloo  # noqa: E402
-from common import BATCH, dataset, model, write_weights  # noqa: E402
+from common import BATCH, dataset, end_if_torch_gloo, model, write_weights  # noqa: E402
 
 td.init_process_group(backend)
 assert td.get_backend() == backend
