@@ -327,6 +327,9 @@ def _case_mixed(td, a, name, kind, fake, coll, mem):
         pgs.update(floor_mem=mem[0], floor_mem_sync=mem[1], floor_sync=mem[2])
     else:
         extra = ()
+    if kind == "fsdp" and a.shared:  # FSDP2's all_gathers into one shared output
+        pgs.update(coll_shared=coll, gloo_shared=None)
+        extra += ("coll_shared", "gloo_shared")
     mods = {}
     for which in ("gloo", "coll", "floor") + extra:
         model, x = _build(name, a)
@@ -335,6 +338,9 @@ def _case_mixed(td, a, name, kind, fake, coll, mem):
         m = _wrap(kind, model, which == "floor" or ddp_sync, fake, pgs.get(which),
                   coll if ddp_sync else state,
                   memory_floor_pg.ddp_hook if state is not None else None)
+        if which.endswith("_shared"):
+            from collectives.torch_bridge.fsdp import share_all_gathers
+            share_all_gathers(m, group=pgs[which])
         mods[which] = (m, torch.optim.SGD(m.parameters(), lr=1e-4))
     steps = []
     td.barrier()
@@ -370,6 +376,7 @@ def _case_mixed(td, a, name, kind, fake, coll, mem):
     return {"model": name, "kind": kind, "gloo_ms": med("gloo"), "coll_ms": med("coll"),
             "floor_ms": med("floor"), "floor_sync_ms": med("floor_sync"),
             "floor_mem_ms": med("floor_mem"), "floor_mem_sync_ms": med("floor_mem_sync"),
+            "coll_shared_ms": med("coll_shared"), "gloo_shared_ms": med("gloo_shared"),
             "first_gloo_ms": med("first:gloo"), "placement": by_place,
             "first_coll_ms": med("first:coll"), "params": numel,
             "all_reduce_alone_ms": alone,
@@ -418,7 +425,7 @@ def worker():
 
 def launch(impl, world, threads, a, timeline):
     args = {"models": a.models, "kinds": a.kinds, "steps": a.steps, "early": a.early,
-            "variants": a.variants,
+            "variants": a.variants, "shared": a.shared,
             "block": a.block, "tfm_batch": a.tfm_batch, "tfm_seq": a.tfm_seq}
     env = dict(IMPL=impl, TORCH_THREADS=str(threads), BENCH_TRAIN_ARGS=json.dumps(args))
     if timeline and impl != "gloo":
@@ -519,6 +526,9 @@ def main(argv=None):
                     "commas: " + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
     ap.add_argument("--base-root", help="another checkout of collectives (extensions built): "
                     "impls coll@base and coll_torch@base run on it, for a before/after in one run")
+    ap.add_argument("--shared", action="store_true",
+                    help="mixed FSDP2 launches add ours and gloo with their all_gathers into "
+                    "one shared output (collectives.torch_bridge.fsdp.share_all_gathers)")
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args(argv)
     if a.worker:
@@ -608,6 +618,10 @@ def mixed_line(r):
             + (f"; memory floor with a wait a call {r['floor_mem_sync_ms']:.1f} ms: "
                f"{r['floor_mem_sync_ms'] / f:.2f}x floor, {r['floor_mem_sync_ms'] / g:.2f}x gloo"
                if r.get("floor_mem_sync_ms") else "")
+            + (f"; all_gathers into one shared output (collectives.torch_bridge.fsdp): "
+               f"coll {r['coll_shared_ms']:.1f} ms ({r['coll_shared_ms'] / g:.2f}x gloo, "
+               f"{r['coll_shared_ms'] / f:.2f}x floor), gloo {r['gloo_shared_ms']:.1f} ms "
+               f"({r['gloo_shared_ms'] / g:.2f}x gloo)" if r.get("coll_shared_ms") else "")
             + "".join(f"; {lab} ({p['rounds']} rounds): coll/floor "
                       f"{p['coll_ms'] / p['floor_ms']:.2f} coll/gloo {p['coll_ms'] / p['gloo_ms']:.2f}"
                       for lab, p in r.get("placement", {}).items()))

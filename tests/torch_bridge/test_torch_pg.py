@@ -8,8 +8,9 @@ Properties:
   ends with the parameters of a single-process reference that averages the ranks'
   gradients (from rank 0's initial parameters, which DDP broadcasts: every rank starts
   from different ones), and with rank 0's initial buffers after DDP's construction.
-  FSDP (torch's FullyShardedDataParallel on the CPU, and ``fully_shard``) ends with the
-  same reference's parameters. So does DDP with a comm hook: torch's allreduce hook, one
+  FSDP (torch's FullyShardedDataParallel on the CPU, and ``fully_shard``, also with its
+  all_gathers into shared outputs) ends with the same reference's parameters. So does
+  DDP with a comm hook: torch's allreduce hook, one
   calling the group's ``allreduce([bucket])`` method and chaining callbacks on it, and
   one whose futures' callbacks issue collectives and wait on their futures (1-3 levels
   deep, or on a future taken before the callback ran), as PowerSGD's hook does; with
@@ -285,7 +286,15 @@ def fsdp_case(ctx, case):
         wrapped = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
     else:
         from torch.distributed.fsdp import fully_shard
+        shared = case["flavor"] == "fully_shard_shared"
+        if shared:  # a param group a layer: several outputs alive, slots reused
+            for m in model:
+                if isinstance(m, torch.nn.Linear):
+                    fully_shard(m)
         wrapped = fully_shard(model)
+        if shared:
+            from collectives.torch_bridge.fsdp import share_all_gathers
+            comm = share_all_gathers(wrapped, slots=case["slots"])
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     for step in range(case["steps"]):
         opt.zero_grad()
@@ -296,16 +305,23 @@ def fsdp_case(ctx, case):
     if case["flavor"] == "fsdp1":
         with FSDP.summon_full_params(wrapped):
             return [p.detach().clone().numpy() for p in wrapped.parameters()]
+    if shared and ctx.world_size > 1:  # every all_gather went through the shared outputs
+        assert comm.shared_calls >= 2 * case["steps"] * case["accumulate"], comm.shared_calls
     return [p.full_tensor().detach().numpy() for p in model.parameters()]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @settings(SETTINGS, max_examples=examples(8))
-@given(case=ddp_cases(subgroups=False), flavor=st.sampled_from(["fsdp1", "fully_shard"]))
-def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor):
+@given(case=ddp_cases(subgroups=False),
+       flavor=st.sampled_from(["fsdp1", "fully_shard", "fully_shard_shared"]),
+       slots=st.integers(2, 4))
+def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor, slots):
+    """FSDP1, fully_shard, and fully_shard a layer at a time with its all_gathers into
+    shared outputs (``fully_shard_shared``: collectives.torch_bridge.fsdp, 2-4 slots
+    reused) end with the single-process reference's parameters."""
     world, case = case
-    case = dict(case, flavor=flavor)
+    case = dict(case, flavor=flavor, slots=slots)
     results = backend_pool(config, world).run(fsdp_case, case, timeout=120)
     want = ddp_reference(case, list(range(world)))
     for r, params in enumerate(results):

@@ -1,0 +1,151 @@
+"""collectives.torch_bridge.fsdp: FSDP2's all_gathers into outputs every rank maps.
+
+- fully_shard a layer at a time with ``share_all_gathers`` trains as one process on all
+  ranks' data (worlds 2-3, 2 slots so that every other call reuses one; the property over
+  random cases is test_torch_pg's ``fully_shard_shared`` flavour), and every all_gather
+  went through the shared outputs;
+- the shared output holds every rank's block after the call, ours and torch's gloo alike;
+- a rank that keeps an output past its slot raises at once; a peer that keeps one, or dies
+  holding it, makes the others raise within ``timeout`` naming it;
+- no segment is left in /dev/shm; misuse is a ValueError before anything is mapped.
+"""
+import glob
+import os
+import time
+
+import numpy as np
+import pytest
+
+from tests.support.ranks import backend_pool
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api",
+                    reason="FSDP2's custom all_gather (torch 2.7 on)")
+
+from tests.torch_bridge.test_torch_pg import _bridged, ddp_reference, fsdp_case  # noqa: E402
+
+
+def _segments():
+    return set(glob.glob(f"/dev/shm/collectives-fsdp-{os.getuid()}-*"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_fully_shard_with_shared_outputs_trains_as_one_process(world):
+    case = {"members": None, "width": 5, "batch": 3, "bucket_mb": 25.0, "steps": 3,
+            "accumulate": 2, "seed": 11, "flavor": "fully_shard_shared", "slots": 2}
+    results = backend_pool("gloo", world).run(fsdp_case, case, timeout=120)
+    want = ddp_reference(case, list(range(world)))
+    for r, params in enumerate(results):
+        for k, (got, exp) in enumerate(zip(params, want)):
+            np.testing.assert_allclose(got, exp, rtol=1e-9, atol=1e-12,
+                                       err_msg=f"rank {r} parameter {k}, world {world}")
+    assert not _segments()
+
+
+def gather_blocks(ctx, n, calls):
+    """Each call: allocate a shared output, write this rank's block (rank * 1000 + call +
+    i), all_gather in place; the whole output as this rank sees it after each call."""
+    from collectives.torch_bridge.fsdp import SharedAllGather
+    _bridged()
+    comm = SharedAllGather(None, slots=2)
+    out = []
+    for call in range(calls):
+        o = comm.allocate((n * ctx.world_size,), dtype=torch.float32, device=torch.device("cpu"))
+        block = o.narrow(0, n * ctx.rank, n)
+        block.copy_(torch.arange(n, dtype=torch.float32) + ctx.rank * 1000 + call)
+        assert comm(o, block, None) is None
+        out.append(o.clone().numpy())
+        del o, block
+    return out, comm.shared_calls
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [0, 1, 7, 70000])
+def test_the_shared_output_holds_every_ranks_block(n):
+    world, calls = 3, 5
+    res = backend_pool("gloo", world).run(gather_blocks, n, calls)
+    for call in range(calls):
+        want = np.concatenate([np.arange(n, dtype=np.float32) + r * 1000 + call
+                               for r in range(world)])
+        for r, (outs, shared) in enumerate(res):
+            np.testing.assert_array_equal(outs[call], want, err_msg=f"rank {r} call {call}")
+            assert shared == calls
+    assert not _segments()
+
+
+def hold_outputs(ctx, holder, die, timeout):
+    """slots=2: every rank allocates twice (making both slots); ``holder`` keeps its first
+    output (or dies holding it), the others drop theirs and come back to slot 0. What
+    each rank raised, or "ok"."""
+    from collectives.torch_bridge.fsdp import SharedAllGather
+    _bridged()
+    comm = SharedAllGather(None, slots=2, timeout=timeout)
+    dev = torch.device("cpu")
+    kept = [comm.allocate((4,), dtype=torch.float32, device=dev),
+            comm.allocate((4,), dtype=torch.float32, device=dev)]
+    if ctx.rank == holder:
+        if die:
+            os._exit(3)
+        kept = kept[:1]
+    else:
+        kept = []
+    t0 = time.monotonic()
+    try:
+        comm.allocate((4,), dtype=torch.float32, device=dev)
+    except RuntimeError as e:
+        if kept:  # the holder keeps its output while the others wait for it
+            time.sleep(timeout + 2)
+        return str(e), time.monotonic() - t0
+    return "ok", time.monotonic() - t0
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_keeps_its_output_past_the_slot_raises_at_once():
+    res = backend_pool("gloo", 1).run(_own_rank_keeps)
+    assert "still holds the output of its all_gather 0" in res[0], res
+
+
+def _own_rank_keeps(ctx):
+    from collectives.torch_bridge.fsdp import SharedAllGather
+    _bridged()
+    comm = SharedAllGather(None, slots=2)
+    dev = torch.device("cpu")
+    kept = [comm.allocate((8,), dtype=torch.float32, device=dev) for _ in range(2)]
+    try:
+        comm.allocate((8,), dtype=torch.float32, device=dev)
+    except RuntimeError as e:
+        return str(e)
+    return f"no error, {len(kept)} kept"
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_keeps_its_output_makes_the_others_raise_naming_it():
+    res = backend_pool("gloo", 3).run(hold_outputs, 1, False, 1.0)
+    for r in (0, 2):
+        msg, waited = res[r]
+        assert "group rank(s) [1] did not drop their output of slot 0 within 1.0 s" in msg, res
+        assert 0.9 < waited < 10, res
+    assert "still holds" in res[1][0], res  # the holder itself comes back to its own slot
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(120)
+def test_a_peer_that_dies_holding_its_output_makes_the_survivors_raise():
+    pool = backend_pool("gloo", 3)
+    answers, died = pool.run_dead_peer(hold_outputs, 1, True, 2.0, victims={1}, timeout=60)
+    assert died == {1}
+    for r in (0, 2):
+        msg, waited = answers[r]
+        assert "group rank(s) [1] did not drop" in msg, answers
+        assert waited < 10, answers
+
+
+def test_misuse_is_a_value_error_naming_the_argument():
+    from collectives.torch_bridge.fsdp import SharedAllGather, share_all_gathers
+    with pytest.raises(ValueError, match="slots must be an int of at least 2, got 1"):
+        SharedAllGather(None, slots=1)
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        SharedAllGather(None, timeout=0)
+    with pytest.raises(ValueError, match="no FSDP2 module"):
+        share_all_gathers(torch.nn.Linear(2, 2))
