@@ -166,6 +166,12 @@ def _wrap(kind, model, floor, fake, group=None, sync=None, hook=None):
     return fully_shard(model, mesh=mesh)
 
 
+#: --shared's copies of an FSDP2 model in a mixed launch: name -> (group, whether its
+#: reduce_scatters go through shared memory too; its all_gathers always do)
+SHARED = {"coll": ("coll", True), "coll_gather": ("coll", False), "gloo": ("gloo", True),
+          "gloo_gather": ("gloo", False)}
+
+
 #: what a variant of the collectives run changes, between blocks of steps, on every rank
 VARIANTS = {
     "default": "nothing (what the tree does)",
@@ -327,9 +333,11 @@ def _case_mixed(td, a, name, kind, fake, coll, mem):
         pgs.update(floor_mem=mem[0], floor_mem_sync=mem[1], floor_sync=mem[2])
     else:
         extra = ()
-    if kind == "fsdp" and a.shared:  # FSDP2's all_gathers into one shared output
-        pgs.update(coll_shared=coll, gloo_shared=None)
-        extra += ("coll_shared", "gloo_shared")
+    shared = {}  # copy -> (group, with the reduce_scatter too)
+    if kind == "fsdp":  # FSDP2's collectives through shared memory (--shared)
+        shared = {"shared_" + s: SHARED[s] for s in a.shared}
+        pgs.update({w: coll if g == "coll" else None for w, (g, _) in shared.items()})
+        extra += tuple(shared)
     mods = {}
     for which in ("gloo", "coll", "floor") + extra:
         model, x = _build(name, a)
@@ -338,9 +346,9 @@ def _case_mixed(td, a, name, kind, fake, coll, mem):
         m = _wrap(kind, model, which == "floor" or ddp_sync, fake, pgs.get(which),
                   coll if ddp_sync else state,
                   memory_floor_pg.ddp_hook if state is not None else None)
-        if which.endswith("_shared"):
-            from collectives.torch_bridge.fsdp import share_all_gathers
-            share_all_gathers(m, group=pgs[which])
+        if which in shared:
+            from collectives.torch_bridge.fsdp import share_collectives
+            share_collectives(m, group=pgs[which], reduce_scatter=shared[which][1])
         mods[which] = (m, torch.optim.SGD(m.parameters(), lr=1e-4))
     steps = []
     td.barrier()
@@ -376,7 +384,7 @@ def _case_mixed(td, a, name, kind, fake, coll, mem):
     return {"model": name, "kind": kind, "gloo_ms": med("gloo"), "coll_ms": med("coll"),
             "floor_ms": med("floor"), "floor_sync_ms": med("floor_sync"),
             "floor_mem_ms": med("floor_mem"), "floor_mem_sync_ms": med("floor_mem_sync"),
-            "coll_shared_ms": med("coll_shared"), "gloo_shared_ms": med("gloo_shared"),
+            "shared_ms": {w[len("shared_"):]: med(w) for w in shared},
             "first_gloo_ms": med("first:gloo"), "placement": by_place,
             "first_coll_ms": med("first:coll"), "params": numel,
             "all_reduce_alone_ms": alone,
@@ -526,14 +534,19 @@ def main(argv=None):
                     "commas: " + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
     ap.add_argument("--base-root", help="another checkout of collectives (extensions built): "
                     "impls coll@base and coll_torch@base run on it, for a before/after in one run")
-    ap.add_argument("--shared", action="store_true",
-                    help="mixed FSDP2 launches add ours and gloo with their all_gathers into "
-                    "one shared output (collectives.torch_bridge.fsdp.share_all_gathers)")
+    ap.add_argument("--shared", default="",
+                    help="mixed FSDP2 launches add copies whose collectives go through shared "
+                    "memory (collectives.torch_bridge.fsdp), commas: " + "; ".join(
+                        f"{k}: {g} with {'both calls' if rs else 'the all_gathers alone'}"
+                        for k, (g, rs) in SHARED.items()))
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args(argv)
     if a.worker:
         return worker()
     a.models, a.kinds, a.variants = a.models.split(","), a.kinds.split(","), a.variants.split(",")
+    a.shared = [s for s in a.shared.split(",") if s]
+    if set(a.shared) - set(SHARED):
+        ap.error(f"--shared: unknown {sorted(set(a.shared) - set(SHARED))}; known {sorted(SHARED)}")
     for v in a.variants:
         if v not in VARIANTS:
             ap.error(f"--variants: unknown {v!r}; choose from {', '.join(VARIANTS)}")
@@ -618,10 +631,8 @@ def mixed_line(r):
             + (f"; memory floor with a wait a call {r['floor_mem_sync_ms']:.1f} ms: "
                f"{r['floor_mem_sync_ms'] / f:.2f}x floor, {r['floor_mem_sync_ms'] / g:.2f}x gloo"
                if r.get("floor_mem_sync_ms") else "")
-            + (f"; all_gathers into one shared output (collectives.torch_bridge.fsdp): "
-               f"coll {r['coll_shared_ms']:.1f} ms ({r['coll_shared_ms'] / g:.2f}x gloo, "
-               f"{r['coll_shared_ms'] / f:.2f}x floor), gloo {r['gloo_shared_ms']:.1f} ms "
-               f"({r['gloo_shared_ms'] / g:.2f}x gloo)" if r.get("coll_shared_ms") else "")
+            + "".join(f"; shared {w} {ms:.1f} ms ({ms / g:.2f}x gloo, {ms / f:.2f}x floor)"
+                      for w, ms in r.get("shared_ms", {}).items())
             + "".join(f"; {lab} ({p['rounds']} rounds): coll/floor "
                       f"{p['coll_ms'] / p['floor_ms']:.2f} coll/gloo {p['coll_ms'] / p['gloo_ms']:.2f}"
                       for lab, p in r.get("placement", {}).items()))

@@ -1,29 +1,37 @@
-"""FSDP2's all_gathers into memory that every rank of one host maps (opt in, per model).
+"""FSDP2's collectives through memory that every rank of one host maps (opt in, per model).
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) allocates each all_gather's output, copies
-the rank's shard into its own block of it, all_gathers in place, copies the parameters
-out and drops the output. On one host the ranks can share that output instead:
-:class:`SharedAllGather` hands FSDP2 outputs that live in a shared-memory segment every
-rank of the group maps, the same bytes for all of them. FSDP2's own copy-in then writes
-each rank's shard straight into the one output the others read, and the all_gather is a
-barrier: no rank copies another's shard, and no fresh pages are faulted in a call.
+FSDP2 (``torch.distributed.fsdp.fully_shard``) allocates each call's buffer, copies into
+it, runs the collective and drops the buffer. On one host the ranks can map those buffers
+instead, and each call does less:
 
-    from collectives.torch_bridge.fsdp import share_all_gathers
+- **all_gather** (:class:`SharedAllGather`): the output lives in a segment every rank
+  maps, the same bytes for all. FSDP2's own copy-in writes each rank's shard straight
+  into the one output the others read, so the call is a barrier: no rank copies
+  another's shard, and no fresh pages are faulted in.
+- **reduce_scatter** (:class:`SharedReduceScatter`): each rank's input lives in its own
+  region of a segment every rank maps. After a barrier each rank sums its block of every
+  rank's input (in rank order) into its output, then a second barrier lets the inputs be
+  reused. The output is FSDP2's own (it becomes the sharded gradient).
+
+    from collectives.torch_bridge.fsdp import share_collectives
     model = fully_shard(model)            # after every fully_shard of the model
-    share_all_gathers(model)              # every FSDP module of it, on every rank
+    share_collectives(model)              # every FSDP module of it, on every rank
 
-How outputs are reused: the k-th call of every rank takes slot ``k % slots``, a region of
-its own segment (FSDP2 calls in the same order on every rank, so the ranks agree without
-a message). A rank marks its use of a slot done when FSDP2 drops the output (its last
-view's storage is freed); a rank that comes back to a slot waits until every rank has
-done so, and raises if that takes longer than ``timeout`` (a rank that died, or a program
-that kept an output). A slot grows (a new segment, rank 0 names it to the others with a
+How buffers are reused: the k-th buffer a rank takes is in slot ``k % slots``, a
+segment of its own (FSDP2 calls in the same order on every rank, so the ranks agree
+without a message). A rank marks its use of a slot done when FSDP2 drops the buffer (its
+last view's storage is freed). A rank that comes back to a slot waits until the ranks
+that read it have done so (every rank for an all_gather's output, itself for a
+reduce_scatter input, whose readers the second barrier has already waited for), and
+raises if that takes longer than ``timeout`` (a rank that died or stopped, or a program
+that kept a buffer). A slot grows (a new segment; rank 0 names it to the others with a
 broadcast) when a call needs more than it holds; its old segment lives until the last
-output in it is dropped. Segments are unlinked as soon as every rank has mapped them.
+buffer in it is dropped. Segments are unlinked as soon as every rank has mapped them.
 
 Where the group's ranks are not on one host, or the device is not the CPU, the calls are
-FSDP2's defaults (an output from ``torch.empty``, ``all_gather_into_tensor``): every rank
-takes the same path, decided once by a gather of the ranks' host identities.
+FSDP2's defaults: every rank takes the same path, decided once by a gather of the ranks'
+host identities. A reduce_scatter whose op is neither SUM nor AVG runs as FSDP2's default
+on the shared input.
 """
 import mmap
 import os
@@ -37,16 +45,16 @@ import numpy as np
 import torch
 import torch.distributed as td
 
-try:  # FSDP2's interface for it (torch 2.7 on; not exported by name)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-except ImportError:  # an older torch: no set_custom_all_gather to hand it to either
-    AllGather = object
+try:  # FSDP2's interfaces for them (torch 2.7 on; not exported by name)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # an older torch: no set_custom_all_gather to hand them to either
+    AllGather = ReduceScatter = object
 
 #: bytes of a slot segment's header: one 64-byte line per rank (its count of finished uses)
 _LINE = 64
 #: slot capacities are rounded up to this (a segment is made for a size class, not a call)
 _ROUND = 1 << 21
-#: orders a rank's reads of an output before its release mark (an acquire and a release)
+#: orders a rank's reads of a buffer before its release mark (an acquire and a release)
 _FENCE = threading.Lock()
 
 
@@ -60,16 +68,151 @@ def _host_identity():
     return f"{socket.gethostname()}/{boot}"
 
 
-class _Slot:
-    """One region all ranks map: a header of per-rank release counts, then the data."""
+def _release(released, rank, count):
+    """A rank dropped its buffer in a slot: its reads of it are done."""
+    with _FENCE:  # the reads of the buffer come before the mark (release order)
+        released[rank, 0] = count
 
-    def __init__(self, buf, capacity, world):
+
+class _Slot:
+    """One segment all ranks map: a header of per-rank release counts, then ``regions``
+    regions of ``capacity`` bytes (one for all ranks, or one a rank)."""
+
+    def __init__(self, buf, capacity, world, regions):
         self.buf = buf
         self.capacity = capacity
-        self.released = np.frombuffer(buf, dtype=np.int64, count=world * _LINE // 8).reshape(world, -1)
-        self.base = np.frombuffer(buf, dtype=np.uint8, count=1, offset=world * _LINE).ctypes.data
         self.header = world * _LINE
+        self.released = np.frombuffer(buf, dtype=np.int64, count=world * _LINE // 8).reshape(world, -1)
+        self.base = np.frombuffer(buf, dtype=np.uint8, count=1, offset=self.header).ctypes.data
+        self.end = self.base + regions * capacity
         self.uses = 0  # this rank's uses so far (the same count on every rank)
+
+    def region(self, q):
+        """Where region ``q`` starts in the segment (bytes)."""
+        return self.header + q * self.capacity
+
+
+class _Slots:
+    """The slots of one shared collective (see the module's docstring): ``per_rank``
+    gives every rank a region of its own in each slot; ``readers`` is who must have
+    dropped a slot's last buffer before its next use ("all" or "self")."""
+
+    def __init__(self, name, group, slots, timeout, per_rank, readers):
+        if not isinstance(slots, int) or slots < 2:
+            raise ValueError(f"slots must be an int of at least 2, got {slots!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        self.name, self.group, self.timeout = name, group, float(timeout)
+        self.per_rank, self.readers = per_rank, readers
+        self.slots = [None] * slots
+        self.calls = 0
+        self.shared = None  # decided at the first call: every rank on one host
+        self.taken = 0  # buffers handed out from the slots (for tests and benches)
+
+    def rank(self):
+        return td.get_rank(self.group)
+
+    def world(self):
+        return td.get_world_size(self.group)
+
+    def usable(self, device):
+        """Whether this call goes through the slots: the CPU, every rank on one host
+        (collective the first time)."""
+        if torch.device(device).type != "cpu":
+            return False
+        if self.shared is None:
+            ids = [None] * self.world()
+            td.all_gather_object(ids, _host_identity(), group=self.group)
+            self.shared = len(set(ids)) == 1
+        return self.shared
+
+    def take(self, size, dtype):
+        """This rank's buffer of ``size`` and ``dtype`` in the next slot (collective when
+        the slot must grow)."""
+        numel = 1
+        for n in size:
+            numel *= int(n)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        k = self.calls % len(self.slots)
+        self.calls += 1
+        slot = self.slots[k]
+        if slot is None or slot.capacity < nbytes:
+            slot = self.slots[k] = self._new_slot(nbytes)
+        else:
+            self._wait_released(slot, k)
+        use = slot.uses
+        slot.uses += 1
+        rank = self.rank()
+        held = np.frombuffer(slot.buf, dtype=np.uint8, count=nbytes,
+                             offset=slot.region(rank if self.per_rank else 0))
+        weakref.finalize(held, _release, slot.released, rank, use + 1).atexit = False
+        self.taken += 1
+        return torch.from_numpy(held).view(dtype).view(tuple(int(n) for n in size))
+
+    def slot_of(self, t):
+        """The slot ``t``'s memory is in, or None."""
+        ptr = t.data_ptr()
+        for s in self.slots:
+            if s is not None and s.base <= ptr < s.end:
+                return s
+        return None
+
+    def _new_slot(self, nbytes):
+        """Collective (every rank makes the same slot at the same call): rank 0 creates the
+        segment and broadcasts its name; each maps it; rank 0 unlinks it once all have."""
+        world = self.world()
+        capacity = max(1, -(-nbytes // _ROUND)) * _ROUND
+        regions = world if self.per_rank else 1
+        size = world * _LINE + regions * capacity
+        name = [None]
+        if self.rank() == 0:
+            name[0] = (f"/dev/shm/collectives-fsdp-{os.getuid()}-{os.getpid()}-"
+                       f"{secrets.token_hex(6)}")
+            fd = os.open(name[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+        try:
+            src = td.get_global_rank(self.group, 0) if self.group is not None else 0
+            td.broadcast_object_list(name, src=src, group=self.group)
+            fd = os.open(name[0], os.O_RDWR)
+            try:
+                buf = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            td.barrier(group=self.group)  # every rank has mapped it
+        finally:
+            if self.rank() == 0:
+                os.unlink(name[0])
+        return _Slot(buf, capacity, world, regions)
+
+    def _wait_released(self, slot, k):
+        """Until the slot's readers have dropped its previous buffer."""
+        mine = self.rank()
+        if slot.released[mine, 0] < slot.uses:
+            raise RuntimeError(
+                f"{self.name}: this rank (group rank {mine}) still holds its buffer "
+                f"{self.calls - 1 - len(self.slots)} (slot {k}) as its buffer "
+                f"{self.calls - 1} needs the slot: keep at most {len(self.slots) - 1} alive, "
+                f"or pass slots= more")
+        if self.readers == "self":
+            with _FENCE:
+                return
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while True:
+            behind = np.nonzero(slot.released[:, 0] < slot.uses)[0]
+            if not len(behind):
+                with _FENCE:  # order the checks before this rank's writes into the slot
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{self.name}: group rank(s) {behind.tolist()} did not drop their "
+                    f"buffer in slot {k} within {self.timeout} s (a rank died or stopped, "
+                    f"or keeps the buffer)")
+            spins += 1
+            time.sleep(0 if spins < 100 else 50e-6)
 
 
 class SharedAllGather(AllGather):
@@ -80,42 +223,21 @@ class SharedAllGather(AllGather):
     rank waits for the others to drop an output before raising."""
 
     def __init__(self, group=None, slots=4, timeout=300.0):
-        if not isinstance(slots, int) or slots < 2:
-            raise ValueError(f"slots must be an int of at least 2, got {slots!r}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-        self.group = group
-        self.timeout = float(timeout)
-        self._slots = [None] * slots
-        self._calls = 0
-        self._shared = None  # decided at the first call: every rank on one host
-        self.shared_calls = 0  # calls that went through shared memory (for tests and benches)
+        self._slots = _Slots("SharedAllGather", group, slots, timeout, per_rank=False,
+                             readers="all")
 
-    # -- FSDP2's interface ---------------------------------------------------------------
+    @property
+    def shared_calls(self):
+        """Outputs handed out from shared memory so far."""
+        return self._slots.taken
+
     def allocate(self, size, *, dtype, device):
-        if torch.device(device).type != "cpu" or not self._one_host():
+        if not self._slots.usable(device):
             return torch.empty(size, dtype=dtype, device=device)
-        numel = 1
-        for n in size:
-            numel *= int(n)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        k = self._calls % len(self._slots)
-        self._calls += 1
-        slot = self._slots[k]
-        if slot is None or slot.capacity < nbytes:
-            slot = self._slots[k] = self._new_slot(nbytes)
-        else:
-            self._wait_released(slot, k)
-        use = slot.uses
-        slot.uses += 1
-        held = np.frombuffer(slot.buf, dtype=np.uint8, count=nbytes, offset=slot.header)
-        rank = self._rank()
-        weakref.finalize(held, _release, slot.released, rank, use + 1).atexit = False
-        self.shared_calls += 1
-        return torch.from_numpy(held).view(dtype).view(tuple(int(n) for n in size))
+        return self._slots.take(size, dtype)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        if not self._is_shared(output_tensor):
+        if self._slots.slot_of(output_tensor) is None:
             return td.all_gather_into_tensor(output_tensor, input_tensor, group=group,
                                              async_op=async_op)
         n = input_tensor.numel()
@@ -125,89 +247,78 @@ class SharedAllGather(AllGather):
         # every rank's block is in the one output once every rank has arrived
         return td.barrier(group=group, async_op=async_op)
 
-    # -- helpers -------------------------------------------------------------------------
-    def _rank(self):
-        return td.get_rank(self.group)
 
-    def _one_host(self):
-        if self._shared is None:
-            ids = [None] * td.get_world_size(self.group)
-            td.all_gather_object(ids, _host_identity(), group=self.group)
-            self._shared = len(set(ids)) == 1
-        return self._shared
+class SharedReduceScatter(ReduceScatter):
+    """FSDP2's reduce_scatter (``FSDPModule.set_custom_reduce_scatter``) from inputs in
+    regions every rank of ``group`` maps; see the module's docstring. FSDP2 takes two
+    buffers a call: the input (from the slots) and then the output (``torch.empty``: it
+    becomes the sharded gradient and lives on). ``slots`` is how many inputs may be alive
+    at once (FSDP2 keeps the previous layer's until the next call)."""
 
-    def _is_shared(self, t):
-        ptr = t.data_ptr()
-        return any(s is not None and s.base <= ptr < s.base + s.capacity for s in self._slots)
+    def __init__(self, group=None, slots=4, timeout=300.0):
+        self._slots = _Slots("SharedReduceScatter", group, slots, timeout, per_rank=True,
+                             readers="self")
+        self._output_numel = None  # the size of the output the next allocate is for
 
-    def _new_slot(self, nbytes):
-        """Collective (every rank makes the same slot at the same call): rank 0 creates the
-        segment and broadcasts its name; each maps it; rank 0 unlinks it once all have."""
-        world = td.get_world_size(self.group)
-        capacity = max(1, -(-nbytes // _ROUND)) * _ROUND
-        size = world * _LINE + capacity
-        name = [None]
-        if self._rank() == 0:
-            name[0] = f"/dev/shm/collectives-fsdp-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
-            fd = os.open(name[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-        try:
-            td.broadcast_object_list(name, src=td.get_global_rank(self.group, 0)
-                                     if self.group is not None else 0, group=self.group)
-            fd = os.open(name[0], os.O_RDWR)
-            try:
-                buf = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-            td.barrier(group=self.group)  # every rank has mapped it
-        finally:
-            if self._rank() == 0:
-                os.unlink(name[0])
-        return _Slot(buf, capacity, world)
+    @property
+    def shared_calls(self):
+        """Inputs handed out from shared memory so far."""
+        return self._slots.taken
 
-    def _wait_released(self, slot, k):
-        """Until every rank has dropped its previous output in slot ``k``."""
-        mine = self._rank()
-        if slot.released[mine, 0] < slot.uses:
-            raise RuntimeError(
-                f"SharedAllGather: this rank (group rank {mine}) still holds the output of "
-                f"its all_gather {self._calls - 1 - len(self._slots)} (slot {k}) as the "
-                f"call {len(self._slots)} later needs the slot: keep at most "
-                f"{len(self._slots) - 1} outputs alive, or pass slots= more")
-        deadline = time.monotonic() + self.timeout
-        spins = 0
-        while True:
-            behind = np.nonzero(slot.released[:, 0] < slot.uses)[0]
-            if not len(behind):
-                with _FENCE:  # order the checks before this rank's writes into the slot
-                    return
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"SharedAllGather: group rank(s) {behind.tolist()} did not drop their "
-                    f"output of slot {k} within {self.timeout} s (a rank died or stopped, "
-                    f"or keeps the output)")
-            spins += 1
-            time.sleep(0 if spins < 100 else 50e-6)
+    def allocate(self, size, *, dtype, device):
+        numel = 1
+        for n in size:
+            numel *= int(n)
+        if numel == self._output_numel or not self._slots.usable(device):
+            self._output_numel = None
+            return torch.empty(size, dtype=dtype, device=device)
+        world = self._slots.world()
+        self._output_numel = numel // world if numel % world == 0 else None
+        return self._slots.take(size, dtype)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        slot = self._slots.slot_of(input_tensor)
+        if slot is None or op not in (td.ReduceOp.SUM, td.ReduceOp.AVG):
+            return td.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                            async_op=async_op)
+        world, rank = td.get_world_size(group), td.get_rank(group)
+        n = output_tensor.numel()
+        offset = input_tensor.data_ptr() - (slot.base + rank * slot.capacity)
+        size = n * world * input_tensor.element_size()
+        out = output_tensor.view(-1)
+        td.barrier(group=group)  # every rank's input is written
+        for q in range(world):  # block ``rank`` of each rank's input, in rank order
+            seg = np.frombuffer(slot.buf, dtype=np.uint8, count=size, offset=slot.region(q) + offset)
+            theirs = torch.from_numpy(seg).view(input_tensor.dtype).narrow(0, n * rank, n)
+            if q == 0:
+                out.copy_(theirs)
+            else:
+                out.add_(theirs)
+        if op == td.ReduceOp.AVG:
+            out.div_(world)
+        # every rank has read every input: each may reuse its own
+        return td.barrier(group=group, async_op=async_op)
 
 
-def _release(released, rank, count):
-    """A rank's output in a slot was dropped: its reads of it are done."""
-    with _FENCE:  # the reads of the output come before the mark (release order)
-        released[rank, 0] = count
-
-
-def share_all_gathers(module, group=None, slots=4, timeout=300.0):
+def share_collectives(module, group=None, slots=4, timeout=300.0, reduce_scatter=True):
     """Give every FSDP2 module in ``module`` (``fully_shard``'s, itself included) one
-    :class:`SharedAllGather` over ``group``; returns it. Call it on every rank, after the
-    model's ``fully_shard`` calls and before its first forward."""
+    :class:`SharedAllGather` and, with ``reduce_scatter``, one
+    :class:`SharedReduceScatter` over ``group``; returns them (the second None without).
+    Call it on every rank, after the model's ``fully_shard`` calls and before its first
+    forward."""
     from torch.distributed.fsdp import FSDPModule
-    comm = SharedAllGather(group, slots, timeout)
     found = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not found:
         raise ValueError("module has no FSDP2 module in it: call fully_shard first")
+    gather = SharedAllGather(group, slots, timeout)
+    scatter = SharedReduceScatter(group, slots, timeout) if reduce_scatter else None
     for m in found:
-        m.set_custom_all_gather(comm)
-    return comm
+        m.set_custom_all_gather(gather)
+        if scatter is not None:
+            m.set_custom_reduce_scatter(scatter)
+    return gather, scatter
+
+
+def share_all_gathers(module, group=None, slots=4, timeout=300.0):
+    """:func:`share_collectives` for the all_gathers alone; returns the SharedAllGather."""
+    return share_collectives(module, group, slots, timeout, reduce_scatter=False)[0]

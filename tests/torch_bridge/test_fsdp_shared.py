@@ -1,10 +1,12 @@
 """collectives.torch_bridge.fsdp: FSDP2's all_gathers into outputs every rank maps.
 
-- fully_shard a layer at a time with ``share_all_gathers`` trains as one process on all
-  ranks' data (worlds 2-3, 2 slots so that every other call reuses one; the property over
-  random cases is test_torch_pg's ``fully_shard_shared`` flavour), and every all_gather
-  went through the shared outputs;
-- the shared output holds every rank's block after the call, ours and torch's gloo alike;
+- fully_shard a layer at a time with ``share_collectives`` (all_gathers alone, or both
+  calls) trains as one process on all ranks' data (worlds 2-3, 2 slots so that every
+  other buffer reuses one; the property over random cases is test_torch_pg's
+  ``fully_shard_shared`` flavour), and every call went through shared memory;
+- the shared output holds every rank's block after the call; the shared reduce_scatter
+  gives each rank its block summed (SUM, AVG; MAX through torch's call on the same input),
+  empty and odd lengths included;
 - a rank that keeps an output past its slot raises at once; a peer that keeps one, or dies
   holding it, makes the others raise within ``timeout`` naming it;
 - no segment is left in /dev/shm; misuse is a ValueError before anything is mapped.
@@ -31,9 +33,11 @@ def _segments():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
-def test_fully_shard_with_shared_outputs_trains_as_one_process(world):
+@pytest.mark.parametrize("shared_rs", [False, True])
+def test_fully_shard_with_shared_buffers_trains_as_one_process(world, shared_rs):
     case = {"members": None, "width": 5, "batch": 3, "bucket_mb": 25.0, "steps": 3,
-            "accumulate": 2, "seed": 11, "flavor": "fully_shard_shared", "slots": 2}
+            "accumulate": 2, "seed": 11, "flavor": "fully_shard_shared", "slots": 2,
+            "shared_rs": shared_rs}
     results = backend_pool("gloo", world).run(fsdp_case, case, timeout=120)
     want = ddp_reference(case, list(range(world)))
     for r, params in enumerate(results):
@@ -74,6 +78,45 @@ def test_the_shared_output_holds_every_ranks_block(n):
     assert not _segments()
 
 
+def scatter_blocks(ctx, n, calls, op):
+    """Each call: an input from the slots (rank r's element i of block b: r * 100 + b * 10
+    + i + call), the output from torch.empty, as FSDP2 takes them; reduce_scatter; this
+    rank's outputs."""
+    import torch.distributed as td
+
+    from collectives.torch_bridge.fsdp import SharedReduceScatter
+    _bridged()
+    comm = SharedReduceScatter(None, slots=2)
+    w, out = ctx.world_size, []
+    dev = torch.device("cpu")
+    for call in range(calls):
+        x = comm.allocate((n * w,), dtype=torch.float64, device=dev)
+        o = comm.allocate((n,), dtype=torch.float64, device=dev)
+        assert comm._slots.slot_of(o) is None  # the output is FSDP2's own memory
+        x.copy_(torch.arange(n * w, dtype=torch.float64) % n + ctx.rank * 100 + call
+                + 10 * (torch.arange(n * w) // max(n, 1)))
+        comm(o, x, None, getattr(td.ReduceOp, op))
+        out.append(o.numpy().copy())
+        del x, o
+    return out, comm.shared_calls
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [0, 1, 5, 30000])
+@pytest.mark.parametrize("op", ["SUM", "AVG", "MAX"])
+def test_the_shared_reduce_scatter_gives_each_rank_its_reduced_block(n, op):
+    world, calls = 3, 5
+    res = backend_pool("gloo", world).run(scatter_blocks, n, calls, op)
+    i = np.arange(n, dtype=np.float64)
+    for call in range(calls):
+        for r, (outs, shared) in enumerate(res):
+            ins = [i + q * 100 + call + 10 * r for q in range(world)]
+            want = {"SUM": sum(ins), "AVG": sum(ins) / world, "MAX": np.maximum.reduce(ins)}[op]
+            np.testing.assert_array_equal(outs[call], want, err_msg=f"rank {r} call {call}")
+            assert shared == calls  # the inputs came from the slots (MAX too: then torch's call)
+    assert not _segments()
+
+
 def hold_outputs(ctx, holder, die, timeout):
     """slots=2: every rank allocates twice (making both slots); ``holder`` keeps its first
     output (or dies holding it), the others drop theirs and come back to slot 0. What
@@ -103,7 +146,7 @@ def hold_outputs(ctx, holder, die, timeout):
 @pytest.mark.timeout(120)
 def test_a_rank_that_keeps_its_output_past_the_slot_raises_at_once():
     res = backend_pool("gloo", 1).run(_own_rank_keeps)
-    assert "still holds the output of its all_gather 0" in res[0], res
+    assert "still holds its buffer 0 (slot 0) as its buffer 2 needs the slot" in res[0], res
 
 
 def _own_rank_keeps(ctx):
@@ -124,7 +167,7 @@ def test_a_peer_that_keeps_its_output_makes_the_others_raise_naming_it():
     res = backend_pool("gloo", 3).run(hold_outputs, 1, False, 1.0)
     for r in (0, 2):
         msg, waited = res[r]
-        assert "group rank(s) [1] did not drop their output of slot 0 within 1.0 s" in msg, res
+        assert "group rank(s) [1] did not drop their buffer in slot 0 within 1.0 s" in msg, res
         assert 0.9 < waited < 10, res
     assert "still holds" in res[1][0], res  # the holder itself comes back to its own slot
 

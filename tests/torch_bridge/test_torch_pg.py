@@ -9,7 +9,7 @@ Properties:
   gradients (from rank 0's initial parameters, which DDP broadcasts: every rank starts
   from different ones), and with rank 0's initial buffers after DDP's construction.
   FSDP (torch's FullyShardedDataParallel on the CPU, and ``fully_shard``, also with its
-  all_gathers into shared outputs) ends with the same reference's parameters. So does
+  collectives through shared memory) ends with the same reference's parameters. So does
   DDP with a comm hook: torch's allreduce hook, one
   calling the group's ``allreduce([bucket])`` method and chaining callbacks on it, and
   one whose futures' callbacks issue collectives and wait on their futures (1-3 levels
@@ -293,8 +293,9 @@ def fsdp_case(ctx, case):
                     fully_shard(m)
         wrapped = fully_shard(model)
         if shared:
-            from collectives.torch_bridge.fsdp import share_all_gathers
-            comm = share_all_gathers(wrapped, slots=case["slots"])
+            from collectives.torch_bridge.fsdp import share_collectives
+            gather, scatter = share_collectives(wrapped, slots=case["slots"],
+                                                reduce_scatter=case["shared_rs"])
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     for step in range(case["steps"]):
         opt.zero_grad()
@@ -305,8 +306,10 @@ def fsdp_case(ctx, case):
     if case["flavor"] == "fsdp1":
         with FSDP.summon_full_params(wrapped):
             return [p.detach().clone().numpy() for p in wrapped.parameters()]
-    if shared and ctx.world_size > 1:  # every all_gather went through the shared outputs
-        assert comm.shared_calls >= 2 * case["steps"] * case["accumulate"], comm.shared_calls
+    if shared and ctx.world_size > 1:  # every call went through shared memory
+        calls = case["steps"] * case["accumulate"]
+        assert gather.shared_calls >= 2 * calls, gather.shared_calls
+        assert scatter is None or scatter.shared_calls >= calls, scatter.shared_calls
     return [p.full_tensor().detach().numpy() for p in model.parameters()]
 
 
@@ -315,13 +318,14 @@ def fsdp_case(ctx, case):
 @settings(SETTINGS, max_examples=examples(8))
 @given(case=ddp_cases(subgroups=False),
        flavor=st.sampled_from(["fsdp1", "fully_shard", "fully_shard_shared"]),
-       slots=st.integers(2, 4))
-def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor, slots):
-    """FSDP1, fully_shard, and fully_shard a layer at a time with its all_gathers into
-    shared outputs (``fully_shard_shared``: collectives.torch_bridge.fsdp, 2-4 slots
-    reused) end with the single-process reference's parameters."""
+       slots=st.integers(2, 4), shared_rs=st.booleans())
+def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor, slots, shared_rs):
+    """FSDP1, fully_shard, and fully_shard a layer at a time with its all_gathers (and
+    with ``shared_rs`` its reduce_scatters) through shared memory (``fully_shard_shared``:
+    collectives.torch_bridge.fsdp, 2-4 slots reused) end with the single-process
+    reference's parameters."""
     world, case = case
-    case = dict(case, flavor=flavor, slots=slots)
+    case = dict(case, flavor=flavor, slots=slots, shared_rs=shared_rs)
     results = backend_pool(config, world).run(fsdp_case, case, timeout=120)
     want = ddp_reference(case, list(range(world)))
     for r, params in enumerate(results):
