@@ -10,8 +10,9 @@ instead, and each call does less:
   another's shard, and no fresh pages are faulted in.
 - **reduce_scatter** (:class:`SharedReduceScatter`): each rank's input lives in its own
   region of a segment every rank maps. After a barrier each rank sums its block of every
-  rank's input (in rank order) into its output, then a second barrier lets the inputs be
-  reused. The output is FSDP2's own (it becomes the sharded gradient).
+  rank's input (in rank order) into its output and marks the inputs read; no second
+  barrier (an input's owner checks the marks when it next needs the region, ``slots``
+  calls later). The output is FSDP2's own (it becomes the sharded gradient).
 
     from collectives.torch_bridge.fsdp import share_collectives
     model = fully_shard(model)            # after every fully_shard of the model
@@ -20,9 +21,10 @@ instead, and each call does less:
 How buffers are reused: the k-th buffer a rank takes is in slot ``k % slots``, a
 segment of its own (FSDP2 calls in the same order on every rank, so the ranks agree
 without a message). A rank marks its use of a slot done when FSDP2 drops the buffer (its
-last view's storage is freed). A rank that comes back to a slot waits until the ranks
-that read it have done so (every rank for an all_gather's output, itself for a
-reduce_scatter input, whose readers the second barrier has already waited for), and
+last view's storage is freed), and, for a reduce_scatter, marks the slot's inputs read
+once it has summed its block of them. A rank that comes back to a slot first checks that
+it dropped its own last buffer there (else it raises at once), then waits until every
+rank has dropped the slot's all_gather output, or read its reduce_scatter inputs, and
 raises if that takes longer than ``timeout`` (a rank that died or stopped, or a program
 that kept a buffer). A slot grows (a new segment; rank 0 names it to the others with a
 broadcast) when a call needs more than it holds; its old segment lives until the last
@@ -45,13 +47,17 @@ import numpy as np
 import torch
 import torch.distributed as td
 
+from .torch_work import TorchWork
+
 try:  # FSDP2's interfaces for them (torch 2.7 on; not exported by name)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # an older torch: no set_custom_all_gather to hand them to either
     AllGather = ReduceScatter = object
 
-#: bytes of a slot segment's header: one 64-byte line per rank (its count of finished uses)
+#: bytes of a slot segment's header: one 64-byte line per rank, int64 counts of the slot's
+#: uses it has finished: [DROPPED] its buffer freed, [READ] every rank's input summed
 _LINE = 64
+DROPPED, READ = 0, 1
 #: slot capacities are rounded up to this (a segment is made for a size class, not a call)
 _ROUND = 1 << 21
 #: orders a rank's reads of a buffer before its release mark (an acquire and a release)
@@ -68,10 +74,25 @@ def _host_identity():
     return f"{socket.gethostname()}/{boot}"
 
 
+def _numel(size):
+    n = 1
+    for d in size:
+        n *= int(d)
+    return n
+
+
+def _same_group(a, b):
+    """Whether two torch process groups are the same (one object, or one registered name)."""
+    if a is b:
+        return True
+    name = getattr(a, "group_name", None)
+    return name is not None and name == getattr(b, "group_name", None)
+
+
 def _release(released, rank, count):
     """A rank dropped its buffer in a slot: its reads of it are done."""
     with _FENCE:  # the reads of the buffer come before the mark (release order)
-        released[rank, 0] = count
+        released[rank, DROPPED] = count
 
 
 class _Slot:
@@ -87,6 +108,11 @@ class _Slot:
         self.end = self.base + regions * capacity
         self.uses = 0  # this rank's uses so far (the same count on every rank)
 
+    def mark_read(self, rank):
+        """This rank has summed its block of every rank's input in the slot's latest use."""
+        with _FENCE:  # the reads come before the mark
+            self.released[rank, READ] = self.uses
+
     def region(self, q):
         """Where region ``q`` starts in the segment (bytes)."""
         return self.header + q * self.capacity
@@ -94,16 +120,17 @@ class _Slot:
 
 class _Slots:
     """The slots of one shared collective (see the module's docstring): ``per_rank``
-    gives every rank a region of its own in each slot; ``readers`` is who must have
-    dropped a slot's last buffer before its next use ("all" or "self")."""
+    gives every rank a region of its own in each slot; ``done`` is the count every rank
+    must have reached before a slot's next use (DROPPED or READ)."""
 
-    def __init__(self, name, group, slots, timeout, per_rank, readers):
+    def __init__(self, name, group, slots, timeout, per_rank, done):
         if not isinstance(slots, int) or slots < 2:
             raise ValueError(f"slots must be an int of at least 2, got {slots!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-        self.name, self.group, self.timeout = name, group, float(timeout)
-        self.per_rank, self.readers = per_rank, readers
+        self.name, self.timeout = name, float(timeout)
+        self.group = group if group is not None else td.group.WORLD
+        self.per_rank, self.done = per_rank, done
         self.slots = [None] * slots
         self.calls = 0
         self.shared = None  # decided at the first call: every rank on one host
@@ -115,10 +142,11 @@ class _Slots:
     def world(self):
         return td.get_world_size(self.group)
 
-    def usable(self, device):
-        """Whether this call goes through the slots: the CPU, every rank on one host
-        (collective the first time)."""
-        if torch.device(device).type != "cpu":
+    def usable(self, device, numel):
+        """Whether this call goes through the slots: the CPU, two ranks or more (FSDP2
+        calls no collective at world 1), not empty, every rank on one host (collective
+        the first time)."""
+        if torch.device(device).type != "cpu" or self.world() < 2 or numel == 0:
             return False
         if self.shared is None:
             ids = [None] * self.world()
@@ -126,13 +154,10 @@ class _Slots:
             self.shared = len(set(ids)) == 1
         return self.shared
 
-    def take(self, size, dtype):
-        """This rank's buffer of ``size`` and ``dtype`` in the next slot (collective when
-        the slot must grow)."""
-        numel = 1
-        for n in size:
-            numel *= int(n)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    def take(self, size, numel, dtype):
+        """This rank's buffer of ``size`` (``numel`` elements) and ``dtype`` in the next
+        slot (collective when the slot must grow)."""
+        nbytes = numel * dtype.itemsize
         k = self.calls % len(self.slots)
         self.calls += 1
         slot = self.slots[k]
@@ -148,6 +173,14 @@ class _Slots:
         weakref.finalize(held, _release, slot.released, rank, use + 1).atexit = False
         self.taken += 1
         return torch.from_numpy(held).view(dtype).view(tuple(int(n) for n in size))
+
+    def check_group(self, group):
+        """FSDP2's call runs on ``group``: it must be the one the slots were made over."""
+        if not _same_group(group if group is not None else td.group.WORLD, self.group):
+            raise RuntimeError(
+                f"{self.name}: FSDP2 called it on group {getattr(group, 'group_name', group)!r}, "
+                f"its slots are over {getattr(self.group, 'group_name', self.group)!r}: pass "
+                f"share_collectives(model, group=) the FSDP mesh's group")
 
     def slot_of(self, t):
         """The slot ``t``'s memory is in, or None."""
@@ -188,29 +221,27 @@ class _Slots:
         return _Slot(buf, capacity, world, regions)
 
     def _wait_released(self, slot, k):
-        """Until the slot's readers have dropped its previous buffer."""
+        """Until every rank is done with the slot's previous use (``self.done``)."""
         mine = self.rank()
-        if slot.released[mine, 0] < slot.uses:
+        if slot.released[mine, DROPPED] < slot.uses:
             raise RuntimeError(
                 f"{self.name}: this rank (group rank {mine}) still holds its buffer "
                 f"{self.calls - 1 - len(self.slots)} (slot {k}) as its buffer "
                 f"{self.calls - 1} needs the slot: keep at most {len(self.slots) - 1} alive, "
                 f"or pass slots= more")
-        if self.readers == "self":
-            with _FENCE:
-                return
         deadline = time.monotonic() + self.timeout
         spins = 0
         while True:
-            behind = np.nonzero(slot.released[:, 0] < slot.uses)[0]
+            behind = np.nonzero(slot.released[:, self.done] < slot.uses)[0]
             if not len(behind):
                 with _FENCE:  # order the checks before this rank's writes into the slot
                     return
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"{self.name}: group rank(s) {behind.tolist()} did not drop their "
-                    f"buffer in slot {k} within {self.timeout} s (a rank died or stopped, "
-                    f"or keeps the buffer)")
+                    f"{self.name}: group rank(s) {behind.tolist()} did not "
+                    f"{'drop their buffer' if self.done == DROPPED else 'read the inputs'} "
+                    f"in slot {k} within {self.timeout} s (a rank died or stopped, or keeps "
+                    f"the buffer)")
             spins += 1
             time.sleep(0 if spins < 100 else 50e-6)
 
@@ -224,7 +255,7 @@ class SharedAllGather(AllGather):
 
     def __init__(self, group=None, slots=4, timeout=300.0):
         self._slots = _Slots("SharedAllGather", group, slots, timeout, per_rank=False,
-                             readers="all")
+                             done=DROPPED)
 
     @property
     def shared_calls(self):
@@ -232,14 +263,16 @@ class SharedAllGather(AllGather):
         return self._slots.taken
 
     def allocate(self, size, *, dtype, device):
-        if not self._slots.usable(device):
+        numel = _numel(size)
+        if not self._slots.usable(device, numel):
             return torch.empty(size, dtype=dtype, device=device)
-        return self._slots.take(size, dtype)
+        return self._slots.take(size, numel, dtype)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         if self._slots.slot_of(output_tensor) is None:
             return td.all_gather_into_tensor(output_tensor, input_tensor, group=group,
                                              async_op=async_op)
+        self._slots.check_group(group)
         n = input_tensor.numel()
         block = output_tensor.view(-1).narrow(0, n * td.get_rank(group), n)
         if block.data_ptr() != input_tensor.data_ptr():  # not FSDP2's in-place form
@@ -257,7 +290,7 @@ class SharedReduceScatter(ReduceScatter):
 
     def __init__(self, group=None, slots=4, timeout=300.0):
         self._slots = _Slots("SharedReduceScatter", group, slots, timeout, per_rank=True,
-                             readers="self")
+                             done=READ)
         self._output_numel = None  # the size of the output the next allocate is for
 
     @property
@@ -266,21 +299,24 @@ class SharedReduceScatter(ReduceScatter):
         return self._slots.taken
 
     def allocate(self, size, *, dtype, device):
-        numel = 1
-        for n in size:
-            numel *= int(n)
-        if numel == self._output_numel or not self._slots.usable(device):
+        numel = _numel(size)
+        if numel == self._output_numel or not self._slots.usable(device, numel):
             self._output_numel = None
             return torch.empty(size, dtype=dtype, device=device)
         world = self._slots.world()
         self._output_numel = numel // world if numel % world == 0 else None
-        return self._slots.take(size, dtype)
+        return self._slots.take(size, numel, dtype)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         slot = self._slots.slot_of(input_tensor)
-        if slot is None or op not in (td.ReduceOp.SUM, td.ReduceOp.AVG):
+        if slot is None:
             return td.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                             async_op=async_op)
+        if op not in (td.ReduceOp.SUM, td.ReduceOp.AVG):  # torch's call, on the same input
+            td.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            slot.mark_read(td.get_rank(group))
+            return TorchWork(None, [output_tensor]) if async_op else None
+        self._slots.check_group(group)
         world, rank = td.get_world_size(group), td.get_rank(group)
         n = output_tensor.numel()
         offset = input_tensor.data_ptr() - (slot.base + rank * slot.capacity)
@@ -294,22 +330,23 @@ class SharedReduceScatter(ReduceScatter):
                 out.copy_(theirs)
             else:
                 out.add_(theirs)
+        slot.mark_read(rank)
         if op == td.ReduceOp.AVG:
             out.div_(world)
-        # every rank has read every input: each may reuse its own
-        return td.barrier(group=group, async_op=async_op)
+        return TorchWork(None, [output_tensor]) if async_op else None
 
 
 def share_collectives(module, group=None, slots=4, timeout=300.0, reduce_scatter=True):
     """Give every FSDP2 module in ``module`` (``fully_shard``'s, itself included) one
     :class:`SharedAllGather` and, with ``reduce_scatter``, one
-    :class:`SharedReduceScatter` over ``group``; returns them (the second None without).
-    Call it on every rank, after the model's ``fully_shard`` calls and before its first
-    forward."""
+    :class:`SharedReduceScatter` over ``group`` (None: the FSDP mesh's group, which must
+    be one for all the modules); returns them (the second None without). Call it on
+    every rank, after the model's ``fully_shard`` calls and before its first forward."""
     from torch.distributed.fsdp import FSDPModule
     found = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not found:
         raise ValueError("module has no FSDP2 module in it: call fully_shard first")
+    group = _fsdp_group(found, group)
     gather = SharedAllGather(group, slots, timeout)
     scatter = SharedReduceScatter(group, slots, timeout) if reduce_scatter else None
     for m in found:
@@ -317,6 +354,33 @@ def share_collectives(module, group=None, slots=4, timeout=300.0, reduce_scatter
         if scatter is not None:
             m.set_custom_reduce_scatter(scatter)
     return gather, scatter
+
+
+def _fsdp_group(found, group):
+    """The one group the FSDP2 modules ``found`` run their calls on (read from FSDP2's
+    parameter groups), checked against ``group`` (None: take it). Where FSDP2's state is
+    not readable (another torch), ``group`` as given: the calls check it."""
+    try:
+        param_groups = [pg for m in found for pg in m._get_fsdp_state()._fsdp_param_groups]
+        meshes = [pg.mesh_info for pg in param_groups]
+        shard = [mi.shard_process_group for mi in meshes]
+        partial = [pg for pg in param_groups if pg._use_post_forward_mesh]
+    except AttributeError:
+        return group
+    if partial:
+        raise ValueError("module: fully_shard(reshard_after_forward=<int>) all_gathers over a "
+                         "second group after the forward; share_collectives takes one")
+    names = {getattr(g, "group_name", id(g)) for g in shard}
+    if len(names) > 1:
+        raise ValueError(f"module: its FSDP2 modules run on {len(names)} process groups; "
+                         f"share_collectives takes the modules of one mesh")
+    if not shard:
+        return group
+    if group is not None and not _same_group(group, shard[0]):
+        raise ValueError(f"group must be the FSDP mesh's group "
+                         f"({getattr(shard[0], 'group_name', shard[0])!r}), got "
+                         f"{getattr(group, 'group_name', group)!r}")
+    return shard[0]
 
 
 def share_all_gathers(module, group=None, slots=4, timeout=300.0):

@@ -74,7 +74,7 @@ def test_the_shared_output_holds_every_ranks_block(n):
                                for r in range(world)])
         for r, (outs, shared) in enumerate(res):
             np.testing.assert_array_equal(outs[call], want, err_msg=f"rank {r} call {call}")
-            assert shared == calls
+            assert shared == (calls if n else 0)  # an empty output is torch.empty's
     assert not _segments()
 
 
@@ -113,7 +113,7 @@ def test_the_shared_reduce_scatter_gives_each_rank_its_reduced_block(n, op):
             ins = [i + q * 100 + call + 10 * r for q in range(world)]
             want = {"SUM": sum(ins), "AVG": sum(ins) / world, "MAX": np.maximum.reduce(ins)}[op]
             np.testing.assert_array_equal(outs[call], want, err_msg=f"rank {r} call {call}")
-            assert shared == calls  # the inputs came from the slots (MAX too: then torch's call)
+            assert shared == (calls if n else 0)  # inputs from the slots (MAX: torch's call on them)
     assert not _segments()
 
 
@@ -145,8 +145,8 @@ def hold_outputs(ctx, holder, die, timeout):
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_keeps_its_output_past_the_slot_raises_at_once():
-    res = backend_pool("gloo", 1).run(_own_rank_keeps)
-    assert "still holds its buffer 0 (slot 0) as its buffer 2 needs the slot" in res[0], res
+    for msg in backend_pool("gloo", 2).run(_own_rank_keeps):
+        assert "still holds its buffer 0 (slot 0) as its buffer 2 needs the slot" in msg, msg
 
 
 def _own_rank_keeps(ctx):
@@ -192,3 +192,29 @@ def test_misuse_is_a_value_error_naming_the_argument():
         SharedAllGather(None, timeout=0)
     with pytest.raises(ValueError, match="no FSDP2 module"):
         share_all_gathers(torch.nn.Linear(2, 2))
+
+
+def _wrong_group(ctx):
+    """fully_shard over the default group, then share_collectives over another group of
+    the same ranks: the ValueError's text, and the group taken when none is given."""
+    import torch.distributed as td
+    from torch.distributed.fsdp import fully_shard
+
+    from collectives.torch_bridge.fsdp import share_collectives
+    _bridged()
+    other = td.new_group(list(range(ctx.world_size)))
+    model = fully_shard(torch.nn.Linear(4, 4))
+    try:
+        share_collectives(model, group=other)
+        msg = "no error"
+    except ValueError as e:
+        msg = str(e)
+    gather, _ = share_collectives(model)
+    return msg, gather._slots.group is td.group.WORLD
+
+
+@pytest.mark.timeout(120)
+def test_a_group_other_than_the_fsdp_meshs_is_a_value_error():
+    for msg, took_mesh_group in backend_pool("gloo", 2).run(_wrong_group):
+        assert msg.startswith("group must be the FSDP mesh's group"), msg
+        assert took_mesh_group
