@@ -47,7 +47,11 @@ data, blocks of ``--block`` steps alternating with the real thing:
   memory work no implementation can skip; the fake floor's outputs are never written);
   ``floor_mem_sync``, the same plus one 4-byte all_reduce over ours after every call (the
   wait no all_gather can skip either: together a lower bound for any implementation); and
-  ``floor_sync``, the fake floor plus those waits alone.
+  ``floor_sync``, the fake floor plus those waits alone. ``--shared`` adds copies whose
+  FSDP2 calls go through shared memory (collectives.torch_bridge.fsdp.share_collectives,
+  opt in): ``coll`` ours with both calls, ``coll_gather`` ours with the all_gathers
+  alone, ``gloo`` and ``gloo_gather`` the same over torch gloo's group. They do less memory
+  work than the memory floor (an all_gather becomes a barrier), so they can beat it.
 
 The first ``--early`` steps of each wrapped model are reported on their own (``first``):
 they include DDP's bucket rebuild (after the first step) and collectives' first round of

@@ -91,6 +91,13 @@ def train_ratios(name, model, num, den):
     return [r[num] / r[den] for run in _json(name) for r in run["results"] if r["model"] == model]
 
 
+def shared_ratios(name, model, copy):
+    """Per launch and case of ``model`` in a bench_train JSON run with ``--shared``: the
+    step of the shared-memory copy ``copy`` over torch gloo's."""
+    return [r["shared_ms"][copy] / r["gloo_ms"] for run in _json(name) for r in run["results"]
+            if r["model"] == model]
+
+
 def train_launches(name):
     """Launches per world in a bench_train JSON (the fewest of any world)."""
     return min(collections.Counter(run["world"] for run in _json(name)).values())
@@ -112,6 +119,7 @@ S5_VS = "2026-11-27-s5-bench-vs-torch-gloo.json"
 S5_NCCL = "2026-11-27-s5-nccl-vs-torch-h100.json"
 NOV21 = "2026-11-21-collectives-vs-torch-gloo-and-mpich.csv"
 FSDP_MEM = "2026-11-29-fsdp-memory-floor.json"
+FSDP_SHARED = "2026-11-29-fsdp-shared.json"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -152,6 +160,10 @@ def claims():
     out.append(Claim("FSDP2 transformer's memory floor against torch gloo", FSDP_MEM,
                      per, span(train_ratios(FSDP_MEM, "tfm", "floor_mem_ms", "gloo_ms")),
                      "the memory floor alone {fig}x gloo's step", bench))
+    out.append(Claim("FSDP2 transformer with share_collectives against torch gloo", FSDP_SHARED,
+                     train_launches(FSDP_SHARED),
+                     span(shared_ratios(FSDP_SHARED, "tfm", "coll")),
+                     "with `share_collectives` ours {fig}x gloo's step", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),

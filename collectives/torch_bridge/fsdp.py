@@ -312,11 +312,11 @@ class SharedReduceScatter(ReduceScatter):
         if slot is None:
             return td.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                             async_op=async_op)
+        self._slots.check_group(group)
         if op not in (td.ReduceOp.SUM, td.ReduceOp.AVG):  # torch's call, on the same input
             td.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
             slot.mark_read(td.get_rank(group))
             return TorchWork(None, [output_tensor]) if async_op else None
-        self._slots.check_group(group)
         world, rank = td.get_world_size(group), td.get_rank(group)
         n = output_tensor.numel()
         offset = input_tensor.data_ptr() - (slot.base + rank * slot.capacity)

@@ -19,12 +19,15 @@ import numpy as np
 import pytest
 
 from tests.support.ranks import backend_pool
+from tests.support.requires import needs_gloo
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api",
                     reason="FSDP2's custom all_gather (torch 2.7 on)")
 
 from tests.torch_bridge.test_torch_pg import _bridged, ddp_reference, fsdp_case  # noqa: E402
+
+pytestmark = needs_gloo  # the rank pools run on the default backend
 
 
 def _segments():
