@@ -32,13 +32,14 @@ buffer in it is dropped. Segments are unlinked as soon as every rank has mapped 
 
 Where the group's ranks are not on one host, or the device is not the CPU, the calls are
 FSDP2's defaults: every rank takes the same path, decided once by a gather of the ranks'
-host identities. A reduce_scatter whose op is neither SUM nor AVG runs as FSDP2's default
-on the shared input.
+host identities (the default backend's: hostname, boot and IPC namespace, or
+``COLLECTIVES_HOST_ID``). A reduce_scatter whose op is neither SUM nor AVG runs as
+FSDP2's default on the shared input.
 """
+import math
 import mmap
 import os
 import secrets
-import socket
 import threading
 import time
 import weakref
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as td
 
+from ..backends.select import host_identity
 from .torch_work import TorchWork
 
 try:  # FSDP2's interfaces for them (torch 2.7 on; not exported by name)
@@ -64,21 +66,8 @@ _ROUND = 1 << 21
 _FENCE = threading.Lock()
 
 
-def _host_identity():
-    """What makes two ranks' /dev/shm the same: the host and its boot."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
 def _numel(size):
-    n = 1
-    for d in size:
-        n *= int(d)
-    return n
+    return math.prod(int(d) for d in size)
 
 
 def _same_group(a, b):
@@ -150,7 +139,7 @@ class _Slots:
             return False
         if self.shared is None:
             ids = [None] * self.world()
-            td.all_gather_object(ids, _host_identity(), group=self.group)
+            td.all_gather_object(ids, host_identity(), group=self.group)
             self.shared = len(set(ids)) == 1
         return self.shared
 
@@ -207,8 +196,7 @@ class _Slots:
             finally:
                 os.close(fd)
         try:
-            src = td.get_global_rank(self.group, 0) if self.group is not None else 0
-            td.broadcast_object_list(name, src=src, group=self.group)
+            td.broadcast_object_list(name, src=td.get_global_rank(self.group, 0), group=self.group)
             fd = os.open(name[0], os.O_RDWR)
             try:
                 buf = mmap.mmap(fd, size)
