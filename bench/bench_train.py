@@ -47,11 +47,13 @@ data, blocks of ``--block`` steps alternating with the real thing:
   memory work no implementation can skip; the fake floor's outputs are never written);
   ``floor_mem_sync``, the same plus one 4-byte all_reduce over ours after every call (the
   wait no all_gather can skip either: together a lower bound for any implementation); and
-  ``floor_sync``, the fake floor plus those waits alone. ``--shared`` adds copies whose
-  FSDP2 calls go through shared memory (collectives.torch_bridge.fsdp.share_collectives,
-  opt in): ``coll`` ours with both calls, ``coll_gather`` ours with the all_gathers
-  alone, ``gloo`` and ``gloo_gather`` the same over torch gloo's group. They do less memory
-  work than the memory floor (an all_gather becomes a barrier), so they can beat it.
+  ``floor_sync``, the fake floor plus those waits alone. On our groups FSDP2's calls go
+  through shared memory from the first forward (collectives.torch_bridge.fsdp); they do
+  less memory work than the memory floor (an all_gather becomes a barrier), so they can
+  beat it. ``--shared`` adds copies: ``coll_own`` ours with FSDP2's own calls
+  (``keep_fsdp_defaults``), ``coll`` ours through ``share_collectives`` (both calls),
+  ``coll_gather`` the all_gathers alone, ``gloo`` and ``gloo_gather`` the same over torch
+  gloo's group.
 
 The first ``--early`` steps of each wrapped model are reported on their own (``first``):
 they include DDP's bucket rebuild (after the first step) and collectives' first round of
@@ -171,9 +173,10 @@ def _wrap(kind, model, floor, fake, group=None, sync=None, hook=None):
 
 
 #: --shared's copies of an FSDP2 model in a mixed launch: name -> (group, whether its
-#: reduce_scatters go through shared memory too; its all_gathers always do)
-SHARED = {"coll": ("coll", True), "coll_gather": ("coll", False), "gloo": ("gloo", True),
-          "gloo_gather": ("gloo", False)}
+#: reduce_scatters go through shared memory too; its all_gathers always do; None: FSDP2's
+#: own calls, which our groups otherwise replace at the first forward)
+SHARED = {"coll": ("coll", True), "coll_gather": ("coll", False), "coll_own": ("coll", None),
+          "gloo": ("gloo", True), "gloo_gather": ("gloo", False)}
 
 
 #: what a variant of the collectives run changes, between blocks of steps, on every rank
@@ -351,8 +354,11 @@ def _case_mixed(td, a, name, kind, fake, coll, mem):
                   coll if ddp_sync else state,
                   memory_floor_pg.ddp_hook if state is not None else None)
         if which in shared:
-            from collectives.torch_bridge.fsdp import share_collectives
-            share_collectives(m, group=pgs[which], reduce_scatter=shared[which][1])
+            from collectives.torch_bridge import fsdp
+            if shared[which][1] is None:
+                fsdp.keep_fsdp_defaults(m)
+            else:
+                fsdp.share_collectives(m, group=pgs[which], reduce_scatter=shared[which][1])
         mods[which] = (m, torch.optim.SGD(m.parameters(), lr=1e-4))
     steps = []
     td.barrier()
@@ -541,7 +547,8 @@ def main(argv=None):
     ap.add_argument("--shared", default="",
                     help="mixed FSDP2 launches add copies whose collectives go through shared "
                     "memory (collectives.torch_bridge.fsdp), commas: " + "; ".join(
-                        f"{k}: {g} with {'both calls' if rs else 'the all_gathers alone'}"
+                        f"{k}: {g} with " + {True: "both calls", False: "the all_gathers alone",
+                                             None: "FSDP2's own calls"}[rs]
                         for k, (g, rs) in SHARED.items()))
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args(argv)

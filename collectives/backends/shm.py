@@ -211,7 +211,7 @@ class ShmBackend(Backend):
         #: the group's settings as every rank applied them (rank 0's), by setting name
         self.tuning = dict(zip(_TUNING, tuning.split(",")))
         (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min, stream,
-         ar_algo) = tuning.split(",")
+         ar_algo) = self.tuning.values()
         (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min,
          stream) = map(int, (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min,
                              stream))

@@ -257,6 +257,12 @@ SETTINGS = (
         group becomes torch's; false turns that off."""),
     _s("COLLECTIVES_TORCH_BACKEND", "str", "gloo", agree=True, read_in="torch_bridge/torch_pg.py", doc="""
         Backend of the groups that torch.distributed.init_process_group('collectives') makes."""),
+    _s("COLLECTIVES_FSDP_SHARED", "bool", True, agree=True,
+        read_in="torch_bridge/torch_pg.py, torch_bridge/fsdp.py", doc="""
+        FSDP2 (fully_shard) on our groups, all ranks on one host: its all_gathers and
+        reduce_scatters go through buffers the ranks share from a module's first forward
+        (collectives.torch_bridge.fsdp); false keeps FSDP2's own calls. Read when torch's side of
+        our groups is loaded and at each FSDP2 module's first forward."""),
     _s("COLLECTIVES_PROGRESS_SLICE_US", "int", 100,
         unit="us", read_in="core/sched.py", doc="""
         Time slice the progress threads and the thread completing torch's futures ask of the

@@ -36,18 +36,21 @@ host identities (the default backend's: hostname, boot and IPC namespace, or
 ``COLLECTIVES_HOST_ID``). A reduce_scatter whose op is neither SUM nor AVG runs as
 FSDP2's default on the shared input.
 """
+import errno
 import math
 import mmap
 import os
 import secrets
 import threading
 import time
+import warnings
 import weakref
 
 import numpy as np
 import torch
 import torch.distributed as td
 
+from .. import config
 from ..backends.select import host_identity
 from .torch_work import TorchWork
 
@@ -58,12 +61,38 @@ except ImportError:  # an older torch: no set_custom_all_gather to hand them to 
 
 #: bytes of a slot segment's header: one 64-byte line per rank, int64 counts of the slot's
 #: uses it has finished: [DROPPED] its buffer freed, [READ] every rank's input summed
+#: torch's names for FSDP2's calls (2.13 deprecates the older ones)
+_all_gather = getattr(td, "all_gather_single", td.all_gather_into_tensor)
+_reduce_scatter = getattr(td, "reduce_scatter_single", td.reduce_scatter_tensor)
+
 _LINE = 64
 DROPPED, READ = 0, 1
+#: the kinds of call a rank says it is in when the ranks meet (see _Slots.meet)
+_KINDS = {1: "all_gather", 2: "reduce_scatter"}
 #: slot capacities are rounded up to this (a segment is made for a size class, not a call)
 _ROUND = 1 << 21
 #: orders a rank's reads of a buffer before its release mark (an acquire and a release)
 _FENCE = threading.Lock()
+
+
+def _create_segment(size):
+    """A new file of ``size`` bytes in /dev/shm, its pages reserved; its path, or None where
+    the tmpfs has no room."""
+    path = f"/dev/shm/collectives-fsdp-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate there: its size alone
+            os.ftruncate(fd, size)
+        else:
+            os.unlink(path)
+            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                return None
+            raise
+    finally:
+        os.close(fd)
+    return path
 
 
 def _numel(size):
@@ -110,26 +139,60 @@ class _Slot:
 class _Slots:
     """The slots of one shared collective (see the module's docstring): ``per_rank``
     gives every rank a region of its own in each slot; ``done`` is the count every rank
-    must have reached before a slot's next use (DROPPED or READ)."""
+    must have reached before a slot's next use (DROPPED or READ); ``kind`` is what the
+    rank says it is in when the ranks meet (a key of ``_KINDS``). With ``fallback``, a
+    rank that still holds its own last buffer in the slot a call needs gets a buffer of
+    its own for that call (``torch.empty``) instead of an error."""
 
-    def __init__(self, name, group, slots, timeout, per_rank, done):
+    def __init__(self, name, group, slots, timeout, per_rank, done, kind, fallback=False):
         if not isinstance(slots, int) or slots < 2:
             raise ValueError(f"slots must be an int of at least 2, got {slots!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         self.name, self.timeout = name, float(timeout)
         self.group = group if group is not None else td.group.WORLD
-        self.per_rank, self.done = per_rank, done
+        self.per_rank, self.done, self.kind, self.fallback = per_rank, done, kind, fallback
         self.slots = [None] * slots
         self.calls = 0
         self.shared = None  # decided at the first call: every rank on one host
         self.taken = 0  # buffers handed out from the slots (for tests and benches)
+        self.fell_back = 0  # calls that got a buffer of their own (``fallback``)
+        self._rank = self._world = None
+        self._sig = self._sigs = None
 
     def rank(self):
-        return td.get_rank(self.group)
+        if self._rank is None:  # (a group's ranks never change)
+            self._rank = td.get_rank(self.group)
+        return self._rank
 
     def world(self):
-        return td.get_world_size(self.group)
+        if self._world is None:
+            self._world = td.get_world_size(self.group)
+        return self._world
+
+    def meet(self, group):
+        """The call's synchronisation: once it returns, every rank of ``group`` has written
+        its part. It is an all_gather of (kind, call number) from every rank, so ranks in
+        different calls (a shared all_gather against a shared reduce_scatter, or one call
+        apart) make every rank raise, naming what each rank was in, instead of reading
+        each other's buffers."""
+        if self._sig is None:
+            self._sig = torch.zeros(2, dtype=torch.int64)
+            self._sigs = torch.zeros(self.world(), 2, dtype=torch.int64)
+        mine, theirs = self._sig.numpy(), self._sigs.numpy()
+        mine[:] = self.kind, self.calls
+        _all_gather(self._sigs, self._sig, group=group)
+        if not (theirs == mine).all():
+            self._diverged(theirs.tolist())
+
+    def _diverged(self, calls):
+        """Raise: the ranks said ``calls`` (kind, call number[, segment bytes]) a rank at
+        one meeting."""
+        said = "; ".join(f"group rank {q}: {_KINDS.get(int(c[0]), f'kind {c[0]}')} call {c[1]}"
+                         + (f" ({c[2]} bytes)" if len(c) > 2 else "") for q, c in enumerate(calls))
+        raise RuntimeError(
+            f"{self.name}: the ranks of the group are in different shared calls ({said}): "
+            f"FSDP2 calls them in one order on every rank, so the ranks' programs diverged")
 
     def usable(self, device, numel):
         """Whether this call goes through the slots: the CPU, two ranks or more (FSDP2
@@ -145,15 +208,21 @@ class _Slots:
 
     def take(self, size, numel, dtype):
         """This rank's buffer of ``size`` (``numel`` elements) and ``dtype`` in the next
-        slot (collective when the slot must grow)."""
+        slot (collective when the slot must grow), or None: the call takes a buffer of its
+        own (``fallback`` and this rank still holds its last one there, or /dev/shm has
+        no room for the slot)."""
         nbytes = numel * dtype.itemsize
         k = self.calls % len(self.slots)
         self.calls += 1
         slot = self.slots[k]
         if slot is None or slot.capacity < nbytes:
-            slot = self.slots[k] = self._new_slot(nbytes)
-        else:
-            self._wait_released(slot, k)
+            slot = self._new_slot(nbytes)
+            if slot is None:
+                return None
+            self.slots[k] = slot
+        elif not self._wait_released(slot, k):
+            self.fell_back += 1
+            return None
         use = slot.uses
         slot.uses += 1
         rank = self.rank()
@@ -181,22 +250,27 @@ class _Slots:
 
     def _new_slot(self, nbytes):
         """Collective (every rank makes the same slot at the same call): rank 0 creates the
-        segment and broadcasts its name; each maps it; rank 0 unlinks it once all have."""
+        segment; an all_gather of every rank's (kind, call number, size) and rank 0's name
+        (ranks that differ all raise); each maps it; rank 0 unlinks it once all have.
+        None on every rank where rank 0 found no room for it in /dev/shm (its pages are
+        reserved up front: a full tmpfs would otherwise kill a rank with SIGBUS at its
+        first write): the slots are then off for good, and FSDP2's calls its own."""
         world = self.world()
         capacity = max(1, -(-nbytes // _ROUND)) * _ROUND
         regions = world if self.per_rank else 1
         size = world * _LINE + regions * capacity
-        name = [None]
-        if self.rank() == 0:
-            name[0] = (f"/dev/shm/collectives-fsdp-{os.getuid()}-{os.getpid()}-"
-                       f"{secrets.token_hex(6)}")
-            fd = os.open(name[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-        try:
-            td.broadcast_object_list(name, src=td.get_global_rank(self.group, 0), group=self.group)
+        name = [_create_segment(size) if self.rank() == 0 else None]
+        try:  # every rank's (kind, call number, size), and rank 0's segment
+            said = [None] * world
+            td.all_gather_object(said, (self.kind, self.calls, size, name[0]), group=self.group)
+            if any(s[:3] != said[0][:3] for s in said):
+                self._diverged([s[:3] for s in said])
+            name[0] = said[0][3]
+            if name[0] is None:
+                self.shared = False
+                warnings.warn(f"{self.name}: /dev/shm has no room for a {size}-byte segment; "
+                              f"FSDP2's own calls from here on", RuntimeWarning, stacklevel=3)
+                return None
             fd = os.open(name[0], os.O_RDWR)
             try:
                 buf = mmap.mmap(fd, size)
@@ -204,14 +278,18 @@ class _Slots:
                 os.close(fd)
             td.barrier(group=self.group)  # every rank has mapped it
         finally:
-            if self.rank() == 0:
+            if self.rank() == 0 and name[0] is not None:
                 os.unlink(name[0])
         return _Slot(buf, capacity, world, regions)
 
     def _wait_released(self, slot, k):
-        """Until every rank is done with the slot's previous use (``self.done``)."""
+        """Until every rank is done with the slot's previous use (``self.done``): True. False
+        at once where this rank still holds its own last buffer there (``fallback``; else
+        that raises)."""
         mine = self.rank()
         if slot.released[mine, DROPPED] < slot.uses:
+            if self.fallback:
+                return False
             raise RuntimeError(
                 f"{self.name}: this rank (group rank {mine}) still holds its buffer "
                 f"{self.calls - 1 - len(self.slots)} (slot {k}) as its buffer "
@@ -223,7 +301,7 @@ class _Slots:
             behind = np.nonzero(slot.released[:, self.done] < slot.uses)[0]
             if not len(behind):
                 with _FENCE:  # order the checks before this rank's writes into the slot
-                    return
+                    return True
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"{self.name}: group rank(s) {behind.tolist()} did not "
@@ -241,9 +319,9 @@ class SharedAllGather(AllGather):
     holds at most two: the current layer's and a prefetched one), ``timeout`` how long a
     rank waits for the others to drop an output before raising."""
 
-    def __init__(self, group=None, slots=4, timeout=300.0):
+    def __init__(self, group=None, slots=4, timeout=300.0, fallback=False):
         self._slots = _Slots("SharedAllGather", group, slots, timeout, per_rank=False,
-                             done=DROPPED)
+                             done=DROPPED, kind=1, fallback=fallback)
 
     @property
     def shared_calls(self):
@@ -252,21 +330,20 @@ class SharedAllGather(AllGather):
 
     def allocate(self, size, *, dtype, device):
         numel = _numel(size)
-        if not self._slots.usable(device, numel):
-            return torch.empty(size, dtype=dtype, device=device)
-        return self._slots.take(size, numel, dtype)
+        held = self._slots.take(size, numel, dtype) if self._slots.usable(device, numel) else None
+        return torch.empty(size, dtype=dtype, device=device) if held is None else held
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         if self._slots.slot_of(output_tensor) is None:
-            return td.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+            return _all_gather(output_tensor, input_tensor, group=group,
                                              async_op=async_op)
         self._slots.check_group(group)
         n = input_tensor.numel()
-        block = output_tensor.view(-1).narrow(0, n * td.get_rank(group), n)
+        block = output_tensor.view(-1).narrow(0, n * self._slots.rank(), n)
         if block.data_ptr() != input_tensor.data_ptr():  # not FSDP2's in-place form
             block.copy_(input_tensor.view(-1))
-        # every rank's block is in the one output once every rank has arrived
-        return td.barrier(group=group, async_op=async_op)
+        self._slots.meet(group)  # every rank's block is in the one output
+        return TorchWork(None, [output_tensor]) if async_op else None
 
 
 class SharedReduceScatter(ReduceScatter):
@@ -276,9 +353,9 @@ class SharedReduceScatter(ReduceScatter):
     becomes the sharded gradient and lives on). ``slots`` is how many inputs may be alive
     at once (FSDP2 keeps the previous layer's until the next call)."""
 
-    def __init__(self, group=None, slots=4, timeout=300.0):
+    def __init__(self, group=None, slots=4, timeout=300.0, fallback=False):
         self._slots = _Slots("SharedReduceScatter", group, slots, timeout, per_rank=True,
-                             done=READ)
+                             done=READ, kind=2, fallback=fallback)
         self._output_numel = None  # the size of the output the next allocate is for
 
     @property
@@ -293,24 +370,25 @@ class SharedReduceScatter(ReduceScatter):
             return torch.empty(size, dtype=dtype, device=device)
         world = self._slots.world()
         self._output_numel = numel // world if numel % world == 0 else None
-        return self._slots.take(size, numel, dtype)
+        held = self._slots.take(size, numel, dtype)
+        return torch.empty(size, dtype=dtype, device=device) if held is None else held
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         slot = self._slots.slot_of(input_tensor)
         if slot is None:
-            return td.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+            return _reduce_scatter(output_tensor, input_tensor, op=op, group=group,
                                             async_op=async_op)
         self._slots.check_group(group)
         if op not in (td.ReduceOp.SUM, td.ReduceOp.AVG):  # torch's call, on the same input
-            td.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
-            slot.mark_read(td.get_rank(group))
+            _reduce_scatter(output_tensor, input_tensor, op=op, group=group)
+            slot.mark_read(self._slots.rank())
             return TorchWork(None, [output_tensor]) if async_op else None
-        world, rank = td.get_world_size(group), td.get_rank(group)
+        world, rank = self._slots.world(), self._slots.rank()
         n = output_tensor.numel()
         offset = input_tensor.data_ptr() - (slot.base + rank * slot.capacity)
         size = n * world * input_tensor.element_size()
         out = output_tensor.view(-1)
-        td.barrier(group=group)  # every rank's input is written
+        self._slots.meet(group)  # every rank's input is written
         for q in range(world):  # block ``rank`` of each rank's input, in rank order
             seg = np.frombuffer(slot.buf, dtype=np.uint8, count=size, offset=slot.region(q) + offset)
             theirs = torch.from_numpy(seg).view(input_tensor.dtype).narrow(0, n * rank, n)
@@ -374,3 +452,63 @@ def _fsdp_group(found, group):
 def share_all_gathers(module, group=None, slots=4, timeout=300.0):
     """:func:`share_collectives` for the all_gathers alone; returns the SharedAllGather."""
     return share_collectives(module, group, slots, timeout, reduce_scatter=False)[0]
+
+
+# ---- by default: FSDP2 on collectives' groups ------------------------------------------------
+
+#: the FSDP2 modules the default path has looked at (shared or left alone)
+_looked = weakref.WeakSet()
+
+
+def share_by_default(module, ours):
+    """At an FSDP2 module's first forward (torch_pg's global forward pre-hook calls it):
+    give it, and every FSDP2 module in it not looked at yet, the shared calls of its
+    mesh's group, where that group is collectives' (an instance of ``ours``), the module
+    has one parameter group, no ``reshard_after_forward=<int>``, and FSDP2's own calls
+    (no custom or process-group allocation set by the program); leave the others as they
+    are. Every module of a group shares one :class:`SharedAllGather` and one
+    :class:`SharedReduceScatter` (``slots=4``, the group's timeout) with ``fallback`` on:
+    a rank that still holds its last buffer in a slot (a program that prefetches more)
+    gets a buffer of its own for that call. ``COLLECTIVES_FSDP_SHARED=0`` turns it off."""
+    if module in _looked:
+        return
+    from torch.distributed.fsdp import FSDPModule
+    for m in module.modules():
+        if isinstance(m, FSDPModule) and m not in _looked:
+            _looked.add(m)
+            comms = _default_comms(m, ours)
+            if comms is not None:
+                m.set_custom_all_gather(comms[0])
+                m.set_custom_reduce_scatter(comms[1])
+
+
+def keep_fsdp_defaults(module):
+    """Leave FSDP2's own calls to every FSDP2 module in ``module`` (the default path will not
+    share them); call it before the first forward."""
+    from torch.distributed.fsdp import FSDPModule
+    _looked.update(m for m in module.modules() if isinstance(m, FSDPModule))
+
+
+def _default_comms(m, ours):
+    """The shared calls for FSDP2 module ``m`` on the default path, or None (see
+    :func:`share_by_default`)."""
+    if not config.get("COLLECTIVES_FSDP_SHARED"):
+        return None
+    try:
+        param_groups = m._get_fsdp_state()._fsdp_param_groups
+        if len(param_groups) != 1:
+            return None
+        pg = param_groups[0]
+        group = pg.mesh_info.shard_process_group
+        if (pg._use_post_forward_mesh or not isinstance(group, ours)
+                or type(pg._all_gather_comm).__name__ != "DefaultAllGather"
+                or type(pg._reduce_scatter_comm).__name__ != "DefaultReduceScatter"):
+            return None
+    except AttributeError:  # another torch's FSDP2: leave it alone
+        return None
+    comms = getattr(group, "_fsdp_shared", None)
+    if comms is None:
+        timeout = getattr(group, "_group", group).timeout
+        comms = group._fsdp_shared = (SharedAllGather(group, timeout=timeout, fallback=True),
+                                      SharedReduceScatter(group, timeout=timeout, fallback=True))
+    return comms

@@ -332,6 +332,17 @@ def register():
         _registered = True
 
 
+def _fsdp_first_forward(module, args):
+    """torch.nn's global forward pre-hook (installed at import unless
+    ``COLLECTIVES_FSDP_SHARED=0``): an FSDP2 module's calls on our groups go through shared
+    memory from its first forward (``fsdp.share_by_default``). It costs a lookup a
+    module call until FSDP2 is imported, and never imports it."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ())):
+        from .fsdp import share_by_default
+        share_by_default(module, _TorchSide)
+
+
 def install_default(pg, ranks=None):
     """Make torch's default group a TorchProcessGroup over ``pg`` (collectives' default
     group), unless torch's already exists; called by ``init_process_group`` (``ranks``: its
@@ -370,6 +381,8 @@ def uninstall_default():
 
 register()
 _groups.set_torch_bridge(loaded=sys.modules[__name__])  # api/group reaches the bridge here
+if config.get("COLLECTIVES_FSDP_SHARED"):
+    torch.nn.modules.module.register_module_forward_pre_hook(_fsdp_first_forward)
 
 __all__ = ["BACKEND_NAME", "BridgedGroup", "TorchProcessGroup", "TorchWork", "forget_group",
            "install_default", "register", "register_group", "to_torch", "uninstall_default"]

@@ -1,9 +1,14 @@
 """collectives.torch_bridge.fsdp: FSDP2's all_gathers into outputs every rank maps.
 
 - fully_shard a layer at a time with ``share_collectives`` (all_gathers alone, or both
-  calls) trains as one process on all ranks' data (worlds 2-3, 2 slots so that every
-  other buffer reuses one; the property over random cases is test_torch_pg's
-  ``fully_shard_shared`` flavour), and every call went through shared memory;
+  calls), or as the program wrote it (the default path on our groups), trains as one
+  process on all ranks' data (worlds 2-3, 2 slots so that every other buffer reuses one;
+  the property over random cases is test_torch_pg's FSDP flavours), and every call went
+  through shared memory; the default path leaves FSDP2's own calls to torch's own
+  groups, to ``COLLECTIVES_FSDP_SHARED=0`` and to ``keep_fsdp_defaults``;
+- ranks in different shared calls (an all_gather against a reduce_scatter) all raise,
+  naming what each was in; with ``fallback`` a rank that still holds its buffer gets one
+  of its own for that call, and a /dev/shm without room turns the slots off on every rank;
 - the shared output holds every rank's block after the call; the shared reduce_scatter
   gives each rank its block summed (SUM, AVG; MAX through torch's call on the same input),
   empty and odd lengths included;
@@ -12,6 +17,7 @@
 - no segment is left in /dev/shm; misuse is a ValueError before anything is mapped.
 """
 import glob
+import importlib
 import os
 import time
 
@@ -25,7 +31,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api",
                     reason="FSDP2's custom all_gather (torch 2.7 on)")
 
-from tests.torch_bridge.test_torch_pg import _bridged, ddp_reference, fsdp_case  # noqa: E402
+from tests.support.torch_training import bridged as _bridged  # noqa: E402
+from tests.support.torch_training import ddp_reference, fsdp_case  # noqa: E402
 
 pytestmark = needs_gloo  # the rank pools run on the default backend
 
@@ -221,3 +228,159 @@ def test_a_group_other_than_the_fsdp_meshs_is_a_value_error():
     for msg, took_mesh_group in backend_pool("gloo", 2).run(_wrong_group):
         assert msg.startswith("group must be the FSDP mesh's group"), msg
         assert took_mesh_group
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("flavor", ["fully_shard", "fully_shard_own"])
+def test_fully_shard_as_written_trains_as_one_process(world, flavor):
+    """The program calls fully_shard and nothing else: on our groups its calls are shared
+    (fsdp_case checks which ran), and the parameters are the reference's either way."""
+    case = {"members": None, "width": 5, "batch": 3, "bucket_mb": 25.0, "steps": 3,
+            "accumulate": 2, "seed": 12, "flavor": flavor}
+    results = backend_pool("gloo", world).run(fsdp_case, case, timeout=120)
+    want = ddp_reference(case, list(range(world)))
+    for r, params in enumerate(results):
+        for k, (got, exp) in enumerate(zip(params, want)):
+            np.testing.assert_allclose(got, exp, rtol=1e-9, atol=1e-12,
+                                       err_msg=f"rank {r} parameter {k}, world {world}")
+    assert not _segments()
+
+
+def default_path_kinds(ctx, how):
+    """fully_shard a model (``how``: on our default group; with COLLECTIVES_FSDP_SHARED=0 at
+    its first forward; on a group of torch's own, its ``fake`` backend), one step; the
+    classes of its calls afterwards."""
+    import torch.distributed as td
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.support.torch_training import fsdp_comms
+    _bridged()
+    mesh = None
+    if how == "fake":  # torch's fake backend: every call returns at once
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers it
+        mesh = DeviceMesh.from_group(td.new_group(backend="fake"), "cpu")
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
+                        mesh=mesh)
+    if how == "off":
+        os.environ["COLLECTIVES_FSDP_SHARED"] = "0"
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+    finally:
+        os.environ.pop("COLLECTIVES_FSDP_SHARED", None)
+    return {(type(g).__name__, type(s).__name__) for g, s in fsdp_comms(model)}
+
+
+@pytest.mark.timeout(120)
+def test_the_default_path_shares_our_groups_calls_only():
+    pool = backend_pool("gloo", 2)
+    shared, own = {("SharedAllGather", "SharedReduceScatter")}, {("DefaultAllGather",
+                                                                 "DefaultReduceScatter")}
+    assert pool.run(default_path_kinds, "on") == [shared, shared]
+    assert pool.run(default_path_kinds, "off") == [own, own]
+    assert pool.run(default_path_kinds, "fake") == [own, own]
+
+
+def different_calls(ctx, made):
+    """Rank 0 in a shared all_gather, the others in a shared reduce_scatter: what each
+    raised. With ``made``, two calls of each first (slots=2: the slots exist, so the
+    ranks meet in the calls themselves); without, the diverging calls make the slots."""
+    import torch.distributed as td
+
+    from collectives.torch_bridge.fsdp import SharedAllGather, SharedReduceScatter
+    _bridged()
+    gather, scatter = SharedAllGather(None, slots=2), SharedReduceScatter(None, slots=2)
+    dev, w = torch.device("cpu"), ctx.world_size
+
+    def all_gather():
+        o = gather.allocate((4 * w,), dtype=torch.float32, device=dev)
+        gather(o, o.narrow(0, 4 * ctx.rank, 4), None)
+
+    def reduce_scatter():
+        x = scatter.allocate((4 * w,), dtype=torch.float32, device=dev)
+        o = scatter.allocate((4,), dtype=torch.float32, device=dev)
+        scatter(o, x, None, td.ReduceOp.SUM)
+
+    for _ in range(2 if made else 0):
+        all_gather()
+        reduce_scatter()
+    try:
+        all_gather() if ctx.rank == 0 else reduce_scatter()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("made", [False, True])
+def test_ranks_in_different_shared_calls_all_raise_naming_them(made):
+    call = 3 if made else 1
+    for msg in backend_pool("gloo", 3).run(different_calls, made):
+        assert "the ranks of the group are in different shared calls (group rank 0: " \
+            f"all_gather call {call}" in msg, msg
+        assert all(f"group rank {r}: reduce_scatter call {call}" in msg for r in (1, 2)), msg
+
+
+def keep_with_fallback(ctx, n):
+    """fallback=True, 2 slots: every rank keeps its first two outputs; the third call gets
+    one of its own (on every rank) and still gathers every block; then the slots again."""
+    from collectives.torch_bridge.fsdp import SharedAllGather
+    _bridged()
+    comm = SharedAllGather(None, slots=2, fallback=True)
+    dev, w, out = torch.device("cpu"), ctx.world_size, []
+    kept = []
+    for call in range(4):
+        o = comm.allocate((n * w,), dtype=torch.float32, device=dev)
+        o.narrow(0, n * ctx.rank, n).fill_(ctx.rank + 10 * call)
+        comm(o, o.narrow(0, n * ctx.rank, n), None)
+        out.append((o.numpy().copy(), comm._slots.slot_of(o) is not None))
+        if call < 2:
+            kept.append(o)
+        else:
+            kept.clear()
+        del o
+    return out, comm._slots.fell_back
+
+
+@pytest.mark.timeout(120)
+def test_with_fallback_a_rank_still_holding_its_buffer_gets_one_of_its_own():
+    n, world = 3, 2
+    for outs, fell_back in backend_pool("gloo", world).run(keep_with_fallback, n):
+        assert fell_back == 1
+        assert [shared for _, shared in outs] == [True, True, False, True]
+        for call, (got, _) in enumerate(outs):
+            want = np.repeat(np.arange(world, dtype=np.float32) + 10 * call, n)
+            np.testing.assert_array_equal(got, want, err_msg=f"call {call}")
+    assert not _segments()
+
+
+def no_room(ctx):
+    """Rank 0's /dev/shm has no room for a segment: every rank's calls are FSDP2's own,
+    with one warning; the gathered output is still every rank's blocks."""
+    import warnings
+
+    from collectives.torch_bridge import fsdp
+    _bridged()
+    if ctx.rank == 0:
+        fsdp._create_segment = lambda size: None
+    comm = fsdp.SharedAllGather(None)
+    dev, w = torch.device("cpu"), ctx.world_size
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = []
+        for _ in range(2):
+            o = comm.allocate((2 * w,), dtype=torch.float32, device=dev)
+            o.narrow(0, 2 * ctx.rank, 2).fill_(ctx.rank)
+            comm(o, o.narrow(0, 2 * ctx.rank, 2).clone(), None)
+            outs.append(o.tolist())
+    return outs, comm.shared_calls, [str(c.message) for c in caught]
+
+
+@pytest.mark.timeout(120)
+def test_a_dev_shm_without_room_turns_the_slots_off_on_every_rank():
+    for outs, shared, warned in backend_pool("gloo", 2).run(no_room):
+        assert outs == [[0.0, 0.0, 1.0, 1.0]] * 2
+        assert shared == 0
+        assert len(warned) == 1 and "/dev/shm has no room" in warned[0], warned

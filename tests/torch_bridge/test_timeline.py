@@ -30,7 +30,7 @@ def timeline_marks(ctx, on):
     import torch.distributed as td
 
     from collectives.core import timeline
-    from tests.torch_bridge.test_torch_pg import _bridged
+    from tests.support.torch_training import bridged as _bridged
     _bridged()
     was = timeline.ON
     timeline.ON = on

@@ -42,6 +42,10 @@ from hypothesis import strategies as st
 
 from tests.support.profiles import examples
 from tests.support.ranks import available_configs, backend_pool, free_port, get_pool
+from tests.support.torch_training import batch as _batch
+from tests.support.torch_training import bridged as _bridged
+from tests.support.torch_training import ddp_reference, fsdp_case
+from tests.support.torch_training import model_of as _model
 
 torch = pytest.importorskip("torch")
 
@@ -50,33 +54,7 @@ SETTINGS = settings(max_examples=examples(15), deadline=None, suppress_health_ch
 
 
 
-def _bridged():
-    """Run on a rank of a pool: torch's default group over collectives' default group
-    (installed here when the pool's init ran before torch was imported)."""
-    import torch.distributed as td
-
-    import collectives as dist
-    import collectives.torch_bridge.torch_pg as tp
-    if not td.is_initialized():
-        assert tp.install_default(dist.group.WORLD)
-    assert td.get_backend() == "collectives"
-    return td
-
-
 # ---- DistributedDataParallel ------------------------------------------------------------------
-
-def _model(width, seed):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.BatchNorm1d(width),
-                               torch.nn.Tanh(), torch.nn.Linear(width, 2))
-
-
-def _batch(case, rank, step, micro):
-    g = torch.Generator().manual_seed(case["seed"] * 1000 + rank * 100 + step * 10 + micro)
-    x = torch.randn(case["batch"], 3, generator=g, dtype=torch.float64)
-    y = torch.randn(case["batch"], 2, generator=g, dtype=torch.float64)
-    return x, y
-
 
 def ddp_case(ctx, case):
     """Run on every rank: train with DDP (on the default group, or on a collectives
@@ -173,26 +151,6 @@ def _method_hook(group, bucket):
     return fut.then(lambda f: 2 * f.wait()[0]).then(lambda f: f.wait() / (2 * group.size()))
 
 
-def ddp_reference(case, ranks):
-    """One process training on the data of ``ranks`` (global ranks), from the first one's
-    initial parameters."""
-    model = _model(case["width"], case["seed"] + ranks[0]).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(case["steps"]):
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for r in ranks:
-            model.zero_grad()
-            for micro in range(case["accumulate"]):
-                x, y = _batch(case, r, step, micro)
-                torch.nn.functional.mse_loss(model(x), y).backward()
-            for g, p in zip(grads, model.parameters()):
-                g += p.grad / len(ranks)
-        for g, p in zip(grads, model.parameters()):
-            p.grad = g
-        opt.step()
-    return [p.detach().numpy() for p in model.parameters()]
-
-
 def _world_and_members(draw, subgroups=True):
     """A world of 1-4 ranks, and the members of a subgroup of it or None (the world)."""
     world = draw(st.integers(1, 4))
@@ -271,53 +229,11 @@ def test_ddp_comm_hooks_whose_callbacks_wait_on_collectives(config, case):
                                        err_msg=f"rank {r} parameter {k} of {case}, world {world}")
 
 
-def fsdp_case(ctx, case):
-    """Run on every rank: train with FSDP (torch's FSDP1 on the CPU, or fully_shard);
-    this rank's full parameters after training."""
-    import torch
-
-    _bridged()
-    model = _model(case["width"], case["seed"] + ctx.rank).double()
-    with torch.no_grad():  # start from rank 0's (FSDP's sync_module_states wants a GPU)
-        for p in model.parameters():
-            torch.distributed.broadcast(p, 0)
-    if case["flavor"] == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        wrapped = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
-    else:
-        from torch.distributed.fsdp import fully_shard
-        shared = case["flavor"] == "fully_shard_shared"
-        if shared:  # a param group a layer: several outputs alive, slots reused
-            for m in model:
-                if isinstance(m, torch.nn.Linear):
-                    fully_shard(m)
-        wrapped = fully_shard(model)
-        if shared:
-            from collectives.torch_bridge.fsdp import share_collectives
-            gather, scatter = share_collectives(wrapped, slots=case["slots"],
-                                                reduce_scatter=case["shared_rs"])
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    for step in range(case["steps"]):
-        opt.zero_grad()
-        for micro in range(case["accumulate"]):
-            x, y = _batch(case, ctx.rank, step, micro)
-            torch.nn.functional.mse_loss(wrapped(x), y).backward()
-        opt.step()
-    if case["flavor"] == "fsdp1":
-        with FSDP.summon_full_params(wrapped):
-            return [p.detach().clone().numpy() for p in wrapped.parameters()]
-    if shared and ctx.world_size > 1:  # every call went through shared memory
-        calls = case["steps"] * case["accumulate"]
-        assert gather.shared_calls >= 2 * calls, gather.shared_calls
-        assert scatter is None or scatter.shared_calls >= calls, scatter.shared_calls
-    return [p.full_tensor().detach().numpy() for p in model.parameters()]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @settings(SETTINGS, max_examples=examples(8))
 @given(case=ddp_cases(subgroups=False),
-       flavor=st.sampled_from(["fsdp1", "fully_shard", "fully_shard_shared"]),
+       flavor=st.sampled_from(["fsdp1", "fully_shard", "fully_shard_own", "fully_shard_shared"]),
        slots=st.integers(2, 4), shared_rs=st.booleans())
 def test_fsdp_trains_as_one_process_on_all_ranks_data(config, case, flavor, slots, shared_rs):
     """FSDP1, fully_shard, and fully_shard a layer at a time with its all_gathers (and
