@@ -1,4 +1,4 @@
-"""FSDP2's collectives through memory that every rank of one host maps (opt in, per model).
+"""FSDP2's collectives through memory that every rank of one host maps.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) allocates each call's buffer, copies into
 it, runs the collective and drops the buffer. On one host the ranks can map those buffers
@@ -14,21 +14,33 @@ instead, and each call does less:
   barrier (an input's owner checks the marks when it next needs the region, ``slots``
   calls later). The output is FSDP2's own (it becomes the sharded gradient).
 
+On collectives' groups this is the default: torch_pg's global forward pre-hook calls
+:func:`share_by_default` at an FSDP2 module's first forward (``COLLECTIVES_FSDP_SHARED=0``
+or :func:`keep_fsdp_defaults` keep FSDP2's own calls). By hand, on any group, with slots
+and a timeout of one's own::
+
     from collectives.torch_bridge.fsdp import share_collectives
     model = fully_shard(model)            # after every fully_shard of the model
     share_collectives(model)              # every FSDP module of it, on every rank
+
+The ranks meet (the all_gather's only work, the reduce_scatter's first) through an
+all_gather of the kind of call each is in and its number: ranks in different calls all
+raise, naming them.
 
 How buffers are reused: the k-th buffer a rank takes is in slot ``k % slots``, a
 segment of its own (FSDP2 calls in the same order on every rank, so the ranks agree
 without a message). A rank marks its use of a slot done when FSDP2 drops the buffer (its
 last view's storage is freed), and, for a reduce_scatter, marks the slot's inputs read
 once it has summed its block of them. A rank that comes back to a slot first checks that
-it dropped its own last buffer there (else it raises at once), then waits until every
+it dropped its own last buffer there (else it raises at once, or with ``fallback``, the
+default path's, takes a buffer of its own for that call), then waits until every
 rank has dropped the slot's all_gather output, or read its reduce_scatter inputs, and
 raises if that takes longer than ``timeout`` (a rank that died or stopped, or a program
-that kept a buffer). A slot grows (a new segment; rank 0 names it to the others with a
-broadcast) when a call needs more than it holds; its old segment lives until the last
-buffer in it is dropped. Segments are unlinked as soon as every rank has mapped them.
+that kept a buffer). A slot grows (a new segment; rank 0 names it to the others with an
+all_gather) when a call needs more than it holds; its old segment lives until the last
+buffer in it is dropped. Segments are unlinked as soon as every rank has mapped them;
+their pages are reserved when they are made, and where /dev/shm has no room the slots
+are off on every rank (FSDP2's own calls, a RuntimeWarning).
 
 Where the group's ranks are not on one host, or the device is not the CPU, the calls are
 FSDP2's defaults: every rank takes the same path, decided once by a gather of the ranks'
@@ -178,8 +190,8 @@ class _Slots:
         each other's buffers."""
         if self._sig is None:
             self._sig = torch.zeros(2, dtype=torch.int64)
-            self._sigs = torch.zeros(self.world(), 2, dtype=torch.int64)
-        mine, theirs = self._sig.numpy(), self._sigs.numpy()
+            self._sigs = torch.zeros(2 * self.world(), dtype=torch.int64)  # (torch gloo: flat)
+        mine, theirs = self._sig.numpy(), self._sigs.numpy().reshape(-1, 2)
         mine[:] = self.kind, self.calls
         _all_gather(self._sigs, self._sig, group=group)
         if not (theirs == mine).all():

@@ -47,6 +47,7 @@ from ..api import group as _groups
 from ..api.monitored_barrier import monitored_barrier as _monitored_barrier
 from ..api.pg_methods import CollectiveMethods
 from .torch_store import FromTorchStore as _FromTorchStore
+from .torch_store import ToTorchStore as _ToTorchStore
 from .torch_work import TorchWork, _Completer, _timeout  # noqa: F401  (_Completer: tests)
 from ..core.work import timeout_seconds
 
@@ -353,7 +354,7 @@ def install_default(pg, ranks=None):
     barrier_env = os.environ.pop("TORCH_DIST_INIT_BARRIER", None)  # its barrier uses the store:
     _state.installing = pg                                         # ours met already
     try:
-        td.init_process_group(BACKEND_NAME, store=td.HashStore(), rank=pg.rank(),
+        td.init_process_group(BACKEND_NAME, store=_store_for_torch(pg), rank=pg.rank(),
                               world_size=pg.size(), timeout=timedelta(seconds=pg.timeout),
                               **({"_ranks": list(ranks)} if ranks else {}))
     finally:
@@ -363,6 +364,21 @@ def install_default(pg, ranks=None):
     if pg is _groups.world.default and config.get("COLLECTIVES_TORCH_BRIDGE"):
         _groups.world.bridge = True  # torch now runs on this world: its later groups bridge too
     return True
+
+
+def _store_for_torch(pg):
+    """The store torch's default group over ``pg`` holds: the job's rendezvous store under
+    a prefix of its own, where ``pg`` is the world that met through one (groups of torch's
+    own backends, ``new_group(backend="gloo")``, meet through it); else a HashStore (they
+    would wait for peers they cannot reach: a job without a store, as mpiexec's)."""
+    store = getattr(_groups.world, "store", None)
+    if pg is not _groups.world.default or store is None:
+        return td.HashStore()
+    from ..store import PrefixStore
+    # the Python object must outlive torch's C++ references to it (its methods are found
+    # through it): the world holds it
+    pg._torch_store = _ToTorchStore(PrefixStore("torch", store))
+    return pg._torch_store
 
 
 def uninstall_default():

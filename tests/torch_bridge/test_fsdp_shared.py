@@ -57,28 +57,33 @@ def test_fully_shard_with_shared_buffers_trains_as_one_process(world, shared_rs)
     assert not _segments()
 
 
-def gather_blocks(ctx, n, calls):
+def gather_blocks(ctx, n, calls, torch_gloo=False):
     """Each call: allocate a shared output, write this rank's block (rank * 1000 + call +
-    i), all_gather in place; the whole output as this rank sees it after each call."""
+    i), all_gather in place; the whole output as this rank sees it after each call. With
+    ``torch_gloo``, over a group of torch's own gloo."""
     from collectives.torch_bridge.fsdp import SharedAllGather
-    _bridged()
-    comm = SharedAllGather(None, slots=2)
+    td = _bridged()
+    group = td.new_group(backend="gloo") if torch_gloo else None
+    comm = SharedAllGather(group, slots=2)
     out = []
     for call in range(calls):
         o = comm.allocate((n * ctx.world_size,), dtype=torch.float32, device=torch.device("cpu"))
         block = o.narrow(0, n * ctx.rank, n)
         block.copy_(torch.arange(n, dtype=torch.float32) + ctx.rank * 1000 + call)
-        assert comm(o, block, None) is None
+        assert comm(o, block, group) is None
         out.append(o.clone().numpy())
         del o, block
+    if group is not None:
+        td.destroy_process_group(group)
     return out, comm.shared_calls
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n", [0, 1, 7, 70000])
-def test_the_shared_output_holds_every_ranks_block(n):
+@pytest.mark.parametrize("n,torch_gloo", [(0, False), (1, False), (7, False), (70000, False),
+                                          (7, True)])
+def test_the_shared_output_holds_every_ranks_block(n, torch_gloo):
     world, calls = 3, 5
-    res = backend_pool("gloo", world).run(gather_blocks, n, calls)
+    res = backend_pool("gloo", world).run(gather_blocks, n, calls, torch_gloo)
     for call in range(calls):
         want = np.concatenate([np.arange(n, dtype=np.float32) + r * 1000 + call
                                for r in range(world)])

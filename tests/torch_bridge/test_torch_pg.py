@@ -576,6 +576,7 @@ def life_case(ctx, port, how):
     """Run on every rank of a pool with no group: set up, use, tear down; what each
     side saw."""
     import os
+    from datetime import timedelta
 
     import torch
     import torch.distributed as td
@@ -600,6 +601,13 @@ def life_case(ctx, port, how):
                     seen["sub"] = (td.get_process_group_ranks(sub), td.get_rank(sub), t.item())
                     dist.destroy_process_group(sub)
                     seen["sub_in_torch_after_destroy"] = sub in td.distributed_c10d._world.pg_map
+                # a group of torch's own gloo meets through the job's store (torch's
+                # default group holds it), not a store of this process alone
+                theirs = td.new_group(backend="gloo", timeout=timedelta(seconds=30))
+                t = torch.tensor([ctx.rank + 1.0])
+                td.all_reduce(t, group=theirs)
+                seen["torch_gloo"] = (type(theirs).__name__, t.item())
+                td.destroy_process_group(theirs)
             dist.destroy_process_group()
             seen["torch_after_destroy"] = td.is_initialized()
         finally:
@@ -646,6 +654,7 @@ def test_who_sets_up_and_tears_down_torchs_default_group():
         assert got["torch_rank"] == (r, 3, "collectives"), got
         if r < 2:
             assert got["sub"] == ([0, 1], r, 3.0) and not got["sub_in_torch_after_destroy"], got
+        assert got["torch_gloo"] == ("ProcessGroup", 6.0), got
     for got in pool.run(life_case, free_port(), "off", timeout=120):
         assert got == {"torch_after_init": False, "torch_groups": False,
                        "torch_after_destroy": False}
