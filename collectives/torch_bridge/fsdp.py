@@ -71,12 +71,12 @@ try:  # FSDP2's interfaces for them (torch 2.7 on; not exported by name)
 except ImportError:  # an older torch: no set_custom_all_gather to hand them to either
     AllGather = ReduceScatter = object
 
-#: bytes of a slot segment's header: one 64-byte line per rank, int64 counts of the slot's
-#: uses it has finished: [DROPPED] its buffer freed, [READ] every rank's input summed
 #: torch's names for FSDP2's calls (2.13 deprecates the older ones)
 _all_gather = getattr(td, "all_gather_single", td.all_gather_into_tensor)
 _reduce_scatter = getattr(td, "reduce_scatter_single", td.reduce_scatter_tensor)
 
+#: bytes of a slot segment's header: one 64-byte line per rank, int64 counts of the slot's
+#: uses it has finished: [DROPPED] its buffer freed, [READ] every rank's input summed
 _LINE = 64
 DROPPED, READ = 0, 1
 #: the kinds of call a rank says it is in when the ranks meet (see _Slots.meet)
@@ -347,8 +347,7 @@ class SharedAllGather(AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         if self._slots.slot_of(output_tensor) is None:
-            return _all_gather(output_tensor, input_tensor, group=group,
-                                             async_op=async_op)
+            return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
         self._slots.check_group(group)
         n = input_tensor.numel()
         block = output_tensor.view(-1).narrow(0, n * self._slots.rank(), n)
@@ -389,7 +388,7 @@ class SharedReduceScatter(ReduceScatter):
         slot = self._slots.slot_of(input_tensor)
         if slot is None:
             return _reduce_scatter(output_tensor, input_tensor, op=op, group=group,
-                                            async_op=async_op)
+                                   async_op=async_op)
         self._slots.check_group(group)
         if op not in (td.ReduceOp.SUM, td.ReduceOp.AVG):  # torch's call, on the same input
             _reduce_scatter(output_tensor, input_tensor, op=op, group=group)
