@@ -198,7 +198,7 @@ def _variant(v):
     """Switch the collectives run to variant ``v`` (see VARIANTS); "default" puts back what
     the group applied at creation (rank 0's settings), after another variant's blocks."""
     from collectives.api import group as _groups
-    backend = _groups.world.default.backend
+    backend = getattr(_groups.world.default, "backend", None)  # (no world: torch gloo's run)
     comm = getattr(backend, "_comm", None)
     if comm is None:
         if v == "default":

@@ -120,6 +120,7 @@ S5_NCCL = "2026-11-27-s5-nccl-vs-torch-h100.json"
 NOV21 = "2026-11-21-collectives-vs-torch-gloo-and-mpich.csv"
 FSDP_MEM = "2026-11-29-fsdp-memory-floor.json"
 FSDP_SHARED = "2026-11-29-fsdp-shared.json"
+FSDP_DEFAULT = "2026-11-29-fsdp-default.json"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -164,6 +165,13 @@ def claims():
                      train_launches(FSDP_SHARED),
                      span(shared_ratios(FSDP_SHARED, "tfm", "coll")),
                      "with `share_collectives` ours {fig}x gloo's step", bench))
+    per = train_launches(FSDP_DEFAULT)
+    out.append(Claim("FSDP2 transformer as written (shared by default) against torch gloo",
+                     FSDP_DEFAULT, per, span(train_ratios(FSDP_DEFAULT, "tfm", "coll_ms", "gloo_ms")),
+                     "as the program wrote it ours {fig}x gloo's step", bench))
+    out.append(Claim("FSDP2 transformer with FSDP2's own calls against torch gloo",
+                     FSDP_DEFAULT, per, span(shared_ratios(FSDP_DEFAULT, "tfm", "coll_own")),
+                     "with FSDP2's own calls {fig}x", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),
