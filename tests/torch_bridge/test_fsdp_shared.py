@@ -43,11 +43,15 @@ def _segments():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("shared_rs", [False, True])
-def test_fully_shard_with_shared_buffers_trains_as_one_process(world, shared_rs):
+@pytest.mark.parametrize("flavor,shared_rs", [("fully_shard_shared", False),
+                                              ("fully_shard_shared", True),
+                                              ("fully_shard", None), ("fully_shard_own", None)])
+def test_fully_shard_trains_as_one_process(world, flavor, shared_rs):
+    """With ``share_collectives`` (the all_gathers alone, or both calls), as the program
+    wrote it (on our groups its calls are shared by default), and with FSDP2's own calls;
+    fsdp_case checks which calls ran."""
     case = {"members": None, "width": 5, "batch": 3, "bucket_mb": 25.0, "steps": 3,
-            "accumulate": 2, "seed": 11, "flavor": "fully_shard_shared", "slots": 2,
-            "shared_rs": shared_rs}
+            "accumulate": 2, "seed": 11, "flavor": flavor, "slots": 2, "shared_rs": shared_rs}
     results = backend_pool("gloo", world).run(fsdp_case, case, timeout=120)
     want = ddp_reference(case, list(range(world)))
     for r, params in enumerate(results):
@@ -233,23 +237,6 @@ def test_a_group_other_than_the_fsdp_meshs_is_a_value_error():
     for msg, took_mesh_group in backend_pool("gloo", 2).run(_wrong_group):
         assert msg.startswith("group must be the FSDP mesh's group"), msg
         assert took_mesh_group
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("flavor", ["fully_shard", "fully_shard_own"])
-def test_fully_shard_as_written_trains_as_one_process(world, flavor):
-    """The program calls fully_shard and nothing else: on our groups its calls are shared
-    (fsdp_case checks which ran), and the parameters are the reference's either way."""
-    case = {"members": None, "width": 5, "batch": 3, "bucket_mb": 25.0, "steps": 3,
-            "accumulate": 2, "seed": 12, "flavor": flavor}
-    results = backend_pool("gloo", world).run(fsdp_case, case, timeout=120)
-    want = ddp_reference(case, list(range(world)))
-    for r, params in enumerate(results):
-        for k, (got, exp) in enumerate(zip(params, want)):
-            np.testing.assert_allclose(got, exp, rtol=1e-9, atol=1e-12,
-                                       err_msg=f"rank {r} parameter {k}, world {world}")
-    assert not _segments()
 
 
 def default_path_kinds(ctx, how):
