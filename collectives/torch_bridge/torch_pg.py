@@ -375,8 +375,8 @@ def _store_for_torch(pg):
     if pg is not _groups.world.default or store is None:
         return td.HashStore()
     from ..store import PrefixStore
-    # the Python object must outlive torch's C++ references to it (its methods are found
-    # through it): the world holds it
+    # the Python object must outlive torch's C++ references to it (they find its methods
+    # through it): our group holds it
     pg._torch_store = _ToTorchStore(PrefixStore("torch", store))
     return pg._torch_store
 

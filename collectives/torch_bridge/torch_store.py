@@ -60,7 +60,6 @@ class FromTorchStore(Store):
         self._call(self._store.multi_set, keys, values)
 
 
-
 class ToTorchStore(td.Store):
     """A collectives Store seen as a torch.distributed Store: what torch's default group
     holds when ``dist.init_process_group`` installs it, so that groups of torch's own
