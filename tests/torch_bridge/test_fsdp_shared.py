@@ -355,18 +355,22 @@ def no_room(ctx):
 
     from collectives.torch_bridge import fsdp
     _bridged()
-    if ctx.rank == 0:
+    create = fsdp._create_segment
+    if ctx.rank == 0:  # (put back before returning: the pool's ranks run later tests)
         fsdp._create_segment = lambda size: None
-    comm = fsdp.SharedAllGather(None)
-    dev, w = torch.device("cpu"), ctx.world_size
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        outs = []
-        for _ in range(2):
-            o = comm.allocate((2 * w,), dtype=torch.float32, device=dev)
-            o.narrow(0, 2 * ctx.rank, 2).fill_(ctx.rank)
-            comm(o, o.narrow(0, 2 * ctx.rank, 2).clone(), None)
-            outs.append(o.tolist())
+    try:
+        comm = fsdp.SharedAllGather(None)
+        dev, w = torch.device("cpu"), ctx.world_size
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = []
+            for _ in range(2):
+                o = comm.allocate((2 * w,), dtype=torch.float32, device=dev)
+                o.narrow(0, 2 * ctx.rank, 2).fill_(ctx.rank)
+                comm(o, o.narrow(0, 2 * ctx.rank, 2).clone(), None)
+                outs.append(o.tolist())
+    finally:
+        fsdp._create_segment = create
     return outs, comm.shared_calls, [str(c.message) for c in caught]
 
 
