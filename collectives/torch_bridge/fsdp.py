@@ -271,27 +271,27 @@ class _Slots:
         capacity = max(1, -(-nbytes // _ROUND)) * _ROUND
         regions = world if self.per_rank else 1
         size = world * _LINE + regions * capacity
-        name = [_create_segment(size) if self.rank() == 0 else None]
+        made = _create_segment(size) if self.rank() == 0 else None  # rank 0's, to unlink
         try:  # every rank's (kind, call number, size), and rank 0's segment
             said = [None] * world
-            td.all_gather_object(said, (self.kind, self.calls, size, name[0]), group=self.group)
+            td.all_gather_object(said, (self.kind, self.calls, size, made), group=self.group)
             if any(s[:3] != said[0][:3] for s in said):
                 self._diverged([s[:3] for s in said])
-            name[0] = said[0][3]
-            if name[0] is None:
+            path = said[0][3]
+            if path is None:
                 self.shared = False
                 warnings.warn(f"{self.name}: /dev/shm has no room for a {size}-byte segment; "
                               f"FSDP2's own calls from here on", RuntimeWarning, stacklevel=3)
                 return None
-            fd = os.open(name[0], os.O_RDWR)
+            fd = os.open(path, os.O_RDWR)
             try:
                 buf = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
             td.barrier(group=self.group)  # every rank has mapped it
         finally:
-            if self.rank() == 0 and name[0] is not None:
-                os.unlink(name[0])
+            if made is not None:
+                os.unlink(made)
         return _Slot(buf, capacity, world, regions)
 
     def _wait_released(self, slot, k):

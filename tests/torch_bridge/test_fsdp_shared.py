@@ -249,10 +249,11 @@ def default_path_kinds(ctx, how):
 
     from tests.support.torch_training import fsdp_comms
     _bridged()
-    mesh = None
+    mesh = fake = None
     if how == "fake":  # torch's fake backend: every call returns at once
         importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers it
-        mesh = DeviceMesh.from_group(td.new_group(backend="fake"), "cpu")
+        fake = td.new_group(backend="fake")
+        mesh = DeviceMesh.from_group(fake, "cpu")
     torch.manual_seed(0)
     model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
                         mesh=mesh)
@@ -262,7 +263,10 @@ def default_path_kinds(ctx, how):
         model(torch.ones(2, 4)).sum().backward()
     finally:
         os.environ.pop("COLLECTIVES_FSDP_SHARED", None)
-    return {(type(g).__name__, type(s).__name__) for g, s in fsdp_comms(model)}
+    kinds = {(type(g).__name__, type(s).__name__) for g, s in fsdp_comms(model)}
+    if fake is not None:  # (the pool's ranks run later tests)
+        td.destroy_process_group(fake)
+    return kinds
 
 
 @pytest.mark.timeout(120)
