@@ -45,8 +45,8 @@ are off on every rank (FSDP2's own calls, a RuntimeWarning).
 Where the group's ranks are not on one host, or the device is not the CPU, the calls are
 FSDP2's defaults: every rank takes the same path, decided once by a gather of the ranks'
 host identities (the default backend's: hostname, boot and IPC namespace, or
-``COLLECTIVES_HOST_ID``). A reduce_scatter whose op is neither SUM nor AVG runs as
-FSDP2's default on the shared input.
+``COLLECTIVES_HOST_ID``). A reduce_scatter whose op is neither SUM nor AVG, or whose
+dtype the kernels lack (float8), runs as FSDP2's default on the shared input.
 """
 import errno
 import math
@@ -64,12 +64,20 @@ import torch.distributed as td
 
 from .. import config
 from ..backends.select import host_identity
+from ..core.dtypes import SUM
+from ..core.tensors import dtype_code
 from .torch_work import TorchWork
 
 try:  # FSDP2's interfaces for them (torch 2.7 on; not exported by name)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # an older torch: no set_custom_all_gather to hand them to either
     AllGather = ReduceScatter = object
+
+try:  # dst = src_0 + src_1 + ... in one chunked pass, the GIL released
+    from ..engines._core import reduce_many_ptr
+except ImportError:  # extensions not built: their NumPy twin (the same bits)
+    from ..core.kernels_numpy import reduce_many_ptr
+
 
 #: torch's names for FSDP2's calls (2.13 deprecates the older ones)
 _all_gather = getattr(td, "all_gather_single", td.all_gather_into_tensor)
@@ -105,6 +113,14 @@ def _create_segment(size):
     finally:
         os.close(fd)
     return path
+
+
+def _dtype_code(t):
+    """The kernels' code for ``t``'s dtype, or None where they have none (float8, ...)."""
+    try:
+        return dtype_code(t)
+    except TypeError:
+        return None
 
 
 def _numel(size):
@@ -390,23 +406,21 @@ class SharedReduceScatter(ReduceScatter):
             return _reduce_scatter(output_tensor, input_tensor, op=op, group=group,
                                    async_op=async_op)
         self._slots.check_group(group)
-        if op not in (td.ReduceOp.SUM, td.ReduceOp.AVG):  # torch's call, on the same input
+        code = _dtype_code(output_tensor)
+        if op not in (td.ReduceOp.SUM, td.ReduceOp.AVG) or code is None:  # torch's, same input
             _reduce_scatter(output_tensor, input_tensor, op=op, group=group)
             slot.mark_read(self._slots.rank())
             return TorchWork(None, [output_tensor]) if async_op else None
         world, rank = self._slots.world(), self._slots.rank()
         n = output_tensor.numel()
-        offset = input_tensor.data_ptr() - (slot.base + rank * slot.capacity)
-        size = n * world * input_tensor.element_size()
+        # block ``rank`` of each rank's input: its address in rank q's region
+        block = (input_tensor.data_ptr() - slot.base - rank * slot.capacity
+                 + n * rank * input_tensor.element_size())
         out = output_tensor.view(-1)
         self._slots.meet(group)  # every rank's input is written
-        for q in range(world):  # block ``rank`` of each rank's input, in rank order
-            seg = np.frombuffer(slot.buf, dtype=np.uint8, count=size, offset=slot.region(q) + offset)
-            theirs = torch.from_numpy(seg).view(input_tensor.dtype).narrow(0, n * rank, n)
-            if q == 0:
-                out.copy_(theirs)
-            else:
-                out.add_(theirs)
+        if n:  # one pass, in rank order (the same bits as adding them one by one)
+            reduce_many_ptr(out.data_ptr(), [slot.base + q * slot.capacity + block
+                                             for q in range(world)], n, code, SUM)
         slot.mark_read(rank)
         if op == td.ReduceOp.AVG:
             out.div_(world)
