@@ -43,7 +43,8 @@ MODULES = {
     "_shm": KERNEL_IMPORT + ["collectives/engines/shm/shm_segment.c",
                              "collectives/engines/shm/shm_copy.c",
                              "collectives/engines/shm/shm_coll.c", "collectives/engines/shm/shm_p2p.c",
-                             "collectives/engines/shm/shm_tune.c"],
+                             "collectives/engines/shm/shm_tune.c",
+                             "collectives/engines/shm/shm_mapped.c"],
 }
 
 only = [m for m in os.environ.get("COLLECTIVES_ONLY", "").split(",") if m]

@@ -94,7 +94,7 @@ def tuning_value(var, size):
 #: order they travel with the segment's name
 _TUNING = ("COLLECTIVES_SHM_ONESHOT_MAX", "COLLECTIVES_SHM_CHUNK_BYTES", "COLLECTIVES_SHM_CMA_MIN",
            "COLLECTIVES_SHM_CMA_BCAST_MIN", "COLLECTIVES_SHM_CMA_AR_MIN", "COLLECTIVES_SHM_STREAM",
-           "COLLECTIVES_SHM_AR_ALGO")
+           "COLLECTIVES_SHM_AR_ALGO", "COLLECTIVES_SHM_MAP_MIN")
 
 
 # a segment younger than this is never swept: its creator may not have locked it yet
@@ -211,7 +211,9 @@ class ShmBackend(Backend):
         #: the group's settings as every rank applied them (rank 0's), by setting name
         self.tuning = dict(zip(_TUNING, tuning.split(",")))
         (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min, stream,
-         ar_algo) = self.tuning.values()
+         ar_algo, map_min) = self.tuning.values()
+        #: DDP's buckets from this size are mapped by every rank (torch_bridge/mapped.py)
+        self.map_min = int(map_min)
         (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min,
          stream) = map(int, (oneshot_max, chunk_bytes, cma_min, cma_bcast_min, cma_ar_min,
                              stream))

@@ -204,6 +204,13 @@ SETTINGS = (
         all_gather, gather and scatter blocks from this size go in one copy (process_vm_readv/writev)
         where the ranks may read each other's memory, reduce_scatter blocks from 16 times it; 0 turns
         it off."""),
+    _shm("COLLECTIVES_SHM_MAP_MIN", "int", 1 * MiB, unit="bytes",
+         read_in="backends/shm.py, torch_bridge/mapped.py", doc="""
+        DDP's gradient buckets (a torch CPU tensor that torch all_reduces during backward, the
+        whole of its storage) of at least this size move into shared memory at their second
+        all_reduce (torch's share_memory_), and the ranks map each other's: from then on their
+        all_reduce reads and writes the others' buckets directly, with no copy through the
+        segment. 0 turns it off."""),
     _shm("COLLECTIVES_SHM_CMA_BCAST_MIN", "int", 64 * KiB, unit="bytes", doc="""
         broadcast from this size goes in one copy where at most two ranks share a core; 0 turns it
         off. Unset: 64 KiB with two ranks, 256 KiB with more, 0 where more than two ranks run at

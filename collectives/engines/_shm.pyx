@@ -7,7 +7,7 @@ where they must wait longer than a short spin (shm_*_try); this module only conv
 arguments and turns error codes into DistBackendError.
 """
 cimport cython
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 from ._buffer cimport Buffer
@@ -63,6 +63,9 @@ cdef extern from "shm/shm_coll.h" nogil:
     int shm_finish(shm_comm *c)
     int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
     int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp)
+    int shm_map_register(shm_comm *c, uint32_t id, const void *lo, size_t n, const uintptr_t *peer)
+    void shm_map_unregister(shm_comm *c, uint32_t id)
+    uint64_t shm_map_calls(const shm_comm *c)
     int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root, uint64_t fp)
     int shm_all_gather(shm_comm *c, void *out, const void *inp, size_t nbytes, uint64_t fp)
     int shm_all_gather_list(shm_comm *c, void *const *outs, const void *inp, size_t nbytes,
@@ -369,6 +372,24 @@ cdef class ShmComm:
     def cma_readable(self):
         """Whether the gathers may go in one copy (cma_probe's answer without the cores)."""
         return bool(shm_cma_readable(self._live("cma_readable")))
+
+    def map_register(self, uint32_t id, uintptr_t lo, size_t length, const uint64_t[::1] peers):
+        """Collective: this rank's ``length`` bytes at ``lo`` are mapped buffer ``id`` (one id on
+        every rank), rank q's is at ``peers[q]`` here (shm_mapped.c); False: the table is full."""
+        if peers.shape[0] != self.size:
+            raise ValueError(f"peers must hold {self.size} addresses, got {peers.shape[0]}")
+        return shm_map_register(self._live("map_register"), id, <const void *>lo, length,
+                                <const uintptr_t *>&peers[0]) == 0
+
+    def map_unregister(self, uint32_t id):
+        """Mapped buffer ``id`` is gone on this rank (every rank's all_reduces on it decline)."""
+        if self.c != NULL:
+            shm_map_unregister(self.c, id)
+
+    @property
+    def mapped_calls(self):
+        """all_reduces that took the mapped path so far."""
+        return shm_map_calls(self._live("mapped_calls"))
 
     def set_thresholds(self, size_t oneshot_max, size_t chunk_bytes):
         shm_comm_set_thresholds(self._live("set_thresholds"), oneshot_max, chunk_bytes)

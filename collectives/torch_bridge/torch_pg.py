@@ -46,6 +46,7 @@ from .. import config
 from ..api import group as _groups
 from ..api.monitored_barrier import monitored_barrier as _monitored_barrier
 from ..api.pg_methods import CollectiveMethods
+from .mapped import maybe_map
 from .torch_store import FromTorchStore as _FromTorchStore
 from .torch_store import ToTorchStore as _ToTorchStore
 from .torch_work import TorchWork, _Completer, _timeout  # noqa: F401  (_Completer: tests)
@@ -202,6 +203,11 @@ class BridgedGroup(_TorchSide, _groups.ProcessGroup, td.ProcessGroup):
                                                  and _holds_torch_tensor(call.first))):
             return _torch_work(call, work, outputs, self)
         return super()._result(call, work, outputs)
+
+    def allreduce(self, tensors, opts=None):
+        if getattr(self.backend, "map_min", 0):  # shared memory: DDP's buckets mapped
+            maybe_map(self, tensors)
+        return super().allreduce(tensors, opts)
 
     def shutdown(self):
         _end(self)

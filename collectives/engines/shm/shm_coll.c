@@ -2,6 +2,7 @@
  * checks the ranks' fingerprints, then moves data through the ranks' data slots or, where
  * the ranks may read each other's memory, in one copy (CMA); see shm_sync.h. */
 #include "shm_copy.h"
+#include "shm_mapped.h"
 #include "shm_tune.h"
 
 int shm_barrier(shm_comm *c, uint64_t fp)
@@ -295,13 +296,6 @@ int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp)
     return SHM_OK;
 }
 
-static void slice_of(size_t cnt, int n, int q, size_t *st, size_t *len)
-{
-    size_t b = cnt / (size_t)n, r = cnt % (size_t)n;
-    *st = (size_t)q * b + ((size_t)q < r ? (size_t)q : r);
-    *len = b + ((size_t)q < r ? 1 : 0);
-}
-
 /* Single-copy all_reduce: rank r owns slice r of the buffer. Chunk by chunk, it reads the
  * other ranks' slice r straight from their buffers (into a private scratch), reduces them
  * into its own buffer (its own values first, then the others in rank order) and writes
@@ -439,6 +433,14 @@ static int reduce_impl(shm_comm *c, void *buf, size_t count, int dtype, int op, 
         if (!(rc = oneshot_post(c, buf, nbytes, fp, &s, &h)))
             rc = oneshot_rest(c, buf, count, dtype, op, root, s, h, srcs);
         goto out;
+    }
+    if (root < 0 && c->mapped_on) {  /* every rank's buffer mapped by the others */
+        rc = all_reduce_mapped(c, buf, count, dtype, op, isz, srcs, fp);
+        if (rc != SHM_DECLINED) {
+            if (!rc)
+                tick(c, nbytes);
+            goto out;
+        }
     }
     /* an all_reduce takes the algorithm its size class measured fastest (shm_tune.c); a
      * reduce two-shot, with the stores the probes chose */

@@ -124,6 +124,14 @@ int shm_comm_tune_choice(const shm_comm *c, int kind, size_t nbytes);
 int shm_barrier(shm_comm *c, uint64_t fp);
 int shm_broadcast(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp);
 int shm_all_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, uint64_t fp);
+/* Buffers every rank maps, for the mapped all_reduce (shm_mapped.c). Register (collective:
+ * every rank at the same call, which turns the mapped path's question on) this rank's
+ * ``len`` bytes at ``lo`` as buffer ``id`` (the same id on every rank), with ``peer[q]``
+ * where rank q's is mapped here (SHM_ESYS when the table is full); unregister it (it
+ * stays dead). */
+int shm_map_register(shm_comm *c, uint32_t id, const void *lo, size_t len, const uintptr_t *peer);
+void shm_map_unregister(shm_comm *c, uint32_t id);
+uint64_t shm_map_calls(const shm_comm *c);  /* all_reduces that took the mapped path */
 int shm_reduce(shm_comm *c, void *buf, size_t count, int dtype, int op, int root, uint64_t fp);
 int shm_all_gather(shm_comm *c, void *out, const void *in, size_t nbytes, uint64_t fp);
 /* all_gather into n separate blocks of nbytes (outs[q] gets rank q's input) */

@@ -257,6 +257,8 @@ void shm_comm_close(shm_comm *c)
     if (c->lock_fd >= 0)
         close(c->lock_fd);
     free(c->cma_tmp);
+    for (int i = 0; i < c->n_mapped; i++)
+        free(c->mapped[i].peer);
     free(c->dist);
     free(c->seen);
     free(c);

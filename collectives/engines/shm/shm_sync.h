@@ -4,11 +4,11 @@
  * checks), implemented in shm_segment.c. The layers above include this header and call
  * down only:
  *
- *     shm_coll.c (collectives)         shm_p2p.c (point-to-point rings)
- *        |            |                    |
- *     shm_copy.h     shm_tune.h            |
- *     (copy policy)  (measured choice)     |
- *        |            |                    |
+ *     shm_coll.c (collectives)                        shm_p2p.c (point-to-point rings)
+ *        |            |              |                    |
+ *     shm_copy.h     shm_tune.h     shm_mapped.h          |
+ *     (copy policy)  (measured      (buffers every        |
+ *        |            choice)        rank maps)           |
  *     shm_sync.h / shm_segment.c (segment, counters, waits, failures, fingerprints)
  *
  * An abort that must wake a layer above (p2p's waiting threads) goes through the hook
@@ -47,6 +47,19 @@
 #define PAGE 4096
 #define SHM_MAGIC 0x636f6c6c73686d37ULL /* "collshm7": the small broadcasts' rings */
 #define MAX_STACK_SRCS 64
+#define MAPPED_MAX 64         /* buffers a group may register for the mapped all_reduce */
+/* a mapped all_reduce's word in xfer.mapped: the buffer's id and the call's offset in it */
+#define MAPPED_WORD(id, off) ((1ull << 63) | ((uint64_t)(id) << 40) | (uint64_t)(off))
+#define MAPPED_OFF_MAX (1ull << 40)
+#define SHM_DECLINED 2        /* (internal) the mapped all_reduce does not apply to this call */
+
+/* Where slice q of cnt elements split among n ranks starts, and its length. */
+static inline void slice_of(size_t cnt, int n, int q, size_t *st, size_t *len)
+{
+    size_t b = cnt / (size_t)n, r = cnt % (size_t)n;
+    *st = (size_t)q * b + ((size_t)q < r ? (size_t)q : r);
+    *len = b + ((size_t)q < r ? 1 : 0);
+}
 /* latency probes (see "near and far peers") */
 #define PROBE_EVERY 16
 #define PROBE_MIN_BYTES (256 * 1024) /* steps this large count as ticks */
@@ -110,8 +123,9 @@ typedef struct {
     struct {
         _Atomic uint64_t addr;  /* this rank's buffer for the step it last posted (CMA) */
         _Atomic uint64_t src;   /* a single-copy all_gather's input, for ranks that pull */
+        _Atomic uint64_t mapped; /* a mapped all_reduce's buffer: MAPPED_WORD(id, offset), or 0 */
         _Atomic int32_t ok;     /* the CMA probe's verdict from this rank */
-        char pad[CL - 20];
+        char pad[CL - 28];
     } xfer;
     /* this rank's fastest time (ns) of each all_reduce algorithm in its last round of
      * trials, per size class; written before the post of the call that ends a round,
@@ -207,6 +221,20 @@ struct shm_comm {
     size_t llc;           /* bytes of last-level cache */
     int lock_fd;          /* the creator's descriptor of the segment, locked (else -1) */
     char *cma_tmp;        /* (n - 1) * CMA_AR_CHUNK bytes for peers' chunks, made on first use */
+    /* buffers every rank maps (a torch storage moved into shared memory, each rank's
+     * mapped by the others: collectives/torch_bridge/mapped.py); the table only grows, an
+     * entry that dies stays dead (a concurrent lookup never sees it rewritten) */
+    int mapped_on;        /* the group registered one (the same on every rank): a large
+                             all_reduce first asks whether every rank's buffer is mapped */
+    int n_mapped;
+    uint64_t mapped_calls;  /* all_reduces that took the mapped path */
+    struct mapped_buf {
+        _Atomic int live;
+        uint32_t id;          /* the same on every rank for one buffer */
+        uintptr_t lo;         /* this rank's buffer */
+        size_t len;
+        uintptr_t *peer;      /* where each rank's buffer is mapped here (n entries) */
+    } mapped[MAPPED_MAX];
     int stream_mode;      /* SHM_STREAM_OFF / _ON / _AUTO */
     int far;              /* segment writes for other ranks stream past the caches */
     uint32_t ticks;       /* large steps that may probe (the same count on every rank) */

@@ -1,0 +1,147 @@
+"""DDP's gradient buckets in memory every rank of the host maps.
+
+DDP's reducer all_reduces the same bucket tensors every step. On the shared-memory
+backend an all_reduce otherwise moves each bucket through the group's segment (copied in,
+reduced, copied out), or reads and writes the peers' buckets with one system call per
+chunk (process_vm_readv/writev, ``COLLECTIVES_SHM_CMA_AR_MIN``), where the kernel pins
+every page of both sides on every call. Here a bucket moves once into shared memory
+(torch's ``share_memory_``: the storage's data moves, every view of it follows) and every
+rank maps every other rank's; from then on the engine's mapped all_reduce
+(``engines/shm/shm_coll.c``) reduces each rank's slice straight from the others' buckets
+and writes the result straight into them: an all_reduce's least memory traffic, no
+system call.
+
+Which tensors: the one tensor of an ``allreduce`` that torch calls during a backward pass
+(DDP's reducer does), on a group whose backend is shared memory, a CPU tensor of at least
+``COLLECTIVES_SHM_MAP_MIN`` bytes (rank 0's; 0: off) that is the whole of a storage torch
+allocated (resizable, not shared yet), at its second such all_reduce (DDP rebuilds its
+buckets after the first step, so the buckets that last are the ones that move). Moving
+one is collective: every rank moves its bucket, the ranks exchange where each bucket lives
+(process id and descriptor) and map the others' through ``/proc/<pid>/fd``; where a rank
+cannot (no room in /dev/shm, no access), no rank registers it and the group stops trying.
+A registered bucket that dies (DDP's rebuild, the model's end) is unregistered on its
+rank; the ranks' next all_reduce on it then agrees to go the usual way.
+"""
+import mmap
+import os
+import weakref
+
+import numpy as np
+import torch
+
+#: how many distinct buffers a group's engine can register (engines/shm: MAPPED_MAX)
+_MAX = 64
+
+
+class _State:
+    """One shared-memory group's mapped buckets."""
+
+    def __init__(self):
+        self.seen = {}        # data_ptr -> all_reduces seen of an eligible tensor there
+        self.live = set()     # data_ptrs of this rank's registered buckets
+        self.maps = {}        # id -> the peers' mappings (kept open while the group lives)
+        self.next_id = 0
+        self.off = False      # a registration failed: the group stops trying
+
+
+_states = weakref.WeakKeyDictionary()
+
+
+def _eligible(t, min_bytes):
+    """Whether ``t`` may move: a contiguous CPU tensor of ``min_bytes`` or more that is the
+    whole of a storage torch allocated and has not shared yet."""
+    if t.device.type != "cpu" or t.is_sparse or not t.is_contiguous() or t.storage_offset():
+        return False
+    nbytes = t.numel() * t.element_size()
+    if nbytes < min_bytes:
+        return False
+    st = t.untyped_storage()
+    return st.nbytes() == nbytes and st.resizable() and not st.is_shared()
+
+
+def maybe_map(group, tensors):
+    """Before ``group.allreduce(tensors)`` as torch calls it: move DDP's bucket into memory
+    the ranks map, at its second all_reduce (see the module's docstring). Collective when it
+    moves one (every rank's reducer calls on the same bucket at the same step)."""
+    backend = group.backend
+    min_bytes = getattr(backend, "map_min", 0)
+    if not min_bytes or torch._C._current_graph_task_id() == -1:
+        return
+    t = tensors[0] if isinstance(tensors, (list, tuple)) else tensors
+    if not isinstance(t, torch.Tensor) or (isinstance(tensors, (list, tuple)) and len(tensors) != 1):
+        return
+    state = _states.get(backend)
+    if state is None:
+        state = _states[backend] = _State()
+    ptr = t.data_ptr()
+    if state.off or ptr in state.live or not _eligible(t, min_bytes):
+        return
+    if len(state.seen) > 4 * _MAX:  # buffers that came and went
+        state.seen.clear()
+    state.seen[ptr] = n = state.seen.get(ptr, 0) + 1
+    if n == 2:
+        del state.seen[ptr]
+        _register(group, backend, t, state)
+
+
+def _move_to_shared(t):
+    """Move ``t``'s storage into shared memory (its views follow); the descriptor this
+    process holds for it, or -1 where it could not (no room in /dev/shm, no descriptors).
+    It asks for twice the bytes free first: a torch before 2.10 only ftruncates the file,
+    and a full /dev/shm would then kill the rank with SIGBUS at the copy."""
+    nbytes = t.numel() * t.element_size()
+    try:
+        vfs = os.statvfs("/dev/shm")
+        if vfs.f_bavail * vfs.f_frsize < 2 * nbytes:
+            return -1
+        return t.untyped_storage()._share_fd_cpu_()[0]
+    except (RuntimeError, OSError):
+        return -1
+
+
+def _register(group, backend, t, state):
+    """Collective: move ``t``'s storage into shared memory, map the other ranks' and
+    register the bucket with the engine; on every rank or on none."""
+    from ..api.objects import all_gather_object
+    comm = backend._comm
+    world, rank = comm.size, comm.rank
+    nbytes = t.numel() * t.element_size()
+    fd = _move_to_shared(t) if state.next_id < _MAX else -1
+    said = [None] * world
+    all_gather_object(said, (fd, os.getpid(), nbytes), group=group)
+    if any(f < 0 or n != nbytes for f, _, n in said):
+        state.off = True
+        return
+    maps, peers = [], [0] * world
+    for q, (qfd, pid, _) in enumerate(said):
+        if q == rank:
+            continue
+        try:
+            f = os.open(f"/proc/{pid}/fd/{qfd}", os.O_RDWR)
+            try:
+                m = mmap.mmap(f, nbytes)
+            finally:
+                os.close(f)
+        except OSError:
+            break
+        view = np.frombuffer(m, dtype=np.uint8)
+        maps.append((m, view))
+        peers[q] = view.ctypes.data
+    ok = len(maps) == world - 1
+    verdicts = [None] * world
+    all_gather_object(verdicts, ok, group=group)
+    if not all(verdicts):
+        state.off = True
+        return
+    bucket_id = state.next_id
+    state.next_id += 1
+    ptr = t.data_ptr()
+    comm.map_register(bucket_id, ptr, nbytes, np.array(peers, dtype=np.uint64))
+    state.maps[bucket_id] = maps
+    state.live.add(ptr)
+    weakref.finalize(t, _unregister, comm, state, bucket_id, ptr).atexit = False
+
+
+def _unregister(comm, state, bucket_id, ptr):
+    comm.map_unregister(bucket_id)
+    state.live.discard(ptr)
