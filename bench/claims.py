@@ -91,6 +91,14 @@ def train_ratios(name, model, num, den):
     return [r[num] / r[den] for run in _json(name) for r in run["results"] if r["model"] == model]
 
 
+def above_floor(name, world, **match):
+    """Per launch at ``world`` of a bench_train JSON whose runs carry the keys ``match``
+    (e.g. map_min=0): ours' time above the floor over gloo's."""
+    return [(r["coll_ms"] - r["floor_ms"]) / (r["gloo_ms"] - r["floor_ms"]) for run in _json(name)
+            if run["world"] == world and all(run.get(k) == v for k, v in match.items())
+            for r in run["results"]]
+
+
 def shared_ratios(name, model, copy):
     """Per launch and case of ``model`` in a bench_train JSON run with ``--shared``: the
     step of the shared-memory copy ``copy`` over torch gloo's."""
@@ -121,6 +129,7 @@ NOV21 = "2026-11-21-collectives-vs-torch-gloo-and-mpich.csv"
 FSDP_MEM = "2026-11-29-fsdp-memory-floor.json"
 FSDP_SHARED = "2026-11-29-fsdp-shared.json"
 FSDP_DEFAULT = "2026-11-29-fsdp-default.json"
+DDP_MAPPED = "2026-11-30-ddp-mapped-buckets.json"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -172,6 +181,14 @@ def claims():
     out.append(Claim("FSDP2 transformer with FSDP2's own calls against torch gloo",
                      FSDP_DEFAULT, per, span(shared_ratios(FSDP_DEFAULT, "tfm", "coll_own")),
                      "with FSDP2's own calls {fig}x", bench))
+    per = train_launches(DDP_MAPPED) // 2  # launches in pairs: mapped and not
+    for world in (2, 4):
+        out.append(Claim(f"DDP MLP above the floor, buckets mapped, world {world}", DDP_MAPPED,
+                         per, span(above_floor(DDP_MAPPED, world, map_min=1 << 20)),
+                         f"world {world}: {{fig}} of gloo's time above the floor mapped", bench))
+        out.append(Claim(f"DDP MLP above the floor, not mapped, world {world}", DDP_MAPPED, per,
+                         span(above_floor(DDP_MAPPED, world, map_min=0)),
+                         "against {fig} without", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),

@@ -43,7 +43,7 @@ def main(argv=None):
             raise SystemExit("the buffer could not be mapped on every rank")
         times = {"mapped": [], "plain": [], "mul": []}
         before = comm.mapped_calls
-        for i in range(15 + a.reps):
+        for _ in range(15 + a.reps):
             for which, t in (("mapped", shared), ("plain", plain)):
                 dist.barrier()
                 t0 = time.perf_counter()

@@ -88,7 +88,8 @@ _reduce_scatter = getattr(td, "reduce_scatter_single", td.reduce_scatter_tensor)
 _LINE = 64
 DROPPED, READ = 0, 1
 #: the kinds of call a rank says it is in when the ranks meet (see _Slots.meet)
-_KINDS = {1: "all_gather", 2: "reduce_scatter"}
+ALL_GATHER, REDUCE_SCATTER = 1, 2
+_KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
 #: slot capacities are rounded up to this (a segment is made for a size class, not a call)
 _ROUND = 1 << 21
 #: orders a rank's reads of a buffer before its release mark (an acquire and a release)
@@ -349,7 +350,7 @@ class SharedAllGather(AllGather):
 
     def __init__(self, group=None, slots=4, timeout=300.0, fallback=False):
         self._slots = _Slots("SharedAllGather", group, slots, timeout, per_rank=False,
-                             done=DROPPED, kind=1, fallback=fallback)
+                             done=DROPPED, kind=ALL_GATHER, fallback=fallback)
 
     @property
     def shared_calls(self):
@@ -382,7 +383,7 @@ class SharedReduceScatter(ReduceScatter):
 
     def __init__(self, group=None, slots=4, timeout=300.0, fallback=False):
         self._slots = _Slots("SharedReduceScatter", group, slots, timeout, per_rank=True,
-                             done=READ, kind=2, fallback=fallback)
+                             done=READ, kind=REDUCE_SCATTER, fallback=fallback)
         self._output_numel = None  # the size of the output the next allocate is for
 
     @property
