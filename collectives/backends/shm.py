@@ -244,6 +244,9 @@ class ShmBackend(Backend):
         self.reduce_scatter = comm.reduce_scatter
         self.all_to_all = comm.all_to_all
         self.barrier = comm.barrier
+        # buffers every rank maps (collectives/torch_bridge/mapped.py: DDP's buckets)
+        self.map_register = comm.map_register
+        self.map_unregister = comm.map_unregister
         self._p2p = None
         self._p2p_lock = threading.Lock()
 
@@ -257,6 +260,11 @@ class ShmBackend(Backend):
     # rank whose peer called something else raises DistBackendError naming both calls, on
     # every rank. all_to_all's per-rank counts differ legally: the word holds kind and
     # dtype, and every rank checks that what each peer sends it is what it expects from it.
+
+    @property
+    def mapped_calls(self):
+        """all_reduces that took the mapped path (both ranks' buffers mapped) so far."""
+        return self._comm.mapped_calls
 
     def number_next(self, seq):
         """Error messages call this backend's next collective the caller's collective #seq

@@ -19,8 +19,9 @@ buckets after the first step, so the buckets that last are the ones that move). 
 one is collective: every rank moves its bucket, the ranks exchange where each bucket lives
 (process id and descriptor) and map the others' through ``/proc/<pid>/fd``; where a rank
 cannot (no room in /dev/shm, no access), no rank registers it and the group stops trying.
-A registered bucket that dies (DDP's rebuild, the model's end) is unregistered on its
-rank; the ranks' next all_reduce on it then agrees to go the usual way.
+A registered bucket that dies (the model's end) is unregistered on its rank, which drops
+its mappings of the others' buckets of that id (theirs of its own go when their bucket
+dies); the ranks' next all_reduce on it agrees to go the usual way.
 """
 import mmap
 import os
@@ -39,7 +40,7 @@ class _State:
     def __init__(self):
         self.seen = {}        # data_ptr -> all_reduces seen of an eligible tensor there
         self.live = set()     # data_ptrs of this rank's registered buckets
-        self.maps = {}        # id -> the peers' mappings (kept open while the group lives)
+        self.maps = {}        # id -> the peers' mappings (while this rank's bucket lives)
         self.next_id = 0
         self.off = False      # a registration failed: the group stops trying
 
@@ -50,7 +51,7 @@ _states = weakref.WeakKeyDictionary()
 def _eligible(t, min_bytes):
     """Whether ``t`` may move: a contiguous CPU tensor of ``min_bytes`` or more that is the
     whole of a storage torch allocated and has not shared yet."""
-    if t.device.type != "cpu" or t.is_sparse or not t.is_contiguous() or t.storage_offset():
+    if t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset():
         return False
     nbytes = t.numel() * t.element_size()
     if nbytes < min_bytes:
@@ -67,8 +68,12 @@ def maybe_map(group, tensors):
     min_bytes = getattr(backend, "map_min", 0)
     if not min_bytes or torch._C._current_graph_task_id() == -1:
         return
-    t = tensors[0] if isinstance(tensors, (list, tuple)) else tensors
-    if not isinstance(t, torch.Tensor) or (isinstance(tensors, (list, tuple)) and len(tensors) != 1):
+    t = tensors
+    if isinstance(t, (list, tuple)):
+        if len(t) != 1:
+            return
+        t = t[0]
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:  # (sparse: no data_ptr)
         return
     state = _states.get(backend)
     if state is None:
@@ -103,8 +108,7 @@ def _register(group, backend, t, state):
     """Collective: move ``t``'s storage into shared memory, map the other ranks' and
     register the bucket with the engine; on every rank or on none."""
     from ..api.objects import all_gather_object
-    comm = backend._comm
-    world, rank = comm.size, comm.rank
+    world, rank = backend.size, backend.rank
     nbytes = t.numel() * t.element_size()
     fd = _move_to_shared(t) if state.next_id < _MAX else -1
     said = [None] * world
@@ -136,12 +140,16 @@ def _register(group, backend, t, state):
     bucket_id = state.next_id
     state.next_id += 1
     ptr = t.data_ptr()
-    comm.map_register(bucket_id, ptr, nbytes, np.array(peers, dtype=np.uint64))
+    backend.map_register(bucket_id, ptr, nbytes, np.array(peers, dtype=np.uint64))
     state.maps[bucket_id] = maps
     state.live.add(ptr)
-    weakref.finalize(t, _unregister, comm, state, bucket_id, ptr).atexit = False
+    weakref.finalize(t, _unregister, backend.map_unregister, state, bucket_id, ptr).atexit = False
 
 
-def _unregister(comm, state, bucket_id, ptr):
-    comm.map_unregister(bucket_id)
+def _unregister(unregister, state, bucket_id, ptr):
+    """This rank's bucket ``bucket_id`` died: no call on it goes mapped again (this rank
+    names no buffer there), so this rank's mappings of the others' are dropped; theirs of
+    this rank's go when their own bucket of that id dies."""
+    unregister(bucket_id)
     state.live.discard(ptr)
+    state.maps.pop(bucket_id, None)

@@ -651,7 +651,8 @@ def test_mpi_call_log_logs_compares_and_fails_the_same(ops):
 COMPARED = {("_buffer", "Buffer"), ("_buffer", "disjoint_gather"), ("", "_buffer"),
             ("_buffer", "separate_blocks"),
             ("_core", "Counter"), ("_core", "Dispatcher"), ("_core", "ProfilerTap"),
-            ("_core", "CallRing"), ("_core", "scale_ptr"), ("", "_core"),
+            ("_core", "CallRing"), ("_core", "scale_ptr"), ("_core", "reduce_many_ptr"),
+            ("", "_core"),
             ("_mpilog", "CallLog"), ("", "_ncclcall")}
 #: imports under ``except ImportError`` that have no twin: the feature is off without them
 NO_TWIN = {("", "_shm")}  # backends.shm.shm_available(): no shm backend without _shm

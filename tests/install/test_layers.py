@@ -5,6 +5,7 @@ named in strings (``importlib.import_module``, ``sys.modules.get``), and the ext
 imports and cimports (their .pyx with the .pxi files it includes). No import cycle either (a
 cycle closed by deferred imports is still a cycle to read)."""
 import ast
+import itertools
 import os
 import re
 
@@ -314,13 +315,15 @@ SHM_LAYERS = [
     ("shm_segment.c", {"shm_sync.h"}),
     ("shm_copy.c", {"shm_copy.h"}),
     ("shm_tune.c", {"shm_tune.h"}),
+    ("shm_mapped.c", {"shm_mapped.h"}),
     ("shm_p2p.c", {"shm_sync.h"}),
-    ("shm_coll.c", {"shm_copy.h", "shm_tune.h"}),
+    ("shm_coll.c", {"shm_copy.h", "shm_tune.h", "shm_mapped.h"}),
 ]
-SHM_HEADERS = {"shm_sync.h": set(), "shm_copy.h": {"shm_sync.h"}, "shm_tune.h": {"shm_sync.h"}}
+SHM_HEADERS = {"shm_sync.h": set(), "shm_copy.h": {"shm_sync.h"}, "shm_tune.h": {"shm_sync.h"},
+               "shm_mapped.h": {"shm_sync.h"}}
 # layers that sit side by side (neither may call the other)
-SHM_SIBLINGS = {frozenset({"shm_copy.c", "shm_tune.c"}), frozenset({"shm_copy.c", "shm_p2p.c"}),
-                frozenset({"shm_tune.c", "shm_p2p.c"})}
+SHM_SIBLINGS = {frozenset(pair) for pair in itertools.combinations(
+    ("shm_copy.c", "shm_tune.c", "shm_mapped.c", "shm_p2p.c"), 2)}
 
 
 def _c_source(name):
@@ -338,10 +341,14 @@ def _c_defined(text):
 
 def test_the_shm_engines_c_files_call_only_down_their_layers():
     """shm_segment.c (segment, counters, waits, failure record, fingerprints) at the bottom;
-    the copy policy, the measured choice and p2p above it; the collectives on top: no file
-    includes a header of a layer above it, nor calls a function a file above it (or beside
-    it) defines. An abort reaches p2p through the hook p2p registers."""
+    the copy policy, the measured choice, the mapped all_reduce and p2p above it; the
+    collectives on top: no file includes a header of a layer above it, nor calls a function
+    a file above it (or beside it) defines, and every file of engines/shm is in a layer
+    here. An abort reaches p2p through the hook p2p registers."""
     import re
+    on_disk = {f for f in os.listdir(SRC) if f.endswith((".c", ".h"))}
+    listed = {name for name, _ in SHM_LAYERS} | set(SHM_HEADERS) | {"shm_coll.h"}
+    assert on_disk == listed, f"files of engines/shm not in a layer here: {on_disk - listed}"
     srcs = {name: _c_source(name) for name, _ in SHM_LAYERS}
     defined = {name: _c_defined(text) for name, text in srcs.items()}
     assert all(defined.values()), defined

@@ -76,7 +76,7 @@ def ddp_mapped_case(ctx, case):
             opt.step()
         state = _mapped_state(group)
         return ([p.detach().numpy().copy() for p in model.parameters()],
-                group.backend._comm.mapped_calls, 0 if state is None else len(state.live))
+                group.backend.mapped_calls, 0 if state is None else len(state.live))
     finally:
         dist.destroy_process_group(group)
 
@@ -136,7 +136,7 @@ def mapped_all_reduces(ctx, cases, decline_rank=None, fail_rank=None):
         state = mapped._State()
         mapped._register(group, group.backend, buf, state)
         registered = bool(state.live)
-        comm = group.backend._comm
+        backend = group.backend
         out = []
         for i, (dname, count, offset, op) in enumerate(cases):
             dtype = _DTYPES[dname]
@@ -146,9 +146,9 @@ def mapped_all_reduces(ctx, cases, decline_rank=None, fail_rank=None):
             values = _values(ctx.rank, i, dtype, count)
             target = values.clone() if ctx.rank == decline_rank else view
             target.copy_(values)
-            before = comm.mapped_calls
+            before = backend.mapped_calls
             td.all_reduce(target, op=getattr(td.ReduceOp, op), group=group)
-            took = comm.mapped_calls - before
+            took = backend.mapped_calls - before
             plain = values.clone()
             td.all_reduce(plain, op=getattr(td.ReduceOp, op), group=group)
             out.append((target.float().numpy().copy() if dtype == torch.bfloat16
@@ -228,16 +228,16 @@ def outside_and_dead(ctx):
         b = torch.ones(10000)
         mapped._register(group, group.backend, b, state)
         live = len(state.live)
-        comm = group.backend._comm
-        before = comm.mapped_calls
+        backend = group.backend
+        before = backend.mapped_calls
         td.all_reduce(b, group=group)
-        took = comm.mapped_calls - before
+        took = backend.mapped_calls - before
         del b
         gc.collect()
         c = torch.ones(10000)
         td.all_reduce(c, group=group)
-        after = comm.mapped_calls - before
-        return outside, live, took, len(state.live), after, float(c[0])
+        after = backend.mapped_calls - before
+        return outside, live, took, len(state.live) + len(state.maps), after, float(c[0])
     finally:
         dist.destroy_process_group(group)
 
@@ -259,3 +259,30 @@ def test_which_tensors_may_move():
     assert not _eligible(torch.empty(1024, 512).t(), 1 << 20)  # not contiguous
     assert not _eligible(torch.from_numpy(np.zeros(1 << 18, np.float32)), 1 << 20)  # NumPy's
     assert not _eligible(torch.empty(1 << 18).share_memory_(), 1 << 20)  # shared already
+
+
+def test_inside_backward_a_sparse_or_small_tensor_is_left_alone():
+    """maybe_map in a backward pass (where DDP's reducer calls it), on tensors that may not
+    move: no error, nothing seen."""
+    from collectives.torch_bridge import mapped
+
+    class Backend:
+        map_min = 1024
+
+    class Group:
+        backend = Backend()
+
+    group = Group()
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.ones(2), (4096,))
+    small = torch.ones(10)
+    x = torch.ones(3, requires_grad=True)
+
+    def hook(grad):
+        for t in (sparse, [sparse], small, [small, small], []):
+            mapped.maybe_map(group, t)
+        return grad
+
+    x.register_hook(hook)
+    x.sum().backward()
+    state = mapped._states.get(group.backend)
+    assert state is not None and not state.seen and not state.live

@@ -9,16 +9,16 @@
 
 /* Mapped all_reduce: every rank's buffer is in memory every rank maps (registered with
  * shm_map_register; collectives/torch_bridge/mapped.py moves DDP's gradient buckets there).
- * Rank r owns slice r: chunk by chunk it reduces slice r of every rank's buffer, in rank
- * order, into its own and copies the finished chunk, still in cache, into every other
- * rank's buffer. No copy through the segment and no system call: each rank reads its
- * buffer's slice and the others' (G in all) and writes its slice and the others' (G), an
- * all_reduce's least traffic; each slice sums as two-shot's does (the owner's values
- * first, then the others in rank order), so both give the same bytes. Step s1 (fingerprinted) publishes which registered buffer
- * and offset each rank calls on; where they differ, or a rank's buffer is not registered,
- * every rank sees it at once and returns SHM_DECLINED with the collective unpublished
- * (the caller's algorithm publishes it again). Step s2: every rank has written everything
- * it will; a rank returns once every other has posted it. */
+ * Rank r owns slice r: chunk by chunk it reduces slice r of every rank's buffer into its
+ * own and copies the finished chunk, still in cache, into every other rank's buffer. No
+ * copy through the segment and no system call: each rank reads its buffer's slice and the
+ * others' (G in all) and writes its slice and the others' (G), an all_reduce's least
+ * traffic. A slice sums as two-shot's does (the owner's values first, then the others in
+ * rank order), so both give the same bytes. Step s1 (fingerprinted) publishes which
+ * registered buffer and offset each rank calls on; where they differ, or a rank's buffer
+ * is not registered, every rank sees it at once and returns SHM_DECLINED with the
+ * collective unpublished (the caller's algorithm publishes it again). Step s2: every rank
+ * has written everything it will; a rank returns once every other has posted it. */
 static const struct mapped_buf *mapped_find(const shm_comm *c, const void *buf, size_t nbytes)
 {
     uintptr_t p = (uintptr_t)buf;
@@ -31,8 +31,8 @@ static const struct mapped_buf *mapped_find(const shm_comm *c, const void *buf, 
     return NULL;
 }
 
-SHM_HIDDEN int all_reduce_mapped(shm_comm *c, void *buf, size_t count, int dtype, int op, size_t isz,
-                             const void **srcs, uint64_t fp)
+SHM_HIDDEN int all_reduce_mapped(shm_comm *c, void *buf, size_t count, int dtype, int op,
+                                 size_t isz, const void **srcs, uint64_t fp)
 {
     int n = c->n, me = c->me;
     const struct mapped_buf *e = mapped_find(c, buf, count * isz);
@@ -60,8 +60,8 @@ SHM_HIDDEN int all_reduce_mapped(shm_comm *c, void *buf, size_t count, int dtype
     for (size_t o = 0; o < len; o += ce) {
         size_t cnt = len - o < ce ? len - o : ce;
         size_t at = off + (st + o) * isz;
-        srcs[0] = ubuf + (st + o) * isz;  /* its own first, then the others in rank order, */
-        for (int q = 0, k = 1; q < n; q++)  /* as two-shot sums: the same bits either way */
+        srcs[0] = ubuf + (st + o) * isz;  /* its own, then the others in rank order */
+        for (int q = 0, k = 1; q < n; q++)
             if (q != me)
                 srcs[k++] = (const char *)e->peer[q] + at;
         if ((rc = coll_reduce_many(ubuf + (st + o) * isz, srcs, n, cnt, dtype, op)))
