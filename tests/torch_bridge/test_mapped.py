@@ -273,7 +273,8 @@ def test_inside_backward_a_sparse_or_small_tensor_is_left_alone():
         backend = Backend()
 
     group = Group()
-    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.ones(2), (4096,))
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.ones(2), (4096,),
+                                     check_invariants=True)
     small = torch.ones(10)
     x = torch.ones(3, requires_grad=True)
 
