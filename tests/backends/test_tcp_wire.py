@@ -142,16 +142,9 @@ def contradicting_settings(ctx, name, env):
     every rank must use rank 0's."""
     from collectives.backends.tcp import TcpBackend
     from collectives.store import PrefixStore
-    old = {k: os.environ.get(k) for k in env[ctx.rank]}
-    os.environ.update(env[ctx.rank])
-    try:
+    from tests.support.environ import environ
+    with environ(env[ctx.rank]):
         b = TcpBackend(PrefixStore(name, ctx.state["store"]), ctx.rank, ctx.world_size, 30.0)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     n, r = ctx.world_size, ctx.rank
     ok = True
     try:

@@ -14,7 +14,6 @@
 - which tensors may move (no ranks).
 """
 import gc
-import os
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.profiles import examples
+from tests.support.environ import environ
 from tests.support.ranks import backend_pool
 from tests.support.requires import needs_gloo
 
@@ -31,25 +31,14 @@ from tests.support.torch_training import batch, bridged, ddp_reference, model_of
 
 pytestmark = needs_gloo  # the rank pools run on the default backend
 
-#: the group's settings the tests set (rank 0's apply): mapping from this size, and a small
-#: one-shot size so that small buffers reach the large all_reduce's paths
-_ENV = ("COLLECTIVES_SHM_MAP_MIN", "COLLECTIVES_SHM_ONESHOT_MAX")
-
-
 def _group(map_min, oneshot_max=4096):
-    """A new group of every rank with the mapping from ``map_min`` bytes (0: off)."""
+    """A new group of every rank with the mapping from ``map_min`` bytes (0: off) and a
+    small one-shot size, so that small buffers reach the large all_reduce's paths (rank 0's
+    settings apply)."""
     import collectives as dist
-    saved = {k: os.environ.get(k) for k in _ENV}
-    os.environ.update(COLLECTIVES_SHM_MAP_MIN=str(map_min),
-                      COLLECTIVES_SHM_ONESHOT_MAX=str(oneshot_max))
-    try:
+    with environ({"COLLECTIVES_SHM_MAP_MIN": str(map_min),
+                  "COLLECTIVES_SHM_ONESHOT_MAX": str(oneshot_max)}):
         return dist.new_group(list(range(dist.get_world_size())))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _mapped_state(group):
