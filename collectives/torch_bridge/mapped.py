@@ -61,13 +61,11 @@ def _eligible(t, min_bytes):
 
 
 def maybe_map(group, tensors):
-    """Before ``group.allreduce(tensors)`` as torch calls it: move DDP's bucket into memory
-    the ranks map, at its second all_reduce (see the module's docstring). Collective when it
-    moves one (every rank's reducer calls on the same bucket at the same step)."""
+    """Before ``group.allreduce(tensors)`` in a backward pass, on a shared-memory group
+    (``BridgedGroup.allreduce`` checks both): move DDP's bucket into memory the ranks map,
+    at its second all_reduce (see the module's docstring). Collective when it moves one
+    (every rank's reducer calls on the same bucket at the same step)."""
     backend = group.backend
-    min_bytes = getattr(backend, "map_min", 0)
-    if not min_bytes or torch._C._current_graph_task_id() == -1:
-        return
     t = tensors
     if isinstance(t, (list, tuple)):
         if len(t) != 1:
@@ -79,7 +77,7 @@ def maybe_map(group, tensors):
     if state is None:
         state = _states[backend] = _State()
     ptr = t.data_ptr()
-    if state.off or ptr in state.live or not _eligible(t, min_bytes):
+    if state.off or ptr in state.live or not _eligible(t, backend.map_min):
         return
     if len(state.seen) > 4 * _MAX:  # buffers that came and went
         state.seen.clear()

@@ -150,6 +150,10 @@ def _end(pg):
 
 # ---- collectives groups that are torch's process groups too ------------------------------------
 
+#: the autograd graph task this thread runs, -1 outside a backward pass
+_graph_task = torch._C._current_graph_task_id
+
+
 def _holds_torch_tensor(x):
     """Whether ``x`` is a torch tensor, or a list (of lists) whose first entry is one."""
     for _ in range(3):
@@ -205,9 +209,10 @@ class BridgedGroup(_TorchSide, _groups.ProcessGroup, td.ProcessGroup):
         return super()._result(call, work, outputs)
 
     def allreduce(self, tensors, opts=None):
-        if getattr(self.backend, "map_min", 0):  # shared memory: DDP's buckets mapped
+        # in a backward pass on shared memory: DDP's buckets mapped (one C call otherwise)
+        if _graph_task() != -1 and getattr(self.backend, "map_min", 0):
             maybe_map(self, tensors)
-        return super().allreduce(tensors, opts)
+        return CollectiveMethods.allreduce(self, tensors, opts)
 
     def shutdown(self):
         _end(self)
