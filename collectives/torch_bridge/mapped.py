@@ -7,7 +7,7 @@ chunk (process_vm_readv/writev, ``COLLECTIVES_SHM_CMA_AR_MIN``), where the kerne
 every page of both sides on every call. Here a bucket moves once into shared memory
 (torch's ``share_memory_``: the storage's data moves, every view of it follows) and every
 rank maps every other rank's; from then on the engine's mapped all_reduce
-(``engines/shm/shm_coll.c``) reduces each rank's slice straight from the others' buckets
+(``engines/shm/shm_mapped.c``) reduces each rank's slice straight from the others' buckets
 and writes the result straight into them: an all_reduce's least memory traffic, no
 system call.
 
@@ -38,7 +38,7 @@ class _State:
     """One shared-memory group's mapped buckets."""
 
     def __init__(self):
-        self.seen = {}        # data_ptr -> all_reduces seen of an eligible tensor there
+        self.seen = {}        # data_ptr -> all_reduces seen of the live eligible tensor there
         self.live = set()     # data_ptrs of this rank's registered buckets
         self.maps = {}        # id -> the peers' mappings (while this rank's bucket lives)
         self.next_id = 0
@@ -79,9 +79,14 @@ def maybe_map(group, tensors):
     ptr = t.data_ptr()
     if state.off or ptr in state.live or not _eligible(t, backend.map_min):
         return
-    if len(state.seen) > 4 * _MAX:  # buffers that came and went
-        state.seen.clear()
-    state.seen[ptr] = n = state.seen.get(ptr, 0) + 1
+    n = state.seen.get(ptr, 0) + 1
+    if n == 1:
+        # a count outlives no tensor: DDP's first buckets die when it rebuilds them after
+        # step 1, and a new bucket at the same address on one rank but not another would
+        # else reach its second all_reduce a step early there, and that rank alone would
+        # register (the ranks' next collectives then differ)
+        weakref.finalize(t, state.seen.pop, ptr, None).atexit = False
+    state.seen[ptr] = n
     if n == 2:
         del state.seen[ptr]
         _register(group, backend, t, state)

@@ -276,3 +276,34 @@ def test_inside_backward_a_sparse_or_small_tensor_is_left_alone():
     x.sum().backward()
     state = mapped._states.get(group.backend)
     assert state is not None and not state.seen and not state.live
+
+
+def test_a_count_dies_with_its_tensor(monkeypatch):
+    """A tensor's all_reduces count toward its move only while it lives: a new tensor at a
+    dead one's address starts again at one. (DDP's buckets rebuilt after step 1 may land
+    at an old bucket's address on one rank and not on another; that rank alone would move
+    its bucket a step early, and the ranks' collectives would differ: CI saw it.)"""
+    from collectives.torch_bridge import mapped
+
+    class Backend:
+        map_min = 1024
+
+    class Group:
+        backend = Backend()
+
+    group = Group()
+    registered = []
+    monkeypatch.setattr(mapped, "_register", lambda g, b, t, s: registered.append(t.data_ptr()))
+    a = torch.ones(4096)
+    ptr = a.data_ptr()
+    mapped.maybe_map(group, [a])
+    state = mapped._states[group.backend]
+    assert state.seen == {ptr: 1}
+    del a
+    gc.collect()
+    assert state.seen == {}
+    b = torch.ones(4096)
+    mapped.maybe_map(group, [b])
+    assert registered == []
+    mapped.maybe_map(group, [b])
+    assert registered == [b.data_ptr()] and state.seen == {}
