@@ -34,12 +34,10 @@ def main(argv=None):
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = group.backend
-    state = mapped._State()
     for mib in (float(s) for s in a.sizes_mib.split(",")):
         n = int(mib * 2 ** 20) // 4
         shared, plain = torch.ones(n), torch.ones(n)
-        mapped._register(group, group.backend, shared, state)
-        if not state.live:
+        if not mapped.register(shared, group):
             raise SystemExit("the buffer could not be mapped on every rank")
         times = {"mapped": [], "plain": [], "mul": []}
         before = backend.mapped_calls
@@ -64,8 +62,7 @@ def main(argv=None):
                     f.write(json.dumps({"world": world, "mib": mib, "mapped_ms": med["mapped"],
                                         "usual_ms": med["plain"], "mul_ms": med["mul"],
                                         "mapped_calls": took, "reps": a.reps}) + "\n")
-        state.live.clear()
-        del shared, plain
+        del shared, plain  # (its registration ends with it)
     dist.destroy_process_group()
 
 

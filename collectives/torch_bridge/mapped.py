@@ -21,7 +21,8 @@ one is collective: every rank moves its bucket, the ranks exchange where each bu
 cannot (no room in /dev/shm, no access), no rank registers it and the group stops trying.
 A registered bucket that dies (the model's end) is unregistered on its rank, which drops
 its mappings of the others' buckets of that id (theirs of its own go when their bucket
-dies); the ranks' next all_reduce on it agrees to go the usual way.
+dies); the ranks' next all_reduce on it agrees to go the usual way. A program moves and
+maps a buffer of its own with :func:`register`.
 """
 import mmap
 import os
@@ -46,6 +47,44 @@ class _State:
 
 
 _states = weakref.WeakKeyDictionary()
+
+
+def _state_of(backend):
+    state = _states.get(backend)
+    if state is None:
+        state = _states[backend] = _State()
+    return state
+
+
+def register(tensor, group=None):
+    """Collective: move ``tensor``'s storage into shared memory now, map every other
+    rank's, and register them with ``group``'s engine, as DDP's buckets are at their second
+    all_reduce; from then on an all_reduce on ``tensor`` or a view of it takes the mapped
+    path when every rank calls on the same registered buffer at the same offset.
+
+    Every rank of ``group`` (a shared-memory group; None: the default group) calls it with
+    its own tensor of the same size: a contiguous CPU tensor that is the whole of a storage
+    torch allocated and has not been shared. Returns whether it was registered, the same on
+    every rank: False where a rank could not move or map it (no room in /dev/shm, no
+    access), or after an earlier failure on the group (which then stops trying). Its
+    ``data_ptr()`` changes once; the registration ends when the tensor dies.
+    """
+    from ..core.world import resolve
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    pg = resolve(group)
+    if pg is None:
+        raise ValueError("group must be a group this rank belongs to")
+    backend = pg.backend
+    if not hasattr(backend, "map_register"):
+        raise ValueError(f"group must be a shared-memory group; its backend is "
+                         f"{type(backend).__name__}")
+    if tensor.layout != torch.strided or not _eligible(tensor, 1):
+        raise ValueError("tensor must be a contiguous CPU tensor that is the whole of an "
+                         "unshared storage torch allocated (not NumPy's, not a view of part "
+                         "of one, not shared or registered already)")
+    state = _state_of(backend)
+    return not state.off and _register(pg, backend, tensor, state, strict=True)
 
 
 def _eligible(t, min_bytes):
@@ -73,9 +112,7 @@ def maybe_map(group, tensors):
         t = t[0]
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:  # (sparse: no data_ptr)
         return
-    state = _states.get(backend)
-    if state is None:
-        state = _states[backend] = _State()
+    state = _state_of(backend)
     ptr = t.data_ptr()
     if state.off or ptr in state.live or not _eligible(t, backend.map_min):
         return
@@ -107,18 +144,22 @@ def _move_to_shared(t):
         return -1
 
 
-def _register(group, backend, t, state):
+def _register(group, backend, t, state, strict=False):
     """Collective: move ``t``'s storage into shared memory, map the other ranks' and
-    register the bucket with the engine; on every rank or on none."""
+    register the bucket with the engine; on every rank (True) or on none (False).
+    ``strict``: ranks whose tensors differ in size raise ValueError (all of them)."""
     from ..api.objects import all_gather_object
     world, rank = backend.size, backend.rank
     nbytes = t.numel() * t.element_size()
     fd = _move_to_shared(t) if state.next_id < _MAX else -1
     said = [None] * world
     all_gather_object(said, (fd, os.getpid(), nbytes), group=group)
+    if strict and any(n != nbytes for _, _, n in said):
+        raise ValueError(f"tensor must have the same size on every rank: "
+                         f"{[n for _, _, n in said]} bytes by rank")
     if any(f < 0 or n != nbytes for f, _, n in said):
         state.off = True
-        return
+        return False
     maps, peers = [], [0] * world
     for q, (qfd, pid, _) in enumerate(said):
         if q == rank:
@@ -139,7 +180,7 @@ def _register(group, backend, t, state):
     all_gather_object(verdicts, ok, group=group)
     if not all(verdicts):
         state.off = True
-        return
+        return False
     bucket_id = state.next_id
     state.next_id += 1
     ptr = t.data_ptr()
@@ -147,6 +188,7 @@ def _register(group, backend, t, state):
     state.maps[bucket_id] = maps
     state.live.add(ptr)
     weakref.finalize(t, _unregister, backend.map_unregister, state, bucket_id, ptr).atexit = False
+    return True
 
 
 def _unregister(unregister, state, bucket_id, ptr):

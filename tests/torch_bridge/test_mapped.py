@@ -11,7 +11,9 @@
 - a rank that cannot move its bucket (no room) leaves it unmapped on every rank;
   all_reduces outside a backward pass never move a tensor; a registered bucket that dies
   is unregistered;
-- which tensors may move (no ranks).
+- which tensors may move, and a count of all_reduces dies with its tensor (no ranks);
+- ``register`` names its argument on misuse, and raises on every rank where the ranks'
+  tensors differ in size.
 """
 import gc
 
@@ -122,9 +124,7 @@ def mapped_all_reduces(ctx, cases, decline_rank=None, fail_rank=None):
     try:
         capacity = 1 << 20
         buf = torch.zeros(capacity, dtype=torch.uint8)
-        state = mapped._State()
-        mapped._register(group, group.backend, buf, state)
-        registered = bool(state.live)
+        registered = mapped.register(buf, group)
         backend = group.backend
         out = []
         for i, (dname, count, offset, op) in enumerate(cases):
@@ -212,10 +212,9 @@ def outside_and_dead(ctx):
             group.allreduce([t]).wait()
         outside = (t.data_ptr() == ptr, not t.untyped_storage().is_shared(),
                    _mapped_state(group) is None or not _mapped_state(group).live)
-        state = mapped._State()
-        mapped._states[group.backend] = state
         b = torch.ones(10000)
-        mapped._register(group, group.backend, b, state)
+        assert mapped.register(b, group)
+        state = _mapped_state(group)
         live = len(state.live)
         backend = group.backend
         before = backend.mapped_calls
@@ -307,3 +306,38 @@ def test_a_count_dies_with_its_tensor(monkeypatch):
     assert registered == []
     mapped.maybe_map(group, [b])
     assert registered == [b.data_ptr()] and state.seen == {}
+
+
+def register_misuse(ctx):
+    """Run on every rank: register's argument checks (before any communication), then
+    tensors whose sizes differ by rank: the error each rank raised."""
+    import collectives as dist
+    from collectives.torch_bridge import mapped
+    bridged()
+    group = _group(1 << 40)
+    errors = []
+    try:
+        for bad in (np.zeros(1024), torch.from_numpy(np.zeros(1024)), torch.zeros(2048)[1:],
+                    torch.zeros(1024).share_memory_(), torch.zeros(64, 64).t()):
+            try:
+                mapped.register(bad, group)
+                errors.append(None)
+            except (TypeError, ValueError) as e:
+                errors.append((type(e).__name__, str(e).split(" ")[0]))
+        try:
+            mapped.register(torch.zeros(1024 + 8 * ctx.rank), group)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+        return errors
+    finally:
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.timeout(120)
+def test_register_names_its_argument_and_refuses_sizes_that_differ():
+    results = backend_pool("gloo", 2).run(register_misuse, timeout=60)
+    for r, errors in enumerate(results):
+        assert errors[:5] == [("TypeError", "tensor")] + [("ValueError", "tensor")] * 4, r
+        assert errors[5] == ("tensor must have the same size on every rank: [4096, 4128] "
+                             "bytes by rank"), f"rank {r}: {errors[5]}"
