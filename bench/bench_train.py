@@ -81,8 +81,10 @@ alternates collectives runs between variants within each launch (``VARIANTS``: t
 all_reduce algorithm forced, the segment stores, the gathers' single copy).
 """
 import argparse
+import collections
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -222,11 +224,17 @@ def _variant(v):
     comm.set_cma_min(*cma)
 
 
+#: the process's minor page faults in each step, by copy (a step that frees and requests
+#: memory glibc handed back to the kernel faults it in again: collectives/core/heap.py)
+FAULTS = collections.defaultdict(list)
+
+
 def _step(m, opt, x, which, steps, timeline, keep):
     """One training step of ``m``, appended to ``steps`` as (which, ms, marks); marks (the
     timeline's events and the step's phases) where ``which`` is in ``keep``."""
     if timeline is not None:
         timeline.take()
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.monotonic_ns()
     opt.zero_grad(set_to_none=False)
     loss = m(x).float().square().mean()
@@ -238,6 +246,7 @@ def _step(m, opt, x, which, steps, timeline, keep):
     marks = None
     if timeline is not None and which in keep:
         marks = {"t0": t0, "fwd": t1, "bwd": t2, "end": t3, "events": timeline.take()}
+    FAULTS[which].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     steps.append((which, (t3 - t0) / 1e6, marks))
 
 
@@ -397,6 +406,7 @@ def _case_mixed(td, a, name, kind, fake, coll, mem):
             "shared_ms": {w[len("shared_"):]: med(w) for w in shared},
             "first_gloo_ms": med("first:gloo"), "placement": by_place,
             "first_coll_ms": med("first:coll"), "params": numel,
+            "faults_per_step": {w: statistics.median(FAULTS[w]) for w in mods},
             "all_reduce_alone_ms": alone,
             # what tests and the table read as the collectives cell:
             "ms": med("coll"), "first_ms": med("first:coll")}
@@ -644,6 +654,9 @@ def mixed_line(r):
                if r.get("floor_mem_sync_ms") else "")
             + "".join(f"; shared {w} {ms:.1f} ms ({ms / g:.2f}x gloo, {ms / f:.2f}x floor)"
                       for w, ms in r.get("shared_ms", {}).items())
+            + ("; page faults a step (rank 0): " + ", ".join(
+                f"{w} {n:g}" for w, n in r["faults_per_step"].items())
+               if r.get("faults_per_step") else "")
             + "".join(f"; {lab} ({p['rounds']} rounds): coll/floor "
                       f"{p['coll_ms'] / p['floor_ms']:.2f} coll/gloo {p['coll_ms'] / p['gloo_ms']:.2f}"
                       for lab, p in r.get("placement", {}).items()))

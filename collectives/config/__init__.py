@@ -301,6 +301,12 @@ SETTINGS = (
         challenge-response on it, and a peer without it is refused. collectives-run sets a random
         one for a single-node job (or takes --auth-key-file). Default: no key, no handshake (torch's
         behaviour)."""),
+    _s("COLLECTIVES_MALLOC_TRIM", "int", 64 * MiB, unit="bytes", read_in="core/heap.py", doc="""
+        At its first group a process fixes glibc's malloc thresholds: requests under 32 MiB come
+        from the heap, whose free top goes back to the kernel only beyond this many bytes, so a
+        training step's freed memory is reused instead of faulted in again every step (see
+        docs/compatibility.md). 0, a MALLOC_*_ variable or glibc.malloc in GLIBC_TUNABLES: glibc's
+        own behaviour."""),
     _s("COLLECTIVES_SAFE_OBJECTS", "bool", False, read_in="security/safe_pickle.py", doc="""
         The object calls (broadcast_object_list, all_gather_object, ...) unpickle with an allow-list
         (plain data, NumPy arrays, torch tensors) instead of full pickle; per call: safe=True."""),

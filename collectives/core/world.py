@@ -8,6 +8,7 @@ new_group, split, shrink, destroy) and imports them. What must reach back up, th
 destruction of a group from its own ``shutdown()``, goes through :func:`destroy`, which
 collectives.api.group installs.
 """
+from . import heap as _heap
 from . import profiling as _profiling
 
 NOT_INITIALIZED = ("Default process group has not been initialized, "
@@ -38,6 +39,7 @@ class GroupBase:
         self.submit = backend.submit
         self.destroyed = False
         _profiling.refresh()  # torch may have been imported since the last group was made
+        _heap.keep_freed_memory()  # once a process (the first group)
 
     def rank(self):
         return self._rank
