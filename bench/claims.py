@@ -99,6 +99,14 @@ def above_floor(name, world, **match):
             for r in run["results"]]
 
 
+def over_floor(name, world, **match):
+    """Per launch at ``world`` of a bench_train JSON whose runs carry the keys ``match``:
+    ours' step over the floor's."""
+    return [r["coll_ms"] / r["floor_ms"] for run in _json(name)
+            if run["world"] == world and all(run.get(k) == v for k, v in match.items())
+            for r in run["results"]]
+
+
 def shared_ratios(name, model, copy):
     """Per launch and case of ``model`` in a bench_train JSON run with ``--shared``: the
     step of the shared-memory copy ``copy`` over torch gloo's."""
@@ -130,6 +138,7 @@ FSDP_MEM = "2026-11-29-fsdp-memory-floor.json"
 FSDP_SHARED = "2026-11-29-fsdp-shared.json"
 FSDP_DEFAULT = "2026-11-29-fsdp-default.json"
 DDP_MAPPED = "2026-11-30-ddp-mapped-buckets.json"
+DDP_HEAP = "2026-11-30-ddp-heap.json"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -189,6 +198,16 @@ def claims():
         out.append(Claim(f"DDP MLP above the floor, not mapped, world {world}", DDP_MAPPED, per,
                          span(above_floor(DDP_MAPPED, world, map_min=0)),
                          "against {fig} without", bench))
+    per = train_launches(DDP_HEAP) // 2  # launches in pairs: glibc's thresholds fixed and not
+    for world in (2, 4):
+        for heap, said in (("on", "fixed"), ("off", "glibc's own")):
+            out.append(Claim(f"DDP MLP over the floor, world {world}, heap {heap}", DDP_HEAP, per,
+                             span(over_floor(DDP_HEAP, world, heap=heap)),
+                             f"world {world}, malloc thresholds {said}: ours {{fig}}x the floor",
+                             bench))
+            out.append(Claim(f"DDP MLP above the floor, world {world}, heap {heap}", DDP_HEAP,
+                             per, span(above_floor(DDP_HEAP, world, heap=heap)),
+                             "{fig} of gloo's time above it", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),

@@ -5,9 +5,10 @@ the largest mapped block freed so far, 32 MiB at most) with a fresh ``mmap`` and
 when freed, and it hands the free space at the top of its heap back to the kernel once that
 exceeds twice the threshold. A training step frees and requests the same tens of MiB every
 step (autograd's temporaries, the gradients' partial results), so the same pages are
-handed back and faulted in again, each zeroed by the kernel: on the 2-vCPU VM, DDP's
-backward of issue 51's MLP faulted 4,000-8,000 pages a step (16-32 MiB), the floor's
-(no communication) as well, about 15 ms of a 90 ms step. Whether it does depends on the
+handed back and faulted in again, each zeroed by the kernel: on two cores, DDP's backward
+of a 17.9M-parameter MLP faulted 4,000-8,000 pages a step (16-32 MiB), its no-op-hook
+floor's as well, about 15 ms of a 90 ms step (bench/results/2026-11-30-ddp-heap.md).
+Whether it does depends on the
 process's history: a 25 MiB block freed early (DDP's first buckets) raises the thresholds
 for good, so the same program ran 20% faster or slower by what it had freed before.
 

@@ -10,6 +10,7 @@ Each case runs in a fresh interpreter (the change is process-wide and cannot be 
 """
 import json
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -19,9 +20,7 @@ import pytest
 from tests.support import ROOT
 from tests.support.requires import needs_gloo
 
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or
-                           not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"),
-                           reason="glibc's malloc only")
+glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 
 _SCRIPT = textwrap.dedent("""
     import json, resource, sys, tempfile, os
