@@ -8,9 +8,9 @@ step (autograd's temporaries, the gradients' partial results), so the same pages
 handed back and faulted in again, each zeroed by the kernel: on two cores, DDP's backward
 of a 17.9M-parameter MLP faulted 4,000-8,000 pages a step (16-32 MiB), its no-op-hook
 floor's as well, about 15 ms of a 90 ms step (bench/results/2026-11-30-ddp-heap.md).
-Whether it does depends on the
-process's history: a 25 MiB block freed early (DDP's first buckets) raises the thresholds
-for good, so the same program ran 20% faster or slower by what it had freed before.
+Whether it does depends on the process's history: a 25 MiB block freed early (DDP's first
+buckets) raises the thresholds for good, so the same program ran 20% faster or slower by
+what it had freed before.
 
 At the first group a process makes, :func:`keep_freed_memory` fixes glibc's thresholds:
 requests below 32 MiB (the most glibc allows) come from the heap, and free space at the
