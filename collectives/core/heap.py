@@ -7,7 +7,7 @@ exceeds twice the threshold. A training step frees and requests the same tens of
 step (autograd's temporaries, the gradients' partial results), so the same pages are
 handed back and faulted in again, each zeroed by the kernel: on two cores, DDP's backward
 of a 17.9M-parameter MLP faulted 4,000-8,000 pages a step (16-32 MiB), its no-op-hook
-floor's as well, about 15 ms of a 90 ms step (bench/results/2026-11-30-ddp-heap.md).
+floor's as well (bench/results/2026-11-30-ddp-heap.md).
 Whether it does depends on the process's history: a 25 MiB block freed early (DDP's first
 buckets) raises the thresholds for good, so the same program ran 20% faster or slower by
 what it had freed before.
