@@ -170,21 +170,29 @@ static int largest_pow2(int n)
  * fingerprint, directly or through a chain of checked frames, before it returns: the
  * binomial tree's data and the rooted collectives' fingerprint frames (fp_begin) in one
  * exchange (4 ranks: 8 frames instead of 12; 8 ranks: 24 instead of 56). A rank past the
- * largest power of two p2 (vr >= p2) hands its fingerprint to vr - p2 first and gets the
- * data from it last. */
+ * largest power of two p2 (vr >= p2) trades fingerprints with vr - p2 first and gets the
+ * data from it last.
+ *
+ * Every wait here goes with a frame to the rank waited on, posted before the wait: where
+ * the ranks name different roots, a rank waiting for a peer that follows another schedule
+ * has sent that peer a frame, whose fingerprint fails the peer's check, so the mismatch is
+ * found instead of a cycle of waits (3 ranks, roots 0, 1, 1: rank 0 waited for rank 2's
+ * frame, rank 2 for rank 1's, rank 1 for rank 0's, until the timeout). */
 static int bcast_cube(tcp_engine *e, char *buf, size_t nbytes, int root, char *err, size_t errlen)
 {
     int n = e->size, vr = mod(e->rank - root, n), p2 = largest_pow2(n), rem = n - p2;
 #define RK(v) (((v) + root) % n)
-    if (ensure_reqs(e, 2)) return oom(err, errlen);
+    if (ensure_reqs(e, 3)) return oom(err, errlen);
     if (vr >= p2) {
         cset(e, 0, 1, RK(vr - p2), TAG(0, 0), NULL, 0);
-        cset(e, 1, 0, RK(vr - p2), TAG(100, 0), buf, nbytes);
-        return cxfer(e, 2, err, errlen);
+        cset(e, 1, 0, RK(vr - p2), TAG(0, 0), NULL, 0);
+        cset(e, 2, 0, RK(vr - p2), TAG(100, 0), buf, nbytes);
+        return cxfer(e, 3, err, errlen);
     }
     if (vr < rem) {
         cset(e, 0, 0, RK(vr + p2), TAG(0, 0), NULL, 0);
-        if (cxfer(e, 1, err, errlen)) return -1;
+        cset(e, 1, 1, RK(vr + p2), TAG(0, 0), NULL, 0);
+        if (cxfer(e, 2, err, errlen)) return -1;
     }
     for (int m = 1, step = 1; m < p2; m <<= 1, step++) {
         int have = vr < m, gets = !have && vr < 2 * m;
