@@ -127,13 +127,15 @@ class HierarchicalBackend(Backend):
     def _begin(self, word):
         self._seq += 1
         self._word = word
-        self.local.number_next(self._seq)
         if self.leaders is not None:
             self.leaders.number_next(self._seq)
 
     def _local(self, method, *args):
         """A shared-memory part. On a leader whose host found a mismatch, the other leaders'
-        TCP part is made to fail too (they would wait for this leader until the timeout)."""
+        TCP part is made to fail too (they would wait for this leader until the timeout).
+        Each part is numbered as the call (a mismatch found in a call's second part, its
+        verdict, was named as the next collective)."""
+        self.local.number_next(self._seq)
         try:
             method(*args, fp=self._word)
         except DistError as e:
@@ -250,6 +252,7 @@ class HierarchicalBackend(Backend):
         """A shared-memory part beside the leaders' parts of the ``queued`` pieces: on failure
         they end first (no piece may run while the leaders are told), then the other leaders
         are told, as :meth:`_local` does."""
+        self.local.number_next(self._seq)
         try:
             method(*args, fp=self._word)
         except DistError as e:
@@ -272,6 +275,11 @@ class HierarchicalBackend(Backend):
         rh = self.host_of[root]
         if self.host_index == rh:
             self._local(self.local.broadcast, buf, self.local_index[root])
+            if len(self.members) > 1:
+                # the host compares before its leader takes part (its root returned without
+                # comparing): else the other hosts' readers, whose leaders agree, would
+                # return and learn of a mismatch here only at their next call
+                self._verdict()
             if self.leaders is not None:
                 self._leaders(self.leaders.broadcast, buf, rh)
             self._verdict()

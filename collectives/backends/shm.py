@@ -267,9 +267,10 @@ class ShmBackend(Backend):
         return self._comm.mapped_calls
 
     def number_next(self, seq):
-        """Error messages call this backend's next collective the caller's collective #seq
-        (a hierarchical group's local part numbers its calls as the whole group does)."""
-        self._comm.coll_base = self._comm.coll + 1 - seq
+        """Error messages call this backend's next collective, and those after it until the
+        next call of this, the caller's collective #seq (a hierarchical group's local parts
+        number their calls as the whole group does; one of its calls may make several)."""
+        self._comm.number_next(seq)
 
     def failure(self):
         """The group's recorded failure (the same text on every rank), or None."""

@@ -50,7 +50,8 @@ cdef extern from "shm/shm_coll.h" nogil:
     void shm_comm_abort(shm_comm *c)
     uint32_t shm_comm_coll(const shm_comm *c)
     int shm_comm_fail_record(const shm_comm *c, uint32_t *k, int *a, int *b, uint64_t *wa,
-                             uint64_t *wb, const char **text)
+                             uint64_t *wb, const char **text, uint32_t *number)
+    void shm_comm_number_next(shm_comm *c, uint32_t number)
     int shm_comm_poison(shm_comm *c, const char *text)
     const char *shm_strerror(int rc)
     const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
@@ -237,11 +238,18 @@ cdef class ShmComm:
         self.last_fp = fp
         return fp
 
+    def number_next(self, uint32_t seq):
+        """Error messages call the next collective, and those after it until the next call
+        of this, the caller's collective #seq (a hierarchical group's parts: several of them
+        may make one of its calls); the failure record carries the recording rank's."""
+        shm_comm_number_next(self._live("number_next"), seq)
+        self.coll_base = <long>shm_comm_coll(self.c) + 1 - seq
+
     def failure(self):
         """The description of the group's recorded failure (the same on every rank), or None.
 
         Waits briefly for a record being written by another rank."""
-        cdef uint32_t k = 0
+        cdef uint32_t k = 0, number = 0
         cdef int a = 0, b = 0, st = SHM_FAIL_NONE, i
         cdef uint64_t wa = 0, wb = 0
         cdef const char *text = NULL
@@ -250,14 +258,15 @@ cdef class ShmComm:
         for i in range(1000):
             if self.c == NULL:  # closed by another thread while this one slept
                 return None
-            st = shm_comm_fail_record(self.c, &k, &a, &b, &wa, &wb, &text)
+            st = shm_comm_fail_record(self.c, &k, &a, &b, &wa, &wb, &text, &number)
             if st != SHM_FAIL_NONE or i == 999:
                 break
             import time
             time.sleep(0.001)
         names = self.rank_names
         nm = (lambda r: names[r]) if names else None
-        seq = k - self.coll_base
+        # the recording rank's number of it (a hierarchical group's), else counted on
+        seq = number if number else k - self.coll_base
         if st == SHM_FAIL_MISMATCH:
             # the lower rank first, whichever saw it: the same words on every rank
             if a > b:

@@ -65,7 +65,7 @@ static int broadcast_cma(shm_comm *c, void *buf, size_t nbytes, int root, uint64
  * runs out, the call stops at a point where shm_finish can take it up with a wait, and
  * says what is left in c->pend. The Python threads of the process wait at most that spin. */
 enum { PEND_NONE, PEND_BARRIER, PEND_BROADCAST, PEND_ALL_REDUCE, /* left whole */
-       PEND_CHECK_ALL, PEND_BC_READ, PEND_AR_REST };                /* begun */
+       PEND_CHECK_ALL, PEND_BC_READ, PEND_BC_DEFER, PEND_AR_REST }; /* begun */
 
 /* polls of a held spin */
 static inline int held_spin(const shm_comm *c) { return c->spin / 8; }
@@ -133,6 +133,25 @@ int shm_barrier_try(shm_comm *c, uint64_t fp)
     return SHM_PENDING;
 }
 
+/* A small broadcast's reader, after its copy: it has compared only the root's fingerprint,
+ * and leaves the other peers' to its next synchronising wait, as a one-block root does
+ * (fp_defer; fp_settle): a reader whose root agreed, where a third rank called something
+ * else, raises at its next call instead of returning silently from that one too. Under the
+ * caller's lock, a wait that fp_defer would make (two comparisons due already) is left to
+ * shm_finish. */
+static int bc_defer(shm_comm *c, uint32_t s, int held, int *spins)
+{
+    if (held && c->n_due == 2 && !all_reached(c, 0, c->fp_due[0].s0, spins)) {
+        c->pend.what = PEND_BC_DEFER;
+        c->pend.s = s;
+        return SHM_PENDING;
+    }
+    int rc = fp_defer(c, s);
+    if (rc != SHM_OK && failed_later(c))
+        return SHM_OK;  /* this call's data is whole: the next call raises the failure */
+    return fail(c, rc);
+}
+
 /* A small broadcast's reader, once it has posted step s (ring record s % BC_RING): the
  * root's data, after its fingerprint. */
 static int bc_read(shm_comm *c, void *buf, size_t nbytes, int root, uint32_t s)
@@ -141,7 +160,7 @@ static int bc_read(shm_comm *c, void *buf, size_t nbytes, int root, uint32_t s)
     TRY(c, fp_check(c, root));  /* before copying the root's data into buf */
     memcpy(buf, c->ctl[root].bc[s % BC_RING].data, nbytes);
     ack(c, s);
-    return SHM_OK;
+    return bc_defer(c, s, 0, NULL);
 }
 
 /* Wait until every other rank has acked the step this rank was last the root of in ring
@@ -158,9 +177,10 @@ static int bc_all_read(shm_comm *c, int i)
  * root writes the data and its fingerprint into record s % BC_RING, posts s and returns;
  * each reader writes its fingerprint into its own record, posts s (its arrival), waits for
  * the root's record to hold this call (or for its post), compares the root's fingerprint
- * and copies. Nobody waits for the
- * readers: the root compares theirs when it reuses the record (after every rank acked the
- * step that last used it, BC_RING broadcasts later) or at its next fp_check_all.
+ * and copies; it compares the other readers' at its next synchronising wait (bc_defer).
+ * Nobody waits for the readers: the root compares theirs when it reuses the record (after
+ * every rank acked the step that last used it, BC_RING broadcasts later) or at its next
+ * fp_check_all.
  * spins >= 0: under the caller's lock, with that many polls (shm_broadcast_try). */
 static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uint64_t fp,
                             int spins)
@@ -216,7 +236,7 @@ static int broadcast_inline(shm_comm *c, void *buf, size_t nbytes, int root, uin
         if (rec_find(rec, k, &w) && w == fp) {
             memcpy(buf, rec->data, nbytes);
             ack(c, s);
-            return SHM_OK;
+            return bc_defer(c, s, held, &spins);
         }
         if (spins-- <= 0)
             break;
@@ -571,6 +591,8 @@ int shm_finish(shm_comm *c)
         return fail(c, fp_check_all(c, c->pend.s));
     case PEND_BC_READ:
         return bc_read(c, c->pend.buf, c->pend.n, c->pend.root, c->pend.s);
+    case PEND_BC_DEFER:
+        return bc_defer(c, c->pend.s, 0, NULL);
     case PEND_AR_REST:
         return fail(c, oneshot_rest(c, c->pend.buf, c->pend.n, c->pend.dtype, c->pend.op, -1,
                                     c->pend.s, c->pend.h, srcs));

@@ -62,7 +62,11 @@ uint32_t shm_comm_coll(const shm_comm *c);     /* fingerprinted collectives star
 /* The recorded failure (SHM_FAIL_*; SHM_FAIL_NONE while there is none or it is being
  * written); text points into the segment. */
 int shm_comm_fail_record(const shm_comm *c, uint32_t *k, int *a, int *b, uint64_t *wa,
-                         uint64_t *wb, const char **text);
+                         uint64_t *wb, const char **text, uint32_t *number);
+/* The caller's number of the next collective, and of those after it until the next call of
+ * this (a hierarchical group's parts: several of them make one of its calls). A failure's
+ * record carries its collective's number (0 where none was set). */
+void shm_comm_number_next(shm_comm *c, uint32_t number);
 /* Record a failure described by text (unless one is recorded already: returns 0 then)
  * and make every rank's waits on this group fail with SHM_EFAILED. */
 int shm_comm_poison(shm_comm *c, const char *text);

@@ -376,7 +376,7 @@ const char *shm_comm_error_text(shm_comm *c, int rc, const char *op, int peer,
 }
 
 int shm_comm_fail_record(const shm_comm *c, uint32_t *k, int *a, int *b, uint64_t *wa,
-                         uint64_t *wb, const char **text)
+                         uint64_t *wb, const char **text, uint32_t *number)
 {
     const seg_hdr_t *h = seg_hdr(c);
     uint32_t st = atomic_load_explicit(&h->fail_state, memory_order_acquire);
@@ -388,7 +388,31 @@ int shm_comm_fail_record(const shm_comm *c, uint32_t *k, int *a, int *b, uint64_
     *wa = h->fail_wa;
     *wb = h->fail_wb;
     *text = h->fail_text;
+    *number = h->fail_number;
     return (int)st;
+}
+
+void shm_comm_number_next(shm_comm *c, uint32_t number)
+{
+    unsigned i = (c->marks_n + SEQ_MARKS - 1) % SEQ_MARKS;
+    if (!c->marks_n || c->marks[i].first != c->coll + 1)  /* else a second call replaces */
+        i = c->marks_n++ % SEQ_MARKS;
+    c->marks[i].first = c->coll + 1;
+    c->marks[i].number = number;
+}
+
+/* The caller's number of collective k, which this rank has begun: that of its latest mark
+ * at or before k; 0 where the marks kept do not reach back to k. */
+static uint32_t number_of(const shm_comm *c, uint32_t k)
+{
+    uint32_t number = 0, first = 0;
+    for (unsigned j = 0; j < SEQ_MARKS && j < c->marks_n; j++)
+        if ((int32_t)(k - c->marks[j].first) >= 0
+            && (!number || (int32_t)(c->marks[j].first - first) > 0)) {
+            first = c->marks[j].first;
+            number = c->marks[j].number;
+        }
+    return number;
 }
 
 int shm_comm_poison(shm_comm *c, const char *text)
@@ -444,6 +468,7 @@ SHM_HIDDEN int record_fail(shm_comm *c, uint32_t state, uint32_t k, int a, int b
     int first = atomic_compare_exchange_strong(&h->fail_state, &none, FAIL_WRITING);
     if (first) {
         h->fail_k = k;
+        h->fail_number = number_of(c, k);
         h->fail_a = a;
         h->fail_b = b;
         h->fail_wa = wa;

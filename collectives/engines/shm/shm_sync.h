@@ -98,6 +98,7 @@ _Static_assert(sizeof(ctr_t) == CL, "a counter and its fingerprint slots fill on
  * the root of there, so it runs up to BC_RING broadcasts ahead of the slowest reader, and
  * the readers do not wait for each other. */
 #define BC_RING 16
+#define SEQ_MARKS 8
 #define BC_INLINE 48
 typedef struct {
     _Atomic uint32_t k;      /* collective number; 0 while being rewritten */
@@ -156,6 +157,7 @@ typedef struct {
      * its own cache line, written once, so reading it in CHECK costs no transfer */
     _Atomic uint32_t fail_state; /* SHM_FAIL_*; FAIL_WRITING while the writer fills it in */
     uint32_t fail_k;             /* collective number */
+    uint32_t fail_number;        /* the caller's number of it (shm_comm_number_next), or 0 */
     int32_t fail_a, fail_b;      /* the rank that saw it, and the peer it compared with */
     uint64_t fail_wa, fail_wb;   /* their fingerprints (a's, b's) */
     char fail_text[SHM_FAIL_TEXT];
@@ -255,6 +257,10 @@ struct shm_comm {
      * at the root's next wait that finds them arrived (fp_settle) */
     struct { uint32_t k, s0; uint64_t word; } fp_due[FP_SLOTS];
     int n_due;
+    /* the caller's numbers of its latest collectives: {first collective, number}, a ring
+     * of SEQ_MARKS (shm_comm_number_next), for the failure record (fail_number) */
+    struct { uint32_t first, number; } marks[SEQ_MARKS];
+    unsigned marks_n;
     uint32_t s0_of[FP_SLOTS];  /* the first step of collective k, at k % FP_SLOTS */
     /* this rank finished a small broadcast without knowing that every peer is past the
      * collectives before it: its next post-line fingerprint waits for them (fp_publish) */
@@ -353,10 +359,31 @@ static inline int fail(shm_comm *c, int rc)
     return rc;
 }
 
+/* Whether the group has recorded a failure of collective k or of an earlier one (one being
+ * written counts). */
+static inline int failed_by(const shm_comm *c, uint32_t k)
+{
+    const seg_hdr_t *h = seg_hdr(c);
+    uint32_t st = atomic_load_explicit(&h->fail_state, memory_order_acquire);
+    return st != 0 && (st == FAIL_WRITING || (int32_t)(h->fail_k - k) <= 0);
+}
+
+/* Whether the group's recorded failure is of a collective after this rank's current one
+ * (found by ranks ahead of this one: a mismatch of their next call, say). */
+static inline int failed_later(const shm_comm *c)
+{
+    return atomic_load_explicit(&seg_hdr(c)->fail_state, memory_order_relaxed)
+           && !failed_by(c, c->coll);
+}
+
+/* A call fails at entry once this rank has failed, or the group recorded a failure of
+ * the collective it begins or of an earlier one. A failure of a later collective (ranks
+ * ahead of this one found it) lets the call run: it finishes where its peers did their
+ * part of it already, and its first wait that must sleep fails. */
 #define CHECK(c)                                                               \
     do {                                                                       \
         if (atomic_load_explicit(&(c)->broken, memory_order_relaxed) ||           \
-            atomic_load_explicit(&seg_hdr(c)->fail_state, memory_order_relaxed))      \
+            failed_by((c), (c)->coll + 1))                                     \
             return fail((c), SHM_EBROKEN);                                     \
     } while (0)
 
