@@ -91,20 +91,23 @@ def train_ratios(name, model, num, den):
     return [r[num] / r[den] for run in _json(name) for r in run["results"] if r["model"] == model]
 
 
-def above_floor(name, world, **match):
-    """Per launch at ``world`` of a bench_train JSON whose runs carry the keys ``match``
-    (e.g. map_min=0): ours' time above the floor over gloo's."""
-    return [(r["coll_ms"] - r["floor_ms"]) / (r["gloo_ms"] - r["floor_ms"]) for run in _json(name)
+def _train_results(name, world, match):
+    """The results, per launch at ``world``, of a bench_train JSON whose runs carry the keys
+    ``match`` (e.g. map_min=0)."""
+    return [r for run in _json(name)
             if run["world"] == world and all(run.get(k) == v for k, v in match.items())
             for r in run["results"]]
+
+
+def above_floor(name, world, **match):
+    """Per launch (see :func:`_train_results`): ours' time above the floor over gloo's."""
+    return [(r["coll_ms"] - r["floor_ms"]) / (r["gloo_ms"] - r["floor_ms"])
+            for r in _train_results(name, world, match)]
 
 
 def over_floor(name, world, **match):
-    """Per launch at ``world`` of a bench_train JSON whose runs carry the keys ``match``:
-    ours' step over the floor's."""
-    return [r["coll_ms"] / r["floor_ms"] for run in _json(name)
-            if run["world"] == world and all(run.get(k) == v for k, v in match.items())
-            for r in run["results"]]
+    """Per launch (see :func:`_train_results`): ours' step over the floor's."""
+    return [r["coll_ms"] / r["floor_ms"] for r in _train_results(name, world, match)]
 
 
 def shared_ratios(name, model, copy):
