@@ -12,6 +12,7 @@ from libc.stdlib cimport free, malloc
 
 from ._buffer cimport Buffer
 
+import time
 from .. import config as _config
 from ..core import dtypes as _D
 from ..core import fingerprint as _fp
@@ -104,8 +105,7 @@ cdef inline uint64_t _pack(int kind, int dtype, uint64_t count, int root, int op
 
 
 def pack(int kind, int dtype=NO_DTYPE, uint64_t count=0, int root=-1, int op=-1):
-    """The word the collectives below compute when not given one (tests compare it with
-    collectives.core.fingerprint.pack)."""
+    """The word the collectives below compute when not given one (tests compare it)."""
     return _pack(kind, dtype, count, root, op)
 
 
@@ -215,8 +215,7 @@ cdef class ShmComm:
         cdef const char *cop = bop
         cdef const char *clabel = blabel
         cdef const char *text
-        # a collective is named by its number in the group (as mismatch errors name it);
-        # point-to-point calls have none
+        # a collective's number in the group (as mismatch errors name it); p2p calls: none
         cdef long number = 0 if op in _P2P_OPS else <long>shm_comm_coll(self.c) - self.coll_base
         with nogil:
             text = shm_comm_error_text(self.c, rc, cop, peer, clabel, number)
@@ -239,9 +238,7 @@ cdef class ShmComm:
         return fp
 
     def number_next(self, uint32_t seq):
-        """Error messages call the next collective, and those after it until the next call
-        of this, the caller's collective #seq (a hierarchical group's parts: several of them
-        may make one of its calls); the failure record carries the recording rank's."""
+        """Messages and failure records call the next collectives #seq (ShmBackend's)."""
         shm_comm_number_next(self._live("number_next"), seq)
         self.coll_base = <long>shm_comm_coll(self.c) + 1 - seq
 
@@ -261,36 +258,30 @@ cdef class ShmComm:
             st = shm_comm_fail_record(self.c, &k, &a, &b, &wa, &wb, &text, &number)
             if st != SHM_FAIL_NONE or i == 999:
                 break
-            import time
             time.sleep(0.001)
         names = self.rank_names
-        nm = (lambda r: names[r]) if names else None
-        # the recording rank's number of it (a hierarchical group's), else counted on
-        seq = number if number else k - self.coll_base
+        nm = (lambda r: names[r]) if names else (lambda r: r)
+        seq = number if number else k - self.coll_base  # the recording rank's, else counted
         if st == SHM_FAIL_MISMATCH:
             # the lower rank first, whichever saw it: the same words on every rank
             if a > b:
                 a, b, wa, wb = b, a, wb, wa
             # ranks by their names; roots as the words carry them (a hierarchical group
             # passes its own calls' words, whose roots are already the group's ranks)
-            return _fp.mismatch_message(seq, nm(a) if nm else a, wa, nm(b) if nm else b, wb,
-                                        self.label)
+            return _fp.mismatch_message(seq, nm(a), wa, nm(b), wb, self.label)
         if st == SHM_FAIL_COUNTS:
             dtype = (self.last_fp >> 4) & 0xF
             isz = _D.ITEMSIZE.get(dtype, 1)
             dname = f"{_D.DTYPE_NAMES[dtype]} elements" if dtype in _D.ITEMSIZE else "bytes"
-            an = nm(a) if nm else a
-            bn = nm(b) if nm else b
             return (f"collectives called with different arguments in group {self.label}: in "
-                    f"all_to_all (collective #{seq}) rank {bn} sends {wb // isz} {dname} to rank "
-                    f"{an}, which expects {wa // isz} from it")
+                    f"all_to_all (collective #{seq}) rank {nm(b)} sends {wb // isz} {dname} to "
+                    f"rank {nm(a)}, which expects {wa // isz} from it")
         if st == SHM_FAIL_TEXT_SET:
             return text.decode("utf-8", "replace")
         return None
 
     def poison(self, str text):
-        """Record ``text`` as the group's failure (unless one is recorded already) and make
-        every rank's current and later calls on it raise it. Returns whether it was first."""
+        """Record ``text`` as the group's failure, unless one is; whether it was first."""
         cdef bytes b = text.encode("utf-8", "replace")
         if self.c == NULL:
             return False
