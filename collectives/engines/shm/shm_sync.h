@@ -98,7 +98,6 @@ _Static_assert(sizeof(ctr_t) == CL, "a counter and its fingerprint slots fill on
  * the root of there, so it runs up to BC_RING broadcasts ahead of the slowest reader, and
  * the readers do not wait for each other. */
 #define BC_RING 16
-#define SEQ_MARKS 8
 #define BC_INLINE 48
 typedef struct {
     _Atomic uint32_t k;      /* collective number; 0 while being rewritten */
@@ -259,6 +258,7 @@ struct shm_comm {
     int n_due;
     /* the caller's numbers of its latest collectives: {first collective, number}, a ring
      * of SEQ_MARKS (shm_comm_number_next), for the failure record (fail_number) */
+#define SEQ_MARKS 8
     struct { uint32_t first, number; } marks[SEQ_MARKS];
     unsigned marks_n;
     uint32_t s0_of[FP_SLOTS];  /* the first step of collective k, at k % FP_SLOTS */
