@@ -323,10 +323,10 @@ def _root_disagreements(n, kinds):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("n", quick_only([3, 5], 3))
 def test_every_root_disagreement_raises_on_every_rank(config, n):
-    """Each odd rank with each other root, not a drawn few: the small broadcast's exchange,
-    whose ranks past the largest power of two trade frames with a partner, once waited in a
-    cycle where the ranks named roots 0, 1, 1 (each rank waiting for a peer that waited for
-    another) until the group's timeout, instead of finding the mismatch."""
+    """Each odd rank with each other root, not a drawn few. Over TCP the small broadcast's
+    exchange once waited in a cycle where the ranks named roots 0, 1, 1, until the group's
+    timeout; on shared memory a small broadcast's reader whose root agreed returned silently
+    from the call and the next; the hierarchical mode named the mismatch #3 for #2."""
     if config == "mpi":
         pytest.skip("the mpi backend's check does not cover root mismatches (MPI's own data "
                     "path may hang on them; see _mpi_covers)")
