@@ -227,6 +227,11 @@ def _variant(v):
 #: the process's minor page faults in each step, by copy (a step that frees and requests
 #: memory glibc handed back to the kernel faults it in again: collectives/core/heap.py)
 FAULTS = collections.defaultdict(list)
+#: the process's CPU time (user and system, all its threads) in each step, ms, by copy: the
+#: work a step costs a rank, apart from the time it waited (a mixed launch reports the sum
+#: of every rank's median: with more ranks than cores, cores x step - that sum is the
+#: cores' idle time a step)
+CPU_MS = collections.defaultdict(list)
 
 
 def _step(m, opt, x, which, steps, timeline, keep):
@@ -234,7 +239,7 @@ def _step(m, opt, x, which, steps, timeline, keep):
     timeline's events and the step's phases) where ``which`` is in ``keep``."""
     if timeline is not None:
         timeline.take()
-    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.monotonic_ns()
     opt.zero_grad(set_to_none=False)
     loss = m(x).float().square().mean()
@@ -246,7 +251,9 @@ def _step(m, opt, x, which, steps, timeline, keep):
     marks = None
     if timeline is not None and which in keep:
         marks = {"t0": t0, "fwd": t1, "bwd": t2, "end": t3, "events": timeline.take()}
-    FAULTS[which].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    FAULTS[which].append(u1.ru_minflt - u0.ru_minflt)
+    CPU_MS[which].append(1e3 * (u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime))
     steps.append((which, (t3 - t0) / 1e6, marks))
 
 
@@ -398,6 +405,8 @@ def _case_mixed(td, a, name, kind, fake, coll, mem):
             by_place[label] = {"rounds": sum(lab == label for _, lab in rounds),
                                **{w + "_ms": med(w, among) for w in mods}}
 
+    cpu = [None] * td.get_world_size()  # every rank's CPU ms a step, by copy
+    td.all_gather_object(cpu, {w: statistics.median(CPU_MS[w]) for w in mods})
     numel = sum(p.numel() for p in _build(name, a)[0].parameters())
     alone = {w: _timed_all_reduce(td, pgs[w], numel, 5) for w in ("gloo", "coll")}
     return {"model": name, "kind": kind, "gloo_ms": med("gloo"), "coll_ms": med("coll"),
@@ -407,6 +416,7 @@ def _case_mixed(td, a, name, kind, fake, coll, mem):
             "first_gloo_ms": med("first:gloo"), "placement": by_place,
             "first_coll_ms": med("first:coll"), "params": numel,
             "faults_per_step": {w: statistics.median(FAULTS[w]) for w in mods},
+            "cpu_ms_per_step": {w: sum(c[w] for c in cpu) for w in mods},
             "all_reduce_alone_ms": alone,
             # what tests and the table read as the collectives cell:
             "ms": med("coll"), "first_ms": med("first:coll")}
@@ -657,6 +667,9 @@ def mixed_line(r):
             + ("; page faults a step (rank 0): " + ", ".join(
                 f"{w} {n:g}" for w, n in r["faults_per_step"].items())
                if r.get("faults_per_step") else "")
+            + ("; CPU ms a step (every rank's, all threads, summed): " + ", ".join(
+                f"{w} {ms:.1f}" for w, ms in r["cpu_ms_per_step"].items())
+               if r.get("cpu_ms_per_step") else "")
             + "".join(f"; {lab} ({p['rounds']} rounds): coll/floor "
                       f"{p['coll_ms'] / p['floor_ms']:.2f} coll/gloo {p['coll_ms'] / p['gloo_ms']:.2f}"
                       for lab, p in r.get("placement", {}).items()))
