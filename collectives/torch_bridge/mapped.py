@@ -31,8 +31,11 @@ import weakref
 import numpy as np
 import torch
 
-#: how many distinct buffers a group's engine can register (engines/shm: MAPPED_MAX)
+#: how many buffers a group's engine holds registered at once (engines/shm: MAPPED_MAX; a
+#: dead bucket's place is taken again), and how many ids a group can give out (the 23 bits
+#: MAPPED_WORD has for one)
 _MAX = 64
+_IDS = 1 << 23
 
 
 class _State:
@@ -151,7 +154,7 @@ def _register(group, backend, t, state, strict=False):
     from ..api.objects import all_gather_object
     world, rank = backend.size, backend.rank
     nbytes = t.numel() * t.element_size()
-    fd = _move_to_shared(t) if state.next_id < _MAX else -1
+    fd = _move_to_shared(t) if len(state.maps) < _MAX and state.next_id < _IDS else -1
     said = [None] * world
     all_gather_object(said, (fd, os.getpid(), nbytes), group=group)
     if strict and any(n != nbytes for _, _, n in said):

@@ -18,6 +18,7 @@ stalls the run) and raises RankError; the next ``get_pool`` starts a new one.
 """
 import atexit
 import collections
+import glob
 import importlib.util
 import os
 import pickle
@@ -72,6 +73,41 @@ def ipv4_interfaces():
     return found
 
 
+#: the files MPICH's ranks share memory through; a rank killed before MPI_Finalize leaves
+#: its job's file behind in /dev/shm
+MPI_SEGMENTS = "/dev/shm/mpich_shm_*"
+
+
+def mapped_files():
+    """The paths any process this user can read maps (from /proc/*/maps)."""
+    paths = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    paths.update(line.split(None, 5)[5].strip() for line in f
+                                 if line.count(" ") >= 5 and "/" in line)
+            except (OSError, IndexError):  # gone, or not ours to read
+                pass
+    return paths
+
+
+def remove_orphan_segments(before):
+    """Unlink the MPI segment files that were not there in ``before`` (a set of paths) and
+    that no live process maps: those of jobs whose ranks were killed. A live job's file
+    is mapped by its ranks and stays. Returns the paths removed."""
+    new = set(glob.glob(MPI_SEGMENTS)) - before
+    if not new:
+        return []
+    orphans = sorted(new - mapped_files())
+    for path in orphans:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return orphans
+
+
 def mpiexec_path():
     """The mpiexec next to this interpreter (the mpich wheel's), else on PATH, else None."""
     cand = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -109,6 +145,7 @@ class RankPool:
         base_env.update(env or {})
         worker = [sys.executable, "-m", "tests.support.ranks"]
         self._procs = []
+        self._segments = set(glob.glob(MPI_SEGMENTS)) if launcher == "mpiexec" else None
         if launcher == "mpiexec":
             mpiexec = mpiexec_path()
             if mpiexec is None:
@@ -292,6 +329,8 @@ class RankPool:
             if c is not None:
                 c.close()
         self._listener.close()
+        if self._segments is not None:  # the MPI job's file, where its ranks were killed
+            remove_orphan_segments(self._segments)
 
 
 _POOLS = collections.OrderedDict()

@@ -10,7 +10,8 @@
   one, every rank goes the usual way, with the same result;
 - a rank that cannot move its bucket (no room) leaves it unmapped on every rank;
   all_reduces outside a backward pass never move a tensor; a registered bucket that dies
-  is unregistered;
+  is unregistered, and its place in the engine's table is taken again (more buffers in
+  turn than the table holds all go mapped);
 - which tensors may move, and a count of all_reduces dies with its tensor (no ranks);
 - ``register`` names its argument on misuse, and raises on every rank where the ranks'
   tensors differ in size.
@@ -228,6 +229,38 @@ def outside_and_dead(ctx):
         return outside, live, took, len(state.live) + len(state.maps), after, float(c[0])
     finally:
         dist.destroy_process_group(group)
+
+
+def registered_again_and_again(ctx, times):
+    """Run on every rank: ``times`` buffers in turn, each registered, all-reduced and
+    dropped; per buffer whether it registered, whether its all_reduce went mapped, and the
+    value it reduced to."""
+    import collectives as dist
+    from collectives.torch_bridge import mapped
+    td = bridged()
+    group = _group(1 << 40)  # registered by hand
+    try:
+        backend, out = group.backend, []
+        for i in range(times):
+            b = torch.full((4096,), float(ctx.rank + i))
+            ok = mapped.register(b, group)
+            before = backend.mapped_calls
+            td.all_reduce(b, group=group)
+            out.append((ok, backend.mapped_calls - before, float(b[0])))
+            del b
+            gc.collect()  # (the bucket dies: its place in the engine's table is free)
+        return out
+    finally:
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_buckets_place_is_taken_again_past_the_tables_size():
+    from collectives.torch_bridge import mapped
+    times = mapped._MAX + 6
+    for r, out in enumerate(backend_pool("gloo", 2).run(registered_again_and_again, times,
+                                                          timeout=150)):
+        assert out == [(True, 1, 2.0 * i + 1) for i in range(times)], f"rank {r}"
 
 
 @pytest.mark.timeout(120)

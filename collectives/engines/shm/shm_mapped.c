@@ -79,16 +79,22 @@ SHM_HIDDEN int all_reduce_mapped(shm_comm *c, void *buf, size_t count, int dtype
 int shm_map_register(shm_comm *c, uint32_t id, const void *lo, size_t len, const uintptr_t *peer)
 {
     c->mapped_on = 1;  /* every rank calls it at the same call, whatever it returns */
-    if (c->n_mapped >= MAPPED_MAX)
+    int i = 0;
+    while (i < c->n_mapped && atomic_load_explicit(&c->mapped[i].live, memory_order_acquire))
+        i++;  /* the first dead entry, else a new one */
+    if (i == MAPPED_MAX)
         return SHM_ESYS;
-    struct mapped_buf *e = &c->mapped[c->n_mapped];
-    if (!(e->peer = malloc(sizeof(uintptr_t) * (size_t)c->n)))
+    struct mapped_buf *e = &c->mapped[i];
+    uintptr_t *p = i < c->n_mapped ? e->peer : malloc(sizeof(uintptr_t) * (size_t)c->n);
+    if (!p)
         return SHM_ESYS;
-    memcpy(e->peer, peer, sizeof(uintptr_t) * (size_t)c->n);
+    memcpy(p, peer, sizeof(uintptr_t) * (size_t)c->n);
+    e->peer = p;
     e->id = id;
     e->lo = (uintptr_t)lo;
     e->len = len;
-    c->n_mapped++;
+    if (i == c->n_mapped)
+        c->n_mapped++;
     atomic_store_explicit(&e->live, 1, memory_order_release);
     return SHM_OK;
 }

@@ -223,8 +223,9 @@ struct shm_comm {
     int lock_fd;          /* the creator's descriptor of the segment, locked (else -1) */
     char *cma_tmp;        /* (n - 1) * CMA_AR_CHUNK bytes for peers' chunks, made on first use */
     /* buffers every rank maps (a torch storage moved into shared memory, each rank's
-     * mapped by the others: collectives/torch_bridge/mapped.py); the table only grows, an
-     * entry that dies stays dead (a concurrent lookup never sees it rewritten) */
+     * mapped by the others: collectives/torch_bridge/mapped.py); a registration takes a
+     * dead entry before it adds one. It is collective on the group, whose calls run one at
+     * a time, so no lookup of this group runs while it rewrites an entry */
     int mapped_on;        /* the group registered one (the same on every rank): a large
                              all_reduce first asks whether every rank's buffer is mapped */
     int n_mapped;
