@@ -142,6 +142,7 @@ FSDP_SHARED = "2026-11-29-fsdp-shared.json"
 FSDP_DEFAULT = "2026-11-29-fsdp-default.json"
 DDP_MAPPED = "2026-11-30-ddp-mapped-buckets.json"
 DDP_HEAP = "2026-11-30-ddp-heap.json"
+CPU = "2026-11-30-cpu-accounting.json"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -211,6 +212,17 @@ def claims():
             out.append(Claim(f"DDP MLP above the floor, world {world}, heap {heap}", DDP_HEAP,
                              per, span(above_floor(DDP_HEAP, world, heap=heap)),
                              "{fig} of gloo's time above it", bench))
+    fsdp4 = [r for r in _train_results(CPU, 4, {}) if r["kind"] == "fsdp"]
+    out.append(Claim("FSDP2 transformer, world 4, against torch gloo", CPU, len(fsdp4),
+                     span([r["coll_ms"] / r["gloo_ms"] for r in fsdp4]),
+                     "world 4: ours {fig}x gloo's step", bench))
+    out.append(Claim("FSDP2 transformer's fake floor with one wait a call, world 4", CPU,
+                     len(fsdp4), span([r["floor_sync_ms"] / r["gloo_ms"] for r in fsdp4]),
+                     "the fake floor with one wait a call {fig}x", bench))
+    ddp4 = [r for r in _train_results(CPU, 4, {}) if r["kind"] == "ddp"]
+    out.append(Claim("DDP MLP over the floor, world 4, CPU launches", CPU, len(ddp4),
+                     span([r["coll_ms"] / r["floor_ms"] for r in ddp4]),
+                     "DDP at world 4: ours {fig}x the floor", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),
