@@ -85,10 +85,10 @@ def mapped_files():
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/maps") as f:
-                    paths.update(line.split(None, 5)[5].strip() for line in f
-                                 if line.count(" ") >= 5 and "/" in line)
-            except (OSError, IndexError):  # gone, or not ours to read
-                pass
+                    fields = [line.split(None, 5) for line in f]
+            except OSError:  # gone, or not ours to read
+                continue
+            paths.update(x[5].strip() for x in fields if len(x) == 6)
     return paths
 
 
