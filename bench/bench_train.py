@@ -73,7 +73,10 @@ per-bucket delays, and ``--plot PNG`` draws the steady steps of the first case.
 In a mixed launch, each rotation of blocks is labelled "near" or "far" by what rank 0's
 shared-memory latency probes said at its end (the VM's two vCPUs share a cache or not,
 switching every few seconds to minutes; bench_stream.py labels its samples the same way),
-and the summary gives the ratios per label too.
+and the summary gives the ratios per label too. A mixed launch also reports every copy's
+CPU time a step (user and system, all threads) summed over the ranks: with at least as
+many ranks as cores, cores x step minus that sum is the cores' idle time a step, which
+tells the time above a floor that is work from the time that is waiting.
 Each round launches every implementation once, in a rotating order, so drift hits all
 alike; the table gives medians over rounds. ``NAME@base`` runs an implementation on the
 checkout ``--base-root`` (built in place): a before/after in one run. ``--variants``
