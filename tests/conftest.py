@@ -22,6 +22,7 @@ one. ``mpi``: ranks under mpiexec; ``gpu``: CUDA; ``multinode``: network namespa
 ``faults``: failure injection; ``slow``: the tests that take most of the suite's time,
 measured with ``--durations``, each with a quick sibling where one can be had.
 """
+import glob
 import os
 
 import pytest
@@ -112,6 +113,22 @@ def _check_installed():
             f"COLLECTIVES_TEST_INSTALLED is set, but collectives was imported from {path}, "
             f"{'inside the checkout ' + checkout if inside else 'not from site-packages'}: run "
             f"the tests from a directory outside the checkout, against an installed wheel")
+
+
+#: the MPI segment files in /dev/shm when the session began (see pytest_sessionfinish)
+_SEGMENTS_AT_START = set()
+
+
+def pytest_sessionstart(session):
+    _SEGMENTS_AT_START.update(glob.glob(ranks.MPI_SEGMENTS))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the MPI segment files the session's jobs left and no process maps: a pool's
+    killed job removes its own (RankPool.kill), and this takes those of the jobs the tests
+    ran under mpiexec themselves and killed, or that ended in MPI_Abort."""
+    ranks.close_pools()
+    ranks.remove_orphan_segments(_SEGMENTS_AT_START)
 
 
 def pytest_configure(config):
