@@ -101,8 +101,26 @@ def _train_results(name, world, match):
 
 def above_floor(name, world, **match):
     """Per launch (see :func:`_train_results`): ours' time above the floor over gloo's."""
-    return [(r["coll_ms"] - r["floor_ms"]) / (r["gloo_ms"] - r["floor_ms"])
-            for r in _train_results(name, world, match)]
+    return above_floor_of(_train_results(name, world, match))
+
+
+def above_floor_of(results):
+    """Per result of bench_train: ours' time above the floor over gloo's."""
+    return [(r["coll_ms"] - r["floor_ms"]) / (r["gloo_ms"] - r["floor_ms"]) for r in results]
+
+
+def sums_core_ms(name, world, copies=2):
+    """bench/fsdp_sum_cost.py's core-ms a step of the reduce_scatter's sums at ``world``,
+    timed with ``copies`` processes at once (the 2-core VM's two cores both busy)."""
+    return next(r["core_ms_per_step"] for r in _jsonl(name)
+                if r["world"] == world and r["copies"] == copies)
+
+
+def fsdp_bound(results, sum_core_ms, cores=2):
+    """Per FSDP2 result of bench_train: the least any implementation's step can take over
+    gloo's, with ranks >= cores: the fake floor with one wait a call, plus the
+    reduce_scatter's sums spread over the cores."""
+    return [(r["floor_sync_ms"] + sum_core_ms / cores) / r["gloo_ms"] for r in results]
 
 
 def over_floor(name, world, **match):
@@ -123,7 +141,9 @@ def train_launches(name):
 
 
 def span(values):
-    return f"{min(values):.2f}-{max(values):.2f}"
+    """"lo-hi" to two decimals, or the one figure when both read the same."""
+    lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def at_most(values):
@@ -143,6 +163,8 @@ FSDP_DEFAULT = "2026-11-29-fsdp-default.json"
 DDP_MAPPED = "2026-11-30-ddp-mapped-buckets.json"
 DDP_HEAP = "2026-11-30-ddp-heap.json"
 CPU = "2026-11-30-cpu-accounting.json"
+BOUND = "2026-11-30-fsdp-bound.json"
+SUMS = "2026-11-30-fsdp-sum-cost.jsonl"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -223,6 +245,26 @@ def claims():
     out.append(Claim("DDP MLP over the floor, world 4, CPU launches", CPU, len(ddp4),
                      span([r["coll_ms"] / r["floor_ms"] for r in ddp4]),
                      "DDP at world 4: ours {fig}x the floor", bench))
+    fsdp4 = [r for r in _train_results(BOUND, 4, {}) if r["kind"] == "fsdp"]
+    out.append(Claim("FSDP2 transformer, world 4, evening launches", BOUND, len(fsdp4),
+                     span([r["coll_ms"] / r["gloo_ms"] for r in fsdp4]),
+                     "FSDP2 at world 4: ours {fig}x gloo's step", bench))
+    out.append(Claim("FSDP2 transformer, world 4, the least with one wait a call and the sums",
+                     BOUND, len(fsdp4), span(fsdp_bound(fsdp4, sums_core_ms(SUMS, 4))),
+                     "the fake floor with one wait a call plus the reduce_scatter's sums "
+                     "{fig}x", bench))
+    fsdp2 = [r for r in _train_results(BOUND, 2, {}) if r["kind"] == "fsdp"]
+    out.append(Claim("FSDP2 transformer, world 2, evening launch", BOUND, len(fsdp2),
+                     span([r["coll_ms"] / r["gloo_ms"] for r in fsdp2]),
+                     "at world 2 (a core a rank) {fig}x", bench))
+    ddp = {w: [r for r in _train_results(BOUND, w, {}) if r["kind"] == "ddp"] for w in (2, 4)}
+    for world in (2, 4):
+        out.append(Claim(f"DDP MLP over the floor, world {world}, evening launch", BOUND,
+                         len(ddp[world]), span([r["coll_ms"] / r["floor_ms"] for r in ddp[world]]),
+                         f"DDP at world {world}: ours {{fig}}x the floor", bench))
+        out.append(Claim(f"DDP MLP above the floor, world {world}, evening launch", BOUND,
+                         len(ddp[world]), span(above_floor_of(ddp[world])),
+                         "{fig} of gloo's time above it", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),
