@@ -253,6 +253,9 @@ def claims():
                      BOUND, len(fsdp4), span(fsdp_bound(fsdp4, sums_core_ms(SUMS, 4))),
                      "the fake floor with one wait a call plus the reduce_scatter's sums "
                      "{fig}x", bench))
+    out.append(Claim("FSDP2 transformer, world 4, the fake floor with one wait a call, evening",
+                     BOUND, len(fsdp4), span([r["floor_sync_ms"] / r["gloo_ms"] for r in fsdp4]),
+                     "the fake floor with one wait a call alone {fig}x", bench))
     fsdp2 = [r for r in _train_results(BOUND, 2, {}) if r["kind"] == "fsdp"]
     out.append(Claim("FSDP2 transformer, world 2, evening launch", BOUND, len(fsdp2),
                      span([r["coll_ms"] / r["gloo_ms"] for r in fsdp2]),
