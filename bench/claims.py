@@ -117,9 +117,9 @@ def sums_core_ms(name, world, copies=2):
 
 
 def fsdp_bound(results, sum_core_ms, cores=2):
-    """Per FSDP2 result of bench_train: the least any implementation's step can take over
-    gloo's, with ranks >= cores: the fake floor with one wait a call, plus the
-    reduce_scatter's sums spread over the cores."""
+    """Per FSDP2 result of bench_train, over gloo's step: the fake floor with one wait a
+    call plus the reduce_scatter's sums spread over the cores (ranks >= cores), the least a
+    step takes when every call sums after its wait, as ours does."""
     return [(r["floor_sync_ms"] + sum_core_ms / cores) / r["gloo_ms"] for r in results]
 
 
