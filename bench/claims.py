@@ -165,6 +165,7 @@ DDP_HEAP = "2026-11-30-ddp-heap.json"
 CPU = "2026-11-30-cpu-accounting.json"
 BOUND = "2026-11-30-fsdp-bound.json"
 SUMS = "2026-11-30-fsdp-sum-cost.jsonl"
+GATHERS = "2026-11-30-evening-gathers-vs-mpich-openmpi.jsonl"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -268,6 +269,17 @@ def claims():
         out.append(Claim(f"DDP MLP above the floor, world {world}, evening launch", BOUND,
                          len(ddp[world]), span(above_floor_of(ddp[world])),
                          "{fig} of gloo's time above it", bench))
+    for op, said in (("all_gather", "all_gather"), ("reduce_scatter", "reduce_scatter")):
+        cells = vs_faster_mpi(GATHERS, keep=lambda r, op=op: r["op"] == op)
+        out.append(Claim(f"2-core VM, {op} against the faster MPI, evening", GATHERS,
+                         launches(GATHERS), span(medians(cells)),
+                         f"{said} {{fig}}x the faster MPI's time", bench))
+    ag = vs_faster_mpi(GATHERS, keep=lambda r: r["op"] == "all_gather")
+    for world in (2, 4):
+        out.append(Claim(f"2-core VM, 1 MiB all_gather against the faster MPI, world {world}",
+                         GATHERS, len(ag[(world, "all_gather", 1 << 20)]),
+                         span([statistics.median(ag[(world, "all_gather", 1 << 20)])]),
+                         f"the 1 MiB all_gather at world {world} {{fig}}x", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),
