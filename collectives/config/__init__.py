@@ -203,7 +203,8 @@ SETTINGS = (
     _shm("COLLECTIVES_SHM_CMA_MIN", "int", 256 * KiB, unit="bytes", doc="""
         all_gather, gather and scatter blocks from this size go in one copy (process_vm_readv/writev)
         where the ranks may read each other's memory, reduce_scatter blocks from 16 times it; 0 turns
-        it off."""),
+        it off. Where the ranks outnumber the cores, an all_gather's single copy is instead timed
+        against the two-copy path and taken only where it is faster."""),
     _shm("COLLECTIVES_SHM_MAP_MIN", "int", 1 * MiB, unit="bytes",
          read_in="backends/shm.py, torch_bridge/mapped.py", doc="""
         DDP's gradient buckets (a torch CPU tensor that torch all_reduces during backward, the
@@ -231,8 +232,9 @@ SETTINGS = (
     _s("COLLECTIVES_SHM_CMA_ANY_CORES", "bool", False,
        read_in="engines/_shm.pyx -> engines/shm/shm_copy.c", doc="""
         Allow the all_reduce's single copy with more ranks than cores and the broadcast's with more
-        than two ranks a core (measured no faster there; the tests use it). The gathers' single copy
-        runs there regardless."""),
+        than two ranks a core (measured no faster there; the tests use it), and the all_gather's from
+        COLLECTIVES_SHM_CMA_MIN on without timing it against the two-copy path. The gather's and
+        scatter's single copy runs there regardless."""),
     _s("COLLECTIVES_SHM_SPIN", "int", None, read_in="engines/_shm.pyx -> engines/shm/shm_segment.c", doc="""
         Polls before a waiting rank yields. Default: about 2 us worth when every rank has a core,
         none when the ranks outnumber the cores."""),

@@ -1268,6 +1268,28 @@ def test_measured_all_gather_stores_are_agreed(world):
     assert res[0][1] in ("plain", "stream", "single_copy"), res
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not _cma_permitted(), reason="process_vm_readv between siblings not permitted")
+@pytest.mark.skipif((os.cpu_count() or 1) > 3,
+                    reason="needs more ranks than cores with at most 4 ranks (at most 3 cores)")
+def test_with_more_ranks_than_cores_the_all_gather_times_its_single_copy():
+    """Where the ranks outnumber the cores, an all_gather from COLLECTIVES_SHM_CMA_MIN on is
+    timed against the two-copy path instead of always taking the single copy (which was
+    slower there on some hosts): every result is right and the ranks agree on a choice.
+    With COLLECTIVES_SHM_CMA_ANY_CORES the single copy runs from there as it does where
+    every rank has a core: no choice is ever made at that size."""
+    world = (os.cpu_count() or 1) + 1
+    env = dict(ENV_SMALL, COLLECTIVES_SHM_CMA_MIN="16384", COLLECTIVES_SHM_STREAM="2",
+               MEASURED_CHOICE_TEST="1")
+    res = pool_for(world, env=env).run(run_measured_all_gathers, 80, 6000, timeout=120)
+    assert all(ok for ok, _ in res), res
+    assert len({choice for _, choice in res}) == 1, res
+    assert res[0][1] in ("plain", "stream", "single_copy"), res
+    res = pool_for(world, env=dict(env, COLLECTIVES_SHM_CMA_ANY_CORES="1")).run(
+        run_measured_all_gathers, 40, 6000, timeout=120)
+    assert res == [(True, None)] * world, res
+
+
 @pytest.mark.timeout(60)
 def test_a_bad_all_reduce_algorithm_is_a_value_error_naming_the_variable(monkeypatch):
     from collectives import config

@@ -684,7 +684,11 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
     }
     if (nbytes == 0)
         return fp_sync(c, fp);
-    if (c->cma_readable && c->cma_min && nbytes >= c->cma_min)
+    /* from c->cma_min the single copy, always for a gather; for an all_gather where every
+     * rank has a core (c->cma). With more ranks than cores the all_gather's two-copy path
+     * was measured faster from 256 KiB to 16 MiB on some hosts and slower on others, so
+     * there it is timed against the single copy at every size (tune_pick_gather). */
+    if (c->cma_readable && c->cma_min && nbytes >= c->cma_min && (root >= 0 || c->cma))
         return gather_cma(c, out, outs, in, nbytes, root, fp);
     /* an all_gather's stores are timed (shm_tune.c); a gather's follow the probes */
     int64_t t0 = 0;

@@ -219,9 +219,10 @@ int shm_cma_probe(shm_comm *c)
     uint64_t addr = atomic_load_explicit(&c->ctl[q].xfer.addr, memory_order_relaxed);
     int readable = cma_read(c, q, &got, addr, sizeof got) == SHM_OK && got == probe;
     /* with more ranks than cores the all_reduce's single copy was measured as fast as or
-     * slower than two-shot (its measured choice would mostly drop it); the gathers' single
-     * copy is faster there (gather_cma), the broadcast's up to two ranks a core
-     * (broadcast_cma) */
+     * slower than two-shot (its measured choice would mostly drop it), and the all_gather's
+     * as fast or slower on some hosts (there it is timed: gather_impl); the gather's and
+     * scatter's single copy runs regardless (gather_cma), the broadcast's up to two ranks a
+     * core (broadcast_cma) */
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     int cores = (long)n <= ncpu || c->cma_any_cores;
     /* (where more than two ranks run at once the broadcast's single copy is off by its

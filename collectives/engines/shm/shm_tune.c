@@ -204,7 +204,8 @@ SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0)
 }
 
 /* Below the single copy's own threshold (COLLECTIVES_SHM_CMA_MIN, from which it always
- * runs), the all_gather is timed as the all_reduce is: the two-copy path with the stores
+ * runs where every rank has a core), and at every size where the ranks outnumber the
+ * cores, the all_gather is timed as the all_reduce is: the two-copy path with the stores
  * the stream mode allows (both with SHM_STREAM_AUTO: the probes' verdict misleads on some
  * hosts, every pair "far" and streaming slower) and, from GATHER_CMA_TRY bytes a block,
  * the single copy, which can win from small blocks (Open MPI reads 64 KiB blocks in one
