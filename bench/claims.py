@@ -99,6 +99,18 @@ def _train_results(name, world, match):
             for r in run["results"]]
 
 
+def cases(name, world, kind):
+    """The results of ``kind`` ("ddp" or "fsdp"), per launch at ``world``, of a bench_train
+    JSON."""
+    return [r for r in _train_results(name, world, {}) if r["kind"] == kind]
+
+
+def ratios(results, num, den):
+    """Per result of bench_train: the ``num`` step over the ``den`` step (e.g. "coll_ms",
+    "gloo_ms")."""
+    return [r[num] / r[den] for r in results]
+
+
 def above_floor(name, world, **match):
     """Per launch (see :func:`_train_results`): ours' time above the floor over gloo's."""
     return above_floor_of(_train_results(name, world, match))
@@ -125,7 +137,7 @@ def fsdp_bound(results, sum_core_ms, cores=2):
 
 def over_floor(name, world, **match):
     """Per launch (see :func:`_train_results`): ours' step over the floor's."""
-    return [r["coll_ms"] / r["floor_ms"] for r in _train_results(name, world, match)]
+    return ratios(_train_results(name, world, match), "coll_ms", "floor_ms")
 
 
 def shared_ratios(name, model, copy):
@@ -236,36 +248,36 @@ def claims():
             out.append(Claim(f"DDP MLP above the floor, world {world}, heap {heap}", DDP_HEAP,
                              per, span(above_floor(DDP_HEAP, world, heap=heap)),
                              "{fig} of gloo's time above it", bench))
-    fsdp4 = [r for r in _train_results(CPU, 4, {}) if r["kind"] == "fsdp"]
+    fsdp4 = cases(CPU, 4, "fsdp")
     out.append(Claim("FSDP2 transformer, world 4, against torch gloo", CPU, len(fsdp4),
-                     span([r["coll_ms"] / r["gloo_ms"] for r in fsdp4]),
+                     span(ratios(fsdp4, "coll_ms", "gloo_ms")),
                      "world 4: ours {fig}x gloo's step", bench))
     out.append(Claim("FSDP2 transformer's fake floor with one wait a call, world 4", CPU,
-                     len(fsdp4), span([r["floor_sync_ms"] / r["gloo_ms"] for r in fsdp4]),
+                     len(fsdp4), span(ratios(fsdp4, "floor_sync_ms", "gloo_ms")),
                      "the fake floor with one wait a call {fig}x", bench))
-    ddp4 = [r for r in _train_results(CPU, 4, {}) if r["kind"] == "ddp"]
+    ddp4 = cases(CPU, 4, "ddp")
     out.append(Claim("DDP MLP over the floor, world 4, CPU launches", CPU, len(ddp4),
-                     span([r["coll_ms"] / r["floor_ms"] for r in ddp4]),
+                     span(ratios(ddp4, "coll_ms", "floor_ms")),
                      "DDP at world 4: ours {fig}x the floor", bench))
-    fsdp4 = [r for r in _train_results(BOUND, 4, {}) if r["kind"] == "fsdp"]
+    fsdp4 = cases(BOUND, 4, "fsdp")
     out.append(Claim("FSDP2 transformer, world 4, evening launches", BOUND, len(fsdp4),
-                     span([r["coll_ms"] / r["gloo_ms"] for r in fsdp4]),
+                     span(ratios(fsdp4, "coll_ms", "gloo_ms")),
                      "FSDP2 at world 4: ours {fig}x gloo's step", bench))
     out.append(Claim("FSDP2 transformer, world 4, the fake floor with one wait a call plus the sums",
                      BOUND, len(fsdp4), span(fsdp_bound(fsdp4, sums_core_ms(SUMS, 4))),
                      "the fake floor with one wait a call plus the reduce_scatter's sums "
                      "{fig}x", bench))
     out.append(Claim("FSDP2 transformer, world 4, the fake floor with one wait a call, evening",
-                     BOUND, len(fsdp4), span([r["floor_sync_ms"] / r["gloo_ms"] for r in fsdp4]),
+                     BOUND, len(fsdp4), span(ratios(fsdp4, "floor_sync_ms", "gloo_ms")),
                      "the fake floor with one wait a call alone {fig}x", bench))
-    fsdp2 = [r for r in _train_results(BOUND, 2, {}) if r["kind"] == "fsdp"]
+    fsdp2 = cases(BOUND, 2, "fsdp")
     out.append(Claim("FSDP2 transformer, world 2, evening launch", BOUND, len(fsdp2),
-                     span([r["coll_ms"] / r["gloo_ms"] for r in fsdp2]),
+                     span(ratios(fsdp2, "coll_ms", "gloo_ms")),
                      "at world 2 (a core a rank) {fig}x", bench))
-    ddp = {w: [r for r in _train_results(BOUND, w, {}) if r["kind"] == "ddp"] for w in (2, 4)}
+    ddp = {w: cases(BOUND, w, "ddp") for w in (2, 4)}
     for world in (2, 4):
         out.append(Claim(f"DDP MLP over the floor, world {world}, evening launch", BOUND,
-                         len(ddp[world]), span([r["coll_ms"] / r["floor_ms"] for r in ddp[world]]),
+                         len(ddp[world]), span(ratios(ddp[world], "coll_ms", "floor_ms")),
                          f"DDP at world {world}: ours {{fig}}x the floor", bench))
         out.append(Claim(f"DDP MLP above the floor, world {world}, evening launch", BOUND,
                          len(ddp[world]), span(above_floor_of(ddp[world])),
