@@ -166,11 +166,15 @@ def _wrap(kind, model, floor, fake, group=None, sync=None, hook=None):
         elif floor:
             ddp.register_comm_hook(sync, _noop_hook if sync is None else _sync_hook)
         return ddp
+    import torch.distributed as td
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    mesh = None
     if floor or group is not None:
-        from torch.distributed.device_mesh import DeviceMesh
         mesh = DeviceMesh.from_group(fake if floor else group, "cpu")
+    else:  # what FSDP2 makes by default on a host without a GPU (a group of its own); named,
+        # since where torch sees a GPU its default is a CUDA mesh, whose creation the CPU
+        # ranks would wait in
+        mesh = init_device_mesh("cpu", (td.get_world_size(),))
     for m in model:
         if any(p.requires_grad for p in m.parameters()):
             fully_shard(m, mesh=mesh)

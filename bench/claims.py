@@ -99,10 +99,11 @@ def _train_results(name, world, match):
             for r in run["results"]]
 
 
-def cases(name, world, kind):
+def cases(name, world, kind, model=None):
     """The results of ``kind`` ("ddp" or "fsdp"), per launch at ``world``, of a bench_train
-    JSON."""
-    return [r for r in _train_results(name, world, {}) if r["kind"] == kind]
+    JSON (of ``model`` alone where given: "mlp8", "tfm")."""
+    return [r for r in _train_results(name, world, {})
+            if r["kind"] == kind and model in (None, r["model"])]
 
 
 def ratios(results, num, den):
@@ -179,6 +180,8 @@ BOUND = "2026-11-30-fsdp-bound.json"
 SUMS = "2026-11-30-fsdp-sum-cost.jsonl"
 GATHERS = "2026-11-30-evening-gathers-vs-mpich-openmpi.jsonl"
 CHOICE = "2026-11-30-evening-all-gather-choice.jsonl"
+H200_TRAIN = "2026-11-30-h200-16core-train.json"
+H200_GATHERS = "2026-11-30-h200-16core-gathers.jsonl"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -307,6 +310,23 @@ def claims():
     out.append(Claim("2-core VM, 1 MiB all_gather at world 2 per launch (path unchanged)",
                      CHOICE, n, span(after[(2, "all_gather", 1 << 20)]),
                      "world 2's 1 MiB cell (its path unchanged) {fig}x", bench))
+    for world in (4, 8):  # the lent 16-core machine
+        mlp = cases(H200_TRAIN, world, "ddp", "mlp8")
+        out.append(Claim(f"16-core host, DDP MLP over the floor, world {world}", H200_TRAIN,
+                         len(mlp), span(ratios(mlp, "coll_ms", "floor_ms")),
+                         f"16 cores, DDP at world {world}: ours {{fig}}x the floor", bench))
+        out.append(Claim(f"16-core host, DDP MLP above the floor, world {world}", H200_TRAIN,
+                         len(mlp), span(above_floor_of(mlp)),
+                         "{fig} of gloo's time above it", bench))
+        tfm = cases(H200_TRAIN, world, "ddp", "tfm")
+        out.append(Claim(f"16-core host, DDP transformer, world {world}", H200_TRAIN, len(tfm),
+                         span(ratios(tfm, "coll_ms", "gloo_ms")),
+                         f"the transformer at world {world} {{fig}}x gloo's step", bench))
+    for op in ("all_gather", "reduce_scatter"):
+        cells = vs_faster_mpi(H200_GATHERS, keep=lambda r, op=op: r["op"] == op)
+        out.append(Claim(f"16-core host, {op} against the faster MPI", H200_GATHERS,
+                         launches(H200_GATHERS), span(medians(cells)),
+                         f"16 cores, {op} {{fig}}x the faster MPI's time", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),

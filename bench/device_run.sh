@@ -6,8 +6,8 @@
 #   4. the shared-memory backend against MPICH and Open MPI (bench/mpi_matrix.py, bench_pair.py),
 #      worlds 2, 4, 8 and 16, ranks pinned near and pinned far;
 #   5. (step "train", not in the default) training steps, bench/bench_train.py --impls mixed at
-#      every world of TWORLDS (default "4 8 16 2"): DDP of the MLP and the transformer, then
-#      FSDP2 of the transformer, one launch each, rows appended to train.jsonl;
+#      every world of TWORLDS (default "4 8 16 2"), the launches of TSPECS (default: DDP of the
+#      MLP and the transformer, then FSDP2 of the transformer), rows appended to train.jsonl;
 #   6. (step "gathers", not in the default) all_gather (bench_pair.py) and reduce_scatter
 #      (bench/pair_ops.py) against both MPIs at every world of GWORLDS (default "2 4"),
 #      into gathers.jsonl and rs.jsonl.
@@ -66,6 +66,7 @@ fi
 say "build (generated C carried: no Cython step)"
 touch collectives/engines/_*.c
 $PY setup.py build_ext --inplace -j "$(nproc)" > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; say "BUILD FAILED"; exit 1; }
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the launchers import collectives too
 $PY -c "import collectives, collectives.engines._shm, collectives.engines._core; from collectives.backends import nccl; print('nccl available', nccl.is_available())"
 
 if has nccl; then
@@ -77,11 +78,13 @@ if has nccl; then
 fi
 
 if has train; then
-    # KIND_SPEC: models:kinds:steps:early; ~seconds a launch needs, by world
+    # TSPECS: launches of each world, models:kinds:early (early steps before the TSTEPS);
+    # a launch needs ~40 + 8 x world seconds on the 16-core machine (DDP: 68 s at world 4)
     for w in ${TWORLDS:-4 8 16 2}; do
-        for spec in "mlp8,tfm:ddp:${TSTEPS:-20}:15" "tfm:fsdp:${TSTEPS:-20}:10"; do
-            IFS=: read -r models kinds steps early <<< "$spec"
-            fits $(( 30 + 4 * w )) "train world $w $kinds" || continue
+        for spec in ${TSPECS:-mlp8,tfm:ddp:15 tfm:fsdp:10}; do
+            IFS=: read -r models kinds early <<< "$spec"
+            steps=${TSTEPS:-20}
+            fits $(( 40 + 8 * w )) "train world $w $kinds" || continue
             say "train world $w $kinds ($models), $steps steps after $early"
             timeout $(( $(left) > 240 ? 240 : $(left) )) $PY bench/bench_train.py --worlds "$w" \
                 --impls mixed --models "$models" --kinds "$kinds" --threads 1 --steps "$steps" \
