@@ -180,6 +180,7 @@ BOUND = "2026-11-30-fsdp-bound.json"
 SUMS = "2026-11-30-fsdp-sum-cost.jsonl"
 GATHERS = "2026-11-30-evening-gathers-vs-mpich-openmpi.jsonl"
 CHOICE = "2026-11-30-evening-all-gather-choice.jsonl"
+WHOLE = "2026-11-30-night-all-gather-whole-block.jsonl"
 H200_TRAIN = "2026-11-30-h200-16core-train.json"
 H200_GATHERS = "2026-11-30-h200-16core-gathers.jsonl"
 SMALL = 65536
@@ -310,6 +311,19 @@ def claims():
     out.append(Claim("2-core VM, 1 MiB all_gather at world 2 per launch (path unchanged)",
                      CHOICE, n, span(after[(2, "all_gather", 1 << 20)]),
                      "world 2's 1 MiB cell (its path unchanged) {fig}x", bench))
+    n = launches(WHOLE)
+    after, before = vs_faster_mpi(WHOLE), vs_faster_mpi(WHOLE, tree="before")
+    out.append(Claim("2-core VM, all_gather with the block whole or in pieces measured", WHOLE, n,
+                     span(medians(after)), "every cell's median {fig}x the faster MPI's time",
+                     bench))
+    for mib in (1, 4):
+        cell = (2, "all_gather", mib << 20)
+        out.append(Claim(f"2-core VM, {mib} MiB all_gather at world 2 per launch, measured form",
+                         WHOLE, n, span(after[cell]),
+                         f"world 2, {mib} MiB: {{fig}}x per launch", bench))
+        out.append(Claim(f"2-core VM, {mib} MiB all_gather at world 2 per launch, in pieces",
+                         WHOLE, n, span(before[cell]),
+                         "against {fig}x in pieces always", bench))
     for world in (4, 8):  # the lent 16-core machine
         mlp = cases(H200_TRAIN, world, "ddp", "mlp8")
         out.append(Claim(f"16-core host, DDP MLP over the floor, world {world}", H200_TRAIN,

@@ -203,7 +203,8 @@ SETTINGS = (
     _shm("COLLECTIVES_SHM_CMA_MIN", "int", 256 * KiB, unit="bytes", doc="""
         all_gather, gather and scatter blocks from this size go in one copy (process_vm_readv/writev)
         where the ranks may read each other's memory, reduce_scatter blocks from 16 times it; 0 turns
-        it off. Where the ranks outnumber the cores, an all_gather's single copy is instead timed
+        it off. An all_gather's single copy times each block written whole against in 256 KiB
+        pieces and takes the faster; where the ranks outnumber the cores it is instead timed
         against the two-copy path and taken only where it is faster."""),
     _shm("COLLECTIVES_SHM_MAP_MIN", "int", 1 * MiB, unit="bytes",
          read_in="backends/shm.py, torch_bridge/mapped.py", doc="""

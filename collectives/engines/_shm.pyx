@@ -338,14 +338,14 @@ cdef class ShmComm:
         """What the measured choice last agreed on for all_reduces of ``nbytes``:
         "two_shot", "two_shot_stream", "single_copy", or None before its first decision."""
         cdef int arm = shm_comm_tune_choice(self._live("ar_choice"), 0, nbytes)
-        return (None, "two_shot", "two_shot_stream", "single_copy")[arm + 1]
+        return (None, "two_shot", "two_shot_stream", "single_copy", None)[arm + 1]
 
     def ag_choice(self, size_t nbytes):
-        """What the measured choice last agreed on for all_gathers of ``nbytes`` per rank
-        below the single copy's threshold: "plain" or "stream" (two copies through the
-        segment), "single_copy", or None before its first decision."""
+        """The measured choice last agreed on for all_gathers of ``nbytes`` per rank: "plain"
+        or "stream" (two copies through the segment), "single_copy" (blocks written in
+        pieces), "single_copy_whole" (in one write), or None (not yet, or not timed)."""
         cdef int arm = shm_comm_tune_choice(self._live("ag_choice"), 1, nbytes)
-        return (None, "plain", "stream", "single_copy")[arm + 1]
+        return (None, "plain", "stream", "single_copy", "single_copy_whole")[arm + 1]
 
     def set_stream(self, int mode):
         """Segment writes for other ranks: 0 plain stores, 1 streaming stores, 2 streaming

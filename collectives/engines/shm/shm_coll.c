@@ -617,12 +617,14 @@ int shm_finish(shm_comm *c)
  * from 4 MiB, or thp_prepare's); pushing was measured as fast as pulling or faster.
  * It runs with more ranks than cores too (c->cma_readable; the all_reduce's single copy
  * does not): each rank's writes are its own, and a rank that waits for the cores does
- * not hold up a peer's copy as a reader of the two-copy path does. CMA_PUSH_CHUNK is the
- * fastest chunk measured (128 KiB to 1 MiB). Figures: docs/design-shm.md, "Single copy
- * (CMA)" and "Measured figures behind the engine's constants". */
+ * not hold up a peer's copy as a reader of the two-copy path does. The writes go in pieces
+ * of `piece` bytes: CMA_PUSH_CHUNK, the fastest chunk measured (128 KiB to 1 MiB), or, where
+ * an all_gather's measured choice takes it (ARM_SINGLE_WHOLE), the whole block. Figures:
+ * docs/design-shm.md, "Single copy (CMA)" and "Measured figures behind the engine's
+ * constants". */
 #define CMA_PUSH_CHUNK (256 * 1024)
 static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in, size_t nbytes,
-                      int root, uint64_t fp)
+                      int root, uint64_t fp, size_t piece)
 {
     int n = c->n, me = c->me;
     int reader = root < 0 || root == me;
@@ -639,8 +641,8 @@ static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in,
      * writers may write only into a root that called the same */
     TRY(c, fp_check_all(c, s));
     int stream = !pull && outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
-    for (size_t off = 0; off < nbytes; off += CMA_PUSH_CHUNK) {
-        size_t len = nbytes - off < CMA_PUSH_CHUNK ? nbytes - off : CMA_PUSH_CHUNK;
+    for (size_t off = 0; off < nbytes; off += piece) {
+        size_t len = nbytes - off < piece ? nbytes - off : piece;
         for (int k = 0; k < n; k++) {
             int q = (me + k) % n;
             if (!(root < 0 || q == root))
@@ -685,16 +687,20 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
     if (nbytes == 0)
         return fp_sync(c, fp);
     /* from c->cma_min the single copy, always for a gather; for an all_gather where every
-     * rank has a core (c->cma). With more ranks than cores the all_gather's two-copy path
-     * was measured faster from 256 KiB to 16 MiB on some hosts and slower on others, so
-     * there it is timed against the single copy at every size (tune_pick_gather). */
-    if (c->cma_readable && c->cma_min && nbytes >= c->cma_min && (root >= 0 || c->cma))
-        return gather_cma(c, out, outs, in, nbytes, root, fp);
-    /* an all_gather's stores are timed (shm_tune.c); a gather's follow the probes */
+     * rank has a core (c->cma), its block in pieces or whole as measured. With more ranks
+     * than cores the all_gather's two-copy path was measured faster from 256 KiB to 16 MiB
+     * on some hosts and slower on others, so there it is timed against the single copy at
+     * every size (tune_pick_gather). */
+    int cma_only = c->cma_readable && c->cma_min && nbytes >= c->cma_min && (root >= 0 || c->cma);
+    if (cma_only && root >= 0)
+        return gather_cma(c, out, outs, in, nbytes, root, fp, CMA_PUSH_CHUNK);
+    /* an all_gather's path is timed (shm_tune.c); a gather's stores follow the probes */
     int64_t t0 = 0;
-    const int arm = root < 0 ? tune_pick_gather(c, nbytes, &t0) : c->far ? ARM_TWO_STREAM : ARM_TWO_PLAIN;
-    if (arm == ARM_SINGLE_COPY) {
-        int rc = gather_cma(c, out, outs, in, nbytes, root, fp);
+    const int arm = root < 0 ? tune_pick_gather(c, nbytes, cma_only, CMA_PUSH_CHUNK, &t0)
+                             : c->far ? ARM_TWO_STREAM : ARM_TWO_PLAIN;
+    if (arm == ARM_SINGLE_COPY || arm == ARM_SINGLE_WHOLE) {
+        int rc = gather_cma(c, out, outs, in, nbytes, root, fp,
+                            arm == ARM_SINGLE_WHOLE ? nbytes : CMA_PUSH_CHUNK);
         if (!rc)
             tune_done(c, TUNE_ALL_GATHER, nbytes, arm, t0);
         return rc;

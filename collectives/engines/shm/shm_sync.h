@@ -73,9 +73,9 @@ static inline void slice_of(size_t cnt, int n, int q, size_t *st, size_t *len)
 #define PEER_NEAR 1
 #define PEER_FAR 2
 /* the measured choices (shm_tune.c) */
-#define TUNE_KINDS 2          /* all_reduce (above one-shot), two-copy all_gather */
+#define TUNE_KINDS 2          /* all_reduce (above one-shot), all_gather */
 #define TUNE_BUCKETS 12       /* size classes: one per power of two, the last open */
-#define TUNE_ARMS 3           /* plain stores, streaming stores, single copy */
+#define TUNE_ARMS 4           /* plain stores, streaming stores, single copy (in pieces, whole) */
 
 /* A call's fingerprint (collectives/core/fingerprint.py's pack word) for collective number k:
  * each rank's post counter carries FP_SLOTS of them, slot k % FP_SLOTS, in its own cache

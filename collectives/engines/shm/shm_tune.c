@@ -1,5 +1,6 @@
 /* The measured choices (see shm_tune.h): the all_reduce above the one-shot size, and the
- * all_gather below the single copy's threshold (the same scheme, a table of its own).
+ * all_gather's path and, from the single copy's threshold, its form (the same scheme, a
+ * table of its own).
  *
  * Which all_reduce is fastest above the one-shot size depends on the host and on where
  * the ranks run, not on one latency figure (the figures: docs/design-shm.md, "The measured
@@ -203,8 +204,12 @@ SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0)
     return choose(c, TUNE_ALL_REDUCE, nbytes, arms, k, two_shot_arm(c), t0);
 }
 
-/* Below the single copy's own threshold (COLLECTIVES_SHM_CMA_MIN, from which it always
- * runs where every rank has a core), and at every size where the ranks outnumber the
+/* From the single copy's own threshold (COLLECTIVES_SHM_CMA_MIN) where every rank has a
+ * core, the all_gather always takes the single copy, and times its two forms: each block
+ * written in pieces (each piece to every reader while it is in cache) or in one write
+ * (fewer system calls and page pins; 2 ranks on a host of 2026-11-30: 1 MiB 0.9x, 4 MiB
+ * 0.7x the time in pieces, where an earlier host measured the opposite at 4 MiB). Below
+ * that threshold, and at every size where the ranks outnumber the
  * cores, the all_gather is timed as the all_reduce is: the two-copy path with the stores
  * the stream mode allows (both with SHM_STREAM_AUTO: the probes' verdict misleads on some
  * hosts, every pair "far" and streaming slower) and, from GATHER_CMA_TRY bytes a block,
@@ -212,20 +217,29 @@ SHM_HIDDEN int tune_pick(shm_comm *c, size_t nbytes, int64_t *t0)
  * copy), also where the ranks outnumber the cores (figures: docs/design-shm.md, "Measured
  * figures behind the engine's constants"). */
 #define GATHER_CMA_TRY (16 * 1024)
-SHM_HIDDEN int tune_pick_gather(shm_comm *c, size_t nbytes, int64_t *t0)
+SHM_HIDDEN int tune_pick_gather(shm_comm *c, size_t nbytes, int cma_only, size_t piece,
+                                int64_t *t0)
 {
     *t0 = 0;
-    if (nbytes < PROBE_SMALL_MIN)
-        return two_shot_arm(c);
     int arms[TUNE_ARMS];
-    int k = store_arms(c, arms);
-    if (c->stream_mode != SHM_STREAM_AUTO)
-        k = 1, arms[0] = two_shot_arm(c);
-    if (c->cma_readable && c->cma_min && nbytes >= GATHER_CMA_TRY)
+    int k = 0;
+    if (!cma_only) {
+        if (nbytes < PROBE_SMALL_MIN)
+            return two_shot_arm(c);
+        k = store_arms(c, arms);
+        if (c->stream_mode != SHM_STREAM_AUTO)
+            k = 1, arms[0] = two_shot_arm(c);
+    }
+    int fallback = cma_only ? ARM_SINGLE_COPY : two_shot_arm(c);
+    if (cma_only || (c->cma_readable && c->cma_min && nbytes >= GATHER_CMA_TRY)) {
         arms[k++] = ARM_SINGLE_COPY;
+        /* the block in one write against in pieces: which is faster varies by host */
+        if (nbytes > piece)
+            arms[k++] = ARM_SINGLE_WHOLE;
+    }
     if (k < 2)
-        return two_shot_arm(c);
-    return choose(c, TUNE_ALL_GATHER, nbytes, arms, k, two_shot_arm(c), t0);
+        return fallback;
+    return choose(c, TUNE_ALL_GATHER, nbytes, arms, k, fallback, t0);
 }
 
 SHM_HIDDEN void tune_done(shm_comm *c, int kind, size_t nbytes, int arm, int64_t t0)
