@@ -55,6 +55,12 @@ def launches(name, tree="after"):
     return len({r["launch"] for r in _jsonl(name) if r.get("tree") == tree})
 
 
+def before_after(name):
+    """A two-tree mpi_matrix run: its launches, and :func:`vs_faster_mpi` of the "after"
+    and of the "before" tree."""
+    return launches(name), vs_faster_mpi(name), vs_faster_mpi(name, tree="before")
+
+
 def medians(cells):
     return [statistics.median(v) for v in cells.values()]
 
@@ -297,8 +303,7 @@ def claims():
                          GATHERS, len(ag[(world, "all_gather", 1 << 20)]),
                          span([statistics.median(ag[(world, "all_gather", 1 << 20)])]),
                          f"the 1 MiB all_gather at world {world} {{fig}}x", bench))
-    n = launches(CHOICE)
-    after, before = vs_faster_mpi(CHOICE), vs_faster_mpi(CHOICE, tree="before")
+    n, after, before = before_after(CHOICE)
     out.append(Claim("2-core VM, all_gather at world 4 with the measured choice", CHOICE, n,
                      span(medians({k: v for k, v in after.items() if k[0] == 4})),
                      "world 4, the measured choice: all_gather {fig}x the faster MPI's time",
@@ -311,8 +316,7 @@ def claims():
     out.append(Claim("2-core VM, 1 MiB all_gather at world 2 per launch (path unchanged)",
                      CHOICE, n, span(after[(2, "all_gather", 1 << 20)]),
                      "world 2's 1 MiB cell (its path unchanged) {fig}x", bench))
-    n = launches(WHOLE)
-    after, before = vs_faster_mpi(WHOLE), vs_faster_mpi(WHOLE, tree="before")
+    n, after, before = before_after(WHOLE)
     out.append(Claim("2-core VM, all_gather with the block whole or in pieces measured", WHOLE, n,
                      span(medians(after)), "every cell's median {fig}x the faster MPI's time",
                      bench))

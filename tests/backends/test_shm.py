@@ -1231,18 +1231,25 @@ def test_measured_all_reduce_choice_is_agreed_and_exact(world):
     assert len({choice for _, choice in res}) == 1 and res[0][1] is not None
 
 
-def run_measured_all_gathers(ctx, calls, count):
-    """calls two-copy all_gathers of count float32s per rank, each checked against the
-    reference; whether all were right, and the stores this rank's group agreed on."""
+def run_measured_all_gathers(ctx, calls, count, mixed=False):
+    """calls all_gathers of count float32s per rank into one array, each checked against
+    the reference; whether all were right, and the path this rank's group agreed on. With
+    ``mixed`` even ranks gather into one array per rank on even calls (the single copy's
+    two forms, writing and reading, in one call)."""
     be = ctx.state["be"]
-    n = ctx.world_size
+    n, r = ctx.world_size, ctx.rank
     ok = True
     for k in range(calls):
-        mine = np.arange(count, dtype=np.float32) * (ctx.rank + 1) + k
-        out = np.empty(n * count, np.float32)
-        be.all_gather(to_buffer(out), to_buffer(mine))
+        mine = np.arange(count, dtype=np.float32) * (r + 1) + k
         want = np.concatenate([np.arange(count, dtype=np.float32) * (q + 1) + k for q in range(n)])
-        ok = ok and np.array_equal(out, want)
+        if mixed and k % 2 == 0 and r % 2 == 0:
+            outs = [np.empty(count, np.float32) for _ in range(n)]
+            be.all_gather_list([to_buffer(o) for o in outs], to_buffer(mine))
+            got = np.concatenate(outs)
+        else:
+            got = np.empty(n * count, np.float32)
+            be.all_gather(to_buffer(got), to_buffer(mine))
+        ok = ok and np.array_equal(got, want)
     return ok, be._comm.ag_choice(count * 4)
 
 
@@ -1290,27 +1297,6 @@ def test_with_more_ranks_than_cores_the_all_gather_times_its_single_copy():
     assert res == [(True, None)] * world, res
 
 
-def run_single_copy_all_gathers(ctx, calls, count):
-    """calls all_gathers of count float32s per rank, odd calls into one array on every
-    rank, even ones into one array per rank on even ranks (the single copy's two forms,
-    writing and reading), each checked; whether all were right, and the agreed choice."""
-    be = ctx.state["be"]
-    n, r = ctx.world_size, ctx.rank
-    ok = True
-    for k in range(calls):
-        mine = np.arange(count, dtype=np.float32) * (r + 1) + k
-        want = np.concatenate([np.arange(count, dtype=np.float32) * (q + 1) + k for q in range(n)])
-        if k % 2 == 0 and r % 2 == 0:
-            outs = [np.empty(count, np.float32) for _ in range(n)]
-            be.all_gather_list([to_buffer(o) for o in outs], to_buffer(mine))
-            got = np.concatenate(outs)
-        else:
-            got = np.empty(n * count, np.float32)
-            be.all_gather(to_buffer(got), to_buffer(mine))
-        ok = ok and np.array_equal(got, want)
-    return ok, be._comm.ag_choice(count * 4)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not _cma_permitted(), reason="process_vm_readv between siblings not permitted")
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a core per rank (2 ranks)")
@@ -1322,11 +1308,11 @@ def test_the_all_gathers_single_copy_times_its_block_whole_against_in_pieces():
     not timed."""
     env = dict(ENV_SMALL, MEASURED_CHOICE_TEST="whole")
     pool = pool_for(2, env=env)
-    res = pool.run(run_single_copy_all_gathers, 60, (1 << 20) // 4, timeout=90)
+    res = pool.run(run_measured_all_gathers, 60, (1 << 20) // 4, True, timeout=90)
     assert all(ok for ok, _ in res), res
     assert len({choice for _, choice in res}) == 1, res
     assert res[0][1] in ("single_copy", "single_copy_whole"), res
-    res = pool.run(run_single_copy_all_gathers, 40, (256 << 10) // 4, timeout=90)
+    res = pool.run(run_measured_all_gathers, 40, (256 << 10) // 4, True, timeout=90)
     assert res == [(True, None)] * 2, res
 
 
