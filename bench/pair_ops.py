@@ -1,12 +1,14 @@
 """Raw mpi4py against collectives in the same mpiexec job, loops alternating, for the ops
-../shared/tools/bench_pair.py leaves out: gather, scatter, reduce (root 0), reduce_scatter
-and all_to_all. Run under mpiexec (collectives' default backend on one host is shm):
+../shared/tools/bench_pair.py leaves out: gather, scatter, reduce (root 0), reduce_scatter,
+all_to_all, and all_gather_in_place (FSDP2's form: the input is this rank's block of the
+output; MPI_IN_PLACE on the MPI side). Run under mpiexec (collectives' default backend on one host is shm):
 
   mpiexec -n W PY bench/pair_ops.py [--ops gather,scatter,...] [--sizes 4,65536,...]
                                     [--samples 9] [--budget 0.3] [--json F]
 
 Sizes are bytes per rank's block (gather: each rank's input; scatter: each rank's output;
-reduce: the buffer; reduce_scatter: each rank's output; all_to_all: each block). Rank 0
+reduce: the buffer; reduce_scatter: each rank's output; all_to_all: each block;
+all_gather_in_place: each rank's block). Rank 0
 prints one JSON line per (op, bytes): both medians (us) and the median of the per-sample
 ratios collectives/mpi4py.
 """
@@ -56,6 +58,8 @@ def raw(op, small, big):
         comm.Reduce(MPI.IN_PLACE if rank == 0 else small, small if rank == 0 else None, root=0)
     elif op == "reduce_scatter":
         comm.Reduce_scatter_block(big, small)
+    elif op == "all_gather_in_place":
+        comm.Allgather(MPI.IN_PLACE, big)
     else:
         comm.Alltoall(big, _a2a_out)
 
@@ -69,6 +73,8 @@ def ours(op, small, big):
         dist.reduce(small, dst=0)
     elif op == "reduce_scatter":
         dist.reduce_scatter_tensor(small, big)
+    elif op == "all_gather_in_place":
+        dist.all_gather_into_tensor(big, big[rank * small.size:(rank + 1) * small.size])
     else:
         dist.all_to_all_single(_a2a_out, big)
 

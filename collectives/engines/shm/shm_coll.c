@@ -641,6 +641,8 @@ static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in,
      * writers may write only into a root that called the same */
     TRY(c, fp_check_all(c, s));
     int stream = !pull && outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
+    /* torch's in-place form (FSDP2's): the input is this rank's block of its output */
+    const int in_place = reader && GATHER_BLOCK(out, outs, me, nbytes) == (const char *)in;
     for (size_t off = 0; off < nbytes; off += piece) {
         size_t len = nbytes - off < piece ? nbytes - off : piece;
         for (int k = 0; k < n; k++) {
@@ -648,8 +650,9 @@ static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in,
             if (!(root < 0 || q == root))
                 continue;
             if (q == me) {
-                copy_out(GATHER_BLOCK(out, outs, me, nbytes) + off, (const char *)in + off, len,
-                         stream);
+                if (!in_place)
+                    copy_out(GATHER_BLOCK(out, outs, me, nbytes) + off, (const char *)in + off,
+                             len, stream);
                 continue;
             }
             TRY(c, wait_post(c, q, s));
@@ -680,7 +683,7 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
     int n = c->n, me = c->me;
     int reader = root < 0 || root == me;
     if (n == 1) {
-        if (reader)
+        if (reader && GATHER_BLOCK(out, outs, 0, nbytes) != (const char *)in)
             copy(GATHER_BLOCK(out, outs, 0, nbytes), in, nbytes);
         return SHM_OK;
     }
