@@ -44,9 +44,10 @@ dist.init_process_group("gloo")
 
 def buffers(op, n):
     """(small, big): the per-rank block and the world-block buffer of ``op``."""
-    small = np.ones(n, np.float32)
     big = np.ones(n * world, np.float32)
-    return small, big
+    if op == "all_gather_in_place":  # this rank's block of the output, as FSDP2 passes it
+        return big[rank * n:(rank + 1) * n], big
+    return np.ones(n, np.float32), big
 
 
 def raw(op, small, big):
@@ -74,7 +75,7 @@ def ours(op, small, big):
     elif op == "reduce_scatter":
         dist.reduce_scatter_tensor(small, big)
     elif op == "all_gather_in_place":
-        dist.all_gather_into_tensor(big, big[rank * small.size:(rank + 1) * small.size])
+        dist.all_gather_into_tensor(big, small)
     else:
         dist.all_to_all_single(_a2a_out, big)
 
