@@ -189,6 +189,9 @@ CHOICE = "2026-11-30-evening-all-gather-choice.jsonl"
 WHOLE = "2026-11-30-night-all-gather-whole-block.jsonl"
 H200_TRAIN = "2026-11-30-h200-16core-train.json"
 H200_GATHERS = "2026-11-30-h200-16core-gathers.jsonl"
+LATE_TRAIN = "2026-11-30-late-vm-train.json"
+LATE_GATHER = "2026-11-30-late-vm-all-gather.jsonl"
+LATE_PAIR = "2026-11-30-late-vm-pair-ops.jsonl"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -345,6 +348,36 @@ def claims():
         out.append(Claim(f"16-core host, {op} against the faster MPI", H200_GATHERS,
                          launches(H200_GATHERS), span(medians(cells)),
                          f"16 cores, {op} {{fig}}x the faster MPI's time", bench))
+    for world in (2, 4):  # the VM again, on another day's host
+        mlp = cases(LATE_TRAIN, world, "ddp", "mlp8")
+        out.append(Claim(f"2-core VM, late, DDP MLP over the floor, world {world}", LATE_TRAIN,
+                         len(mlp), span(ratios(mlp, "coll_ms", "floor_ms")),
+                         f"late host, DDP at world {world}: ours {{fig}}x the floor", bench))
+        out.append(Claim(f"2-core VM, late, DDP MLP above the floor, world {world}", LATE_TRAIN,
+                         len(mlp), span(above_floor_of(mlp)),
+                         f"and {{fig}} of gloo's time above it (world {world})", bench))
+        fsdp = cases(LATE_TRAIN, world, "fsdp")
+        out.append(Claim(f"2-core VM, late, FSDP2 transformer, world {world}", LATE_TRAIN,
+                         len(fsdp), span(ratios(fsdp, "coll_ms", "gloo_ms")),
+                         f"FSDP2 at world {world} {{fig}}x gloo's step", bench))
+        tfm = cases(LATE_TRAIN, world, "ddp", "tfm")
+        out.append(Claim(f"2-core VM, late, DDP transformer, world {world}", LATE_TRAIN,
+                         len(tfm), span(ratios(tfm, "coll_ms", "gloo_ms")),
+                         f"the transformer's DDP at world {world} {{fig}}x", bench))
+    cells = vs_faster_mpi(LATE_GATHER, keep=lambda r: r["op"] == "all_gather")
+    out.append(Claim("2-core VM, late, all_gather against the faster MPI", LATE_GATHER,
+                     launches(LATE_GATHER), span(medians(cells)),
+                     "all_gather's medians {fig}x the faster MPI's time", bench))
+    cells = vs_faster_mpi(LATE_PAIR, keep=lambda r: r["op"] == "reduce_scatter")
+    out.append(Claim("2-core VM, late, reduce_scatter against the faster MPI", LATE_PAIR,
+                     launches(LATE_PAIR), span(medians(cells)),
+                     "reduce_scatter's {fig}x", bench))
+    cells = vs_faster_mpi(LATE_PAIR, keep=lambda r: r["op"] == "all_gather_in_place"
+                          and r["world"] == 2 and r["bytes"] >= SMALL)
+    out.append(Claim("2-core VM, late, in-place all_gather at world 2 from 64 KiB", LATE_PAIR,
+                     launches(LATE_PAIR), span(medians(cells)),
+                     "the in-place all_gather (FSDP2's form) at world 2 from 64 KiB {fig}x",
+                     bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),
