@@ -6,10 +6,11 @@
 #   4. the shared-memory backend against MPICH and Open MPI (bench/mpi_matrix.py, bench_pair.py),
 #      worlds 2, 4, 8 and 16, ranks pinned near and pinned far;
 #   5. (step "train", not in the default) training steps, bench/bench_train.py --impls mixed at
-#      every world of TWORLDS (default "4 8 16 2"), the launches of TSPECS (default: DDP of the
-#      MLP and the transformer, then FSDP2 of the transformer), rows appended to train.jsonl;
-#   6. (step "gathers", not in the default) all_gather (bench_pair.py) and reduce_scatter
-#      (bench/pair_ops.py) against both MPIs at every world of GWORLDS (default "2 4"),
+#      every world of TWORLDS (default "4 8 16 2"), the launches of TSPECS (default: FSDP2 of the
+#      transformer, never yet measured there, then DDP of the MLP and the transformer), rows appended to train.jsonl;
+#   6. (step "gathers", not in the default) all_gather (bench_pair.py), reduce_scatter and
+#      the in-place all_gather (bench/pair_ops.py) against both MPIs at every world of
+#      GWORLDS (default "2 4"),
 #      into gathers.jsonl and rs.jsonl.
 # DEADLINE (seconds from the start, default 0: none) skips what would not fit: a step whose
 # estimate (seconds) exceeds what is left is skipped and says so, and each launch is stopped
@@ -81,7 +82,7 @@ if has train; then
     # TSPECS: launches of each world, models:kinds:early (early steps before the TSTEPS);
     # a launch needs ~40 + 8 x world seconds on the 16-core machine (DDP: 68 s at world 4)
     for w in ${TWORLDS:-4 8 16 2}; do
-        for spec in ${TSPECS:-mlp8,tfm:ddp:15 tfm:fsdp:10}; do
+        for spec in ${TSPECS:-tfm:fsdp:10 mlp8,tfm:ddp:15}; do
             IFS=: read -r models kinds early <<< "$spec"
             steps=${TSTEPS:-20}
             fits $(( 40 + 8 * w )) "train world $w $kinds" || continue
@@ -159,7 +160,8 @@ if has gathers; then
             PYTHONPATH=$PWD OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
                 timeout $(( $(left) > 90 ? 90 : $(left) )) /tmp/$m/pybin/mpiexec \
                 $([ $m = ompi ] && echo --oversubscribe) -n "$w" /tmp/$m/pybin/python \
-                bench/pair_ops.py --ops reduce_scatter --sizes 4,65536,1048576,16777216 \
+                bench/pair_ops.py --ops reduce_scatter,all_gather_in_place \
+                --sizes 4,65536,1048576,16777216 \
                 --samples 5 --budget "$BUDGET" --json /tmp/rs.jsonl > /tmp/rs.log 2>&1
             say "exit $?"; tail -3 /tmp/rs.log
             [ -f /tmp/rs.jsonl ] && $PY -c "import json, sys; [print(json.dumps(dict(json.loads(l), mpi=sys.argv[1], world=int(sys.argv[2])))) for l in open('/tmp/rs.jsonl') if l.strip()]" \

@@ -187,6 +187,9 @@ def _register(group, backend, t, state, strict=False):
     bucket_id = state.next_id
     state.next_id += 1
     ptr = t.data_ptr()
+    # its return is not needed for agreement: a rank whose engine could not take the entry
+    # (its table full, no memory) names no mapped buffer at the call, and the engine's first
+    # step of every all_reduce on it then declines the mapped path on every rank alike
     backend.map_register(bucket_id, ptr, nbytes, np.array(peers, dtype=np.uint64))
     state.maps[bucket_id] = maps
     state.live.add(ptr)
