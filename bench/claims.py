@@ -196,6 +196,16 @@ SMALL = 65536
 BIG = 16 << 20
 
 
+def ddp_claims(name, world, label, over, above, where):
+    """Issue 51's two DDP lines for the comm-bound MLP at ``world`` in a bench_train JSON:
+    ours over the floor (``over``), and ours' time above the floor over gloo's (``above``)."""
+    mlp = cases(name, world, "ddp", "mlp8")
+    return [Claim(f"{label}, DDP MLP over the floor, world {world}", name, len(mlp),
+                  span(ratios(mlp, "coll_ms", "floor_ms")), over, where),
+            Claim(f"{label}, DDP MLP above the floor, world {world}", name, len(mlp),
+                  span(above_floor_of(mlp)), above, where)]
+
+
 def claims():
     """Every stated figure: (name, data file, launches per cell, figure, the text that states
     it, the documents that state it). ``text`` holds ``{fig}`` where the figure goes."""
@@ -332,13 +342,9 @@ def claims():
                          WHOLE, n, span(before[cell]),
                          "against {fig}x in pieces always", bench))
     for world in (4, 8):  # the lent 16-core machine
-        mlp = cases(H200_TRAIN, world, "ddp", "mlp8")
-        out.append(Claim(f"16-core host, DDP MLP over the floor, world {world}", H200_TRAIN,
-                         len(mlp), span(ratios(mlp, "coll_ms", "floor_ms")),
-                         f"16 cores, DDP at world {world}: ours {{fig}}x the floor", bench))
-        out.append(Claim(f"16-core host, DDP MLP above the floor, world {world}", H200_TRAIN,
-                         len(mlp), span(above_floor_of(mlp)),
-                         "{fig} of gloo's time above it", bench))
+        out += ddp_claims(H200_TRAIN, world, "16-core host",
+                          f"16 cores, DDP at world {world}: ours {{fig}}x the floor",
+                          "{fig} of gloo's time above it", bench)
         tfm = cases(H200_TRAIN, world, "ddp", "tfm")
         out.append(Claim(f"16-core host, DDP transformer, world {world}", H200_TRAIN, len(tfm),
                          span(ratios(tfm, "coll_ms", "gloo_ms")),
@@ -349,13 +355,9 @@ def claims():
                          launches(H200_GATHERS), span(medians(cells)),
                          f"16 cores, {op} {{fig}}x the faster MPI's time", bench))
     for world in (2, 4):  # the VM again, on another day's host
-        mlp = cases(LATE_TRAIN, world, "ddp", "mlp8")
-        out.append(Claim(f"2-core VM, late, DDP MLP over the floor, world {world}", LATE_TRAIN,
-                         len(mlp), span(ratios(mlp, "coll_ms", "floor_ms")),
-                         f"late host, DDP at world {world}: ours {{fig}}x the floor", bench))
-        out.append(Claim(f"2-core VM, late, DDP MLP above the floor, world {world}", LATE_TRAIN,
-                         len(mlp), span(above_floor_of(mlp)),
-                         f"and {{fig}} of gloo's time above it (world {world})", bench))
+        out += ddp_claims(LATE_TRAIN, world, "2-core VM, late",
+                          f"late host, DDP at world {world}: ours {{fig}}x the floor",
+                          f"and {{fig}} of gloo's time above it (world {world})", bench)
         fsdp = cases(LATE_TRAIN, world, "fsdp")
         out.append(Claim(f"2-core VM, late, FSDP2 transformer, world {world}", LATE_TRAIN,
                          len(fsdp), span(ratios(fsdp, "coll_ms", "gloo_ms")),
