@@ -192,6 +192,7 @@ H200_GATHERS = "2026-11-30-h200-16core-gathers.jsonl"
 LATE_TRAIN = "2026-11-30-late-vm-train.json"
 LATE_GATHER = "2026-11-30-late-vm-all-gather.jsonl"
 LATE_PAIR = "2026-11-30-late-vm-pair-ops.jsonl"
+LATE_FRONT = "2026-11-30-late-vm-in-place-front-end.jsonl"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -380,6 +381,12 @@ def claims():
                      launches(LATE_PAIR), span(medians(cells)),
                      "the in-place all_gather (FSDP2's form) at world 2 from 64 KiB {fig}x",
                      bench))
+    n, after, before = before_after(LATE_FRONT)
+    tiny = (2, "all_gather_in_place", 4)
+    out.append(Claim("2-core VM, in-place all_gather of 4 B, the direct call", LATE_FRONT, n,
+                     span(after[tiny]), "the in-place all_gather of 4 B {fig}x", bench))
+    out.append(Claim("2-core VM, in-place all_gather of 4 B, the general path", LATE_FRONT, n,
+                     span(before[tiny]), "against {fig}x through the general path", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),

@@ -88,7 +88,7 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
         return _absent(group)
     inp = buffer(input_tensor, 'input_tensor')
     out = buffer(output_tensor, 'output_tensor')
-    if disjoint_gather(out, inp, pg._size):
+    if disjoint_gather(out, inp, pg._size, pg._own_block):
         if out.device != -1 or inp.device != -1:
             check_devices(pg, (out, inp,), 'output_tensor and input_tensor')
         return pg.dispatch.call('all_gather', inp, -1, -1, pg.backend.all_gather, (out, inp),
@@ -123,7 +123,7 @@ def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):
         return _absent(group)
     out = buffer(output, 'output')
     inp = buffer(input, 'input')
-    if op is _SUM and disjoint_gather(inp, out, pg._size):
+    if op is _SUM and disjoint_gather(inp, out, pg._size, pg._own_block):
         if out.device != -1 or inp.device != -1:
             check_devices(pg, (out, inp,), 'output and input')
         return pg.dispatch.call('reduce_scatter', out, -1, _SUM_CODE, pg.backend.reduce_scatter,

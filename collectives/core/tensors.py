@@ -152,11 +152,13 @@ def overlaps(a, b):
     return a.count and b.count and a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
-def _py_disjoint_gather(out, inp, size):
-    return out.dtype == inp.dtype and out.count == inp.count * size and not overlaps(out, inp)
+def _py_disjoint_gather(out, inp, size, own=-1):
+    return out.dtype == inp.dtype and out.count == inp.count * size and (
+        not overlaps(out, inp) or own >= 0 and inp.ptr == out.ptr + own * inp.nbytes)
 
 
 try:  # whether a gather of ``size`` blocks like ``inp`` fits ``out`` without overlapping it
+    # (or, ``own`` >= 0, with ``inp`` exactly block ``own`` of it)
     from ..engines._buffer import disjoint_gather
 except ImportError:  # extensions not built
     disjoint_gather = _py_disjoint_gather

@@ -29,6 +29,10 @@ class GroupBase:
         self.ranks = list(ranks)
         self._rank = rank
         self._size = len(self.ranks)
+        #: this rank's block where the backend takes torch's in-place forms (an all_gather's
+        #: input that is this rank's block of its output; a reduce_scatter's output that is
+        #: this rank's block of its input) straight from the front end's checks, else -1
+        self._own_block = rank if getattr(backend, "own_block_in_place", False) else -1
         self.group_name = name
         self.backend_name = backend_name
         self.timeout = timeout

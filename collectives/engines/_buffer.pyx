@@ -237,10 +237,15 @@ def separate_blocks(list outs, Buffer inp not None, Py_ssize_t rank):
     return not contiguous
 
 
-def disjoint_gather(Buffer out not None, Buffer inp not None, Py_ssize_t size):
+def disjoint_gather(Buffer out not None, Buffer inp not None, Py_ssize_t size,
+                    Py_ssize_t own=-1):
     """Whether ``out`` takes ``size`` copies of ``inp`` (same dtype) and shares no byte
-    with it: the case the front end hands to the backend without further checks."""
+    with it, or (``own`` >= 0) ``inp`` is exactly block ``own`` of it (torch's in-place
+    forms, for a backend that takes them): the cases the front end hands to the backend
+    without further checks."""
     cdef size_t onb = <size_t>out.count * out.itemsize, inb = <size_t>inp.count * inp.itemsize
     if out.dtype != inp.dtype or out.count != inp.count * size:
         return False
+    if own >= 0 and inp.ptr == out.ptr + <size_t>own * inb:
+        return True
     return inb == 0 or onb == 0 or out.ptr >= inp.ptr + inb or inp.ptr >= out.ptr + onb

@@ -531,6 +531,37 @@ def test_own_block_in_place_reaches_the_backend_only_where_it_says_it_takes_it(w
 
 
 @needs_torch
+@pytest.mark.parametrize("in_place_ok", [True, False])
+def test_own_block_in_place_takes_the_direct_call_where_the_backend_takes_it(
+        world, monkeypatch, in_place_ok):
+    """The in-place forms (FSDP2 calls all_gather_into_tensor so) go from the front end's
+    one check straight to the backend, as the out-of-place forms do, where the group's
+    backend takes them; elsewhere, and for any other overlap, through the planned path that
+    copies the input."""
+    from collectives.api import _generated
+    monkeypatch.setattr(Recorder, "own_block_in_place", in_place_ok)
+    planned = []
+    for name in ("_plan_all_gather_single", "_plan_reduce_scatter_single"):
+        real = getattr(_generated, name)
+        monkeypatch.setattr(_generated, name,
+                            lambda *a, _n=name, _r=real: planned.append(_n) or _r(*a))
+    rec = world(size=4, rank=2)
+    seen = []
+    rec.all_gather = lambda out, inp: seen.append("all_gather")
+    rec.reduce_scatter = lambda out, inp, op: seen.append("reduce_scatter")
+    big = torch.arange(12.0)
+    block = big[6:9]  # rank 2's block
+    dist.all_gather_into_tensor(big, block)
+    dist.reduce_scatter_tensor(block, big)
+    assert planned == ([] if in_place_ok else
+                       ["_plan_all_gather_single", "_plan_reduce_scatter_single"])
+    dist.all_gather_into_tensor(big, big[5:8])  # overlapping, not the own block
+    dist.reduce_scatter_tensor(big[5:8], big)
+    assert planned[-2:] == ["_plan_all_gather_single", "_plan_reduce_scatter_single"]
+    assert seen == ["all_gather", "reduce_scatter"] * 2
+
+
+@needs_torch
 @pytest.mark.parametrize("into_list", [True, False])
 def test_all_gather_into_separate_tensors_reaches_a_list_backend_unstaged(world, into_list):
     """dist.all_gather(list, t): a backend with gathers_into_list gets the list's own Buffers

@@ -238,6 +238,21 @@ def test_disjoint_gather_is_the_same(case, size, other_dtype):
         bool(tensors._py_disjoint_gather(out, inp, size))
 
 
+@SETTINGS
+@given(count=st.integers(0, 9), size=st.integers(1, 5), data=st.data())
+def test_disjoint_gather_takes_the_own_block_alone_in_both(count, size, data):
+    """With ``own`` >= 0, an input that is exactly block ``own`` of the output passes; any
+    other block of it (or every block, with ``own`` -1) overlaps and fails, as before."""
+    own = data.draw(st.integers(-1, size - 1), "own")
+    k = data.draw(st.integers(0, size - 1), "block")
+    arr = np.zeros(count * size, np.float32)
+    out = tensors.to_buffer(arr)
+    inp = tensors.to_buffer(arr[k * count:(k + 1) * count])
+    want = count == 0 or own == k
+    assert bool(_buffer.disjoint_gather(out, inp, size, own)) == want
+    assert bool(tensors._py_disjoint_gather(out, inp, size, own)) == want
+
+
 def test_an_empty_output_inside_the_inputs_bytes_shares_none_of_them():
     arr = np.zeros(2, np.float16)
     inp = tensors.to_buffer(arr)
