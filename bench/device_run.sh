@@ -6,12 +6,12 @@
 #   4. the shared-memory backend against MPICH and Open MPI (bench/mpi_matrix.py, bench_pair.py),
 #      worlds 2, 4, 8 and 16, ranks pinned near and pinned far;
 #   5. (step "train", not in the default) training steps, bench/bench_train.py --impls mixed at
-#      every world of TWORLDS (default "4 8 16 2"), the launches of TSPECS (default: FSDP2 of the
-#      transformer, never yet measured there, then DDP of the MLP and the transformer), rows appended to train.jsonl;
+#      every world of TWORLDS (default "4 8 16 2"), the launches of TSPECS (default: FSDP2 of
+#      the transformer, never yet measured there, then DDP of the MLP and the transformer),
+#      rows appended to train.jsonl;
 #   6. (step "gathers", not in the default) all_gather (bench_pair.py), reduce_scatter and
 #      the in-place all_gather (bench/pair_ops.py) against both MPIs at every world of
-#      GWORLDS (default "2 4"),
-#      into gathers.jsonl and rs.jsonl.
+#      GWORLDS (default "2 4"), into gathers.jsonl and rs.jsonl.
 # DEADLINE (seconds from the start, default 0: none) skips what would not fit: a step whose
 # estimate (seconds) exceeds what is left is skipped and says so, and each launch is stopped
 # at the deadline.

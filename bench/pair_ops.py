@@ -1,16 +1,16 @@
 """Raw mpi4py against collectives in the same mpiexec job, loops alternating, for the ops
 ../shared/tools/bench_pair.py leaves out: gather, scatter, reduce (root 0), reduce_scatter,
 all_to_all, and all_gather_in_place (FSDP2's form: the input is this rank's block of the
-output; MPI_IN_PLACE on the MPI side). Run under mpiexec (collectives' default backend on one host is shm):
+output; MPI_IN_PLACE on the MPI side). Run under mpiexec (collectives' default backend on
+one host is shm):
 
   mpiexec -n W PY bench/pair_ops.py [--ops gather,scatter,...] [--sizes 4,65536,...]
                                     [--samples 9] [--budget 0.3] [--json F]
 
 Sizes are bytes per rank's block (gather: each rank's input; scatter: each rank's output;
 reduce: the buffer; reduce_scatter: each rank's output; all_to_all: each block;
-all_gather_in_place: each rank's block). Rank 0
-prints one JSON line per (op, bytes): both medians (us) and the median of the per-sample
-ratios collectives/mpi4py.
+all_gather_in_place: each rank's block). Rank 0 prints one JSON line per (op, bytes): both
+medians (us) and the median of the per-sample ratios collectives/mpi4py.
 """
 import argparse
 import json
