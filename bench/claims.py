@@ -387,6 +387,11 @@ def claims():
                      span(after[tiny]), "the in-place all_gather of 4 B {fig}x", bench))
     out.append(Claim("2-core VM, in-place all_gather of 4 B, the general path", LATE_FRONT, n,
                      span(before[tiny]), "against {fig}x through the general path", bench))
+    tiny = (2, "reduce_scatter_in_place", 4)
+    out.append(Claim("2-core VM, in-place reduce_scatter of 4 B, the direct call", LATE_FRONT,
+                     n, span(after[tiny]), "the in-place reduce_scatter of 4 B {fig}x", bench))
+    out.append(Claim("2-core VM, in-place reduce_scatter of 4 B, the general path", LATE_FRONT,
+                     n, span(before[tiny]), "against {fig}x through the general path", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),

@@ -1,7 +1,8 @@
 """Raw mpi4py against collectives in the same mpiexec job, loops alternating, for the ops
 ../shared/tools/bench_pair.py leaves out: gather, scatter, reduce (root 0), reduce_scatter,
-all_to_all, and all_gather_in_place (FSDP2's form: the input is this rank's block of the
-output; MPI_IN_PLACE on the MPI side). Run under mpiexec (collectives' default backend on
+all_to_all, and the in-place forms all_gather_in_place (FSDP2's: the input is this rank's
+block of the output) and reduce_scatter_in_place (the output is this rank's block of the
+input), MPI_IN_PLACE on the MPI side. Run under mpiexec (collectives' default backend on
 one host is shm):
 
   mpiexec -n W PY bench/pair_ops.py [--ops gather,scatter,...] [--sizes 4,65536,...]
@@ -9,7 +10,7 @@ one host is shm):
 
 Sizes are bytes per rank's block (gather: each rank's input; scatter: each rank's output;
 reduce: the buffer; reduce_scatter: each rank's output; all_to_all: each block;
-all_gather_in_place: each rank's block). Rank 0 prints one JSON line per (op, bytes): both
+the in-place forms: each rank's block). Rank 0 prints one JSON line per (op, bytes): both
 medians (us) and the median of the per-sample ratios collectives/mpi4py.
 """
 import argparse
@@ -45,7 +46,7 @@ dist.init_process_group("gloo")
 def buffers(op, n):
     """(small, big): the per-rank block and the world-block buffer of ``op``."""
     big = np.ones(n * world, np.float32)
-    if op == "all_gather_in_place":  # this rank's block of the output, as FSDP2 passes it
+    if op.endswith("_in_place"):  # this rank's block of the world-block buffer
         return big[rank * n:(rank + 1) * n], big
     return np.ones(n, np.float32), big
 
@@ -61,6 +62,8 @@ def raw(op, small, big):
         comm.Reduce_scatter_block(big, small)
     elif op == "all_gather_in_place":
         comm.Allgather(MPI.IN_PLACE, big)
+    elif op == "reduce_scatter_in_place":  # (MPI leaves the result in the first block)
+        comm.Reduce_scatter_block(MPI.IN_PLACE, big)
     else:
         comm.Alltoall(big, _a2a_out)
 
@@ -76,6 +79,8 @@ def ours(op, small, big):
         dist.reduce_scatter_tensor(small, big)
     elif op == "all_gather_in_place":
         dist.all_gather_into_tensor(big, small)
+    elif op == "reduce_scatter_in_place":
+        dist.reduce_scatter_tensor(small, big)
     else:
         dist.all_to_all_single(_a2a_out, big)
 
