@@ -23,9 +23,10 @@ def contiguous_span(bufs):
 def needs_own_copy(pg, whole, part):
     """Whether ``part`` (all_gather's input, reduce_scatter's output) overlaps ``whole`` in a
     way the backend cannot take: anything but exactly this rank's block of a backend with
-    ``own_block_in_place`` (torch's in-place forms)."""
-    return overlaps(whole, part) and not (pg.backend.own_block_in_place
-                                          and part.ptr == whole.ptr + pg._rank * part.nbytes)
+    ``own_block_in_place`` (torch's in-place forms: the group's ``_own_block``, the rule the
+    front end's direct call reads too)."""
+    own = pg._own_block
+    return overlaps(whole, part) and not (own >= 0 and part.ptr == whole.ptr + own * part.nbytes)
 
 
 def _py_separate_blocks(outs, inp, rank):

@@ -511,12 +511,13 @@ def test_multigpu_one_element_list_is_the_plain_call(world):
 
 @needs_torch
 @pytest.mark.parametrize("in_place_ok", [True, False])
-def test_own_block_in_place_reaches_the_backend_only_where_it_says_it_takes_it(world, in_place_ok):
+def test_own_block_in_place_reaches_the_backend_only_where_it_says_it_takes_it(
+        world, monkeypatch, in_place_ok):
     """all_gather_into_tensor(out, out.chunk(n)[rank]) and reduce_scatter_tensor(
     inp.chunk(n)[rank], inp) hand the backend the aliased buffers when it sets
     own_block_in_place, a copy of the input otherwise (and always for other overlaps)."""
+    monkeypatch.setattr(Recorder, "own_block_in_place", in_place_ok)
     rec = world(size=4, rank=2)
-    rec.own_block_in_place = in_place_ok
     seen = []
     rec.all_gather = lambda out, inp: seen.append(("all_gather", out.ptr, inp.ptr))
     rec.reduce_scatter = lambda out, inp, op: seen.append(("reduce_scatter", inp.ptr, out.ptr))

@@ -603,6 +603,10 @@ int shm_finish(shm_comm *c)
 /* Rank q's block of a gather's output: contiguous blocks of `out`, or outs[q]. */
 #define GATHER_BLOCK(out, outs, q, nbytes) \
     ((outs) ? (char *)(outs)[q] : (char *)(out) + (size_t)(q) * (nbytes))
+/* torch's in-place form (FSDP2's): the input is rank q's own block of the output, so the
+ * rank's own copy is skipped */
+#define GATHER_IN_PLACE(out, outs, q, nbytes, in) \
+    (GATHER_BLOCK(out, outs, q, nbytes) == (const char *)(in))
 
 /* Single-copy gather. A reader whose output is one buffer posts its address, and every
  * rank writes its block straight into it (process_vm_writev), 256 KiB at a time so the
@@ -641,8 +645,7 @@ static int gather_cma(shm_comm *c, void *out, void *const *outs, const void *in,
      * writers may write only into a root that called the same */
     TRY(c, fp_check_all(c, s));
     int stream = !pull && outputs_past_llc(c, (size_t)(root < 0 ? n : 1) * (size_t)n * nbytes);
-    /* torch's in-place form (FSDP2's): the input is this rank's block of its output */
-    const int in_place = reader && GATHER_BLOCK(out, outs, me, nbytes) == (const char *)in;
+    const int in_place = reader && GATHER_IN_PLACE(out, outs, me, nbytes, in);
     for (size_t off = 0; off < nbytes; off += piece) {
         size_t len = nbytes - off < piece ? nbytes - off : piece;
         for (int k = 0; k < n; k++) {
@@ -683,7 +686,7 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
     int n = c->n, me = c->me;
     int reader = root < 0 || root == me;
     if (n == 1) {
-        if (reader && GATHER_BLOCK(out, outs, 0, nbytes) != (const char *)in)
+        if (reader && !GATHER_IN_PLACE(out, outs, 0, nbytes, in))
             copy(GATHER_BLOCK(out, outs, 0, nbytes), in, nbytes);
         return SHM_OK;
     }
@@ -724,7 +727,7 @@ static int gather_impl(shm_comm *c, void *out, void *const *outs, const void *in
         if (reader) {
             TRY(c, wait_posts(c, s));
             for (int q = 0; q < n; q++)
-                if (q != me || GATHER_BLOCK(out, outs, me, nbytes) != (const char *)in)
+                if (q != me || !GATHER_IN_PLACE(out, outs, me, nbytes, in))
                     copy_out(GATHER_BLOCK(out, outs, q, nbytes) + off, HALF(c, q, h), len, stream);
         }
         ack(c, s);
