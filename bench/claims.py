@@ -193,6 +193,8 @@ LATE_TRAIN = "2026-11-30-late-vm-train.json"
 LATE_GATHER = "2026-11-30-late-vm-all-gather.jsonl"
 LATE_PAIR = "2026-11-30-late-vm-pair-ops.jsonl"
 LATE_FRONT = "2026-11-30-late-vm-in-place-front-end.jsonl"
+DEC01_TRAIN = "2026-12-01-vm-train.json"
+DEC01_GATHER = "2026-12-01-vm-all-gather.jsonl"
 SMALL = 65536
 BIG = 16 << 20
 
@@ -392,6 +394,30 @@ def claims():
                      n, span(after[tiny]), "the in-place reduce_scatter of 4 B {fig}x", bench))
     out.append(Claim("2-core VM, in-place reduce_scatter of 4 B, the general path", LATE_FRONT,
                      n, span(before[tiny]), "against {fig}x through the general path", bench))
+    for world in (2, 4):  # the VM on a third host day
+        out += ddp_claims(DEC01_TRAIN, world, "2-core VM, Dec 1",
+                          f"on 2026-12-01, DDP at world {world}: ours {{fig}}x the floor",
+                          f"and {{fig}} of gloo's time above it (world {world}, 2026-12-01)",
+                          bench)
+        fsdp = cases(DEC01_TRAIN, world, "fsdp")
+        out.append(Claim(f"2-core VM, Dec 1, FSDP2 transformer, world {world}", DEC01_TRAIN,
+                         len(fsdp), span(ratios(fsdp, "coll_ms", "gloo_ms")),
+                         f"FSDP2 at world {world} {{fig}}x gloo's step (2026-12-01)", bench))
+        tfm = cases(DEC01_TRAIN, world, "ddp", "tfm")
+        out.append(Claim(f"2-core VM, Dec 1, DDP transformer, world {world}", DEC01_TRAIN,
+                         len(tfm), span(ratios(tfm, "coll_ms", "gloo_ms")),
+                         f"the transformer's DDP at world {world} {{fig}}x (2026-12-01)", bench))
+    mlp = cases(DEC01_TRAIN, 2, "ddp", "mlp8") + cases(DEC01_TRAIN, 4, "ddp", "mlp8")
+    out.append(Claim("2-core VM, Dec 1, DDP MLP over its memory floor with the waits",
+                     DEC01_TRAIN, len(mlp) // 2, span(ratios(mlp, "coll_ms", "floor_mem_sync_ms")),
+                     "ours {fig}x the memory floor with its waits", bench))
+    cells = vs_faster_mpi(DEC01_GATHER, keep=lambda r: r["op"] == "all_gather")
+    out.append(Claim("2-core VM, Dec 1, all_gather against the faster MPI", DEC01_GATHER,
+                     launches(DEC01_GATHER), span(medians(cells)),
+                     "all_gather's medians {fig}x the faster MPI's time (2026-12-01)", bench))
+    out.append(Claim("2-core VM, Dec 1, all_gather at world 2, 4 MiB", DEC01_GATHER,
+                     launches(DEC01_GATHER), span(cells[(2, "all_gather", 4 << 20)]),
+                     "at world 2 and 4 MiB {fig}x per launch", bench))
     # the first round's figures (docs/benchmarks.md's section on that day's code)
     out.append(Claim("2026-11-21 torch gloo up to 64 KiB", NOV21, 1,
                      at_most(csv_vs(NOV21, "collectives:gloo", "torch:gloo", lambda k: k[2] <= SMALL)),
