@@ -209,6 +209,19 @@ def ddp_claims(name, world, label, over, above, where):
                   span(above_floor_of(mlp)), above, where)]
 
 
+def day_claims(name, world, label, over, above, suffix, where):
+    """A VM day's training claims at ``world`` in a bench_train JSON: :func:`ddp_claims`, and
+    FSDP2's and the transformer's DDP step over gloo's (their texts ending in ``suffix``)."""
+    fsdp, tfm = cases(name, world, "fsdp"), cases(name, world, "ddp", "tfm")
+    return ddp_claims(name, world, label, over, above, where) + [
+        Claim(f"{label}, FSDP2 transformer, world {world}", name, len(fsdp),
+              span(ratios(fsdp, "coll_ms", "gloo_ms")),
+              f"FSDP2 at world {world} {{fig}}x gloo's step{suffix}", where),
+        Claim(f"{label}, DDP transformer, world {world}", name, len(tfm),
+              span(ratios(tfm, "coll_ms", "gloo_ms")),
+              f"the transformer's DDP at world {world} {{fig}}x{suffix}", where)]
+
+
 def claims():
     """Every stated figure: (name, data file, launches per cell, figure, the text that states
     it, the documents that state it). ``text`` holds ``{fig}`` where the figure goes."""
@@ -358,17 +371,9 @@ def claims():
                          launches(H200_GATHERS), span(medians(cells)),
                          f"16 cores, {op} {{fig}}x the faster MPI's time", bench))
     for world in (2, 4):  # the VM again, on another day's host
-        out += ddp_claims(LATE_TRAIN, world, "2-core VM, late",
+        out += day_claims(LATE_TRAIN, world, "2-core VM, late",
                           f"late host, DDP at world {world}: ours {{fig}}x the floor",
-                          f"and {{fig}} of gloo's time above it (world {world})", bench)
-        fsdp = cases(LATE_TRAIN, world, "fsdp")
-        out.append(Claim(f"2-core VM, late, FSDP2 transformer, world {world}", LATE_TRAIN,
-                         len(fsdp), span(ratios(fsdp, "coll_ms", "gloo_ms")),
-                         f"FSDP2 at world {world} {{fig}}x gloo's step", bench))
-        tfm = cases(LATE_TRAIN, world, "ddp", "tfm")
-        out.append(Claim(f"2-core VM, late, DDP transformer, world {world}", LATE_TRAIN,
-                         len(tfm), span(ratios(tfm, "coll_ms", "gloo_ms")),
-                         f"the transformer's DDP at world {world} {{fig}}x", bench))
+                          f"and {{fig}} of gloo's time above it (world {world})", "", bench)
     cells = vs_faster_mpi(LATE_GATHER, keep=lambda r: r["op"] == "all_gather")
     out.append(Claim("2-core VM, late, all_gather against the faster MPI", LATE_GATHER,
                      launches(LATE_GATHER), span(medians(cells)),
@@ -395,18 +400,10 @@ def claims():
     out.append(Claim("2-core VM, in-place reduce_scatter of 4 B, the general path", LATE_FRONT,
                      n, span(before[tiny]), "against {fig}x through the general path", bench))
     for world in (2, 4):  # the VM on a third host day
-        out += ddp_claims(DEC01_TRAIN, world, "2-core VM, Dec 1",
+        out += day_claims(DEC01_TRAIN, world, "2-core VM, Dec 1",
                           f"on 2026-12-01, DDP at world {world}: ours {{fig}}x the floor",
                           f"and {{fig}} of gloo's time above it (world {world}, 2026-12-01)",
-                          bench)
-        fsdp = cases(DEC01_TRAIN, world, "fsdp")
-        out.append(Claim(f"2-core VM, Dec 1, FSDP2 transformer, world {world}", DEC01_TRAIN,
-                         len(fsdp), span(ratios(fsdp, "coll_ms", "gloo_ms")),
-                         f"FSDP2 at world {world} {{fig}}x gloo's step (2026-12-01)", bench))
-        tfm = cases(DEC01_TRAIN, world, "ddp", "tfm")
-        out.append(Claim(f"2-core VM, Dec 1, DDP transformer, world {world}", DEC01_TRAIN,
-                         len(tfm), span(ratios(tfm, "coll_ms", "gloo_ms")),
-                         f"the transformer's DDP at world {world} {{fig}}x (2026-12-01)", bench))
+                          " (2026-12-01)", bench)
     mlp = cases(DEC01_TRAIN, 2, "ddp", "mlp8") + cases(DEC01_TRAIN, 4, "ddp", "mlp8")
     out.append(Claim("2-core VM, Dec 1, DDP MLP over its memory floor with the waits",
                      DEC01_TRAIN, len(mlp) // 2, span(ratios(mlp, "coll_ms", "floor_mem_sync_ms")),
