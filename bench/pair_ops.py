@@ -75,12 +75,10 @@ def ours(op, small, big):
         dist.scatter(small, list(big.reshape(world, -1)) if rank == 0 else None, src=0)
     elif op == "reduce":
         dist.reduce(small, dst=0)
-    elif op == "reduce_scatter":
+    elif op in ("reduce_scatter", "reduce_scatter_in_place"):  # (buffers() makes the alias)
         dist.reduce_scatter_tensor(small, big)
     elif op == "all_gather_in_place":
         dist.all_gather_into_tensor(big, small)
-    elif op == "reduce_scatter_in_place":
-        dist.reduce_scatter_tensor(small, big)
     else:
         dist.all_to_all_single(_a2a_out, big)
 
